@@ -1,0 +1,143 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` is the one place the HF config is read: everything downstream (layers, sharding,
+KV cache sizing) reads these typed fields instead of poking at the HF object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "float": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "half": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF `rope_parameters` / `rope_theta` + `rope_scaling`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    SUPPORTED = ("default", "linear", "llama3")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> RopeConfig:
+        # transformers >= 5 folds rope_theta into `rope_parameters`; 4.x has both separately.
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        scaling = getattr(hf_config, "rope_scaling", None) or {}
+        params = {**scaling, **params}
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in cls.SUPPORTED:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(cls.SUPPORTED)}"
+            )
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a decoder-only transformer, plus the dtype its weights live in."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    dtype: Any = jnp.float32
+    hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, dtype: str | Any = "auto") -> ModelConfig:
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError("HF config has no `architectures` entry; cannot pick a model class")
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
+        num_heads = hf_config.num_attention_heads
+        # Qwen2 always has q/k/v biases; Llama-style configs say so with `attention_bias`.
+        attention_bias = bool(getattr(hf_config, "attention_bias", False)) or archs[0].startswith(
+            "Qwen2"
+        )
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if archs[0].startswith("Qwen2") and not getattr(hf_config, "use_sliding_window", False):
+            sliding_window = None
+        return cls(
+            architecture=archs[0],
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope=RopeConfig.from_hf(hf_config),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            sliding_window=sliding_window,
+            dtype=resolve_dtype(dtype, hf_config),
+            hf_config=hf_config,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the model attends over in full (capped by a sliding window)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def resolve_dtype(dtype: str | Any, hf_config: Any = None) -> Any:
+    """'auto' -> the checkpoint's dtype (bfloat16 when it names none) on accelerators, and
+    float32 on CPU, where XLA's bf16 matmuls are slow and exact parity matters most."""
+    if dtype != "auto":
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+            return _DTYPES[dtype]
+        return jnp.dtype(dtype).type
+    if jax.default_backend() == "cpu":
+        return jnp.float32
+    name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(name).removeprefix("torch.") if name is not None else "bfloat16"
+    return _DTYPES.get(name, jnp.bfloat16)

