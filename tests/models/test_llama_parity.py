@@ -19,8 +19,12 @@ FAMILIES = {
         dict(
             tie_word_embeddings=True,
             rope_parameters=dict(
-                rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                high_freq_factor=4.0, original_max_position_embeddings=16,
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
             ),
         ),
     ),  # fmt: skip

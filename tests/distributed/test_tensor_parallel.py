@@ -1,0 +1,52 @@
+"""The same logits for tp = 1, 2 and 4 over CPU devices (conftest forces 4 host devices)."""
+
+import numpy as np
+import pytest
+
+from jaxserve.distributed.mesh import make_mesh
+from jaxserve.distributed.sharding import validate_tp
+from jaxserve.models.loader import load_model
+from tests.helpers import hf_logits, hf_model, make_tiny_hf
+from tests.models.test_llama_parity import run_mixed_schedule
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # 8 query heads, 2 KV heads: tp=2 shards the KV heads, tp=4 replicates them.
+    return make_tiny_hf("qwen2", tmp_path_factory.mktemp("tp"), num_key_value_heads=2)
+
+
+def test_logits_identical_across_tp(model_dir, cpu_devices):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (9, 14)]
+    results = {}
+    for tp in (1, 2, 4):
+        loaded = load_model(model_dir, dtype="float32", mesh=make_mesh(tp, cpu_devices))
+        q = loaded.model.layers.self_attn.q_proj.kernel[...]
+        assert q.sharding.shard_shape(q.shape)[2] == 8 // tp  # really split over heads
+        fed, results[tp] = run_mixed_schedule(loaded, prompts)
+    for tp in (2, 4):
+        for seq in results[1]:
+            np.testing.assert_allclose(results[tp][seq], results[1][seq], atol=1e-5, rtol=0)
+    ref = hf_logits(hf_model(str(model_dir)), fed[0])
+    np.testing.assert_allclose(results[4][0], ref, atol=1e-4, rtol=0)
+
+
+def test_kv_cache_sharding_follows_kv_heads(model_dir, cpu_devices):
+    from jaxserve.distributed.sharding import kv_cache_sharding
+
+    cfg = load_model(model_dir, dtype="float32", mesh=make_mesh(1, cpu_devices)).config
+    assert kv_cache_sharding(cfg, make_mesh(2, cpu_devices)).spec[3] == "tp"
+    assert kv_cache_sharding(cfg, make_mesh(4, cpu_devices)).spec[3] is None
+
+
+def test_tp_not_dividing_heads_is_a_clear_error(model_dir, cpu_devices):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide .*heads=8"):
+        load_model(model_dir, mesh=make_mesh(3, cpu_devices))
+    cfg = load_model(model_dir, dtype="float32", mesh=make_mesh(1, cpu_devices)).config
+    validate_tp(cfg, 4)  # tp > Hkv but a multiple of it: allowed (KV heads replicated)
+
+
+def test_tp_larger_than_device_count_is_a_clear_error(cpu_devices):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=64 needs between 1 and"):
+        make_mesh(64, cpu_devices)
