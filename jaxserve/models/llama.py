@@ -110,41 +110,36 @@ class LlamaForCausalLM(nnx.Module):
         return logits.astype(jnp.float32)
 
     @staticmethod
-    def hf_weights(config: ModelConfig) -> dict[tuple[str, ...], HFWeight]:
-        """Our parameter paths -> the HF tensors (one per layer for stacked ones) they come from."""
+    def hf_weight(config: ModelConfig, path: tuple[str, ...]) -> HFWeight:
+        """The HF tensor(s) our parameter at `path` comes from (module names mirror HF's).
+
+        ('layers', 'self_attn', 'q_proj', 'kernel') <- model.layers.{i}.self_attn.q_proj.weight
+        for every layer i, transposed from HF's [out, in] to our einsum layout [D, Hq, hd].
+        """
         d, hq, hkv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-
-        def heads_in(n):  # HF [n * hd, d] -> [d, n, hd]
-            return lambda w: w.T.reshape(d, n, hd)
-
-        def bias(n):
-            return lambda b: b.reshape(n, hd)
-
-        def layer(name, transform=None):
-            names = tuple(f"model.layers.{i}.{name}" for i in range(config.num_layers))
+        transforms = {
+            "q_proj/kernel": lambda w: w.T.reshape(d, hq, hd),
+            "k_proj/kernel": lambda w: w.T.reshape(d, hkv, hd),
+            "v_proj/kernel": lambda w: w.T.reshape(d, hkv, hd),
+            "q_proj/bias": lambda b: b.reshape(hq, hd),
+            "k_proj/bias": lambda b: b.reshape(hkv, hd),
+            "v_proj/bias": lambda b: b.reshape(hkv, hd),
+            "o_proj/kernel": lambda w: w.T.reshape(hq, hd, d),
+            "gate_proj/kernel": np.transpose,
+            "up_proj/kernel": np.transpose,
+            "down_proj/kernel": np.transpose,
+            "lm_head/kernel": np.transpose,
+        }
+        *modules, leaf = path
+        transform = transforms.get(f"{modules[-1]}/{leaf}")
+        suffix = "bias" if leaf == "bias" else "weight"
+        if modules[0] == "lm_head":
+            return HFWeight(("lm_head.weight",), transform)
+        if modules[0] == "layers":
+            inner = ".".join(modules[1:])
+            names = tuple(f"model.layers.{i}.{inner}.{suffix}" for i in range(config.num_layers))
             return HFWeight(names, transform, stacked=True)
-
-        w = {
-            ("embed_tokens", "embedding"): HFWeight(("model.embed_tokens.weight",)),
-            ("layers", "input_layernorm", "weight"): layer("input_layernorm.weight"),
-            ("layers", "self_attn", "q_proj", "kernel"): layer("self_attn.q_proj.weight", heads_in(hq)),
-            ("layers", "self_attn", "k_proj", "kernel"): layer("self_attn.k_proj.weight", heads_in(hkv)),
-            ("layers", "self_attn", "v_proj", "kernel"): layer("self_attn.v_proj.weight", heads_in(hkv)),
-            ("layers", "self_attn", "o_proj", "kernel"): layer(
-                "self_attn.o_proj.weight", lambda w: w.T.reshape(hq, hd, d)
-            ),
-            ("layers", "post_attention_layernorm", "weight"): layer("post_attention_layernorm.weight"),
-            ("layers", "mlp", "gate_proj", "kernel"): layer("mlp.gate_proj.weight", np.transpose),
-            ("layers", "mlp", "up_proj", "kernel"): layer("mlp.up_proj.weight", np.transpose),
-            ("layers", "mlp", "down_proj", "kernel"): layer("mlp.down_proj.weight", np.transpose),
-            ("norm", "weight"): HFWeight(("model.norm.weight",)),
-        }  # fmt: skip
-        if config.attention_bias:
-            for p, n in (("q_proj", hq), ("k_proj", hkv), ("v_proj", hkv)):
-                w[("layers", "self_attn", p, "bias")] = layer(f"self_attn.{p}.bias", bias(n))
-        if not config.tie_word_embeddings:
-            w[("lm_head", "kernel")] = HFWeight(("lm_head.weight",), np.transpose)
-        return w
+        return HFWeight((f"model.{'.'.join(modules)}.{suffix}",), transform)
 
 
 @dataclasses.dataclass(frozen=True)

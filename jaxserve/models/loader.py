@@ -79,7 +79,7 @@ def load_model(
         if path.suffix != ".gguf":
             raise ValueError(f"model file {path} is not a .gguf file")
         source: Any = GGUFSource(path)
-        hf_config = _gguf_hf_config(path, source)
+        hf_config = _gguf_hf_config(source)
     else:
         config_file = path / "config.json"
         if not config_file.exists():
@@ -100,12 +100,12 @@ def load_model(
     if source is None:
         params = _restore_orbax(path / "params", targets, shardings)
     else:
-        weights = model_cls.hf_weights(config)
         params = {}
         for p in tqdm(targets, desc=f"Loading {path.name}", unit="param", leave=False):
-            host = _read_param(source, p, weights[p], targets[p])
+            host = _read_param(source, model_cls.hf_weight(config, p), targets[p])
             params[p] = jax.make_array_from_callback(host.shape, shardings[p], host.__getitem__)
             del host  # keep host memory at one parameter beyond the placed ones
+        del source  # the GGUF reader's parsed metadata is large; free it before the tokenizer
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(params))
 
     tokenizer = _tokenizer(path) if load_tokenizer else None
@@ -118,7 +118,7 @@ def load_model(
     )
 
 
-def _read_param(source, path, weight: HFWeight, target) -> np.ndarray:
+def _read_param(source, weight: HFWeight, target) -> np.ndarray:
     """Read (and stack over layers) the HF tensors of one parameter, in the target dtype."""
     dtype = np.dtype(target.dtype)
 
@@ -150,15 +150,48 @@ def _hf_config(model_dir: Path):
         raise ValueError(f"cannot read {model_dir / 'config.json'}: {e}") from e
 
 
-def _gguf_hf_config(path: Path, source: GGUFSource):
-    from transformers import AutoConfig
+def _gguf_hf_config(source: GGUFSource):
+    """A transformers config from the GGUF's metadata.
 
-    hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if not getattr(hf_config, "architectures", None):
-        hf_config.architectures = [_GGUF_ARCHITECTURES[source.field("general.architecture")]]
-    # No output.weight in the file means the lm_head is the embedding (SmolLM2, Llama 3.2 1B).
-    hf_config.tie_word_embeddings = "lm_head.weight" not in source
-    return hf_config
+    Built from the handful of fields a llama model needs rather than through
+    `AutoConfig.from_pretrained(gguf_file=...)`, which parses the whole tokenizer vocabulary
+    into Python objects (+330 MiB of host memory for SmolLM2) just to read them.
+    """
+    from transformers import LlamaConfig
+
+    def f(key, default=None):
+        value = source.field(f"llama.{key}")
+        return default if value is None else value
+
+    if "rope_freqs.weight" in source.tensor_names:
+        raise ValueError(
+            f"{source.path} stores llama3 rope scaling as a rope_freqs tensor; "
+            "load the HF checkpoint instead"
+        )
+    rope_scaling = None
+    if f("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(f("rope.scaling.factor"))}
+    num_heads = int(f("attention.head_count"))
+    hidden = int(f("embedding_length"))
+    vocab = f("vocab_size") or len(source.reader.get_field("tokenizer.ggml.tokens").data)
+    return LlamaConfig(
+        architectures=[_GGUF_ARCHITECTURES[source.field("general.architecture")]],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(f("feed_forward_length")),
+        num_hidden_layers=int(f("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(f("attention.head_count_kv", num_heads)),
+        head_dim=int(f("attention.key_length", hidden // num_heads)),
+        max_position_embeddings=int(f("context_length")),
+        rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(f("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        # No output.weight in the file: the lm_head is the embedding (SmolLM2, Llama 3.2 1B).
+        tie_word_embeddings="lm_head.weight" not in source,
+        bos_token_id=source.field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=source.field("tokenizer.ggml.eos_token_id"),
+    )
 
 
 def _tokenizer(path: Path):

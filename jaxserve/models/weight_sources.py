@@ -120,6 +120,7 @@ class GGUFSource:
         self.num_heads = int(self.field("llama.attention.head_count"))
         self.num_kv_heads = int(self.field("llama.attention.head_count_kv") or self.num_heads)
         self._tensors = {t.name: t for t in self.reader.tensors}
+        self.tensor_names = frozenset(self._tensors)
 
     def field(self, key: str):
         f = self.reader.get_field(key)
