@@ -13,6 +13,7 @@ Model paths:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -229,8 +230,8 @@ def save_checkpoint(loaded: LoadedModel, dst: str | Path) -> Path:
     if (dst / "params").exists():
         raise FileExistsError(f"{dst / 'params'} already exists; choose an empty destination")
     dst.mkdir(parents=True, exist_ok=True)
-    hf_config = loaded.config.hf_config
-    hf_config.dtype = np.dtype(loaded.config.dtype).name
+    hf_config = copy.deepcopy(loaded.config.hf_config)
+    hf_config.dtype = np.dtype(loaded.config.dtype).name  # what `dtype="auto"` restores as
     hf_config.save_pretrained(dst)
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(dst)
