@@ -1,0 +1,96 @@
+"""A request's state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from jaxserve.core.kv_cache_utils import BlockHash, extend_block_hashes
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None,
+        block_size: int,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.block_size = block_size
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet)
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[BlockHash] = []
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        token_ids = [token_ids] if isinstance(token_ids, int) else token_ids
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __lt__(self, other: Request) -> bool:
+        """Priority-queue order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time) < (other.priority, other.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

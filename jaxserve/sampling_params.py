@@ -1,0 +1,78 @@
+"""SamplingParams: vLLM's fields, defaults and validation (ValueError naming the field)."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output holds everything generated so far
+    DELTA = 1  # every output holds only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to sample one request. Temperature below 1e-5 means greedy; top_k 0 or -1 = off."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(self.n >= 1, "n", self.n, "at least 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "non-negative")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "-1, 0 (off) or at least 1")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
+               "greater than 0")  # fmt: skip
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "non-negative")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"at most max_tokens={self.max_tokens}")  # fmt: skip
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or value >= 0, name, value, "non-negative")
+        if self.stop is not None:
+            _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+                   "non-empty strings")  # fmt: skip
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+
+def _check(ok: bool, field: str, value, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {expected}, got {value!r}")
