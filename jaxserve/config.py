@@ -141,3 +141,43 @@ def resolve_dtype(dtype: str | Any, hf_config: Any = None) -> Any:
     name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     name = str(name).removeprefix("torch.") if name is not None else "bfloat16"
     return _DTYPES.get(name, jnp.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, prefix caching, and how much memory it may take."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # explicit budget; wins over the utilisation
+    gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV cache
+    num_gpu_blocks_override: int | None = None  # exact block count (tests, debugging)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits. Chunked prefill is always on (vLLM V1)."""
+
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    policy: str = "fcfs"  # fcfs | priority
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

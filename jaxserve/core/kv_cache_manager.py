@@ -1,0 +1,151 @@
+"""Which KV-cache blocks each request holds (vLLM V1's KVCacheManager, one attention type).
+
+The scheduler asks get_computed_blocks for a new request's prefix-cache hit, then
+allocate_slots for the blocks its next tokens need, and free when the request finishes or is
+preempted. Blocks are cached by hash as soon as they are allocated full of known tokens: the
+model runner computes them in the same step, before any other request can read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
+from jaxserve.core.block_pool import BlockPool, KVCacheBlock
+from jaxserve.core.request import Request
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    requests: int = 0  # requests looked up
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found in the cache
+
+    def reset(self) -> None:
+        self.requests = self.queries = self.hits = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's leading blocks are already cached by hash.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request, as (blocks, number of tokens). Does not take
+        references: allocate_slots does, once it knows the request fits."""
+        # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        # Leave at least the last token to compute: its logits give the next token.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break  # hashes chain, so no later block can hit either
+            blocks.append(block)
+        num_hit_tokens = len(blocks) * self.block_size
+        self.prefix_cache_stats.requests += 1
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
+        return blocks, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Give the request blocks for its prefix-cache hit plus num_new_tokens more tokens.
+        Returns the newly allocated blocks, or None (and changes nothing) if they do not fit."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_total // self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # A hit on a free block takes it out of the free queue, so it counts against the space.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
+            return None
+
+        # Touch before allocating, so popping new blocks cannot evict the hits.
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        req_blocks.extend(new_computed_blocks)
+        req_blocks.extend(new_blocks)
+
+        # Cache only blocks full of known tokens; a speculative tail has no tokens to hash yet.
+        num_full_blocks = min(num_total, request.num_tokens) // self.block_size
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        if num_full_blocks > num_cached:
+            self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full_blocks)
+            num_cached = num_full_blocks
+        self.num_cached_block[request.request_id] = num_cached
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first: the free queue evicts in that order, and a
+        prompt's head blocks are the ones other requests are likeliest to share."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks[request_id]]
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The counts since the last call; resets them."""
+        stats = dataclasses.replace(self.prefix_cache_stats)
+        self.prefix_cache_stats.reset()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_no_leaks(self) -> None:
+        """Raise RuntimeError unless every block's ref count equals the number of requests holding
+        it and the free queue holds exactly the unreferenced blocks. With no requests held, this
+        means every ref count is 0 and num_blocks - 1 blocks are free."""
+        pool = self.block_pool
+        holders = Counter(b for blocks in self.req_to_blocks.values() for b in blocks)
+        free = set(pool.free_block_queue.get_all_free_blocks())
+        problems = []
+        for block in pool.blocks[1:]:
+            if block.ref_cnt != holders[block]:
+                problems.append(f"{block} is held by {holders[block]} requests")
+            if (block.ref_cnt == 0) != (block in free):
+                problems.append(f"{block} is {'' if block in free else 'not '}in the free queue")
+        if pool.null_block in free or holders[pool.null_block]:
+            problems.append("the null block is in the free queue or held by a request")
+        num_free = pool.get_num_free_blocks()
+        if len(free) != num_free:
+            problems.append(f"free queue has {len(free)} blocks but counts {num_free}")
+        for block_hash, block in pool.cached_block_hash_to_block.items():
+            if block.block_hash != block_hash:
+                problems.append(f"{block} is mapped under hash {block_hash.hex()[:8]}")
+        if problems:
+            raise RuntimeError("KV cache block accounting is broken: " + "; ".join(problems))

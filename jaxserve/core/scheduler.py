@@ -1,0 +1,286 @@
+"""Continuous batching with one token budget, chunked prefill and preemption by recompute.
+
+Each step (vLLM V1's schedule()):
+  1. Running requests first, in order: each gets its remaining tokens (1 for a decode, the rest
+     of its prompt for a chunked prefill) up to the budget. If the KV pool cannot hold them, the
+     lowest-priority (policy "priority") or latest-arrived (fcfs) running request is preempted:
+     its blocks are freed, it goes back to the front of the waiting queue and will recompute.
+  2. Then waiting requests, while budget, max_num_seqs and free blocks allow: each first takes
+     its longest prefix-cache hit, then its prompt, split across steps when longer than the
+     remaining budget.
+No waiting request is admitted in a step that preempted one. `update_from_output` appends the
+sampled tokens, applies the stop conditions and frees finished requests' blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from jaxserve.ipc.messages import EngineCoreOutput, SchedulerStats
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
+
+    def __init__(self, policy: str):
+        self.priority = policy == "priority"
+        self._items: deque[Request] | list[Request] = [] if self.priority else deque()
+
+    def add(self, request: Request) -> None:
+        if self.priority:
+            heapq.heappush(self._items, request)
+        else:
+            self._items.append(request)
+
+    def add_front(self, request: Request) -> None:
+        """A preempted request: first in line under fcfs, by its rank under priority."""
+        if self.priority:
+            heapq.heappush(self._items, request)
+        else:
+            self._items.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._items[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._items) if self.priority else self._items.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._items.remove(request)
+        if self.priority:
+            heapq.heapify(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ):
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # since the last stats snapshot
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Abort (or otherwise finish) requests wherever they are; unknown ids are ignored."""
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished_requests > 0
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[Request] = []
+        kv = self.kv_cache_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            new_blocks = kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim.request_id in num_scheduled:  # scheduled earlier in this step: undo
+                    budget += num_scheduled.pop(victim.request_id)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                if victim is request:
+                    break
+                new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue  # `request` itself was preempted; running[i] is the next one now
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached_reqs.append(
+                CachedRequestData(
+                    request.request_id,
+                    [b.block_id for b in new_blocks],
+                    request.num_computed_tokens,
+                )
+            )
+            i += 1
+
+        while (
+            not preempted
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_computed, budget)
+            new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_computed)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    list(request.output_token_ids),
+                    request.sampling_params,
+                    kv.get_block_ids(request.request_id),
+                    num_computed,
+                )
+            )
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        # The tokens are as good as computed: the next schedule() may already plan after them.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(request)
+
+    # ------------------------------------------------------------------ results
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, stop finished requests, free their blocks."""
+        outputs = []
+        for row, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            prompt_lp = runner_output.prompt_logprobs.get(req_id)
+            if request.num_computed_tokens < request.num_tokens:  # mid-prompt chunk
+                if prompt_lp is not None:
+                    outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_lp))
+                continue
+            token = int(runner_output.sampled_token_ids[row])
+            request.append_output_token_ids(token)
+            self._check_stop(request, token)
+            logprobs = None
+            if request.sampling_params.logprobs is not None:
+                k = request.sampling_params.logprobs + 1
+                logprobs = (
+                    runner_output.logprobs[row, :k].tolist(),
+                    runner_output.logprob_token_ids[row, :k].tolist(),
+                    int(runner_output.sampled_ranks[row]),
+                )
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [token],
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_lp,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if request.is_finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if params.stop_token_ids and token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return
+        if (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ) or request.num_tokens >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    def make_stats(self) -> SchedulerStats:
+        stats: PrefixCacheStats = self.kv_cache_manager.make_prefix_cache_stats()
+        preemptions, self.num_preemptions = self.num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            num_preemptions=preemptions,
+        )

@@ -1,0 +1,59 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+As in vLLM V1, a request is sent in full once (`NewRequestData`, or again when it resumes from
+preemption) and afterwards only as a diff (`CachedRequestData`: its new blocks and how many
+tokens are computed), so the runner keeps each request's state in its persistent input batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming from preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to run this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished or aborted since the last step: drop their state
+    preempted_req_ids: set[str]  # preempted this step: drop their state too
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step, in the order of `req_ids`.
+
+    A request whose prompt is still being prefilled in chunks gets a token too; the scheduler
+    discards it. Logprob arrays are None unless a request in the batch asked for them.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: np.ndarray  # i32[num_reqs]
+    logprobs: np.ndarray | None = None  # f32[num_reqs, K+1]: the sampled token, then top-K
+    logprob_token_ids: np.ndarray | None = None  # i32[num_reqs, K+1]
+    sampled_ranks: np.ndarray | None = None  # i32[num_reqs]
+    prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=dict
+    )  # req_id -> (logprobs [n, K+1], token ids [n, K+1], ranks [n]) for this step's chunk

@@ -1,0 +1,197 @@
+"""Scheduler behaviour with a scripted stand-in for the model runner."""
+
+import numpy as np
+import pytest
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import ModelRunnerOutput
+from jaxserve.sampling_params import SamplingParams
+
+EOS = 2
+BS = 4
+
+
+def make_scheduler(num_blocks=64, max_tokens=64, max_seqs=8, policy="fcfs", max_len=256, **cache):
+    return Scheduler(
+        SchedulerConfig(max_len, max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+                        policy=policy),
+        CacheConfig(block_size=BS, **cache),
+        num_blocks,
+    )  # fmt: skip
+
+
+def req(req_id, n_prompt=10, *, priority=0, arrival=0.0, **params):
+    params.setdefault("max_tokens", 5)
+    prompt = [10 + (hash(req_id) + i) % 50 for i in range(n_prompt)]
+    return Request(req_id, prompt, SamplingParams(**params), eos_token_id=EOS, block_size=BS,
+                   arrival_time=arrival, priority=priority)  # fmt: skip
+
+
+def step(sched, next_token=lambda req_id: 7):
+    """One schedule + fake execution; returns (scheduler output, engine core outputs)."""
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(ids, np.array([next_token(r) for r in ids], np.int32))
+    return out, sched.update_from_output(out, runner)
+
+
+def drain(sched, max_steps=200, **kw):
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return
+        step(sched, **kw)
+    raise AssertionError("did not drain")
+
+
+def assert_pool_clean(sched):
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
+    assert all(b.ref_cnt == 0 for b in pool.blocks if not b.is_null)
+    assert not sched.requests
+    kv.check_no_leaks()
+
+
+def test_chunked_prefill_splits_prompt_across_steps_and_discards_partial_tokens():
+    sched = make_scheduler(max_tokens=16)
+    sched.add_request(req("a", 40))
+    out1, res1 = step(sched)
+    assert out1.num_scheduled_tokens == {"a": 16} and res1 == []
+    out2, res2 = step(sched)
+    assert out2.num_scheduled_tokens == {"a": 16} and res2 == []
+    out3, res3 = step(sched)
+    assert out3.num_scheduled_tokens == {"a": 8}
+    assert res3[0].new_token_ids == [7]  # the prompt is complete: first token counts
+    out4, _ = step(sched)
+    assert out4.num_scheduled_tokens == {"a": 1}
+    assert out4.scheduled_cached_reqs[0].num_computed_tokens == 40
+
+
+def test_running_first_then_waiting_within_budget_and_max_num_seqs():
+    sched = make_scheduler(max_tokens=32, max_seqs=2)
+    for name in "abc":
+        sched.add_request(req(name, 10))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 10, "b": 10}  # max_num_seqs=2 keeps c waiting
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    drain(sched)
+    assert_pool_clean(sched)
+
+
+def test_stop_conditions():
+    sched = make_scheduler()
+    sched.add_request(req("eos", max_tokens=10))
+    sched.add_request(req("ignore", max_tokens=3, ignore_eos=True))
+    sched.add_request(req("stopid", max_tokens=10, stop_token_ids=[9]))
+    sched.add_request(req("min", max_tokens=10, min_tokens=3))
+    finished = {}
+    tokens = {"eos": EOS, "ignore": EOS, "stopid": 9, "min": EOS}
+    for _ in range(10):
+        _, outs = step(sched, next_token=tokens.__getitem__)
+        finished.update({o.request_id: o for o in outs if o.finished})
+    assert finished["eos"].finish_reason == "stop" and finished["eos"].stop_reason is None
+    assert finished["ignore"].finish_reason == "length"
+    assert finished["stopid"].finish_reason == "stop" and finished["stopid"].stop_reason == 9
+    assert finished["min"].finish_reason == "stop"
+    assert_pool_clean(sched)
+
+
+def test_max_model_len_caps_generation():
+    sched = make_scheduler(max_len=12)
+    r = req("a", 10, max_tokens=100)
+    sched.add_request(r)
+    drain(sched)
+    assert r.status == RequestStatus.FINISHED_LENGTH_CAPPED and r.num_tokens == 12
+
+
+def test_abort_frees_blocks_and_is_reported_to_the_runner():
+    sched = make_scheduler()
+    sched.add_request(req("a", 10, max_tokens=50))
+    sched.add_request(req("b", 10, max_tokens=50))
+    step(sched)
+    aborted = sched.finish_requests(["a", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert [r.request_id for r in aborted] == ["a"]
+    out, _ = step(sched)
+    assert out.finished_req_ids == {"a"} and set(out.num_scheduled_tokens) == {"b"}
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert_pool_clean(sched)
+
+
+def test_preemption_frees_latest_and_resumes_with_its_tokens():
+    # 9 usable blocks of 4 tokens: two 12-token prompts fit, decoding past 16 each does not.
+    sched = make_scheduler(num_blocks=10, enable_prefix_caching=False)
+    a, b = req("a", 12, max_tokens=12, arrival=1.0), req("b", 12, max_tokens=12, arrival=2.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted = []
+    for _ in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = step(sched)
+        preempted += out.preempted_req_ids
+        resumed = [n for n in out.scheduled_new_reqs if n.output_token_ids]
+        for n in resumed:  # a resumed request is sent in full, its generated tokens included
+            assert n.req_id == "b" and n.num_computed_tokens == 0
+    assert preempted and set(preempted) == {"b"}  # the latest arrival is the victim
+    assert b.num_preemptions >= 1 and sched.make_stats().num_preemptions >= 1
+    assert a.num_output_tokens == b.num_output_tokens == 12
+    assert_pool_clean(sched)
+
+
+def test_priority_policy_orders_and_preempts_by_priority():
+    sched = make_scheduler(max_seqs=1, policy="priority")
+    sched.add_request(req("low", priority=5, arrival=1.0))
+    sched.add_request(req("high", priority=0, arrival=2.0))
+    out, _ = step(sched)
+    assert list(out.num_scheduled_tokens) == ["high"]
+
+    sched = make_scheduler(num_blocks=10, policy="priority", enable_prefix_caching=False)
+    sched.add_request(req("vip", 12, priority=0, arrival=2.0, max_tokens=12))
+    sched.add_request(req("bulk", 12, priority=9, arrival=1.0, max_tokens=12))
+    preempted = []
+    for _ in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = step(sched)
+        preempted += out.preempted_req_ids
+    assert preempted and set(preempted) == {"bulk"}
+    assert_pool_clean(sched)
+
+
+def test_prefix_cache_hit_for_a_repeated_prompt():
+    sched = make_scheduler()
+    first = req("first", 13)
+    sched.add_request(first)
+    drain(sched)
+    again = Request("again", first.prompt_token_ids, SamplingParams(max_tokens=2),
+                    eos_token_id=EOS, block_size=BS)  # fmt: skip
+    sched.add_request(again)
+    out, _ = step(sched)
+    assert again.num_cached_tokens == 12  # 3 full blocks; the last token is recomputed
+    assert out.num_scheduled_tokens == {"again": 1}
+    stats = sched.make_stats()
+    assert stats.prefix_cache_hits == 12 and stats.prefix_cache_queries == 26
+    drain(sched)
+    assert_pool_clean(sched)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workload_drains_clean(policy):
+    rng = np.random.default_rng(0)
+    sched = make_scheduler(num_blocks=24, max_tokens=24, max_seqs=4, policy=policy)
+    for i in range(12):
+        sched.add_request(
+            req(f"r{i}", int(rng.integers(1, 30)), priority=int(rng.integers(0, 3)),
+                arrival=float(i), max_tokens=int(rng.integers(1, 20)))
+        )  # fmt: skip
+    for s in range(300):
+        if not sched.has_unfinished_requests():
+            break
+        if s == 5:
+            sched.finish_requests(["r3", "r7"], RequestStatus.FINISHED_ABORTED)
+        step(sched, next_token=lambda r: int(rng.integers(3, 60)))
+    assert not sched.has_unfinished_requests()
+    assert_pool_clean(sched)
