@@ -81,6 +81,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since the last stats snapshot
+        self.total_preemptions = 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -185,6 +186,7 @@ class Scheduler:
                     request.sampling_params,
                     kv.get_block_ids(request.request_id),
                     num_computed,
+                    request.eos_token_id,
                 )
             )
 
@@ -214,6 +216,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.total_preemptions += 1
         self.waiting.add_front(request)
 
     # ------------------------------------------------------------------ results

@@ -1,0 +1,61 @@
+"""Incremental detokenization with stop strings.
+
+Text grows through `tokenizers`' DecodeStream, which returns nothing until a multi-byte
+character is complete, so no U+FFFD is ever emitted. Stop strings are searched in the text
+that could contain a new match; until a request finishes, the last (longest stop - 1)
+characters are held back from what `get_next_output_text` returns, since they may turn out to
+be the start of a stop string that the next tokens complete.
+"""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.backend = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        # Prime the stream with the prompt's tail so the first output token is decoded in
+        # context (a leading space is not lost); its text is not part of the output.
+        for token_id in prompt_token_ids[-4:]:
+            self.stream.step(self.backend, token_id)
+        self.stop = params.stop or []
+        self.include_stop = params.include_stop_str_in_output
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.output_text = ""
+        self._sent = 0  # characters returned by get_next_output_text so far
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string if one now matches (text then truncated)."""
+        for token_id in new_token_ids:
+            old_len = len(self.output_text)
+            self.output_text += self.stream.step(self.backend, token_id) or ""
+            stop = self._find_stop(old_len)
+            if stop is not None:
+                return stop
+        return None
+
+    def _find_stop(self, old_len: int) -> str | None:
+        for s in self.stop:
+            # A match must end in the new text: start no earlier than old_len - len(s) + 1.
+            idx = self.output_text.find(s, max(0, old_len - len(s) + 1))
+            if idx != -1:
+                end = idx + len(s) if self.include_stop else idx
+                self.output_text = self.output_text[:end]
+                return s
+        return None
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The full text, or (delta) what is new since the last call; holds back a possible
+        stop-string prefix until the request finishes."""
+        end = (
+            len(self.output_text)
+            if finished or not self.stop
+            else max(self._sent, len(self.output_text) - self.hold_back)
+        )
+        text = self.output_text[self._sent : end] if delta else self.output_text[:end]
+        self._sent = end
+        return text

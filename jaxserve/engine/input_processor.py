@@ -1,0 +1,81 @@
+"""Prompt -> validated EngineCoreRequest: tokenization, defaults and every check that names
+the bad value, so nothing invalid ever reaches the engine core."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from jaxserve.ipc.messages import EngineCoreRequest
+from jaxserve.sampling_params import SamplingParams
+
+MAX_LOGIT_BIAS = 64  # matches the model runner's sparse bias slots (min_tokens needs a few)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
+                 eos_token_id: int | None):  # fmt: skip
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.eos_token_id = eos_token_id
+
+    def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """A prompt is a str, {"prompt": str} or {"prompt_token_ids": [int]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt}")
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        return prompt, self.tokenizer(prompt).input_ids
+
+    def process(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        *, priority: int = 0, arrival_time: float | None = None,
+    ) -> EngineCoreRequest:  # fmt: skip
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {n} input tokens. Please reduce the length of the input."
+            )
+        if params.max_tokens is None:
+            params = msgspec.structs.replace(params, max_tokens=self.max_model_len - n)
+        elif n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} is too large: prompt ({n} tokens) + max_tokens "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet")
+        if params.logit_bias:
+            if len(params.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias has {len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
+                )
+            bad = [t for t in params.logit_bias if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is out of vocabulary")
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+        )

@@ -1,0 +1,180 @@
+"""Turns the core's per-step EngineCoreOutputs into users' RequestOutputs.
+
+Per request: detokenize incrementally, match stop strings (a match finishes the request here
+and tells the caller to abort it in the core), gather logprobs, and emit CUMULATIVE, DELTA or
+FINAL_ONLY outputs. A request with n > 1 runs as n child requests in the core
+("{i}_{request_id}", sharing the prompt's cached blocks through prefix caching); the parent
+output gathers them, in index order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.ipc.messages import EngineCoreOutput
+from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    return f"{index}_{request_id}"
+
+
+@dataclasses.dataclass
+class ChildState:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # for DELTA outputs
+
+
+@dataclasses.dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, ChildState]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+        params: SamplingParams, arrival_time: float,
+    ) -> list[str]:  # fmt: skip
+        """Register a request; returns the core request ids of its n children."""
+        children = {}
+        for i in range(params.n):
+            core_id = request_id if params.n == 1 else child_request_id(i, request_id)
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                if self.tokenizer is not None
+                else None
+            )
+            children[core_id] = ChildState(i, detok, logprobs=[] if params.logprobs else None)
+            if params.logprobs is not None:
+                children[core_id].cumulative_logprob = 0.0
+            self.child_to_parent[core_id] = request_id
+        self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, children, RequestMetrics(arrival_time)
+        )
+        return list(children)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request (client gone); returns the core ids still to abort."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        for core_id in state.children:
+            self.child_to_parent.pop(core_id, None)
+        return [cid for cid, c in state.children.items() if c.finish_reason is None]
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (RequestOutputs to deliver, core request ids to abort for stop strings)."""
+        now = time.time()
+        to_abort: list[str] = []
+        touched: dict[str, RequestState] = {}
+        for out in outputs:
+            parent_id = self.child_to_parent.get(out.request_id)
+            if parent_id is None:
+                continue  # aborted by the user meanwhile
+            state = self.requests[parent_id]
+            child = state.children[out.request_id]
+            if child.finish_reason is not None:
+                continue
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.new_token_ids and state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            child.token_ids += out.new_token_ids
+            if out.logprobs is not None and child.logprobs is not None:
+                self._add_logprobs(child, out.logprobs)
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            if child.detokenizer is not None:
+                stop = child.detokenizer.update(out.new_token_ids)
+                if stop is not None and out.finish_reason is None:
+                    child.finish_reason, child.stop_reason = "stop", stop
+                    to_abort.append(out.request_id)
+                elif stop is not None:  # finished in the core this very step anyway
+                    child.finish_reason, child.stop_reason = "stop", stop
+            touched[parent_id] = state
+
+        results = []
+        for parent_id, state in touched.items():
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+                del self.requests[parent_id]
+                for core_id in state.children:
+                    self.child_to_parent.pop(core_id, None)
+            kind = state.params.output_kind
+            if kind == RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            results.append(self._make_output(state, finished, kind == RequestOutputKind.DELTA))
+        return results, to_abort
+
+    def _add_logprobs(self, child: ChildState, logprobs) -> None:
+        values, token_ids, rank = logprobs
+        entry = {}
+        for j, (tid, lp) in enumerate(zip(token_ids, values, strict=True)):
+            if tid in entry:
+                continue  # the sampled token is also among the top-K
+            decoded = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+            entry[tid] = Logprob(lp, rank if j == 0 else j, decoded)
+        child.logprobs.append(entry)
+        child.cumulative_logprob += values[0]
+
+    def _make_output(self, state: RequestState, finished: bool, delta: bool) -> RequestOutput:
+        completions = []
+        for child in sorted(state.children.values(), key=lambda c: c.index):
+            child_done = child.finish_reason is not None
+            text = (
+                child.detokenizer.get_next_output_text(child_done, delta)
+                if child.detokenizer is not None
+                else ""
+            )
+            start = child.sent_tokens if delta else 0
+            child.sent_tokens = len(child.token_ids)
+            completions.append(
+                CompletionOutput(
+                    index=child.index,
+                    text=text,
+                    token_ids=child.token_ids[start:],
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=child.logprobs[start:] if child.logprobs is not None else None,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )

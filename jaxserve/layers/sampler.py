@@ -1,0 +1,236 @@
+"""On-device sampler: one compiled function for any mix of per-request sampling parameters.
+
+The model runner calls `sample` inside its single jitted step. Every request's parameters are
+rows of arrays (`SamplingMetadata`, padded to S rows), so a batch mixing greedy, seeded, top-k,
+top-p and penalised requests runs the same executable as any other batch of that shape; only S,
+V, the bias width B and `num_logprobs` are static.
+
+Order of operations (vLLM V1's `Sampler`, step for step):
+
+1. logprobs of the *raw* logits (log_softmax, vLLM's default "raw_logprobs" mode);
+2. logit bias: a sparse scatter-add (`logit_bias`, and -inf on stop tokens for `min_tokens`);
+3. penalties: repetition (prompt + output tokens), then frequency and presence (output only);
+4. greedy rows (temperature < 1e-5) take the argmax here;
+5. temperature, then min-p, then top-k, then top-p (vLLM V1 applies min-p, an argmax-invariant
+   logits processor, before its top-k/top-p sampler);
+6. one Gumbel-max draw per row: argmax(filtered_logits + Gumbel noise).
+
+Top-k and top-p are exact without sorting the vocabulary: each row's cut-off is a threshold on
+the logits, found by building the 32-bit order-preserving integer key of the threshold one bit
+at a time (most significant first). Each of the 32 steps is one fused compare-and-reduce pass
+over [S, V]: "count(key >= t) >= k" for top-k and "mass(key >= t) >= top_p * mass" for top-p.
+Tokens tied with the cut-off token are all kept (as vLLM's top-k does; vLLM's sort-based top-p
+breaks such ties by sort order). The two searches sit behind `lax.cond`s on "some row in the
+batch uses it", and the whole random path behind "some row is not greedy", so an all-greedy or
+unfiltered batch does not pay for them; padding rows should therefore be greedy (temperature 0).
+Cost at S=256, V=49152 (one [S, V] float32 array is 50 MB): top-k reads 32 x 50 MB, top-p
+32 x 100 MB (keys and weights), i.e. about 0.5 ms and 1 ms of HBM traffic on an H100; sorting
+would instead take a full segmented sort of the same array per step.
+
+Randomness: a seeded row's noise comes from fold_in(PRNGKey(seed), output_position) only, so
+it reproduces whatever the batch, the row index or the step key; an unseeded row's noise comes
+from fold_in(step_key, row).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_GREEDY_EPS = 1e-5  # same cut-off as SamplingParams.greedy
+
+
+class SamplingMetadata(NamedTuple):
+    """Per-row sampling parameters, padded to S rows (pad with a greedy row: temperature 0)."""
+
+    temperature: jax.Array  # f32[S]; < 1e-5 -> greedy
+    top_k: jax.Array  # i32[S]; <= 0 = off
+    top_p: jax.Array  # f32[S]; >= 1.0 = off
+    min_p: jax.Array  # f32[S]; 0.0 = off
+    presence_penalty: jax.Array  # f32[S]
+    frequency_penalty: jax.Array  # f32[S]
+    repetition_penalty: jax.Array  # f32[S]; 1.0 = off
+    prompt_mask: jax.Array  # bool[S, V]; token appears in the prompt
+    output_counts: jax.Array  # i32[S, V]; occurrences in the generated output so far
+    bias_token_ids: jax.Array  # i32[S, B]; -1 = unused slot
+    bias_values: jax.Array  # f32[S, B]; added to the logit of bias_token_ids
+    seeds: jax.Array  # u32[S]
+    has_seed: jax.Array  # bool[S]
+    output_positions: jax.Array  # i32[S]; tokens generated so far by this request
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S, K+1]; column 0: sampled token, 1..K: top-K, descending
+    logprob_token_ids: jax.Array  # i32[S, K+1]
+    sampled_rank: jax.Array  # i32[S]; 1 + number of tokens with a strictly higher logprob
+
+
+def sample(
+    logits: jax.Array, md: SamplingMetadata, key: jax.Array, *, num_logprobs: int
+) -> SamplerOutput:
+    """Sample one token per row of logits: f32[S, V] (any float dtype; math in float32).
+
+    key: the step's PRNG key (raw uint32 from `jax.random.PRNGKey` or a typed `jax.random.key`),
+    used for unseeded rows only. num_logprobs (K, static) may be 0.
+    """
+    _check_shapes(logits, md)
+    logits = logits.astype(jnp.float32)  # [S, V]
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
+
+    processed = apply_penalties_and_bias(logits, md)  # [S, V]
+    greedy = md.temperature < _GREEDY_EPS  # [S]
+    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S]
+
+    def random_ids() -> jax.Array:
+        # Neutral parameters on greedy rows so they never switch a filter on for the batch.
+        temperature = jnp.where(greedy, 1.0, md.temperature)
+        scaled = processed / temperature[:, None]  # [S, V]
+        filtered = apply_sampling_filters(
+            scaled,
+            top_k=jnp.where(greedy, 0, md.top_k),
+            top_p=jnp.where(greedy, 1.0, md.top_p),
+            min_p=jnp.where(greedy, 0.0, md.min_p),
+        )
+        noise = gumbel_noise(md, key, logits.shape[-1])  # [S, V]
+        return jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
+
+    random = lax.cond(jnp.all(greedy), lambda: greedy_ids, random_ids)
+    token_ids = jnp.where(greedy, greedy_ids, random)  # [S]
+    lp, lp_ids, rank = _gather_logprobs(raw_logprobs, token_ids, num_logprobs)
+    return SamplerOutput(token_ids, lp, lp_ids, rank)
+
+
+def compute_prompt_logprobs(
+    logits: jax.Array, target_ids: jax.Array, *, num_logprobs: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Logprobs of target_ids: i32[N] under logits: f32[N, V], in `SamplerOutput`'s layout.
+
+    Returns (logprobs f32[N, K+1], token_ids i32[N, K+1], target_rank i32[N]); column 0 is the
+    target token, columns 1..K the top-K (descending).
+    """
+    raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [N, V]
+    return _gather_logprobs(raw_logprobs, target_ids.astype(jnp.int32), num_logprobs)
+
+
+def apply_penalties_and_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Logit bias, then repetition, frequency and presence penalties; f32[S, V] -> f32[S, V]."""
+    num_rows, vocab = logits.shape
+    ids = md.bias_token_ids  # [S, B]
+    valid = (ids >= 0) & (ids < vocab)
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)  # [S, B]
+    logits = logits.at[rows, jnp.where(valid, ids, 0)].add(
+        jnp.where(valid, md.bias_values, 0.0), mode="drop"
+    )
+
+    output_mask = md.output_counts > 0  # [S, V]
+    # HF/vLLM rule: shrink positive logits, grow negative ones, for every token seen so far.
+    rep = jnp.where(md.prompt_mask | output_mask, md.repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - md.frequency_penalty[:, None] * md.output_counts.astype(jnp.float32)
+    return logits - md.presence_penalty[:, None] * output_mask.astype(jnp.float32)
+
+
+def apply_sampling_filters(
+    logits: jax.Array, *, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+) -> jax.Array:
+    """Min-p, then top-k, then top-p on temperature-scaled logits: f32[S, V] -> f32[S, V].
+
+    Tokens outside a row's kept set become -inf. top_k: i32[S] (<= 0 = off); top_p: f32[S]
+    (>= 1 = off; the highest-probability token is always kept); min_p: f32[S] (0 = off).
+    Each filter sees the distribution renormalised over what the previous ones kept.
+    """
+    vocab = logits.shape[-1]
+    neg_inf = jnp.float32(-jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
+    # min-p: keep p >= min_p * p_max, i.e. exp(logit - max) >= min_p.
+    logits = jnp.where(jnp.exp(logits - row_max) >= min_p[:, None], logits, neg_inf)
+    keys = _order_key(logits)  # u32[S, V]
+
+    def top_k_filter(x: jax.Array) -> jax.Array:
+        k = jnp.where(top_k > 0, top_k, vocab)  # [S]; k >= V keeps everything
+        cut = _largest_key_where(keys, lambda t: jnp.sum(keys >= t, axis=-1) >= k)
+        return jnp.where(keys >= cut[:, None], x, neg_inf)
+
+    def top_p_filter(x: jax.Array) -> jax.Array:
+        weights = jnp.exp(x - row_max)  # [S, V]; unnormalised probabilities, 0 where masked
+        target = top_p * jnp.sum(weights, axis=-1)  # [S]
+
+        def reaches_top_p(t: jax.Array) -> jax.Array:
+            return jnp.sum(jnp.where(keys >= t, weights, 0.0), axis=-1) >= target
+
+        cut = _largest_key_where(keys, reaches_top_p)
+        cut = jnp.minimum(cut, jnp.max(keys, axis=-1))  # keep at least the top token
+        cut = jnp.where(top_p >= 1.0, 0, cut)
+        return jnp.where(keys >= cut[:, None], x, neg_inf)
+
+    logits = lax.cond(jnp.any(top_k > 0), top_k_filter, lambda x: x, logits)
+    return lax.cond(jnp.any(top_p < 1.0), top_p_filter, lambda x: x, logits)
+
+
+def gumbel_noise(md: SamplingMetadata, key: jax.Array, vocab: int) -> jax.Array:
+    """Standard Gumbel noise f32[S, V]; seeded rows depend only on (seed, output_position)."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    num_rows = md.seeds.shape[0]
+    step_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(num_rows))  # [S, 2]
+    seed_keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
+        md.seeds, md.output_positions
+    )  # [S, 2]
+    row_keys = jnp.where(md.has_seed[:, None], seed_keys, step_keys)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(row_keys)
+
+
+def _gather_logprobs(
+    logprobs: jax.Array, token_ids: jax.Array, num_logprobs: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chosen token's logprob and rank, plus the top-K: f32[S, V], i32[S] -> [S, K+1] x2, [S]."""
+    if not 0 <= num_logprobs <= logprobs.shape[-1]:
+        raise ValueError(f"num_logprobs must be in [0, {logprobs.shape[-1]}], got {num_logprobs}")
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)  # [S, 1]
+    rank = 1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32)  # [S]
+    if num_logprobs == 0:
+        return chosen, token_ids[:, None], rank
+    top_vals, top_ids = lax.top_k(logprobs, num_logprobs)  # [S, K]
+    values = jnp.concatenate([chosen, top_vals], axis=-1)
+    ids = jnp.concatenate([token_ids[:, None], top_ids.astype(jnp.int32)], axis=-1)
+    return values, ids, rank
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """uint32 keys with the order of float32 x (-0.0 folded into +0.0, so equal floats tie)."""
+    bits = lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x).astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_key_where(keys: jax.Array, holds) -> jax.Array:
+    """Per row, the largest uint32 t with holds(t[:, None]) true; holds must be monotone
+    (true for small t, false above some point) and is taken as true at t = 0."""
+
+    def step(i: jax.Array, t: jax.Array) -> jax.Array:
+        candidate = t | lax.shift_left(jnp.uint32(1), (31 - i).astype(jnp.uint32))  # [S]
+        return jnp.where(holds(candidate[:, None]), candidate, t)
+
+    # Keep the loop rolled: unrolled (Python loop or unroll=True), XLA fuses the chain of
+    # selects into every later reduction and compiling takes minutes instead of a second.
+    return lax.fori_loop(0, 32, step, jnp.zeros(keys.shape[:1], jnp.uint32))
+
+
+def _check_shapes(logits: jax.Array, md: SamplingMetadata) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
+    for name, value in md._asdict().items():
+        expected = logits.shape if name in ("prompt_mask", "output_counts") else None
+        if value.shape[0] != logits.shape[0] or (expected and value.shape != expected):
+            raise ValueError(
+                f"SamplingMetadata.{name} has shape {value.shape}; expected "
+                f"{expected or (logits.shape[0], '...')} for logits of shape {logits.shape}"
+            )
+    if md.bias_token_ids.shape != md.bias_values.shape:
+        raise ValueError(
+            f"bias_token_ids {md.bias_token_ids.shape} and bias_values "
+            f"{md.bias_values.shape} must have the same [S, B] shape"
+        )

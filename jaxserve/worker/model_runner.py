@@ -1,0 +1,296 @@
+"""Runs one scheduler step on the devices: one jitted call = forward + logits + sampling.
+
+Start-up: split the model once into (graphdef, state) so each step calls a pure jitted function
+on a small fixed pytree; size the KV cache from a memory budget after the weights are placed;
+compile every (token bucket, sequence bucket) pair with the persistent compilation cache on.
+Serving: build the flat batch from the persistent InputBatch with numpy, pad it to the smallest
+buckets that fit, call the compiled step (the KV cache is donated and updated in place), and
+fetch only the sampled ids (and logprobs when a request asked) back to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.distributed.sharding import kv_cache_sharding, kv_heads_sharded
+from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.layers.sampler import SamplingMetadata, sample
+from jaxserve.models.loader import LoadedModel
+from jaxserve.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 4
+MAX_LOGIT_BIAS = 64  # sparse logit-bias slots per request (logit_bias + min_tokens blocks)
+CPU_DEFAULT_KV_BYTES = 1 << 30  # host memory for the KV cache when no budget is given
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
+    """smallest, 2*smallest, ... up to and always including largest."""
+    buckets, b = [], min(smallest, largest)
+    while b < largest:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, largest]
+
+
+def enable_persistent_compilation_cache() -> None:
+    cache_dir = os.environ.get(
+        "JAXSERVE_COMPILE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+    )
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        max_logprobs: int = 20,
+        seed: int = 0,
+    ):
+        self.config = loaded.config
+        self.mesh = loaded.mesh
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.token_buckets = power_of_two_buckets(
+            MIN_TOKEN_BUCKET, scheduler_config.max_num_batched_tokens
+        )
+        self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, scheduler_config.max_num_seqs)
+        self.num_logprobs = max_logprobs
+        self.input_batch = InputBatch(
+            scheduler_config.max_num_seqs, self.max_model_len, self.max_blocks_per_req
+        )
+        self.graphdef, self.state = nnx.split(loaded.model)
+        self.base_key = jax.random.PRNGKey(seed)
+        self.step_count = 0
+        self.kv_caches: tuple[jax.Array, jax.Array] | None = None
+        self.num_blocks = 0
+        self._kv_sharding = kv_cache_sharding(self.config, self.mesh)
+        self._replicated = NamedSharding(self.mesh, P())
+        self._step = jax.jit(
+            self._step_fn,
+            donate_argnums=(1,),
+            out_shardings=(self._replicated, (self._kv_sharding, self._kv_sharding)),
+        )
+        self._zero_penalty_state: dict[int, tuple[jax.Array, jax.Array]] = {}
+
+    # ------------------------------------------------------------------ the compiled step
+    def _step_fn(self, state, kv_caches, input_ids, positions, md, logits_indices, sampling, step):
+        model = nnx.merge(self.graphdef, state)
+        hidden, kv_caches = model(input_ids, positions, kv_caches, md)  # [T, D]
+        logits = model.compute_logits(hidden[logits_indices])  # [S, V] float32
+        key = jax.random.fold_in(self.base_key, step)
+        return sample(logits, sampling, key, num_logprobs=self.num_logprobs), kv_caches
+
+    # ------------------------------------------------------------------ start-up
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        tp = self.mesh.shape["tp"]
+        kv_heads = c.num_kv_heads // tp if kv_heads_sharded(c, tp) else c.num_kv_heads
+        itemsize = jnp.dtype(c.dtype).itemsize
+        return 2 * c.num_layers * self.block_size * kv_heads * c.head_dim * itemsize
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit the budget (per device), after weights and compiled steps."""
+        cc = self.cache_config
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        else:
+            stats = self.mesh.devices.flat[0].memory_stats() or {}
+            if "bytes_limit" in stats:
+                used = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+                budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization) - used
+            else:
+                budget = CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // self.kv_bytes_per_block()
+        if num_blocks < self.max_blocks_per_req + 1:
+            raise ValueError(
+                f"KV cache budget of {budget / 2**20:.0f} MiB holds {num_blocks} blocks of "
+                f"{self.block_size} tokens; max_model_len={self.max_model_len} needs "
+                f"{self.max_blocks_per_req + 1}. Raise kv_cache_memory_bytes / "
+                "gpu_memory_utilization or lower max_model_len."
+            )
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        c = self.config
+        shape = (c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, c.dtype), out_shardings=self._kv_sharding)
+        self.kv_caches = (zeros(), zeros())
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.0f MiB); maximum concurrency at "
+            "max_model_len=%d: %.2fx",
+            num_blocks, self.block_size, num_blocks * self.kv_bytes_per_block() / 2**20,
+            self.max_model_len, num_blocks * self.block_size / self.max_model_len,
+        )  # fmt: skip
+
+    def compile_all(self) -> None:
+        """Compile every bucket pair now, so no serving step ever compiles."""
+        start = time.perf_counter()
+        for t in self.token_buckets:
+            for s in self.seq_buckets:
+                if s <= t:
+                    self._run(*self._padding_inputs(t, s))
+        logger.info(
+            "compiled %d step shapes in %.1f s", self.num_compiled_steps(),
+            time.perf_counter() - start,
+        )  # fmt: skip
+
+    def num_compiled_steps(self) -> int:
+        return self._step._cache_size()
+
+    def _padding_inputs(self, t: int, s: int):
+        md = AttentionMetadata(
+            slot_mapping=np.full(t, -1, np.int32),
+            block_tables=np.zeros((s, self.max_blocks_per_req), np.int32),
+            kv_lens=np.zeros(s, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32),
+            num_seqs=np.zeros(1, np.int32),
+        )
+        ids = np.zeros(t, np.int32)
+        return ids, ids, md, np.zeros(s, np.int32), self._sampling_metadata([], s)
+
+    def _run(self, input_ids, positions, md, logits_indices, sampling):
+        out, self.kv_caches = self._step(
+            self.state, self.kv_caches, input_ids, positions, md, logits_indices, sampling,
+            np.int32(self.step_count),
+        )  # fmt: skip
+        self.step_count += 1
+        return out
+
+    # ------------------------------------------------------------------ a serving step
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        ib = self.input_batch
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            ib.remove_request(req_id)
+        starts = {}
+        for new in so.scheduled_new_reqs:
+            ib.add_request(new, new.eos_token_id)
+            starts[new.req_id] = new.num_computed_tokens
+        for cached in so.scheduled_cached_reqs:
+            ib.append_blocks(ib.req_id_to_row[cached.req_id], cached.new_block_ids)
+            starts[cached.req_id] = cached.num_computed_tokens
+
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], np.zeros(0, np.int32))
+        rows = np.array([ib.req_id_to_row[r] for r in req_ids], np.int32)
+        n_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
+        start = np.array([starts[r] for r in req_ids], np.int32)
+        num_reqs, num_tokens = len(req_ids), int(n_sched.sum())
+        t = next(b for b in self.token_buckets if b >= num_tokens)
+        s = next(b for b in self.seq_buckets if b >= num_reqs)
+
+        qsl = np.zeros(s + 1, np.int32)
+        qsl[1 : num_reqs + 1] = np.cumsum(n_sched)
+        qsl[num_reqs + 1 :] = num_tokens
+        row_of_token = np.repeat(rows, n_sched)  # [num_tokens]
+        pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:num_reqs], n_sched)
+        pos += np.repeat(start, n_sched)
+        ids = np.zeros(t, np.int32)
+        ids[:num_tokens] = ib.token_ids[row_of_token, pos]
+        positions = np.zeros(t, np.int32)
+        positions[:num_tokens] = pos
+        slots = np.full(t, -1, np.int32)
+        blocks = ib.block_table[row_of_token, pos // self.block_size]
+        slots[:num_tokens] = blocks * self.block_size + pos % self.block_size
+        block_tables = np.zeros((s, self.max_blocks_per_req), np.int32)
+        block_tables[:num_reqs] = ib.block_table[rows]
+        kv_lens = np.zeros(s, np.int32)
+        kv_lens[:num_reqs] = start + n_sched
+        logits_indices = np.zeros(s, np.int32)
+        logits_indices[:num_reqs] = qsl[1 : num_reqs + 1] - 1
+        md = AttentionMetadata(slots, block_tables, kv_lens, qsl, np.array([num_reqs], np.int32))
+
+        out = self._run(ids, positions, md, logits_indices, self._sampling_metadata(rows, s))
+        want_logprobs = any(ib.params[r].logprobs is not None for r in rows)
+        fetched = jax.device_get(
+            (out.token_ids, out.logprobs, out.logprob_token_ids, out.sampled_rank)
+            if want_logprobs
+            else out.token_ids
+        )
+        sampled = (fetched[0] if want_logprobs else fetched)[:num_reqs]
+        for row, end, token in zip(rows, start + n_sched, sampled, strict=True):
+            if end >= ib.num_tokens[row]:  # the prompt is complete: the token is real
+                ib.append_token(row, int(token))
+        result = ModelRunnerOutput(req_ids, np.asarray(sampled, np.int32))
+        if want_logprobs:
+            result.logprobs = fetched[1][:num_reqs]
+            result.logprob_token_ids = fetched[2][:num_reqs]
+            result.sampled_ranks = fetched[3][:num_reqs]
+        return result
+
+    def _sampling_metadata(self, rows, s: int) -> SamplingMetadata:
+        """Per-row sampling arrays for `rows` (host row ids), padded to s rows."""
+        ib, v = self.input_batch, self.config.vocab_size
+        f32 = lambda fill=0.0: np.full(s, fill, np.float32)  # noqa: E731
+        temperature, top_p, min_p = f32(), f32(1.0), f32()
+        presence, frequency, repetition = f32(), f32(), f32(1.0)
+        top_k, out_pos = np.zeros(s, np.int32), np.zeros(s, np.int32)
+        seeds, has_seed = np.zeros(s, np.uint32), np.zeros(s, bool)
+        bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
+        bias_vals = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
+        penalised = []
+        for i, row in enumerate(rows):
+            p = ib.params[row]
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+            repetition[i] = p.repetition_penalty
+            out_pos[i] = ib.num_output_tokens(row)
+            if p.seed is not None:
+                seeds[i], has_seed[i] = p.seed & 0xFFFFFFFF, True
+            bias = dict(p.logit_bias or {})
+            if out_pos[i] < p.min_tokens:  # EOS and stop tokens may not end it yet
+                eos = ib.eos_token_ids[row]
+                for tok in [*([eos] if eos is not None else []), *(p.stop_token_ids or [])]:
+                    bias[tok] = -np.inf
+            bias_ids[i, : len(bias)] = list(bias)
+            bias_vals[i, : len(bias)] = list(bias.values())
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                penalised.append((i, row))
+        if penalised:
+            prompt_mask = np.zeros((s, v), bool)
+            output_counts = np.zeros((s, v), np.int32)
+            for i, row in penalised:
+                n_prompt, n_tok = ib.num_prompt_tokens[row], ib.num_tokens[row]
+                prompt_mask[i, ib.token_ids[row, :n_prompt]] = True
+                np.add.at(output_counts[i], ib.token_ids[row, n_prompt:n_tok], 1)
+            # Committed like the cached zeros below: the same jit cache entry serves both.
+            prompt_mask, output_counts = jax.device_put(
+                (prompt_mask, output_counts), self._replicated
+            )
+        else:  # the common case: device-resident zeros, nothing [s, V]-sized crosses over
+            if s not in self._zero_penalty_state:
+                self._zero_penalty_state[s] = jax.device_put(
+                    (np.zeros((s, v), bool), np.zeros((s, v), np.int32)), self._replicated
+                )
+            prompt_mask, output_counts = self._zero_penalty_state[s]
+        return SamplingMetadata(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            presence_penalty=presence, frequency_penalty=frequency,
+            repetition_penalty=repetition, prompt_mask=prompt_mask, output_counts=output_counts,
+            bias_token_ids=bias_ids, bias_values=bias_vals, seeds=seeds, has_seed=has_seed,
+            output_positions=out_pos,
+        )  # fmt: skip
