@@ -184,3 +184,30 @@ def test_bad_inputs_fail_alone(llm, prompt, params, message):
         llm.generate([prompt], params)
     assert token_ids(llm.generate(["ok"], SamplingParams(max_tokens=2, temperature=0))) != [[]]
     llm.engine.scheduler.kv_cache_manager.check_no_leaks()
+
+
+def test_seeded_sampling_reproduces_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=123, max_tokens=8, logprobs=3)
+    alone = llm.generate(["Tell me a story"], seeded)[0].outputs[0]
+    others = [SamplingParams(max_tokens=5), seeded, SamplingParams(temperature=0.5, max_tokens=3)]
+    mixed = llm.generate(["other prompt", "Tell me a story", "x y z"], others)[1].outputs[0]
+    assert alone.token_ids == mixed.token_ids
+    reseeded = SamplingParams(temperature=1.0, seed=124, max_tokens=8)
+    assert llm.generate(["Tell me a story"], reseeded)[0].outputs[0].token_ids != alone.token_ids
+    sampled = [pos[t].logprob for t, pos in zip(alone.token_ids, alone.logprobs, strict=True)]
+    assert all(len(pos) >= 3 for pos in alone.logprobs)
+    assert alone.cumulative_logprob == pytest.approx(sum(sampled), abs=1e-4)
+
+
+def test_logprobs_match_hf(llm, hf):
+    ids = prompt_ids(llm)[0]
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1,
+                                                                   logprobs=5))[0]  # fmt: skip
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1], -1).numpy()
+    position = out.outputs[0].logprobs[0]
+    top5 = ref.argsort()[::-1][:5].tolist()
+    assert set(top5) <= set(position) and out.outputs[0].token_ids == [top5[0]]
+    for token_id, lp in position.items():
+        assert lp.logprob == pytest.approx(float(ref[token_id]), abs=1e-2)
+    assert position[top5[0]].rank == 1
