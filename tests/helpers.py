@@ -57,6 +57,19 @@ def hf_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@functools.cache
+def hf_default_model():
+    """HF transformers' own load of the bundled GGUF (its dequantisation), fp32: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.models.loader import default_model_path
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
 def hf_logits(model, token_ids: list[int]) -> np.ndarray:
     """[len, V] float32 logits of HF `model` over one whole sequence."""
     with torch.no_grad():

@@ -38,10 +38,12 @@ def step(sched, next_token=lambda req_id: 7):
 
 
 def drain(sched, max_steps=200, **kw):
+    """Step until nothing is left; returns every step's SchedulerOutput."""
+    outputs = []
     for _ in range(max_steps):
         if not sched.has_unfinished_requests():
-            return
-        step(sched, **kw)
+            return outputs
+        outputs.append(step(sched, **kw)[0])
     raise AssertionError("did not drain")
 
 
@@ -126,16 +128,12 @@ def test_preemption_frees_latest_and_resumes_with_its_tokens():
     a, b = req("a", 12, max_tokens=12, arrival=1.0), req("b", 12, max_tokens=12, arrival=2.0)
     sched.add_request(a)
     sched.add_request(b)
-    preempted = []
-    for _ in range(100):
-        if not sched.has_unfinished_requests():
-            break
-        out, _ = step(sched)
-        preempted += out.preempted_req_ids
-        resumed = [n for n in out.scheduled_new_reqs if n.output_token_ids]
-        for n in resumed:  # a resumed request is sent in full, its generated tokens included
-            assert n.req_id == "b" and n.num_computed_tokens == 0
-    assert preempted and set(preempted) == {"b"}  # the latest arrival is the victim
+    outs = drain(sched)
+    preempted = [r for out in outs for r in out.preempted_req_ids]
+    resumed = [n for out in outs for n in out.scheduled_new_reqs if n.output_token_ids]
+    for n in resumed:  # a resumed request is sent in full, its generated tokens included
+        assert n.req_id == "b" and n.num_computed_tokens == 0
+    assert resumed and preempted and set(preempted) == {"b"}  # the latest arrival is the victim
     assert b.num_preemptions >= 1 and sched.make_stats().num_preemptions >= 1
     assert a.num_output_tokens == b.num_output_tokens == 12
     assert_pool_clean(sched)
@@ -151,12 +149,7 @@ def test_priority_policy_orders_and_preempts_by_priority():
     sched = make_scheduler(num_blocks=10, policy="priority", enable_prefix_caching=False)
     sched.add_request(req("vip", 12, priority=0, arrival=2.0, max_tokens=12))
     sched.add_request(req("bulk", 12, priority=9, arrival=1.0, max_tokens=12))
-    preempted = []
-    for _ in range(100):
-        if not sched.has_unfinished_requests():
-            break
-        out, _ = step(sched)
-        preempted += out.preempted_req_ids
+    preempted = [r for out in drain(sched) for r in out.preempted_req_ids]
     assert preempted and set(preempted) == {"bulk"}
     assert_pool_clean(sched)
 

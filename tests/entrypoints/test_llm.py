@@ -7,8 +7,8 @@ import torch
 
 import jaxserve.entrypoints.llm as llm_module
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.models.loader import default_model_path
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from tests.helpers import hf_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +38,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return hf_default_model()
 
 
 def prompt_ids(llm):

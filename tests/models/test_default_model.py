@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve.models.loader import default_model_path, load_model
-from tests.helpers import PagedSequences
+from jaxserve.models.loader import load_model
+from tests.helpers import PagedSequences, hf_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return hf_default_model()
 
 
 def test_config_and_tokenizer_come_from_the_gguf(loaded):
