@@ -229,10 +229,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
-            prompt_lp = runner_output.prompt_logprobs.get(req_id)
             if request.num_computed_tokens < request.num_tokens:  # mid-prompt chunk
-                if prompt_lp is not None:
-                    outputs.append(EngineCoreOutput(req_id, [], prompt_logprobs=prompt_lp))
                 continue
             token = int(runner_output.sampled_token_ids[row])
             request.append_output_token_ids(token)
@@ -252,7 +249,6 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     logprobs=logprobs,
-                    prompt_logprobs=prompt_lp,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )

@@ -55,6 +55,3 @@ class ModelRunnerOutput:
     logprobs: np.ndarray | None = None  # f32[num_reqs, K+1]: the sampled token, then top-K
     logprob_token_ids: np.ndarray | None = None  # i32[num_reqs, K+1]
     sampled_ranks: np.ndarray | None = None  # i32[num_reqs]
-    prompt_logprobs: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
-        default_factory=dict
-    )  # req_id -> (logprobs [n, K+1], token ids [n, K+1], ranks [n]) for this step's chunk

@@ -9,9 +9,8 @@ from typing import Any
 import msgspec
 
 from jaxserve.ipc.messages import EngineCoreRequest
+from jaxserve.layers.sampler import MAX_BIAS_TOKENS
 from jaxserve.sampling_params import SamplingParams
-
-MAX_LOGIT_BIAS = 64  # matches the model runner's sparse bias slots (min_tokens needs a few)
 
 
 class InputProcessor:
@@ -63,14 +62,18 @@ class InputProcessor:
             raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet")
-        if params.logit_bias:
-            if len(params.logit_bias) > MAX_LOGIT_BIAS:
-                raise ValueError(
-                    f"logit_bias has {len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
-                )
-            bad = [t for t in params.logit_bias if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is out of vocabulary")
+        bad = [t for t in params.logit_bias or {} if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is out of vocabulary")
+        # The sampler's bias slots also carry min_tokens' blocks on EOS and stop_token_ids.
+        blocked = {self.eos_token_id, *(params.stop_token_ids or [])} - {None}
+        slots = set(params.logit_bias or {}) | (blocked if params.min_tokens else set())
+        if len(slots) > MAX_BIAS_TOKENS:
+            raise ValueError(
+                f"logit_bias has {len(params.logit_bias or {})} entries and min_tokens blocks "
+                f"{len(blocked) if params.min_tokens else 0} stop tokens; together at most "
+                f"{MAX_BIAS_TOKENS} token ids"
+            )
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -28,8 +28,6 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None  # the stop token id (stop strings: frontend)
     # (logprobs [K+1], token ids [K+1], sampled rank): the sampled token first, then top-K.
     logprobs: tuple[list[float], list[int], int] | None = None
-    # This step's chunk of prompt logprobs: ([n, K+1], [n, K+1], [n]) as numpy arrays in-process.
-    prompt_logprobs: tuple | None = None
     num_cached_tokens: int = 0
 
     @property

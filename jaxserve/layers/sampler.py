@@ -41,6 +41,9 @@ import jax.numpy as jnp
 from jax import lax
 
 _GREEDY_EPS = 1e-5  # same cut-off as SamplingParams.greedy
+# B of the sparse bias arrays: a request's logit_bias entries plus, while min_tokens is unmet,
+# its EOS and stop_token_ids (blocked with -inf) must fit.
+MAX_BIAS_TOKENS = 64
 
 
 class SamplingMetadata(NamedTuple):

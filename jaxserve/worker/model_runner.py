@@ -25,7 +25,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.sharding import kv_cache_sharding, kv_heads_sharded
 from jaxserve.layers.attention import AttentionMetadata
-from jaxserve.layers.sampler import SamplingMetadata, sample
+from jaxserve.layers.sampler import MAX_BIAS_TOKENS, SamplingMetadata, sample
 from jaxserve.models.loader import LoadedModel
 from jaxserve.worker.input_batch import InputBatch
 
@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
-MAX_LOGIT_BIAS = 64  # sparse logit-bias slots per request (logit_bias + min_tokens blocks)
 CPU_DEFAULT_KV_BYTES = 1 << 30  # host memory for the KV cache when no budget is given
 
 
@@ -250,8 +249,8 @@ class ModelRunner:
         presence, frequency, repetition = f32(), f32(), f32(1.0)
         top_k, out_pos = np.zeros(s, np.int32), np.zeros(s, np.int32)
         seeds, has_seed = np.zeros(s, np.uint32), np.zeros(s, bool)
-        bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
-        bias_vals = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
+        bias_ids = np.full((s, MAX_BIAS_TOKENS), -1, np.int32)
+        bias_vals = np.zeros((s, MAX_BIAS_TOKENS), np.float32)
         penalised = []
         for i, row in enumerate(rows):
             p = ib.params[row]

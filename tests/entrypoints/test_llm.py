@@ -172,6 +172,11 @@ def test_no_compilation_after_warmup(llm):
         ("hi", SamplingParams(max_tokens=600), "max_tokens=600 is too large"),
         ("hi", SamplingParams(logprobs=21), "logprobs=21 exceeds max_logprobs=20"),
         ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias token id 1000000"),
+        (
+            "hi",
+            SamplingParams(logit_bias={i: 1.0 for i in range(100, 164)}, min_tokens=1),
+            "logit_bias has 64 entries and min_tokens blocks 1 stop tokens",
+        ),
     ],
 )
 def test_bad_inputs_fail_alone(llm, prompt, params, message):
