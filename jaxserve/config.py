@@ -181,3 +181,47 @@ class SchedulerConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices: tensor parallelism over one process's devices."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        available = jax.local_device_count()
+        if self.tensor_parallel_size > available:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {available} "
+                f"local {jax.default_backend()} devices"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs to start: built by `EngineArgs.create_engine_config`.
+
+    Picklable, so the multi-process engine can hand it to the core process as is.
+    """
+
+    model_path: str  # resolved: a HF directory, a .gguf file or a jaxserve checkpoint
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    seed: int = 0
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}")
+        if self.scheduler.max_model_len > self.model.max_model_len:
+            raise ValueError(
+                f"max_model_len={self.scheduler.max_model_len} exceeds the model's "
+                f"{self.model.max_model_len}"
+            )

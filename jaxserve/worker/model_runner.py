@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.sharding import kv_cache_sharding, kv_heads_sharded
 from jaxserve.layers.attention import AttentionMetadata
@@ -55,15 +55,8 @@ def enable_persistent_compilation_cache() -> None:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
-        *,
-        max_logprobs: int = 20,
-        seed: int = 0,
-    ):
+    def __init__(self, loaded: LoadedModel, engine_config: EngineConfig):
+        scheduler_config, cache_config = engine_config.scheduler, engine_config.cache
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.cache_config = cache_config
@@ -74,12 +67,12 @@ class ModelRunner:
             MIN_TOKEN_BUCKET, scheduler_config.max_num_batched_tokens
         )
         self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, scheduler_config.max_num_seqs)
-        self.num_logprobs = max_logprobs
+        self.num_logprobs = engine_config.max_logprobs
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, self.max_model_len, self.max_blocks_per_req
         )
         self.graphdef, self.state = nnx.split(loaded.model)
-        self.base_key = jax.random.PRNGKey(seed)
+        self.base_key = jax.random.PRNGKey(engine_config.seed)
         self.step_count = 0
         self.kv_caches: tuple[jax.Array, jax.Array] | None = None
         self.num_blocks = 0

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-import jaxserve.entrypoints.llm as llm_module
+import jaxserve.engine.core as core_module
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.helpers import hf_default_model
@@ -25,10 +25,10 @@ SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
 @pytest.fixture(scope="module", autouse=True)
 def share_loaded_model():
     """One model load for the module: every LLM below differs only in engine settings."""
-    original = llm_module.load_model
-    llm_module.load_model = functools.cache(original)
+    original = core_module.load_model
+    core_module.load_model = functools.cache(original)
     yield
-    llm_module.load_model = original
+    core_module.load_model = original
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,11 @@ def prompt_ids(llm):
         for c in CHATS
     ]  # fmt: skip
     return chats + [tok(p).input_ids for p in RAW]
+
+
+def core(llm):
+    """The EngineCore behind the LLM's in-process client."""
+    return llm.llm_engine.engine_core.engine_core
 
 
 def token_ids(outputs):
@@ -90,9 +95,9 @@ def test_same_tokens_whatever_the_batch_chunking_and_prefix_cache(llm):
     tiny_pool = LLM(**{**SMALL, "num_gpu_blocks_override": 40})  # 39 usable blocks of 16
     long = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
     out = tiny_pool.generate(prompts, long)
-    assert tiny_pool.engine.scheduler.total_preemptions > 0
+    assert core(tiny_pool).scheduler.total_preemptions > 0
     assert token_ids(out) == token_ids(llm.generate(prompts, long))
-    tiny_pool.engine.scheduler.kv_cache_manager.check_no_leaks()
+    core(tiny_pool).scheduler.kv_cache_manager.check_no_leaks()
 
 
 def test_stop_strings_and_n_drain_clean(llm):
@@ -107,8 +112,8 @@ def test_stop_strings_and_n_drain_clean(llm):
     three = llm.generate("Once upon a time", SamplingParams(n=3, max_tokens=8, seed=7))[0]
     assert [c.index for c in three.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in three.outputs}) > 1
-    llm.engine.scheduler.kv_cache_manager.check_no_leaks()
-    assert not llm.engine.has_unfinished_requests()
+    core(llm).scheduler.kv_cache_manager.check_no_leaks()
+    assert not core(llm).has_unfinished_requests()
 
 
 def test_delta_outputs_concatenate_without_replacement_chars(llm):
@@ -133,7 +138,7 @@ def test_delta_outputs_concatenate_without_replacement_chars(llm):
 
 
 def test_no_compilation_after_warmup(llm):
-    compiled = llm.engine.runner.num_compiled_steps()
+    compiled = core(llm).runner.num_compiled_steps()
     mixes = [
         SamplingParams(temperature=0.0, max_tokens=5),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=7, seed=3),
@@ -160,7 +165,7 @@ def test_no_compilation_after_warmup(llm):
     for k in range(1, 6):  # batch sizes 1..9, prompt lengths 1..13, parameters mixed
         prompts = [" ".join(words[: 1 + (i * 5 + k) % 13]) for i in range(2 * k - 1)]
         llm.generate(prompts, [mixes[(i + k) % 4] for i in range(len(prompts))])
-    assert llm.engine.runner.num_compiled_steps() == compiled
+    assert core(llm).runner.num_compiled_steps() == compiled
 
 
 @pytest.mark.parametrize(
@@ -183,7 +188,7 @@ def test_bad_inputs_fail_alone(llm, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], params)
     assert token_ids(llm.generate(["ok"], SamplingParams(max_tokens=2, temperature=0))) != [[]]
-    llm.engine.scheduler.kv_cache_manager.check_no_leaks()
+    core(llm).scheduler.kv_cache_manager.check_no_leaks()
 
 
 def test_seeded_sampling_reproduces_whatever_the_batch(llm):

@@ -1,0 +1,115 @@
+"""LLMEngine: the synchronous frontend (vLLM V1's LLMEngine) that `LLM` drives.
+
+    add_request: prompt -> InputProcessor -> EngineCoreRequest(s) -> core client
+    step:        core client.get_output() -> OutputProcessor -> RequestOutputs
+                 (stop strings found here abort their requests in the core)
+
+A request with n > 1 runs as n child requests in the core, which share the prompt's blocks
+through prefix caching; the output processor gathers them into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.engine.core_client import EngineCoreClient, InprocClient
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.ipc.messages import EngineCoreRequest, SchedulerStats
+from jaxserve.models.loader import read_generation_config, read_tokenizer
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        tokenizer: Any = None,
+        generation_config: Any = None,
+        client: EngineCoreClient | None = None,
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        if eos is None:
+            eos = getattr(config.model.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.input_processor = InputProcessor(
+            tokenizer,
+            vocab_size=config.model.vocab_size,
+            max_model_len=config.scheduler.max_model_len,
+            max_logprobs=config.max_logprobs,
+            eos_token_id=eos,
+        )
+        self.output_processor = OutputProcessor(tokenizer)
+        self.engine_core = client if client is not None else InprocClient(config)
+        self.scheduler_stats = SchedulerStats()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        config = args.create_engine_config()
+        return cls(
+            config,
+            tokenizer=read_tokenizer(args.tokenizer or config.model_path),
+            generation_config=read_generation_config(config.model_path),
+        )
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ requests in
+    def process_inputs(
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Tokenize and validate (ValueError naming the bad value); queues nothing."""
+        text, ids = self.input_processor.tokenize(prompt)
+        return text, self.input_processor.process(request_id, ids, params, priority=priority)
+
+    def add_processed_request(self, text: str | None, request: EngineCoreRequest) -> None:
+        params = request.sampling_params
+        core_ids = self.output_processor.add_request(
+            request.request_id, text, request.prompt_token_ids, params, request.arrival_time
+        )
+        for i, core_id in enumerate(core_ids):
+            child = params
+            if params.n > 1 and params.seed is not None:  # distinct, reproducible children
+                child = msgspec.structs.replace(params, seed=params.seed + i)
+            self.engine_core.add_request(
+                msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
+            )
+
+    def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+    ) -> None:
+        self.add_processed_request(*self.process_inputs(request_id, prompt, params,
+                                                        priority=priority))  # fmt: skip
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Forget the requests and free their blocks in the core; unknown ids are ignored."""
+        core_ids = [cid for rid in request_ids for cid in self.output_processor.abort_request(rid)]
+        self.engine_core.abort_requests(core_ids)
+
+    # ------------------------------------------------------------------ outputs
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.get_output()
+        if core_outputs.scheduler_stats is not None:
+            self.scheduler_stats = core_outputs.scheduler_stats
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
+        self.engine_core.abort_requests(to_abort)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
