@@ -6,6 +6,7 @@ import enum
 import time
 
 from jaxserve.core.kv_cache_utils import BlockHash, extend_block_hashes
+from jaxserve.core.scheduler_output import PromptLogprobs
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -17,6 +18,33 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Keep a chunk's positions not seen yet (a request preempted mid-prompt recomputes
+        from its start) and only the prompt_logprobs + 1 columns the request asked for."""
+        skip = self.num_prompt_logprobs + 1 - chunk.first_position
+        if skip < 0:
+            raise RuntimeError(f"{self}: prompt logprobs skipped positions before {chunk}")
+        cols = self.sampling_params.prompt_logprobs + 1
+        if skip < len(chunk.ranks):
+            self.prompt_logprobs.append(
+                PromptLogprobs(
+                    chunk.first_position + skip,
+                    chunk.logprobs[skip:, :cols],
+                    chunk.token_ids[skip:, :cols],
+                    chunk.ranks[skip:],
+                )
+            )
+            self.num_prompt_logprobs += len(chunk.ranks) - skip
+
+    def take_prompt_logprobs(self) -> tuple[list[list[float]], list[list[int]], list[int]]:
+        """All prompt positions' (logprobs, token ids, ranks) as lists, once."""
+        chunks, self.prompt_logprobs = self.prompt_logprobs, []
+        return (
+            [row for c in chunks for row in c.logprobs.tolist()],
+            [row for c in chunks for row in c.token_ids.tolist()],
+            [r for c in chunks for r in c.ranks.tolist()],
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -60,6 +88,9 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # prompt_logprobs gathered chunk by chunk: arrays for positions 1 .. num_prompt_logprobs
+        self.prompt_logprobs: list[PromptLogprobs] = []
+        self.num_prompt_logprobs = 0
         self.block_hashes: list[BlockHash] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
 
@@ -80,6 +111,33 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
         extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Keep a chunk's positions not seen yet (a request preempted mid-prompt recomputes
+        from its start) and only the prompt_logprobs + 1 columns the request asked for."""
+        skip = self.num_prompt_logprobs + 1 - chunk.first_position
+        if skip < 0:
+            raise RuntimeError(f"{self}: prompt logprobs skipped positions before {chunk}")
+        cols = self.sampling_params.prompt_logprobs + 1
+        if skip < len(chunk.ranks):
+            self.prompt_logprobs.append(
+                PromptLogprobs(
+                    chunk.first_position + skip,
+                    chunk.logprobs[skip:, :cols],
+                    chunk.token_ids[skip:, :cols],
+                    chunk.ranks[skip:],
+                )
+            )
+            self.num_prompt_logprobs += len(chunk.ranks) - skip
+
+    def take_prompt_logprobs(self) -> tuple[list[list[float]], list[list[int]], list[int]]:
+        """All prompt positions' (logprobs, token ids, ranks) as lists, once."""
+        chunks, self.prompt_logprobs = self.prompt_logprobs, []
+        return (
+            [row for c in chunks for row in c.logprobs.tolist()],
+            [row for c in chunks for row in c.token_ids.tolist()],
+            [r for c in chunks for r in c.ranks.tolist()],
+        )
 
     @property
     def is_finished(self) -> bool:

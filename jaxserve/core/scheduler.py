@@ -229,6 +229,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
+            if req_id in runner_output.prompt_logprobs:
+                request.add_prompt_logprobs(runner_output.prompt_logprobs[req_id])
             if request.num_computed_tokens < request.num_tokens:  # mid-prompt chunk
                 continue
             token = int(runner_output.sampled_token_ids[row])
@@ -242,6 +244,11 @@ class Scheduler:
                     runner_output.logprob_token_ids[row, :k].tolist(),
                     int(runner_output.sampled_ranks[row]),
                 )
+            prompt_logprobs = None
+            if request.sampling_params.prompt_logprobs is not None and (
+                request.num_output_tokens == 1  # sent with the first token, once
+            ):
+                prompt_logprobs = request.take_prompt_logprobs()
             outputs.append(
                 EngineCoreOutput(
                     req_id,
@@ -249,6 +256,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )

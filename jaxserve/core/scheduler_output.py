@@ -43,6 +43,17 @@ class SchedulerOutput:
 
 
 @dataclasses.dataclass
+class PromptLogprobs:
+    """Logprobs of prompt positions first_position .. first_position + N - 1 (each scored as
+    the next token after the one before it), in the sampler's [sampled/target, top-K] layout."""
+
+    first_position: int
+    logprobs: np.ndarray  # f32[N, K+1]: the prompt token, then the top-K
+    token_ids: np.ndarray  # i32[N, K+1]
+    ranks: np.ndarray  # i32[N]: the prompt token's rank
+
+
+@dataclasses.dataclass
 class ModelRunnerOutput:
     """Sampled tokens of one step, in the order of `req_ids`.
 
@@ -55,3 +66,5 @@ class ModelRunnerOutput:
     logprobs: np.ndarray | None = None  # f32[num_reqs, K+1]: the sampled token, then top-K
     logprob_token_ids: np.ndarray | None = None  # i32[num_reqs, K+1]
     sampled_ranks: np.ndarray | None = None  # i32[num_reqs]
+    # Requests that asked for prompt_logprobs and ran prompt positions this step.
+    prompt_logprobs: dict[str, PromptLogprobs] = dataclasses.field(default_factory=dict)

@@ -58,10 +58,10 @@ class InputProcessor:
                 f"max_tokens={params.max_tokens} is too large: prompt ({n} tokens) + max_tokens "
                 f"exceeds the maximum context length of {self.max_model_len} tokens"
             )
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.max_logprobs}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}={value} exceeds max_logprobs={self.max_logprobs}")
         bad = [t for t in params.logit_bias or {} if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is out of vocabulary")

@@ -14,7 +14,13 @@ import time
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.ipc.messages import EngineCoreOutput
-from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -43,6 +49,8 @@ class RequestState:
     children: dict[str, ChildState]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None, position 1, ...]
+    prompt_logprobs_sent: bool = False  # for DELTA outputs
 
     @property
     def finished(self) -> bool:
@@ -110,7 +118,14 @@ class OutputProcessor:
             state.metrics.last_token_time = now
             child.token_ids += out.new_token_ids
             if out.logprobs is not None and child.logprobs is not None:
-                self._add_logprobs(child, out.logprobs)
+                child.logprobs.append(self._position(*out.logprobs))
+                child.cumulative_logprob += out.logprobs[0][0]
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                values, token_ids, ranks = out.prompt_logprobs
+                state.prompt_logprobs = [None] + [
+                    self._position(*position)
+                    for position in zip(values, token_ids, ranks, strict=True)
+                ]
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if child.detokenizer is not None:
                 stop = child.detokenizer.update(out.new_token_ids)
@@ -135,16 +150,15 @@ class OutputProcessor:
             results.append(self._make_output(state, finished, kind == RequestOutputKind.DELTA))
         return results, to_abort
 
-    def _add_logprobs(self, child: ChildState, logprobs) -> None:
-        values, token_ids, rank = logprobs
+    def _position(self, values: list[float], token_ids: list[int], rank: int) -> PositionLogprobs:
+        """{token id: Logprob} of one position: the chosen (or prompt) token, then the top-K."""
         entry = {}
         for j, (tid, lp) in enumerate(zip(token_ids, values, strict=True)):
             if tid in entry:
-                continue  # the sampled token is also among the top-K
+                continue  # the chosen token is also among the top-K
             decoded = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
             entry[tid] = Logprob(lp, rank if j == 0 else j, decoded)
-        child.logprobs.append(entry)
-        child.cumulative_logprob += values[0]
+        return entry
 
     def _make_output(self, state: RequestState, finished: bool, delta: bool) -> RequestOutput:
         completions = []
@@ -168,11 +182,15 @@ class OutputProcessor:
                     stop_reason=child.stop_reason,
                 )
             )
+        prompt_logprobs = state.prompt_logprobs
+        if delta and state.prompt_logprobs_sent:
+            prompt_logprobs = None  # a DELTA stream carries them in its first output only
+        state.prompt_logprobs_sent |= prompt_logprobs is not None
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=prompt_logprobs,
             outputs=completions,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,

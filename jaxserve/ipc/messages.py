@@ -28,6 +28,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None  # the stop token id (stop strings: frontend)
     # (logprobs [K+1], token ids [K+1], sampled rank): the sampled token first, then top-K.
     logprobs: tuple[list[float], list[int], int] | None = None
+    # With the first token only: prompt positions 1.. as ([[lp]], [[token ids]], [rank]), each
+    # row the prompt token first, then the top prompt_logprobs tokens.
+    prompt_logprobs: tuple[list[list[float]], list[list[int]], list[int]] | None = None
     num_cached_tokens: int = 0
 
     @property

@@ -18,14 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig
-from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from jaxserve.distributed.sharding import kv_cache_sharding, kv_heads_sharded
 from jaxserve.layers.attention import AttentionMetadata
-from jaxserve.layers.sampler import MAX_BIAS_TOKENS, SamplingMetadata, sample
+from jaxserve.layers.sampler import (
+    MAX_BIAS_TOKENS,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    sample,
+)
 from jaxserve.models.loader import LoadedModel
 from jaxserve.worker.input_batch import InputBatch
 
@@ -34,6 +40,7 @@ logger = logging.getLogger(__name__)
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 4
 CPU_DEFAULT_KV_BYTES = 1 << 30  # host memory for the KV cache when no budget is given
+PROMPT_LOGPROBS_CHUNK = 256  # positions whose [chunk, V] logits are live at once
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -81,17 +88,57 @@ class ModelRunner:
         self._step = jax.jit(
             self._step_fn,
             donate_argnums=(1,),
-            out_shardings=(self._replicated, (self._kv_sharding, self._kv_sharding)),
+            out_shardings=(
+                self._replicated,
+                self._replicated,
+                (self._kv_sharding, self._kv_sharding),
+            ),
         )
         self._zero_penalty_state: dict[int, tuple[jax.Array, jax.Array]] = {}
 
     # ------------------------------------------------------------------ the compiled step
-    def _step_fn(self, state, kv_caches, input_ids, positions, md, logits_indices, sampling, step):
+    def _step_fn(
+        self, state, kv_caches, input_ids, positions, md, logits_indices, sampling, step,
+        prompt_targets,
+    ):  # fmt: skip
+        """input_ids, positions, prompt_targets: i32[T]; logits_indices: i32[S].
+
+        Returns (SamplerOutput [S], prompt logprobs ([T, K+1], [T, K+1], [T]), kv_caches).
+        """
         model = nnx.merge(self.graphdef, state)
         hidden, kv_caches = model(input_ids, positions, kv_caches, md)  # [T, D]
         logits = model.compute_logits(hidden[logits_indices])  # [S, V] float32
         key = jax.random.fold_in(self.base_key, step)
-        return sample(logits, sampling, key, num_logprobs=self.num_logprobs), kv_caches
+        sampled = sample(logits, sampling, key, num_logprobs=self.num_logprobs)
+        return sampled, self._prompt_logprobs(model, hidden, prompt_targets), kv_caches
+
+    def _prompt_logprobs(self, model, hidden: jax.Array, targets: jax.Array):
+        """Logprob (and top-K) of the next prompt token at every position that asks for one
+        (targets >= 0); skipped at run time when no position does. [T, D] -> [T, K+1] x2, [T].
+
+        Logits are computed PROMPT_LOGPROBS_CHUNK rows at a time: [T, V] at once would be
+        gigabytes for an 8k-token step with a 128k vocabulary."""
+        t, k = hidden.shape[0], self.num_logprobs
+        chunk = min(t, PROMPT_LOGPROBS_CHUNK)
+        padded = -(-t // chunk) * chunk
+
+        def compute():
+            h = jnp.pad(hidden, ((0, padded - t), (0, 0))).reshape(padded // chunk, chunk, -1)
+            ids = jnp.pad(jnp.maximum(targets, 0), (0, padded - t)).reshape(-1, chunk)
+            out = lax.map(
+                lambda x: compute_prompt_logprobs(model.compute_logits(x[0]), x[1], num_logprobs=k),
+                (h, ids),
+            )
+            return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:t], out)
+
+        def skip():
+            return (
+                jnp.zeros((t, k + 1), jnp.float32),
+                jnp.zeros((t, k + 1), jnp.int32),
+                jnp.zeros((t,), jnp.int32),
+            )
+
+        return lax.cond(jnp.any(targets >= 0), compute, skip)
 
     # ------------------------------------------------------------------ start-up
     def kv_bytes_per_block(self) -> int:
@@ -162,15 +209,16 @@ class ModelRunner:
             num_seqs=np.zeros(1, np.int32),
         )
         ids = np.zeros(t, np.int32)
-        return ids, ids, md, np.zeros(s, np.int32), self._sampling_metadata([], s)
+        no_targets = np.full(t, -1, np.int32)
+        return ids, ids, md, np.zeros(s, np.int32), self._sampling_metadata([], s), no_targets
 
-    def _run(self, input_ids, positions, md, logits_indices, sampling):
-        out, self.kv_caches = self._step(
+    def _run(self, input_ids, positions, md, logits_indices, sampling, prompt_targets):
+        sampled, prompt_lp, self.kv_caches = self._step(
             self.state, self.kv_caches, input_ids, positions, md, logits_indices, sampling,
-            np.int32(self.step_count),
+            np.int32(self.step_count), prompt_targets,
         )  # fmt: skip
         self.step_count += 1
-        return out
+        return sampled, prompt_lp
 
     # ------------------------------------------------------------------ a serving step
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -216,7 +264,18 @@ class ModelRunner:
         logits_indices[:num_reqs] = qsl[1 : num_reqs + 1] - 1
         md = AttentionMetadata(slots, block_tables, kv_lens, qsl, np.array([num_reqs], np.int32))
 
-        out = self._run(ids, positions, md, logits_indices, self._sampling_metadata(rows, s))
+        # Prompt logprobs: the token at pos + 1 is the target of position pos, while in the prompt.
+        targets = np.full(t, -1, np.int32)
+        wants_prompt_lp = np.array([ib.params[r].prompt_logprobs is not None for r in rows])
+        if wants_prompt_lp.any():
+            in_prompt = np.repeat(wants_prompt_lp, n_sched) & (
+                pos + 1 < ib.num_prompt_tokens[row_of_token]
+            )
+            next_ids = ib.token_ids[row_of_token, np.minimum(pos + 1, self.max_model_len - 1)]
+            targets[:num_tokens] = np.where(in_prompt, next_ids, -1)
+
+        sampling = self._sampling_metadata(rows, s)
+        out, prompt_out = self._run(ids, positions, md, logits_indices, sampling, targets)
         want_logprobs = any(ib.params[r].logprobs is not None for r in rows)
         fetched = jax.device_get(
             (out.token_ids, out.logprobs, out.logprob_token_ids, out.sampled_rank)
@@ -224,10 +283,21 @@ class ModelRunner:
             else out.token_ids
         )
         sampled = (fetched[0] if want_logprobs else fetched)[:num_reqs]
+        prompt_logprobs = {}
+        if wants_prompt_lp.any():
+            lp, lp_ids, ranks = jax.device_get(prompt_out)
+            for i in np.flatnonzero(wants_prompt_lp):
+                lo, hi = qsl[i], qsl[i + 1]
+                valid = lo + int(np.sum(targets[lo:hi] >= 0))  # a prefix of the chunk
+                if valid > lo:  # prompt positions start[i] + 1 ..
+                    prompt_logprobs[req_ids[i]] = PromptLogprobs(
+                        int(start[i]) + 1, lp[lo:valid], lp_ids[lo:valid], ranks[lo:valid]
+                    )
         for row, end, token in zip(rows, start + n_sched, sampled, strict=True):
             if end >= ib.num_tokens[row]:  # the prompt is complete: the token is real
                 ib.append_token(row, int(token))
         result = ModelRunnerOutput(req_ids, np.asarray(sampled, np.int32))
+        result.prompt_logprobs = prompt_logprobs
         if want_logprobs:
             result.logprobs = fetched[1][:num_reqs]
             result.logprob_token_ids = fetched[2][:num_reqs]

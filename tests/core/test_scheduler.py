@@ -188,3 +188,26 @@ def test_random_workload_drains_clean(policy):
         step(sched, next_token=lambda r: int(rng.integers(3, 60)))
     assert not sched.has_unfinished_requests()
     assert_pool_clean(sched)
+
+
+def test_prompt_logprobs_survive_chunking_and_preemption_once_each():
+    """Chunks add positions in order; a recompute after preemption adds nothing twice; the
+    first token carries every prompt position, cut to the prompt_logprobs + 1 asked for."""
+    from jaxserve.core.scheduler_output import PromptLogprobs
+
+    r = req("p", n_prompt=12, prompt_logprobs=1)
+
+    def chunk(first, last):  # positions first..last; logprob of position p is -p
+        n, cols = last - first + 1, 4
+        lp = -np.repeat(np.arange(first, last + 1, dtype=np.float32)[:, None], cols, 1)
+        return PromptLogprobs(first, lp, np.zeros((n, cols), np.int32), np.ones(n, np.int32))
+
+    r.add_prompt_logprobs(chunk(1, 4))
+    r.add_prompt_logprobs(chunk(1, 4))  # recomputed after a preemption
+    r.add_prompt_logprobs(chunk(1, 8))
+    r.add_prompt_logprobs(chunk(9, 11))
+    values, ids, ranks = r.take_prompt_logprobs()
+    assert [v[0] for v in values] == [-p for p in range(1, 12)]
+    assert all(len(v) == 2 for v in values) and len(ids) == len(ranks) == 11
+    with pytest.raises(RuntimeError, match="skipped positions"):
+        r.add_prompt_logprobs(chunk(13, 14))

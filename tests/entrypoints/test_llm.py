@@ -37,6 +37,18 @@ def llm():
 
 
 @pytest.fixture(scope="module")
+def chunked():
+    """Every prompt split into 16-token chunks; no prefix caching."""
+    return LLM(**{**SMALL, "max_num_batched_tokens": 16, "enable_prefix_caching": False})
+
+
+@pytest.fixture(scope="module")
+def tiny_pool():
+    """39 usable KV blocks of 16 tokens: long generations preempt each other."""
+    return LLM(**{**SMALL, "num_gpu_blocks_override": 40})
+
+
+@pytest.fixture(scope="module")
 def hf():
     return hf_default_model()
 
@@ -82,7 +94,7 @@ def test_chat_and_generate_shapes(llm):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
-def test_same_tokens_whatever_the_batch_chunking_and_prefix_cache(llm):
+def test_same_tokens_whatever_the_batch_chunking_and_prefix_cache(llm, chunked, tiny_pool):
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(llm)]
     batched = token_ids(llm.generate(prompts, GREEDY))
     alone = [token_ids(llm.generate([p], GREEDY))[0] for p in prompts[:2]]
@@ -90,9 +102,7 @@ def test_same_tokens_whatever_the_batch_chunking_and_prefix_cache(llm):
     again = llm.generate(prompts, GREEDY)  # the prompts' blocks are cached now
     assert token_ids(again) == batched
     assert all(o.num_cached_tokens > 0 for o in again[:3])
-    chunked = LLM(**{**SMALL, "max_num_batched_tokens": 16, "enable_prefix_caching": False})
     assert token_ids(chunked.generate(prompts, GREEDY)) == batched
-    tiny_pool = LLM(**{**SMALL, "num_gpu_blocks_override": 40})  # 39 usable blocks of 16
     long = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
     out = tiny_pool.generate(prompts, long)
     assert core(tiny_pool).scheduler.total_preemptions > 0
@@ -176,6 +186,7 @@ def test_no_compilation_after_warmup(llm):
         ({"prompt_token_ids": [5] * 600}, GREEDY, "maximum context length is 512 tokens"),
         ("hi", SamplingParams(max_tokens=600), "max_tokens=600 is too large"),
         ("hi", SamplingParams(logprobs=21), "logprobs=21 exceeds max_logprobs=20"),
+        ("hi", SamplingParams(prompt_logprobs=21), "prompt_logprobs=21 exceeds max_logprobs=20"),
         ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias token id 1000000"),
         (
             "hi",
@@ -216,3 +227,57 @@ def test_logprobs_match_hf(llm, hf):
     for token_id, lp in position.items():
         assert lp.logprob == pytest.approx(float(ref[token_id]), abs=1e-2)
     assert position[top5[0]].rank == 1
+
+
+def test_prompt_logprobs_match_hf_across_chunks(llm, chunked, hf):
+    ids = prompt_ids(llm)[1]  # a chat prompt of 30+ tokens: three 16-token chunks in `chunked`
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1).numpy()  # [n, V]
+    asks = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    for engine in (llm, chunked):
+        out, other = engine.generate([{"prompt_token_ids": ids}, "another prompt"], [asks, GREEDY])
+        assert other.prompt_logprobs is None
+        positions = out.prompt_logprobs
+        assert len(positions) == len(ids) and positions[0] is None
+        for p in range(1, len(ids)):
+            scores, target = ref[p - 1], ids[p]  # position p is scored by the logits at p - 1
+            entry = positions[p]
+            assert entry[target].logprob == pytest.approx(float(scores[target]), abs=1e-3)
+            top3 = scores.argsort()[::-1][:3].tolist()
+            assert set(top3) <= set(entry) and len(entry) in (3, 4)
+            assert [entry[t].rank for t in top3] == [1, 2, 3]
+            assert entry[target].rank == 1 + int((scores > scores[target]).sum())
+        assert out.outputs[0].token_ids == token_ids(engine.generate([{"prompt_token_ids": ids}],
+                                                                     GREEDY))[0][:2]  # fmt: skip
+    core(chunked).scheduler.kv_cache_manager.check_no_leaks()
+
+
+def test_mixed_workload_with_aborts_drains_to_an_empty_pool(tiny_pool):
+    """Aborts (waiting and running), stop strings, n=3 and preemption in one run; afterwards
+    no request is held, every block but the null block is free and every ref count is 0."""
+    engine, sched = tiny_pool.llm_engine, core(tiny_pool).scheduler
+    preemptions = sched.total_preemptions
+    long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    for i, topic in enumerate(["sea", "sky", "moon", "forest"]):  # 4 x 10 blocks > 39
+        engine.add_request(f"long-{i}", f"Tell me everything about the {topic}.", long)
+    engine.add_request("n3", "Once upon a time", SamplingParams(n=3, max_tokens=40, seed=1))
+    engine.add_request("stop", "Count: one, two, three,", SamplingParams(
+        temperature=0.0, max_tokens=60, stop=[","], ignore_eos=True))  # fmt: skip
+    engine.add_request("to-abort-running", "Say something long.", long)
+    finished = {}
+    for _ in range(3):
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "to-abort-running" in sched.requests
+    engine.add_request("to-abort-waiting", "Never runs.", long)
+    engine.abort_request(["to-abort-running", "to-abort-waiting", "unknown-id"])
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(finished) == {"long-0", "long-1", "long-2", "long-3", "n3", "stop"}
+    assert len(finished["n3"].outputs) == 3
+    assert finished["stop"].outputs[0].stop_reason == ","
+    assert sched.total_preemptions > preemptions
+    assert not sched.requests and not sched.running and not len(sched.waiting)
+    kv = sched.kv_cache_manager
+    assert not kv.req_to_blocks
+    assert kv.block_pool.get_num_free_blocks() == core(tiny_pool).num_blocks - 1
+    kv.check_no_leaks()
