@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -87,30 +88,46 @@ class ModelRunner:
         self._replicated = NamedSharding(self.mesh, P())
         self._step = jax.jit(
             self._step_fn,
-            donate_argnums=(1,),
+            donate_argnums=(1, 2),
             out_shardings=(
                 self._replicated,
                 self._replicated,
                 (self._kv_sharding, self._kv_sharding),
+                self._replicated,
             ),
         )
-        self._zero_penalty_state: dict[int, tuple[jax.Array, jax.Array]] = {}
+        # Penalty state per input-batch row, on the device: (prompt_mask bool[R, V],
+        # output_counts i32[R, V]). A penalised request's row is filled once when it is
+        # scheduled (_init_penalty_row); each step then adds its sampled tokens in place.
+        r, v = scheduler_config.max_num_seqs, self.config.vocab_size
+        self.penalty_state = jax.device_put(
+            (np.zeros((r, v), bool), np.zeros((r, v), np.int32)), self._replicated
+        )
+        self._init_penalty_row = jax.jit(
+            _init_penalty_row, donate_argnums=(0,), out_shardings=self._replicated
+        )
 
     # ------------------------------------------------------------------ the compiled step
-    def _step_fn(
-        self, state, kv_caches, input_ids, positions, md, logits_indices, sampling, step,
-        prompt_targets,
-    ):  # fmt: skip
-        """input_ids, positions, prompt_targets: i32[T]; logits_indices: i32[S].
+    def _step_fn(self, state, kv_caches, penalty_state, inputs: StepInputs, step):
+        """One forward + sampling step over T tokens of S sequences (see StepInputs).
 
-        Returns (SamplerOutput [S], prompt logprobs ([T, K+1], [T, K+1], [T]), kv_caches).
+        Returns (SamplerOutput [S], prompt logprobs ([T, K+1], [T, K+1], [T]), kv_caches,
+        penalty_state with this step's sampled tokens counted).
         """
         model = nnx.merge(self.graphdef, state)
-        hidden, kv_caches = model(input_ids, positions, kv_caches, md)  # [T, D]
-        logits = model.compute_logits(hidden[logits_indices])  # [S, V] float32
+        hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
+        logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
+        prompt_mask, output_counts = penalty_state
+        sampling = inputs.sampling._replace(
+            prompt_mask=prompt_mask[inputs.rows], output_counts=output_counts[inputs.rows]
+        )
         key = jax.random.fold_in(self.base_key, step)
         sampled = sample(logits, sampling, key, num_logprobs=self.num_logprobs)
-        return sampled, self._prompt_logprobs(model, hidden, prompt_targets), kv_caches
+        output_counts = output_counts.at[inputs.rows, sampled.token_ids].add(
+            inputs.appends.astype(jnp.int32)
+        )
+        prompt_lp = self._prompt_logprobs(model, hidden, inputs.prompt_targets)
+        return sampled, prompt_lp, kv_caches, (prompt_mask, output_counts)
 
     def _prompt_logprobs(self, model, hidden: jax.Array, targets: jax.Array):
         """Logprob (and top-K) of the next prompt token at every position that asks for one
@@ -191,14 +208,18 @@ class ModelRunner:
         for t in self.token_buckets:
             for s in self.seq_buckets:
                 if s <= t:
-                    self._run(*self._padding_inputs(t, s))
+                    self._run(self._padding_inputs(t, s))
+        tokens = np.zeros(self.max_model_len, np.int32)
+        zero = np.int32(0)
+        self.penalty_state = self._init_penalty_row(self.penalty_state, zero, tokens, zero, zero)
         logger.info(
             "compiled %d step shapes in %.1f s", self.num_compiled_steps(),
             time.perf_counter() - start,
         )  # fmt: skip
 
     def num_compiled_steps(self) -> int:
-        return self._step._cache_size()
+        """Executables compiled so far; serving must never add one."""
+        return self._step._cache_size() + self._init_penalty_row._cache_size()
 
     def _padding_inputs(self, t: int, s: int):
         md = AttentionMetadata(
@@ -209,14 +230,21 @@ class ModelRunner:
             num_seqs=np.zeros(1, np.int32),
         )
         ids = np.zeros(t, np.int32)
-        no_targets = np.full(t, -1, np.int32)
-        return ids, ids, md, np.zeros(s, np.int32), self._sampling_metadata([], s), no_targets
+        return StepInputs(
+            input_ids=ids,
+            positions=ids,
+            attn=md,
+            logits_indices=np.zeros(s, np.int32),
+            sampling=self._sampling_metadata([], s),
+            rows=np.zeros(s, np.int32),
+            appends=np.zeros(s, bool),
+            prompt_targets=np.full(t, -1, np.int32),
+        )
 
-    def _run(self, input_ids, positions, md, logits_indices, sampling, prompt_targets):
-        sampled, prompt_lp, self.kv_caches = self._step(
-            self.state, self.kv_caches, input_ids, positions, md, logits_indices, sampling,
-            np.int32(self.step_count), prompt_targets,
-        )  # fmt: skip
+    def _run(self, inputs: StepInputs):
+        sampled, prompt_lp, self.kv_caches, self.penalty_state = self._step(
+            self.state, self.kv_caches, self.penalty_state, inputs, np.int32(self.step_count)
+        )
         self.step_count += 1
         return sampled, prompt_lp
 
@@ -227,8 +255,13 @@ class ModelRunner:
             ib.remove_request(req_id)
         starts = {}
         for new in so.scheduled_new_reqs:
-            ib.add_request(new, new.eos_token_id)
+            row = ib.add_request(new, new.eos_token_id)
             starts[new.req_id] = new.num_computed_tokens
+            if _penalised(new.sampling_params):
+                self.penalty_state = self._init_penalty_row(
+                    self.penalty_state, np.int32(row), ib.token_ids[row],
+                    ib.num_prompt_tokens[row], ib.num_tokens[row],
+                )  # fmt: skip
         for cached in so.scheduled_cached_reqs:
             ib.append_blocks(ib.req_id_to_row[cached.req_id], cached.new_block_ids)
             starts[cached.req_id] = cached.num_computed_tokens
@@ -274,8 +307,21 @@ class ModelRunner:
             next_ids = ib.token_ids[row_of_token, np.minimum(pos + 1, self.max_model_len - 1)]
             targets[:num_tokens] = np.where(in_prompt, next_ids, -1)
 
-        sampling = self._sampling_metadata(rows, s)
-        out, prompt_out = self._run(ids, positions, md, logits_indices, sampling, targets)
+        padded_rows = np.zeros(s, np.int32)
+        padded_rows[:num_reqs] = rows
+        appends = np.zeros(s, bool)  # the prompt is complete: the sampled token is real
+        appends[:num_reqs] = start + n_sched >= ib.num_tokens[rows]
+        inputs = StepInputs(
+            input_ids=ids,
+            positions=positions,
+            attn=md,
+            logits_indices=logits_indices,
+            sampling=self._sampling_metadata(rows, s),
+            rows=padded_rows,
+            appends=appends,
+            prompt_targets=targets,
+        )
+        out, prompt_out = self._run(inputs)
         want_logprobs = any(ib.params[r].logprobs is not None for r in rows)
         fetched = jax.device_get(
             (out.token_ids, out.logprobs, out.logprob_token_ids, out.sampled_rank)
@@ -293,8 +339,8 @@ class ModelRunner:
                     prompt_logprobs[req_ids[i]] = PromptLogprobs(
                         int(start[i]) + 1, lp[lo:valid], lp_ids[lo:valid], ranks[lo:valid]
                     )
-        for row, end, token in zip(rows, start + n_sched, sampled, strict=True):
-            if end >= ib.num_tokens[row]:  # the prompt is complete: the token is real
+        for row, append, token in zip(rows, appends[:num_reqs], sampled, strict=True):
+            if append:
                 ib.append_token(row, int(token))
         result = ModelRunnerOutput(req_ids, np.asarray(sampled, np.int32))
         result.prompt_logprobs = prompt_logprobs
@@ -305,8 +351,9 @@ class ModelRunner:
         return result
 
     def _sampling_metadata(self, rows, s: int) -> SamplingMetadata:
-        """Per-row sampling arrays for `rows` (host row ids), padded to s rows."""
-        ib, v = self.input_batch, self.config.vocab_size
+        """Per-row sampling arrays for `rows` (host row ids), padded to s rows; the [S, V]
+        penalty arrays come from the device-resident penalty state inside the step."""
+        ib = self.input_batch
         f32 = lambda fill=0.0: np.full(s, fill, np.float32)  # noqa: E731
         temperature, top_p, min_p = f32(), f32(1.0), f32()
         presence, frequency, repetition = f32(), f32(), f32(1.0)
@@ -314,7 +361,6 @@ class ModelRunner:
         seeds, has_seed = np.zeros(s, np.uint32), np.zeros(s, bool)
         bias_ids = np.full((s, MAX_BIAS_TOKENS), -1, np.int32)
         bias_vals = np.zeros((s, MAX_BIAS_TOKENS), np.float32)
-        penalised = []
         for i, row in enumerate(rows):
             p = ib.params[row]
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
@@ -330,29 +376,42 @@ class ModelRunner:
                     bias[tok] = -np.inf
             bias_ids[i, : len(bias)] = list(bias)
             bias_vals[i, : len(bias)] = list(bias.values())
-            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-                penalised.append((i, row))
-        if penalised:
-            prompt_mask = np.zeros((s, v), bool)
-            output_counts = np.zeros((s, v), np.int32)
-            for i, row in penalised:
-                n_prompt, n_tok = ib.num_prompt_tokens[row], ib.num_tokens[row]
-                prompt_mask[i, ib.token_ids[row, :n_prompt]] = True
-                np.add.at(output_counts[i], ib.token_ids[row, n_prompt:n_tok], 1)
-            # Committed like the cached zeros below: the same jit cache entry serves both.
-            prompt_mask, output_counts = jax.device_put(
-                (prompt_mask, output_counts), self._replicated
-            )
-        else:  # the common case: device-resident zeros, nothing [s, V]-sized crosses over
-            if s not in self._zero_penalty_state:
-                self._zero_penalty_state[s] = jax.device_put(
-                    (np.zeros((s, v), bool), np.zeros((s, v), np.int32)), self._replicated
-                )
-            prompt_mask, output_counts = self._zero_penalty_state[s]
         return SamplingMetadata(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             presence_penalty=presence, frequency_penalty=frequency,
-            repetition_penalty=repetition, prompt_mask=prompt_mask, output_counts=output_counts,
+            repetition_penalty=repetition, prompt_mask=None, output_counts=None,  # step fills
             bias_token_ids=bias_ids, bias_values=bias_vals, seeds=seeds, has_seed=has_seed,
             output_positions=out_pos,
         )  # fmt: skip
+
+
+class StepInputs(NamedTuple):
+    """A step's host-built inputs: T tokens (padded) of S sequences (padded)."""
+
+    input_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    attn: AttentionMetadata
+    logits_indices: np.ndarray  # i32[S]: each sequence's last token in the flat batch
+    sampling: SamplingMetadata  # [S] rows; prompt_mask / output_counts None (from the device)
+    rows: np.ndarray  # i32[S]: each sequence's input-batch row (its penalty state)
+    appends: np.ndarray  # bool[S]: the sampled token is kept (the prompt is complete)
+    prompt_targets: np.ndarray  # i32[T]: next prompt token to score, -1 = none
+
+
+def _penalised(params) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty) or (
+        params.repetition_penalty != 1.0
+    )
+
+
+def _init_penalty_row(penalty_state, row, token_ids, num_prompt, num_tokens):
+    """Fill one row's penalty state from its tokens: i32[max_model_len], the first num_prompt
+    the prompt, up to num_tokens its output so far (a request resumed after preemption)."""
+    prompt_mask, output_counts = penalty_state
+    vocab = prompt_mask.shape[1]
+    idx = jnp.arange(token_ids.shape[0])
+    in_prompt = jnp.where(idx < num_prompt, token_ids, vocab)  # vocab: dropped
+    in_output = jnp.where((idx >= num_prompt) & (idx < num_tokens), token_ids, vocab)
+    mask = jnp.zeros(vocab, bool).at[in_prompt].set(True, mode="drop")
+    counts = jnp.zeros(vocab, jnp.int32).at[in_output].add(1, mode="drop")
+    return prompt_mask.at[row].set(mask), output_counts.at[row].set(counts)

@@ -281,3 +281,38 @@ def test_mixed_workload_with_aborts_drains_to_an_empty_pool(tiny_pool):
     assert not kv.req_to_blocks
     assert kv.block_pool.get_num_free_blocks() == core(tiny_pool).num_blocks - 1
     kv.check_no_leaks()
+
+
+def test_repetition_penalty_matches_hf_through_chunking_and_preemption(llm, chunked, tiny_pool, hf):
+    """The device-resident penalty state (prompt mask + output counts per row) against HF's
+    RepetitionPenaltyLogitsProcessor, greedy, with prompts chunked or not; then unchanged by
+    preemption (a resumed request rebuilds its row from prompt + output so far)."""
+    prompts = prompt_ids(llm)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.5)
+    eos = llm.get_tokenizer().eos_token_id
+    refs = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=24, do_sample=False, repetition_penalty=1.5,
+                eos_token_id=eos, pad_token_id=eos,
+            )  # fmt: skip
+        refs.append(out[0, len(ids) :].tolist())
+    unpenalised = SamplingParams(temperature=0.0, max_tokens=24)
+    assert refs != token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], unpenalised))
+    for engine in (llm, chunked):
+        got = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert token_ids(got) == refs
+    long = SamplingParams(
+        temperature=0.0,
+        max_tokens=160,
+        ignore_eos=True,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+    )
+    preemptions = core(tiny_pool).scheduler.total_preemptions
+    batch = [{"prompt_token_ids": p} for p in prompt_ids(llm)]
+    out = token_ids(tiny_pool.generate(batch, long))
+    assert core(tiny_pool).scheduler.total_preemptions > preemptions
+    assert out == token_ids(llm.generate(batch, long))
