@@ -153,7 +153,7 @@ def test_no_compilation_after_warmup(llm):
         SamplingParams(temperature=0.0, max_tokens=5),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=7, seed=3),
         SamplingParams(temperature=1.0, min_p=0.1, presence_penalty=0.5,
-                       repetition_penalty=1.2, max_tokens=4, logprobs=5),
+                       repetition_penalty=1.2, max_tokens=4, logprobs=5, prompt_logprobs=2),
         SamplingParams(temperature=0.7, logit_bias={42: 5.0}, min_tokens=3, max_tokens=6),
     ]  # fmt: skip
     words = [

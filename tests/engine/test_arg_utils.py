@@ -1,0 +1,64 @@
+"""EngineArgs -> EngineConfig: defaults, and a ValueError naming each bad argument."""
+
+import pickle
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, EngineArgs
+from jaxserve.entrypoints.llm import LLM
+from tests.helpers import make_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_hf("llama", tmp_path_factory.mktemp("tiny")))
+
+
+def test_defaults_are_vllms_with_cpu_limits(model_dir):
+    config = EngineArgs(model=model_dir).create_engine_config()
+    assert isinstance(config, EngineConfig)
+    assert config.cache.block_size == 16 and config.cache.enable_prefix_caching
+    assert config.cache.gpu_memory_utilization == 0.9 and config.max_logprobs == 20
+    assert config.scheduler.max_model_len == config.model.max_model_len
+    assert config.scheduler.max_num_seqs == CPU_MAX_NUM_SEQS
+    assert config.scheduler.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
+    assert config.parallel.tensor_parallel_size == 1 and config.seed == 0
+    assert pickle.loads(pickle.dumps(config)).scheduler == config.scheduler  # for spawn
+    with pytest.raises(AttributeError):
+        config.seed = 3  # frozen
+
+
+def test_default_model_by_name_or_none():
+    by_name = EngineArgs(model="HuggingFaceTB/SmolLM2-135M-Instruct").create_engine_config()
+    assert by_name.model_path == EngineArgs().create_engine_config().model_path
+    assert by_name.model_path.endswith(".gguf") and by_name.model.num_layers == 30
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"max_model_len": 10**6}, "max_model_len=1000000 exceeds the model's"),
+        ({"max_model_len": 0}, "max_model_len must be at least 1, got 0"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be at least 1, got 0"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens must be at least 1, got -1"),
+        ({"block_size": 12}, "block_size must be a power of two, got 12"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be positive, got 0"),
+        ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override must be at least 2, got 1"),
+        ({"tensor_parallel_size": 64}, "tensor_parallel_size=64 exceeds the"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy must be 'fcfs' or 'priority'"),
+        ({"max_logprobs": -1}, "max_logprobs must be non-negative, got -1"),
+        ({"dtype": "int8"}, "dtype 'int8' is not one of auto"),
+    ],
+)
+def test_bad_arguments_name_the_field(model_dir, args, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=model_dir, **args).create_engine_config()
+
+
+def test_bad_model_paths_and_unknown_arguments(tmp_path, model_dir):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        EngineArgs(model=str(tmp_path / "nope")).create_engine_config()
+    with pytest.raises(TypeError, match="unknown engine arguments: max_num_seq"):
+        LLM(model_dir, max_num_seq=4)
