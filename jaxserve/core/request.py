@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
+import numpy as np
+
 from jaxserve.core.kv_cache_utils import BlockHash, extend_block_hashes
 from jaxserve.core.scheduler_output import PromptLogprobs
 from jaxserve.sampling_params import SamplingParams
@@ -37,13 +39,21 @@ class RequestStatus(enum.IntEnum):
             )
             self.num_prompt_logprobs += len(chunk.ranks) - skip
 
-    def take_prompt_logprobs(self) -> tuple[list[list[float]], list[list[int]], list[int]]:
-        """All prompt positions' (logprobs, token ids, ranks) as lists, once."""
+    def take_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All prompt positions' (logprobs [P-1, K+1], token ids [P-1, K+1], ranks [P-1]),
+        once."""
         chunks, self.prompt_logprobs = self.prompt_logprobs, []
+        cols = self.sampling_params.prompt_logprobs + 1
+        if not chunks:
+            return (
+                np.zeros((0, cols), np.float32),
+                np.zeros((0, cols), np.int32),
+                np.zeros(0, np.int32),
+            )
         return (
-            [row for c in chunks for row in c.logprobs.tolist()],
-            [row for c in chunks for row in c.token_ids.tolist()],
-            [r for c in chunks for r in c.ranks.tolist()],
+            np.concatenate([c.logprobs for c in chunks]),
+            np.concatenate([c.token_ids for c in chunks]),
+            np.concatenate([c.ranks for c in chunks]),
         )
 
     @property
@@ -130,13 +140,21 @@ class Request:
             )
             self.num_prompt_logprobs += len(chunk.ranks) - skip
 
-    def take_prompt_logprobs(self) -> tuple[list[list[float]], list[list[int]], list[int]]:
-        """All prompt positions' (logprobs, token ids, ranks) as lists, once."""
+    def take_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All prompt positions' (logprobs [P-1, K+1], token ids [P-1, K+1], ranks [P-1]),
+        once."""
         chunks, self.prompt_logprobs = self.prompt_logprobs, []
+        cols = self.sampling_params.prompt_logprobs + 1
+        if not chunks:
+            return (
+                np.zeros((0, cols), np.float32),
+                np.zeros((0, cols), np.int32),
+                np.zeros(0, np.int32),
+            )
         return (
-            [row for c in chunks for row in c.logprobs.tolist()],
-            [row for c in chunks for row in c.token_ids.tolist()],
-            [r for c in chunks for r in c.ranks.tolist()],
+            np.concatenate([c.logprobs for c in chunks]),
+            np.concatenate([c.token_ids for c in chunks]),
+            np.concatenate([c.ranks for c in chunks]),
         )
 
     @property

@@ -121,7 +121,7 @@ class OutputProcessor:
                 child.logprobs.append(self._position(*out.logprobs))
                 child.cumulative_logprob += out.logprobs[0][0]
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
-                values, token_ids, ranks = out.prompt_logprobs
+                values, token_ids, ranks = (a.tolist() for a in out.prompt_logprobs)
                 state.prompt_logprobs = [None] + [
                     self._position(*position)
                     for position in zip(values, token_ids, ranks, strict=True)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import enum
+from typing import Any
+
 import msgspec
+import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
 
@@ -28,9 +32,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None  # the stop token id (stop strings: frontend)
     # (logprobs [K+1], token ids [K+1], sampled rank): the sampled token first, then top-K.
     logprobs: tuple[list[float], list[int], int] | None = None
-    # With the first token only: prompt positions 1.. as ([[lp]], [[token ids]], [rank]), each
-    # row the prompt token first, then the top prompt_logprobs tokens.
-    prompt_logprobs: tuple[list[list[float]], list[list[int]], list[int]] | None = None
+    # With the first token only: prompt positions 1.. as (f32[P-1, K+1] logprobs, i32[P-1, K+1]
+    # token ids, i32[P-1] ranks), each row the prompt token first, then the top-K.
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     num_cached_tokens: int = 0
 
     @property
@@ -47,8 +51,39 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0  # since the last stats
 
 
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The answer to a UtilityRequest: its result, or the error it raised."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one engine-core step sends back: every request's news plus the scheduler's state."""
+    """What the core sends back after a step (or to answer a utility call): every request's
+    news, the scheduler's state and when the step finished (time.time(), for TTFT / ITL)."""
 
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of every frontend -> core message; the rest is the payload's frames."""
+
+    ADD = b"\x00"  # EngineCoreRequest
+    ABORT = b"\x01"  # list[str] of request ids
+    UTILITY = b"\x02"  # UtilityRequest
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Call EngineCore.<method>(*args) in the core process; answered with a UtilityOutput."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+# The core sends this single frame on its output socket when it dies.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
