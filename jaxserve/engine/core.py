@@ -10,6 +10,7 @@ surface.
 from __future__ import annotations
 
 import logging
+import time
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
@@ -57,8 +58,10 @@ class EngineCore:
             )
         )
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Abort requests wherever they are (unknown ids are ignored); returns those aborted."""
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [r.request_id for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -68,8 +71,24 @@ class EngineCore:
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
+        self.process_aborts_mid_step()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), timestamp=time.time())
+
+    def process_aborts_mid_step(self) -> None:
+        """Hook: aborts that arrived while the step ran (the core process applies them here,
+        so an aborted request's last token is never delivered)."""
+
+    def get_state(self) -> dict:
+        """What the core holds, for tests and debugging (a utility call)."""
+        kv = self.scheduler.kv_cache_manager
+        kv.check_no_leaks()
+        return {
+            "num_requests": len(self.scheduler.requests),
+            "num_free_blocks": kv.block_pool.get_num_free_blocks(),
+            "num_blocks": self.num_blocks,
+            "total_preemptions": self.scheduler.total_preemptions,
+        }
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -10,13 +10,14 @@ through prefix caching; the output processor gathers them into one RequestOutput
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.engine.core_client import EngineCoreClient, InprocClient
+from jaxserve.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import EngineCoreRequest, SchedulerStats
@@ -53,12 +54,22 @@ class LLMEngine:
         self.scheduler_stats = SchedulerStats()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        config = args.create_engine_config()
+    def from_engine_args(cls, args: EngineArgs, *, multiprocess: bool | None = None) -> LLMEngine:
+        """multiprocess (default: $JAXSERVE_ENABLE_MULTIPROCESSING, else on): the core runs in
+        its own process (SyncMPClient); otherwise in this one (InprocClient)."""
+        if multiprocess is None:
+            multiprocess = os.environ.get("JAXSERVE_ENABLE_MULTIPROCESSING", "1") != "0"
+        if multiprocess:
+            client: EngineCoreClient = SyncMPClient(args)
+            config = client.config
+        else:
+            config = args.create_engine_config()
+            client = InprocClient(config)
         return cls(
             config,
             tokenizer=read_tokenizer(args.tokenizer or config.model_path),
             generation_config=read_generation_config(config.model_path),
+            client=client,
         )
 
     def get_tokenizer(self) -> Any:
@@ -113,3 +124,6 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -24,10 +24,14 @@ SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
 
 @pytest.fixture(scope="module", autouse=True)
 def share_loaded_model():
-    """One model load for the module: every LLM below differs only in engine settings."""
+    """The core in this process (the tests look inside it), and one model load for the
+    module: every LLM below differs only in engine settings."""
     original = core_module.load_model
     core_module.load_model = functools.cache(original)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     yield
+    mp.undo()
     core_module.load_model = original
 
 

@@ -1,0 +1,267 @@
+"""EngineCoreProc: the engine core in its own process, behind ZeroMQ (vLLM V1's layout).
+
+Started by the frontend's client with multiprocessing "spawn" (`run_engine_core`):
+
+1. Handshake (DEALER): send HELLO, receive the input / output socket addresses; load the
+   model, compile, allocate the KV cache (EngineCore.__init__); send READY with the number of
+   KV blocks. A failure before READY is sent as FAILED with the error, then the process exits.
+2. Input thread: DEALER socket -> decode -> input queue (aborts also go to an aborts queue, so
+   they apply between a step's execution and its update).
+3. Output thread: output queue -> encode (one reused buffer) -> PUSH socket.
+4. Main thread, the busy loop: block on the input queue while idle, drain it, step, queue the
+   outputs.
+
+On a fatal error the core sends ENGINE_CORE_DEAD and exits 1. SIGTERM / SIGINT: stop taking new
+requests (they finish at once as aborted), let the running ones finish for up to
+`JAXSERVE_SHUTDOWN_TIMEOUT` seconds (default 30), abort the rest, exit 0. A watchdog thread
+exits the process when the frontend that started it is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.engine.core import EngineCore
+from jaxserve.ipc.messages import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityOutput,
+    UtilityRequest,
+)
+from jaxserve.ipc.serialization import MsgpackDecoder, MsgpackEncoder
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 60.0
+PARENT_POLL_S = 0.5
+_WAKEUP = object()  # input-queue item that only wakes the busy loop (signals)
+# Test-only fault injection: the core raises in the model step after this many steps.
+FAULT_ENV = "JAXSERVE_TEST_FAIL_AFTER_STEPS"
+
+
+class EngineCoreProc(EngineCore):
+    def __init__(self, args: EngineArgs, handshake_address: str, parent_pid: int):
+        # The config is resolved here, in the process that owns the devices: the frontend
+        # never initialises a JAX backend (on a GPU that would take its memory).
+        self.parent_pid = parent_pid
+        threading.Thread(target=self._watch_parent, daemon=True, name="parent-watch").start()
+        config = args.create_engine_config()
+        self.ctx = zmq.Context()
+        self.handshake = self.ctx.socket(zmq.DEALER)
+        self.handshake.connect(handshake_address)
+        self.handshake.send(msgspec.msgpack.encode({"status": "HELLO", "pid": os.getpid()}))
+        if not self.handshake.poll(HANDSHAKE_TIMEOUT_S * 1000):
+            raise TimeoutError("the frontend did not answer HELLO")
+        addresses = msgspec.msgpack.decode(self.handshake.recv())
+
+        super().__init__(config)
+
+        self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.shutdown_requested = False
+        self.steps_until_fault = int(os.environ.get(FAULT_ENV, "-1"))
+        ready = threading.Event()
+        threading.Thread(
+            target=self._process_input_socket, args=(addresses["input"], ready),
+            daemon=True, name="core-input",
+        ).start()  # fmt: skip
+        self.output_thread = threading.Thread(
+            target=self._process_output_socket, args=(addresses["output"],),
+            daemon=True, name="core-output",
+        )  # fmt: skip
+        self.output_thread.start()
+        if not ready.wait(HANDSHAKE_TIMEOUT_S):
+            raise TimeoutError("the input socket did not connect")
+        ready_message = {
+            "status": "READY",
+            "num_blocks": self.num_blocks,
+            "config": pickle.dumps(config),  # frozen dataclasses; a trusted local socket
+        }
+        self.handshake.send(msgspec.msgpack.encode(ready_message))
+
+    # ------------------------------------------------------------------ threads
+    def _watch_parent(self) -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != self.parent_pid:
+                logger.error("the frontend (pid %d) is gone; EngineCore exits", self.parent_pid)
+                os._exit(1)
+
+    def _process_input_socket(self, address: str, ready: threading.Event) -> None:
+        decoders = {
+            EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
+            EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
+            EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
+        }
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, b"core")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(b"")  # registers this DEALER with the frontend's ROUTER
+        ready.set()
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            request_type = EngineCoreRequestType(bytes(frames[0].buffer))
+            payload = decoders[request_type].decode(frames[1:])
+            if request_type == EngineCoreRequestType.ABORT:
+                self.aborts_queue.put_nowait(payload)
+            self.input_queue.put_nowait((request_type, payload))
+
+    def _process_output_socket(self, address: str) -> None:
+        encoder = MsgpackEncoder()
+        # Its own context: terminating it waits (up to LINGER) until the last outputs and the
+        # dead sentinel are delivered, which os._exit at the end of the process would not.
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 4000)
+        sock.connect(address)
+        while True:
+            item = self.output_queue.get()
+            if item is None or item == ENGINE_CORE_DEAD:  # None: a clean shutdown
+                if item is not None:
+                    sock.send(ENGINE_CORE_DEAD)
+                sock.close()
+                ctx.term()
+                return
+            frames = encoder.encode(item)
+            # The reused main buffer is copied; large arrays go out zero-copy.
+            sock.send(frames[0], zmq.SNDMORE if len(frames) > 1 else 0, copy=True)
+            for i, frame in enumerate(frames[1:], 2):
+                sock.send(frame, zmq.SNDMORE if i < len(frames) else 0, copy=False)
+
+    # ------------------------------------------------------------------ the busy loop
+    def run_busy_loop(self) -> None:
+        shutdown_deadline = None
+        while True:
+            self._process_input_queue(block=not self.has_unfinished_requests())
+            if self.shutdown_requested:
+                if shutdown_deadline is None:
+                    timeout = float(os.environ.get("JAXSERVE_SHUTDOWN_TIMEOUT", "30"))
+                    shutdown_deadline = time.monotonic() + timeout
+                    logger.info("shutting down: finishing in-flight requests (%.0f s)", timeout)
+                if not self.has_unfinished_requests():
+                    break
+                if time.monotonic() > shutdown_deadline:
+                    self._abort_and_report(list(self.scheduler.requests))
+                    break
+            if self.has_unfinished_requests():
+                self.output_queue.put_nowait(self.step())
+        self.output_queue.put_nowait(None)
+        self.output_thread.join(timeout=5)
+
+    def _process_input_queue(self, block: bool) -> None:
+        while block and not self.shutdown_requested:
+            try:  # a timeout, so signals (SIGTERM) are always seen promptly
+                self._handle(*self.input_queue.get(timeout=1.0))
+                break
+            except queue.Empty:
+                continue
+        while not self.input_queue.empty():
+            self._handle(*self.input_queue.get_nowait())
+
+    def _handle(self, request_type: Any, payload: Any = None) -> None:
+        if request_type is _WAKEUP:
+            return
+        if request_type == EngineCoreRequestType.ADD:
+            if self.shutdown_requested:  # refused: finish it at once
+                self.output_queue.put_nowait(
+                    EngineCoreOutputs([EngineCoreOutput(payload.request_id, [], "abort")])
+                )
+            else:
+                self.add_request(payload)
+        elif request_type == EngineCoreRequestType.ABORT:
+            self.abort_requests(payload)
+        elif request_type == EngineCoreRequestType.UTILITY:
+            self.output_queue.put_nowait(EngineCoreOutputs(utility_output=self._utility(payload)))
+
+    def _utility(self, call: UtilityRequest) -> UtilityOutput:
+        method = getattr(self, call.method, None)
+        if call.method.startswith("_") or call.method not in UTILITY_METHODS or method is None:
+            return UtilityOutput(call.call_id, failure_message=f"no utility {call.method!r}")
+        try:
+            return UtilityOutput(call.call_id, result=method(*call.args))
+        except Exception as e:  # reported to the caller; the core keeps serving
+            return UtilityOutput(call.call_id, failure_message=f"{type(e).__name__}: {e}")
+
+    def _abort_and_report(self, request_ids: list[str]) -> None:
+        aborted = self.abort_requests(request_ids)
+        if aborted:
+            outputs = [EngineCoreOutput(r, [], finish_reason="abort") for r in aborted]
+            self.output_queue.put_nowait(EngineCoreOutputs(outputs))
+
+    def process_aborts_mid_step(self) -> None:
+        while not self.aborts_queue.empty():
+            self.abort_requests(self.aborts_queue.get_nowait())
+
+    def step(self) -> EngineCoreOutputs:
+        if self.steps_until_fault == 0:
+            raise RuntimeError(f"injected fault ({FAULT_ENV})")
+        self.steps_until_fault -= 1
+        return super().step()
+
+    def request_shutdown(self) -> None:
+        self.shutdown_requested = True
+        self.input_queue.put_nowait((_WAKEUP, None))
+
+
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_state"})
+
+
+def run_engine_core(args: EngineArgs, handshake_address: str, parent_pid: int) -> None:
+    """The core process's entry point."""
+    logging.basicConfig(
+        level=os.environ.get("JAXSERVE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s [EngineCore] %(name)s: %(message)s",
+    )
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    core: EngineCoreProc | None = None
+    try:
+        core = EngineCoreProc(args, handshake_address, parent_pid)
+        signal.signal(signal.SIGTERM, lambda *_: core.request_shutdown())
+        signal.signal(signal.SIGINT, lambda *_: core.request_shutdown())
+        core.run_busy_loop()
+    except Exception as e:
+        if core is None:  # failed before READY: tell the frontend why
+            logger.exception("EngineCore failed to start")
+            _send_startup_failure(handshake_address, e)
+        else:
+            logger.exception("EngineCore hit a fatal error")
+            core.output_queue.put_nowait(ENGINE_CORE_DEAD)
+            core.output_thread.join(timeout=5)
+        os._exit(1)
+    os._exit(0)  # daemon threads blocked in zmq calls would otherwise hold the exit
+
+
+def _send_startup_failure(handshake_address: str, error: Exception) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(handshake_address)
+    message = {"status": "FAILED", "error": f"{type(error).__name__}: {error}"}
+    sock.send(msgspec.msgpack.encode(message))
+    sock.close()
+
+
+if __name__ == "__main__":
+    # python -m jaxserve.engine.core_proc RUN_DIR: started by MPClient, never by hand. A fresh
+    # interpreter (not multiprocessing) so the user's __main__ module is never re-imported.
+    run_dir = sys.argv[1]
+    with open(os.path.join(run_dir, "engine_args.pkl"), "rb") as f:
+        engine_args = pickle.load(f)
+    run_engine_core(engine_args, f"ipc://{run_dir}/handshake", os.getppid())
