@@ -8,7 +8,9 @@ kept for tests and debugging once the multi-process clients exist: same calls, n
 from __future__ import annotations
 
 import abc
+import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import os
@@ -185,7 +187,7 @@ class SyncMPClient(EngineCoreClient):
             if outputs.utility_output is not None:
                 self._resolve(outputs.utility_output)
             else:
-                self.outputs.put_nowait(outputs)
+                self._deliver(outputs)
 
     def _resolve(self, reply: UtilityOutput) -> None:
         future = self._pending.pop(reply.call_id, None)
@@ -198,10 +200,13 @@ class SyncMPClient(EngineCoreClient):
 
     def _set_dead(self, reason: str) -> None:
         self.dead = EngineDeadError(reason)
-        self.outputs.put_nowait(self.dead)
+        self._deliver(self.dead)
         for future in list(self._pending.values()):
             future.set_exception(self.dead)
         self._pending.clear()
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        self.outputs.put_nowait(item)
 
     def get_output(self) -> EngineCoreOutputs:
         item = self.outputs.get()
@@ -263,3 +268,41 @@ class SyncMPClient(EngineCoreClient):
                 proc.kill()
                 proc.wait()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+class AsyncMPClient(SyncMPClient):
+    """SyncMPClient for asyncio callers: the reader thread wakes the event loop
+    (call_soon_threadsafe) instead of a blocked thread; sends never block (ZeroMQ queues)."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _ready: asyncio.Event | None = None
+
+    def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
+        self.outputs.put_nowait(item)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        if self._loop is None:
+            self._ready = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+        while True:
+            try:
+                item = self.outputs.get_nowait()
+            except queue.Empty:
+                self._ready.clear()
+                if self.outputs.empty():  # re-checked after clear: no wake-up is lost
+                    await self._ready.wait()
+                continue
+            if isinstance(item, EngineDeadError):
+                self.outputs.put_nowait(item)
+                raise item
+            return item
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._calls)
+        self._pending[call_id] = future
+        self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        return await asyncio.wrap_future(future)

@@ -1,5 +1,7 @@
 """Scheduler behaviour with a scripted stand-in for the model runner."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -24,7 +26,7 @@ def make_scheduler(num_blocks=64, max_tokens=64, max_seqs=8, policy="fcfs", max_
 
 def req(req_id, n_prompt=10, *, priority=0, arrival=0.0, **params):
     params.setdefault("max_tokens", 5)
-    prompt = [10 + (hash(req_id) + i) % 50 for i in range(n_prompt)]
+    prompt = [10 + (zlib.crc32(req_id.encode()) + i) % 50 for i in range(n_prompt)]
     return Request(req_id, prompt, SamplingParams(**params), eos_token_id=EOS, block_size=BS,
                    arrival_time=arrival, priority=priority)  # fmt: skip
 

@@ -1,0 +1,221 @@
+"""AsyncLLM: the asyncio frontend (vLLM V1's AsyncLLM) that the HTTP server drives.
+
+generate(prompt, params, request_id) -> async iterator of RequestOutput
+  1. InputProcessor validates (ValueError naming the bad value; nothing is queued);
+  2. the request is registered with the OutputProcessor and a per-request collector, and
+     its n child requests go to the core (AsyncMPClient);
+  3. one output-handler task pulls EngineCoreOutputs, runs the OutputProcessor, puts each
+     RequestOutput into its request's collector, and aborts stop-string matches in the core;
+  4. the generator yields from the collector until the output is finished.
+A consumer that stops iterating (cancelled task, closed generator, client gone) aborts its
+request in the core at once. When the core dies, every waiting generator raises
+EngineDeadError and new calls fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.engine.core_client import AsyncMPClient, EngineDeadError
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.ipc.messages import SchedulerStats
+from jaxserve.models.loader import read_generation_config, read_tokenizer
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class RequestOutputCollector:
+    """Holds at most one undelivered RequestOutput: a consumer that falls behind gets the
+    outputs merged (DELTA: concatenated; CUMULATIVE / FINAL_ONLY: the newest), so memory stays
+    bounded whatever the pace."""
+
+    def __init__(self, kind: RequestOutputKind):
+        self.delta = kind == RequestOutputKind.DELTA
+        self.pending: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | Exception) -> None:
+        both = isinstance(self.pending, RequestOutput) and isinstance(output, RequestOutput)
+        if both and self.delta:
+            _merge_delta(self.pending, output)
+            output = self.pending
+        if not isinstance(self.pending, Exception):
+            self.pending = output
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.pending is None:
+            await self.ready.wait()
+        output, self.pending = self.pending, None
+        self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        return output
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+    into.metrics = new.metrics
+    if into.prompt_logprobs is None:
+        into.prompt_logprobs = new.prompt_logprobs
+
+
+class _Aborted(Exception):
+    """Put into a collector by abort(): ends that request's generator."""
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        client: AsyncMPClient,
+        *,
+        tokenizer: Any = None,
+        generation_config: Any = None,
+    ):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        if eos is None:
+            eos = getattr(config.model.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        self.input_processor = InputProcessor(
+            tokenizer,
+            vocab_size=config.model.vocab_size,
+            max_model_len=config.scheduler.max_model_len,
+            max_logprobs=config.max_logprobs,
+            eos_token_id=eos,
+        )
+        self.output_processor = OutputProcessor(tokenizer)
+        self.engine_core = client
+        self.collectors: dict[str, RequestOutputCollector] = {}
+        self.scheduler_stats = SchedulerStats()
+        self.output_handler: asyncio.Task | None = None
+        self.dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
+        """Starts the engine core process (blocking: load, compile) and reads the tokenizer."""
+        client = AsyncMPClient(args)
+        return cls(
+            client.config,
+            client,
+            tokenizer=read_tokenizer(args.tokenizer or client.config.model_path),
+            generation_config=read_generation_config(client.config.model_path),
+        )
+
+    @property
+    def errored(self) -> bool:
+        return self.dead is not None or self.engine_core.dead is not None
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def generate(
+        self,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's RequestOutputs (per sampling_params.output_kind) until it
+        finishes. Raises ValueError for bad input, EngineDeadError if the core dies."""
+        if self.errored:
+            raise self.dead or self.engine_core.dead
+        if request_id in self.collectors:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self._start_output_handler()
+        text, ids = self.input_processor.tokenize(prompt)
+        request = self.input_processor.process(request_id, ids, sampling_params,
+                                               priority=priority)  # fmt: skip
+        params = request.sampling_params
+        collector = RequestOutputCollector(params.output_kind)
+        self.collectors[request_id] = collector
+        finished = False
+        try:
+            core_ids = self.output_processor.add_request(
+                request_id, text, request.prompt_token_ids, params, request.arrival_time
+            )
+            for i, core_id in enumerate(core_ids):
+                child = params
+                if params.n > 1 and params.seed is not None:
+                    child = msgspec.structs.replace(params, seed=params.seed + i)
+                self.engine_core.add_request(
+                    msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
+                )
+            while not finished:
+                try:
+                    output = await collector.get()
+                except _Aborted:
+                    return
+                finished = output.finished
+                yield output
+        finally:  # cancelled, closed early or failed: nothing may stay in the core
+            self.collectors.pop(request_id, None)
+            if not finished and not self.errored:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks in the core; unknown ids are ignored."""
+        core_ids = self.output_processor.abort_request(request_id)
+        self.engine_core.abort_requests(core_ids)
+        collector = self.collectors.pop(request_id, None)
+        if collector is not None:  # its generator ends without a further output
+            collector.put(_Aborted())
+
+    def _start_output_handler(self) -> None:
+        if self.output_handler is None or self.output_handler.done():
+            self.output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                core_outputs = await self.engine_core.get_output_async()
+                if core_outputs.scheduler_stats is not None:
+                    self.scheduler_stats = core_outputs.scheduler_stats
+                outputs, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
+                for output in outputs:
+                    collector = self.collectors.get(output.request_id)
+                    if collector is not None:
+                        collector.put(output)
+                self.engine_core.abort_requests(to_abort)
+        except EngineDeadError as e:
+            self.dead = e
+        except Exception as e:  # a bug in output processing: fail loudly, never hang
+            self.dead = EngineDeadError(f"the output handler failed: {e!r}")
+        for collector in self.collectors.values():
+            collector.put(self.dead)
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        return await self.engine_core.call_utility_async(method, *args)
+
+    def shutdown(self) -> None:
+        if self.output_handler is not None:
+            self.output_handler.cancel()
+        self.engine_core.shutdown()
