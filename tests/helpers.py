@@ -141,3 +141,12 @@ def _make_forward(model, replicated):
         return logits, kv  # logits of every row (tests only; the runner picks last tokens)
 
     return functools.partial(forward, state)
+
+
+def drain_engine(engine, finished: dict | None = None) -> dict:
+    """Step an LLMEngine until it holds no request; returns {request_id: final RequestOutput}
+    (added to `finished` when given)."""
+    finished = {} if finished is None else finished
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    return finished

@@ -21,41 +21,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
 
-    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
-        """Keep a chunk's positions not seen yet (a request preempted mid-prompt recomputes
-        from its start) and only the prompt_logprobs + 1 columns the request asked for."""
-        skip = self.num_prompt_logprobs + 1 - chunk.first_position
-        if skip < 0:
-            raise RuntimeError(f"{self}: prompt logprobs skipped positions before {chunk}")
-        cols = self.sampling_params.prompt_logprobs + 1
-        if skip < len(chunk.ranks):
-            self.prompt_logprobs.append(
-                PromptLogprobs(
-                    chunk.first_position + skip,
-                    chunk.logprobs[skip:, :cols],
-                    chunk.token_ids[skip:, :cols],
-                    chunk.ranks[skip:],
-                )
-            )
-            self.num_prompt_logprobs += len(chunk.ranks) - skip
-
-    def take_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All prompt positions' (logprobs [P-1, K+1], token ids [P-1, K+1], ranks [P-1]),
-        once."""
-        chunks, self.prompt_logprobs = self.prompt_logprobs, []
-        cols = self.sampling_params.prompt_logprobs + 1
-        if not chunks:
-            return (
-                np.zeros((0, cols), np.float32),
-                np.zeros((0, cols), np.int32),
-                np.zeros(0, np.int32),
-            )
-        return (
-            np.concatenate([c.logprobs for c in chunks]),
-            np.concatenate([c.token_ids for c in chunks]),
-            np.concatenate([c.ranks for c in chunks]),
-        )
-
     @property
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED

@@ -18,8 +18,6 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import msgspec
-
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core_client import AsyncMPClient, EngineDeadError
@@ -96,17 +94,7 @@ class AsyncLLM:
         self.config = config
         self.tokenizer = tokenizer
         self.generation_config = generation_config
-        eos = tokenizer.eos_token_id if tokenizer is not None else None
-        if eos is None:
-            eos = getattr(config.model.hf_config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, list) else eos
-        self.input_processor = InputProcessor(
-            tokenizer,
-            vocab_size=config.model.vocab_size,
-            max_model_len=config.scheduler.max_model_len,
-            max_logprobs=config.max_logprobs,
-            eos_token_id=eos,
-        )
+        self.input_processor = InputProcessor.from_config(config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = client
         self.collectors: dict[str, RequestOutputCollector] = {}
@@ -154,21 +142,12 @@ class AsyncLLM:
         text, ids = self.input_processor.tokenize(prompt)
         request = self.input_processor.process(request_id, ids, sampling_params,
                                                priority=priority)  # fmt: skip
-        params = request.sampling_params
-        collector = RequestOutputCollector(params.output_kind)
+        collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.collectors[request_id] = collector
         finished = False
         try:
-            core_ids = self.output_processor.add_request(
-                request_id, text, request.prompt_token_ids, params, request.arrival_time
-            )
-            for i, core_id in enumerate(core_ids):
-                child = params
-                if params.n > 1 and params.seed is not None:
-                    child = msgspec.structs.replace(params, seed=params.seed + i)
-                self.engine_core.add_request(
-                    msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
-                )
+            for core_request in self.output_processor.add_request(text, request):
+                self.engine_core.add_request(core_request)
             while not finished:
                 try:
                     output = await collector.get()

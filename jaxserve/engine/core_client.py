@@ -11,7 +11,6 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import itertools
 import os
 import pickle
@@ -108,6 +107,7 @@ class SyncMPClient(EngineCoreClient):
         self.dead: EngineDeadError | None = None
         self._lock = threading.Lock()  # the input socket is shared by the caller's threads
         self._calls = itertools.count()
+        self._encoder = MsgpackEncoder()  # its buffer is reused: use it under _lock only
         self._pending: dict[int, concurrent.futures.Future] = {}
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
         self.proc: subprocess.Popen | None = None
@@ -227,10 +227,6 @@ class SyncMPClient(EngineCoreClient):
                 )
             except zmq.ZMQError as e:  # the core's socket is gone: so is the core
                 raise EngineDeadError(f"cannot reach it: {e}") from e
-
-    @functools.cached_property
-    def _encoder(self) -> MsgpackEncoder:
-        return MsgpackEncoder()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)

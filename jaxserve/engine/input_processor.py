@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from jaxserve.config import EngineConfig
 from jaxserve.ipc.messages import EngineCoreRequest
 from jaxserve.layers.sampler import MAX_BIAS_TOKENS
 from jaxserve.sampling_params import SamplingParams
@@ -21,6 +22,21 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.eos_token_id = eos_token_id
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, tokenizer: Any) -> InputProcessor:
+        """EOS: the tokenizer's, else the model config's (its first, when it lists several)."""
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        if eos is None:
+            eos = getattr(config.model.hf_config, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, list) else eos
+        return cls(
+            tokenizer,
+            vocab_size=config.model.vocab_size,
+            max_model_len=config.scheduler.max_model_len,
+            max_logprobs=config.max_logprobs,
+            eos_token_id=eos,
+        )
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         """A prompt is a str, {"prompt": str} or {"prompt_token_ids": [int]}."""

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import msgspec
-
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
@@ -38,17 +36,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.generation_config = generation_config
-        eos = tokenizer.eos_token_id if tokenizer is not None else None
-        if eos is None:
-            eos = getattr(config.model.hf_config, "eos_token_id", None)
-            eos = eos[0] if isinstance(eos, list) else eos
-        self.input_processor = InputProcessor(
-            tokenizer,
-            vocab_size=config.model.vocab_size,
-            max_model_len=config.scheduler.max_model_len,
-            max_logprobs=config.max_logprobs,
-            eos_token_id=eos,
-        )
+        self.input_processor = InputProcessor.from_config(config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = client if client is not None else InprocClient(config)
         self.scheduler_stats = SchedulerStats()
@@ -84,17 +72,8 @@ class LLMEngine:
         return text, self.input_processor.process(request_id, ids, params, priority=priority)
 
     def add_processed_request(self, text: str | None, request: EngineCoreRequest) -> None:
-        params = request.sampling_params
-        core_ids = self.output_processor.add_request(
-            request.request_id, text, request.prompt_token_ids, params, request.arrival_time
-        )
-        for i, core_id in enumerate(core_ids):
-            child = params
-            if params.n > 1 and params.seed is not None:  # distinct, reproducible children
-                child = msgspec.structs.replace(params, seed=params.seed + i)
-            self.engine_core.add_request(
-                msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
-            )
+        for core_request in self.output_processor.add_request(text, request):
+            self.engine_core.add_request(core_request)
 
     def add_request(
         self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
@@ -118,9 +97,6 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.requests)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import msgspec
+
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.ipc.messages import EngineCoreOutput
+from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreRequest
 from jaxserve.outputs import (
     CompletionOutput,
     Logprob,
@@ -64,11 +66,14 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-        params: SamplingParams, arrival_time: float,
-    ) -> list[str]:  # fmt: skip
-        """Register a request; returns the core request ids of its n children."""
-        children = {}
+        self, prompt: str | None, request: EngineCoreRequest
+    ) -> list[EngineCoreRequest]:
+        """Register a request; returns what to send to the core: the request itself, or its n
+        child requests ("{i}_{id}"; seeded children get seed + i, distinct and reproducible)."""
+        request_id, params, prompt_token_ids = (
+            request.request_id, request.sampling_params, request.prompt_token_ids
+        )  # fmt: skip
+        children, core_requests = {}, []
         for i in range(params.n):
             core_id = request_id if params.n == 1 else child_request_id(i, request_id)
             detok = (
@@ -80,10 +85,17 @@ class OutputProcessor:
             if params.logprobs is not None:
                 children[core_id].cumulative_logprob = 0.0
             self.child_to_parent[core_id] = request_id
+            child = params
+            if params.n > 1 and params.seed is not None:
+                child = msgspec.structs.replace(params, seed=params.seed + i)
+            core_requests.append(
+                msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
+            )
         self.requests[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, children, RequestMetrics(arrival_time)
-        )
-        return list(children)
+            request_id, prompt, prompt_token_ids, params, children,
+            RequestMetrics(request.arrival_time),
+        )  # fmt: skip
+        return core_requests
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

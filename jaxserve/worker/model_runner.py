@@ -322,16 +322,17 @@ class ModelRunner:
             prompt_targets=targets,
         )
         out, prompt_out = self._run(inputs)
-        want_logprobs = any(ib.params[r].logprobs is not None for r in rows)
-        fetched = jax.device_get(
-            (out.token_ids, out.logprobs, out.logprob_token_ids, out.sampled_rank)
-            if want_logprobs
-            else out.token_ids
-        )
-        sampled = (fetched[0] if want_logprobs else fetched)[:num_reqs]
-        prompt_logprobs = {}
+        # One host sync per step: everything this step's requests asked for, together.
+        fetch = {"ids": out.token_ids}
+        if any(ib.params[r].logprobs is not None for r in rows):
+            fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
         if wants_prompt_lp.any():
-            lp, lp_ids, ranks = jax.device_get(prompt_out)
+            fetch["prompt_logprobs"] = prompt_out
+        fetched = jax.device_get(fetch)
+        sampled = fetched["ids"][:num_reqs]
+        prompt_logprobs = {}
+        if "prompt_logprobs" in fetched:
+            lp, lp_ids, ranks = fetched["prompt_logprobs"]
             for i in np.flatnonzero(wants_prompt_lp):
                 lo, hi = qsl[i], qsl[i + 1]
                 valid = lo + int(np.sum(targets[lo:hi] >= 0))  # a prefix of the chunk
@@ -344,10 +345,10 @@ class ModelRunner:
                 ib.append_token(row, int(token))
         result = ModelRunnerOutput(req_ids, np.asarray(sampled, np.int32))
         result.prompt_logprobs = prompt_logprobs
-        if want_logprobs:
-            result.logprobs = fetched[1][:num_reqs]
-            result.logprob_token_ids = fetched[2][:num_reqs]
-            result.sampled_ranks = fetched[3][:num_reqs]
+        if "logprobs" in fetched:
+            lp, lp_ids, ranks = fetched["logprobs"]
+            result.logprobs, result.logprob_token_ids = lp[:num_reqs], lp_ids[:num_reqs]
+            result.sampled_ranks = ranks[:num_reqs]
         return result
 
     def _sampling_metadata(self, rows, s: int) -> SamplingMetadata:

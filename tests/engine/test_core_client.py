@@ -17,7 +17,7 @@ from jaxserve.engine.core_proc import FAULT_ENV
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-from tests.helpers import make_tiny_hf
+from tests.helpers import drain_engine, make_tiny_hf
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
               num_gpu_blocks_override=64)  # fmt: skip
@@ -64,10 +64,8 @@ def test_llm_runs_the_core_in_its_own_process_with_the_same_tokens(mp_llm, model
     assert isinstance(inproc.engine_core, InprocClient)
     for i, prompt in enumerate(PROMPTS):
         inproc.add_request(str(i), prompt, GREEDY)
-    done = {}
-    while inproc.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in inproc.step() if o.finished})
-    assert ours == [done[str(i)] for i in range(len(PROMPTS))]
+    done = drain_engine(inproc)
+    assert ours == [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))]
     assert all(len(t) == 12 for t in ours)
 
 
@@ -78,9 +76,7 @@ def test_aborts_utilities_and_bad_requests_leave_the_core_serving(mp_llm):
     for _ in range(3):
         engine.step()
     engine.abort_request(["a1", "a3"])
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = drain_engine(engine)
     assert set(finished) == {"a0", "a2"}
     assert all(len(o.outputs[0].token_ids) == 100 for o in finished.values())
     state = engine.engine_core.call_utility("get_state")  # also runs check_no_leaks()
@@ -135,9 +131,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(model_dir):
         engine.add_request(f"t{i}", PROMPTS[i], LONG)
     engine.step()
     proc.send_signal(signal.SIGTERM)
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    finished = drain_engine(engine)
     assert [len(finished[f"t{i}"].outputs[0].token_ids) for i in range(3)] == [100] * 3
     assert wait_dead(proc, 10) == 0
     with pytest.raises(EngineDeadError):

@@ -8,7 +8,7 @@ import torch
 import jaxserve.engine.core as core_module
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from tests.helpers import hf_default_model
+from tests.helpers import drain_engine, hf_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -132,14 +132,14 @@ def test_stop_strings_and_n_drain_clean(llm):
 
 def test_delta_outputs_concatenate_without_replacement_chars(llm):
     from jaxserve.engine.output_processor import OutputProcessor
+    from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreRequest
 
     tok = llm.get_tokenizer()
     text = "日本語のテキスト 🙂🎉 and ascii"
     ids = tok(text, add_special_tokens=False).input_ids
     proc = OutputProcessor(tok)
     params = SamplingParams(max_tokens=100, output_kind=RequestOutputKind.DELTA)
-    proc.add_request("r", None, [1], params, 0.0)
-    from jaxserve.ipc.messages import EngineCoreOutput
+    proc.add_request(None, EngineCoreRequest("r", [1], params, None, 0.0))
 
     pieces = []
     for i, t in enumerate(ids):
@@ -274,8 +274,7 @@ def test_mixed_workload_with_aborts_drains_to_an_empty_pool(tiny_pool):
     assert "to-abort-running" in sched.requests
     engine.add_request("to-abort-waiting", "Never runs.", long)
     engine.abort_request(["to-abort-running", "to-abort-waiting", "unknown-id"])
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    drain_engine(engine, finished)
     assert set(finished) == {"long-0", "long-1", "long-2", "long-3", "n3", "stop"}
     assert len(finished["n3"].outputs) == 3
     assert finished["stop"].outputs[0].stop_reason == ","
