@@ -174,6 +174,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     policy: str = "fcfs"  # fcfs | priority
+    # Schedule step N+1 while step N runs on the device (EngineCore keeps one step in flight).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

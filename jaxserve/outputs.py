@@ -33,9 +33,17 @@ class CompletionOutput:
 @dataclasses.dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None  # in the engine core
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to first being scheduled."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
 
 @dataclasses.dataclass

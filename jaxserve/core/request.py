@@ -59,7 +59,12 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being computed)
+        # Tokens being sampled by steps in flight, not yet known (async scheduling): the next
+        # step may already run on them; the model runner feeds them from the device.
+        self.num_output_placeholders = 0
+        self.first_scheduled_time: float | None = None  # time.time() when first scheduled
+        self.scheduled_time_sent = False
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
@@ -80,6 +85,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         token_ids = [token_ids] if isinstance(token_ids, int) else token_ids

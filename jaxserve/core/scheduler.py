@@ -10,11 +10,18 @@ Each step (vLLM V1's schedule()):
      remaining budget.
 No waiting request is admitted in a step that preempted one. `update_from_output` appends the
 sampled tokens, applies the stop conditions and frees finished requests' blocks.
+
+Async scheduling (EngineCore keeps one step in flight): step N+1 is scheduled before step N's
+sampled tokens are known. A step that completes a request's known tokens leaves an output
+placeholder on it; the next step may then run the request on that placeholder (the model runner
+takes the token from the device) unless it would pass max_tokens or max_model_len. When N's
+token arrives, a request that stopped has its N+1 token dropped.
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 
 from jaxserve.config import CacheConfig, SchedulerConfig
@@ -128,7 +135,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_tokens_to_schedule(request), budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -165,6 +172,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            assert not request.num_output_placeholders, request  # resolved before readmission
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_computed, budget)
             new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_computed)
@@ -174,6 +182,8 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_computed
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
             num_scheduled[request.request_id] = num_new
@@ -190,6 +200,15 @@ class Scheduler:
                 )
             )
 
+        # The tokens are as good as computed: the next schedule() may already plan after them.
+        # A step that reaches the end of a request's tokens samples its next one.
+        sampled = set()
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1
+                sampled.add(req_id)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -197,12 +216,22 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            sampled_req_ids=sampled,
         )
         self.finished_req_ids = set()
-        # The tokens are as good as computed: the next schedule() may already plan after them.
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
         return output
+
+    def _num_tokens_to_schedule(self, request: Request) -> int:
+        """Tokens a running request can run now: the rest of its prompt, or its last token
+        (known or a placeholder). Nothing when a placeholder may already be its last token."""
+        if request.num_output_placeholders:
+            max_tokens = request.sampling_params.max_tokens
+            n_out = request.num_output_tokens + request.num_output_placeholders
+            if (max_tokens is not None and n_out >= max_tokens) or (
+                request.num_tokens_with_placeholders >= self.config.max_model_len
+            ):
+                return 0
+        return request.num_tokens_with_placeholders - request.num_computed_tokens
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -227,12 +256,13 @@ class Scheduler:
         outputs = []
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
-            if request is None:  # aborted while the step ran
+            if request is None:  # finished or aborted while the step ran
                 continue
             if req_id in runner_output.prompt_logprobs:
                 request.add_prompt_logprobs(runner_output.prompt_logprobs[req_id])
-            if request.num_computed_tokens < request.num_tokens:  # mid-prompt chunk
+            if req_id not in scheduler_output.sampled_req_ids:  # mid-prompt chunk
                 continue
+            request.num_output_placeholders -= 1
             token = int(runner_output.sampled_token_ids[row])
             request.append_output_token_ids(token)
             self._check_stop(request, token)
@@ -258,12 +288,24 @@ class Scheduler:
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=request.num_cached_tokens,
+                    scheduled_time=self._take_scheduled_time(request),
                 )
             )
             if request.is_finished:
-                self.running.remove(request)
+                if request in self.running:
+                    self.running.remove(request)
+                else:  # preempted while its token was in flight
+                    self.waiting.remove(request)
                 self._free(request)
         return outputs
+
+    @staticmethod
+    def _take_scheduled_time(request: Request) -> float | None:
+        """When the request was first scheduled, in its first output only (queue time)."""
+        if request.scheduled_time_sent:
+            return None
+        request.scheduled_time_sent = True
+        return request.first_scheduled_time
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.sampling_params

@@ -40,6 +40,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished or aborted since the last step: drop their state
     preempted_req_ids: set[str]  # preempted this step: drop their state too
+    # Requests whose sampled token is kept (the step reaches the end of their known tokens).
+    sampled_req_ids: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass

@@ -36,6 +36,10 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"
+    # Schedule step N+1 while step N runs. Default: on with an accelerator; off on CPU, where
+    # the "device" is the host's own cores and the overlap slows the step it runs beside
+    # (benchmarks/results/cpu.md).
+    async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
@@ -54,6 +58,7 @@ class EngineArgs:
                 CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else MAX_NUM_BATCHED_TOKENS,
             ),
             policy=self.scheduling_policy,
+            async_scheduling=not on_cpu if self.async_scheduling is None else self.async_scheduling,
         )
         cache = CacheConfig(
             block_size=self.block_size,

@@ -24,6 +24,7 @@ from jaxserve.engine.core_client import AsyncMPClient, EngineDeadError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import SchedulerStats
+from jaxserve.metrics import IterationStats
 from jaxserve.models.loader import read_generation_config, read_tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -99,6 +100,7 @@ class AsyncLLM:
         self.engine_core = client
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.scheduler_stats = SchedulerStats()
+        self.stat_loggers: list[Any] = []  # anything with record(SchedulerStats, IterationStats)
         self.output_handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
 
@@ -115,7 +117,7 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
-        return self.dead is not None or self.engine_core.dead is not None
+        return self.dead is not None or self.engine_core.poll_dead() is not None
 
     @property
     def is_running(self) -> bool:
@@ -178,7 +180,12 @@ class AsyncLLM:
                 core_outputs = await self.engine_core.get_output_async()
                 if core_outputs.scheduler_stats is not None:
                     self.scheduler_stats = core_outputs.scheduler_stats
-                outputs, to_abort = self.output_processor.process_outputs(core_outputs.outputs)
+                stats = IterationStats()
+                outputs, to_abort = self.output_processor.process_outputs(
+                    core_outputs.outputs, stats
+                )
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(core_outputs.scheduler_stats, stats)
                 for output in outputs:
                     collector = self.collectors.get(output.request_id)
                     if collector is not None:

@@ -1,6 +1,10 @@
 """EngineCore: the scheduler, the KV cache manager and the model runner, one step at a time.
 
-    step() = schedule() -> execute_model() -> update_from_output()
+    step() = schedule() -> runner.dispatch() -> runner.fetch() -> update_from_output()
+
+With async scheduling (the default) the core keeps one step in flight: step() schedules and
+dispatches step N+1, then fetches step N (the one host sync), so the device runs N+1 while the
+host turns N into outputs and schedules N+2. Without it, each step is fetched right away.
 
 It runs in the caller's process behind `InprocClient` (engine/core_client.py); the
 multi-process engine puts it behind ZeroMQ with the same add_request / abort_requests / step
@@ -11,13 +15,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxserve.models.loader import load_model
-from jaxserve.worker.model_runner import ModelRunner, enable_persistent_compilation_cache
+from jaxserve.worker.model_runner import (
+    ModelRunner,
+    PendingStep,
+    enable_persistent_compilation_cache,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +49,8 @@ class EngineCore:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.compile_all()
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
 
     @property
     def num_blocks(self) -> int:
@@ -64,13 +76,23 @@ class EngineCore:
         return [r.request_id for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
 
-    def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs()
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+    def step(self) -> EngineCoreOutputs | None:
+        """Dispatch the next step if there is work, then finish the oldest step once
+        max_in_flight are running (or nothing new could be scheduled). None: nothing finished
+        this call (the first step of a burst, in flight)."""
+        dispatched = False
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            pending = self.runner.dispatch(scheduler_output)
+            if pending is not None:
+                self.in_flight.append((scheduler_output, pending))
+                dispatched = True
+        if not self.in_flight or (dispatched and len(self.in_flight) < self.max_in_flight):
+            return None
+        scheduler_output, pending = self.in_flight.popleft()
+        runner_output = self.runner.fetch(pending)
         self.process_aborts_mid_step()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), timestamp=time.time())

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.asyncio
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
@@ -76,7 +77,7 @@ class InprocClient(EngineCoreClient):
             self.engine_core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        return self.engine_core.step()
+        return self.engine_core.step() or EngineCoreOutputs()
 
     def call_utility(self, method: str, *args: Any) -> Any:
         if method.startswith("_") or not callable(getattr(self.engine_core, method, None)):
@@ -139,9 +140,7 @@ class SyncMPClient(EngineCoreClient):
             raise
         finally:
             handshake.close(linger=0)
-        self._reader = threading.Thread(target=self._read_outputs, daemon=True,
-                                        name="core-outputs")  # fmt: skip
-        self._reader.start()
+        self._start_reader()
         weakref.finalize(self, SyncMPClient._cleanup, self.proc, self.run_dir)
 
     # ------------------------------------------------------------------ start-up
@@ -165,6 +164,11 @@ class SyncMPClient(EngineCoreClient):
             raise RuntimeError(f"EngineCore exited with code {code} during start-up")
 
     # ------------------------------------------------------------------ outputs
+    def _start_reader(self) -> None:
+        self._reader = threading.Thread(target=self._read_outputs, daemon=True,
+                                        name="core-outputs")  # fmt: skip
+        self._reader.start()
+
     def _read_outputs(self) -> None:
         decoder = MsgpackDecoder(EngineCoreOutputs)
         poller = zmq.Poller()
@@ -175,23 +179,31 @@ class SyncMPClient(EngineCoreClient):
             except zmq.ZMQError:  # closed by shutdown()
                 return
             if not ready:
-                code = self.proc.poll()
-                if code is not None:
-                    self._set_dead(f"the process exited with code {code}")
+                self.poll_dead()
                 continue
-            frames = self.output_socket.recv_multipart(copy=False)
-            if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
-                self._set_dead("it hit a fatal error")
-                return
-            outputs = decoder.decode(frames)
-            if outputs.utility_output is not None:
-                self._resolve(outputs.utility_output)
-            else:
-                self._deliver(outputs)
+            self._process_frames(self.output_socket.recv_multipart(copy=False), decoder)
+
+    def _process_frames(self, frames: list, decoder: MsgpackDecoder) -> None:
+        if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
+            self._set_dead("it hit a fatal error")
+            return
+        outputs = decoder.decode(frames)
+        if outputs.utility_output is not None:
+            self._resolve(outputs.utility_output)
+        else:
+            self._deliver(outputs)
+
+    def poll_dead(self) -> EngineDeadError | None:
+        """The error every caller gets once the core is gone (checks its process), or None."""
+        if self.dead is None:
+            code = self.proc.poll()
+            if code is not None:
+                self._set_dead(f"the process exited with code {code}")
+        return self.dead
 
     def _resolve(self, reply: UtilityOutput) -> None:
         future = self._pending.pop(reply.call_id, None)
-        if future is None:
+        if future is None or future.done():  # an async caller may have been cancelled
             return
         if reply.failure_message is not None:
             future.set_exception(RuntimeError(reply.failure_message))
@@ -202,7 +214,8 @@ class SyncMPClient(EngineCoreClient):
         self.dead = EngineDeadError(reason)
         self._deliver(self.dead)
         for future in list(self._pending.values()):
-            future.set_exception(self.dead)
+            if not future.done():
+                future.set_exception(self.dead)
         self._pending.clear()
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
@@ -267,38 +280,61 @@ class SyncMPClient(EngineCoreClient):
 
 
 class AsyncMPClient(SyncMPClient):
-    """SyncMPClient for asyncio callers: the reader thread wakes the event loop
-    (call_soon_threadsafe) instead of a blocked thread; sends never block (ZeroMQ queues)."""
+    """SyncMPClient for asyncio callers: the output PULL socket is read on the event loop
+    (zmq.asyncio) by one task, started by the first async call, which also checks the core
+    process every PROC_POLL_S; sends never block (ZeroMQ queues them)."""
 
-    _loop: asyncio.AbstractEventLoop | None = None
-    _ready: asyncio.Event | None = None
+    def _start_reader(self) -> None:
+        self._reader_task: asyncio.Task | None = None
+        self._async_socket: zmq.asyncio.Socket | None = None
+        self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] = asyncio.Queue()
+
+    def _ensure_reader(self) -> None:
+        if self._reader_task is None:
+            self._async_socket = zmq.asyncio.Socket.from_socket(self.output_socket)
+            self._reader_task = asyncio.get_running_loop().create_task(self._read_outputs_async())
+
+    async def _read_outputs_async(self) -> None:
+        decoder = MsgpackDecoder(EngineCoreOutputs)
+        sock = self._async_socket
+        with contextlib.suppress(zmq.ZMQError):  # closed by shutdown()
+            while self.dead is None:
+                if not await sock.poll(PROC_POLL_S * 1000):
+                    self.poll_dead()
+                    continue
+                self._process_frames(await sock.recv_multipart(copy=False), decoder)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        self.outputs.put_nowait(item)
-        if self._loop is not None:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-                self._loop.call_soon_threadsafe(self._ready.set)
+        self._queue.put_nowait(item)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        if self._loop is None:
-            self._ready = asyncio.Event()
-            self._loop = asyncio.get_running_loop()
-        while True:
-            try:
-                item = self.outputs.get_nowait()
-            except queue.Empty:
-                self._ready.clear()
-                if self.outputs.empty():  # re-checked after clear: no wake-up is lost
-                    await self._ready.wait()
-                continue
-            if isinstance(item, EngineDeadError):
-                self.outputs.put_nowait(item)
-                raise item
-            return item
+        self._ensure_reader()
+        item = await self._queue.get()
+        if isinstance(item, EngineDeadError):
+            self._queue.put_nowait(item)  # every later caller sees it too
+            raise item
+        return item
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._ensure_reader()
+        future = asyncio.get_running_loop().create_future()
         call_id = next(self._calls)
         self._pending[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
-        return await asyncio.wrap_future(future)
+        try:
+            self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
+        except EngineDeadError:
+            self._pending.pop(call_id, None)
+            raise
+        return await future
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise TypeError("AsyncMPClient is read on the event loop: use get_output_async()")
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        raise TypeError("AsyncMPClient is read on the event loop: use call_utility_async()")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if getattr(self, "_reader_task", None) is not None:
+            self._reader_task.cancel()
+            self._async_socket.close(linger=0)
+        super().shutdown(timeout)

@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 60.0
 PARENT_POLL_S = 0.5
 _WAKEUP = object()  # input-queue item that only wakes the busy loop (signals)
-# Test-only fault injection: the core raises in the model step after this many steps.
+# Test-only hooks: the core raises in the model step after this many steps; every step sleeps
+# this many seconds (so a test can act while requests are surely in flight).
 FAULT_ENV = "JAXSERVE_TEST_FAIL_AFTER_STEPS"
+STEP_DELAY_ENV = "JAXSERVE_TEST_STEP_DELAY_S"
 
 
 class EngineCoreProc(EngineCore):
@@ -76,6 +78,7 @@ class EngineCoreProc(EngineCore):
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self.shutdown_requested = False
         self.steps_until_fault = int(os.environ.get(FAULT_ENV, "-1"))
+        self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0"))
         ready = threading.Event()
         threading.Thread(
             target=self._process_input_socket, args=(addresses["input"], ready),
@@ -161,7 +164,9 @@ class EngineCoreProc(EngineCore):
                     self._abort_and_report(list(self.scheduler.requests))
                     break
             if self.has_unfinished_requests():
-                self.output_queue.put_nowait(self.step())
+                outputs = self.step()
+                if outputs is not None:
+                    self.output_queue.put_nowait(outputs)
         self.output_queue.put_nowait(None)
         self.output_thread.join(timeout=5)
 
@@ -213,7 +218,12 @@ class EngineCoreProc(EngineCore):
         if self.steps_until_fault == 0:
             raise RuntimeError(f"injected fault ({FAULT_ENV})")
         self.steps_until_fault -= 1
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         return super().step()
+
+    def get_state(self) -> dict:
+        return {**super().get_state(), "shutting_down": self.shutdown_requested}
 
     def request_shutdown(self) -> None:
         self.shutdown_requested = True

@@ -16,6 +16,7 @@ import msgspec
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreRequest
+from jaxserve.metrics import FinishedRequestStats, IterationStats
 from jaxserve.outputs import (
     CompletionOutput,
     Logprob,
@@ -28,6 +29,13 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
+
+
+def _request_finish_reason(state: RequestState) -> str:
+    """One reason for a request of n children: abort if any was aborted, else stop if any
+    stopped, else length."""
+    reasons = {c.finish_reason for c in state.children.values()}
+    return next(r for r in ("abort", "stop", "length") if r in reasons)
 
 
 @dataclasses.dataclass
@@ -110,10 +118,12 @@ class OutputProcessor:
         return [cid for cid, c in state.children.items() if c.finish_reason is None]
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput]
+        self, outputs: list[EngineCoreOutput], stats: IterationStats | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (RequestOutputs to deliver, core request ids to abort for stop strings)."""
+        """Returns (RequestOutputs to deliver, core request ids to abort for stop strings);
+        counts tokens, TTFT, ITL and finished requests into `stats` when given."""
         now = time.time()
+        stats = stats if stats is not None else IterationStats()
         to_abort: list[str] = []
         touched: dict[str, RequestState] = {}
         for out in outputs:
@@ -125,8 +135,16 @@ class OutputProcessor:
             if child.finish_reason is not None:
                 continue
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            if out.new_token_ids and state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
+            if out.scheduled_time is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = out.scheduled_time
+            if out.new_token_ids:
+                stats.num_generation_tokens += len(out.new_token_ids)
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                    stats.num_prompt_tokens += len(state.prompt_token_ids)
+                    stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
+                elif state.metrics.last_token_time is not None:
+                    stats.inter_token_latencies.append(now - state.metrics.last_token_time)
             state.metrics.last_token_time = now
             child.token_ids += out.new_token_ids
             if out.logprobs is not None and child.logprobs is not None:
@@ -153,6 +171,13 @@ class OutputProcessor:
             finished = state.finished
             if finished:
                 state.metrics.finished_time = now
+                stats.finished.append(
+                    FinishedRequestStats(
+                        _request_finish_reason(state), now - state.metrics.arrival_time,
+                        state.metrics.queue_time, len(state.prompt_token_ids),
+                        sum(len(c.token_ids) for c in state.children.values()),
+                    )
+                )  # fmt: skip
                 del self.requests[parent_id]
                 for core_id in state.children:
                     self.child_to_parent.pop(core_id, None)

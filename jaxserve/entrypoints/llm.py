@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, generation_defaults
 
 
 class LLM:
@@ -34,22 +34,7 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM: the model's generation_config fills what the user left unset."""
-        gen = self.llm_engine.generation_config
-        if gen is None:
-            return SamplingParams()
-        fields = {
-            "temperature": "temperature",
-            "top_p": "top_p",
-            "top_k": "top_k",
-            "repetition_penalty": "repetition_penalty",
-            "max_new_tokens": "max_tokens",
-        }
-        defaults = {
-            ours: getattr(gen, theirs)
-            for theirs, ours in fields.items()
-            if getattr(gen, theirs, None) is not None and theirs in gen.to_diff_dict()
-        }
-        return SamplingParams(**defaults)
+        return SamplingParams(**generation_defaults(self.llm_engine.generation_config))
 
     def generate(
         self,

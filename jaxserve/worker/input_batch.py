@@ -54,9 +54,5 @@ class InputBatch:
         self.block_table[row, n : n + len(block_ids)] = block_ids
         self.num_blocks[row] = n + len(block_ids)
 
-    def append_token(self, row: int, token_id: int) -> None:
-        self.token_ids[row, self.num_tokens[row]] = token_id
-        self.num_tokens[row] += 1
-
     def num_output_tokens(self, row: int) -> int:
         return int(self.num_tokens[row] - self.num_prompt_tokens[row])

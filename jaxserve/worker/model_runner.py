@@ -4,8 +4,11 @@ Start-up: split the model once into (graphdef, state) so each step calls a pure 
 on a small fixed pytree; size the KV cache from a memory budget after the weights are placed;
 compile every (token bucket, sequence bucket) pair with the persistent compilation cache on.
 Serving: build the flat batch from the persistent InputBatch with numpy, pad it to the smallest
-buckets that fit, call the compiled step (the KV cache is donated and updated in place), and
-fetch only the sampled ids (and logprobs when a request asked) back to the host.
+buckets that fit and dispatch the compiled step (the KV cache is donated and updated in place);
+`fetch` later brings back only the sampled ids (and logprobs when a request asked), in one
+host sync. Between the two the engine core schedules and dispatches the next step: a token
+still being sampled is a placeholder (-1) in the input batch, and the step reads it from the
+device (`last_tokens`, each row's latest sampled token).
 """
 
 from __future__ import annotations
@@ -88,11 +91,12 @@ class ModelRunner:
         self._replicated = NamedSharding(self.mesh, P())
         self._step = jax.jit(
             self._step_fn,
-            donate_argnums=(1, 2),
+            donate_argnums=(1, 2, 3),
             out_shardings=(
                 self._replicated,
                 self._replicated,
                 (self._kv_sharding, self._kv_sharding),
+                self._replicated,
                 self._replicated,
             ),
         )
@@ -106,16 +110,21 @@ class ModelRunner:
         self._init_penalty_row = jax.jit(
             _init_penalty_row, donate_argnums=(0,), out_shardings=self._replicated
         )
+        self.last_tokens = jax.device_put(np.zeros(r, np.int32), self._replicated)  # i32[R]
 
     # ------------------------------------------------------------------ the compiled step
-    def _step_fn(self, state, kv_caches, penalty_state, inputs: StepInputs, step):
+    def _step_fn(self, state, kv_caches, penalty_state, last_tokens, inputs: StepInputs, step):
         """One forward + sampling step over T tokens of S sequences (see StepInputs).
 
         Returns (SamplerOutput [S], prompt logprobs ([T, K+1], [T, K+1], [T]), kv_caches,
-        penalty_state with this step's sampled tokens counted).
+        penalty_state with this step's sampled tokens counted, last_tokens i32[R] updated).
         """
         model = nnx.merge(self.graphdef, state)
-        hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn)
+        # Placeholders (-1): tokens the previous step sampled, not yet seen by the host.
+        input_ids = jnp.where(
+            inputs.input_ids < 0, last_tokens[inputs.token_rows], inputs.input_ids
+        )
+        hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn)
         logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
         prompt_mask, output_counts = penalty_state
         sampling = inputs.sampling._replace(
@@ -126,8 +135,10 @@ class ModelRunner:
         output_counts = output_counts.at[inputs.rows, sampled.token_ids].add(
             inputs.appends.astype(jnp.int32)
         )
+        kept_rows = jnp.where(inputs.appends, inputs.rows, last_tokens.shape[0])  # R: dropped
+        last_tokens = last_tokens.at[kept_rows].set(sampled.token_ids, mode="drop")
         prompt_lp = self._prompt_logprobs(model, hidden, inputs.prompt_targets)
-        return sampled, prompt_lp, kv_caches, (prompt_mask, output_counts)
+        return sampled, prompt_lp, kv_caches, (prompt_mask, output_counts), last_tokens
 
     def _prompt_logprobs(self, model, hidden: jax.Array, targets: jax.Array):
         """Logprob (and top-K) of the next prompt token at every position that asks for one
@@ -233,6 +244,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=ids,
             positions=ids,
+            token_rows=ids,
             attn=md,
             logits_indices=np.zeros(s, np.int32),
             sampling=self._sampling_metadata([], s),
@@ -242,14 +254,17 @@ class ModelRunner:
         )
 
     def _run(self, inputs: StepInputs):
-        sampled, prompt_lp, self.kv_caches, self.penalty_state = self._step(
-            self.state, self.kv_caches, self.penalty_state, inputs, np.int32(self.step_count)
-        )
+        sampled, prompt_lp, self.kv_caches, self.penalty_state, self.last_tokens = self._step(
+            self.state, self.kv_caches, self.penalty_state, self.last_tokens, inputs,
+            np.int32(self.step_count),
+        )  # fmt: skip
         self.step_count += 1
         return sampled, prompt_lp
 
     # ------------------------------------------------------------------ a serving step
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def dispatch(self, so: SchedulerOutput) -> PendingStep | None:
+        """Apply the scheduler's changes to the input batch and start the step on the devices
+        (asynchronously); None when nothing was scheduled."""
         ib = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             ib.remove_request(req_id)
@@ -268,7 +283,7 @@ class ModelRunner:
 
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
-            return ModelRunnerOutput([], np.zeros(0, np.int32))
+            return None
         rows = np.array([ib.req_id_to_row[r] for r in req_ids], np.int32)
         n_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
         start = np.array([starts[r] for r in req_ids], np.int32)
@@ -283,7 +298,9 @@ class ModelRunner:
         pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:num_reqs], n_sched)
         pos += np.repeat(start, n_sched)
         ids = np.zeros(t, np.int32)
-        ids[:num_tokens] = ib.token_ids[row_of_token, pos]
+        ids[:num_tokens] = ib.token_ids[row_of_token, pos]  # -1: a token still being sampled
+        token_rows = np.zeros(t, np.int32)
+        token_rows[:num_tokens] = row_of_token
         positions = np.zeros(t, np.int32)
         positions[:num_tokens] = pos
         slots = np.full(t, -1, np.int32)
@@ -314,6 +331,7 @@ class ModelRunner:
         inputs = StepInputs(
             input_ids=ids,
             positions=positions,
+            token_rows=token_rows,
             attn=md,
             logits_indices=logits_indices,
             sampling=self._sampling_metadata(rows, s),
@@ -322,28 +340,49 @@ class ModelRunner:
             prompt_targets=targets,
         )
         out, prompt_out = self._run(inputs)
-        # One host sync per step: everything this step's requests asked for, together.
         fetch = {"ids": out.token_ids}
         if any(ib.params[r].logprobs is not None for r in rows):
             fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
         if wants_prompt_lp.any():
             fetch["prompt_logprobs"] = prompt_out
-        fetched = jax.device_get(fetch)
-        sampled = fetched["ids"][:num_reqs]
+        for leaf in jax.tree.leaves(fetch):
+            leaf.copy_to_host_async()
+        # The sampled tokens are placeholders until fetch(): the next step reads them from
+        # last_tokens on the device.
+        append_rows = rows[appends[:num_reqs]]
+        append_positions = ib.num_tokens[append_rows].copy()
+        ib.token_ids[append_rows, append_positions] = -1
+        ib.num_tokens[append_rows] += 1
+        return PendingStep(
+            req_ids, rows, appends[:num_reqs], append_positions, qsl, start, targets,
+            wants_prompt_lp, fetch,
+        )  # fmt: skip
+
+    def fetch(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a dispatched step and bring its results to the host: the step's one sync."""
+        p, ib = pending, self.input_batch
+        fetched = jax.device_get(p.fetch)
+        num_reqs = len(p.req_ids)
+        sampled = np.asarray(fetched["ids"][:num_reqs], np.int32)
+        # Fill the placeholders, unless the row has since gone to another request.
+        for row, rid, pos, token in zip(
+            p.rows[p.appends], np.array(p.req_ids)[p.appends], p.append_positions,
+            sampled[p.appends], strict=True,
+        ):  # fmt: skip
+            if ib.req_id_to_row.get(rid) == row:
+                ib.token_ids[row, pos] = token
         prompt_logprobs = {}
         if "prompt_logprobs" in fetched:
             lp, lp_ids, ranks = fetched["prompt_logprobs"]
-            for i in np.flatnonzero(wants_prompt_lp):
+            qsl, targets = p.qsl, p.targets
+            for i in np.flatnonzero(p.wants_prompt_lp):
                 lo, hi = qsl[i], qsl[i + 1]
                 valid = lo + int(np.sum(targets[lo:hi] >= 0))  # a prefix of the chunk
                 if valid > lo:  # prompt positions start[i] + 1 ..
-                    prompt_logprobs[req_ids[i]] = PromptLogprobs(
-                        int(start[i]) + 1, lp[lo:valid], lp_ids[lo:valid], ranks[lo:valid]
+                    prompt_logprobs[p.req_ids[i]] = PromptLogprobs(
+                        int(p.start[i]) + 1, lp[lo:valid], lp_ids[lo:valid], ranks[lo:valid]
                     )
-        for row, append, token in zip(rows, appends[:num_reqs], sampled, strict=True):
-            if append:
-                ib.append_token(row, int(token))
-        result = ModelRunnerOutput(req_ids, np.asarray(sampled, np.int32))
+        result = ModelRunnerOutput(p.req_ids, sampled)
         result.prompt_logprobs = prompt_logprobs
         if "logprobs" in fetched:
             lp, lp_ids, ranks = fetched["logprobs"]
@@ -389,14 +428,29 @@ class ModelRunner:
 class StepInputs(NamedTuple):
     """A step's host-built inputs: T tokens (padded) of S sequences (padded)."""
 
-    input_ids: np.ndarray  # i32[T]
+    input_ids: np.ndarray  # i32[T]; -1: take the row's last sampled token on the device
     positions: np.ndarray  # i32[T]
+    token_rows: np.ndarray  # i32[T]: each token's input-batch row
     attn: AttentionMetadata
     logits_indices: np.ndarray  # i32[S]: each sequence's last token in the flat batch
     sampling: SamplingMetadata  # [S] rows; prompt_mask / output_counts None (from the device)
     rows: np.ndarray  # i32[S]: each sequence's input-batch row (its penalty state)
     appends: np.ndarray  # bool[S]: the sampled token is kept (the prompt is complete)
     prompt_targets: np.ndarray  # i32[T]: next prompt token to score, -1 = none
+
+
+class PendingStep(NamedTuple):
+    """A dispatched step: its device outputs and what fetch() needs to unpack them."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # i32[num_reqs]
+    appends: np.ndarray  # bool[num_reqs]: the sampled token is kept
+    append_positions: np.ndarray  # i32[num appended]: where each kept token goes
+    qsl: np.ndarray  # i32[S+1]
+    start: np.ndarray  # i32[num_reqs]: first position run this step
+    targets: np.ndarray  # i32[T]: prompt-logprob targets
+    wants_prompt_lp: np.ndarray  # bool[num_reqs]
+    fetch: dict  # device arrays to bring back
 
 
 def _penalised(params) -> bool:

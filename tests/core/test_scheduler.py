@@ -213,3 +213,103 @@ def test_prompt_logprobs_survive_chunking_and_preemption_once_each():
     assert all(len(v) == 2 for v in values) and len(ids) == len(ranks) == 11
     with pytest.raises(RuntimeError, match="skipped positions"):
         r.add_prompt_logprobs(chunk(13, 14))
+
+
+def drain_outputs(sched, next_token, *, pipelined, aborts=None, max_steps=1000):
+    """Step until drained, as EngineCore does: pipelined = async scheduling (step N+1 is
+    scheduled before step N's tokens come back). next_token(request_id, index of the output
+    token) plays the model. aborts: {step number: request ids}. Returns ({request id: tokens},
+    {request id: finish reason}, every SchedulerOutput)."""
+    from collections import defaultdict, deque
+
+    tokens, reasons, scheduled, in_flight = defaultdict(list), {}, [], deque()
+    for n in range(max_steps):
+        if not (sched.has_unfinished_requests() or in_flight):
+            return tokens, reasons, scheduled
+        if aborts and n in aborts:
+            for r in sched.finish_requests(aborts[n], RequestStatus.FINISHED_ABORTED):
+                reasons[r.request_id] = "abort"
+        dispatched = False
+        if sched.has_unfinished_requests():
+            out = sched.schedule()
+            if out.total_num_scheduled_tokens:
+                in_flight.append(out)
+                scheduled.append(out)
+                dispatched = True
+        if not in_flight or (dispatched and pipelined and len(in_flight) < 2):
+            continue
+        out = in_flight.popleft()
+        ids = list(out.num_scheduled_tokens)
+        # The token a request samples in `out` is its output number len(outputs so far).
+        index = {r: sched.requests[r].num_output_tokens if r in sched.requests else -1 for r in ids}
+        sampled = np.array([next_token(r, index[r]) for r in ids], np.int32)
+        for o in sched.update_from_output(out, ModelRunnerOutput(ids, sampled)):
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    raise AssertionError("did not drain")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_async_scheduling_gives_the_same_tokens_and_never_overshoots(policy):
+    """Scheduling one step ahead on placeholder tokens: every request gets exactly the tokens
+    and finish reason of synchronous scheduling, through EOS, stop tokens, max_tokens,
+    max_model_len, chunked prefill, preemption and aborts; no step runs a request past
+    max_tokens or max_model_len; every block comes back."""
+
+    def next_token(req_id, i):  # EOS for some requests at some point, stop id 9 for others
+        h = zlib.crc32(f"{req_id}/{i}".encode())
+        return EOS if h % 13 == 0 else 9 if h % 17 == 0 else 20 + h % 30
+
+    def workload():
+        rng = np.random.default_rng(1)
+        sched = make_scheduler(num_blocks=20, max_tokens=24, max_seqs=4, policy=policy,
+                               max_len=40)  # fmt: skip
+        for i in range(16):
+            params = dict(max_tokens=int(rng.integers(1, 25)))
+            if i % 3 == 0:
+                params["stop_token_ids"] = [9]
+            if i % 5 == 0:
+                params["min_tokens"] = 2
+            sched.add_request(req(f"r{i}", int(rng.integers(1, 30)), arrival=float(i),
+                                  priority=int(rng.integers(0, 3)), **params))  # fmt: skip
+        return sched
+
+    aborts = {6: ["r4", "r11"]}
+    sync_sched, async_sched = workload(), workload()
+    sync = drain_outputs(sync_sched, next_token, pipelined=False, aborts=aborts)
+    pipelined = drain_outputs(async_sched, next_token, pipelined=True, aborts=aborts)
+    unaborted = lambda d: {k: v for k, v in d.items() if k not in ("r4", "r11")}  # noqa: E731
+    assert unaborted(pipelined[0]) == unaborted(sync[0])
+    assert pipelined[1] == sync[1] and len(sync[1]) == 16
+    assert sync_sched.total_preemptions and async_sched.total_preemptions
+    # A step may run past a stop only because the stopping token was not known yet: at most
+    # one extra sample after EOS / a stop token, none past max_tokens or max_model_len.
+    runs = {}
+    for out in pipelined[2]:
+        for req_id in out.sampled_req_ids:
+            runs[req_id] = runs.get(req_id, 0) + 1
+    tokens, reasons = pipelined[0], pipelined[1]
+    for req_id, reason in reasons.items():
+        if reason == "length":
+            assert runs[req_id] == len(tokens[req_id]), req_id
+        elif reason == "stop":
+            assert len(tokens[req_id]) <= runs[req_id] <= len(tokens[req_id]) + 1, req_id
+    assert any(runs[r] > len(tokens[r]) for r in reasons if reasons[r] == "stop")
+    for sched in (sync_sched, async_sched):
+        assert_pool_clean(sched)
+
+
+def test_async_scheduling_drops_the_token_after_a_stop_and_respects_max_tokens():
+    sched = make_scheduler()
+    sched.add_request(req("eos", max_tokens=10))
+    sched.add_request(req("short", max_tokens=2, ignore_eos=True))
+    tokens, reasons, outs = drain_outputs(
+        sched, lambda r, i: EOS if (r, i) == ("eos", 1) else 7, pipelined=True
+    )
+    assert tokens == {"eos": [7, EOS], "short": [7, 7]}
+    assert reasons == {"eos": "stop", "short": "length"}
+    # "eos" ran one step past its stop (its token was not known yet); "short" never did.
+    assert sum("eos" in o.sampled_req_ids for o in outs) == 3
+    assert sum("short" in o.sampled_req_ids for o in outs) == 2
+    assert_pool_clean(sched)

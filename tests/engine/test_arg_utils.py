@@ -23,6 +23,9 @@ def test_defaults_are_vllms_with_cpu_limits(model_dir):
     assert config.scheduler.max_model_len == config.model.max_model_len
     assert config.scheduler.max_num_seqs == CPU_MAX_NUM_SEQS
     assert config.scheduler.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
+    assert config.scheduler.async_scheduling is False  # on CPU the host is the device
+    on = EngineArgs(model=model_dir, async_scheduling=True).create_engine_config()
+    assert on.scheduler.async_scheduling
     assert config.parallel.tensor_parallel_size == 1 and config.seed == 0
     assert pickle.loads(pickle.dumps(config)).scheduler == config.scheduler  # for spawn
     with pytest.raises(AttributeError):

@@ -15,7 +15,7 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.helpers import make_tiny_hf
 
 ENGINE = dict(max_num_seqs=32, max_num_batched_tokens=128, max_model_len=128,
-              num_gpu_blocks_override=256)  # fmt: skip
+              num_gpu_blocks_override=256, async_scheduling=True)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

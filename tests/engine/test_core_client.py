@@ -13,14 +13,14 @@ import pytest
 
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core_client import EngineDeadError, InprocClient, SyncMPClient
-from jaxserve.engine.core_proc import FAULT_ENV
+from jaxserve.engine.core_proc import FAULT_ENV, STEP_DELAY_ENV
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.helpers import drain_engine, make_tiny_hf
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-              num_gpu_blocks_override=64)  # fmt: skip
+              num_gpu_blocks_override=64, async_scheduling=True)  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [1 + i, 2, 3 + i, 4]} for i in range(5)]
@@ -124,15 +124,31 @@ def test_a_fault_in_the_model_step_kills_the_core_cleanly(model_dir):
     engine.shutdown()
 
 
-def test_sigterm_finishes_in_flight_requests_then_exits_0(model_dir):
-    engine = start_engine(model_dir)
+@pytest.mark.parametrize("timeout", ["30", "0.3"])
+def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight(model_dir, timeout):
+    """After SIGTERM the core answers a new request at once as aborted, lets the running ones
+    finish (or aborts them when JAXSERVE_SHUTDOWN_TIMEOUT runs out) and exits 0."""
+    engine = start_engine(model_dir, JAXSERVE_SHUTDOWN_TIMEOUT=timeout,
+                          **{STEP_DELAY_ENV: "0.02"})  # 100 tokens take over 2 s  # fmt: skip
     proc = engine.engine_core.proc
     for i in range(3):
         engine.add_request(f"t{i}", PROMPTS[i], LONG)
     engine.step()
     proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 5
+    while not engine.engine_core.call_utility("get_state")["shutting_down"]:
+        assert time.monotonic() < deadline, "the core did not see SIGTERM"
+        time.sleep(0.01)
+    engine.add_request("late", PROMPTS[3], GREEDY)
     finished = drain_engine(engine)
-    assert [len(finished[f"t{i}"].outputs[0].token_ids) for i in range(3)] == [100] * 3
+    late = finished["late"].outputs[0]
+    assert late.finish_reason == "abort" and late.token_ids == []
+    lengths = [len(finished[f"t{i}"].outputs[0].token_ids) for i in range(3)]
+    reasons = {finished[f"t{i}"].outputs[0].finish_reason for i in range(3)}
+    if timeout == "30":
+        assert lengths == [100] * 3 and reasons == {"length"}
+    else:
+        assert max(lengths) < 100 and reasons == {"abort"}
     assert wait_dead(proc, 10) == 0
     with pytest.raises(EngineDeadError):
         engine.add_request("refused", PROMPTS[3], GREEDY)

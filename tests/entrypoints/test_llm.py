@@ -48,8 +48,9 @@ def chunked():
 
 @pytest.fixture(scope="module")
 def tiny_pool():
-    """39 usable KV blocks of 16 tokens: long generations preempt each other."""
-    return LLM(**{**SMALL, "num_gpu_blocks_override": 40})
+    """39 usable KV blocks of 16 tokens: long generations preempt each other. Async
+    scheduling (off by default on CPU) is on, so it runs through preemption and aborts."""
+    return LLM(**{**SMALL, "num_gpu_blocks_override": 40, "async_scheduling": True})
 
 
 @pytest.fixture(scope="module")
@@ -319,3 +320,34 @@ def test_repetition_penalty_matches_hf_through_chunking_and_preemption(llm, chun
     out = token_ids(tiny_pool.generate(batch, long))
     assert core(tiny_pool).scheduler.total_preemptions > preemptions
     assert out == token_ids(llm.generate(batch, long))
+
+
+def test_async_scheduling_gives_what_synchronous_scheduling_gives(tiny_pool):
+    """Scheduling step N+1 while step N runs (the default) changes no request's tokens or
+    logprobs: greedy, seeded sampling, penalties, stop tokens, min_tokens, max_tokens=1,
+    through preemption; and it compiles nothing new."""
+    sync = LLM(**{**SMALL, "num_gpu_blocks_override": 40, "async_scheduling": False})
+    assert core(tiny_pool).max_in_flight == 2 and core(sync).max_in_flight == 1
+    eos = tiny_pool.get_tokenizer().eos_token_id
+    mixes = [
+        SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=120, logprobs=1),
+        SamplingParams(temperature=0.8, seed=8, max_tokens=100, repetition_penalty=1.3,
+                       frequency_penalty=0.4, min_tokens=20, stop_token_ids=[eos]),
+        SamplingParams(temperature=0.0, max_tokens=1),
+    ]  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(tiny_pool)] * 2
+    params = [mixes[i % len(mixes)] for i in range(len(prompts))]
+    compiled = core(tiny_pool).runner.num_compiled_steps()
+    preemptions = core(tiny_pool).scheduler.total_preemptions
+    got, want = tiny_pool.generate(prompts, params), sync.generate(prompts, params)
+    assert core(tiny_pool).scheduler.total_preemptions > preemptions
+    assert token_ids(got) == token_ids(want)
+    for g, w in zip(got, want, strict=True):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.finish_reason == w.finish_reason
+        if w.logprobs is not None:
+            assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+    assert core(tiny_pool).runner.num_compiled_steps() == compiled
+    for engine in (tiny_pool, sync):
+        assert engine.llm_engine.engine_core.call_utility("get_state")["num_requests"] == 0

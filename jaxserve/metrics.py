@@ -1,0 +1,226 @@
+"""Serving metrics: Prometheus (prometheus-client) and vLLM's periodic log line.
+
+AsyncLLM's output handler records, after each batch of core outputs, the scheduler's state
+(`SchedulerStats`, from the core) and what the frontend saw (`IterationStats`: tokens, TTFT,
+ITL, finished requests, filled by the OutputProcessor). Names are vLLM's with the `jaxserve:`
+prefix and a model_name label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import prometheus_client as prom
+
+from jaxserve.ipc.messages import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# vLLM's buckets (seconds).
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclasses.dataclass
+class IterationStats:
+    """What one batch of core outputs meant for the frontend's requests."""
+
+    num_prompt_tokens: int = 0  # prompts of requests that got their first token
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
+    finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
+
+
+class PrometheusStatLogger:
+    """The metrics of one engine, in their own registry (served by /metrics)."""
+
+    def __init__(self, model_name: str):
+        self.registry = prom.CollectorRegistry()
+        labels = ["model_name"]
+
+        def metric(cls, name, doc, **kw):
+            return cls(
+                f"jaxserve:{name}", doc, labels + kw.pop("extra", []), registry=self.registry, **kw
+            )
+
+        g, c, h = prom.Gauge, prom.Counter, prom.Histogram
+        self.running = metric(g, "num_requests_running", "Requests running on the device.")
+        self.waiting = metric(g, "num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = metric(g, "kv_cache_usage_perc", "KV-cache usage, 1 = 100 percent.")
+        self.prompt_tokens = metric(c, "prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = metric(c, "generation_tokens", "Generation tokens produced.")
+        self.success = metric(
+            c, "request_success", "Finished requests by finish reason.", extra=["finished_reason"]
+        )
+        self.prefix_queries = metric(c, "prefix_cache_queries", "Prefix-cache tokens queried.")
+        self.prefix_hits = metric(c, "prefix_cache_hits", "Prefix-cache tokens hit.")
+        self.preemptions = metric(c, "num_preemptions", "Requests preempted.")
+        self.ttft = metric(
+            h, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS
+        )
+        self.itl = metric(
+            h, "inter_token_latency_seconds", "Time between outputs.", buckets=ITL_BUCKETS
+        )
+        self.e2e = metric(
+            h, "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS
+        )
+        self.queue = metric(
+            h, "request_queue_time_seconds", "Arrival to first scheduled.", buckets=LATENCY_BUCKETS
+        )
+        self.model_name = model_name
+        for m in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue,
+        ):
+            m.labels(model_name)  # exported as 0 from the start
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
+
+    def record(self, sched: SchedulerStats | None, it: IterationStats) -> None:
+        name = self.model_name
+        if sched is not None:
+            self.running.labels(name).set(sched.num_running_reqs)
+            self.waiting.labels(name).set(sched.num_waiting_reqs)
+            self.kv_usage.labels(name).set(sched.kv_cache_usage)
+            self.prefix_queries.labels(name).inc(sched.prefix_cache_queries)
+            self.prefix_hits.labels(name).inc(sched.prefix_cache_hits)
+            self.preemptions.labels(name).inc(sched.num_preemptions)
+        self.prompt_tokens.labels(name).inc(it.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(it.num_generation_tokens)
+        for t in it.time_to_first_tokens:
+            self.ttft.labels(name).observe(t)
+        for t in it.inter_token_latencies:
+            self.itl.labels(name).observe(t)
+        for f in it.finished:
+            self.success.labels(name, f.finish_reason).inc()
+            self.e2e.labels(name).observe(f.e2e_latency)
+            if f.queue_time is not None:
+                self.queue.labels(name).observe(f.queue_time)
+
+    def exposition(self) -> bytes:
+        return prom.generate_latest(self.registry)
+
+
+class LoggingStatLogger:
+    """vLLM's periodic line: prompt and generation throughput since the last line, running,
+    waiting, KV-cache usage and prefix-cache hit rate."""
+
+    def __init__(self):
+        self.last_log = time.monotonic()
+        self.prompt_tokens = self.generation_tokens = 0
+        self.queries = self.hits = 0
+        self.sched = SchedulerStats()
+
+    def record(self, sched: SchedulerStats | None, it: IterationStats) -> None:
+        if sched is not None:
+            self.sched = sched
+            self.queries += sched.prefix_cache_queries
+            self.hits += sched.prefix_cache_hits
+        self.prompt_tokens += it.num_prompt_tokens
+        self.generation_tokens += it.num_generation_tokens
+
+    def log(self) -> str:
+        now = time.monotonic()
+        elapsed = max(now - self.last_log, 1e-9)
+        s = self.sched
+        hit_rate = 100 * self.hits / self.queries if self.queries else 0.0
+        line = (
+            f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+            f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {hit_rate:.1f}%"
+        )
+        logger.info(line)
+        self.last_log, self.prompt_tokens, self.generation_tokens = now, 0, 0
+        self.queries = self.hits = 0
+        return line
