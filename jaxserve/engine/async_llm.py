@@ -164,8 +164,11 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks in the core; unknown ids are ignored."""
-        core_ids = self.output_processor.abort_request(request_id)
+        stats = IterationStats()
+        core_ids = self.output_processor.abort_request(request_id, stats)
         self.engine_core.abort_requests(core_ids)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(None, stats)
         collector = self.collectors.pop(request_id, None)
         if collector is not None:  # its generator ends without a further output
             collector.put(_Aborted())

@@ -192,6 +192,9 @@ class EngineCoreProc(EngineCore):
                 self.add_request(payload)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
+            if not self.has_unfinished_requests():  # no step will report the freed blocks
+                stats = self.scheduler.make_stats()
+                self.output_queue.put_nowait(EngineCoreOutputs(scheduler_stats=stats))
         elif request_type == EngineCoreRequestType.UTILITY:
             self.output_queue.put_nowait(EngineCoreOutputs(utility_output=self._utility(payload)))
 

@@ -108,13 +108,22 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def abort_request(self, request_id: str) -> list[str]:
-        """Forget a request (client gone); returns the core ids still to abort."""
+    def abort_request(self, request_id: str, stats: IterationStats | None = None) -> list[str]:
+        """Forget a request (client gone); returns the core ids still to abort. Counted in
+        `stats` as finished with reason "abort"."""
         state = self.requests.pop(request_id, None)
         if state is None:
             return []
         for core_id in state.children:
             self.child_to_parent.pop(core_id, None)
+        if stats is not None:
+            stats.finished.append(
+                FinishedRequestStats(
+                    "abort", time.time() - state.metrics.arrival_time, state.metrics.queue_time,
+                    len(state.prompt_token_ids),
+                    sum(len(c.token_ids) for c in state.children.values()),
+                )
+            )  # fmt: skip
         return [cid for cid, c in state.children.items() if c.finish_reason is None]
 
     def process_outputs(

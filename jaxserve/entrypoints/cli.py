@@ -16,6 +16,93 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from jaxserve.engine.arg_utils import EngineArgs
+    from jaxserve.entrypoints.openai.api_server import run_server
+
+    engine_args = EngineArgs(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        max_logprobs=args.max_logprobs,
+        scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
+    )
+    run_server(args, engine_args)
+    return 0
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF directory, .gguf file or jaxserve checkpoint (default: the "
+        "bundled SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names the API answers to (default: the model argument)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (or $JAXSERVE_API_KEY)",
+    )
+    serve.add_argument("--chat-template", default=None, help="a Jinja template or a file")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for in-flight requests",
+    )
+    serve.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    serve.add_argument("--tokenizer", default=None)
+    serve.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    serve.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    serve.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    serve.add_argument("--max-logprobs", type=int, default=20)
+    serve.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    serve.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: on with an accelerator, off on CPU",
+    )
+    serve.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
@@ -29,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("dst", help="output directory (must not hold a checkpoint already)")
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     conv.set_defaults(func=_convert)
+    _add_serve_parser(sub)
     return parser
 
 

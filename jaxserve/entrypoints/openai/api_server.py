@@ -1,0 +1,295 @@
+"""`jaxserve serve`: the OpenAI-compatible HTTP server (one starlette app on uvicorn).
+
+Start-up: EngineArgs from the flags -> AsyncLLM (starts the EngineCore process: load, compile,
+allocate KV; blocking) -> the app -> uvicorn. The engine lives in `app.state`; every route
+reads it from there. SIGTERM / Ctrl-C: uvicorn stops accepting connections and waits up to
+--shutdown-timeout for in-flight requests (then cancels them, which aborts them in the core);
+the lifespan's exit then shuts the engine core down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+import msgspec
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from jaxserve import __version__
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from jaxserve.entrypoints.openai.serving import OpenAIServing, error_body, error_status
+from jaxserve.metrics import LoggingStatLogger, PrometheusStatLogger
+
+logger = logging.getLogger("jaxserve.api_server")
+_json = msgspec.json.Encoder()
+
+
+class MsgspecJSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _json.encode(content)
+
+
+def error_response(e: BaseException) -> Response:
+    status, _ = error_status(e)
+    if status == 500:
+        logger.exception("internal error", exc_info=e)
+    return MsgspecJSONResponse(error_body(e), status_code=status)
+
+
+def _serving(request: Request) -> OpenAIServing:
+    return request.app.state.serving
+
+
+async def _decode(request: Request, cls: type):
+    body = await request.body()
+    return msgspec.json.decode(body, type=cls)
+
+
+async def run_until_disconnected(request: Request, coro) -> Any:
+    """Run a non-streaming handler, cancelling it (its requests are aborted in the core) as
+    soon as the client disconnects."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+async def _generate(request: Request, cls, prepare, run, stream) -> Response:
+    serving = _serving(request)
+    if serving.engine.errored:
+        return error_response(serving.engine.engine_core.poll_dead())
+    try:
+        body = await _decode(request, cls)
+        prepared = prepare(body)
+    except Exception as e:
+        return error_response(e)
+    if body.stream:
+        return StreamingResponse(stream(body, prepared), media_type="text/event-stream")
+    try:
+        result = await run_until_disconnected(request, run(body, prepared))
+    except Exception as e:
+        return error_response(e)
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    return MsgspecJSONResponse(result)
+
+
+async def completions(request: Request) -> Response:
+    s = _serving(request)
+    return await _generate(
+        request, CompletionRequest, s.prepare_completion, s.completion, s.completion_stream
+    )
+
+
+async def chat_completions(request: Request) -> Response:
+    s = _serving(request)
+    return await _generate(request, ChatCompletionRequest, s.prepare_chat, s.chat, s.chat_stream)
+
+
+async def models(request: Request) -> Response:
+    s = _serving(request)
+    root = s.engine.config.model_path
+    cards = [ModelCard(name, s.max_model_len, root=root) for name in s.model_names]
+    return MsgspecJSONResponse(ModelList(cards))
+
+
+async def health(request: Request) -> Response:
+    return Response(status_code=503 if _serving(request).engine.errored else 200)
+
+
+async def version(request: Request) -> Response:
+    return MsgspecJSONResponse({"version": __version__})
+
+
+async def metrics(request: Request) -> Response:
+    body = request.app.state.prometheus.exposition()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def tokenize(request: Request) -> Response:
+    s = _serving(request)
+    try:
+        body = await _decode(request, TokenizeRequest)
+        s.check_model(body.model)
+        if s.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        if body.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt
+            )
+            _, tokens = s.chat_prompt(chat)
+        elif body.prompt is not None:
+            tokens = s.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        else:
+            raise ValueError("tokenize needs prompt or messages")
+    except Exception as e:
+        return error_response(e)
+    return MsgspecJSONResponse(
+        {"count": len(tokens), "max_model_len": s.max_model_len, "tokens": tokens}
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    s = _serving(request)
+    try:
+        body = await _decode(request, DetokenizeRequest)
+        s.check_model(body.model)
+        vocab = s.engine.config.model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {vocab})")
+        if s.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+    except Exception as e:
+        return error_response(e)
+    return MsgspecJSONResponse({"prompt": s.tokenizer.decode(body.tokens)})
+
+
+class APIKeyMiddleware:
+    """Bearer-token check on /v1 paths (pure ASGI, so streaming passes through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization") != self.expected:
+                response = JSONResponse(
+                    {
+                        "error": {
+                            "message": "Unauthorized: a valid API key is required",
+                            "type": "AuthenticationError",
+                            "param": None,
+                            "code": 401,
+                        }
+                    },
+                    status_code=401,
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    *,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    log_stats_interval: float = 10.0,
+) -> Starlette:
+    prometheus = PrometheusStatLogger(served_model_names[0])
+    log_stats = LoggingStatLogger()
+    engine.stat_loggers += [prometheus, log_stats]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        async def periodic_log() -> None:
+            while True:
+                await asyncio.sleep(log_stats_interval)
+                log_stats.log()
+
+        task = asyncio.create_task(periodic_log())
+        try:
+            yield
+        finally:
+            task.cancel()
+            engine.shutdown()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.serving = OpenAIServing(engine, served_model_names, chat_template=chat_template)
+    app.state.prometheus = prometheus
+    app.state.log_stats = log_stats
+    return app
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template is a file path or the template itself."""
+    if value is not None and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
+def run_server(args, engine_args) -> None:
+    from jaxserve.models.loader import DEFAULT_MODEL_NAME
+
+    api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    # Bind first: a taken port fails now, not after minutes of loading and compiling.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    engine = AsyncLLM.from_engine_args(engine_args)
+    app = build_app(
+        engine,
+        names,
+        api_key=api_key,
+        chat_template=load_chat_template(args.chat_template),
+        log_stats_interval=float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10")),
+    )
+    host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
+    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
+    body = _json.encode({"model": names[0], "temperature": 0, "messages": [
+        {"role": "user", "content": "What is the capital of France?"}]}).decode()  # fmt: skip
+    logger.info(
+        "serving %s on http://%s:%d; try:\n  curl http://%s:%d/v1/chat/completions "
+        "-H 'Content-Type: application/json'%s -d '%s'",
+        names[0], args.host, args.port, host, args.port, auth, body,
+    )  # fmt: skip
+    config = uvicorn.Config(
+        app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout
+    )
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make
+    # that a no-op, so a drained shutdown exits 0 rather than as killed by SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    uvicorn.Server(config).run(sockets=[sock])

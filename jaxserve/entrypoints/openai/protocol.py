@@ -1,0 +1,254 @@
+"""OpenAI request and response bodies as msgspec Structs (vLLM's fields and defaults).
+
+Requests decode with `msgspec.json.decode(body, type=...)`: a wrong type is a ValidationError
+that names the field (`Expected int, got str - at $.max_tokens`); unknown fields are ignored.
+`to_sampling_params` turns a request into SamplingParams, whose own checks name bad values.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """What completions and chat share. None = the model's generation_config default, then
+    SamplingParams' default."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    priority: int = 0
+    user: str | None = None  # accepted, ignored
+    # Not supported yet: a 400 that says so (UNSUPPORTED below).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]  # str, list[str], list[int] or list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+# ---------------------------------------------------------------------- responses
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    object: str = "text_completion"
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    object: str = "chat.completion"
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: ChatMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxserve"
+    root: str | None = None
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    code: int
+    param: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+UNSUPPORTED = {
+    "response_format": "response_format (structured output)",
+    "structured_outputs": "structured_outputs",
+    "guided_json": "guided_json",
+    "guided_regex": "guided_regex",
+    "guided_choice": "guided_choice",
+    "guided_grammar": "guided_grammar",
+    "tools": "tools (function calling)",
+    "suffix": "suffix",
+}
+
+
+def check_supported(request: _SamplingFields) -> None:
+    """ValueError for fields this engine cannot honour yet (rather than ignoring them)."""
+    for field, what in UNSUPPORTED.items():
+        value = getattr(request, field, None)
+        if field == "response_format" and value is not None and value.get("type") == "text":
+            continue  # plain text is what we produce anyway
+        if value is not None and value != []:
+            raise ValueError(f"{what} is not supported by jaxserve yet")
+    if request.stream_options is not None and not request.stream:
+        raise ValueError("stream_options is only allowed when stream is true")
+
+
+def to_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    defaults: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> SamplingParams:
+    """Request fields over the model's generation_config defaults over SamplingParams'."""
+    fields: dict[str, Any] = {}
+    for name in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        value = getattr(request, name)
+        if value is None:
+            value = defaults.get(name)
+        if value is not None:
+            fields[name] = value
+    logit_bias = None
+    if request.logit_bias:
+        try:
+            logit_bias = {int(k): float(v) for k, v in request.logit_bias.items()}
+        except ValueError as e:
+            raise ValueError(f"logit_bias keys must be token ids: {e}") from None
+    return SamplingParams(
+        **fields,
+        n=request.n,
+        stop=[request.stop] if isinstance(request.stop, str) else request.stop,
+        stop_token_ids=request.stop_token_ids,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        seed=request.seed,
+        ignore_eos=request.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+        logit_bias=logit_bias,
+        output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+    )

@@ -1,0 +1,402 @@
+"""/v1/completions and /v1/chat/completions over AsyncLLM (vLLM's OpenAI server behaviour).
+
+Each handler validates everything first (body types, model name, unsupported fields, sampling
+parameters, every prompt through the InputProcessor), so a bad request fails alone with a 400
+before anything reaches the engine; then it runs one AsyncLLM.generate per prompt and either
+gathers the final outputs or streams DELTA outputs as server-sent events. Cancelling the
+handler (the client went away) closes the generators, which aborts the requests in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    check_supported,
+    random_id,
+    to_sampling_params,
+)
+from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from jaxserve.sampling_params import SamplingParams, generation_defaults
+
+_json = msgspec.json.Encoder()
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    def __init__(
+        self, engine: AsyncLLM, served_model_names: list[str], *, chat_template: str | None = None
+    ):
+        self.engine = engine
+        self.model_names = served_model_names
+        self.chat_template = chat_template
+        self.tokenizer = engine.get_tokenizer()
+        self.defaults = generation_defaults(engine.generation_config)
+        self.max_model_len = engine.config.scheduler.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise ModelNotFound(f"The model `{model}` does not exist.")
+
+    # ------------------------------------------------------------------ prompts
+    def completion_prompts(self, prompt: str | list[Any]) -> list[tuple[str | None, list[int]]]:
+        """str | list[str] | list[int] | list[list[int]] -> [(text or None, token ids)]."""
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [prompt]
+        else:
+            prompts = prompt
+        if not prompts:
+            raise ValueError("prompt must not be empty")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(self.engine.input_processor.tokenize(p))
+            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                out.append((None, list(p)))
+            else:
+                raise ValueError(
+                    "prompt must be a string, a list of strings, a list of token ids or a list "
+                    f"of lists of token ids, got {type(p).__name__} inside the list"
+                )
+        return out
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        if not request.messages:
+            raise ValueError("messages must not be empty")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                request.messages,
+                chat_template=request.chat_template or self.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tokenize=False,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # a malformed conversation or template
+            raise ValueError(f"cannot apply the chat template: {e}") from None
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _validate(self, request_id: str, prompts, params: SamplingParams) -> list[dict]:
+        """Every prompt through the InputProcessor's checks before anything is queued."""
+        for i, (_, ids) in enumerate(prompts):
+            self.engine.input_processor.process(f"{request_id}-{i}", ids, params)
+        return [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
+
+    # ------------------------------------------------------------------ completions
+    def prepare_completion(self, request: CompletionRequest):
+        self.check_model(request.model)
+        check_supported(request)
+        prompts = self.completion_prompts(request.prompt)
+        params = to_sampling_params(
+            request, self.defaults, max_tokens=request.max_tokens, logprobs=request.logprobs
+        )
+        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+            params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
+        request_id = random_id("cmpl")
+        return request_id, self._validate(request_id, prompts, params), params
+
+    async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:
+        request_id, prompts, params = prepared
+        finals = await self._gather(request_id, prompts, params, request.priority)
+        choices, usage = [], UsageInfo()
+        for p, out in enumerate(finals):
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                text, logprobs = c.text, None
+                if request.echo:
+                    text = self._prompt_text(out) + text
+                if request.logprobs is not None:
+                    logprobs = self._completion_logprobs(out, c, request.echo, request.logprobs)
+                choices.append(
+                    CompletionChoice(
+                        p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
+                    )
+                )
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(
+            request_id, int(time.time()), self._name(request.model), choices, usage
+        )
+
+    async def completion_stream(self, request: CompletionRequest, prepared) -> AsyncIterator[bytes]:
+        request_id, prompts, params = prepared
+        created, model = int(time.time()), self._name(request.model)
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        prompt_tokens, completion_tokens = 0, 0
+        echoed = set()
+        try:
+            async for p, out in self._merged(request_id, prompts, params, request.priority):
+                if p not in echoed:
+                    echoed.add(p)
+                    prompt_tokens += len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    text = c.text
+                    if request.echo and (p, c.index) not in echoed:
+                        echoed.add((p, c.index))
+                        text = self._prompt_text(out) + text
+                    if not text and c.finish_reason is None and not c.token_ids:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self._completion_logprobs(out, c, False, request.logprobs)
+                    choice = CompletionChoice(
+                        p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
+                    )
+                    yield sse(CompletionResponse(request_id, created, model, [choice]))
+            if include_usage:
+                usage = UsageInfo(
+                    prompt_tokens, completion_tokens, prompt_tokens + completion_tokens
+                )
+                yield sse(CompletionResponse(request_id, created, model, [], usage))
+        except Exception as e:
+            yield sse(error_body(e))
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ chat
+    def prepare_chat(self, request: ChatCompletionRequest):
+        self.check_model(request.model)
+        check_supported(request)
+        if request.tools:
+            raise ValueError("tools (function calling) is not supported by jaxserve yet")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        prompt = self.chat_prompt(request)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        params = to_sampling_params(
+            request, self.defaults, max_tokens=max_tokens, logprobs=logprobs
+        )
+        request_id = random_id("chatcmpl")
+        return request_id, self._validate(request_id, [prompt], params), params
+
+    async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
+        request_id, prompts, params = prepared
+        (out,) = await self._gather(request_id, prompts, params, request.priority)
+        choices = []
+        for c in out.outputs:
+            logprobs = self._chat_logprobs(c, request)
+            choices.append(
+                ChatChoice(
+                    c.index,
+                    ChatMessage("assistant", c.text),
+                    logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+            )
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        usage = UsageInfo(
+            len(out.prompt_token_ids),
+            completion_tokens,
+            len(out.prompt_token_ids) + completion_tokens,
+        )
+        return ChatCompletionResponse(
+            request_id, int(time.time()), self._name(request.model), choices, usage
+        )
+
+    async def chat_stream(self, request: ChatCompletionRequest, prepared) -> AsyncIterator[bytes]:
+        request_id, prompts, params = prepared
+        created, model = int(time.time()), self._name(request.model)
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+
+        def chunk(choices, usage=None):
+            return sse(ChatCompletionChunk(request_id, created, model, choices, usage))
+
+        prompt_tokens, completion_tokens = 0, 0
+        try:
+            for i in range(params.n):  # the role first, once per choice
+                yield chunk([ChatStreamChoice(i, ChatMessage("assistant", ""))])
+            async for _, out in self._merged(request_id, prompts, params, request.priority):
+                prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if not c.text and c.finish_reason is None:
+                        continue
+                    logprobs = self._chat_logprobs(c, request)
+                    yield chunk(
+                        [
+                            ChatStreamChoice(
+                                c.index,
+                                ChatMessage(content=c.text),
+                                logprobs,
+                                c.finish_reason,
+                                c.stop_reason,
+                            )
+                        ]
+                    )
+            if include_usage:
+                usage = UsageInfo(
+                    prompt_tokens, completion_tokens, prompt_tokens + completion_tokens
+                )
+                yield chunk([], usage)
+        except Exception as e:
+            yield sse(error_body(e))
+        yield SSE_DONE
+
+    # ------------------------------------------------------------------ running
+    async def _gather(self, request_id, prompts, params, priority) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        async for i, out in self._merged(request_id, prompts, params, priority):
+            finals[i] = out
+        return finals
+
+    async def _merged(self, request_id, prompts, params, priority):
+        """(prompt index, RequestOutput) from one generate per prompt, as they come. Leaving
+        early (error, cancellation) closes every generator: unfinished requests are aborted."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, prompt: dict) -> None:
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            try:
+                async for out in self.engine.generate(prompt, params, rid, priority=priority):
+                    await queue.put((i, out))
+                await queue.put(done)
+            except BaseException as e:  # noqa: BLE001 (handed to the consumer)
+                await queue.put(e)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ formatting
+    def _name(self, requested: str | None) -> str:
+        return requested or self.model_name
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def _token_text(self, token_id: int, lp) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _completion_logprobs(
+        self, out: RequestOutput, c: CompletionOutput, echo: bool, k: int
+    ) -> dict:
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        ids: list[int] = []
+        positions: list[PositionLogprobs | None] = []
+        if echo:
+            ids += out.prompt_token_ids
+            positions += out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        ids += c.token_ids
+        positions += c.logprobs or []
+        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+        for token_id, position in zip(ids, positions, strict=True):
+            text = self._token_text(token_id, position.get(token_id) if position else None)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if position is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(position[token_id].logprob)
+            top.append({self._token_text(t, lp): lp.logprob for t, lp in _top(position, k)})
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, c: CompletionOutput, request: ChatCompletionRequest) -> dict | None:
+        if not request.logprobs:
+            return None
+        k = request.top_logprobs or 0
+        content = []
+        for token_id, position in zip(c.token_ids, c.logprobs or [], strict=True):
+            chosen = position[token_id]
+            text = self._token_text(token_id, chosen)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": max(chosen.logprob, -9999.0),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (t_text := self._token_text(t, lp)),
+                            "logprob": max(lp.logprob, -9999.0),
+                            "bytes": list(t_text.encode()),
+                        }
+                        for t, lp in _top(position, k)
+                    ],
+                }
+            )
+        return {"content": content}
+
+
+def _top(position: PositionLogprobs, k: int) -> list:
+    """The top-k (token id, Logprob) of a position, best first (the chosen token is in the
+    dict too, with its own rank, which may be past k)."""
+    ranked = [(t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=lambda item: item[1].rank)
+
+
+def error_body(e: BaseException) -> dict:
+    status, kind = error_status(e)
+    return {"error": {"message": str(e), "type": kind, "param": None, "code": status}}
+
+
+def error_status(e: BaseException) -> tuple[int, str]:
+    from jaxserve.engine.core_client import EngineDeadError
+
+    if isinstance(e, EngineDeadError):
+        return 503, "ServiceUnavailableError"
+    if isinstance(e, ModelNotFound):
+        return 404, "NotFoundError"
+    if isinstance(e, (ValueError, msgspec.ValidationError, msgspec.DecodeError)):
+        return 400, "BadRequestError"
+    return 500, "InternalServerError"

@@ -1,0 +1,59 @@
+"""The Prometheus registry and the periodic log line, fed as AsyncLLM's output handler does."""
+
+import logging
+
+from jaxserve.ipc.messages import SchedulerStats
+from jaxserve.metrics import (
+    FinishedRequestStats,
+    IterationStats,
+    LoggingStatLogger,
+    PrometheusStatLogger,
+)
+
+SCHED = SchedulerStats(
+    num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25, prefix_cache_queries=100,
+    prefix_cache_hits=40, num_preemptions=1,
+)  # fmt: skip
+ITER = IterationStats(
+    num_prompt_tokens=50, num_generation_tokens=7, time_to_first_tokens=[0.2],
+    inter_token_latencies=[0.03, 0.04],
+    finished=[FinishedRequestStats("length", 1.5, 0.1, 50, 7)],
+)  # fmt: skip
+
+
+def test_prometheus_names_values_and_labels():
+    prom = PrometheusStatLogger("m")
+    prom.record(SCHED, ITER)
+    prom.record(None, IterationStats(num_generation_tokens=3))
+    text = prom.exposition().decode()
+    for line in [
+        'jaxserve:num_requests_running{model_name="m"} 3.0',
+        'jaxserve:num_requests_waiting{model_name="m"} 2.0',
+        'jaxserve:kv_cache_usage_perc{model_name="m"} 0.25',
+        'jaxserve:prompt_tokens_total{model_name="m"} 50.0',
+        'jaxserve:generation_tokens_total{model_name="m"} 10.0',
+        'jaxserve:prefix_cache_queries_total{model_name="m"} 100.0',
+        'jaxserve:prefix_cache_hits_total{model_name="m"} 40.0',
+        'jaxserve:num_preemptions_total{model_name="m"} 1.0',
+        'jaxserve:request_success_total{finished_reason="length",model_name="m"} 1.0',
+        'jaxserve:request_success_total{finished_reason="abort",model_name="m"} 0.0',
+        'jaxserve:time_to_first_token_seconds_count{model_name="m"} 1.0',
+        'jaxserve:inter_token_latency_seconds_count{model_name="m"} 2.0',
+        'jaxserve:e2e_request_latency_seconds_sum{model_name="m"} 1.5',
+        'jaxserve:request_queue_time_seconds_sum{model_name="m"} 0.1',
+    ]:
+        assert line in text, line
+
+
+def test_log_line_reports_throughput_state_and_hit_rate(caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.metrics")
+    log = LoggingStatLogger()
+    log.last_log -= 10.0  # as if the last line was 10 s ago
+    log.record(SCHED, ITER)
+    line = log.log()
+    assert "Avg prompt throughput: 5.0 tokens/s" in line
+    assert "Avg generation throughput: 0.7 tokens/s" in line
+    assert "Running: 3 reqs, Waiting: 2 reqs" in line
+    assert "KV cache usage: 25.0%" in line and "Prefix cache hit rate: 40.0%" in line
+    assert line in caplog.text
+    assert "Avg prompt throughput: 0.0" in log.log()  # counts restart after each line
