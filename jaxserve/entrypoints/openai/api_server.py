@@ -93,7 +93,7 @@ async def run_until_disconnected(request: Request, coro) -> Any:
 async def _generate(request: Request, cls, prepare, run, stream) -> Response:
     serving = _serving(request)
     if serving.engine.errored:
-        return error_response(serving.engine.engine_core.poll_dead())
+        return error_response(serving.engine.dead or serving.engine.engine_core.poll_dead())
     try:
         body = await _decode(request, cls)
         prepared = prepare(body)
