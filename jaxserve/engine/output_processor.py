@@ -31,11 +31,14 @@ def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
 
 
-def _request_finish_reason(state: RequestState) -> str:
-    """One reason for a request of n children: abort if any was aborted, else stop if any
-    stopped, else length."""
-    reasons = {c.finish_reason for c in state.children.values()}
-    return next(r for r in ("abort", "stop", "length") if r in reasons)
+def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedRequestStats:
+    """A finished request for the metrics; with n children, abort if any was aborted, else
+    stop if any stopped, else length."""
+    m = state.metrics
+    generated = sum(len(c.token_ids) for c in state.children.values())
+    return FinishedRequestStats(
+        reason, now - m.arrival_time, m.queue_time, len(state.prompt_token_ids), generated
+    )
 
 
 @dataclasses.dataclass
@@ -117,13 +120,7 @@ class OutputProcessor:
         for core_id in state.children:
             self.child_to_parent.pop(core_id, None)
         if stats is not None:
-            stats.finished.append(
-                FinishedRequestStats(
-                    "abort", time.time() - state.metrics.arrival_time, state.metrics.queue_time,
-                    len(state.prompt_token_ids),
-                    sum(len(c.token_ids) for c in state.children.values()),
-                )
-            )  # fmt: skip
+            stats.finished.append(_finished_stats(state, "abort", time.time()))
         return [cid for cid, c in state.children.items() if c.finish_reason is None]
 
     def process_outputs(
@@ -180,13 +177,9 @@ class OutputProcessor:
             finished = state.finished
             if finished:
                 state.metrics.finished_time = now
-                stats.finished.append(
-                    FinishedRequestStats(
-                        _request_finish_reason(state), now - state.metrics.arrival_time,
-                        state.metrics.queue_time, len(state.prompt_token_ids),
-                        sum(len(c.token_ids) for c in state.children.values()),
-                    )
-                )  # fmt: skip
+                reasons = {c.finish_reason for c in state.children.values()}
+                reason = next(r for r in ("abort", "stop", "length") if r in reasons)
+                stats.finished.append(_finished_stats(state, reason, now))
                 del self.requests[parent_id]
                 for core_id in state.children:
                     self.child_to_parent.pop(core_id, None)

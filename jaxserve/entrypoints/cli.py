@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
 from jaxserve import __version__
@@ -20,24 +21,9 @@ def _serve(args: argparse.Namespace) -> int:
     from jaxserve.engine.arg_utils import EngineArgs
     from jaxserve.entrypoints.openai.api_server import run_server
 
-    engine_args = EngineArgs(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        max_logprobs=args.max_logprobs,
-        scheduling_policy=args.scheduling_policy,
-        async_scheduling=args.async_scheduling,
-    )
+    # Every engine flag's dest is the EngineArgs field of the same name.
+    fields = (f.name for f in dataclasses.fields(EngineArgs))
+    engine_args = EngineArgs(**{name: getattr(args, name) for name in fields})
     run_server(args, engine_args)
     return 0
 

@@ -326,8 +326,8 @@ class ModelRunner:
 
         padded_rows = np.zeros(s, np.int32)
         padded_rows[:num_reqs] = rows
-        appends = np.zeros(s, bool)  # the prompt is complete: the sampled token is real
-        appends[:num_reqs] = start + n_sched >= ib.num_tokens[rows]
+        appends = np.zeros(s, bool)  # the step reaches the end of the tokens: it is kept
+        appends[:num_reqs] = [r in so.sampled_req_ids for r in req_ids]
         inputs = StepInputs(
             input_ids=ids,
             positions=positions,
@@ -365,11 +365,10 @@ class ModelRunner:
         num_reqs = len(p.req_ids)
         sampled = np.asarray(fetched["ids"][:num_reqs], np.int32)
         # Fill the placeholders, unless the row has since gone to another request.
-        for row, rid, pos, token in zip(
-            p.rows[p.appends], np.array(p.req_ids)[p.appends], p.append_positions,
-            sampled[p.appends], strict=True,
-        ):  # fmt: skip
-            if ib.req_id_to_row.get(rid) == row:
+        kept = np.flatnonzero(p.appends)
+        for i, pos in zip(kept, p.append_positions, strict=True):
+            row, token = p.rows[i], sampled[i]
+            if ib.req_id_to_row.get(p.req_ids[i]) == row:
                 ib.token_ids[row, pos] = token
         prompt_logprobs = {}
         if "prompt_logprobs" in fetched:
@@ -435,7 +434,7 @@ class StepInputs(NamedTuple):
     logits_indices: np.ndarray  # i32[S]: each sequence's last token in the flat batch
     sampling: SamplingMetadata  # [S] rows; prompt_mask / output_counts None (from the device)
     rows: np.ndarray  # i32[S]: each sequence's input-batch row (its penalty state)
-    appends: np.ndarray  # bool[S]: the sampled token is kept (the prompt is complete)
+    appends: np.ndarray  # bool[S]: the sampled token is kept (SchedulerOutput.sampled_req_ids)
     prompt_targets: np.ndarray  # i32[T]: next prompt token to score, -1 = none
 
 

@@ -22,7 +22,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -192,7 +192,7 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             headers = dict(scope["headers"])
             if headers.get(b"authorization") != self.expected:
-                response = JSONResponse(
+                response = MsgspecJSONResponse(
                     {
                         "error": {
                             "message": "Unauthorized: a valid API key is required",

@@ -191,8 +191,6 @@ class OpenAIServing:
     def prepare_chat(self, request: ChatCompletionRequest):
         self.check_model(request.model)
         check_supported(request)
-        if request.tools:
-            raise ValueError("tools (function calling) is not supported by jaxserve yet")
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         prompt = self.chat_prompt(request)

@@ -22,6 +22,9 @@ pytestmark = pytest.mark.slow
 KEY = "test-key"
 MODEL = "smol"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# A request that streams long enough to be interrupted.
+LONG_STREAM = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
+               "ignore_eos": True, "stream": True}  # fmt: skip
 SERVER_FLAGS = [
     "--max-num-seqs",
     "8",
@@ -291,13 +294,7 @@ def test_models_version_tokenize_detokenize_health(server):
 
 
 def test_disconnected_stream_is_aborted_and_frees_its_blocks(server):
-    body = {
-        "model": MODEL,
-        "prompt": "Tell me a long story.",
-        "max_tokens": 400,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = LONG_STREAM
     with httpx.stream(
         "POST", f"{server.url}/v1/completions", json=body, headers=auth(), timeout=60
     ) as r:
@@ -317,8 +314,7 @@ def test_disconnected_stream_is_aborted_and_frees_its_blocks(server):
 
 
 def test_disconnected_non_streaming_request_is_aborted(server):
-    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
-            "ignore_eos": True}  # fmt: skip
+    body = {**LONG_STREAM, "stream": False}
     aborted = server.metric("request_success_total", 'finished_reason="abort"')
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(),
@@ -357,13 +353,7 @@ def test_metrics_count_tokens_and_latencies(server, client):
 def test_dead_engine_ends_streams_turns_health_503_and_fails_fast():
     server = Server()
     try:
-        body = {
-            "model": MODEL,
-            "prompt": "Tell me a long story.",
-            "max_tokens": 400,
-            "ignore_eos": True,
-            "stream": True,
-        }
+        body = LONG_STREAM
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             next(lines)
@@ -385,13 +375,7 @@ def test_dead_engine_ends_streams_turns_health_503_and_fails_fast():
 
 def test_sigterm_finishes_in_flight_streams_refuses_new_and_exits():
     server = Server()
-    body = {
-        "model": MODEL,
-        "prompt": "Tell me a story.",
-        "max_tokens": 40,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = {**LONG_STREAM, "max_tokens": 40}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         next(lines)
