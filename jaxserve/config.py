@@ -218,6 +218,7 @@ class EngineConfig:
     parallel: ParallelConfig
     seed: int = 0
     max_logprobs: int = 20
+    attention_backend: str = "reference"  # "pallas" (the kernel) or "reference" (jnp)
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

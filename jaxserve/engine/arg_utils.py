@@ -11,6 +11,7 @@ import dataclasses
 import jax
 
 from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.models.loader import read_model_config, resolve_model_path
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
@@ -40,6 +41,9 @@ class EngineArgs:
     # the "device" is the host's own cores and the overlap slows the step it runs beside
     # (benchmarks/results/cpu.md).
     async_scheduling: bool | None = None
+    # Paged attention: "pallas" (the Pallas kernel; default on GPU) or "reference" (the jnp
+    # op; default elsewhere, where the kernel only runs interpreted).
+    attention_backend: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
@@ -60,6 +64,20 @@ class EngineArgs:
             policy=self.scheduling_policy,
             async_scheduling=not on_cpu if self.async_scheduling is None else self.async_scheduling,
         )
+        attention_backend = self.attention_backend or (
+            "pallas" if jax.default_backend() == "gpu" else "reference"
+        )
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={attention_backend!r}; choose from {ATTENTION_BACKENDS}"
+            )
+        tp = self.tensor_parallel_size
+        if attention_backend == "pallas" and model_config.num_kv_heads % tp:
+            raise ValueError(
+                f"attention_backend='pallas' needs tensor_parallel_size={tp} to divide the "
+                f"model's num_key_value_heads={model_config.num_kv_heads}; use "
+                "attention_backend='reference'"
+            )
         cache = CacheConfig(
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -75,6 +93,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            attention_backend=attention_backend,
         )
 
 

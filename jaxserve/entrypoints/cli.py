@@ -86,6 +86,12 @@ def _add_serve_parser(sub) -> None:
         default=None,
         help="default: on with an accelerator, off on CPU",
     )
+    serve.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["pallas", "reference"],
+        help="paged attention: the Pallas kernel (default on GPU) or the jnp reference",
+    )
     serve.set_defaults(func=_serve)
 
 

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from jaxserve.distributed.sharding import kv_cache_sharding, kv_heads_sharded
-from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.layers.attention import AttentionMetadata, configure_attention
 from jaxserve.layers.sampler import (
     MAX_BIAS_TOKENS,
     SamplingMetadata,
@@ -82,6 +82,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             scheduler_config.max_num_seqs, self.max_model_len, self.max_blocks_per_req
         )
+        configure_attention(loaded.model, engine_config.attention_backend, self.mesh)
         self.graphdef, self.state = nnx.split(loaded.model)
         self.base_key = jax.random.PRNGKey(engine_config.seed)
         self.step_count = 0

@@ -65,3 +65,14 @@ def test_bad_model_paths_and_unknown_arguments(tmp_path, model_dir):
         EngineArgs(model=str(tmp_path / "nope")).create_engine_config()
     with pytest.raises(TypeError, match="unknown engine arguments: max_num_seq"):
         LLM(model_dir, max_num_seq=4)
+
+
+def test_attention_backend_default_and_checks(model_dir):
+    config = EngineArgs(model=model_dir).create_engine_config()
+    assert config.attention_backend == "reference"  # on CPU; "pallas" on GPU
+    with pytest.raises(ValueError, match="attention_backend='flash'"):
+        EngineArgs(model=model_dir, attention_backend="flash").create_engine_config()
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 .* num_key_value_heads=2"):
+        EngineArgs(
+            model=model_dir, attention_backend="pallas", tensor_parallel_size=4
+        ).create_engine_config()

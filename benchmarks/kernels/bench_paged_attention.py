@@ -1,0 +1,197 @@
+"""Ragged paged attention: the Pallas kernel against its peers, measured in the same run.
+
+Llama-3-8B head shapes by default (32 query heads, 8 KV heads, head_dim 128, bf16, block 16),
+one layer's KV cache. For each decode case (batch x context) it prints the kernel's time, its
+achieved HBM bandwidth (K/V bytes read / time) as a fraction of the device's peak, and its
+speed-up over (a) the jnp reference under XLA and (b) jax's own decode-only Pallas kernel
+`jax.experimental.pallas.ops.gpu.paged_attention` (on its own cache layout, built outside the
+timed region). Mixed cases (one prefill chunk beside decodes) compare with the reference only.
+
+Blocks are assigned from a shuffled pool (non-contiguous, as in serving); times are the median
+of --iters runs after warm-up, each synchronised with block_until_ready.
+
+    python benchmarks/kernels/bench_paged_attention.py --output-json out.json
+    python benchmarks/kernels/bench_paged_attention.py --smoke   # tiny, interpret mode, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import (
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+# Peak HBM bandwidth (bytes/s) by jax device_kind prefix: vendor data sheets.
+PEAK_BANDWIDTH = {
+    "NVIDIA H200": 4.8e12,
+    "NVIDIA H100 80GB HBM3": 3.35e12,
+    "NVIDIA H100 PCIe": 2.0e12,
+    "NVIDIA H100": 3.35e12,
+    "NVIDIA A100-SXM4-80GB": 2.039e12,
+    "NVIDIA A100": 1.555e12,
+}
+
+
+def peak_bandwidth(device) -> float | None:
+    for prefix, bw in PEAK_BANDWIDTH.items():
+        if device.device_kind.startswith(prefix):
+            return bw
+    return None
+
+
+def make_batch(seqs, *, hq, hkv, head_dim, block_size, dtype, seed=0):
+    """seqs: (q_len, kv_len) per sequence -> the kernel's arguments (device arrays)."""
+    rng = np.random.default_rng(seed)
+    blocks = [-(-kv // block_size) for _, kv in seqs]
+    max_blocks = max(blocks)
+    num_blocks = sum(blocks) + 1
+    perm = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.zeros((len(seqs), max_blocks), np.int32)
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    num_tokens = sum(q for q, _ in seqs)
+    qsl = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
+    key = jax.random.PRNGKey(seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    cache_shape = (num_blocks, block_size, hkv, head_dim)
+    return dict(
+        q=jax.random.normal(kq, (num_tokens, hq, head_dim), dtype),
+        k_cache=jax.random.normal(kk, cache_shape, dtype),
+        v_cache=jax.random.normal(kv, cache_shape, dtype),
+        kv_lens=jnp.asarray([kv for _, kv in seqs], jnp.int32),
+        block_tables=jnp.asarray(tables),
+        query_start_loc=jnp.asarray(qsl),
+        num_seqs=jnp.asarray([len(seqs)], jnp.int32),
+    )
+
+
+def timed(fn, *args, warmup: int, iters: int) -> float:
+    """Median seconds of fn(*args) over iters calls, after warmup calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def jax_decode_peer(batch, *, block_size):
+    """jax.experimental.pallas.ops.gpu.paged_attention on its [Hkv, pages, page, D] layout."""
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    k_pages = jnp.transpose(batch["k_cache"], (2, 0, 1, 3))
+    v_pages = jnp.transpose(batch["v_cache"], (2, 0, 1, 3))
+    tables = batch["block_tables"]
+    k_splits = 16 if tables.shape[1] >= 16 else 1
+    pad = -tables.shape[1] % (k_splits * 8)  # pages per split divisible by its compute block
+    tables = jnp.pad(tables, ((0, 0), (0, pad)))
+    q = batch["q"]
+    fn = jax.jit(functools.partial(paged_attention, k_splits=k_splits))
+    return fn, (q, k_pages, v_pages, tables, batch["kv_lens"])
+
+
+def run_case(name, seqs, args, results):
+    hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
+    dtype = jnp.dtype(args.dtype)
+    batch = make_batch(seqs, hq=hq, hkv=hkv, head_dim=d, block_size=bs, dtype=dtype)
+    inputs = tuple(batch.values())
+    scale = d**-0.5
+    kernel = jax.jit(
+        functools.partial(ragged_paged_attention, sm_scale=scale, interpret=args.smoke)
+    )
+    reference = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
+    t_kernel = timed(kernel, *inputs, warmup=args.warmup, iters=args.iters)
+    t_ref = timed(reference, *inputs, warmup=args.warmup, iters=args.iters)
+    err = float(
+        jnp.max(
+            jnp.abs(kernel(*inputs).astype(jnp.float32) - reference(*inputs).astype(jnp.float32))
+        )
+    )
+    kv_bytes = sum(kv for _, kv in seqs) * 2 * hkv * d * dtype.itemsize
+    row = dict(case=name, kernel_us=t_kernel * 1e6, reference_us=t_ref * 1e6, max_abs_err=err,
+               kv_bytes=kv_bytes, achieved_gbps=kv_bytes / t_kernel / 1e9)  # fmt: skip
+    peak = peak_bandwidth(jax.devices()[0])
+    if peak:
+        row["hbm_fraction"] = kv_bytes / t_kernel / peak
+    if all(q == 1 for q, _ in seqs) and not args.smoke:
+        fn, peer_args = jax_decode_peer(batch, block_size=bs)
+        row["jax_pallas_us"] = timed(fn, *peer_args, warmup=args.warmup, iters=args.iters) * 1e6
+    results.append(row)
+    print(_format(row), flush=True)
+
+
+def _format(row) -> str:
+    cells = [
+        row["case"],
+        f"{row['kernel_us']:.1f}",
+        f"{row['achieved_gbps']:.0f}",
+        f"{row['hbm_fraction']:.0%}" if "hbm_fraction" in row else "-",
+        f"{row['reference_us'] / row['kernel_us']:.2f}x",
+        f"{row['jax_pallas_us'] / row['kernel_us']:.2f}x" if "jax_pallas_us" in row else "-",
+        f"{row['max_abs_err']:.1e}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes in interpret mode (CPU; format check)"
+    )
+    args = parser.parse_args()
+    if args.smoke:
+        args.batch_sizes, args.contexts = [1, 4], [40]
+        args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
+        args.warmup, args.iters = 1, 2
+
+    device = jax.devices()[0]
+    print(f"# {device.device_kind} ({device.platform}), jax {jax.__version__}, "
+          f"{platform.machine()}; Hq={args.num_q_heads} Hkv={args.num_kv_heads} "
+          f"D={args.head_dim} block={args.block_size} {args.dtype}")  # fmt: skip
+    peak = peak_bandwidth(device)
+    print(f"# peak HBM bandwidth: {peak / 1e12:.2f} TB/s" if peak else "# peak bandwidth: unknown")
+    print("| case | kernel us | KV GB/s | of peak | vs XLA reference | vs jax Pallas decode | "
+          "max abs err |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    results: list[dict] = []
+    for ctx in args.contexts:
+        for b in args.batch_sizes:
+            run_case(f"decode b={b} ctx={ctx}", [(1, ctx)] * b, args, results)
+    for ctx in args.contexts:
+        b = args.batch_sizes[-1]
+        chunk = min(512, ctx)
+        seqs = [(chunk, ctx)] + [(1, ctx)] * (b - 1)
+        run_case(f"mixed 1x{chunk}-chunk + {b - 1} decodes ctx={ctx}", seqs, args, results)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(dict(device=device.device_kind, jax=jax.__version__, args=vars(args),
+                           results=results), f, indent=2)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

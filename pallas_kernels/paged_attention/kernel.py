@@ -1,0 +1,373 @@
+"""Ragged paged attention as a Pallas GPU kernel (Triton backend): decodes and prefill chunks
+in one batch, over the paged KV cache the engine writes.
+
+Same signature and semantics as `reference.ragged_paged_attention_reference` (read its
+docstring for the batch layout), plus keyword-only tuning arguments and `interpret`.
+
+Two kernels, both compiled for every batch shape and picked at run time with `lax.cond` from
+the batch's layout, so a step never recompiles:
+
+- **decode** (every real sequence has exactly one query token): one program per (sequence, KV
+  head, KV split). The GQA group's query heads (padded to 16 rows, the smallest `tl.dot`) share
+  each K/V page load, so a page is read once per KV head; a long context is cut into
+  `num_kv_splits` page ranges run by separate programs, whose partial (max, sum, output) are
+  merged afterwards in XLA (split-K / flash-decoding).
+- **mixed** (any sequence has more than one query token): queries are tiled too. For each KV
+  head the rows (token, head-in-group) of a sequence are laid out contiguously, so a tile of
+  `q_block` rows is one slice; one program per (tile, KV head) streams the keys the tile can
+  see (causal, up to its last row's position) with an online softmax. Tiles are assigned to
+  sequences by a small XLA prologue over `query_start_loc`, so tile counts follow the batch
+  without changing the grid.
+
+Softmax statistics and accumulators are float32 whatever the input dtype; scores use exp2
+with log2(e) folded into the scale. K/V pages are gathered through the block table inside
+the kernel (no copy of the cache); the cache layout is the engine's own
+`[num_blocks, block_size, Hkv, D]`, read for one KV head through a strided block spec.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_LOG2E = math.log2(math.e)
+_MIN_DOT = 16  # tl.dot needs every dimension >= 16
+_M_INIT = -1e30  # finite "minus infinity": empty rows merge to 0 without NaN
+
+
+def _pow2_at_least(x: int, floor: int) -> int:
+    return max(floor, 1 << max(0, x - 1).bit_length())
+
+
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """A block spec giving every program the whole array (indexed by hand in the kernel)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _kv_head_spec(cache_shape: tuple[int, ...], head_axis: int) -> pl.BlockSpec:
+    """[num_blocks, block_size, Hkv, D] -> one KV head's [num_blocks, block_size, D] view."""
+    num_blocks, block_size, _, head_dim = cache_shape
+    return pl.BlockSpec(
+        (num_blocks, block_size, None, head_dim),
+        lambda *idx: (0, 0, idx[head_axis], 0),
+    )
+
+
+def _attend_pages(q, k_ref, v_ref, pages, visible, m, l, acc, *, scale, exact):
+    """One online-softmax step of q [R, D] over the keys of `pages`.
+
+    pages: i32[P] block ids; visible: bool[R, P*bs] which of their keys each row may see.
+    m, l: f32[R]; acc: f32[R, D].
+    """
+    num_pages = pages.shape[0]
+    k = k_ref[pages]  # [P, bs, D]
+    v = v_ref[pages]
+    block_size, head_dim = k.shape[1:]
+    k = k.reshape(num_pages * block_size, head_dim)
+    v = v.reshape(num_pages * block_size, head_dim)
+    s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale  # [R, K] f32, log2 units
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp2(s - m_new[:, None])
+    alpha = jnp.exp2(m - m_new)
+    l = alpha * l + jnp.sum(p, axis=1)
+    pv = plgpu.dot(p.astype(v.dtype), v, allow_tf32=not exact)
+    acc = alpha[:, None] * acc + pv
+    return m_new, l, acc
+
+
+def _decode_kernel(
+    kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
+    *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float, exact: bool,
+):  # fmt: skip
+    """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D], m_ref/l_ref [BH]."""
+    seq, split = pl.program_id(0), pl.program_id(2)
+    block_size = k_ref.shape[1]
+    kv_len = kv_lens_ref[seq]
+    num_pages = pl.cdiv(kv_len, block_size)
+    per_split = pl.cdiv(pl.cdiv(num_pages, num_splits), pages_per_step) * pages_per_step
+    first = split * per_split
+    last = jnp.minimum(first + per_split, num_pages)
+    num_steps = pl.cdiv(jnp.maximum(last - first, 0), pages_per_step)
+
+    q = q_ref[...]
+    rows = q.shape[0]
+    step_tokens = pages_per_step * block_size
+
+    def body(j, carry):
+        page0 = first + j * pages_per_step
+        idx = jnp.minimum(page0 + jnp.arange(pages_per_step), max_blocks - 1)
+        pages = block_tables_ref[seq * max_blocks + idx]
+        key_pos = page0 * block_size + jnp.arange(step_tokens)
+        visible = jnp.broadcast_to((key_pos < kv_len)[None, :], (rows, step_tokens))
+        return _attend_pages(q, k_ref, v_ref, pages, visible, *carry, scale=scale, exact=exact)
+
+    init = (
+        jnp.full((rows,), _M_INIT, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros(q.shape, jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _mixed_kernel(
+    tile_seq_ref, tile_row_ref, kv_lens_ref, query_start_loc_ref, block_tables_ref,
+    q_ref, k_ref, v_ref, o_ref,
+    *, group: int, q_block: int, max_blocks: int, pages_per_step: int, scale: float,
+    exact: bool,
+):  # fmt: skip
+    """Program (tile, kv_head): q_ref/o_ref [T*G + q_block, D] rows of this KV head."""
+    tile = pl.program_id(0)
+    seq = tile_seq_ref[tile]
+
+    @pl.when(seq >= 0)
+    def _():
+        block_size = k_ref.shape[1]
+        head_dim = q_ref.shape[1]
+        row0 = tile_row_ref[tile]  # first row of the tile within its sequence
+        q_start = query_start_loc_ref[seq]
+        q_len = query_start_loc_ref[seq + 1] - q_start
+        kv_len = kv_lens_ref[seq]
+        rows = row0 + jnp.arange(q_block)
+        tok = rows // group
+        row_ok = tok < q_len
+        q_pos = kv_len - q_len + tok  # [R] position of each row's token
+        base = q_start * group + row0
+        mask = jnp.broadcast_to(row_ok[:, None], (q_block, head_dim))
+        q = plgpu.load(q_ref.at[pl.ds(base, q_block), :], mask=mask, other=0.0)
+
+        last_tok = jnp.minimum((row0 + q_block - 1) // group, q_len - 1)
+        num_keys = kv_len - q_len + last_tok + 1  # keys visible to the tile's last row
+        step_tokens = pages_per_step * block_size
+        num_steps = pl.cdiv(num_keys, step_tokens)
+
+        def body(j, carry):
+            page0 = j * pages_per_step
+            idx = jnp.minimum(page0 + jnp.arange(pages_per_step), max_blocks - 1)
+            pages = block_tables_ref[seq * max_blocks + idx]
+            key_pos = page0 * block_size + jnp.arange(step_tokens)
+            visible = key_pos[None, :] <= q_pos[:, None]
+            return _attend_pages(q, k_ref, v_ref, pages, visible, *carry, scale=scale, exact=exact)
+
+        init = (
+            jnp.full((q_block,), _M_INIT, jnp.float32),
+            jnp.zeros((q_block,), jnp.float32),
+            jnp.zeros((q_block, head_dim), jnp.float32),
+        )
+        _, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
+        out = acc / jnp.maximum(l, 1e-30)[:, None]
+        plgpu.store(o_ref.at[pl.ds(base, q_block), :], out.astype(o_ref.dtype), mask=mask)
+
+
+def _decode(
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, scale, exact,
+    pages_per_step, num_splits, num_warps, num_stages, interpret,
+):  # fmt: skip
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_seqs, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    rows = _pow2_at_least(group, _MIN_DOT)
+
+    # Each sequence's single query row, its GQA heads padded to a dot-sized row block.
+    q_rows = q[jnp.minimum(query_start_loc[:max_seqs], num_tokens - 1)]
+    q_rows = q_rows.reshape(max_seqs, num_kv_heads, group, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+    kernel = functools.partial(
+        _decode_kernel, max_blocks=max_blocks, pages_per_step=pages_per_step,
+        num_splits=num_splits, scale=scale, exact=exact,
+    )  # fmt: skip
+    part = (num_splits, max_seqs, num_kv_heads, rows)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(max_seqs, num_kv_heads, num_splits),
+        in_specs=[
+            _whole((max_seqs,)),
+            _whole((max_seqs * max_blocks,)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
+            _kv_head_spec(k_cache.shape, 1),
+            _kv_head_spec(v_cache.shape, 1),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (k, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_decode",
+    )(kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache)
+
+    # Merge the splits: [K, S, Hkv, rows(, D)] -> [S, Hkv, rows, D].
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp2(m - m_all[None])
+    denom = jnp.sum(w * l, axis=0)
+    out = jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]
+    out = out[:, :, :group].reshape(max_seqs, num_q_heads, head_dim).astype(q.dtype)
+    # Scatter each sequence's row back to its token; rows of no sequence stay zero.
+    dest = jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
+    return jnp.zeros_like(q).at[dest].set(out, mode="drop")
+
+
+def _mixed(
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, scale, exact,
+    q_block, pages_per_step, num_warps, num_stages, interpret,
+):  # fmt: skip
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_seqs, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    num_rows = num_tokens * group
+
+    # Tile assignment: sequence s gets ceil(q_len*G / q_block) tiles, in order.
+    real = jnp.arange(max_seqs) < num_seqs[0]
+    q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
+    tiles = (q_lens * group + q_block - 1) // q_block
+    ends = jnp.cumsum(tiles)
+    max_tiles = pl.cdiv(num_rows, q_block) + min(max_seqs, num_tokens)
+    tile_ids = jnp.arange(max_tiles, dtype=jnp.int32)
+    tile_seq = jnp.searchsorted(ends, tile_ids, side="right").astype(jnp.int32)
+    tile_seq_c = jnp.minimum(tile_seq, max_seqs - 1)
+    tile_row = (tile_ids - (ends[tile_seq_c] - tiles[tile_seq_c])) * q_block
+    tile_seq = jnp.where(tile_ids < ends[-1], tile_seq, -1)
+
+    # Per KV head, the rows (token, head-in-group) laid out contiguously, padded by one tile
+    # so a tile's slice never runs past the end.
+    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = q_rows.reshape(num_kv_heads, num_rows, head_dim)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, q_block), (0, 0)))
+    rows_spec = pl.BlockSpec((None, num_rows + q_block, head_dim), lambda t, h: (h, 0, 0))
+
+    kernel = functools.partial(
+        _mixed_kernel, group=group, q_block=q_block, max_blocks=max_blocks,
+        pages_per_step=pages_per_step, scale=scale, exact=exact,
+    )  # fmt: skip
+    out = pl.pallas_call(
+        kernel,
+        grid=(max_tiles, num_kv_heads),
+        in_specs=[
+            _whole((max_tiles,)),
+            _whole((max_tiles,)),
+            _whole((max_seqs,)),
+            _whole((max_seqs + 1,)),
+            _whole((max_seqs * max_blocks,)),
+            rows_spec,
+            _kv_head_spec(k_cache.shape, 1),
+            _kv_head_spec(v_cache.shape, 1),
+        ],
+        out_specs=rows_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        input_output_aliases={},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_mixed",
+    )(tile_seq, tile_row, kv_lens, query_start_loc, block_tables.reshape(-1), q_rows,
+      k_cache, v_cache)  # fmt: skip
+
+    out = out[:, :num_rows].reshape(num_kv_heads, num_tokens, group, head_dim)
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    # Rows no tile wrote (padding) hold garbage: zero them as the reference does.
+    valid = jnp.arange(num_tokens) < query_start_loc[num_seqs[0]]
+    return jnp.where(valid[:, None, None], out, 0)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "decode_pages_per_step", "num_kv_splits", "q_block",
+        "prefill_kv_tokens_per_step", "num_warps", "num_stages", "interpret",
+    ),
+)  # fmt: skip
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    decode_pages_per_step: int | None = None,
+    num_kv_splits: int = 8,
+    q_block: int = 64,
+    prefill_kv_tokens_per_step: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of ragged queries over a paged KV cache (Pallas kernel).
+
+    Args:
+      q: [T, Hq, D] queries (rotary already applied); D a power of two.
+      k_cache, v_cache: [num_blocks, block_size, Hkv, D]; Hq a multiple of Hkv; block_size a
+        power of two.
+      kv_lens: i32[S] cached tokens per sequence, the new ones included.
+      block_tables: i32[S, max_blocks] block ids of each sequence, in order.
+      query_start_loc: i32[S+1] row offsets of each sequence's queries in q.
+      num_seqs: i32[1] number of real sequences; later entries are padding.
+      sm_scale: softmax scale, usually head_dim ** -0.5.
+      decode_pages_per_step: KV pages per inner step of the decode kernel (default: 128
+        tokens' worth).
+      num_kv_splits: programs a decode sequence's context is split across (merged after).
+      q_block: query rows (token x GQA head) per program of the mixed kernel; power of two.
+      prefill_kv_tokens_per_step: keys per inner step of the mixed kernel.
+      num_warps, num_stages: Triton launch parameters of both kernels.
+      interpret: run in Pallas interpret mode (CPU testing).
+
+    Returns:
+      [T, Hq, D] in q's dtype; padding rows are zero.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    for name, value in (("head_dim", head_dim), ("block_size", block_size), ("q_block", q_block)):
+        if value & (value - 1):
+            raise ValueError(f"{name}={value} must be a power of two for the Pallas kernel")
+    if q_block < _MIN_DOT:
+        raise ValueError(f"q_block={q_block} must be at least {_MIN_DOT}")
+    if decode_pages_per_step is None:
+        decode_pages_per_step = max(1, 128 // block_size)
+    prefill_pages = max(1, prefill_kv_tokens_per_step // block_size)
+    exact = q.dtype == jnp.float32
+    kv_lens = kv_lens.astype(jnp.int32)
+    block_tables = block_tables.astype(jnp.int32)
+    query_start_loc = query_start_loc.astype(jnp.int32)
+    num_seqs = num_seqs.astype(jnp.int32)
+    common = dict(scale=sm_scale * _LOG2E, exact=exact, num_warps=num_warps,
+                  num_stages=num_stages, interpret=interpret)  # fmt: skip
+
+    max_seqs = block_tables.shape[0]
+    n = num_seqs[0]
+    real = jnp.arange(max_seqs) < n
+    decode_only = query_start_loc[n] == n  # every real sequence has one query token
+
+    def decode(q):
+        lens = jnp.where(real, kv_lens, 0)
+        return _decode(
+            q, k_cache, v_cache, lens, block_tables, query_start_loc,
+            pages_per_step=decode_pages_per_step, num_splits=num_kv_splits, **common,
+        )  # fmt: skip
+
+    def mixed(q):
+        return _mixed(
+            q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+            q_block=q_block, pages_per_step=prefill_pages, **common,
+        )  # fmt: skip
+
+    return jax.lax.cond(decode_only, decode, mixed, q)

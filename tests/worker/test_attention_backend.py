@@ -1,0 +1,62 @@
+"""The model runner with attention_backend='pallas': the kernel (interpreted on CPU) inside
+the real compiled step gives the jnp reference's tokens, with and without tensor parallelism."""
+
+import pytest
+from flax import nnx
+
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.layers.attention import Attention
+from jaxserve.sampling_params import SamplingParams
+from tests.helpers import make_tiny_hf
+
+# head_dim 16 (the kernel's smallest dot), GQA group 4.
+SHAPE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2)
+# 16-token steps: prompts are prefilled in chunks that start mid-sequence.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+              num_gpu_blocks_override=48)  # fmt: skip
+PROMPTS = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(5 + 9 * i)]}
+           for i in range(4)]  # fmt: skip
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, logprobs=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def in_process(monkeypatch_module):
+    monkeypatch_module.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_hf("llama", tmp_path_factory.mktemp("tiny"), **SHAPE))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(model_dir, attention_backend="reference", **ENGINE)
+    return llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.engine_core.runner
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pallas_backend_gives_the_reference_tokens(model_dir, reference, tp):
+    llm = LLM(model_dir, attention_backend="pallas", tensor_parallel_size=tp, **ENGINE)
+    runner = _runner(llm)
+    modules = [m for _, m in nnx.iter_graph(nnx.merge(runner.graphdef, runner.state))]
+    assert {m.backend for m in modules if isinstance(m, Attention)} == {"pallas"}
+    compiled = runner.num_compiled_steps()
+    got = llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)  # 2nd round: prefix-cache hits
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
+    for g, w in zip(got, reference, strict=True):
+        assert g.outputs[0].cumulative_logprob == pytest.approx(
+            w.outputs[0].cumulative_logprob, abs=1e-3
+        )
+    assert runner.num_compiled_steps() == compiled
