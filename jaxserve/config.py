@@ -218,6 +218,7 @@ class EngineConfig:
     parallel: ParallelConfig
     seed: int = 0
     max_logprobs: int = 20
+    load_format: str = "auto"  # "dummy": random weights of the model's shapes
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

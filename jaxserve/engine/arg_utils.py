@@ -23,6 +23,7 @@ MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 8192
 class EngineArgs:
     model: str | None = None  # None or "HuggingFaceTB/SmolLM2-135M-Instruct": bundled default
     tokenizer: str | None = None  # a HF tokenizer directory; default: the model's own
+    load_format: str = "auto"  # "dummy": random weights (model: also a config.json or preset)
     tensor_parallel_size: int = 1
     dtype: str = "auto"
     seed: int = 0
@@ -43,7 +44,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
-        path = resolve_model_path(self.model)
+        path = resolve_model_path(self.model, self.load_format)
         model_config = read_model_config(path, self.dtype)
         on_cpu = jax.default_backend() == "cpu"
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
@@ -75,6 +76,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            load_format=self.load_format,
         )
 
 
