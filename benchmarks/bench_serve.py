@@ -14,7 +14,8 @@ tokens - 1), output tokens from the usage chunk. Prints vLLM's result block (suc
 failed requests, duration, request / output / total token throughput, mean / median / P99
 TTFT, TPOT, ITL in ms) and, when the server exports it (`jaxserve:` or `vllm:` Prometheus
 names on /metrics), the KV-cache usage once the run has drained (0 when every block came
-back). --save-result writes it all as JSON.
+back). --save-result writes it all as JSON. The prompts depend only on --seed: give each run
+against one server its own seed, or the repeated prompts hit the server's prefix cache.
 
     .venv/bin/jaxserve serve &
     .venv/bin/python benchmarks/bench_serve.py --request-rate 2 --num-prompts 50 \\
