@@ -2,107 +2,105 @@
 
 Random prompt token ids of --input-len, --output-len tokens each (ignore_eos), all submitted
 at once; prints `Throughput: X requests/s, Y total tokens/s, Z output tokens/s`.
-`--backend hf` runs the same prompts through transformers' `generate` (one padded-free batch of
---num-prompts, since all prompts have the same length) in fp32, for a same-run comparison.
+`--backend hf` runs the same prompts through transformers' `generate` (one padding-free batch
+of --num-prompts, since all prompts have the same length), for a same-run comparison. Both
+time one warmed-up run; jaxserve's start-up (compiling its buckets) is not in it, as vLLM's
+is not.
 
-    .venv/bin/python benchmarks/bench_throughput.py --num-prompts 32 --input-len 32 \
+When every sequence decodes in one batch (--num-prompts x --n <= --max-num-seqs; always for
+hf), the decode step and its roofline follow, as in scripts/bench_latency.py: (elapsed -
+elapsed of the same prompts at one output token) / (output_len - 1).
+
+    .venv/bin/python benchmarks/bench_throughput.py --num-prompts 32 --input-len 32 \\
         --output-len 128 --backend jaxserve
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
-import numpy as np
+from jaxserve.benchmarks.common import (
+    decode_step_seconds,
+    git_commit,
+    machine,
+    print_roofline,
+    random_prompt_ids,
+    roofline_report,
+    write_json,
+)
+from jaxserve.entrypoints.cli import add_engine_args, engine_args_from
 
 
-def run_jaxserve(args, prompts: list[list[int]]) -> float:
-    from jaxserve.entrypoints.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
-
-    llm = LLM(
-        args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-    )  # fmt: skip
-    params = SamplingParams(
-        n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=not args.quiet)
-    return time.perf_counter() - start
-
-
-def run_hf(args, prompts: list[list[int]]) -> float:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from jaxserve.models.loader import default_model_path
-
-    if args.model is None:
-        path = default_model_path()
-        model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        )
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model.eval()
-    kwargs = dict(
-        do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-        max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-        num_return_sequences=args.n, pad_token_id=0,
-    )  # fmt: skip
-    with torch.no_grad():
-        model.generate(torch.tensor(prompts[:1]), **{**kwargs, "max_new_tokens": 2,
-                                                      "min_new_tokens": 2})  # fmt: skip
-        start = time.perf_counter()
-        out = model.generate(torch.tensor(prompts), **kwargs)
-    assert out.shape[1] == args.input_len + args.output_len
-    return time.perf_counter() - start
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", choices=["jaxserve", "hf"], default="jaxserve")
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--output-json", default=None)
-    parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-roofline", action="store_true", help="skip the one-token run and the roofline"
+    )
+    add_engine_args(parser)
+    return parser.parse_args(argv)
 
-    rng = np.random.default_rng(args.seed)
-    prompts = rng.integers(100, 20000, (args.num_prompts, args.input_len)).tolist()
-    elapsed = (run_hf if args.backend == "hf" else run_jaxserve)(args, prompts)
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from jaxserve.benchmarks.runners import make_runner
+
+    runner = make_runner(args.backend, engine_args_from(args))
+    prompts = random_prompt_ids(
+        args.num_prompts, args.input_len, runner.config.vocab_size, args.seed
+    )
+    runner.generate(prompts[:1], min(args.output_len, 8), args.n)  # warm-up
+    runner.reset_prefix_cache()
+    start = time.perf_counter()
+    runner.generate(prompts, args.output_len, args.n, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    num_seqs = args.num_prompts * args.n
+    one_batch = runner.max_num_seqs is None or num_seqs <= runner.max_num_seqs
+    prefill = None
+    if one_batch and not args.no_roofline and args.output_len > 1:
+        runner.reset_prefix_cache()  # the same prompts again: prefilled in full
+        start = time.perf_counter()
+        runner.generate(prompts, 1, args.n)
+        prefill = time.perf_counter() - start
+    runner.close()
+
     requests = args.num_prompts
-    out_tokens = requests * args.n * args.output_len
+    out_tokens = num_seqs * args.output_len
     total_tokens = requests * args.input_len + out_tokens
     print(
         f"Throughput: {requests / elapsed:.2f} requests/s, {total_tokens / elapsed:.2f} total "
         f"tokens/s, {out_tokens / elapsed:.2f} output tokens/s"
     )
-    print(f"({args.backend}, {platform.processor() or platform.machine()}, {elapsed:.1f} s)")
+    print(f"({args.backend}, {machine()}, {elapsed:.1f} s)")
+    results = dict(
+        backend=args.backend, elapsed_time=elapsed, num_requests=requests,
+        total_num_tokens=total_tokens, requests_per_second=requests / elapsed,
+        tokens_per_second=total_tokens / elapsed,
+        output_tokens_per_second=out_tokens / elapsed, commit=git_commit(), args=vars(args),
+    )  # fmt: skip
+    step = decode_step_seconds(elapsed, prefill, args.output_len) if prefill else None
+    if step is not None:
+        print(
+            f"Decode step: {1e3 * step:.2f} ms ((elapsed - {prefill:.3f} s at one output "
+            f"token) / {args.output_len - 1}) over {num_seqs} sequences"
+        )
+        roofline = roofline_report(runner.config, step, num_seqs, args.input_len, args.output_len)
+        print_roofline(roofline)
+        results.update(prefill_time=prefill, decode_step_ms=1e3 * step,
+                       roofline=roofline.to_dict())  # fmt: skip
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(
-                dict(backend=args.backend, elapsed_time=elapsed, num_requests=requests,
-                     total_num_tokens=total_tokens, requests_per_second=requests / elapsed,
-                     tokens_per_second=total_tokens / elapsed,
-                     output_tokens_per_second=out_tokens / elapsed, args=vars(args)),
-                f, indent=2,
-            )  # fmt: skip
+        write_json(args.output_json, results)
+    return results
 
 
 if __name__ == "__main__":

@@ -219,6 +219,7 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     attention_backend: str = "reference"  # "pallas" (the kernel) or "reference" (jnp)
+    load_format: str = "auto"  # "dummy": random weights of the model's shapes
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

@@ -24,6 +24,7 @@ MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 8192
 class EngineArgs:
     model: str | None = None  # None or "HuggingFaceTB/SmolLM2-135M-Instruct": bundled default
     tokenizer: str | None = None  # a HF tokenizer directory; default: the model's own
+    load_format: str = "auto"  # "dummy": random weights (model: also a config.json or preset)
     tensor_parallel_size: int = 1
     dtype: str = "auto"
     seed: int = 0
@@ -47,7 +48,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
-        path = resolve_model_path(self.model)
+        path = resolve_model_path(self.model, self.load_format)
         model_config = read_model_config(path, self.dtype)
         on_cpu = jax.default_backend() == "cpu"
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
@@ -94,6 +95,7 @@ class EngineArgs:
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             attention_backend=attention_backend,
+            load_format=self.load_format,
         )
 
 

@@ -41,6 +41,7 @@ class EngineCore:
             dtype=config.model.dtype,
             tensor_parallel_size=config.parallel.tensor_parallel_size,
             load_tokenizer=False,
+            load_format=config.load_format,
         )
         self.runner = ModelRunner(loaded, config)
         # Size the KV cache from what the weights left (compiling needs its shape); the

@@ -18,14 +18,62 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from jaxserve.engine.arg_utils import EngineArgs
     from jaxserve.entrypoints.openai.api_server import run_server
 
-    # Every engine flag's dest is the EngineArgs field of the same name.
-    fields = (f.name for f in dataclasses.fields(EngineArgs))
-    engine_args = EngineArgs(**{name: getattr(args, name) for name in fields})
-    run_server(args, engine_args)
+    run_server(args, engine_args_from(args))
     return 0
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The engine flags, vLLM's names; each dest is the EngineArgs field of the same name
+    (`engine_args_from`). The model is not among them: serve takes it as a positional
+    argument, the benchmark scripts as --model."""
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights of the model's shapes (the model may then also be a "
+        "config.json or a preset such as llama-3-8b)",
+    )
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="default: on with an accelerator, off on CPU",
+    )
+    parser.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["pallas", "reference"],
+        help="paged attention: the Pallas kernel (default on GPU) or the jnp reference",
+    )
+    return parser
+
+
+def engine_args_from(args: argparse.Namespace):
+    """EngineArgs from parsed flags (those of add_engine_args, plus `model`)."""
+    from jaxserve.engine.arg_utils import EngineArgs
+
+    fields = (f.name for f in dataclasses.fields(EngineArgs))
+    return EngineArgs(**{name: getattr(args, name) for name in fields})
 
 
 def _add_serve_parser(sub) -> None:
@@ -62,36 +110,7 @@ def _add_serve_parser(sub) -> None:
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
-    serve.add_argument("--tokenizer", default=None)
-    serve.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    serve.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
-    serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
-    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    serve.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    serve.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    serve.add_argument("--max-logprobs", type=int, default=20)
-    serve.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    serve.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="default: on with an accelerator, off on CPU",
-    )
-    serve.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=["pallas", "reference"],
-        help="paged attention: the Pallas kernel (default on GPU) or the jnp reference",
-    )
+    add_engine_args(serve)
     serve.set_defaults(func=_serve)
 
 

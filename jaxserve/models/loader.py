@@ -9,6 +9,10 @@ Model paths:
   <dir>/jaxserve_checkpoint.json        written by `jaxserve convert` (orbax params + HF config
                                         + tokenizer files)
   None                                  the bundled default model (SmolLM2-135M-Instruct GGUF)
+
+load_format "dummy" skips the weights: random ones of the right shapes and dtype are generated
+on the devices, for timing shapes no bundled model has. The model is then any of the above, a
+config.json (or its directory) alone, or a preset name (`model_presets()`, e.g. llama-3-8b).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import Mesh
@@ -42,6 +47,9 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what users pass fo
 CHECKPOINT_MARKER = "jaxserve_checkpoint.json"
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+LOAD_FORMATS = ("auto", "dummy")
+PRESETS_DIR = Path(__file__).parent / "presets"  # <name>/config.json: real models' configs
+DUMMY_STD = 0.02  # dummy weights ~ N(0, 0.02^2) (HF's initializer_range); norm weights are 1
 
 
 @dataclasses.dataclass
@@ -66,13 +74,31 @@ def default_model_path() -> Path:
     return found[0]
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
-    """None or the default model's HF name -> the bundled GGUF; otherwise a path that exists."""
+def model_presets() -> list[str]:
+    """Names `--load-format dummy` accepts as the model: real models' configs, no weights."""
+    return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
+
+
+def resolve_model_path(model: str | Path | None, load_format: str = "auto") -> Path:
+    """None or the default model's HF name -> the bundled GGUF; otherwise a path that exists.
+    With load_format "dummy" a preset name or a config.json file stands for its directory."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     if model is None or str(model) == DEFAULT_MODEL_NAME:
         return default_model_path()
     path = Path(model)
+    if load_format == "dummy":
+        if str(model) in model_presets():
+            return PRESETS_DIR / str(model)
+        if path.is_file() and path.name == "config.json":
+            return path.parent
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model {model!r} is neither a path nor a preset ({', '.join(model_presets())})"
+            )
     if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
+        hint = " (a preset: use load_format='dummy')" if str(model) in model_presets() else ""
+        raise FileNotFoundError(f"model path {path} does not exist{hint}")
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"model file {path} is not a .gguf file")
     if path.is_dir() and not (path / "config.json").exists():
@@ -97,16 +123,19 @@ def load_model(
     mesh: Mesh | None = None,
     tensor_parallel_size: int = 1,
     load_tokenizer: bool = True,
+    load_format: str = "auto",
 ) -> LoadedModel:
-    """Load `model` (see the module docstring) onto `mesh` (default: tp over local devices)."""
-    path = resolve_model_path(model)
+    """Load `model` (see the module docstring) onto `mesh` (default: tp over local devices);
+    load_format "dummy": random weights generated on the devices instead of read ones."""
+    path = resolve_model_path(model, load_format)
+    dummy = load_format == "dummy"
     if path.is_file():
         source: Any = GGUFSource(path)
         hf_config = _gguf_hf_config(source)
     else:
         hf_config = _hf_config(path)
         is_checkpoint = (path / CHECKPOINT_MARKER).exists()
-        source = None if is_checkpoint else SafetensorsSource(path)
+        source = None if is_checkpoint or dummy else SafetensorsSource(path)
 
     config = ModelConfig.from_hf(hf_config, dtype)
     model_cls = get_model_class(config.architecture)
@@ -117,7 +146,9 @@ def load_model(
     graphdef, state = nnx.split(abstract)
     targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))  # path -> ShapeDtypeStruct
     shardings = {p: param_sharding(p, config, mesh) for p in targets}
-    if source is None:
+    if dummy:
+        params = _dummy_params(targets, shardings)
+    elif source is None:
         params = _restore_orbax(path / "params", targets, shardings)
     else:
         params = {}
@@ -135,6 +166,28 @@ def load_model(
         tokenizer=read_tokenizer(path) if load_tokenizer else None,
         generation_config=read_generation_config(path),
     )
+
+
+def _dummy_params(
+    targets: dict[tuple, Any], shardings: dict[tuple, Any], seed: int = 0
+) -> dict[tuple, jax.Array]:
+    """Random parameters from one jitted program, each generated straight into its sharding
+    and dtype (nothing is built on the host, so an 8B model costs no host memory)."""
+    paths = list(targets)
+
+    def init(key):
+        out = []
+        for i, p in enumerate(paths):
+            shape, dtype = targets[p].shape, targets[p].dtype
+            if "norm" in "/".join(map(str, p)):  # RMSNorm weights: 1, activations stay O(1)
+                out.append(jnp.ones(shape, dtype))
+            else:
+                w = jax.random.normal(jax.random.fold_in(key, i), shape, dtype) * DUMMY_STD
+                out.append(w.astype(dtype))
+        return out
+
+    arrays = jax.jit(init, out_shardings=[shardings[p] for p in paths])(jax.random.key(seed))
+    return dict(zip(paths, arrays, strict=True))
 
 
 def _read_param(source, weight: HFWeight, target) -> np.ndarray:

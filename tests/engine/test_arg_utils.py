@@ -53,6 +53,7 @@ def test_default_model_by_name_or_none():
         ({"scheduling_policy": "lifo"}, "scheduling_policy must be 'fcfs' or 'priority'"),
         ({"max_logprobs": -1}, "max_logprobs must be non-negative, got -1"),
         ({"dtype": "int8"}, "dtype 'int8' is not one of auto"),
+        ({"load_format": "pt"}, "load_format 'pt' is not one of auto, dummy"),
     ],
 )
 def test_bad_arguments_name_the_field(model_dir, args, message):

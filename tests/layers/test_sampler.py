@@ -427,3 +427,16 @@ def test_mismatched_shapes_name_the_field():
         sample(jnp.zeros((3, V)), make_md(4), jax.random.PRNGKey(0), num_logprobs=0)
     with pytest.raises(ValueError, match="num_logprobs"):
         compute_prompt_logprobs(jnp.zeros((3, V)), jnp.zeros(3, jnp.int32), num_logprobs=V + 1)
+
+
+def test_argmax_rows_is_jnp_argmax_ties_nan_and_inf_included():
+    from jaxserve.layers.sampler import argmax_rows
+
+    x = jax.random.normal(jax.random.key(1), (6, 300))
+    x = x.at[1, 7].set(jnp.nan).at[1, 9].set(jnp.nan)  # the first NaN, as argmax
+    x = x.at[2].set(-jnp.inf)  # all masked: index 0
+    x = x.at[3, 10].set(9.0).at[3, 20].set(9.0)  # a tie: the first
+    x = x.at[4, 299].set(jnp.inf)
+    got = jax.jit(argmax_rows)(x)
+    np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+    assert got.dtype == jnp.int32 and list(got[1:5]) == [7, 0, 10, 299]

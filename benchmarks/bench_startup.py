@@ -1,0 +1,112 @@
+"""Start-up time of `jaxserve serve`: launch to a 200 from /health, cold and warm.
+
+Cold: the persistent XLA compilation cache ($JAXSERVE_COMPILE_CACHE, read by
+model_runner.enable_persistent_compilation_cache) points at a fresh empty directory, so every
+step shape is compiled. Warm: the same directory again, now filled by the cold run. Either way
+the OS page cache may already hold the model file and Python's bytecode (this is a cold
+compile, not a cold machine). Each run is stopped with SIGTERM once healthy. The server's own
+log gives the compile share ("compiled N step shapes in X s").
+
+    .venv/bin/python benchmarks/bench_startup.py --num-warm 2 -- --max-model-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+from jaxserve.benchmarks.common import git_commit, write_json
+
+COMPILED = re.compile(r"compiled (\d+) step shapes in ([\d.]+) s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_startup(serve_args: list[str], cache_dir: str, timeout: float) -> dict:
+    """Launch `jaxserve serve`, poll /health until 200; returns seconds and the compile line."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), *serve_args]  # fmt: skip
+    env = {**os.environ, "JAXSERVE_COMPILE_CACHE": cache_dir}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("the server exited during start-up:\n" + "".join(log[-30:]))
+            if time.perf_counter() - start > timeout:
+                raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        ready = time.perf_counter() - start
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reader.join(10)
+    match = next((m for m in map(COMPILED.search, log) if m), None)
+    return dict(
+        ready_s=ready,
+        num_compiled=int(match.group(1)) if match else None,
+        compile_s=float(match.group(2)) if match else None,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-warm", type=int, default=1, help="warm start-ups to time")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("serve_args", nargs="*", help="flags for jaxserve serve (after --)")
+    args = parser.parse_args(argv)
+
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="jaxserve-xla-") as cache_dir:
+        runs["cold"] = [time_startup(args.serve_args, cache_dir, args.timeout)]
+        runs["warm"] = [
+            time_startup(args.serve_args, cache_dir, args.timeout) for _ in range(args.num_warm)
+        ]
+    for kind, rs in runs.items():
+        for r in rs:
+            compiled = (
+                f" (compile {r['compile_s']:.1f} s for {r['num_compiled']} step shapes)"
+                if r["compile_s"] is not None
+                else ""
+            )
+            print(f"Start-up {kind}: {r['ready_s']:.1f} s to ready{compiled}")
+    results = dict(commit=git_commit(), serve_args=args.serve_args, **runs)
+    if args.output_json:
+        write_json(args.output_json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""HF transformers as the peer in the benchmarks: the same model and prompts through `generate`.
+
+torch is a test-only dependency (the `test` extra); it is imported only when the peer runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxserve.models.loader import resolve_model_path
+
+_TORCH_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
+                 "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}  # fmt: skip
+
+
+def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = "auto") -> Any:
+    """The model as a transformers module in eval mode. dtype "auto" is float32, as jaxserve's
+    is on CPU; load_format "dummy" builds it from its config with HF's random init."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    path = resolve_model_path(model, load_format)
+    if load_format == "dummy":
+        if path.is_file():  # a GGUF: its config, from the file's metadata
+            from jaxserve.models.loader import read_model_config
+
+            config = read_model_config(path).hf_config
+        else:
+            config = AutoConfig.from_pretrained(path)
+        return AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+    if path.is_file():
+        return AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch_dtype
+        ).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+
+
+def hf_generate(model: Any, prompts: list[list[int]], output_len: int, n: int = 1) -> None:
+    """Sample exactly output_len tokens (temperature 1, no top-k / top-p, EOS ignored through
+    min_new_tokens) for each of n samples of every prompt, as one batch; all prompts have the
+    same length, so there is no padding."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor(prompts),
+            attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.long),
+            do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+            max_new_tokens=output_len, min_new_tokens=output_len,
+            num_return_sequences=n, pad_token_id=0,
+        )  # fmt: skip
+    if out.shape != (len(prompts) * n, len(prompts[0]) + output_len):
+        raise RuntimeError(f"HF generate returned shape {tuple(out.shape)}")

@@ -1,0 +1,159 @@
+"""The benchmark scripts run end to end on a tiny model for a few iterations: their printed
+lines and JSON (vLLM's formats), not their speed.
+
+bench_latency and bench_throughput run in this process (engine core in-process) on a tiny
+config with `--load-format dummy`, and on a tiny HF checkpoint for the hf backend;
+bench_serve drives a real `jaxserve serve` subprocess; bench_startup launches its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+from jaxserve.benchmarks.common import decode_step_seconds
+from tests.entrypoints.openai.test_api_server import Server
+from tests.helpers import TINY, make_tiny_hf
+
+ROOT = Path(__file__).parents[2]
+# Fits the server tests' flags (max_model_len 512); no tokenizer files: token ids only.
+TINY_CONFIG = {**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "rms_norm_eps": 1e-5, "eos_token_id": 2,
+               "max_position_embeddings": 1024}  # fmt: skip
+ENGINE = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+          "--num-gpu-blocks-override", "64"]  # fmt: skip
+NUM = r"[-+0-9.e]+"
+ROOFLINE = re.compile(
+    rf"^Roofline: step {NUM} ms, memory bound {NUM} ms \({NUM} of it\), "
+    rf"compute bound {NUM} ms \({NUM} of it\)$",
+    re.M,
+)
+
+
+def script(path: str):
+    """The script's main(argv), without running it as __main__."""
+    return runpy.run_path(str(ROOT / path), run_name="bench")["main"]
+
+
+@pytest.fixture(scope="module")
+def dummy_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dummy")
+    (d / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_tiny_hf("llama", tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture
+def inproc(monkeypatch):
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+
+
+def test_decode_step_is_the_latency_beyond_one_token():
+    assert decode_step_seconds(1.3, 0.1, 13) == pytest.approx(0.1)
+    assert decode_step_seconds(1.3, 0.1, 1) is None
+
+
+@pytest.mark.parametrize("backend", ["jaxserve", "hf"])
+def test_bench_latency(backend, dummy_dir, hf_dir, tmp_path, capsys, inproc):
+    model = ["--model", str(dummy_dir), "--load-format", "dummy"] if backend == "jaxserve" else [
+        "--model", str(hf_dir)]  # fmt: skip
+    out_json = tmp_path / "latency.json"
+    results = script("scripts/bench_latency.py")(
+        ["--backend", backend, *model, *ENGINE, "--batch-size", "2", "--input-len", "8",
+         "--output-len", "6", "--num-iters-warmup", "1", "--num-iters", "3",
+         "--output-json", str(out_json)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(rf"^Avg latency: {NUM} seconds$", out, re.M)
+    for p in (10, 25, 50, 75, 90, 99):
+        assert re.search(rf"^{p}% percentile latency: {NUM} seconds$", out, re.M), p
+    assert re.search(rf"^Decode step: {NUM} ms \(\(avg latency - {NUM} s at one output token\) "
+                     rf"/ 5\); {NUM} tokens/s$", out, re.M)  # fmt: skip
+    assert ROOFLINE.search(out)
+    saved = json.loads(out_json.read_text())
+    assert len(saved["latencies"]) == 3 and saved["backend"] == backend
+    assert set(saved["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert saved["avg_latency"] == pytest.approx(sum(saved["latencies"]) / 3)
+    assert saved["roofline"]["weight_bytes"] == results["roofline"]["weight_bytes"] > 0
+
+
+@pytest.mark.parametrize("backend", ["jaxserve", "hf"])
+def test_bench_throughput(backend, dummy_dir, hf_dir, tmp_path, capsys, inproc):
+    model = ["--model", str(dummy_dir), "--load-format", "dummy"] if backend == "jaxserve" else [
+        "--model", str(hf_dir)]  # fmt: skip
+    out_json = tmp_path / "throughput.json"
+    script("benchmarks/bench_throughput.py")(
+        ["--backend", backend, *model, *ENGINE, "--num-prompts", "3", "--input-len", "8",
+         "--output-len", "5", "--quiet", "--output-json", str(out_json)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(
+        rf"^Throughput: {NUM} requests/s, {NUM} total tokens/s, {NUM} output tokens/s$", out, re.M
+    )
+    assert ROOFLINE.search(out)
+    saved = json.loads(out_json.read_text())
+    assert saved["num_requests"] == 3 and saved["total_num_tokens"] == 3 * (8 + 5)
+    assert saved["output_tokens_per_second"] == pytest.approx(15 / saved["elapsed_time"])
+
+
+def test_bench_serve_summary_counts_failures_and_tpot():
+    bench = runpy.run_path(str(ROOT / "benchmarks/bench_serve.py"), run_name="bench")
+    ok = bench["RequestResult"](4, 3, True, "", latency=1.0, ttft=0.2, itl=[0.3, 0.5])
+    failed = bench["RequestResult"](7, error="HTTP 400")
+    m = bench["summarize"]([ok, failed], duration=2.0)
+    assert (m["completed"], m["failed"], m["total_input_tokens"]) == (1, 1, 4)
+    assert m["mean_tpot_ms"] == pytest.approx(400.0)  # (1.0 - 0.2) / (3 - 1)
+    assert m["median_itl_ms"] == pytest.approx(400.0) and m["mean_ttft_ms"] == pytest.approx(200)
+    assert m["request_throughput"] == 0.5 and m["errors"] == ["", "HTTP 400"]
+
+
+def test_bench_serve_against_a_server(dummy_dir, tmp_path, capsys):
+    # Later flags win over Server's own: two step shapes to compile, not eight.
+    server = Server("--load-format", "dummy", str(dummy_dir), *ENGINE)
+    try:
+        bench = script("benchmarks/bench_serve.py")
+        common = ["--base-url", server.url, "--num-prompts", "6", "--random-input-len", "16",
+                  "--random-output-len", "8", "--random-range-ratio", "0.5", "--ignore-eos",
+                  "--random-vocab-size", "200", "--disable-tqdm"]  # fmt: skip
+        result = bench([*common, "--request-rate", "20", "--save-result", "--result-dir",
+                        str(tmp_path), "--result-filename", "serve.json"])  # fmt: skip
+        capped = bench([*common, "--max-concurrency", "2"])  # all at once, 2 in flight
+    finally:
+        server.stop()
+    out = capsys.readouterr().out
+    for label in ("Successful requests:", "Benchmark duration (s):", "Total input tokens:",
+                  "Total generated tokens:", "Request throughput (req/s):",
+                  "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
+                  *(f"{s} {m} (ms):" for m in ("TTFT", "TPOT", "ITL")
+                    for s in ("Mean", "Median", "P99"))):  # fmt: skip
+        assert re.search(rf"^{re.escape(label)}\s+{NUM}\s*$", out, re.M), label
+    assert len(re.findall(r"^Failed requests:\s+0\s*$", out, re.M)) == 2
+    assert re.findall(r"^KV cache usage after the run \(%\):\s+(\S+)", out, re.M) == ["0.0"] * 2
+    saved = json.loads((tmp_path / "serve.json").read_text())
+    assert saved["completed"] == 6 and saved["failed"] == 0 and saved["model_id"] == "smol"
+    assert saved["total_output_tokens"] == sum(saved["output_lens"]) and 4 <= min(
+        saved["output_lens"]) <= max(saved["output_lens"]) <= 12  # fmt: skip
+    assert saved["server_after_run"]["kv_cache_usage_perc"] == 0.0
+    assert result["request_rate"] == 20 and capped["max_concurrency"] == 2
+    assert capped["completed"] == 6
+
+
+def test_bench_startup(dummy_dir, capsys):
+    results = script("benchmarks/bench_startup.py")(
+        ["--num-warm", "1", "--", str(dummy_dir), "--load-format", "dummy",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--max-model-len", "64",
+         "--num-gpu-blocks-override", "16"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    line = rf"{NUM} s to ready \(compile {NUM} s for \d+ step shapes\)$"
+    assert re.search(rf"^Start-up cold: {line}", out, re.M)
+    assert re.search(rf"^Start-up warm: {line}", out, re.M)
+    assert len(results["cold"]) == len(results["warm"]) == 1

@@ -1,0 +1,61 @@
+"""The roofline's arithmetic, its printed line and the GPU datasheet table."""
+
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.benchmarks.roofline import (
+    DevicePeaks,
+    Roofline,
+    StepCost,
+    datasheet_peaks,
+    decode_step_cost,
+    param_counts,
+)
+from jaxserve.config import ModelConfig, RopeConfig
+
+
+def tiny_config(tie: bool, dtype=jnp.float32) -> ModelConfig:
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=100, hidden_size=8, intermediate_size=16,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=2, rms_norm_eps=1e-5,
+        rope=RopeConfig(), max_position_embeddings=64, tie_word_embeddings=tie, dtype=dtype,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_param_counts_and_step_cost(tie):
+    c = tiny_config(tie)
+    per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16 + 2 * 8  # q, k+v, o, mlp, two norms
+    embed = 100 * 8
+    total = embed + 2 * per_layer + 8 + (0 if tie else embed)
+    assert param_counts(c) == (total, total - 2 * 2 * 8 - 8 - (0 if tie else embed))
+    cost = decode_step_cost(c, [10, 20, 30])  # 3 sequences, 60 cached tokens in all
+    assert cost.weight_bytes == 4 * total
+    assert cost.kv_bytes == 2 * 2 * 2 * 2 * 4 * 60  # K and V, L, Hkv, hd, fp32 bytes, tokens
+    matmul = param_counts(c)[1]
+    assert cost.flops == 2 * matmul * 3 + 4 * 2 * 4 * 2 * 60
+    half = decode_step_cost(tiny_config(tie, jnp.bfloat16), [10, 20, 30])
+    assert half.weight_bytes * 2 == cost.weight_bytes and half.kv_bytes * 2 == cost.kv_bytes
+
+
+def test_roofline_line_gives_each_bound_as_a_fraction_of_the_step():
+    peaks = DevicePeaks("dev", bandwidth=1e9, flops=1e12, how="test")
+    r = Roofline(0.020, StepCost(weight_bytes=10_000_000, kv_bytes=0.0, flops=2e9), peaks)
+    assert r.line() == (
+        "Roofline: step 20.00 ms, memory bound 10.00 ms (0.50 of it), "
+        "compute bound 2.00 ms (0.10 of it)"
+    )
+    assert re.search(r"9\.5 MiB of weights .* dev: 1\.0 GB/s, 1000 GFLOP/s \(test\)", r.detail())
+    d = r.to_dict()
+    assert d["memory_fraction"] == pytest.approx(0.5) and d["compute_bound_ms"] == pytest.approx(2)
+
+
+def test_gpu_peaks_come_from_the_datasheet_table():
+    h100 = datasheet_peaks("NVIDIA H100 80GB HBM3", jnp.bfloat16)
+    assert (h100.bandwidth, h100.flops, h100.how) == (3.35e12, 989e12, "datasheet")
+    assert datasheet_peaks("NVIDIA H200", jnp.bfloat16).bandwidth == 4.8e12
+    assert datasheet_peaks("NVIDIA H100 PCIe", jnp.bfloat16).bandwidth == 2.0e12
+    assert datasheet_peaks("NVIDIA H100 80GB HBM3", jnp.float32).flops == 67e12
+    assert datasheet_peaks("cpu", jnp.float32) is None

@@ -1,0 +1,102 @@
+"""`load_format="dummy"`: random weights of a model's shapes from its config alone (a
+directory, a config.json or a preset name), and an engine that runs on token ids without a
+tokenizer."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx, traverse_util
+
+from jaxserve.benchmarks.roofline import param_counts
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.models.loader import (
+    PRESETS_DIR,
+    load_model,
+    model_presets,
+    read_model_config,
+    resolve_model_path,
+)
+from jaxserve.sampling_params import SamplingParams
+from tests.helpers import TINY
+
+TINY_CONFIG = {**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+               "rms_norm_eps": 1e-5, "eos_token_id": 2}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dummy")
+    (d / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return d
+
+
+def _params(loaded) -> dict:
+    return traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(loaded.model)))
+
+
+def test_model_is_a_directory_a_config_file_or_a_preset(config_dir):
+    assert resolve_model_path(config_dir, "dummy") == config_dir
+    assert resolve_model_path(config_dir / "config.json", "dummy") == config_dir
+    assert {"llama-3-8b", "llama-3.2-1b"} <= set(model_presets())
+    assert resolve_model_path("llama-3-8b", "dummy") == PRESETS_DIR / "llama-3-8b"
+    with pytest.raises(FileNotFoundError, match="neither a path nor a preset .*llama-3-8b"):
+        resolve_model_path("llama-9", "dummy")
+    with pytest.raises(FileNotFoundError, match="a preset: use load_format='dummy'"):
+        resolve_model_path("llama-3-8b")
+    with pytest.raises(ValueError, match="load_format 'npcache' is not one of auto, dummy"):
+        resolve_model_path(config_dir, "npcache")
+
+
+def test_llama_3_8b_preset_has_the_real_shapes():
+    c = read_model_config(resolve_model_path("llama-3-8b", "dummy"), "bfloat16")
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        4096, 32, 32, 8, 128,
+    )  # fmt: skip
+    assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (14336, 128256, 8192)
+    assert c.rope.theta == 500000.0 and not c.tie_word_embeddings and c.dtype == jnp.bfloat16
+    total, matmul = param_counts(c)  # abstract shapes only: nothing is allocated
+    assert total == 8_030_261_248  # Meta-Llama-3-8B's published count
+    assert matmul == total - 128256 * 4096 - (2 * 32 + 1) * 4096  # no lookup table, no norms
+
+
+def test_dummy_weights_have_the_shapes_dtype_and_scale_asked_for(config_dir):
+    loaded = load_model(config_dir, dtype="bfloat16", load_format="dummy")
+    assert loaded.tokenizer is None
+    params = _params(loaded)
+    assert {p.dtype for p in params.values()} == {jnp.dtype(jnp.bfloat16)}
+    q = params[("layers", "self_attn", "q_proj", "kernel")]
+    assert q.shape == (3, 64, 8, 8)  # [L, D, Hq, hd]
+    assert np.all(np.asarray(params[("norm", "weight")], np.float32) == 1.0)
+    w = np.asarray(params[("layers", "mlp", "up_proj", "kernel")], np.float32)
+    assert 0.015 < w.std() < 0.025 and abs(w.mean()) < 0.002
+    k = np.asarray(params[("layers", "self_attn", "k_proj", "kernel")], np.float32)
+    assert not np.array_equal(k[..., :1, :].ravel()[:64], w.ravel()[:64])  # not one stream
+    again = _params(load_model(config_dir, dtype="bfloat16", load_format="dummy"))
+    np.testing.assert_array_equal(np.asarray(again[("embed_tokens", "embedding")]),
+                                  np.asarray(params[("embed_tokens", "embedding")]))  # fmt: skip
+
+
+def test_dummy_weights_are_placed_in_their_tp_sharding(config_dir, cpu_devices):
+    from jaxserve.distributed.mesh import make_mesh
+
+    loaded = load_model(config_dir, load_format="dummy", mesh=make_mesh(2, cpu_devices))
+    up = _params(loaded)[("layers", "mlp", "up_proj", "kernel")]
+    assert up.sharding.spec[2] == "tp" and len(up.addressable_shards) == 2
+
+
+def test_engine_runs_token_ids_without_a_tokenizer(config_dir, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(str(config_dir / "config.json"), load_format="dummy", max_model_len=64,
+              max_num_seqs=4, max_num_batched_tokens=32, num_gpu_blocks_override=64)  # fmt: skip
+    assert llm.get_tokenizer() is None
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    ids = out.outputs[0].token_ids
+    assert len(ids) == 6 and all(0 <= t < TINY["vocab_size"] for t in ids)
+    assert out.outputs[0].text == ""  # nothing to detokenize with
+    with pytest.raises(ValueError, match="this model has no tokenizer: pass"):
+        llm.generate("hello", params)
+    jax.clear_caches()
