@@ -73,16 +73,22 @@ class SamplerOutput(NamedTuple):
 
 
 def sample(
-    logits: jax.Array, md: SamplingMetadata, key: jax.Array, *, num_logprobs: int
+    logits: jax.Array,
+    md: SamplingMetadata,
+    key: jax.Array,
+    *,
+    num_logprobs: int,
+    want_logprobs: jax.Array | bool = True,
 ) -> SamplerOutput:
     """Sample one token per row of logits: f32[S, V] (any float dtype; math in float32).
 
     key: the step's PRNG key (raw uint32 from `jax.random.PRNGKey` or a typed `jax.random.key`),
-    used for unseeded rows only. num_logprobs (K, static) may be 0.
+    used for unseeded rows only. num_logprobs (K, static) may be 0. want_logprobs (bool[], may
+    be traced): when false the logprob outputs are zeros and their [S, V] passes (log_softmax,
+    rank, top-K) are skipped at run time.
     """
     _check_shapes(logits, md)
     logits = logits.astype(jnp.float32)  # [S, V]
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
 
     processed = apply_penalties_and_bias(logits, md)  # [S, V]
     greedy = md.temperature < _GREEDY_EPS  # [S]
@@ -103,7 +109,19 @@ def sample(
 
     random = lax.cond(jnp.all(greedy), lambda: greedy_ids, random_ids)
     token_ids = jnp.where(greedy, greedy_ids, random)  # [S]
-    lp, lp_ids, rank = _gather_logprobs(raw_logprobs, token_ids, num_logprobs)
+
+    def logprobs():
+        raw = jax.nn.log_softmax(logits, axis=-1)  # [S, V]: before penalties and filters
+        return _gather_logprobs(raw, token_ids, num_logprobs)
+
+    def no_logprobs():
+        s, k = logits.shape[0], num_logprobs + 1
+        return jnp.zeros((s, k), jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros(s, jnp.int32)
+
+    if want_logprobs is True:
+        lp, lp_ids, rank = logprobs()
+    else:
+        lp, lp_ids, rank = lax.cond(want_logprobs, logprobs, no_logprobs)
     return SamplerOutput(token_ids, lp, lp_ids, rank)
 
 

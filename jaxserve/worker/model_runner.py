@@ -132,7 +132,10 @@ class ModelRunner:
             prompt_mask=prompt_mask[inputs.rows], output_counts=output_counts[inputs.rows]
         )
         key = jax.random.fold_in(self.base_key, step)
-        sampled = sample(logits, sampling, key, num_logprobs=self.num_logprobs)
+        sampled = sample(
+            logits, sampling, key, num_logprobs=self.num_logprobs,
+            want_logprobs=inputs.want_logprobs,
+        )  # fmt: skip
         output_counts = output_counts.at[inputs.rows, sampled.token_ids].add(
             inputs.appends.astype(jnp.int32)
         )
@@ -252,6 +255,7 @@ class ModelRunner:
             rows=np.zeros(s, np.int32),
             appends=np.zeros(s, bool),
             prompt_targets=np.full(t, -1, np.int32),
+            want_logprobs=np.bool_(True),
         )
 
     def _run(self, inputs: StepInputs):
@@ -327,6 +331,7 @@ class ModelRunner:
 
         padded_rows = np.zeros(s, np.int32)
         padded_rows[:num_reqs] = rows
+        want_logprobs = any(ib.params[r].logprobs is not None for r in rows)
         appends = np.zeros(s, bool)  # the step reaches the end of the tokens: it is kept
         appends[:num_reqs] = [r in so.sampled_req_ids for r in req_ids]
         inputs = StepInputs(
@@ -339,10 +344,11 @@ class ModelRunner:
             rows=padded_rows,
             appends=appends,
             prompt_targets=targets,
+            want_logprobs=np.bool_(want_logprobs),
         )
         out, prompt_out = self._run(inputs)
         fetch = {"ids": out.token_ids}
-        if any(ib.params[r].logprobs is not None for r in rows):
+        if want_logprobs:
             fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
         if wants_prompt_lp.any():
             fetch["prompt_logprobs"] = prompt_out
@@ -437,6 +443,7 @@ class StepInputs(NamedTuple):
     rows: np.ndarray  # i32[S]: each sequence's input-batch row (its penalty state)
     appends: np.ndarray  # bool[S]: the sampled token is kept (SchedulerOutput.sampled_req_ids)
     prompt_targets: np.ndarray  # i32[T]: next prompt token to score, -1 = none
+    want_logprobs: np.ndarray  # bool[]: some sequence asked for sampled-token logprobs
 
 
 class PendingStep(NamedTuple):

@@ -368,6 +368,14 @@ def test_logprobs_come_from_raw_logits():
     np.testing.assert_array_equal(no_top.token_ids, tokens)
     np.testing.assert_array_equal(no_top.logprobs[:, 0], out.logprobs[:, 0])
 
+    # Logprobs switched off at run time (the runner's want_logprobs): same tokens, zeros.
+    for want in (np.bool_(False), np.bool_(True)):
+        got = sample_jit(logits, md, jax.random.PRNGKey(0), num_logprobs=3, want_logprobs=want)
+        np.testing.assert_array_equal(got.token_ids, tokens)
+        expected = out if want else jax.tree.map(np.zeros_like, out)
+        for name in ("logprobs", "logprob_token_ids", "sampled_rank"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(expected, name))
+
 
 @pytest.mark.parametrize("num_logprobs", [0, 2])
 def test_compute_prompt_logprobs(num_logprobs):
