@@ -21,6 +21,7 @@ import argparse
 import time
 
 from jaxserve.benchmarks.common import (
+    add_benchmark_args,
     decode_step_seconds,
     git_commit,
     machine,
@@ -29,25 +30,16 @@ from jaxserve.benchmarks.common import (
     roofline_report,
     write_json,
 )
-from jaxserve.entrypoints.cli import add_engine_args, engine_args_from
+from jaxserve.entrypoints.cli import engine_args_from
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backend", choices=["jaxserve", "hf"], default="jaxserve")
-    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2 GGUF")
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--n", type=int, default=1)
-    parser.add_argument("--output-json", default=None)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--no-roofline", action="store_true", help="skip the one-token run and the roofline"
-    )
-    add_engine_args(parser)
+    add_benchmark_args(parser)
     return parser.parse_args(argv)
 
 

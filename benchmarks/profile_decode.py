@@ -32,17 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.benchmarks.common import median_seconds
 from jaxserve.entrypoints.cli import add_engine_args, engine_args_from
 
 
 def median_ms(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+    return 1e3 * median_seconds(fn, *args, iters=iters)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.benchmarks.common import (
     PERCENTAGES,
+    add_benchmark_args,
     decode_step_seconds,
     git_commit,
     print_roofline,
@@ -40,26 +41,17 @@ from jaxserve.benchmarks.common import (
     roofline_report,
     write_json,
 )
-from jaxserve.entrypoints.cli import add_engine_args, engine_args_from
+from jaxserve.entrypoints.cli import engine_args_from
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backend", choices=["jaxserve", "hf"], default="jaxserve")
-    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
     parser.add_argument("--num-iters-warmup", type=int, default=10)
     parser.add_argument("--num-iters", type=int, default=30)
-    parser.add_argument("--output-json", default=None, help="save the results here")
-    parser.add_argument(
-        "--no-roofline", action="store_true", help="skip the one-token runs and the roofline"
-    )
-    add_engine_args(parser)
+    add_benchmark_args(parser)
     return parser.parse_args(argv)
 
 

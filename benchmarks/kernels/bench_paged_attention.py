@@ -20,13 +20,12 @@ import argparse
 import functools
 import json
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.benchmarks.common import median_seconds
 from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -78,18 +77,6 @@ def make_batch(seqs, *, hq, hkv, head_dim, block_size, dtype, seed=0):
     )
 
 
-def timed(fn, *args, warmup: int, iters: int) -> float:
-    """Median seconds of fn(*args) over iters calls, after warmup calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def jax_decode_peer(batch, *, block_size):
     """jax.experimental.pallas.ops.gpu.paged_attention on its [Hkv, pages, page, D] layout."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
@@ -115,8 +102,9 @@ def run_case(name, seqs, args, results):
         functools.partial(ragged_paged_attention, sm_scale=scale, interpret=args.smoke)
     )
     reference = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=scale))
-    t_kernel = timed(kernel, *inputs, warmup=args.warmup, iters=args.iters)
-    t_ref = timed(reference, *inputs, warmup=args.warmup, iters=args.iters)
+    timing = dict(warmup=args.warmup, iters=args.iters)
+    t_kernel = median_seconds(kernel, *inputs, **timing)
+    t_ref = median_seconds(reference, *inputs, **timing)
     err = float(
         jnp.max(
             jnp.abs(kernel(*inputs).astype(jnp.float32) - reference(*inputs).astype(jnp.float32))
@@ -130,7 +118,7 @@ def run_case(name, seqs, args, results):
         row["hbm_fraction"] = kv_bytes / t_kernel / peak
     if all(q == 1 for q, _ in seqs) and not args.smoke:
         fn, peer_args = jax_decode_peer(batch, block_size=bs)
-        row["jax_pallas_us"] = timed(fn, *peer_args, warmup=args.warmup, iters=args.iters) * 1e6
+        row["jax_pallas_us"] = median_seconds(fn, *peer_args, **timing) * 1e6
     results.append(row)
     print(_format(row), flush=True)
 

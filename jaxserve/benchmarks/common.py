@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,22 @@ import numpy as np
 from jaxserve.config import ModelConfig
 
 PERCENTAGES = (10, 25, 50, 75, 90, 99)
+
+
+def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags bench_latency and bench_throughput share (vLLM's names), engine flags last."""
+    from jaxserve.entrypoints.cli import add_engine_args
+
+    parser.add_argument("--backend", choices=["jaxserve", "hf"], default="jaxserve")
+    parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--output-json", default=None, help="save the results here")
+    parser.add_argument(
+        "--no-roofline", action="store_true", help="skip the one-token run(s) and the roofline"
+    )
+    return add_engine_args(parser)
 
 
 def random_prompt_ids(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -46,6 +64,21 @@ def roofline_report(
 def print_roofline(roofline) -> None:
     print(roofline.line())
     print(roofline.detail())
+
+
+def median_seconds(fn, *args, warmup: int = 1, iters: int) -> float:
+    """Median wall time of fn(*args) over iters calls after warmup calls, each synchronised
+    with jax.block_until_ready (device work is asynchronous)."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
 
 
 def git_commit() -> str:

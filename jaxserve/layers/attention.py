@@ -85,9 +85,8 @@ def paged_attention(
 
 
 def configure_attention(model: nnx.Module, backend: str, mesh: Mesh | None) -> None:
-    """Make every Attention layer of `model` use `backend` (see `paged_attention`)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend={backend!r}; choose from {ATTENTION_BACKENDS}")
+    """Make every Attention layer of `model` use `backend` (see `paged_attention`; checked by
+    EngineArgs)."""
     for _, module in nnx.iter_graph(model):
         if isinstance(module, Attention):
             module.backend, module.mesh = backend, mesh

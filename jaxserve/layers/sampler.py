@@ -118,10 +118,7 @@ def sample(
         s, k = logits.shape[0], num_logprobs + 1
         return jnp.zeros((s, k), jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros(s, jnp.int32)
 
-    if want_logprobs is True:
-        lp, lp_ids, rank = logprobs()
-    else:
-        lp, lp_ids, rank = lax.cond(want_logprobs, logprobs, no_logprobs)
+    lp, lp_ids, rank = lax.cond(want_logprobs, logprobs, no_logprobs)
     return SamplerOutput(token_ids, lp, lp_ids, rank)
 
 

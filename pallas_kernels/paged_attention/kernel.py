@@ -58,27 +58,37 @@ def _kv_head_spec(cache_shape: tuple[int, ...], head_axis: int) -> pl.BlockSpec:
     )
 
 
-def _attend_pages(q, k_ref, v_ref, pages, visible, m, l, acc, *, scale, exact):
-    """One online-softmax step of q [R, D] over the keys of `pages`.
+def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible, *,
+            max_blocks, pages_per_step, scale, exact):  # fmt: skip
+    """Online softmax of q [R, D] over `num_steps` steps of `pages_per_step` pages of sequence
+    `seq`, from its page `first_page` on. visible(key_pos i32[K]) -> bool[R, K] says which keys
+    each row may see. Returns m, l: f32[R] (log2 units) and the unnormalised acc: f32[R, D]."""
+    rows, head_dim = q.shape
+    block_size = k_ref.shape[1]
+    step_tokens = pages_per_step * block_size
 
-    pages: i32[P] block ids; visible: bool[R, P*bs] which of their keys each row may see.
-    m, l: f32[R]; acc: f32[R, D].
-    """
-    num_pages = pages.shape[0]
-    k = k_ref[pages]  # [P, bs, D]
-    v = v_ref[pages]
-    block_size, head_dim = k.shape[1:]
-    k = k.reshape(num_pages * block_size, head_dim)
-    v = v.reshape(num_pages * block_size, head_dim)
-    s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale  # [R, K] f32, log2 units
-    s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.exp2(s - m_new[:, None])
-    alpha = jnp.exp2(m - m_new)
-    l = alpha * l + jnp.sum(p, axis=1)
-    pv = plgpu.dot(p.astype(v.dtype), v, allow_tf32=not exact)
-    acc = alpha[:, None] * acc + pv
-    return m_new, l, acc
+    def body(j, carry):
+        m, l, acc = carry
+        page0 = first_page + j * pages_per_step
+        idx = jnp.minimum(page0 + jnp.arange(pages_per_step), max_blocks - 1)
+        pages = block_tables_ref[seq * max_blocks + idx]  # [P] block ids
+        k = k_ref[pages].reshape(step_tokens, head_dim)  # [P, bs, D] gathered -> [K, D]
+        v = v_ref[pages].reshape(step_tokens, head_dim)
+        s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale  # [R, K] f32
+        s = jnp.where(visible(page0 * block_size + jnp.arange(step_tokens)), s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp2(s - m_new[:, None])
+        alpha = jnp.exp2(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v, allow_tf32=not exact)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((rows,), _M_INIT, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+    return jax.lax.fori_loop(0, num_steps, body, init)
 
 
 def _decode_kernel(
@@ -95,24 +105,15 @@ def _decode_kernel(
     last = jnp.minimum(first + per_split, num_pages)
     num_steps = pl.cdiv(jnp.maximum(last - first, 0), pages_per_step)
 
-    q = q_ref[...]
-    rows = q.shape[0]
-    step_tokens = pages_per_step * block_size
+    rows = q_ref.shape[0]
 
-    def body(j, carry):
-        page0 = first + j * pages_per_step
-        idx = jnp.minimum(page0 + jnp.arange(pages_per_step), max_blocks - 1)
-        pages = block_tables_ref[seq * max_blocks + idx]
-        key_pos = page0 * block_size + jnp.arange(step_tokens)
-        visible = jnp.broadcast_to((key_pos < kv_len)[None, :], (rows, step_tokens))
-        return _attend_pages(q, k_ref, v_ref, pages, visible, *carry, scale=scale, exact=exact)
+    def visible(key_pos):
+        return jnp.broadcast_to((key_pos < kv_len)[None, :], (rows, key_pos.shape[0]))
 
-    init = (
-        jnp.full((rows,), _M_INIT, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros(q.shape, jnp.float32),
-    )
-    m, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
+    m, l, acc = _attend(
+        q_ref[...], k_ref, v_ref, block_tables_ref, seq, first, num_steps, visible,
+        max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
+    )  # fmt: skip
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -146,23 +147,12 @@ def _mixed_kernel(
 
         last_tok = jnp.minimum((row0 + q_block - 1) // group, q_len - 1)
         num_keys = kv_len - q_len + last_tok + 1  # keys visible to the tile's last row
-        step_tokens = pages_per_step * block_size
-        num_steps = pl.cdiv(num_keys, step_tokens)
-
-        def body(j, carry):
-            page0 = j * pages_per_step
-            idx = jnp.minimum(page0 + jnp.arange(pages_per_step), max_blocks - 1)
-            pages = block_tables_ref[seq * max_blocks + idx]
-            key_pos = page0 * block_size + jnp.arange(step_tokens)
-            visible = key_pos[None, :] <= q_pos[:, None]
-            return _attend_pages(q, k_ref, v_ref, pages, visible, *carry, scale=scale, exact=exact)
-
-        init = (
-            jnp.full((q_block,), _M_INIT, jnp.float32),
-            jnp.zeros((q_block,), jnp.float32),
-            jnp.zeros((q_block, head_dim), jnp.float32),
-        )
-        _, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
+        num_steps = pl.cdiv(num_keys, pages_per_step * block_size)
+        _, l, acc = _attend(
+            q, k_ref, v_ref, block_tables_ref, seq, 0, num_steps,
+            lambda key_pos: key_pos[None, :] <= q_pos[:, None],
+            max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
+        )  # fmt: skip
         out = acc / jnp.maximum(l, 1e-30)[:, None]
         plgpu.store(o_ref.at[pl.ds(base, q_block), :], out.astype(o_ref.dtype), mask=mask)
 
@@ -271,7 +261,6 @@ def _mixed(
         ],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
-        input_output_aliases={},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_mixed",
