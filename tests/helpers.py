@@ -50,6 +50,86 @@ def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     return out_dir
 
 
+_GGUF_NAMES = {  # HF name (layer suffix) -> llama.cpp GGUF name
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_llama_gguf(path: Path, hf, qtypes: dict | None = None, tokenizer: dict | None = None):
+    """Write HF llama model `hf` as a GGUF file the way llama.cpp's converter does (q/k rows
+    permuted for interleaved rotary), each tensor quantised as qtypes[GGUF name suffix] says
+    (default F32). `hf` gets the rounded weights, so it stays the reference. tokenizer: extra
+    `tokenizer.*` metadata, key (without the prefix) -> value, e.g. {"ggml.model": "llama"}."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    cfg = hf.config
+    q = gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    for key, value in (tokenizer or {}).items():
+        writer.add_key_value(f"tokenizer.{key}", *_gguf_value(value))
+    state = hf.state_dict()
+    for name, tensor in state.items():
+        layer, suffix = "", name
+        if name.startswith("model.layers."):
+            layer, suffix = name.removeprefix("model.layers.").split(".", 1)
+        gname = _GGUF_NAMES[suffix]
+        qtype = (qtypes or {}).get(gname, q.F32)
+        w = tensor.numpy()
+        rounded = dequantize(quantize(w, qtype), qtype).reshape(w.shape)  # what HF will see
+        tensor.copy_(torch.from_numpy(rounded))
+        if gname == "attn_q.weight":
+            w = _llama_cpp_permute(w, cfg.num_attention_heads)
+        elif gname == "attn_k.weight":
+            w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        raw = None if qtype in (q.F32, q.F16) else qtype
+        name = f"blk.{layer}.{gname}" if layer else gname
+        writer.add_tensor(name, quantize(w, qtype), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    hf.load_state_dict(state)
+
+
+def _gguf_value(value):
+    import gguf
+
+    t = gguf.GGUFValueType
+    if isinstance(value, list):
+        return value, t.ARRAY, t.get_type(value[0])
+    return value, t.get_type(value)
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to attn_q / attn_k rows."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
 @functools.cache
 def hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM

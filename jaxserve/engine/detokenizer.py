@@ -9,6 +9,8 @@ be the start of a stop string that the next tokens complete.
 
 from __future__ import annotations
 
+import functools
+
 from tokenizers.decoders import DecodeStream
 
 from jaxserve.sampling_params import SamplingParams
@@ -17,11 +19,14 @@ from jaxserve.sampling_params import SamplingParams
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.backend = tokenizer.backend_tokenizer
-        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        self._context: list[int] = []  # the last tokens that produced text
+        self._pending: list[int] = []  # tokens since, held back (an incomplete character)
         # Prime the stream with the prompt's tail so the first output token is decoded in
         # context (a leading space is not lost); its text is not part of the output.
         for token_id in prompt_token_ids[-4:]:
-            self.stream.step(self.backend, token_id)
+            self._step(token_id)
         self.stop = params.stop or []
         self.include_stop = params.include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
@@ -32,11 +37,38 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string if one now matches (text then truncated)."""
         for token_id in new_token_ids:
             old_len = len(self.output_text)
-            self.output_text += self.stream.step(self.backend, token_id) or ""
+            self.output_text += self._step(token_id)
             stop = self._find_stop(old_len)
             if stop is not None:
                 return stop
         return None
+
+    def _step(self, token_id: int) -> str:
+        try:
+            text = self.stream.step(self.backend, token_id)
+        except Exception as e:  # tokenizers raises a bare Exception
+            if "Invalid prefix" not in str(e):
+                raise
+            text = self._recover(token_id)
+        if text is None:
+            self._pending.append(token_id)
+            return ""
+        self._context, self._pending = [*self._pending, token_id][-4:], []
+        return text
+
+    def _recover(self, token_id: int) -> str:
+        """Bytes that are not valid UTF-8 (a sampled model may emit any byte-fallback token)
+        can change how earlier held-back bytes decode, which DecodeStream cannot handle:
+        decode the held-back tokens and this one against the last decoded ones in one go,
+        then restart the stream in that context."""
+        decode = functools.partial(
+            self.backend.decode, skip_special_tokens=self.skip_special_tokens
+        )
+        base = decode(self._context)
+        full = decode([*self._context, *self._pending, token_id])
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        self.stream.step(self.backend, token_id)  # context for the next token
+        return full[len(base) :] if full.startswith(base) else full
 
     def _find_stop(self, old_len: int) -> str | None:
         for s in self.stop:

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import param_sharding, validate_tp
+from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.models.llama import HFWeight
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
@@ -275,8 +276,8 @@ def read_tokenizer(model: str | Path | None):
         logger.info("%s has no tokenizer files; token-id prompts only", path)
         return None
     try:
-        if path.is_file():
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if path.is_file():  # not transformers' GGUF reader: it needs torch
+            return read_gguf_tokenizer(path)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no tokenizer loaded from %s (%s); token-id prompts only", path, e)

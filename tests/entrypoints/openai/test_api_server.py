@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -44,34 +45,40 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str, env: dict | None = None):
+    """`jaxserve serve` on a free port (SERVER_FLAGS unless `defaults` says otherwise), started
+    with `command` (default: this interpreter); ready once /health answers 200. Its output
+    goes to a log file whose tail start-up failures show."""
+
+    def __init__(
+        self, *flags: str, env: dict | None = None, command: list[str] | None = None,
+        defaults: list[str] = SERVER_FLAGS, timeout: float = 300,
+    ):  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        command = command or [sys.executable, "-m", "jaxserve.entrypoints.cli"]
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the server)
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jaxserve.entrypoints.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                *SERVER_FLAGS,
-                *flags,
-            ],
+            [*command, "serve", "--host", "127.0.0.1", "--port", str(self.port), *defaults,
+             *flags],
             env={**os.environ, "JAXSERVE_LOG_STATS_INTERVAL": "1", **(env or {})},
-        )
-        deadline = time.monotonic() + 300
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
         while True:
-            assert self.proc.poll() is None, "the server exited during start-up"
-            assert time.monotonic() < deadline, "the server did not start"
+            assert self.proc.poll() is None, f"the server exited during start-up:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"the server did not start:\n{self.tail()}"
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
+
+    def tail(self, lines: int = 40) -> str:
+        """The last lines of the server's output."""
+        self.log.flush()
+        self.log.seek(0)
+        return "".join(self.log.readlines()[-lines:])
 
     def core_pid(self) -> int:
         out = subprocess.run(
