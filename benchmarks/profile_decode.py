@@ -5,16 +5,11 @@ ids are prefilled and then decoded; once every request is decoding:
 
 - engine: one `EngineCore.step()` (schedule, build the batch, dispatch, fetch, update), median
   over --iters steps;
-- compiled step: the jitted step alone, replayed on the last decode step's inputs (forward,
-  logits, sampler, penalty bookkeeping; no host work); host = engine - compiled step;
-- forward: the model and the logits of the last tokens only (jitted on the same inputs);
-  attention: what the forward loses when the reference attention returns q unchanged (the
-  KV write stays);
-- sampler: `sample` alone on [S, V] logits with the step's sampling rows (K = max_logprobs);
-- forward, unrolled: the same forward over per-layer weight arrays in a Python loop instead
-  of `lax.scan` over the stacked [L, ...] weights. On XLA:CPU every scanned layer copies its
-  weight slices out of the stack before the matmuls read them (dynamic-slice fusions); the
-  difference is that copy. (Compiling unrolled takes ~6x longer, see cpu.md.)
+- forward: the compiled forward executable alone, replayed on the last decode step's inputs;
+  attention: the reference attention op alone on that step's metadata, times the layers;
+- sampler: the compiled sampling executable of that step (LM head, the step's sampler
+  variant, penalty and last-token bookkeeping), replayed the same way;
+- host: engine - forward - sampler (scheduling, batch building, dispatch, fetch, update).
 
 Each part is the median of --iters runs after one warm-up, block_until_ready each time.
 
@@ -24,13 +19,11 @@ Each part is the median of --iters runs after one warm-up, block_until_ready eac
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxserve.benchmarks.common import median_seconds
 from jaxserve.entrypoints.cli import add_engine_args, engine_args_from
@@ -40,65 +33,22 @@ def median_ms(fn, *args, iters: int) -> float:
     return 1e3 * median_seconds(fn, *args, iters=iters)
 
 
-@contextlib.contextmanager
-def attention_stubbed():
-    """The reference attention returns q: what remains is everything but attention."""
-    import jaxserve.layers.attention as attention
+def reference_attention_ms(runner, inputs, iters: int) -> float:
+    """One layer's reference attention on the step's metadata and KV cache (random q)."""
+    from pallas_kernels.paged_attention import ragged_paged_attention_reference
 
-    real = attention.ragged_paged_attention_reference
-    attention.ragged_paged_attention_reference = lambda q, *a, **k: q
-    try:
-        yield
-    finally:
-        attention.ragged_paged_attention_reference = real
-
-
-def forward_ms(runner, inputs, iters: int, layers=None) -> float:
-    """The model and the logits of the last tokens, jitted with the KV cache donated (as in
-    the step); with `layers` (one state per layer) the layers run in a Python loop."""
-
-    def forward(state, layers, kv, inputs):
-        model = nnx.merge(runner.graphdef, state)
-        if layers is None:
-            hidden, kv = model(inputs.input_ids, inputs.positions, kv, inputs.attn)
-        else:
-            hidden, kv = unrolled_body(model, layers, inputs, kv)
-        return model.compute_logits(hidden[inputs.logits_indices]), kv
-
-    fn = jax.jit(forward, donate_argnums=(2,))
-
-    def call():
-        logits, runner.kv_caches = fn(runner.state, layers, runner.kv_caches, inputs)
-        return logits
-
-    return median_ms(call, iters=iters)
-
-
-def unrolled_body(model, layers, inputs, kv):
-    """LlamaForCausalLM.__call__ with a Python loop over per-layer weights: `layers` is a list
-    of one state per layer (separate arrays, split once beforehand)."""
-    k_all, v_all = kv
-    num_layers, num_blocks, block_size = k_all.shape[:3]
-    flat = (num_layers * num_blocks, *k_all.shape[2:])
-    k_cache, v_cache = k_all.reshape(flat), v_all.reshape(flat)
-    md = inputs.attn
-    h = model.embed_tokens(inputs.input_ids)
-    layer_graphdef = nnx.graphdef(model.layers)
-    for i, state in enumerate(layers):
-        offset = i * num_blocks
-        layer_md = md._replace(
-            block_tables=md.block_tables + offset,
-            slot_mapping=jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1),
-        )
-        h, k_cache, v_cache = nnx.merge(layer_graphdef, state)(
-            h, inputs.positions, k_cache, v_cache, layer_md
-        )
-    return model.norm(h), (k_cache.reshape(k_all.shape), v_cache.reshape(v_all.shape))
+    c, md = runner.config, inputs.attn
+    q = jax.random.normal(jax.random.key(0), (len(inputs.input_ids), c.num_heads, c.head_dim))
+    k_cache, v_cache = runner.kv_caches
+    attend = functools.partial(ragged_paged_attention_reference, sm_scale=c.head_dim**-0.5)
+    return median_ms(
+        attend, q.astype(c.dtype), k_cache, v_cache, md.kv_lens, md.block_tables,
+        md.query_start_loc, md.num_seqs, iters=iters,
+    )  # fmt: skip
 
 
 def profile_batch(core, batch: int, args, rng) -> dict:
     from jaxserve.ipc.messages import EngineCoreRequest
-    from jaxserve.layers.sampler import sample
     from jaxserve.sampling_params import SamplingParams
 
     runner = core.runner
@@ -108,14 +58,19 @@ def profile_batch(core, batch: int, args, rng) -> dict:
     for rid in ids:
         prompt = rng.integers(100 if vocab > 1000 else 0, min(vocab, 20000), args.input_len)
         core.add_request(EngineCoreRequest(rid, prompt.tolist(), params, None, time.time()))
-    captured = {}
-    real_run = runner._run
+    captured = {}  # executable kind -> (key, arguments) of its last call
+    real_executable = runner._executable
 
-    def capturing_run(inputs):
-        captured["inputs"] = inputs
-        return real_run(inputs)
+    def capturing(*key):
+        executable = real_executable(*key)
 
-    runner._run = capturing_run
+        def call(*call_args):
+            captured[key[0]] = (key, call_args)
+            return executable(*call_args)
+
+        return call
+
+    runner._executable = capturing
     try:
         while core.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
@@ -129,38 +84,35 @@ def profile_batch(core, batch: int, args, rng) -> dict:
             core.step()
             walls.append(time.perf_counter() - start)
     finally:
-        runner._run = real_run
-    inputs = captured["inputs"]
+        runner._executable = real_executable
     engine_ms = 1e3 * float(np.median(walls))
+    (forward_key, (weights, _, _, inputs)) = captured["forward"]
+    forward = runner._executable(*forward_key)
 
-    def step_once():
-        return runner._run(inputs)
+    def run_forward(fn=forward):
+        *out, runner.kv_caches = fn(weights, runner.kv_caches, runner.last_tokens, inputs)
+        return out
 
-    compiled_ms = median_ms(step_once, iters=args.iters)
-    full_ms = forward_ms(runner, inputs, args.iters)
-    with attention_stubbed():
-        no_attn_ms = forward_ms(runner, inputs, args.iters)
-    layers_state = runner.state["layers"]
-    per_layer = [
-        jax.tree.map(lambda x, i=i: x[i] + 0, layers_state) for i in range(runner.config.num_layers)
-    ]  # separate arrays, copied once here
-    unrolled_ms = forward_ms(runner, inputs, args.iters, per_layer)
-    del per_layer
-    logits = jax.random.normal(jax.random.key(0), (len(inputs.rows), runner.config.vocab_size))
-    prompt_mask, output_counts = runner.penalty_state
-    sampling = inputs.sampling._replace(
-        prompt_mask=prompt_mask[inputs.rows], output_counts=output_counts[inputs.rows]
-    )
-    sampler = jax.jit(lambda lg, md, key: sample(lg, md, key, num_logprobs=runner.num_logprobs))
-    sampler_ms = median_ms(sampler, logits, sampling, jax.random.PRNGKey(0), iters=args.iters)
+    forward_ms = median_ms(run_forward, iters=args.iters)
+    attention_ms = runner.config.num_layers * reference_attention_ms(runner, inputs, args.iters)
+    sample_key, (head, last_hidden, _, _, sample_inputs) = captured["sample"]
+    sampler = runner._executable(*sample_key)
+
+    def run_sampler():
+        out, runner.penalty_state, runner.last_tokens = sampler(
+            head, last_hidden, runner.penalty_state, runner.last_tokens, sample_inputs
+        )
+        return out
+
+    sampler_ms = median_ms(run_sampler, iters=args.iters)
     core.abort_requests(ids)
     while core.has_unfinished_requests():
         core.step()
     return dict(
-        batch=batch, tokens_bucket=len(inputs.input_ids), seqs_bucket=len(inputs.rows),
-        engine_ms=engine_ms, compiled_step_ms=compiled_ms, host_ms=engine_ms - compiled_ms,
-        forward_ms=full_ms, attention_ms=full_ms - no_attn_ms, sampler_ms=sampler_ms,
-        forward_unrolled_ms=unrolled_ms,
+        batch=batch, tokens_bucket=forward_key[1], seqs_bucket=sample_key[1],
+        engine_ms=engine_ms, host_ms=engine_ms - forward_ms - sampler_ms,
+        forward_ms=forward_ms, attention_ms=attention_ms, sampler_ms=sampler_ms,
+        sampler_variant=sample_key[2],
     )  # fmt: skip
 
 
@@ -181,8 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     core = EngineCore(engine_args_from(args).create_engine_config())
     rng = np.random.default_rng(args.seed)
     rows = [profile_batch(core, b, args, rng) for b in args.batch_sizes]
-    cols = ["batch", "engine_ms", "compiled_step_ms", "host_ms", "forward_ms", "attention_ms",
-            "sampler_ms", "forward_unrolled_ms"]  # fmt: skip
+    cols = ["batch", "engine_ms", "host_ms", "forward_ms", "attention_ms", "sampler_ms"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

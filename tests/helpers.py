@@ -172,8 +172,9 @@ class PagedSequences:
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         cfg = self.config
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        sharding = kv_cache_sharding(cfg, loaded.mesh)
+        heads = loaded.model.num_cache_kv_heads
+        shape = (cfg.num_layers * num_blocks, block_size, heads, cfg.head_dim)
+        sharding = kv_cache_sharding(loaded.mesh)
         self.kv = tuple(jax.device_put(jnp.zeros(shape, cfg.dtype), sharding) for _ in range(2))
         self._forward = _make_forward(self.model, NamedSharding(loaded.mesh, jax.P()))
 

@@ -21,7 +21,11 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """The flags bench_latency and bench_throughput share (vLLM's names), engine flags last."""
     from jaxserve.entrypoints.cli import add_engine_args
 
-    parser.add_argument("--backend", choices=["jaxserve", "hf"], default="jaxserve")
+    parser.add_argument(
+        "--backend", choices=["jaxserve", "hf", "vllm"], default="jaxserve",
+        help="vllm: vLLM's CPU build in its own venv ($JAXSERVE_VLLM_PYTHON, default "
+        ".venv-vllm/bin/python); needs an HF model directory",
+    )  # fmt: skip
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)

@@ -1,10 +1,13 @@
 """PartitionSpecs for the model's parameters and KV cache over the `tp` mesh axis.
 
-Megatron-style: q/k/v and gate/up are column-parallel (split over heads / the intermediate
-dim), o and down are row-parallel (XLA inserts the all-reduce after them). The embedding and
-lm_head are split over the vocabulary, so logits come out vocab-sharded and no device ever holds
-the whole table. K/V projections and the KV cache are split over KV heads, or replicated when
-tp > num_kv_heads (each device then holds the KV heads its query heads need, and some more).
+Megatron-style: the fused qkv and gate_up projections are column-parallel (their output
+columns are ordered so that each contiguous 1/tp of them is whole KV-head groups, or a slice of
+the intermediate dim with both its gate and up columns), o and down are row-parallel (XLA
+inserts the all-reduce after them). The embedding and lm_head are split over the vocabulary, so
+logits come out vocab-sharded and no device holds the whole table. The KV cache is split over
+KV heads. When tp is a multiple of num_kv_heads, each KV head is stored `kv_head_replicas`
+times, once for each device whose query heads use it (as vLLM does): every device then holds
+whole KV heads, and only the ones it needs.
 """
 
 from collections.abc import Sequence
@@ -32,28 +35,25 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         )
 
 
-def kv_heads_sharded(config: ModelConfig, tp: int) -> bool:
-    return config.num_kv_heads % tp == 0
+def kv_head_replicas(config: ModelConfig, tp: int) -> int:
+    """Copies of each KV head in the qkv projection and the KV cache: 1 when tp divides the
+    KV heads, tp // num_kv_heads when tp is a multiple of them."""
+    return 1 if config.num_kv_heads % tp == 0 else tp // config.num_kv_heads
 
 
-def param_spec(path: Sequence[str], config: ModelConfig, tp: int) -> P:
-    """The PartitionSpec of the parameter at `path` (e.g. ('layers','mlp','up_proj','kernel'))."""
+def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
+    """The PartitionSpec of the parameter at `path`, e.g. ('layers', 3, 'mlp', 'down_proj',
+    'kernel')."""
     name = "/".join(str(p) for p in path)
-    kv = TP_AXIS if kv_heads_sharded(config, tp) else None
     vocab = TP_AXIS if config.vocab_size % tp == 0 else None
-    rules = {  # stacked layer params lead with [L]
+    rules = {
         "embed_tokens/embedding": P(vocab, None),  # [V, D]
         "lm_head/kernel": P(None, vocab),  # [D, V]
-        "self_attn/q_proj/kernel": P(None, None, TP_AXIS, None),  # [L, D, Hq, hd]
-        "self_attn/q_proj/bias": P(None, TP_AXIS, None),  # [L, Hq, hd]
-        "self_attn/k_proj/kernel": P(None, None, kv, None),
-        "self_attn/k_proj/bias": P(None, kv, None),
-        "self_attn/v_proj/kernel": P(None, None, kv, None),
-        "self_attn/v_proj/bias": P(None, kv, None),
-        "self_attn/o_proj/kernel": P(None, TP_AXIS, None, None),  # [L, Hq, hd, D]
-        "mlp/gate_proj/kernel": P(None, None, TP_AXIS),  # [L, D, F]
-        "mlp/up_proj/kernel": P(None, None, TP_AXIS),
-        "mlp/down_proj/kernel": P(None, TP_AXIS, None),  # [L, F, D]
+        "self_attn/qkv_proj/kernel": P(None, TP_AXIS),  # [D, Hkv * (G + 2) * hd]
+        "self_attn/qkv_proj/bias": P(TP_AXIS),  # [Hkv * (G + 2) * hd]
+        "self_attn/o_proj/kernel": P(TP_AXIS, None),  # [Hq * hd, D]
+        "mlp/gate_up_proj/kernel": P(None, TP_AXIS),  # [D, F * 2]
+        "mlp/down_proj/kernel": P(TP_AXIS, None),  # [F, D]
     }
     for suffix, spec in rules.items():
         if name.endswith(suffix):
@@ -61,11 +61,10 @@ def param_spec(path: Sequence[str], config: ModelConfig, tp: int) -> P:
     return P()  # norms: replicated
 
 
-def param_sharding(path: Sequence[str], config: ModelConfig, mesh: Mesh) -> NamedSharding:
+def param_sharding(path: Sequence[str | int], config: ModelConfig, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, param_spec(path, config, mesh.shape[TP_AXIS]))
 
 
-def kv_cache_sharding(config: ModelConfig, mesh: Mesh) -> NamedSharding:
-    """Sharding of a [L, num_blocks, block_size, Hkv, hd] cache: over KV heads when they split."""
-    kv = TP_AXIS if kv_heads_sharded(config, mesh.shape[TP_AXIS]) else None
-    return NamedSharding(mesh, P(None, None, None, kv, None))
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a [L * num_blocks, block_size, Hkv * replicas, hd] cache: over KV heads."""
+    return NamedSharding(mesh, P(None, None, TP_AXIS, None))

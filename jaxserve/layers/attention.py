@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS
+from jaxserve.layers.linear import Linear
 from jaxserve.layers.rotary import apply_rotary, rope_inv_freq
 from pallas_kernels.paged_attention import (
     ragged_paged_attention,
@@ -43,12 +44,14 @@ class AttentionMetadata(NamedTuple):
 def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """Scatter new: [T, Hkv, D] into cache: [num_blocks, block_size, Hkv, D] at slots: [T].
 
-    Negative slots (padding) are dropped. With the cache donated this updates it in place.
+    Negative slots (padding) are dropped. With the cache donated this updates it in place. The
+    scatter indexes the 4-D cache by (block, offset): on a reshaped view XLA:CPU turns a
+    one-token write into a dynamic-update-slice of the view, which it runs on a copy of the
+    whole cache.
     """
-    num_blocks, block_size, hkv, d = cache.shape
-    flat = cache.reshape(num_blocks * block_size, hkv, d)
-    slots = jnp.where(slots >= 0, slots, num_blocks * block_size)  # out of range -> dropped
-    return flat.at[slots].set(new.astype(cache.dtype), mode="drop").reshape(cache.shape)
+    num_blocks, block_size = cache.shape[:2]
+    blocks = jnp.where(slots >= 0, slots // block_size, num_blocks)  # out of range: dropped
+    return cache.at[blocks, slots % block_size].set(new.astype(cache.dtype), mode="drop")
 
 
 def paged_attention(
@@ -93,20 +96,21 @@ def configure_attention(model: nnx.Module, backend: str, mesh: Mesh | None) -> N
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        d, hq, hkv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        bias = config.attention_bias
+    """Self-attention over the paged cache with one fused qkv projection.
 
-        def proj(eq, kernel_shape, bias_shape=None):
-            return nnx.Einsum(
-                eq, kernel_shape, bias_shape, dtype=config.dtype, param_dtype=config.dtype,
-                rngs=rngs,
-            )  # fmt: skip
+    qkv_proj's output columns are grouped by the KV head as the cache stores it: for each of
+    the Hkv * replicas cache heads (see distributed/sharding.py), its G query heads, then its
+    key, then its value, each hd wide. So q, k and v are slices of one matmul's output, and
+    under tensor parallelism each device's contiguous share of the columns is whole groups.
+    """
 
-        self.q_proj = proj("td,dnh->tnh", (d, hq, hd), (hq, hd) if bias else None)
-        self.k_proj = proj("td,dnh->tnh", (d, hkv, hd), (hkv, hd) if bias else None)
-        self.v_proj = proj("td,dnh->tnh", (d, hkv, hd), (hkv, hd) if bias else None)
-        self.o_proj = proj("tnh,nhd->td", (hq, hd, d))
+    def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
+        d, hq, hd = config.hidden_size, config.num_heads, config.head_dim
+        self.num_kv_heads = config.num_kv_heads * kv_replicas  # as the cache holds them
+        self.group = hq // self.num_kv_heads
+        width = self.num_kv_heads * (self.group + 2) * hd
+        self.qkv_proj = Linear(d, width, bias=config.attention_bias, dtype=config.dtype, rngs=rngs)
+        self.o_proj = Linear(hq * hd, d, dtype=config.dtype, rngs=rngs)
         self.rope = config.rope
         self.head_dim = hd
         self.backend, self.mesh = "reference", None  # configure_attention sets these
@@ -123,14 +127,15 @@ class Attention(nnx.Module):
 
         Returns (out [T, D], k_cache, v_cache) with this step's K/V written.
         """
-        inv_freq = rope_inv_freq(self.head_dim, self.rope)  # a trace-time constant
-        q = apply_rotary(self.q_proj(x), positions, inv_freq)  # [T, Hq, hd]
-        k = apply_rotary(self.k_proj(x), positions, inv_freq)  # [T, Hkv, hd]
-        v = self.v_proj(x)  # [T, Hkv, hd]
+        t, hd, g = x.shape[0], self.head_dim, self.group
+        qkv = self.qkv_proj(x).reshape(t, self.num_kv_heads, g + 2, hd)  # [T, Hkv, G + 2, hd]
+        inv_freq = rope_inv_freq(hd, self.rope)  # a trace-time constant
+        q = apply_rotary(qkv[:, :, :g].reshape(t, -1, hd), positions, inv_freq)  # [T, Hq, hd]
+        k = apply_rotary(qkv[:, :, g], positions, inv_freq)  # [T, Hkv, hd]
+        v = qkv[:, :, g + 1]  # [T, Hkv, hd]
         k_cache = write_kv(k_cache, k, md.slot_mapping)
         v_cache = write_kv(v_cache, v, md.slot_mapping)
         out = paged_attention(
-            q, k_cache, v_cache, md, sm_scale=self.head_dim**-0.5, backend=self.backend,
-            mesh=self.mesh,
-        )  # fmt: skip
-        return self.o_proj(out), k_cache, v_cache
+            q, k_cache, v_cache, md, sm_scale=hd**-0.5, backend=self.backend, mesh=self.mesh
+        )  # [T, Hq, hd]
+        return self.o_proj(out.reshape(t, -1)), k_cache, v_cache

@@ -1,18 +1,20 @@
-"""Gated SiLU MLP (Llama's gate/up/down)."""
+"""Gated SiLU MLP (Llama's gate/up/down) with one fused gate_up projection."""
 
 import jax
 from flax import nnx
 
+from jaxserve.layers.linear import Linear
+
 
 class GatedMLP(nnx.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
-        def proj(eq, shape):
-            return nnx.Einsum(eq, shape, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    """gate_up_proj's output columns interleave the two: column 2f is gate f, 2f + 1 is up f,
+    so under tensor parallelism each device's contiguous share holds both halves of its f."""
 
-        self.gate_proj = proj("td,df->tf", (hidden_size, intermediate_size))
-        self.up_proj = proj("td,df->tf", (hidden_size, intermediate_size))
-        self.down_proj = proj("tf,fd->td", (intermediate_size, hidden_size))
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] -> [T, D]."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x).reshape(x.shape[0], -1, 2)  # [T, F, 2]
+        return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])

@@ -1,9 +1,13 @@
-"""On-device sampler: one compiled function for any mix of per-request sampling parameters.
+"""On-device sampler: compiled variants that each run only the passes their batch uses.
 
-The model runner calls `sample` inside its single jitted step. Every request's parameters are
-rows of arrays (`SamplingMetadata`, padded to S rows), so a batch mixing greedy, seeded, top-k,
-top-p and penalised requests runs the same executable as any other batch of that shape; only S,
-V, the bias width B and `num_logprobs` are static.
+The model runner calls `sample` in its sampling step. Every request's parameters are rows of
+arrays (`SamplingMetadata`, padded to S rows); which passes run is the static `SamplerVariant`
+the host picks for the step from the rows' parameters (`SamplerVariant.of`, then the cheapest
+compiled variant that covers it: `COMPILED_VARIANTS`). An all-greedy batch is one argmax over
+[S, V]; plain sampling is an exp pass, per-block sums and two uniforms per row; filters,
+penalties, bias, logprobs and a greedy row beside sampled ones add their passes only to the
+variants that carry them. The last variant carries everything and skips, at run time, the
+passes no row in the batch uses.
 
 Order of operations (vLLM V1's `Sampler`, step for step):
 
@@ -13,22 +17,21 @@ Order of operations (vLLM V1's `Sampler`, step for step):
 4. greedy rows (temperature < 1e-5) take the argmax here;
 5. temperature, then min-p, then top-k, then top-p (vLLM V1 applies min-p, an argmax-invariant
    logits processor, before its top-k/top-p sampler);
-6. one Gumbel-max draw per row: argmax(filtered_logits + Gumbel noise).
+6. one draw per row from the renormalised probabilities (inverse CDF, below).
 
 Top-k and top-p are exact without sorting the vocabulary: each row's cut-off is a threshold on
 the logits, found by building the 32-bit order-preserving integer key of the threshold one bit
 at a time (most significant first). Each of the 32 steps is one fused compare-and-reduce pass
 over [S, V]: "count(key >= t) >= k" for top-k and "mass(key >= t) >= top_p * mass" for top-p.
 Tokens tied with the cut-off token are all kept (as vLLM's top-k does; vLLM's sort-based top-p
-breaks such ties by sort order). The two searches sit behind `lax.cond`s on "some row in the
-batch uses it", and the whole random path behind "some row is not greedy", so an all-greedy or
-unfiltered batch does not pay for them; padding rows should therefore be greedy (temperature 0).
-Cost at S=256, V=49152 (one [S, V] float32 array is 50 MB): top-k reads 32 x 50 MB, top-p
-32 x 100 MB (keys and weights), i.e. about 0.5 ms and 1 ms of HBM traffic on an H100; sorting
-would instead take a full segmented sort of the same array per step.
+breaks such ties by sort order).
 
-Randomness: a seeded row's noise comes from fold_in(PRNGKey(seed), output_position) only, so
-it reproduces whatever the batch, the row index or the step key; an unseeded row's noise comes
+The draw: the row's unnormalised probabilities w = exp(logit - max) are summed per block of
+`_DRAW_BLOCK` tokens; a first uniform picks a block in proportion to its sum (a cumulative sum
+over V / 256 block sums), a second picks a token inside it in proportion to w. Two random
+numbers a row instead of V Gumbel draws (threefry noise over [S, V] was a quarter of a CPU
+step). Randomness: a seeded row's uniforms come from fold_in(PRNGKey(seed), output_position)
+only, so they reproduce whatever the batch, the row index or the step key; an unseeded row's
 from fold_in(step_key, row).
 """
 
@@ -44,10 +47,68 @@ _GREEDY_EPS = 1e-5  # same cut-off as SamplingParams.greedy
 # B of the sparse bias arrays: a request's logit_bias entries plus, while min_tokens is unmet,
 # its EOS and stop_token_ids (blocked with -inf) must fit.
 MAX_BIAS_TOKENS = 64
+_DRAW_BLOCK = 256  # tokens per block of the two-level inverse-CDF draw
+
+
+class SamplerVariant(NamedTuple):
+    """Which passes a compiled sampler runs (static). `dynamic`: the flags are upper bounds
+    and each filter is skipped at run time when no row uses it (a `lax.cond`, which costs a
+    device-to-host sync on GPU: only the catch-all variant has it)."""
+
+    random: bool = False  # some row samples (temperature >= 1e-5); else argmax only
+    greedy: bool = False  # with random: some row is greedy (its argmax is taken too)
+    top_k: bool = False
+    top_p: bool = False
+    min_p: bool = False
+    penalties: bool = False  # repetition / frequency / presence
+    bias: bool = False  # logit_bias, or min_tokens blocking EOS and stop tokens
+    logprobs: bool = False  # sampled-token logprobs (+ top-K)
+    dynamic: bool = False
+
+    @classmethod
+    def of(cls, params: list) -> SamplerVariant:
+        """The passes a batch of SamplingParams-like rows needs (every flag exact)."""
+        random = [p for p in params if p.temperature >= _GREEDY_EPS]
+        return cls(
+            random=bool(random),
+            greedy=bool(random) and len(random) < len(params),
+            top_k=any(p.top_k > 0 for p in random),
+            top_p=any(p.top_p < 1.0 for p in random),
+            min_p=any(p.min_p > 0.0 for p in random),
+            penalties=any(
+                p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                for p in params
+            ),
+            bias=any(p.logit_bias for p in params),  # the runner adds min_tokens' blocks
+            logprobs=any(p.logprobs is not None for p in params),
+        )
+
+    def covers(self, other: SamplerVariant) -> bool:
+        return all(mine or not theirs for mine, theirs in zip(self[:-1], other[:-1], strict=True))
+
+
+# Compiled for every sequence bucket, cheapest first; a batch runs the first that covers it.
+FULL_VARIANT = SamplerVariant(*[True] * len(SamplerVariant._fields))
+COMPILED_VARIANTS = (
+    SamplerVariant(),  # greedy
+    SamplerVariant(random=True),
+    SamplerVariant(random=True, greedy=True),
+    SamplerVariant(random=True, greedy=True, top_p=True),
+    SamplerVariant(random=True, greedy=True, top_k=True, top_p=True),
+    SamplerVariant(logprobs=True),
+    SamplerVariant(random=True, greedy=True, logprobs=True),
+    FULL_VARIANT,
+)
+
+
+def pick_variant(needed: SamplerVariant) -> SamplerVariant:
+    """The cheapest compiled variant that runs every pass `needed` asks for."""
+    return next(v for v in COMPILED_VARIANTS if v.covers(needed))
 
 
 class SamplingMetadata(NamedTuple):
-    """Per-row sampling parameters, padded to S rows (pad with a greedy row: temperature 0)."""
+    """Per-row sampling parameters, padded to S rows (pad with a greedy row: temperature 0).
+    prompt_mask / output_counts may be None for a variant without penalties."""
 
     temperature: jax.Array  # f32[S]; < 1e-5 -> greedy
     top_k: jax.Array  # i32[S]; <= 0 = off
@@ -56,8 +117,8 @@ class SamplingMetadata(NamedTuple):
     presence_penalty: jax.Array  # f32[S]
     frequency_penalty: jax.Array  # f32[S]
     repetition_penalty: jax.Array  # f32[S]; 1.0 = off
-    prompt_mask: jax.Array  # bool[S, V]; token appears in the prompt
-    output_counts: jax.Array  # i32[S, V]; occurrences in the generated output so far
+    prompt_mask: jax.Array | None  # bool[S, V]; token appears in the prompt
+    output_counts: jax.Array | None  # i32[S, V]; occurrences in the generated output so far
     bias_token_ids: jax.Array  # i32[S, B]; -1 = unused slot
     bias_values: jax.Array  # f32[S, B]; added to the logit of bias_token_ids
     seeds: jax.Array  # u32[S]
@@ -67,9 +128,9 @@ class SamplingMetadata(NamedTuple):
 
 class SamplerOutput(NamedTuple):
     token_ids: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S, K+1]; column 0: sampled token, 1..K: top-K, descending
-    logprob_token_ids: jax.Array  # i32[S, K+1]
-    sampled_rank: jax.Array  # i32[S]; 1 + number of tokens with a strictly higher logprob
+    logprobs: jax.Array | None  # f32[S, K+1]; column 0: sampled token, 1..K: top-K, descending
+    logprob_token_ids: jax.Array | None  # i32[S, K+1]
+    sampled_rank: jax.Array | None  # i32[S]; 1 + number of tokens with a strictly higher logprob
 
 
 def sample(
@@ -78,37 +139,32 @@ def sample(
     key: jax.Array,
     *,
     num_logprobs: int,
+    variant: SamplerVariant = FULL_VARIANT,
     want_logprobs: jax.Array | bool = True,
 ) -> SamplerOutput:
     """Sample one token per row of logits: f32[S, V] (any float dtype; math in float32).
 
     key: the step's PRNG key (raw uint32 from `jax.random.PRNGKey` or a typed `jax.random.key`),
-    used for unseeded rows only. num_logprobs (K, static) may be 0. want_logprobs (bool[], may
-    be traced): when false the logprob outputs are zeros and their [S, V] passes (log_softmax,
-    rank, top-K) are skipped at run time.
+    used for unseeded rows only. num_logprobs (K, static) may be 0. variant (static): the
+    passes to run; rows must not need one it lacks. want_logprobs (bool[], may be traced; the
+    dynamic variant only): when false the logprob outputs are zeros and their [S, V] passes
+    are skipped at run time. A variant without logprobs returns None for them.
     """
     _check_shapes(logits, md)
     logits = logits.astype(jnp.float32)  # [S, V]
 
-    processed = apply_penalties_and_bias(logits, md)  # [S, V]
-    greedy = md.temperature < _GREEDY_EPS  # [S]
-    greedy_ids = argmax_rows(processed)  # [S]
+    processed = logits
+    if variant.bias:
+        processed = apply_bias(processed, md)
+    if variant.penalties:
+        processed = apply_penalties(processed, md)
+    if variant.random:
+        token_ids = _sample_rows(processed, md, key, variant)
+    else:
+        token_ids = argmax_rows(processed)  # [S]
 
-    def random_ids() -> jax.Array:
-        # Neutral parameters on greedy rows so they never switch a filter on for the batch.
-        temperature = jnp.where(greedy, 1.0, md.temperature)
-        scaled = processed / temperature[:, None]  # [S, V]
-        filtered = apply_sampling_filters(
-            scaled,
-            top_k=jnp.where(greedy, 0, md.top_k),
-            top_p=jnp.where(greedy, 1.0, md.top_p),
-            min_p=jnp.where(greedy, 0.0, md.min_p),
-        )
-        noise = gumbel_noise(md, key, logits.shape[-1])  # [S, V]
-        return argmax_rows(filtered + noise)
-
-    random = lax.cond(jnp.all(greedy), lambda: greedy_ids, random_ids)
-    token_ids = jnp.where(greedy, greedy_ids, random)  # [S]
+    if not variant.logprobs:
+        return SamplerOutput(token_ids, None, None, None)
 
     def logprobs():
         raw = jax.nn.log_softmax(logits, axis=-1)  # [S, V]: before penalties and filters
@@ -118,8 +174,73 @@ def sample(
         s, k = logits.shape[0], num_logprobs + 1
         return jnp.zeros((s, k), jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros(s, jnp.int32)
 
-    lp, lp_ids, rank = lax.cond(want_logprobs, logprobs, no_logprobs)
+    if variant.dynamic:
+        lp, lp_ids, rank = lax.cond(want_logprobs, logprobs, no_logprobs)
+    else:
+        lp, lp_ids, rank = logprobs()
     return SamplerOutput(token_ids, lp, lp_ids, rank)
+
+
+def _sample_rows(
+    processed: jax.Array, md: SamplingMetadata, key: jax.Array, variant: SamplerVariant
+) -> jax.Array:
+    """Temperature, filters and one draw per row; greedy rows (temperature ~0) take the argmax
+    of `processed` instead. f32[S, V] -> i32[S]."""
+    greedy = md.temperature < _GREEDY_EPS  # [S]
+    # Neutral parameters on greedy rows so they never switch a filter on for the batch.
+    temperature = jnp.where(greedy, 1.0, md.temperature)
+    scaled = processed / temperature[:, None]  # [S, V]
+    filtered = apply_sampling_filters(
+        scaled,
+        top_k=jnp.where(greedy, 0, md.top_k),
+        top_p=jnp.where(greedy, 1.0, md.top_p),
+        min_p=jnp.where(greedy, 0.0, md.min_p),
+        use=(variant.top_k, variant.top_p, variant.min_p),
+        dynamic=variant.dynamic,
+    )
+    drawn = draw_rows(filtered, row_uniforms(md, key))
+    if not variant.greedy:  # padding rows (greedy) may draw: their tokens are dropped
+        return drawn
+
+    def with_greedy_rows():
+        return jnp.where(greedy, argmax_rows(processed), drawn)
+
+    if variant.dynamic:
+        return lax.cond(jnp.any(greedy), with_greedy_rows, lambda: drawn)
+    return with_greedy_rows()
+
+
+def draw_rows(logits: jax.Array, uniforms: jax.Array) -> jax.Array:
+    """One token per row of f32[S, V] logits (-inf = excluded) with probability softmax(row),
+    by inverse CDF over per-block sums; uniforms: f32[S, 2] in [0, 1). -> i32[S]."""
+    num_rows, vocab = logits.shape
+    blocks = -(-vocab // _DRAW_BLOCK)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
+    weights = jnp.exp(logits - row_max)  # [S, V]; 0 where excluded, 1 at the max
+    weights = jnp.pad(weights, ((0, 0), (0, blocks * _DRAW_BLOCK - vocab)))
+    weights = weights.reshape(num_rows, blocks, _DRAW_BLOCK)
+    cum = jnp.cumsum(jnp.sum(weights, axis=-1), axis=-1)  # [S, blocks]
+    # The first block whose cumulative sum exceeds u * total has a positive sum (the sums
+    # only grow at such blocks), and u < 1 keeps it inside the row.
+    block = jnp.sum(cum <= uniforms[:, :1] * cum[:, -1:], axis=-1)  # [S]
+    block = jnp.minimum(block, blocks - 1)
+    inner = jnp.take_along_axis(weights, block[:, None, None], axis=1)[:, 0]  # [S, block]
+    inner_cum = jnp.cumsum(inner, axis=-1)
+    offset = jnp.sum(inner_cum <= uniforms[:, 1:] * inner_cum[:, -1:], axis=-1)
+    return (block * _DRAW_BLOCK + jnp.minimum(offset, _DRAW_BLOCK - 1)).astype(jnp.int32)
+
+
+def row_uniforms(md: SamplingMetadata, key: jax.Array) -> jax.Array:
+    """Two uniforms per row, f32[S, 2]; seeded rows depend only on (seed, output_position)."""
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    num_rows = md.seeds.shape[0]
+    step_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(num_rows))  # [S, 2]
+    seed_keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
+        md.seeds, md.output_positions
+    )  # [S, 2]
+    row_keys = jnp.where(md.has_seed[:, None], seed_keys, step_keys)
+    return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)
 
 
 def argmax_rows(x: jax.Array) -> jax.Array:
@@ -147,14 +268,22 @@ def compute_prompt_logprobs(
 
 def apply_penalties_and_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """Logit bias, then repetition, frequency and presence penalties; f32[S, V] -> f32[S, V]."""
+    return apply_penalties(apply_bias(logits, md), md)
+
+
+def apply_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Add bias_values at bias_token_ids (a sparse scatter); f32[S, V] -> f32[S, V]."""
     num_rows, vocab = logits.shape
     ids = md.bias_token_ids  # [S, B]
     valid = (ids >= 0) & (ids < vocab)
     rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)  # [S, B]
-    logits = logits.at[rows, jnp.where(valid, ids, 0)].add(
+    return logits.at[rows, jnp.where(valid, ids, 0)].add(
         jnp.where(valid, md.bias_values, 0.0), mode="drop"
     )
 
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition (prompt + output tokens), then frequency and presence (output tokens)."""
     output_mask = md.output_counts > 0  # [S, V]
     # HF/vLLM rule: shrink positive logits, grow negative ones, for every token seen so far.
     rep = jnp.where(md.prompt_mask | output_mask, md.repetition_penalty[:, None], 1.0)
@@ -164,19 +293,30 @@ def apply_penalties_and_bias(logits: jax.Array, md: SamplingMetadata) -> jax.Arr
 
 
 def apply_sampling_filters(
-    logits: jax.Array, *, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+    logits: jax.Array,
+    *,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    use: tuple[bool, bool, bool] = (True, True, True),
+    dynamic: bool = True,
 ) -> jax.Array:
     """Min-p, then top-k, then top-p on temperature-scaled logits: f32[S, V] -> f32[S, V].
 
     Tokens outside a row's kept set become -inf. top_k: i32[S] (<= 0 = off); top_p: f32[S]
     (>= 1 = off; the highest-probability token is always kept); min_p: f32[S] (0 = off).
-    Each filter sees the distribution renormalised over what the previous ones kept.
+    Each filter sees the distribution renormalised over what the previous ones kept. use
+    (static): which of (top_k, top_p, min_p) to apply at all; dynamic: skip a used one at run
+    time when no row switches it on.
     """
+    use_top_k, use_top_p, use_min_p = use
     vocab = logits.shape[-1]
     neg_inf = jnp.float32(-jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
-    # min-p: keep p >= min_p * p_max, i.e. exp(logit - max) >= min_p.
-    logits = jnp.where(jnp.exp(logits - row_max) >= min_p[:, None], logits, neg_inf)
+    if use_min_p:  # keep p >= min_p * p_max, i.e. exp(logit - max) >= min_p
+        logits = jnp.where(jnp.exp(logits - row_max) >= min_p[:, None], logits, neg_inf)
+    if not (use_top_k or use_top_p):
+        return logits
     keys = _order_key(logits)  # u32[S, V]
 
     def top_k_filter(x: jax.Array) -> jax.Array:
@@ -196,21 +336,13 @@ def apply_sampling_filters(
         cut = jnp.where(top_p >= 1.0, 0, cut)
         return jnp.where(keys >= cut[:, None], x, neg_inf)
 
-    logits = lax.cond(jnp.any(top_k > 0), top_k_filter, lambda x: x, logits)
-    return lax.cond(jnp.any(top_p < 1.0), top_p_filter, lambda x: x, logits)
+    def maybe(used: bool, on, fn, x):
+        if not used:
+            return x
+        return lax.cond(jnp.any(on), fn, lambda y: y, x) if dynamic else fn(x)
 
-
-def gumbel_noise(md: SamplingMetadata, key: jax.Array, vocab: int) -> jax.Array:
-    """Standard Gumbel noise f32[S, V]; seeded rows depend only on (seed, output_position)."""
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    num_rows = md.seeds.shape[0]
-    step_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(num_rows))  # [S, 2]
-    seed_keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
-        md.seeds, md.output_positions
-    )  # [S, 2]
-    row_keys = jnp.where(md.has_seed[:, None], seed_keys, step_keys)
-    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(row_keys)
+    logits = maybe(use_top_k, top_k > 0, top_k_filter, logits)
+    return maybe(use_top_p, top_p < 1.0, top_p_filter, logits)
 
 
 def _gather_logprobs(
@@ -252,6 +384,8 @@ def _check_shapes(logits: jax.Array, md: SamplingMetadata) -> None:
     if logits.ndim != 2:
         raise ValueError(f"logits must be [S, V], got shape {logits.shape}")
     for name, value in md._asdict().items():
+        if value is None:
+            continue
         expected = logits.shape if name in ("prompt_mask", "output_counts") else None
         if value.shape[0] != logits.shape[0] or (expected and value.shape != expected):
             raise ValueError(

@@ -1,16 +1,21 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax NNX.
 
-One forward call runs a flat batch of tokens from many sequences over a paged KV cache. The
-decoder layers' weights are stacked on a leading [L] axis and looped with `lax.scan`, so compile
-time does not grow with depth. The KV cache is one pair of arrays [L, num_blocks, block_size,
-Hkv, hd]; inside the scan it is viewed as [L * num_blocks, ...] and layer l addresses its blocks
-as l * num_blocks + block_id, so the attention op sees an ordinary 4-D paged cache with no
-per-layer slice copied out of the carry.
+One forward call runs a flat batch of tokens from many sequences over a paged KV cache. Each
+decoder layer has its own parameter arrays and the layers run as a plain Python loop (unrolled
+in the compiled step): XLA reads every weight where it lies, where `lax.scan` over stacked
+[L, ...] weights copies each layer's slices out first (half of a decode step on GPU and CPU).
+The KV cache is one pair of arrays [L * num_blocks, block_size, Hkv, hd]; layer l addresses its
+blocks as l * num_blocks + block_id, so the attention op sees an ordinary paged cache and all
+layers write into the same donated buffers in place.
+
+Weights are stored as the matmuls read them ([in, out], q/k/v and gate/up fused; see
+layers/attention.py and layers/mlp.py); `hf_weight` says how each is built from HF tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -20,17 +25,18 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import Attention, AttentionMetadata
+from jaxserve.layers.linear import Linear
 from jaxserve.layers.mlp import GatedMLP
 from jaxserve.layers.norm import RMSNorm
 
-KVCaches = tuple[jax.Array, jax.Array]  # K, V: [L, num_blocks, block_size, Hkv, hd]
+KVCaches = tuple[jax.Array, jax.Array]  # K, V: [L * num_blocks, block_size, Hkv, hd]
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, kv_replicas: int, rngs: nnx.Rngs):
         dt = config.dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
-        self.self_attn = Attention(config, rngs=rngs)
+        self.self_attn = Attention(config, kv_replicas=kv_replicas, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs)
 
@@ -45,25 +51,30 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    """kv_replicas: copies of each KV head in the projections and cache (tensor parallelism
+    over more devices than KV heads; `distributed.sharding.kv_head_replicas`)."""
+
+    def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
         self.config = config
+        self.kv_replicas = kv_replicas
         dt = config.dtype
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dt, param_dtype=dt, rngs=rngs
         )
-
-        @nnx.split_rngs(splits=config.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(config, rngs=rngs)
-
-        self.layers = make_layers(rngs)  # every parameter has a leading [L] axis
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, kv_replicas=kv_replicas, rngs=rngs)
+                for _ in range(config.num_layers)
+            ]
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
         if not config.tie_word_embeddings:
-            self.lm_head = nnx.Einsum(
-                "td,dv->tv", (config.hidden_size, config.vocab_size), dtype=dt, param_dtype=dt,
-                rngs=rngs,
-            )  # fmt: skip
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dt, rngs=rngs)
+
+    @property
+    def num_cache_kv_heads(self) -> int:
+        """KV heads per layer as the cache holds them (replicas included)."""
+        return self.config.num_kv_heads * self.kv_replicas
 
     def __call__(
         self,
@@ -73,79 +84,105 @@ class LlamaForCausalLM(nnx.Module):
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCaches]:
         """input_ids, positions: i32[T] -> (final hidden states [T, D], updated kv_caches)."""
-        k_all, v_all = kv_caches
-        num_layers, num_blocks, block_size = k_all.shape[:3]
-        flat = (num_layers * num_blocks, *k_all.shape[2:])
+        k_cache, v_cache = kv_caches
+        num_blocks = k_cache.shape[0] // len(self.layers)
+        block_size = k_cache.shape[1]
         h = self.embed_tokens(input_ids)  # [T, D]
-        graphdef, layer_state = nnx.split(self.layers)
-
-        def layer_step(carry, xs):
-            h, k_cache, v_cache = carry
-            state, layer = xs
-            offset = layer * num_blocks  # this layer's blocks in the flattened cache
+        for i, layer in enumerate(self.layers):
+            offset = i * num_blocks  # this layer's blocks in the cache
             layer_md = md._replace(
                 block_tables=md.block_tables + offset,
                 slot_mapping=jnp.where(
                     md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1
                 ),
             )
-            h, k_cache, v_cache = nnx.merge(graphdef, state)(
-                h, positions, k_cache, v_cache, layer_md
-            )
-            return (h, k_cache, v_cache), None
+            h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md)
+        return self.norm(h), (k_cache, v_cache)
 
-        (h, k_flat, v_flat), _ = jax.lax.scan(
-            layer_step,
-            (h, k_all.reshape(flat), v_all.reshape(flat)),
-            (layer_state, jnp.arange(num_layers, dtype=jnp.int32)),
-        )
-        return self.norm(h), (k_flat.reshape(k_all.shape), v_flat.reshape(v_all.shape))
+    @property
+    def logits_head(self) -> jax.Array:
+        """The LM head's weight: the tied embedding [V, D], or lm_head's kernel [D, V]."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...]
+        return self.lm_head.kernel[...]
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, D] (only the rows whose next token is wanted) -> float32 logits [N, V]."""
-        if self.config.tie_word_embeddings:
-            logits = self.embed_tokens.attend(hidden)
-        else:
-            logits = self.lm_head(hidden)
-        return logits.astype(jnp.float32)
+        return lm_logits(hidden, self.logits_head, tied=self.config.tie_word_embeddings)
 
     @staticmethod
-    def hf_weight(config: ModelConfig, path: tuple[str, ...]) -> HFWeight:
-        """The HF tensor(s) our parameter at `path` comes from (module names mirror HF's).
+    def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
+        """The HF tensors our parameter at `path` is built from, and how.
 
-        ('layers', 'self_attn', 'q_proj', 'kernel') <- model.layers.{i}.self_attn.q_proj.weight
-        for every layer i, transposed from HF's [out, in] to our einsum layout [D, Hq, hd].
+        ('layers', 3, 'self_attn', 'qkv_proj', 'kernel') <- model.layers.3.self_attn.{q,k,v}_proj
+        .weight, fused by `fuse_qkv` and transposed from HF's [out, in] to [in, out].
         """
-        d, hq, hkv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        transforms = {
-            "q_proj/kernel": lambda w: w.T.reshape(d, hq, hd),
-            "k_proj/kernel": lambda w: w.T.reshape(d, hkv, hd),
-            "v_proj/kernel": lambda w: w.T.reshape(d, hkv, hd),
-            "q_proj/bias": lambda b: b.reshape(hq, hd),
-            "k_proj/bias": lambda b: b.reshape(hkv, hd),
-            "v_proj/bias": lambda b: b.reshape(hkv, hd),
-            "o_proj/kernel": lambda w: w.T.reshape(hq, hd, d),
-            "gate_proj/kernel": np.transpose,
-            "up_proj/kernel": np.transpose,
-            "down_proj/kernel": np.transpose,
-            "lm_head/kernel": np.transpose,
-        }
-        *modules, leaf = path
-        transform = transforms.get(f"{modules[-1]}/{leaf}")
+        *modules, leaf = (str(p) for p in path)
         suffix = "bias" if leaf == "bias" else "weight"
         if modules[0] == "lm_head":
-            return HFWeight(("lm_head.weight",), transform)
-        if modules[0] == "layers":
-            inner = ".".join(modules[1:])
-            names = tuple(f"model.layers.{i}.{inner}.{suffix}" for i in range(config.num_layers))
-            return HFWeight(names, transform, stacked=True)
-        return HFWeight((f"model.{'.'.join(modules)}.{suffix}",), transform)
+            return HFWeight(("lm_head.weight",), np.transpose)
+        if modules[0] != "layers":
+            return HFWeight((f"model.{'.'.join(modules)}.{suffix}",))
+        prefix = f"model.layers.{modules[1]}"
+        name = ".".join(modules[2:])
+        if name == "self_attn.qkv_proj":
+            names = tuple(f"{prefix}.self_attn.{p}_proj.{suffix}" for p in "qkv")
+            fuse = functools.partial(fuse_qkv, config=config, kv_replicas=kv_replicas)
+            return HFWeight(names, (lambda *w: fuse(*w).T) if leaf == "kernel" else fuse)
+        if name == "mlp.gate_up_proj":
+            names = (f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight")
+            return HFWeight(names, lambda gate, up: fuse_gate_up(gate, up).T)
+        if name in ("self_attn.o_proj", "mlp.down_proj"):
+            return HFWeight((f"{prefix}.{name}.weight",), np.transpose)
+        return HFWeight((f"{prefix}.{name}.{suffix}",))
+
+
+def lm_logits(hidden: jax.Array, head: jax.Array, *, tied: bool) -> jax.Array:
+    """hidden [N, D] x `LlamaForCausalLM.logits_head` ([V, D] when tied, else [D, V]) ->
+    f32[N, V]."""
+    # Tied: contract D with the embedding's minor dim as it lies (`hidden @ head.T` makes
+    # XLA:CPU transpose the whole table for a one-row product).
+    dims = (((1,), (1,)), ((), ())) if tied else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(hidden, head, dims).astype(jnp.float32)
+
+
+def fuse_qkv(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, config: ModelConfig, kv_replicas: int = 1
+) -> np.ndarray:
+    """HF's q [Hq*hd, ...], k and v [Hkv*hd, ...] (weights [out, in] or biases [out]) ->
+    [Hkv*R*(G+2)*hd, ...]: per cache KV head, its G = Hq / (Hkv*R) query heads, its key and
+    its value, each KV head repeated R = kv_replicas times (layers/attention.py)."""
+    hd, rest = config.head_dim, q.shape[1:]
+    heads = config.num_kv_heads * kv_replicas
+    q = q.reshape(heads, -1, hd, *rest)  # [Hkv*R, G, hd, ...]
+    k, v = (np.repeat(w.reshape(-1, 1, hd, *rest), kv_replicas, axis=0) for w in (k, v))
+    return np.concatenate([q, k, v], axis=1).reshape(-1, *rest)
+
+
+def replicate_kv_heads(fused: np.ndarray, config: ModelConfig, kv_replicas: int) -> np.ndarray:
+    """A qkv kernel [D, N] or bias [N] fused with each KV head once -> the same with each KV
+    head kv_replicas times (a checkpoint restored for tp > num_kv_heads)."""
+    kernel = fused.ndim == 2
+    out_major = fused.T if kernel else fused  # [N, ...]
+    hkv, g, hd = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
+    groups = out_major.reshape(hkv, g + 2, hd, *out_major.shape[1:])
+    q, k, v = (
+        groups[:, a:b].reshape(-1, *out_major.shape[1:])
+        for a, b in ((0, g), (g, g + 1), (g + 1, g + 2))
+    )
+    out = fuse_qkv(q, k, v, config=config, kv_replicas=kv_replicas)
+    return out.T if kernel else out
+
+
+def fuse_gate_up(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """HF's gate and up [F, D] -> [2F, D], interleaved: row 2f is gate f, 2f + 1 is up f."""
+    return np.stack([gate, up], axis=1).reshape(-1, gate.shape[1])
 
 
 @dataclasses.dataclass(frozen=True)
 class HFWeight:
-    """HF tensor name(s) for one parameter; `stacked` ones take one tensor per layer."""
+    """The HF tensors one parameter is built from, and `build(*tensors)` -> the parameter
+    (None: the single tensor as it is)."""
 
     names: tuple[str, ...]
-    transform: Callable[[np.ndarray], np.ndarray] | None = None
-    stacked: bool = False
+    build: Callable[..., np.ndarray] | None = None

@@ -30,14 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS, make_mesh
-from jaxserve.distributed.sharding import param_sharding, validate_tp
+from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
-from jaxserve.models.llama import HFWeight
+from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
 
@@ -141,20 +141,21 @@ def load_model(
     config = ModelConfig.from_hf(hf_config, dtype)
     model_cls = get_model_class(config.architecture)
     mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
-    validate_tp(config, mesh.shape[TP_AXIS])
+    tp = mesh.shape[TP_AXIS]
+    validate_tp(config, tp)
+    replicas = kv_head_replicas(config, tp)
 
-    abstract = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = _abstract_model(model_cls, config, replicas)
     targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))  # path -> ShapeDtypeStruct
     shardings = {p: param_sharding(p, config, mesh) for p in targets}
     if dummy:
         params = _dummy_params(targets, shardings)
     elif source is None:
-        params = _restore_orbax(path / "params", targets, shardings)
+        params = _restore_orbax(path / "params", model_cls, config, replicas, shardings)
     else:
         params = {}
         for p in tqdm(targets, desc=f"Loading {path.name}", unit="param", leave=False):
-            host = _read_param(source, model_cls.hf_weight(config, p), targets[p])
+            host = _read_param(source, model_cls.hf_weight(config, p, replicas), targets[p])
             params[p] = jax.make_array_from_callback(host.shape, shardings[p], host.__getitem__)
             del host  # keep host memory at one parameter beyond the placed ones
         del source  # the GGUF reader's parsed metadata is large; free it before the tokenizer
@@ -192,20 +193,16 @@ def _dummy_params(
 
 
 def _read_param(source, weight: HFWeight, target) -> np.ndarray:
-    """Read (and stack over layers) the HF tensors of one parameter, in the target dtype."""
-    dtype = np.dtype(target.dtype)
+    """Read the HF tensors of one parameter and build it, in the target dtype."""
+    tensors = [np.asarray(source.get(name)) for name in weight.names]
+    host = weight.build(*tensors) if weight.build else tensors[0]
+    return _checked(host.astype(target.dtype, copy=False), target.shape, ", ".join(weight.names))
 
-    def one(name: str) -> np.ndarray:
-        w = np.asarray(source.get(name))
-        w = weight.transform(w) if weight.transform else w
-        return w.astype(dtype, copy=False)
 
-    if weight.stacked:
-        host = np.empty(target.shape, dtype)
-        for i, name in enumerate(weight.names):
-            host[i] = _checked(one(name), target.shape[1:], name)
-        return host
-    return _checked(one(weight.names[0]), target.shape, weight.names[0])
+def _abstract_model(model_cls, config: ModelConfig, kv_replicas: int):
+    """(graphdef, state of ShapeDtypeStructs): the model's structure, no weights materialised."""
+    abstract = nnx.eval_shape(lambda: model_cls(config, kv_replicas=kv_replicas, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)
 
 
 def _checked(w: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
@@ -302,6 +299,12 @@ def save_checkpoint(loaded: LoadedModel, dst: str | Path) -> Path:
     """Write `loaded` as a jaxserve checkpoint: orbax params, config.json, tokenizer files."""
     import orbax.checkpoint as ocp
 
+    if loaded.model.kv_replicas > 1:  # checkpoints hold each KV head once
+        raise ValueError(
+            "cannot save a model loaded with KV heads replicated over "
+            f"tensor_parallel_size={loaded.mesh.shape[TP_AXIS]}; load it with a tensor "
+            f"parallel size dividing num_key_value_heads={loaded.config.num_kv_heads}"
+        )
     dst = Path(dst).absolute()
     if (dst / "params").exists():
         raise FileExistsError(f"{dst / 'params'} already exists; choose an empty destination")
@@ -322,22 +325,37 @@ def save_checkpoint(loaded: LoadedModel, dst: str | Path) -> Path:
 
 
 def _restore_orbax(
-    params_dir: Path, targets: dict[tuple, Any], shardings: dict[tuple, Any]
+    params_dir: Path, model_cls, config: ModelConfig, kv_replicas: int, shardings: dict
 ) -> dict[tuple, jax.Array]:
-    """Restore params straight into their shardings (and dtypes)."""
+    """Restore params straight into their shardings (and dtypes). Checkpoints hold each KV
+    head once: with kv_replicas > 1 the fused qkv params are restored replicated and
+    expanded on the devices."""
     import orbax.checkpoint as ocp
 
     if not params_dir.exists():
         raise FileNotFoundError(f"checkpoint parameters {params_dir} are missing")
+    _, state = _abstract_model(model_cls, config, 1)
+    saved = traverse_util.flatten_dict(nnx.to_pure_dict(state))  # path -> ShapeDtypeStruct
+    replicate = kv_replicas > 1
+    if replicate:  # the fused qkv params come to the host, to be expanded there
+        host = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     abstract = {
-        p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=shardings[p]) for p, t in targets.items()
+        p: jax.ShapeDtypeStruct(
+            t.shape, t.dtype, sharding=host if replicate and "qkv_proj" in p else shardings[p]
+        )
+        for p, t in saved.items()
     }
     try:
         with ocp.StandardCheckpointer() as ckpt:
             restored = ckpt.restore(params_dir.absolute(), traverse_util.unflatten_dict(abstract))
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ValueError(f"corrupt or incompatible checkpoint {params_dir}: {e}") from e
-    return traverse_util.flatten_dict(restored)
+    params = traverse_util.flatten_dict(restored)
+    for p in params:
+        if replicate and "qkv_proj" in p:
+            w = replicate_kv_heads(np.asarray(params[p]), config, kv_replicas)
+            params[p] = jax.make_array_from_callback(w.shape, shardings[p], w.__getitem__)
+    return params
 
 
 def convert(src: str | Path | None, dst: str | Path, *, dtype: str = "auto") -> Path:

@@ -1,13 +1,24 @@
-"""Runs one scheduler step on the devices: one jitted call = forward + logits + sampling.
+"""Runs one scheduler step on the devices: a forward executable, then a sampling executable.
 
-Start-up: split the model once into (graphdef, state) so each step calls a pure jitted function
-on a small fixed pytree; size the KV cache from a memory budget after the weights are placed;
-compile every (token bucket, sequence bucket) pair with the persistent compilation cache on.
-Serving: build the flat batch from the persistent InputBatch with numpy, pad it to the smallest
-buckets that fit and dispatch the compiled step (the KV cache is donated and updated in place);
-`fetch` later brings back only the sampled ids (and logprobs when a request asked), in one
-host sync. Between the two the engine core schedules and dispatches the next step: a token
-still being sampled is a placeholder (-1) in the input batch, and the step reads it from the
+Start-up: split the model once into a graphdef and a flat list of parameter arrays, so each
+step calls a compiled executable on a fixed argument list; size the KV cache from a memory
+budget after the weights are placed; then lower every step shape and compile them all in
+parallel threads (XLA compiles outside the GIL), with the persistent compilation cache on:
+  forward        one per token bucket T: the model over T tokens (its sequence metadata padded
+                 to min(T, max_num_seqs) rows), returning the hidden state of each sequence's
+                 last token ([max_num_seqs, D]) and of every token ([T, D]);
+  sample         one per (sequence bucket S, SamplerVariant): LM head on the first S rows and
+                 the sampler's passes for that variant (layers/sampler.py), which also updates
+                 the device-resident penalty state and each row's last sampled token;
+  prompt logprobs one per token bucket, dispatched only when a request asks.
+Serving calls only these executables (a missing one is a bug, never a compile).
+
+A step: build the flat batch from the persistent InputBatch with numpy, pad it to the smallest
+buckets that fit, pick the cheapest compiled sampler variant that covers the batch's sampling
+parameters, and dispatch forward + sample (the KV cache is donated and updated in place);
+`fetch` later brings back only the sampled ids (and logprobs when a request asked), in one host
+sync. Between the two the engine core schedules and dispatches the next step: a token still
+being sampled is a placeholder (-1) in the input batch, and the forward reads it from the
 device (`last_tokens`, each row's latest sampled token).
 """
 
@@ -16,7 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import NamedTuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,21 +40,25 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from jaxserve.distributed.sharding import kv_cache_sharding, kv_heads_sharded
+from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.layers.attention import AttentionMetadata, configure_attention
 from jaxserve.layers.sampler import (
+    COMPILED_VARIANTS,
     MAX_BIAS_TOKENS,
+    SamplerVariant,
     SamplingMetadata,
     compute_prompt_logprobs,
+    pick_variant,
     sample,
 )
+from jaxserve.models.llama import lm_logits
 from jaxserve.models.loader import LoadedModel
 from jaxserve.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
-MIN_TOKEN_BUCKET = 16
-MIN_SEQ_BUCKET = 4
+MIN_TOKEN_BUCKET = 1
+MIN_SEQ_BUCKET = 1
 CPU_DEFAULT_KV_BYTES = 1 << 30  # host memory for the KV cache when no budget is given
 PROMPT_LOGPROBS_CHUNK = 256  # positions whose [chunk, V] logits are live at once
 
@@ -65,6 +81,26 @@ def enable_persistent_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+class _CompileCounter:
+    """Every compilation this process asks XLA for (persistent-cache hits included): serving
+    must not add one. A jax.monitoring listener, registered once for the process."""
+
+    count = 0
+
+    @classmethod
+    def listen(cls, event: str, **_) -> None:
+        if event == "/jax/compilation_cache/compile_requests_use_cache":
+            cls.count += 1
+
+
+jax.monitoring.register_event_listener(_CompileCounter.listen)
+
+
+def num_compilations() -> int:
+    """Compilations requested in this process so far (the persistent cache must be on)."""
+    return _CompileCounter.count
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, engine_config: EngineConfig):
         scheduler_config, cache_config = engine_config.scheduler, engine_config.cache
@@ -74,109 +110,113 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.max_num_seqs = scheduler_config.max_num_seqs
         self.token_buckets = power_of_two_buckets(
             MIN_TOKEN_BUCKET, scheduler_config.max_num_batched_tokens
         )
-        self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, scheduler_config.max_num_seqs)
+        self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, self.max_num_seqs)
         self.num_logprobs = engine_config.max_logprobs
         self.input_batch = InputBatch(
-            scheduler_config.max_num_seqs, self.max_model_len, self.max_blocks_per_req
+            self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
         )
         configure_attention(loaded.model, engine_config.attention_backend, self.mesh)
-        self.graphdef, self.state = nnx.split(loaded.model)
+        self.num_cache_kv_heads = loaded.model.num_cache_kv_heads
+        self.tied_head = self.config.tie_word_embeddings
+        self.head = loaded.model.logits_head  # [V, D] tied or [D, V]
+        self.graphdef, state = nnx.split(loaded.model)
+        self.params, self._params_def = jax.tree.flatten(state)
         self.base_key = jax.random.PRNGKey(engine_config.seed)
         self.step_count = 0
         self.kv_caches: tuple[jax.Array, jax.Array] | None = None
         self.num_blocks = 0
-        self._kv_sharding = kv_cache_sharding(self.config, self.mesh)
+        self._kv_sharding = kv_cache_sharding(self.mesh)
         self._replicated = NamedSharding(self.mesh, P())
-        self._step = jax.jit(
-            self._step_fn,
-            donate_argnums=(1, 2, 3),
-            out_shardings=(
-                self._replicated,
-                self._replicated,
-                (self._kv_sharding, self._kv_sharding),
-                self._replicated,
-                self._replicated,
-            ),
+        rep = self._replicated
+        self._forward = jax.jit(
+            self._forward_fn, donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding)
         )
+        self._sample = jax.jit(
+            self._sample_fn, static_argnames=("variant",), donate_argnums=(2, 3),
+            out_shardings=rep,
+        )  # fmt: skip
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, out_shardings=rep)
+        self._init_penalty_row = jax.jit(_init_penalty_row, donate_argnums=(0,), out_shardings=rep)
+        self._compiled: dict[tuple, Any] = {}  # (kind, shape...) -> compiled executable
         # Penalty state per input-batch row, on the device: (prompt_mask bool[R, V],
         # output_counts i32[R, V]). A penalised request's row is filled once when it is
-        # scheduled (_init_penalty_row); each step then adds its sampled tokens in place.
-        r, v = scheduler_config.max_num_seqs, self.config.vocab_size
+        # scheduled (_init_penalty_row); each step with penalties then adds its sampled tokens.
+        r, v = self.max_num_seqs, self.config.vocab_size
         self.penalty_state = jax.device_put(
-            (np.zeros((r, v), bool), np.zeros((r, v), np.int32)), self._replicated
+            (np.zeros((r, v), bool), np.zeros((r, v), np.int32)), rep
         )
-        self._init_penalty_row = jax.jit(
-            _init_penalty_row, donate_argnums=(0,), out_shardings=self._replicated
-        )
-        self.last_tokens = jax.device_put(np.zeros(r, np.int32), self._replicated)  # i32[R]
+        self.last_tokens = jax.device_put(np.zeros(r, np.int32), rep)  # i32[R]
 
-    # ------------------------------------------------------------------ the compiled step
-    def _step_fn(self, state, kv_caches, penalty_state, last_tokens, inputs: StepInputs, step):
-        """One forward + sampling step over T tokens of S sequences (see StepInputs).
+    @property
+    def model(self) -> nnx.Module:
+        """The model as the steps see it (its parameters are the runner's arrays)."""
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, self.params))
 
-        Returns (SamplerOutput [S], prompt logprobs ([T, K+1], [T, K+1], [T]), kv_caches,
-        penalty_state with this step's sampled tokens counted, last_tokens i32[R] updated).
-        """
-        model = nnx.merge(self.graphdef, state)
+    # ------------------------------------------------------------------ the compiled steps
+    def _forward_fn(self, params, kv_caches, last_tokens, inputs: ForwardInputs):
+        """The model over T tokens. Returns (hidden [R, D] of each sequence's last token,
+        hidden [T, D] of every token, kv_caches with this step's K/V written)."""
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
         # Placeholders (-1): tokens the previous step sampled, not yet seen by the host.
         input_ids = jnp.where(
             inputs.input_ids < 0, last_tokens[inputs.token_rows], inputs.input_ids
         )
         hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn)
-        logits = model.compute_logits(hidden[inputs.logits_indices])  # [S, V] float32
+        return hidden[inputs.logits_indices], hidden, kv_caches
+
+    def _sample_fn(
+        self, head, last_hidden, penalty_state, last_tokens, inputs: SampleInputs, *, variant
+    ):
+        """LM head and sampling for the first S rows of last_hidden [R, D]. Returns
+        (SamplerOutput [S], penalty_state with this step's tokens counted, last_tokens)."""
+        s = inputs.rows.shape[0]
+        logits = lm_logits(last_hidden[:s], head, tied=self.tied_head)  # [S, V] float32
+        sampling = inputs.sampling
         prompt_mask, output_counts = penalty_state
-        sampling = inputs.sampling._replace(
-            prompt_mask=prompt_mask[inputs.rows], output_counts=output_counts[inputs.rows]
-        )
-        key = jax.random.fold_in(self.base_key, step)
+        if variant.penalties:
+            sampling = sampling._replace(
+                prompt_mask=prompt_mask[inputs.rows], output_counts=output_counts[inputs.rows]
+            )
+        key = jax.random.fold_in(self.base_key, inputs.step)
         sampled = sample(
-            logits, sampling, key, num_logprobs=self.num_logprobs,
+            logits, sampling, key, num_logprobs=self.num_logprobs, variant=variant,
             want_logprobs=inputs.want_logprobs,
         )  # fmt: skip
-        output_counts = output_counts.at[inputs.rows, sampled.token_ids].add(
-            inputs.appends.astype(jnp.int32)
-        )
+        if variant.penalties:
+            output_counts = output_counts.at[inputs.rows, sampled.token_ids].add(
+                inputs.appends.astype(jnp.int32)
+            )
         kept_rows = jnp.where(inputs.appends, inputs.rows, last_tokens.shape[0])  # R: dropped
         last_tokens = last_tokens.at[kept_rows].set(sampled.token_ids, mode="drop")
-        prompt_lp = self._prompt_logprobs(model, hidden, inputs.prompt_targets)
-        return sampled, prompt_lp, kv_caches, (prompt_mask, output_counts), last_tokens
+        return sampled, (prompt_mask, output_counts), last_tokens
 
-    def _prompt_logprobs(self, model, hidden: jax.Array, targets: jax.Array):
-        """Logprob (and top-K) of the next prompt token at every position that asks for one
-        (targets >= 0); skipped at run time when no position does. [T, D] -> [T, K+1] x2, [T].
+    def _prompt_logprobs_fn(self, head, hidden: jax.Array, targets: jax.Array):
+        """Logprob (and top-K) of the next prompt token at every position: hidden [T, D],
+        targets i32[T] (-1: none) -> [T, K+1] x2, [T].
 
         Logits are computed PROMPT_LOGPROBS_CHUNK rows at a time: [T, V] at once would be
         gigabytes for an 8k-token step with a 128k vocabulary."""
         t, k = hidden.shape[0], self.num_logprobs
         chunk = min(t, PROMPT_LOGPROBS_CHUNK)
         padded = -(-t // chunk) * chunk
-
-        def compute():
-            h = jnp.pad(hidden, ((0, padded - t), (0, 0))).reshape(padded // chunk, chunk, -1)
-            ids = jnp.pad(jnp.maximum(targets, 0), (0, padded - t)).reshape(-1, chunk)
-            out = lax.map(
-                lambda x: compute_prompt_logprobs(model.compute_logits(x[0]), x[1], num_logprobs=k),
-                (h, ids),
-            )
-            return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:t], out)
-
-        def skip():
-            return (
-                jnp.zeros((t, k + 1), jnp.float32),
-                jnp.zeros((t, k + 1), jnp.int32),
-                jnp.zeros((t,), jnp.int32),
-            )
-
-        return lax.cond(jnp.any(targets >= 0), compute, skip)
+        h = jnp.pad(hidden, ((0, padded - t), (0, 0))).reshape(padded // chunk, chunk, -1)
+        ids = jnp.pad(jnp.maximum(targets, 0), (0, padded - t)).reshape(-1, chunk)
+        out = lax.map(
+            lambda x: compute_prompt_logprobs(
+                lm_logits(x[0], head, tied=self.tied_head), x[1], num_logprobs=k
+            ),
+            (h, ids),
+        )
+        return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:t], out)
 
     # ------------------------------------------------------------------ start-up
     def kv_bytes_per_block(self) -> int:
         c = self.config
-        tp = self.mesh.shape["tp"]
-        kv_heads = c.num_kv_heads // tp if kv_heads_sharded(c, tp) else c.num_kv_heads
+        kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
         itemsize = jnp.dtype(c.dtype).itemsize
         return 2 * c.num_layers * self.block_size * kv_heads * c.head_dim * itemsize
 
@@ -205,8 +245,9 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """K and V: [L * num_blocks, block_size, Hkv (x replicas), hd] each, zeros."""
         c = self.config
-        shape = (c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers * num_blocks, self.block_size, self.num_cache_kv_heads, c.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, c.dtype), out_shardings=self._kv_sharding)
         self.kv_caches = (zeros(), zeros())
         self.num_blocks = num_blocks
@@ -218,25 +259,52 @@ class ModelRunner:
         )  # fmt: skip
 
     def compile_all(self) -> None:
-        """Compile every bucket pair now, so no serving step ever compiles."""
+        """Lower every step shape, then compile them all in parallel threads, so no serving
+        step ever compiles."""
         start = time.perf_counter()
+        rep = self._replicated
+        d = self.config.hidden_size
+        last_hidden = jax.ShapeDtypeStruct((self.max_num_seqs, d), self.config.dtype, sharding=rep)
+        lowered = {}
         for t in self.token_buckets:
-            for s in self.seq_buckets:
-                if s <= t:
-                    self._run(self._padding_inputs(t, s))
+            hidden = jax.ShapeDtypeStruct((t, d), self.config.dtype, sharding=rep)
+            lowered["forward", t] = self._forward.lower(
+                self.params, self.kv_caches, self.last_tokens, self._padding_forward(t)
+            )
+            lowered["prompt_logprobs", t] = self._prompt_logprobs.lower(
+                self.head, hidden, np.full(t, -1, np.int32)
+            )
+        for s in self.seq_buckets:
+            for variant in COMPILED_VARIANTS:
+                inputs = SampleInputs(
+                    self._sampling_metadata([], s)[0], np.zeros(s, np.int32), np.zeros(s, bool),
+                    np.bool_(False), np.int32(0),
+                )  # fmt: skip
+                lowered["sample", s, variant] = self._sample.lower(
+                    self.head, last_hidden, self.penalty_state, self.last_tokens, inputs,
+                    variant=variant,
+                )  # fmt: skip
         tokens = np.zeros(self.max_model_len, np.int32)
         zero = np.int32(0)
-        self.penalty_state = self._init_penalty_row(self.penalty_state, zero, tokens, zero, zero)
+        lowered["init_penalty_row",] = self._init_penalty_row.lower(
+            self.penalty_state, zero, tokens, zero, zero
+        )
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            compiled = pool.map(lambda lo: lo.compile(), lowered.values())
+            self._compiled = dict(zip(lowered, compiled, strict=True))
         logger.info(
-            "compiled %d step shapes in %.1f s", self.num_compiled_steps(),
-            time.perf_counter() - start,
-        )  # fmt: skip
+            "compiled %d step shapes in %.1f s", len(self._compiled), time.perf_counter() - start
+        )
 
-    def num_compiled_steps(self) -> int:
-        """Executables compiled so far; serving must never add one."""
-        return self._step._cache_size() + self._init_penalty_row._cache_size()
+    def _executable(self, *key) -> Any:
+        try:
+            return self._compiled[key]
+        except KeyError:
+            raise RuntimeError(f"no compiled step for {key}: compile_all() must cover it") from None
 
-    def _padding_inputs(self, t: int, s: int):
+    def _padding_forward(self, t: int) -> ForwardInputs:
+        s = self._forward_seqs(t)
+        ids = np.zeros(t, np.int32)
         md = AttentionMetadata(
             slot_mapping=np.full(t, -1, np.int32),
             block_tables=np.zeros((s, self.max_blocks_per_req), np.int32),
@@ -244,27 +312,12 @@ class ModelRunner:
             query_start_loc=np.zeros(s + 1, np.int32),
             num_seqs=np.zeros(1, np.int32),
         )
-        ids = np.zeros(t, np.int32)
-        return StepInputs(
-            input_ids=ids,
-            positions=ids,
-            token_rows=ids,
-            attn=md,
-            logits_indices=np.zeros(s, np.int32),
-            sampling=self._sampling_metadata([], s),
-            rows=np.zeros(s, np.int32),
-            appends=np.zeros(s, bool),
-            prompt_targets=np.full(t, -1, np.int32),
-            want_logprobs=np.bool_(True),
-        )
+        return ForwardInputs(ids, ids, ids, md, np.zeros(self.max_num_seqs, np.int32))
 
-    def _run(self, inputs: StepInputs):
-        sampled, prompt_lp, self.kv_caches, self.penalty_state, self.last_tokens = self._step(
-            self.state, self.kv_caches, self.penalty_state, self.last_tokens, inputs,
-            np.int32(self.step_count),
-        )  # fmt: skip
-        self.step_count += 1
-        return sampled, prompt_lp
+    def _forward_seqs(self, t: int) -> int:
+        """Sequence rows of the forward's metadata at token bucket t: every sequence has at
+        least one token, so min(t, max_num_seqs) rounded up to a sequence bucket."""
+        return next(b for b in self.seq_buckets if b >= min(t, self.max_num_seqs))
 
     # ------------------------------------------------------------------ a serving step
     def dispatch(self, so: SchedulerOutput) -> PendingStep | None:
@@ -278,7 +331,7 @@ class ModelRunner:
             row = ib.add_request(new, new.eos_token_id)
             starts[new.req_id] = new.num_computed_tokens
             if _penalised(new.sampling_params):
-                self.penalty_state = self._init_penalty_row(
+                self.penalty_state = self._executable("init_penalty_row")(
                     self.penalty_state, np.int32(row), ib.token_ids[row],
                     ib.num_prompt_tokens[row], ib.num_tokens[row],
                 )  # fmt: skip
@@ -294,9 +347,10 @@ class ModelRunner:
         start = np.array([starts[r] for r in req_ids], np.int32)
         num_reqs, num_tokens = len(req_ids), int(n_sched.sum())
         t = next(b for b in self.token_buckets if b >= num_tokens)
+        sf = self._forward_seqs(t)
         s = next(b for b in self.seq_buckets if b >= num_reqs)
 
-        qsl = np.zeros(s + 1, np.int32)
+        qsl = np.zeros(sf + 1, np.int32)
         qsl[1 : num_reqs + 1] = np.cumsum(n_sched)
         qsl[num_reqs + 1 :] = num_tokens
         row_of_token = np.repeat(rows, n_sched)  # [num_tokens]
@@ -311,13 +365,14 @@ class ModelRunner:
         slots = np.full(t, -1, np.int32)
         blocks = ib.block_table[row_of_token, pos // self.block_size]
         slots[:num_tokens] = blocks * self.block_size + pos % self.block_size
-        block_tables = np.zeros((s, self.max_blocks_per_req), np.int32)
+        block_tables = np.zeros((sf, self.max_blocks_per_req), np.int32)
         block_tables[:num_reqs] = ib.block_table[rows]
-        kv_lens = np.zeros(s, np.int32)
+        kv_lens = np.zeros(sf, np.int32)
         kv_lens[:num_reqs] = start + n_sched
-        logits_indices = np.zeros(s, np.int32)
+        logits_indices = np.zeros(self.max_num_seqs, np.int32)
         logits_indices[:num_reqs] = qsl[1 : num_reqs + 1] - 1
         md = AttentionMetadata(slots, block_tables, kv_lens, qsl, np.array([num_reqs], np.int32))
+        forward_inputs = ForwardInputs(ids, positions, token_rows, md, logits_indices)
 
         # Prompt logprobs: the token at pos + 1 is the target of position pos, while in the prompt.
         targets = np.full(t, -1, np.int32)
@@ -329,29 +384,31 @@ class ModelRunner:
             next_ids = ib.token_ids[row_of_token, np.minimum(pos + 1, self.max_model_len - 1)]
             targets[:num_tokens] = np.where(in_prompt, next_ids, -1)
 
-        padded_rows = np.zeros(s, np.int32)
-        padded_rows[:num_reqs] = rows
-        want_logprobs = any(ib.params[r].logprobs is not None for r in rows)
+        params = [ib.params[r] for r in rows]
+        sampling, has_bias = self._sampling_metadata(rows, s)
+        variant = pick_variant(SamplerVariant.of(params)._replace(bias=has_bias))
+        want_logprobs = any(p.logprobs is not None for p in params)
         appends = np.zeros(s, bool)  # the step reaches the end of the tokens: it is kept
         appends[:num_reqs] = [r in so.sampled_req_ids for r in req_ids]
-        inputs = StepInputs(
-            input_ids=ids,
-            positions=positions,
-            token_rows=token_rows,
-            attn=md,
-            logits_indices=logits_indices,
-            sampling=self._sampling_metadata(rows, s),
-            rows=padded_rows,
-            appends=appends,
-            prompt_targets=targets,
-            want_logprobs=np.bool_(want_logprobs),
+        sample_inputs = SampleInputs(
+            sampling, np.pad(rows, (0, s - num_reqs)), appends, np.bool_(want_logprobs),
+            np.int32(self.step_count),
+        )  # fmt: skip
+
+        last_hidden, hidden, self.kv_caches = self._executable("forward", t)(
+            self.params, self.kv_caches, self.last_tokens, forward_inputs
         )
-        out, prompt_out = self._run(inputs)
+        out, self.penalty_state, self.last_tokens = self._executable("sample", s, variant)(
+            self.head, last_hidden, self.penalty_state, self.last_tokens, sample_inputs
+        )
+        self.step_count += 1
         fetch = {"ids": out.token_ids}
         if want_logprobs:
             fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
         if wants_prompt_lp.any():
-            fetch["prompt_logprobs"] = prompt_out
+            fetch["prompt_logprobs"] = self._executable("prompt_logprobs", t)(
+                self.head, hidden, targets
+            )
         for leaf in jax.tree.leaves(fetch):
             leaf.copy_to_host_async()
         # The sampled tokens are placeholders until fetch(): the next step reads them from
@@ -396,9 +453,10 @@ class ModelRunner:
             result.sampled_ranks = ranks[:num_reqs]
         return result
 
-    def _sampling_metadata(self, rows, s: int) -> SamplingMetadata:
-        """Per-row sampling arrays for `rows` (host row ids), padded to s rows; the [S, V]
-        penalty arrays come from the device-resident penalty state inside the step."""
+    def _sampling_metadata(self, rows, s: int) -> tuple[SamplingMetadata, bool]:
+        """Per-row sampling arrays for `rows` (host row ids), padded to s rows, and whether
+        any row has a logit bias now; the [S, V] penalty arrays come from the device-resident
+        penalty state inside the step."""
         ib = self.input_batch
         f32 = lambda fill=0.0: np.full(s, fill, np.float32)  # noqa: E731
         temperature, top_p, min_p = f32(), f32(1.0), f32()
@@ -422,28 +480,34 @@ class ModelRunner:
                     bias[tok] = -np.inf
             bias_ids[i, : len(bias)] = list(bias)
             bias_vals[i, : len(bias)] = list(bias.values())
-        return SamplingMetadata(
+        md = SamplingMetadata(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             presence_penalty=presence, frequency_penalty=frequency,
             repetition_penalty=repetition, prompt_mask=None, output_counts=None,  # step fills
             bias_token_ids=bias_ids, bias_values=bias_vals, seeds=seeds, has_seed=has_seed,
             output_positions=out_pos,
         )  # fmt: skip
+        return md, bool((bias_ids >= 0).any())
 
 
-class StepInputs(NamedTuple):
-    """A step's host-built inputs: T tokens (padded) of S sequences (padded)."""
+class ForwardInputs(NamedTuple):
+    """The forward's host-built inputs: T tokens (padded) of up to min(T, R) sequences."""
 
     input_ids: np.ndarray  # i32[T]; -1: take the row's last sampled token on the device
     positions: np.ndarray  # i32[T]
     token_rows: np.ndarray  # i32[T]: each token's input-batch row
     attn: AttentionMetadata
-    logits_indices: np.ndarray  # i32[S]: each sequence's last token in the flat batch
+    logits_indices: np.ndarray  # i32[R]: each sequence's last token in the flat batch
+
+
+class SampleInputs(NamedTuple):
+    """The sampling step's host-built inputs: S sequences (padded with greedy rows)."""
+
     sampling: SamplingMetadata  # [S] rows; prompt_mask / output_counts None (from the device)
     rows: np.ndarray  # i32[S]: each sequence's input-batch row (its penalty state)
     appends: np.ndarray  # bool[S]: the sampled token is kept (SchedulerOutput.sampled_req_ids)
-    prompt_targets: np.ndarray  # i32[T]: next prompt token to score, -1 = none
     want_logprobs: np.ndarray  # bool[]: some sequence asked for sampled-token logprobs
+    step: np.ndarray  # i32[]: the step counter, folded into the PRNG key
 
 
 class PendingStep(NamedTuple):

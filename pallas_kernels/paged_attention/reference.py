@@ -7,9 +7,14 @@ causally to every cached token at or before its own position. Prefill chunks (in
 that start mid-sequence) and single-token decodes mix freely. Rows at or past
 query_start_loc[num_seqs] are padding and come back as zeros.
 
-The computation streams over the KV cache a few blocks at a time with an online softmax in
-float32, gathering each query row's own blocks, so memory stays O(T x chunk) whatever the
-context length; the loop runs only as far as the longest sequence in the batch.
+The computation streams over the KV cache a chunk of blocks at a time with an online softmax in
+float32, so memory stays bounded whatever the context length; the loop runs only as far as the
+longest sequence in the batch. Which rows share a chunk's gather depends on the batch (chosen at
+run time, both compiled):
+  decode   every sequence has one query token: each row gathers its own sequence's blocks;
+  tiled    otherwise: a sequence's rows are cut into tiles of _Q_TILE consecutive tokens and
+           each tile gathers its sequence's blocks once for all its rows (per-row gathers made
+           a prefill step's attention 3-5x slower on CPU).
 """
 
 import functools
@@ -18,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 _CHUNK_TOKENS = 128  # KV tokens per loop iteration
+_Q_TILE = 16  # query rows per tile (the tiled path)
+_TILE_GROUP = 4  # tiles attended together (the tiled path)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
@@ -46,49 +53,101 @@ def ragged_paged_attention_reference(
     Returns:
       [T, Hq, D] in q's dtype; padding rows are zero.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    max_seqs, max_blocks = block_tables.shape
+    num_tokens, num_q_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[2]
+    max_seqs = block_tables.shape[0]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
-    group = num_q_heads // num_kv_heads
-
-    # Which sequence each query row belongs to, and its position in that sequence.
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
     n = num_seqs[0]
-    seq_ends = query_start_loc[1:]  # [S]
-    real_seq = jnp.arange(max_seqs) < n
-    seq = jnp.sum((seq_ends[None, :] <= rows[:, None]) & real_seq[None, :], axis=1)  # [T]
-    valid = rows < query_start_loc[n]
-    seq = jnp.minimum(seq, max_seqs - 1)
-    q_pos = kv_lens[seq] - (seq_ends[seq] - rows)  # [T]
-    q_pos = jnp.where(valid, q_pos, -1)  # padding rows see no keys
-    row_blocks = block_tables[seq]  # [T, max_blocks]
+    real = jnp.arange(max_seqs) < n
+    q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)  # [S]
+    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, q_lens, sm_scale)
+    if num_tokens == 1:
+        return _decode(*args)
+    return jax.lax.cond(jnp.all(q_lens == real), _decode, _tiled, *args)
 
+
+def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, q_lens, sm_scale):
+    """One query row per sequence: row t is sequence t's token if t < num_seqs."""
+    num_tokens = q.shape[0]
+    rows = jnp.arange(num_tokens)
+    seq = jnp.minimum(rows, block_tables.shape[0] - 1)
+    valid = (rows < block_tables.shape[0]) & (q_lens[seq] == 1)
+    q_pos = jnp.where(valid, kv_lens[seq] - 1, -1)[:, None]  # [T, 1]: padding sees no keys
+    out = _attend(q[:, None], q_pos, block_tables[seq], k_cache, v_cache, sm_scale)
+    return out[:, 0]
+
+
+def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, q_lens, sm_scale):
+    """Sequence s gets ceil(q_len / _Q_TILE) tiles of its consecutive rows, in order; a tile
+    attends with its sequence's blocks, gathered once per chunk for all its rows."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    max_seqs = block_tables.shape[0]
+    tiles = (q_lens + _Q_TILE - 1) // _Q_TILE  # [S]
+    ends = jnp.cumsum(tiles)
+    max_tiles = -(-num_tokens // _Q_TILE) + min(max_seqs, num_tokens)  # static bound
+    tile_ids = jnp.arange(max_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, tile_ids, side="right"), max_seqs - 1)
+    first = (tile_ids - (ends[seq] - tiles[seq])) * _Q_TILE  # first row within its sequence
+    r = first[:, None] + jnp.arange(_Q_TILE)  # [NT, Q]: row within the sequence
+    valid = (tile_ids < ends[-1])[:, None] & (r < q_lens[seq][:, None])
+    token = jnp.where(valid, query_start_loc[seq][:, None] + r, num_tokens)  # T: dropped
+    q_pos = jnp.where(valid, kv_lens[seq][:, None] - q_lens[seq][:, None] + r, -1)  # [NT, Q]
+    # Only the first ends[-1] tiles hold rows: run them _TILE_GROUP at a time, each group
+    # streaming only as many chunks as its own rows need.
+    num_groups = -(-max_tiles // _TILE_GROUP)
+    pad = num_groups * _TILE_GROUP - max_tiles
+    token = jnp.pad(token, ((0, pad), (0, 0)), constant_values=num_tokens)
+    q_pos = jnp.pad(q_pos, ((0, pad), (0, 0)), constant_values=-1)
+    blocks = jnp.pad(block_tables[seq], ((0, pad), (0, 0)))
+
+    def group(i, out):
+        at = i * _TILE_GROUP
+        tok = jax.lax.dynamic_slice_in_dim(token, at, _TILE_GROUP)  # [TG, Q]
+        pos = jax.lax.dynamic_slice_in_dim(q_pos, at, _TILE_GROUP)
+        blk = jax.lax.dynamic_slice_in_dim(blocks, at, _TILE_GROUP)
+        res = _attend(q[jnp.minimum(tok, num_tokens - 1)], pos, blk, k_cache, v_cache, sm_scale)
+        return out.at[tok.reshape(-1)].set(res.reshape(-1, num_q_heads, head_dim), mode="drop")
+
+    used_groups = (ends[-1] + _TILE_GROUP - 1) // _TILE_GROUP
+    return jax.lax.fori_loop(0, used_groups, group, jnp.zeros_like(q))
+
+
+def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale):
+    """Online-softmax attention of R groups of rows, each group over one sequence's blocks.
+
+    q: [R, Q, Hq, D]; q_pos: i32[R, Q] each row's position (-1: padding, sees no keys);
+    blocks: i32[R, max_blocks] the group's block table. Returns [R, Q, Hq, D] in q's dtype.
+    """
+    num_groups, group_rows, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_blocks = blocks.shape[1]
+    g = num_q_heads // num_kv_heads
     blocks_per_chunk = max(1, _CHUNK_TOKENS // block_size)
-    chunk_tokens = blocks_per_chunk * block_size
-    num_chunks = (jnp.max(q_pos) + chunk_tokens) // chunk_tokens  # chunks covering q_pos + 1 keys
-
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    chunk = blocks_per_chunk * block_size
+    num_chunks = (jnp.max(q_pos) + chunk) // chunk  # chunks covering q_pos + 1 keys
+    # [R, Hkv, Q, G, D]: each (group, KV head) is one [Q*G, D] x [D, chunk] product
+    qg = q.reshape(num_groups, group_rows, num_kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
+    qg = qg.astype(jnp.float32) * sm_scale
 
     def body(c, carry):
-        m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
+        m, l, acc = carry  # [R, Hkv, Q, G], [R, Hkv, Q, G], [R, Hkv, Q, G, D]
         cols = jnp.minimum(c * blocks_per_chunk + jnp.arange(blocks_per_chunk), max_blocks - 1)
-        blk = row_blocks[:, cols]  # [T, C]
-        k = k_cache[blk].reshape(num_tokens, chunk_tokens, num_kv_heads, head_dim)
-        v = v_cache[blk].reshape(num_tokens, chunk_tokens, num_kv_heads, head_dim)
-        s = jnp.einsum("tkgd,tckd->tkgc", qg, k.astype(jnp.float32)) * sm_scale
-        k_pos = c * chunk_tokens + jnp.arange(chunk_tokens)
-        mask = (k_pos[None, :] <= q_pos[:, None])[:, None, None, :]  # [T, 1, 1, chunk]
+        blk = blocks[:, cols]  # [R, C blocks]
+        k = k_cache[blk].reshape(num_groups, chunk, num_kv_heads, head_dim)
+        v = v_cache[blk].reshape(num_groups, chunk, num_kv_heads, head_dim)
+        s = jnp.einsum("rkqgd,rckd->rkqgc", qg, k.astype(jnp.float32))
+        k_pos = c * chunk + jnp.arange(chunk)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None, :, None, :]  # [R,1,Q,1,C]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("tkgc,tckd->tkgd", p, v.astype(jnp.float32))
+        acc = alpha[..., None] * acc + jnp.einsum("rkqgc,rckd->rkqgd", p, v.astype(jnp.float32))
         return m_new, l, acc
 
-    shape = (num_tokens, num_kv_heads, group)
+    shape = (num_groups, num_kv_heads, group_rows, g)
     init = (
         jnp.full(shape, -1e30, jnp.float32),
         jnp.zeros(shape, jnp.float32),
@@ -96,4 +155,5 @@ def ragged_paged_attention_reference(
     )
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no keys: acc = 0 -> 0
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_groups, group_rows, num_q_heads, head_dim)
+    return out.astype(q.dtype)

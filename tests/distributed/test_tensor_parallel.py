@@ -22,8 +22,10 @@ def test_logits_identical_across_tp(model_dir, cpu_devices):
     results = {}
     for tp in (1, 2, 4):
         loaded = load_model(model_dir, dtype="float32", mesh=make_mesh(tp, cpu_devices))
-        q = loaded.model.layers.self_attn.q_proj.kernel[...]
-        assert q.sharding.shard_shape(q.shape)[2] == 8 // tp  # really split over heads
+        qkv = loaded.model.layers[0].self_attn.qkv_proj.kernel[...]
+        # each device: its 8 / tp query heads and the (one copy of the) KV head they use
+        heads_per_device = 8 // tp + 2 * max(1, 2 // tp)
+        assert qkv.sharding.shard_shape(qkv.shape)[1] == heads_per_device * 8  # head_dim 8
         fed, results[tp] = run_mixed_schedule(loaded, prompts)
     for tp in (2, 4):
         for seq in results[1]:
@@ -32,12 +34,13 @@ def test_logits_identical_across_tp(model_dir, cpu_devices):
     np.testing.assert_allclose(results[4][0], ref, atol=1e-4, rtol=0)
 
 
-def test_kv_cache_sharding_follows_kv_heads(model_dir, cpu_devices):
-    from jaxserve.distributed.sharding import kv_cache_sharding
+def test_kv_heads_are_replicated_once_per_device_when_tp_exceeds_them(model_dir, cpu_devices):
+    from jaxserve.distributed.sharding import kv_head_replicas
 
     cfg = load_model(model_dir, dtype="float32", mesh=make_mesh(1, cpu_devices)).config
-    assert kv_cache_sharding(cfg, make_mesh(2, cpu_devices)).spec[3] == "tp"
-    assert kv_cache_sharding(cfg, make_mesh(4, cpu_devices)).spec[3] is None
+    assert [kv_head_replicas(cfg, tp) for tp in (1, 2, 4)] == [1, 1, 2]
+    loaded = load_model(model_dir, dtype="float32", mesh=make_mesh(4, cpu_devices))
+    assert loaded.model.num_cache_kv_heads == 4  # 2 KV heads, each on the 2 devices using it
 
 
 def test_tp_not_dividing_heads_is_a_clear_error(model_dir, cpu_devices):

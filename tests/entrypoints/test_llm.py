@@ -8,6 +8,7 @@ import torch
 import jaxserve.engine.core as core_module
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.worker.model_runner import num_compilations
 from tests.helpers import drain_engine, hf_default_model
 
 pytestmark = pytest.mark.slow
@@ -153,7 +154,7 @@ def test_delta_outputs_concatenate_without_replacement_chars(llm):
 
 
 def test_no_compilation_after_warmup(llm):
-    compiled = core(llm).runner.num_compiled_steps()
+    compiled = num_compilations()
     mixes = [
         SamplingParams(temperature=0.0, max_tokens=5),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=7, seed=3),
@@ -180,7 +181,7 @@ def test_no_compilation_after_warmup(llm):
     for k in range(1, 6):  # batch sizes 1..9, prompt lengths 1..13, parameters mixed
         prompts = [" ".join(words[: 1 + (i * 5 + k) % 13]) for i in range(2 * k - 1)]
         llm.generate(prompts, [mixes[(i + k) % 4] for i in range(len(prompts))])
-    assert core(llm).runner.num_compiled_steps() == compiled
+    assert num_compilations() == compiled
 
 
 @pytest.mark.parametrize(
@@ -338,7 +339,7 @@ def test_async_scheduling_gives_what_synchronous_scheduling_gives(tiny_pool):
     ]  # fmt: skip
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(tiny_pool)] * 2
     params = [mixes[i % len(mixes)] for i in range(len(prompts))]
-    compiled = core(tiny_pool).runner.num_compiled_steps()
+    compiled = num_compilations()
     preemptions = core(tiny_pool).scheduler.total_preemptions
     got, want = tiny_pool.generate(prompts, params), sync.generate(prompts, params)
     assert core(tiny_pool).scheduler.total_preemptions > preemptions
@@ -348,6 +349,6 @@ def test_async_scheduling_gives_what_synchronous_scheduling_gives(tiny_pool):
         assert g.finish_reason == w.finish_reason
         if w.logprobs is not None:
             assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
-    assert core(tiny_pool).runner.num_compiled_steps() == compiled
+    assert num_compilations() == compiled
     for engine in (tiny_pool, sync):
         assert engine.llm_engine.engine_core.call_utility("get_state")["num_requests"] == 0

@@ -448,3 +448,69 @@ def test_argmax_rows_is_jnp_argmax_ties_nan_and_inf_included():
     got = jax.jit(argmax_rows)(x)
     np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
     assert got.dtype == jnp.int32 and list(got[1:5]) == [7, 0, 10, 299]
+
+
+# ---------------------------------------------------------------- compiled variants
+
+
+def _variants():
+    from jaxserve.layers.sampler import SamplerVariant as SV
+
+    return {  # a 4-row batch (metadata overrides) and the compiled variant that covers it
+        "greedy": (dict(temperature=0.0), SV()),
+        "random": (dict(temperature=[0.3, 0.7, 1.0, 1.5], seeds=[0, 5, 0, 9],
+                        has_seed=[False, True, False, True]), SV(random=True)),
+        "mixed": (dict(temperature=[0.0, 0.7, 1.0, 0.0]), SV(random=True, greedy=True)),
+        "top_p": (dict(temperature=[1.0, 0.0, 0.8, 1.0], top_p=[0.9, 1.0, 0.5, 1.0]),
+                  SV(random=True, greedy=True, top_p=True)),
+        "top_k_top_p": (dict(temperature=1.0, top_k=[0, 3, 2, 0], top_p=[0.9, 1.0, 1.0, 0.7]),
+                        SV(random=True, greedy=True, top_k=True, top_p=True)),
+        "logprobs": (dict(temperature=0.0), SV(logprobs=True)),
+        "random_logprobs": (dict(temperature=[1.0, 0.0, 0.5, 1.0]),
+                            SV(random=True, greedy=True, logprobs=True)),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_variants()))
+def test_each_compiled_variant_samples_what_the_full_sampler_samples(name):
+    from jaxserve.layers.sampler import COMPILED_VARIANTS, FULL_VARIANT
+
+    overrides, variant = _variants()[name]
+    assert variant in COMPILED_VARIANTS
+    md = make_md(4, **overrides)
+    logits = jax.random.normal(jax.random.PRNGKey(1), (4, V)) * 3
+    for step in range(20):
+        key = jax.random.PRNGKey(step)
+        fast = sample(logits, md, key, num_logprobs=2, variant=variant)
+        full = sample(logits, md, key, num_logprobs=2, variant=FULL_VARIANT)
+        np.testing.assert_array_equal(fast.token_ids, full.token_ids)
+        if variant.logprobs:
+            np.testing.assert_allclose(fast.logprobs, full.logprobs, rtol=1e-6)
+            np.testing.assert_array_equal(fast.logprob_token_ids, full.logprob_token_ids)
+        else:
+            assert fast.logprobs is None
+
+
+def test_variant_choice_follows_the_batch():
+    from jaxserve.layers.sampler import FULL_VARIANT, SamplerVariant, pick_variant
+    from jaxserve.sampling_params import SamplingParams
+
+    def chosen(*params):
+        return pick_variant(SamplerVariant.of(list(params)))
+
+    assert chosen(SamplingParams(temperature=0)) == SamplerVariant()
+    assert chosen(SamplingParams(temperature=0.5)) == SamplerVariant(random=True)
+    assert chosen(SamplingParams(temperature=0), SamplingParams(temperature=1.0)) == (
+        SamplerVariant(random=True, greedy=True)
+    )
+    assert chosen(SamplingParams(top_p=0.9)) == (
+        SamplerVariant(random=True, greedy=True, top_p=True)
+    )
+    assert chosen(SamplingParams(top_k=5)) == (
+        SamplerVariant(random=True, greedy=True, top_k=True, top_p=True)
+    )
+    assert chosen(SamplingParams(temperature=0, logprobs=1)) == SamplerVariant(logprobs=True)
+    # a filter on a greedy row is ignored; penalties or bias need the catch-all
+    assert chosen(SamplingParams(temperature=0, top_k=5)) == SamplerVariant()
+    assert chosen(SamplingParams(temperature=0, presence_penalty=0.5)) == FULL_VARIANT
+    assert chosen(SamplingParams(logit_bias={3: 1.0})) == FULL_VARIANT

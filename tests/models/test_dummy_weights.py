@@ -67,13 +67,13 @@ def test_dummy_weights_have_the_shapes_dtype_and_scale_asked_for(config_dir):
     assert loaded.tokenizer is None
     params = _params(loaded)
     assert {p.dtype for p in params.values()} == {jnp.dtype(jnp.bfloat16)}
-    q = params[("layers", "self_attn", "q_proj", "kernel")]
-    assert q.shape == (3, 64, 8, 8)  # [L, D, Hq, hd]
+    qkv = params[("layers", 2, "self_attn", "qkv_proj", "kernel")]
+    assert qkv.shape == (64, (8 + 2 * 2) * 8)  # [D, (Hq + 2 Hkv) * hd]
     assert np.all(np.asarray(params[("norm", "weight")], np.float32) == 1.0)
-    w = np.asarray(params[("layers", "mlp", "up_proj", "kernel")], np.float32)
+    w = np.asarray(params[("layers", 0, "mlp", "gate_up_proj", "kernel")], np.float32)
     assert 0.015 < w.std() < 0.025 and abs(w.mean()) < 0.002
-    k = np.asarray(params[("layers", "self_attn", "k_proj", "kernel")], np.float32)
-    assert not np.array_equal(k[..., :1, :].ravel()[:64], w.ravel()[:64])  # not one stream
+    w1 = np.asarray(params[("layers", 1, "mlp", "gate_up_proj", "kernel")], np.float32)
+    assert not np.array_equal(w1.ravel()[:64], w.ravel()[:64])  # not one stream
     again = _params(load_model(config_dir, dtype="bfloat16", load_format="dummy"))
     np.testing.assert_array_equal(np.asarray(again[("embed_tokens", "embedding")]),
                                   np.asarray(params[("embed_tokens", "embedding")]))  # fmt: skip
@@ -83,8 +83,8 @@ def test_dummy_weights_are_placed_in_their_tp_sharding(config_dir, cpu_devices):
     from jaxserve.distributed.mesh import make_mesh
 
     loaded = load_model(config_dir, load_format="dummy", mesh=make_mesh(2, cpu_devices))
-    up = _params(loaded)[("layers", "mlp", "up_proj", "kernel")]
-    assert up.sharding.spec[2] == "tp" and len(up.addressable_shards) == 2
+    up = _params(loaded)[("layers", 0, "mlp", "gate_up_proj", "kernel")]
+    assert up.sharding.spec[1] == "tp" and len(up.addressable_shards) == 2
 
 
 def test_engine_runs_token_ids_without_a_tokenizer(config_dir, monkeypatch):

@@ -40,8 +40,11 @@ def test_orbax_round_trip_gives_identical_logits(model_dir, tmp_path, cpu_device
         np.testing.assert_array_equal(after[seq], before[seq])
     # Restores straight into a tp=2 sharding.
     sharded = load_model(dst, dtype="float32", mesh=make_mesh(2, cpu_devices))
-    k = sharded.model.layers.self_attn.k_proj.kernel[...]
-    assert k.sharding.spec[2] == "tp" and len(k.addressable_shards) == 2
+    qkv = sharded.model.layers[1].self_attn.qkv_proj.kernel[...]
+    assert qkv.sharding.spec[1] == "tp" and len(qkv.addressable_shards) == 2
+    _, restored = run_mixed_schedule(sharded, prompts)
+    for seq in before:
+        np.testing.assert_allclose(restored[seq], before[seq], atol=1e-5, rtol=0)
 
 
 def test_sharded_safetensors_with_index(model_dir, tmp_path):

@@ -13,6 +13,9 @@ from tests.pallas_kernels.paged_cases import make_case, naive_attention
 # (q_len, kv_len): decodes at kv 1, at an exact block multiple and not; a whole prompt; a
 # prefill chunk that starts mid-sequence; a long decode spanning several reference chunks.
 MIXED = [(1, 1), (1, 32), (1, 45), (7, 7), (5, 37), (1, 300), (16, 64)]
+# Every sequence decoding (the reference's per-row path) and a long prefill chunk (many tiles).
+DECODE = [(1, 1), (1, 16), (1, 45), (1, 300), (1, 129)]
+LONG = [(1, 20), (100, 300), (33, 33)]
 
 SWEEP = list(itertools.product([64, 128], [(1, 1), (3, 1), (4, 4), (8, 2)], [16, 32]))
 
@@ -35,6 +38,17 @@ def test_matches_dense_oracle_fp32(head_dim, heads, block_size):
     out = _run(case, scale)
     np.testing.assert_allclose(out, naive_attention(case, scale), atol=1e-5, rtol=0)
     assert not out[-5:].any()  # padding rows are zero
+
+
+@pytest.mark.parametrize("layout", [DECODE, LONG])
+def test_decode_and_long_prefill_layouts_match_the_oracle(layout):
+    case = make_case(
+        layout, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, pad_tokens=3,
+        pad_seqs=2, seed=len(layout),
+    )  # fmt: skip
+    out = _run(case, 0.125)
+    np.testing.assert_allclose(out, naive_attention(case, 0.125), atol=1e-5, rtol=0)
+    assert not out[-3:].any()
 
 
 def test_matches_dense_oracle_bf16():

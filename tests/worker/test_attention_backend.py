@@ -8,6 +8,7 @@ from flax import nnx
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.layers.attention import Attention
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker.model_runner import num_compilations
 from tests.helpers import make_tiny_hf
 
 # head_dim 16 (the kernel's smallest dot), GQA group 4.
@@ -53,13 +54,13 @@ def test_pallas_backend_gives_the_reference_tokens(model_dir, reference, tp):
         pytest.skip(f"tensor_parallel_size={tp} needs {tp} devices")
     llm = LLM(model_dir, attention_backend="pallas", tensor_parallel_size=tp, **ENGINE)
     runner = _runner(llm)
-    modules = [m for _, m in nnx.iter_graph(nnx.merge(runner.graphdef, runner.state))]
+    modules = [m for _, m in nnx.iter_graph(runner.model)]
     assert {m.backend for m in modules if isinstance(m, Attention)} == {"pallas"}
-    compiled = runner.num_compiled_steps()
+    compiled = num_compilations()
     got = llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)  # 2nd round: prefix-cache hits
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
     for g, w in zip(got, reference, strict=True):
         assert g.outputs[0].cumulative_logprob == pytest.approx(
             w.outputs[0].cumulative_logprob, abs=1e-3
         )
-    assert runner.num_compiled_steps() == compiled
+    assert num_compilations() == compiled
