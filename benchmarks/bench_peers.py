@@ -1,7 +1,8 @@
 """bench_latency against its peers, alternated: for each batch size, every backend runs once
 per round (each run its own process: start-up, warm-up, timed iterations), for --rounds rounds;
-the table gives each backend's median avg latency and decode step, and the ratio to the first
-backend. Alternating keeps a noisy shared machine's drift out of the ratios.
+the table gives each backend's median avg latency and decode step, and the first backend's
+speed-up over each other one (their median latency / its). Alternating keeps a noisy shared
+machine's drift out of the ratios.
 
     .venv/bin/python benchmarks/bench_peers.py --backends jaxserve,vllm,hf --batch-sizes 1,8,32 \\
         --rounds 3 --output-json benchmarks/results/peers.json -- --model /tmp/smollm2-hf \\
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"batch {batch} round {r + 1} {backend}: {result['avg_latency']:.3f} s",
                       flush=True)  # fmt: skip
     table = []
-    print(f"\n| batch | {' | '.join(backends)} | ratios ({backends[0]} = 1) |")
+    print(f"\n| batch | {' | '.join(backends)} | {backends[0]}'s speed-up (peer latency / its) |")
     print(f"|---|{'---|' * len(backends)}---|")
     for batch, per_backend in runs.items():
         med = {b: float(np.median([r["avg_latency"] for r in rs])) for b, rs in per_backend.items()}
@@ -62,9 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
             for b, rs in per_backend.items()
         }
         cells = [f"{med[b]:.3f} s (step {step[b]:.1f} ms)" for b in backends]
-        ratios = ", ".join(f"{b} {med[b] / med[backends[0]]:.2f}x" for b in backends[1:])
+        ratios = ", ".join(f"{med[b] / med[backends[0]]:.2f}x over {b}" for b in backends[1:])
         print(f"| {batch} | {' | '.join(cells)} | {ratios} |")
-        table.append({"batch_size": int(batch), "median_avg_latency_s": med, "median_step_ms": step})
+        table.append(
+            {"batch_size": int(batch), "median_avg_latency_s": med, "median_step_ms": step}
+        )
     results = {"table": table, "runs": runs, "bench_latency_args": extra, "rounds": args.rounds}
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=1) + "\n")

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.openai.test_api_server import Server
+from tests.entrypoints.openai.test_api_server import MODEL as SERVED_NAME
+from tests.entrypoints.openai.test_api_server import SERVER_FLAGS, Server
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,10 @@ def test_serve_only_install_has_no_torch(serve_venv):
 
 def test_readme_serve_command_answers_the_readme_request(serve_venv):
     path, body = readme_request()
-    server = Server(command=[str(serve_venv / "bin" / "jaxserve")], defaults=[], timeout=600)
+    # The README's command; smaller engine sizes (the API server tests' ones, so their
+    # compiled steps are in the persistent cache) keep start-up short.
+    sizes = [f for f in SERVER_FLAGS if f not in ("--served-model-name", SERVED_NAME)]
+    server = Server(command=[str(serve_venv / "bin" / "jaxserve")], defaults=sizes, timeout=600)
     try:
         response = httpx.post(f"{server.url}{path}", json=body, timeout=120)
         assert response.status_code == 200, f"{response.text}\n{server.tail()}"

@@ -72,13 +72,6 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend={attention_backend!r}; choose from {ATTENTION_BACKENDS}"
             )
-        tp = self.tensor_parallel_size
-        if attention_backend == "pallas" and model_config.num_kv_heads % tp:
-            raise ValueError(
-                f"attention_backend='pallas' needs tensor_parallel_size={tp} to divide the "
-                f"model's num_key_value_heads={model_config.num_kv_heads}; use "
-                "attention_backend='reference'"
-            )
         cache = CacheConfig(
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,75 @@ def test_bench_startup(dummy_dir, capsys):
     assert re.search(rf"^Start-up cold: {line}", out, re.M)
     assert re.search(rf"^Start-up warm: {line}", out, re.M)
     assert len(results["cold"]) == len(results["warm"]) == 1
+
+
+FAKE_VLLM = '''
+"""A stand-in for vLLM's Python API: generate() returns max_tokens ids per sample."""
+__version__ = "0.0-fake"
+
+
+class SamplingParams:
+    def __init__(self, n=1, max_tokens=16, **_):
+        self.n, self.max_tokens = n, max_tokens
+
+
+class _Completion:
+    def __init__(self, n):
+        self.token_ids = list(range(n))
+
+
+class _Output:
+    def __init__(self, params):
+        self.outputs = [_Completion(params.max_tokens) for _ in range(params.n)]
+
+
+class LLM:
+    def __init__(self, model, **kwargs):
+        assert kwargs["dtype"] == "float32" and kwargs["max_num_seqs"] == 4, kwargs
+        print("vLLM's own log line, on stdout")
+
+    def generate(self, prompts, params, use_tqdm=True):
+        return [_Output(params) for _ in prompts]
+
+    def reset_prefix_cache(self):
+        return True
+'''
+
+
+def test_bench_latency_vllm_backend_speaks_to_vllms_worker(hf_dir, tmp_path, capsys, monkeypatch):
+    """--backend vllm: the worker runs under $JAXSERVE_VLLM_PYTHON (here this Python, with a
+    stand-in `vllm` package: vLLM itself lives in a venv of its own), its log lines never mix
+    into the replies, and the latency lines come out as for the other backends."""
+    (tmp_path / "vllm.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("JAXSERVE_VLLM_PYTHON", sys.executable)
+    out_json = tmp_path / "lat.json"
+    script("scripts/bench_latency.py")(
+        ["--backend", "vllm", "--model", str(hf_dir), "--batch-size", "2", "--input-len", "8",
+         "--output-len", "4", "--num-iters-warmup", "1", "--num-iters", "2", "--dtype",
+         "float32", "--max-num-seqs", "4", "--output-json", str(out_json)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(rf"^Avg latency: {NUM} seconds$", out, re.M)
+    assert json.loads(out_json.read_text())["backend"] == "vllm"
+    with pytest.raises(ValueError, match="needs an HF model directory"):
+        script("scripts/bench_latency.py")(["--backend", "vllm", "--model", "llama-3-8b",
+                                            "--load-format", "dummy"])  # fmt: skip
+
+
+def test_bench_peers_alternates_backends_and_tabulates_medians(hf_dir, tmp_path, capsys,
+                                                                monkeypatch):  # fmt: skip
+    (tmp_path / "vllm.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("JAXSERVE_VLLM_PYTHON", sys.executable)
+    out_json = tmp_path / "peers.json"
+    results = script("benchmarks/bench_peers.py")(
+        ["--backends", "hf,vllm", "--batch-sizes", "1,2", "--rounds", "2", "--output-json",
+         str(out_json), "--", "--model", str(hf_dir), "--input-len", "8", "--output-len", "3",
+         "--num-iters-warmup", "0", "--num-iters", "1", "--dtype", "float32",
+         "--max-num-seqs", "4", "--no-roofline"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert re.search(rf"^\| 2 \| {NUM} s \(step nan ms\) \| {NUM} s .* over vllm \|$", out, re.M)
+    assert [len(results["runs"][b]["vllm"]) for b in ("1", "2")] == [2, 2]
+    assert json.loads(out_json.read_text())["table"][1]["batch_size"] == 2

@@ -1,5 +1,6 @@
 """The model runner with attention_backend='pallas': the kernel (interpreted on CPU) inside
-the real compiled step gives the jnp reference's tokens, with and without tensor parallelism."""
+the real compiled step gives the jnp reference's tokens, with and without tensor parallelism
+(tp 4 > 2 KV heads: each device holds a copy of the KV head its query heads use)."""
 
 import jax
 import pytest
@@ -48,7 +49,7 @@ def _runner(llm):
     return llm.llm_engine.engine_core.engine_core.runner
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 4])  # 4: the 2 KV heads replicated, one per device
 def test_pallas_backend_gives_the_reference_tokens(model_dir, reference, tp):
     if len(jax.devices()) < tp:
         pytest.skip(f"tensor_parallel_size={tp} needs {tp} devices")
