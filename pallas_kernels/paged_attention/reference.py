@@ -9,12 +9,13 @@ query_start_loc[num_seqs] are padding and come back as zeros.
 
 The computation streams over the KV cache a chunk of blocks at a time with an online softmax in
 float32, so memory stays bounded whatever the context length; the loop runs only as far as the
-longest sequence in the batch. Which rows share a chunk's gather depends on the batch (chosen at
-run time, both compiled):
-  decode   every sequence has one query token: each row gathers its own sequence's blocks;
-  tiled    otherwise: a sequence's rows are cut into tiles of _Q_TILE consecutive tokens and
-           each tile gathers its sequence's blocks once for all its rows (per-row gathers made
-           a prefill step's attention 3-5x slower on CPU).
+longest sequence in the batch. Which rows share a chunk's gather depends on the sequence:
+  decode   a sequence with one query token: its row gathers the sequence's blocks;
+  tiled    a sequence with several (a prefill chunk): its rows are cut into tiles of _Q_TILE
+           consecutive tokens and each tile gathers the sequence's blocks once for all its
+           rows (per-row gathers made a prefill step's attention 3-5x slower on CPU); tiles
+           run _TILE_GROUP at a time, each group only as far as its own rows need.
+Both run in every call; a batch without one kind skips its loop (zero iterations).
 """
 
 import functools
@@ -64,33 +65,34 @@ def ragged_paged_attention_reference(
     n = num_seqs[0]
     real = jnp.arange(max_seqs) < n
     q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)  # [S]
-    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, q_lens, sm_scale)
+    single = q_lens == 1
+    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale)
+    out = _decode(*args, single)
     if num_tokens == 1:
-        return _decode(*args)
-    return jax.lax.cond(jnp.all(q_lens == real), _decode, _tiled, *args)
+        return out
+    return _tiled(*args, jnp.where(single, 0, q_lens), out)
 
 
-def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, q_lens, sm_scale):
-    """One query row per sequence: row t is sequence t's token if t < num_seqs."""
+def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, single):
+    """The sequences with one query token (single: bool[S]), one row each. -> [T, Hq, D], the
+    other rows zero."""
     num_tokens = q.shape[0]
-    rows = jnp.arange(num_tokens)
-    seq = jnp.minimum(rows, block_tables.shape[0] - 1)
-    valid = (rows < block_tables.shape[0]) & (q_lens[seq] == 1)
-    q_pos = jnp.where(valid, kv_lens[seq] - 1, -1)[:, None]  # [T, 1]: padding sees no keys
-    out = _attend(
-        q[:, None], q_pos, block_tables[seq], k_cache, v_cache, sm_scale, _DECODE_CHUNK_TOKENS
-    )
-    return out[:, 0]
+    row = jnp.where(single, query_start_loc[:-1], num_tokens)  # [S]; T: dropped
+    q_pos = jnp.where(single, kv_lens - 1, -1)[:, None]  # [S, 1]: others see no keys
+    q_rows = q[jnp.minimum(row, num_tokens - 1), None]  # [S, 1, Hq, D]
+    res = _attend(q_rows, q_pos, block_tables, k_cache, v_cache, sm_scale, _DECODE_CHUNK_TOKENS)
+    return jnp.zeros_like(q).at[row].set(res[:, 0], mode="drop")
 
 
-def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, q_lens, sm_scale):
-    """Sequence s gets ceil(q_len / _Q_TILE) tiles of its consecutive rows, in order; a tile
-    attends with its sequence's blocks, gathered once per chunk for all its rows."""
+def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, q_lens, out):
+    """The sequences with q_lens [S] > 0 (several query tokens): sequence s gets
+    ceil(q_len / _Q_TILE) tiles of its consecutive rows, in order; a tile attends with its
+    sequence's blocks, gathered once per chunk for all its rows. Writes their rows of out."""
     num_tokens, num_q_heads, head_dim = q.shape
     max_seqs = block_tables.shape[0]
     tiles = (q_lens + _Q_TILE - 1) // _Q_TILE  # [S]
     ends = jnp.cumsum(tiles)
-    max_tiles = -(-num_tokens // _Q_TILE) + min(max_seqs, num_tokens)  # static bound
+    max_tiles = -(-num_tokens // _Q_TILE) + min(max_seqs, num_tokens // 2)  # static bound
     tile_ids = jnp.arange(max_tiles, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(ends, tile_ids, side="right"), max_seqs - 1)
     first = (tile_ids - (ends[seq] - tiles[seq])) * _Q_TILE  # first row within its sequence
@@ -116,7 +118,7 @@ def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, q_lens, 
         return out.at[tok.reshape(-1)].set(res.reshape(-1, num_q_heads, head_dim), mode="drop")
 
     used_groups = (ends[-1] + _TILE_GROUP - 1) // _TILE_GROUP
-    return jax.lax.fori_loop(0, used_groups, group, jnp.zeros_like(q))
+    return jax.lax.fori_loop(0, used_groups, group, out)
 
 
 def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens):
