@@ -124,6 +124,11 @@ class PrometheusStatLogger:
             if f.queue_time is not None:
                 self.queue.labels(name).observe(f.queue_time)
 
+    def engine_dead(self) -> None:
+        """The gauges read 0 once the engine core is gone: nothing runs or waits any more."""
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            gauge.labels(self.model_name).set(0)
+
     def exposition(self) -> bytes:
         return prom.generate_latest(self.registry)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -14,6 +15,8 @@ class RequestOutputKind(enum.IntEnum):
 
 
 _GREEDY_EPS = 1e-5
+MAX_N = 128  # completions per request
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -45,7 +48,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
-        _check(self.n >= 1, "n", self.n, "at least 1")
+        _check(1 <= self.n <= MAX_N, "n", self.n, f"in [1, {MAX_N}]")
+        if self.seed is not None:
+            _check(_INT64[0] <= self.seed <= _INT64[1], "seed", self.seed,
+                   "a 64-bit signed integer")  # fmt: skip
         _check(self.temperature >= 0.0, "temperature", self.temperature, "non-negative")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "-1, 0 (off) or at least 1")
@@ -67,6 +73,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.stop is not None:
             _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                    "non-empty strings")  # fmt: skip
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check(math.isfinite(bias) and -100.0 <= bias <= 100.0, "logit_bias", bias,
+                   f"in [-100, 100] (token {token_id})")  # fmt: skip
+
+    def child_seed(self, index: int) -> int | None:
+        """The seed of the index-th of n completions: seed + index, wrapped to 64 bits."""
+        if self.seed is None:
+            return None
+        return (self.seed + index - _INT64[0]) % 2**64 + _INT64[0]
 
     @property
     def greedy(self) -> bool:

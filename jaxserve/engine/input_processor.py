@@ -3,6 +3,7 @@ the bad value, so nothing invalid ever reaches the engine core."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -50,7 +51,25 @@ class InputProcessor:
             raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        self.check_text_length(prompt)
         return prompt, self.tokenizer(prompt).input_ids
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse, without tokenizing it, a text too long to fit max_model_len whatever its
+        tokens (a token spans at most _max_token_chars characters; x4 for normalisers that
+        merge characters): a 10 MB prompt fails at once instead of blocking for seconds."""
+        limit = 4 * self.max_model_len * self._max_token_chars
+        if len(text) > limit:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(text)} characters (at least "
+                f"{len(text) // (4 * self._max_token_chars)} tokens). Please reduce the length "
+                "of the input."
+            )
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        return max(8, max(map(len, self.tokenizer.get_vocab())))
 
     def process(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -78,6 +97,10 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}={value} exceeds max_logprobs={self.max_logprobs}")
+        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is out of vocabulary "
+                             f"(size {self.vocab_size})")  # fmt: skip
         bad = [t for t in params.logit_bias or {} if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is out of vocabulary")

@@ -51,6 +51,7 @@ class ChildState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # for DELTA outputs
+    finish_sent: bool = False  # for DELTA outputs: its last output went out
 
 
 @dataclasses.dataclass
@@ -92,13 +93,15 @@ class OutputProcessor:
                 if self.tokenizer is not None
                 else None
             )
-            children[core_id] = ChildState(i, detok, logprobs=[] if params.logprobs else None)
+            children[core_id] = ChildState(
+                i, detok, logprobs=[] if params.logprobs is not None else None
+            )
             if params.logprobs is not None:
                 children[core_id].cumulative_logprob = 0.0
             self.child_to_parent[core_id] = request_id
             child = params
             if params.n > 1 and params.seed is not None:
-                child = msgspec.structs.replace(params, seed=params.seed + i)
+                child = msgspec.structs.replace(params, seed=params.child_seed(i))
             core_requests.append(
                 msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
             )
@@ -203,13 +206,19 @@ class OutputProcessor:
         completions = []
         for child in sorted(state.children.values(), key=lambda c: c.index):
             child_done = child.finish_reason is not None
+            if delta and child.finish_sent:
+                continue  # a DELTA stream gets each completion's end once
             text = (
                 child.detokenizer.get_next_output_text(child_done, delta)
                 if child.detokenizer is not None
                 else ""
             )
             start = child.sent_tokens if delta else 0
+            nothing_new = not text and not child_done and start == len(child.token_ids)
+            if delta and len(state.children) > 1 and nothing_new:
+                continue  # another completion's output: nothing new for this one
             child.sent_tokens = len(child.token_ids)
+            child.finish_sent = child_done
             completions.append(
                 CompletionOutput(
                     index=child.index,

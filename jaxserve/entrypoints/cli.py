@@ -24,6 +24,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"jaxserve.benchmarks.{args.bench}")
+    module.main(args.bench_args)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    from jaxserve.entrypoints.openai import cli_clients
+
+    return cli_clients.run(args)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The engine flags, vLLM's names; each dest is the EngineArgs field of the same name
     (`engine_args_from`). The model is not among them: serve takes it as a positional
@@ -85,6 +99,9 @@ def _add_serve_parser(sub) -> None:
         help="HF directory, .gguf file or jaxserve checkpoint (default: the "
         "bundled SmolLM2-135M-Instruct)",
     )
+    serve.add_argument(
+        "--model", dest="model_option", default=None, help="the model, as a flag (vLLM's too)"
+    )
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -128,15 +145,57 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     conv.set_defaults(func=_convert)
     _add_serve_parser(sub)
+    _add_client_parsers(sub)
+    bench = sub.add_parser("bench", help="vLLM's benchmarks: latency, throughput, serve")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for name, what in BENCHMARKS.items():
+        # Its own flags (and --help) are the benchmark's: parse_args passes them through.
+        kinds.add_parser(name, help=what, add_help=False).set_defaults(func=_bench)
     return parser
+
+
+BENCHMARKS = {
+    "latency": "latency of one batch (vLLM's bench latency)",
+    "throughput": "offline throughput of many prompts (vLLM's bench throughput)",
+    "serve": "an OpenAI server under a request rate (vLLM's bench serve)",
+}
+
+
+def _add_client_parsers(sub) -> None:
+    """`jaxserve chat` / `jaxserve complete`: vLLM's interactive clients of a running server."""
+    for name, what in (("chat", "chat"), ("complete", "complete prompts")):
+        p = sub.add_parser(name, help=f"{what} against a running server (stdin, line by line)")
+        p.add_argument("--url", default="http://localhost:8000/v1", help="the server's /v1 URL")
+        p.add_argument("--model-name", default=None, help="default: the server's first model")
+        p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, if set")
+        p.add_argument("--max-tokens", type=int, default=None)
+        p.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
+                       help="send one message, print the answer and exit")  # fmt: skip
+        if name == "chat":
+            p.add_argument("--system-prompt", default=None)
+        p.set_defaults(func=_client, command=name)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is _bench:
+        args.bench_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "src", None) == "default":
+        args.src = None
+    if getattr(args, "model_option", None) is not None:
+        if args.model is not None and args.model != args.model_option:
+            parser.error(f"two models: {args.model!r} and --model {args.model_option!r}")
+        args.model = args.model_option
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
-    args = build_parser().parse_args(argv)
-    if getattr(args, "src", None) == "default":
-        args.src = None
+    args = parse_args(argv)
     return args.func(args)
 
 

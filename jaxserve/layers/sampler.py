@@ -121,7 +121,8 @@ class SamplingMetadata(NamedTuple):
     output_counts: jax.Array | None  # i32[S, V]; occurrences in the generated output so far
     bias_token_ids: jax.Array  # i32[S, B]; -1 = unused slot
     bias_values: jax.Array  # f32[S, B]; added to the logit of bias_token_ids
-    seeds: jax.Array  # u32[S]
+    seeds: jax.Array  # u32[S]; a 64-bit seed's low word
+    seeds_hi: jax.Array  # u32[S]; its high word
     has_seed: jax.Array  # bool[S]
     output_positions: jax.Array  # i32[S]; tokens generated so far by this request
 
@@ -236,8 +237,9 @@ def row_uniforms(md: SamplingMetadata, key: jax.Array) -> jax.Array:
         key = jax.random.key_data(key)
     num_rows = md.seeds.shape[0]
     step_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(num_rows))  # [S, 2]
-    seed_keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
-        md.seeds, md.output_positions
+    # (hi, lo) is the threefry key PRNGKey makes of a 64-bit seed
+    seed_keys = jax.vmap(jax.random.fold_in)(
+        jnp.stack([md.seeds_hi, md.seeds], axis=-1), md.output_positions
     )  # [S, 2]
     row_keys = jnp.where(md.has_seed[:, None], seed_keys, step_keys)
     return jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(row_keys)

@@ -462,7 +462,8 @@ class ModelRunner:
         temperature, top_p, min_p = f32(), f32(1.0), f32()
         presence, frequency, repetition = f32(), f32(), f32(1.0)
         top_k, out_pos = np.zeros(s, np.int32), np.zeros(s, np.int32)
-        seeds, has_seed = np.zeros(s, np.uint32), np.zeros(s, bool)
+        seeds, seeds_hi = np.zeros(s, np.uint32), np.zeros(s, np.uint32)  # a seed's 2 words
+        has_seed = np.zeros(s, bool)
         bias_ids = np.full((s, MAX_BIAS_TOKENS), -1, np.int32)
         bias_vals = np.zeros((s, MAX_BIAS_TOKENS), np.float32)
         for i, row in enumerate(rows):
@@ -472,7 +473,8 @@ class ModelRunner:
             repetition[i] = p.repetition_penalty
             out_pos[i] = ib.num_output_tokens(row)
             if p.seed is not None:
-                seeds[i], has_seed[i] = p.seed & 0xFFFFFFFF, True
+                seed = p.seed % 2**64  # two's complement of a negative seed
+                seeds[i], seeds_hi[i], has_seed[i] = seed & 0xFFFFFFFF, seed >> 32, True
             bias = dict(p.logit_bias or {})
             if out_pos[i] < p.min_tokens:  # EOS and stop tokens may not end it yet
                 eos = ib.eos_token_ids[row]
@@ -484,7 +486,8 @@ class ModelRunner:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             presence_penalty=presence, frequency_penalty=frequency,
             repetition_penalty=repetition, prompt_mask=None, output_counts=None,  # step fills
-            bias_token_ids=bias_ids, bias_values=bias_vals, seeds=seeds, has_seed=has_seed,
+            bias_token_ids=bias_ids, bias_values=bias_vals, seeds=seeds, seeds_hi=seeds_hi,
+            has_seed=has_seed,
             output_positions=out_pos,
         )  # fmt: skip
         return md, bool((bias_ids >= 0).any())

@@ -57,6 +57,28 @@ def inproc(monkeypatch):
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
 
 
+@pytest.mark.parametrize(
+    ("name", "flags"),
+    [
+        ("latency", ["--batch-size", "--num-iters-warmup", "--num-iters", "--input-len",
+                     "--output-len", "--output-json", "--model", "--max-model-len"]),
+        ("throughput", ["--num-prompts", "--input-len", "--output-len", "--output-json"]),
+        ("serve", ["--request-rate", "--num-prompts", "--random-input-len",
+                   "--random-output-len", "--max-concurrency", "--save-result"]),
+    ],
+)  # fmt: skip
+def test_jaxserve_bench_help_shows_vllms_flags(name, flags, capsys):
+    from jaxserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", name, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: jaxserve bench {name}")
+    for flag in flags:
+        assert f"{flag} " in out or f"{flag}\n" in out, flag
+
+
 def test_decode_step_is_the_latency_beyond_one_token():
     assert decode_step_seconds(1.3, 0.1, 13) == pytest.approx(0.1)
     assert decode_step_seconds(1.3, 0.1, 1) is None
@@ -106,10 +128,11 @@ def test_bench_throughput(backend, dummy_dir, hf_dir, tmp_path, capsys, inproc):
 
 
 def test_bench_serve_summary_counts_failures_and_tpot():
-    bench = runpy.run_path(str(ROOT / "benchmarks/bench_serve.py"), run_name="bench")
-    ok = bench["RequestResult"](4, 3, True, "", latency=1.0, ttft=0.2, itl=[0.3, 0.5])
-    failed = bench["RequestResult"](7, error="HTTP 400")
-    m = bench["summarize"]([ok, failed], duration=2.0)
+    from jaxserve.benchmarks.serve import RequestResult, summarize
+
+    ok = RequestResult(4, 3, True, "", latency=1.0, ttft=0.2, itl=[0.3, 0.5])
+    failed = RequestResult(7, error="HTTP 400")
+    m = summarize([ok, failed], duration=2.0)
     assert (m["completed"], m["failed"], m["total_input_tokens"]) == (1, 1, 4)
     assert m["mean_tpot_ms"] == pytest.approx(400.0)  # (1.0 - 0.2) / (3 - 1)
     assert m["median_itl_ms"] == pytest.approx(400.0) and m["mean_ttft_ms"] == pytest.approx(200)

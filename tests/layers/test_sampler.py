@@ -47,6 +47,7 @@ def make_md(num_rows: int, **overrides) -> SamplingMetadata:
         bias_token_ids=np.full((num_rows, B), -1, np.int32),
         bias_values=np.zeros((num_rows, B), np.float32),
         seeds=np.zeros(num_rows, np.uint32),
+        seeds_hi=np.zeros(num_rows, np.uint32),
         has_seed=np.zeros(num_rows, bool),
         output_positions=np.zeros(num_rows, np.int32),
     )
@@ -514,3 +515,15 @@ def test_variant_choice_follows_the_batch():
     assert chosen(SamplingParams(temperature=0, top_k=5)) == SamplerVariant()
     assert chosen(SamplingParams(temperature=0, presence_penalty=0.5)) == FULL_VARIANT
     assert chosen(SamplingParams(logit_bias={3: 1.0})) == FULL_VARIANT
+
+
+def test_seeds_use_all_64_bits():
+    """Seeds equal in their low 32 bits (5 and 5 + 2**32, -1 and 2**32 - 1) draw differently;
+    a seed below 2**32 draws as PRNGKey(seed) always did."""
+    from jaxserve.layers.sampler import row_uniforms
+
+    md = make_md(3, seeds=[5, 5, 5], seeds_hi=[0, 1, 0xFFFFFFFF], has_seed=True)
+    u = np.asarray(row_uniforms(md, jax.random.PRNGKey(0)))
+    assert not np.allclose(u[0], u[1]) and not np.allclose(u[0], u[2])
+    want = jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(5), 0), (2,), jnp.float32)
+    np.testing.assert_array_equal(u[0], np.asarray(want))

@@ -2,24 +2,31 @@
 
 Start-up: EngineArgs from the flags -> AsyncLLM (starts the EngineCore process: load, compile,
 allocate KV; blocking) -> the app -> uvicorn. The engine lives in `app.state`; every route
-reads it from there. SIGTERM / Ctrl-C: uvicorn stops accepting connections and waits up to
---shutdown-timeout for in-flight requests (then cancels them, which aborts them in the core);
-the lifespan's exit then shuts the engine core down.
+reads it from there. Prompts are tokenized and checked on one worker thread, off the event
+loop, so a huge prompt does not stall other streams. SIGTERM / Ctrl-C: uvicorn stops accepting
+connections and waits up to --shutdown-timeout for in-flight requests (then cancels them,
+which aborts them in the core); the lifespan's exit then shuts the engine core down. If the
+engine core dies, in-flight requests fail with its error and the server exits with status 1
+(as vLLM's does), so a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import signal
 import socket
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -61,6 +68,12 @@ def _serving(request: Request) -> OpenAIServing:
     return request.app.state.serving
 
 
+async def _off_loop(request: Request, fn, *args) -> Any:
+    """fn(*args) on the app's tokenizer thread (one thread: HF tokenizers are not meant to be
+    shared across threads)."""
+    return await asyncio.get_running_loop().run_in_executor(request.app.state.cpu, fn, *args)
+
+
 async def _decode(request: Request, cls: type):
     body = await request.body()
     return msgspec.json.decode(body, type=cls)
@@ -96,7 +109,7 @@ async def _generate(request: Request, cls, prepare, run, stream) -> Response:
         return error_response(serving.engine.dead or serving.engine.engine_core.poll_dead())
     try:
         body = await _decode(request, cls)
-        prepared = prepare(body)
+        prepared = await _off_loop(request, prepare, body)
     except Exception as e:
         return error_response(e)
     if body.stream:
@@ -153,9 +166,14 @@ async def tokenize(request: Request) -> Response:
             chat = ChatCompletionRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt
             )
-            _, tokens = s.chat_prompt(chat)
+            _, tokens = await _off_loop(request, s.chat_prompt, chat)
         elif body.prompt is not None:
-            tokens = s.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            s.engine.input_processor.check_text_length(body.prompt)
+            special = body.add_special_tokens
+            encoded = await _off_loop(
+                request, lambda: s.tokenizer(body.prompt, add_special_tokens=special)
+            )
+            tokens = encoded.input_ids
         else:
             raise ValueError("tokenize needs prompt or messages")
     except Exception as e:
@@ -188,24 +206,45 @@ class APIKeyMiddleware:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
+    def authorized(self, scope: Scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self.expected)  # constant time
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope["headers"])
-            if headers.get(b"authorization") != self.expected:
-                response = MsgspecJSONResponse(
-                    {
-                        "error": {
-                            "message": "Unauthorized: a valid API key is required",
-                            "type": "AuthenticationError",
-                            "param": None,
-                            "code": 401,
-                        }
-                    },
-                    status_code=401,
-                )
-                await response(scope, receive, send)
-                return
+        guarded = scope["type"] == "http" and scope["path"].startswith("/v1")
+        if guarded and not self.authorized(scope):
+            message = "Unauthorized: a valid API key is required"
+            body = {"message": message, "type": "AuthenticationError", "param": None, "code": 401}
+            await MsgspecJSONResponse({"error": body}, status_code=401)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """404, 405 and the like as OpenAI error JSON, like every other error."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = exc.detail if isinstance(exc, HTTPException) else "Internal Server Error"
+    kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(status, "BadRequestError")
+    if status == 404:
+        message = f"{request.method} {request.url.path} does not exist"
+    elif status == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return MsgspecJSONResponse(body, status_code=status)
+
+
+async def watch_engine(app: Starlette, interval: float = 0.5) -> None:
+    """Once the engine core is dead: in-flight requests get its error (the output handler does
+    that, or nothing was in flight), the gauges go to 0, and the server shuts down; run_server
+    then exits 1."""
+    engine: AsyncLLM = app.state.serving.engine
+    while not engine.errored:
+        await asyncio.sleep(interval)
+    logger.error("the engine core died (%s): shutting the server down", engine.engine_core.dead)
+    app.state.prometheus.engine_dead()
+    app.state.engine_died = True
+    if app.state.on_engine_death is not None:
+        app.state.on_engine_death()
 
 
 def build_app(
@@ -227,12 +266,14 @@ def build_app(
                 await asyncio.sleep(log_stats_interval)
                 log_stats.log()
 
-        task = asyncio.create_task(periodic_log())
+        tasks = [asyncio.create_task(periodic_log()), asyncio.create_task(watch_engine(app))]
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             engine.shutdown()
+            app.state.cpu.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -245,8 +286,14 @@ def build_app(
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
     middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    handlers = {HTTPException: http_error}
+    app = Starlette(
+        routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers
+    )
     app.state.serving = OpenAIServing(engine, served_model_names, chat_template=chat_template)
+    app.state.cpu = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize")
+    app.state.engine_died = False
+    app.state.on_engine_death = None  # run_server: stop uvicorn
     app.state.prometheus = prometheus
     app.state.log_stats = log_stats
     return app
@@ -292,4 +339,8 @@ def run_server(args, engine_args) -> None:
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make
     # that a no-op, so a drained shutdown exits 0 rather than as killed by SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    app.state.on_engine_death = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    if app.state.engine_died:
+        sys.exit(1)

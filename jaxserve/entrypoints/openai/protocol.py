@@ -104,9 +104,11 @@ class CompletionChoice(msgspec.Struct):
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Only when asked for (left out otherwise): [None, {token id: logprob}, ...]
+    prompt_logprobs: list[dict[str, Any] | None] | msgspec.UnsetType = msgspec.UNSET
 
 
-class CompletionResponse(msgspec.Struct):
+class CompletionResponse(msgspec.Struct):  # also each streamed chunk
     id: str
     created: int
     model: str
@@ -135,6 +137,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: UsageInfo
     object: str = "chat.completion"
+    prompt_logprobs: list[dict[str, Any] | None] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatStreamChoice(msgspec.Struct):
@@ -196,13 +199,18 @@ UNSUPPORTED = {
 
 
 def check_supported(request: _SamplingFields) -> None:
-    """ValueError for fields this engine cannot honour yet (rather than ignoring them)."""
+    """ValueError for fields this engine cannot honour yet (rather than ignoring them) and
+    for values no SamplingParams field checks."""
     for field, what in UNSUPPORTED.items():
         value = getattr(request, field, None)
         if field == "response_format" and value is not None and value.get("type") == "text":
             continue  # plain text is what we produce anyway
         if value is not None and value != []:
             raise ValueError(f"{what} is not supported by jaxserve yet")
+    for field in request.__struct_fields__:  # JSON ints are unbounded; msgpack's are not
+        value = getattr(request, field)
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise ValueError(f"{field} must be a 64-bit signed integer, got {value}")
     if request.stream_options is not None and not request.stream:
         raise ValueError("stream_options is only allowed when stream is true")
 

@@ -97,9 +97,10 @@ class OpenAIServing:
             raise ValueError("this model has no tokenizer, so no chat template")
         if not request.messages:
             raise ValueError("messages must not be empty")
+        messages = [_chat_message(i, m) for i, m in enumerate(request.messages)]
         try:
             text = self.tokenizer.apply_chat_template(
-                request.messages,
+                messages,
                 chat_template=request.chat_template or self.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -108,6 +109,7 @@ class OpenAIServing:
             )
         except Exception as e:  # a malformed conversation or template
             raise ValueError(f"cannot apply the chat template: {e}") from None
+        self.engine.input_processor.check_text_length(text)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _validate(self, request_id: str, prompts, params: SamplingParams) -> list[dict]:
@@ -142,11 +144,12 @@ class OpenAIServing:
                     text = self._prompt_text(out) + text
                 if request.logprobs is not None:
                     logprobs = self._completion_logprobs(out, c, request.echo, request.logprobs)
-                choices.append(
-                    CompletionChoice(
-                        p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
-                    )
+                choice = CompletionChoice(
+                    p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
                 )
+                if request.prompt_logprobs is not None:
+                    choice.prompt_logprobs = _prompt_logprobs(out)
+                choices.append(choice)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(
             request_id, int(time.time()), self._name(request.model), choices, usage
@@ -155,7 +158,7 @@ class OpenAIServing:
     async def completion_stream(self, request: CompletionRequest, prepared) -> AsyncIterator[bytes]:
         request_id, prompts, params = prepared
         created, model = int(time.time()), self._name(request.model)
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        include_usage, continuous = _usage_options(request)
         prompt_tokens, completion_tokens = 0, 0
         echoed = set()
         try:
@@ -177,7 +180,11 @@ class OpenAIServing:
                     choice = CompletionChoice(
                         p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
                     )
-                    yield sse(CompletionResponse(request_id, created, model, [choice]))
+                    usage = None
+                    if continuous:
+                        usage = UsageInfo(prompt_tokens, completion_tokens,
+                                          prompt_tokens + completion_tokens)  # fmt: skip
+                    yield sse(CompletionResponse(request_id, created, model, [choice], usage))
             if include_usage:
                 usage = UsageInfo(
                     prompt_tokens, completion_tokens, prompt_tokens + completion_tokens
@@ -195,7 +202,13 @@ class OpenAIServing:
             raise ValueError("top_logprobs needs logprobs to be true")
         prompt = self.chat_prompt(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens = request.max_tokens
+        if request.max_completion_tokens is not None:
+            if request.max_completion_tokens < 1:
+                raise ValueError(
+                    f"max_completion_tokens must be at least 1, got {request.max_completion_tokens}"
+                )
+            max_tokens = request.max_completion_tokens
         params = to_sampling_params(
             request, self.defaults, max_tokens=max_tokens, logprobs=logprobs
         )
@@ -223,19 +236,26 @@ class OpenAIServing:
             completion_tokens,
             len(out.prompt_token_ids) + completion_tokens,
         )
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             request_id, int(time.time()), self._name(request.model), choices, usage
         )
+        if request.prompt_logprobs is not None:
+            response.prompt_logprobs = _prompt_logprobs(out)
+        return response
 
     async def chat_stream(self, request: ChatCompletionRequest, prepared) -> AsyncIterator[bytes]:
         request_id, prompts, params = prepared
         created, model = int(time.time()), self._name(request.model)
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        include_usage, continuous = _usage_options(request)
+        prompt_tokens, completion_tokens = len(prompts[0]["prompt_token_ids"]), 0
 
         def chunk(choices, usage=None):
+            if usage is None and continuous:
+                usage = UsageInfo(
+                    prompt_tokens, completion_tokens, prompt_tokens + completion_tokens
+                )
             return sse(ChatCompletionChunk(request_id, created, model, choices, usage))
 
-        prompt_tokens, completion_tokens = 0, 0
         try:
             for i in range(params.n):  # the role first, once per choice
                 yield chunk([ChatStreamChoice(i, ChatMessage("assistant", ""))])
@@ -243,7 +263,9 @@ class OpenAIServing:
                 prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    if not c.text and c.finish_reason is None:
+                    # Held-back text still sends its tokens' logprobs, when asked for.
+                    has_logprobs = bool(request.logprobs and c.token_ids)
+                    if not c.text and c.finish_reason is None and not has_logprobs:
                         continue
                     logprobs = self._chat_logprobs(c, request)
                     yield chunk(
@@ -342,7 +364,10 @@ class OpenAIServing:
                 top.append(None)
                 continue
             token_logprobs.append(position[token_id].logprob)
-            top.append({self._token_text(t, lp): lp.logprob for t, lp in _top(position, k)})
+            chosen = [(token_id, position[token_id])]  # always there, as in vLLM
+            top.append(
+                {self._token_text(t, lp): lp.logprob for t, lp in [*_top(position, k), *chosen]}
+            )
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -374,6 +399,65 @@ class OpenAIServing:
                 }
             )
         return {"content": content}
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _chat_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates take it: a known role; content a string (a list of text
+    parts joined with newlines, as vLLM does for string-content templates; null -> "")."""
+    role = message.get("role")
+    if role not in _ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"messages[{i}].content[{j}] must be a text part "
+                    f'({{"type": "text", "text": ...}}), got {part!r:.200}'
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise ValueError(
+            f"messages[{i}].content must be a string, a list of parts or null, "
+            f"got {type(content).__name__}"
+        )
+    return {**message, "content": content}
+
+
+def _usage_options(request) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage in every chunk) from stream_options."""
+    options = request.stream_options
+    if options is None or not options.include_usage:
+        return False, False
+    return True, options.continuous_usage_stats
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs field: None for the first token, then {token id: {logprob,
+    rank, decoded_token}} per prompt position."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(t): {
+                "logprob": max(lp.logprob, -9999.0),
+                "rank": lp.rank,
+                "decoded_token": lp.decoded_token,
+            }  # fmt: skip
+            for t, lp in position.items()
+        }
+        for position in out.prompt_logprobs
+    ]
 
 
 def _top(position: PositionLogprobs, k: int) -> list:

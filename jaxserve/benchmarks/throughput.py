@@ -1,0 +1,101 @@
+"""Offline throughput, vLLM `bench throughput` style, with HF transformers as the peer.
+
+Random prompt token ids of --input-len, --output-len tokens each (ignore_eos), all submitted
+at once; prints `Throughput: X requests/s, Y total tokens/s, Z output tokens/s`.
+`--backend hf` runs the same prompts through transformers' `generate` (one padding-free batch
+of --num-prompts, since all prompts have the same length), for a same-run comparison. Both
+time one warmed-up run; jaxserve's start-up (compiling its buckets) is not in it, as vLLM's
+is not.
+
+When every sequence decodes in one batch (--num-prompts x --n <= --max-num-seqs; always for
+hf), the decode step and its roofline follow, as in scripts/bench_latency.py: (elapsed -
+elapsed of the same prompts at one output token) / (output_len - 1).
+
+    .venv/bin/python benchmarks/bench_throughput.py --num-prompts 32 --input-len 32 \\
+        --output-len 128 --backend jaxserve
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from jaxserve.benchmarks.common import (
+    add_benchmark_args,
+    decode_step_seconds,
+    git_commit,
+    machine,
+    print_roofline,
+    random_prompt_ids,
+    roofline_report,
+    write_json,
+)
+from jaxserve.entrypoints.cli import engine_args_from
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve bench throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_benchmark_args(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from jaxserve.benchmarks.runners import make_runner
+
+    runner = make_runner(args.backend, engine_args_from(args))
+    prompts = random_prompt_ids(
+        args.num_prompts, args.input_len, runner.config.vocab_size, args.seed
+    )
+    runner.generate(prompts[:1], min(args.output_len, 8), args.n)  # warm-up
+    runner.reset_prefix_cache()
+    start = time.perf_counter()
+    runner.generate(prompts, args.output_len, args.n, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    num_seqs = args.num_prompts * args.n
+    one_batch = runner.max_num_seqs is None or num_seqs <= runner.max_num_seqs
+    prefill = None
+    if one_batch and not args.no_roofline and args.output_len > 1:
+        runner.reset_prefix_cache()  # the same prompts again: prefilled in full
+        start = time.perf_counter()
+        runner.generate(prompts, 1, args.n)
+        prefill = time.perf_counter() - start
+    runner.close()
+
+    requests = args.num_prompts
+    out_tokens = num_seqs * args.output_len
+    total_tokens = requests * args.input_len + out_tokens
+    print(
+        f"Throughput: {requests / elapsed:.2f} requests/s, {total_tokens / elapsed:.2f} total "
+        f"tokens/s, {out_tokens / elapsed:.2f} output tokens/s"
+    )
+    print(f"({args.backend}, {machine()}, {elapsed:.1f} s)")
+    results = dict(
+        backend=args.backend, elapsed_time=elapsed, num_requests=requests,
+        total_num_tokens=total_tokens, requests_per_second=requests / elapsed,
+        tokens_per_second=total_tokens / elapsed,
+        output_tokens_per_second=out_tokens / elapsed, commit=git_commit(), args=vars(args),
+    )  # fmt: skip
+    step = decode_step_seconds(elapsed, prefill, args.output_len) if prefill else None
+    if step is not None:
+        print(
+            f"Decode step: {1e3 * step:.2f} ms ((elapsed - {prefill:.3f} s at one output "
+            f"token) / {args.output_len - 1}) over {num_seqs} sequences"
+        )
+        roofline = roofline_report(runner.config, step, num_seqs, args.input_len, args.output_len)
+        print_roofline(roofline)
+        results.update(prefill_time=prefill, decode_step_ms=1e3 * step,
+                       roofline=roofline.to_dict())  # fmt: skip
+    if args.output_json:
+        write_json(args.output_json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
