@@ -15,6 +15,7 @@ _EXPORTS = {
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "EngineArgs": "jaxserve.engine.arg_utils",
+    "AsyncEngineArgs": "jaxserve.engine.arg_utils",
     "AsyncLLM": "jaxserve.engine.async_llm",
 }
 __all__ = [*_EXPORTS, "__version__"]

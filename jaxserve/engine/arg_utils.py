@@ -94,3 +94,8 @@ class EngineArgs:
 
 def _or(value: int | None, default: int) -> int:
     return default if value is None else value
+
+
+@dataclasses.dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the arguments of an AsyncLLM; the fields are EngineArgs'."""

@@ -391,8 +391,8 @@ def test_sigterm_finishes_in_flight_streams_refuses_new_and_exits():
 
 
 def test_sigterm_right_after_start_up_drains_every_accepted_stream():
-    """Streams accepted just before SIGTERM (some still waiting for their first token) all
-    run to their end."""
+    """Streams accepted just before SIGTERM (some still queued, waiting for their first token)
+    all run to their end."""
     import concurrent.futures
 
     server = Server()
@@ -408,10 +408,11 @@ def test_sigterm_right_after_start_up_drains_every_accepted_stream():
         reason = texts[-1]["choices"][0]["finish_reason"] if texts else None
         return r.status_code, len(texts), reason
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(one_stream, i) for i in range(6)]
+    num_streams = 12  # more than --max-num-seqs 8: some still wait in the core's queue
+    with concurrent.futures.ThreadPoolExecutor(num_streams) as pool:
+        futures = [pool.submit(one_stream, i) for i in range(num_streams)]
         deadline = time.monotonic() + 60
-        while len(started) < 6:
+        while len(started) < num_streams:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
