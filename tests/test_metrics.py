@@ -57,3 +57,32 @@ def test_log_line_reports_throughput_state_and_hit_rate(caplog):
     assert "KV cache usage: 25.0%" in line and "Prefix cache hit rate: 40.0%" in line
     assert line in caplog.text
     assert "Avg prompt throughput: 0.0" in log.log()  # counts restart after each line
+
+
+def test_a_dead_engine_zeroes_the_gauges_and_stops_the_server():
+    """api_server.watch_engine: once the engine reports errored, running / waiting / KV read
+    0 (they would otherwise keep the last step's values) and the server is told to stop."""
+    import asyncio
+    from types import SimpleNamespace as NS
+
+    from jaxserve.entrypoints.openai.api_server import watch_engine
+
+    prom = PrometheusStatLogger("m")
+    prom.record(SCHED, ITER)
+    engine = NS(errored=False, engine_core=NS(dead="the core died"))
+    stopped = []
+    state = NS(serving=NS(engine=engine), prometheus=prom, engine_died=False,
+               on_engine_death=lambda: stopped.append(True))  # fmt: skip
+
+    async def run() -> None:
+        task = asyncio.create_task(watch_engine(NS(state=state), interval=0.01))
+        await asyncio.sleep(0.05)
+        assert not stopped and not task.done()
+        engine.errored = True
+        await asyncio.wait_for(task, 1)
+
+    asyncio.run(run())
+    assert stopped == [True] and state.engine_died
+    text = prom.exposition().decode()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f'jaxserve:{name}{{model_name="m"}} 0.0' in text, name
