@@ -369,30 +369,9 @@ def test_dead_engine_ends_streams_and_the_server_exits_1():
         server.stop()
 
 
-def test_sigterm_finishes_in_flight_streams_refuses_new_and_exits():
-    server = Server()
-    body = {**LONG_STREAM, "max_tokens": 40}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(lines)
-        server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.TransportError):
-            httpx.post(
-                f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5
-            )
-        events = [
-            json.loads(line[6:])
-            for line in lines
-            if line.startswith("data: ") and line != "data: [DONE]"
-        ]
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert server.proc.wait(60) == 0
-
-
-def test_sigterm_right_after_start_up_drains_every_accepted_stream():
-    """Streams accepted just before SIGTERM (some still queued, waiting for their first token)
-    all run to their end."""
+def test_sigterm_drains_every_accepted_stream_refuses_new_and_exits_0():
+    """Streams accepted just before SIGTERM (some still queued behind --max-num-seqs 8,
+    waiting for their first token) all run to their end; new connections are refused."""
     import concurrent.futures
 
     server = Server()
@@ -408,7 +387,7 @@ def test_sigterm_right_after_start_up_drains_every_accepted_stream():
         reason = texts[-1]["choices"][0]["finish_reason"] if texts else None
         return r.status_code, len(texts), reason
 
-    num_streams = 12  # more than --max-num-seqs 8: some still wait in the core's queue
+    num_streams = 12
     with concurrent.futures.ThreadPoolExecutor(num_streams) as pool:
         futures = [pool.submit(one_stream, i) for i in range(num_streams)]
         deadline = time.monotonic() + 60
@@ -416,6 +395,11 @@ def test_sigterm_right_after_start_up_drains_every_accepted_stream():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.TransportError):
+            httpx.post(
+                f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=5
+            )
         results = [f.result() for f in futures]
     assert server.proc.wait(60) == 0
     for status, num_chunks, reason in results:
