@@ -17,6 +17,14 @@ from jaxserve.config import ModelConfig
 PERCENTAGES = (10, 25, 50, 75, 90, 99)
 
 
+def benchmark_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of `jaxserve bench NAME`, its module docstring as the description."""
+    return argparse.ArgumentParser(
+        prog=f"jaxserve bench {name}", description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+
+
 def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags bench_latency and bench_throughput share (vLLM's names), engine flags last."""
     from jaxserve.entrypoints.cli import add_engine_args

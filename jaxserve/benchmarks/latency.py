@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from jaxserve.benchmarks.common import (
     PERCENTAGES,
     add_benchmark_args,
+    benchmark_parser,
     decode_step_seconds,
     git_commit,
     print_roofline,
@@ -45,11 +46,7 @@ from jaxserve.entrypoints.cli import engine_args_from
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="jaxserve bench latency",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = benchmark_parser("latency", __doc__)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--num-iters-warmup", type=int, default=10)
     parser.add_argument("--num-iters", type=int, default=30)

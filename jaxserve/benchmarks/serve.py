@@ -39,6 +39,8 @@ import httpx
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.benchmarks.common import benchmark_parser
+
 
 @dataclass
 class RequestResult:
@@ -234,11 +236,7 @@ def served_model(base_url: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="jaxserve bench serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = benchmark_parser("serve", __doc__)
     parser.add_argument("--base-url", default=None, help="default: http://HOST:PORT")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -22,6 +22,7 @@ import time
 
 from jaxserve.benchmarks.common import (
     add_benchmark_args,
+    benchmark_parser,
     decode_step_seconds,
     git_commit,
     machine,
@@ -34,11 +35,7 @@ from jaxserve.entrypoints.cli import engine_args_from
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="jaxserve bench throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = benchmark_parser("throughput", __doc__)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_benchmark_args(parser)

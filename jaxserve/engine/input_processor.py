@@ -97,13 +97,12 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}={value} exceeds max_logprobs={self.max_logprobs}")
-        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is out of vocabulary "
-                             f"(size {self.vocab_size})")  # fmt: skip
-        bad = [t for t in params.logit_bias or {} if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is out of vocabulary")
+        for name in ("stop_token_ids", "logit_bias"):  # a list / the keys of a dict
+            bad = [t for t in getattr(params, name) or () if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name}: token id {bad[0]} is out of vocabulary (size {self.vocab_size})"
+                )
         # The sampler's bias slots also carry min_tokens' blocks on EOS and stop_token_ids.
         blocked = {self.eos_token_id, *(params.stop_token_ids or [])} - {None}
         slots = set(params.logit_bias or {}) | (blocked if params.min_tokens else set())

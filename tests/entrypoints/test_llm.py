@@ -193,7 +193,7 @@ def test_no_compilation_after_warmup(llm):
         ("hi", SamplingParams(max_tokens=600), "max_tokens=600 is too large"),
         ("hi", SamplingParams(logprobs=21), "logprobs=21 exceeds max_logprobs=20"),
         ("hi", SamplingParams(prompt_logprobs=21), "prompt_logprobs=21 exceeds max_logprobs=20"),
-        ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias token id 1000000"),
+        ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias: token id 1000000"),
         (
             "hi",
             SamplingParams(logit_bias={i: 1.0 for i in range(100, 164)}, min_tokens=1),

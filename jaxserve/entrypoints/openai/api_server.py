@@ -39,6 +39,8 @@ from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorInfo,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -214,23 +216,21 @@ class APIKeyMiddleware:
         guarded = scope["type"] == "http" and scope["path"].startswith("/v1")
         if guarded and not self.authorized(scope):
             message = "Unauthorized: a valid API key is required"
-            body = {"message": message, "type": "AuthenticationError", "param": None, "code": 401}
-            await MsgspecJSONResponse({"error": body}, status_code=401)(scope, receive, send)
+            body = ErrorResponse(ErrorInfo(message, "AuthenticationError", 401))
+            await MsgspecJSONResponse(body, status_code=401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
-async def http_error(request: Request, exc: Exception) -> Response:
+async def http_error(request: Request, exc: HTTPException) -> Response:
     """404, 405 and the like as OpenAI error JSON, like every other error."""
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    message = exc.detail if isinstance(exc, HTTPException) else "Internal Server Error"
+    status, message = exc.status_code, exc.detail
     kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(status, "BadRequestError")
     if status == 404:
         message = f"{request.method} {request.url.path} does not exist"
     elif status == 405:
         message = f"{request.method} is not allowed on {request.url.path}"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return MsgspecJSONResponse(body, status_code=status)
+    return MsgspecJSONResponse(ErrorResponse(ErrorInfo(message, kind, status)), status_code=status)
 
 
 async def watch_engine(app: Starlette, interval: float = 0.5) -> None:

@@ -97,6 +97,10 @@ class UsageInfo(msgspec.Struct):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
 
 class CompletionChoice(msgspec.Struct):
     index: int

@@ -27,6 +27,8 @@ from jaxserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
     UsageInfo,
     check_supported,
     random_id,
@@ -134,11 +136,11 @@ class OpenAIServing:
     async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:
         request_id, prompts, params = prepared
         finals = await self._gather(request_id, prompts, params, request.priority)
-        choices, usage = [], UsageInfo()
+        choices, prompt_tokens, completion_tokens = [], 0, 0
         for p, out in enumerate(finals):
-            usage.prompt_tokens += len(out.prompt_token_ids)
+            prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
-                usage.completion_tokens += len(c.token_ids)
+                completion_tokens += len(c.token_ids)
                 text, logprobs = c.text, None
                 if request.echo:
                     text = self._prompt_text(out) + text
@@ -150,7 +152,7 @@ class OpenAIServing:
                 if request.prompt_logprobs is not None:
                     choice.prompt_logprobs = _prompt_logprobs(out)
                 choices.append(choice)
-        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage = UsageInfo.of(prompt_tokens, completion_tokens)
         return CompletionResponse(
             request_id, int(time.time()), self._name(request.model), choices, usage
         )
@@ -180,15 +182,10 @@ class OpenAIServing:
                     choice = CompletionChoice(
                         p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
                     )
-                    usage = None
-                    if continuous:
-                        usage = UsageInfo(prompt_tokens, completion_tokens,
-                                          prompt_tokens + completion_tokens)  # fmt: skip
+                    usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
                     yield sse(CompletionResponse(request_id, created, model, [choice], usage))
             if include_usage:
-                usage = UsageInfo(
-                    prompt_tokens, completion_tokens, prompt_tokens + completion_tokens
-                )
+                usage = UsageInfo.of(prompt_tokens, completion_tokens)
                 yield sse(CompletionResponse(request_id, created, model, [], usage))
         except Exception as e:
             yield sse(error_body(e))
@@ -230,12 +227,7 @@ class OpenAIServing:
                     c.stop_reason,
                 )
             )
-        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        usage = UsageInfo(
-            len(out.prompt_token_ids),
-            completion_tokens,
-            len(out.prompt_token_ids) + completion_tokens,
-        )
+        usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         response = ChatCompletionResponse(
             request_id, int(time.time()), self._name(request.model), choices, usage
         )
@@ -251,16 +243,13 @@ class OpenAIServing:
 
         def chunk(choices, usage=None):
             if usage is None and continuous:
-                usage = UsageInfo(
-                    prompt_tokens, completion_tokens, prompt_tokens + completion_tokens
-                )
+                usage = UsageInfo.of(prompt_tokens, completion_tokens)
             return sse(ChatCompletionChunk(request_id, created, model, choices, usage))
 
         try:
             for i in range(params.n):  # the role first, once per choice
                 yield chunk([ChatStreamChoice(i, ChatMessage("assistant", ""))])
             async for _, out in self._merged(request_id, prompts, params, request.priority):
-                prompt_tokens = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     # Held-back text still sends its tokens' logprobs, when asked for.
@@ -280,10 +269,7 @@ class OpenAIServing:
                         ]
                     )
             if include_usage:
-                usage = UsageInfo(
-                    prompt_tokens, completion_tokens, prompt_tokens + completion_tokens
-                )
-                yield chunk([], usage)
+                yield chunk([], UsageInfo.of(prompt_tokens, completion_tokens))
         except Exception as e:
             yield sse(error_body(e))
         yield SSE_DONE
@@ -453,7 +439,7 @@ def _prompt_logprobs(out: RequestOutput) -> list[dict[str, Any] | None] | None:
                 "logprob": max(lp.logprob, -9999.0),
                 "rank": lp.rank,
                 "decoded_token": lp.decoded_token,
-            }  # fmt: skip
+            }
             for t, lp in position.items()
         }
         for position in out.prompt_logprobs
@@ -467,9 +453,9 @@ def _top(position: PositionLogprobs, k: int) -> list:
     return sorted(ranked, key=lambda item: item[1].rank)
 
 
-def error_body(e: BaseException) -> dict:
+def error_body(e: BaseException) -> ErrorResponse:
     status, kind = error_status(e)
-    return {"error": {"message": str(e), "type": kind, "param": None, "code": status}}
+    return ErrorResponse(ErrorInfo(str(e), kind, status))
 
 
 def error_status(e: BaseException) -> tuple[int, str]:
