@@ -121,9 +121,51 @@ class CompletionResponse(msgspec.Struct):  # also each streamed chunk
     object: str = "text_completion"
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct):
+    function: FunctionCall
+    id: str = msgspec.field(default_factory=lambda: random_tool_call_id())
+    type: str = "function"
+
+
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # a fragment; the fragments of a call concatenate to JSON
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """One streamed piece of tool call `index`: the first carries id, type and name; later
+    ones only argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class ExtractedToolCallInformation(msgspec.Struct):
+    """A tool parser's reading of a whole completion: the calls, and any plain content."""
+
+    tools_called: bool
+    tool_calls: list[ToolCall]
+    content: str | None = None
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
+    """A response message, or (every field optional) a streamed delta."""
+
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # the pre-Nov-2025 name of `reasoning`: both sent
+    tool_calls: list[ToolCall] | list[DeltaToolCall] = msgspec.field(default_factory=list)
+
+
+DeltaMessage = ChatMessage  # vLLM's name for a streamed delta
 
 
 class ChatChoice(msgspec.Struct):
@@ -188,6 +230,10 @@ class ErrorResponse(msgspec.Struct):
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def random_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 UNSUPPORTED = {
