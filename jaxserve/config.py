@@ -220,6 +220,8 @@ class EngineConfig:
     max_logprobs: int = 20
     attention_backend: str = "reference"  # "pallas" (the kernel) or "reference" (jnp)
     load_format: str = "auto"  # "dummy": random weights of the model's shapes
+    tokenizer_path: str | None = None  # default: model_path (structured outputs read it)
+    reasoning_parser: str | None = None  # structured outputs bind after the reasoning ends
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

@@ -19,6 +19,45 @@ MAX_N = 128  # completions per request
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """A constraint on the output (vLLM's `structured_outputs`): exactly one of json (a JSON
+    schema, as a dict or its text), regex, choice, grammar (Lark or EBNF/GBNF), json_object
+    (any JSON object) or structural_tag (vLLM's JSON: structures of begin/schema/end, and
+    triggers). Options: disable_any_whitespace (compact JSON), disable_additional_properties
+    (objects take only the schema's properties), whitespace_pattern (a regex for JSON
+    whitespace)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(self.KINDS)}; got {', '.join(kinds) or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_outputs.choice must be non-empty strings, got {self.choice!r}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to sample one request. Temperature below 1e-5 means greedy; top_k 0 or -1 = off."""
 
@@ -41,6 +80,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:

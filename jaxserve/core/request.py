@@ -14,6 +14,7 @@ from jaxserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its structured-output grammar is being compiled
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -57,6 +58,7 @@ class Request:
         self.block_size = block_size
 
         self.status = RequestStatus.WAITING
+        self.structured_output_request = None  # StructuredOutputRequest when constrained
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (or being computed)

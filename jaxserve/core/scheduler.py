@@ -21,6 +21,7 @@ token arrives, a request that stopped has its N+1 token dropped.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections import deque
 
@@ -34,6 +35,9 @@ from jaxserve.core.scheduler_output import (
     SchedulerOutput,
 )
 from jaxserve.ipc.messages import EngineCoreOutput, SchedulerStats
+from jaxserve.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 
 class WaitingQueue:
@@ -76,9 +80,14 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        structured_output_manager: StructuredOutputManager | None = None,
     ):
         self.config = scheduler_config
+        self.structured_output_manager = structured_output_manager
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -87,11 +96,17 @@ class Scheduler:
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.pending_outputs: list[EngineCoreOutput] = []  # finished outside a step
         self.num_preemptions = 0  # since the last stats snapshot
         self.total_preemptions = 0
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("this engine has no structured-output backend")
+            self.structured_output_manager.grammar_init(request)
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -165,6 +180,7 @@ class Scheduler:
             )
             i += 1
 
+        skipped: list[Request] = []  # still compiling their grammar: they keep their place
         while (
             not preempted
             and len(self.waiting)
@@ -172,6 +188,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                skipped.append(self.waiting.pop())
+                continue
             assert not request.num_output_placeholders, request  # resolved before readmission
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_computed, budget)
@@ -200,6 +219,9 @@ class Scheduler:
                 )
             )
 
+        for request in reversed(skipped):
+            self.waiting.add_front(request)
+
         # The tokens are as good as computed: the next schedule() may already plan after them.
         # A step that reaches the end of a request's tokens samples its next one.
         sampled = set()
@@ -217,9 +239,44 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             sampled_req_ids=sampled,
+            structured_output_req_ids={
+                r for r in sampled if self.requests[r].structured_output_request is not None
+            },
         )
         self.finished_req_ids = set()
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a WAITING_FOR_FSM request may be scheduled (its grammar compiled). A
+        failed compile finishes it (aborted, reported with the next outputs)."""
+        so = request.structured_output_request
+        if not so.is_ready:
+            return False
+        if so.future.exception() is not None:
+            logger.error("request %s: %s", request.request_id, so.future.exception())
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+            self.pending_outputs.append(EngineCoreOutput(request.request_id, [], "abort"))
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        return sum(r.status == RequestStatus.WAITING_FOR_FSM for r in self.waiting)
+
+    def grammar_bitmask(self, req_ids: list[str], sampled_req_ids: set[str], num_rows: int):
+        """The step's token bitmask, i32[num_rows, ceil(V/32)], or None when no request whose
+        token the step keeps is constrained (see StructuredOutputManager.grammar_bitmask)."""
+        if self.structured_output_manager is None:
+            return None
+        requests = [self.requests.get(r) if r in sampled_req_ids else None for r in req_ids]
+        return self.structured_output_manager.grammar_bitmask(requests, num_rows)
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
 
     def _num_tokens_to_schedule(self, request: Request) -> int:
         """Tokens a running request can run now: the rest of its prompt, or its last token
@@ -253,7 +310,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, stop finished requests, free their blocks."""
-        outputs = []
+        outputs = self.take_pending_outputs()
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None:  # finished or aborted while the step ran
@@ -266,6 +323,8 @@ class Scheduler:
             token = int(runner_output.sampled_token_ids[row])
             request.append_output_token_ids(token)
             self._check_stop(request, token)
+            if not request.is_finished and self._advance_grammar(request, token):
+                request.status = RequestStatus.FINISHED_STOPPED
             logprobs = None
             if request.sampling_params.logprobs is not None:
                 k = request.sampling_params.logprobs + 1
@@ -306,6 +365,18 @@ class Scheduler:
             return None
         request.scheduled_time_sent = True
         return request.first_scheduled_time
+
+    def _advance_grammar(self, request: Request, token: int) -> bool:
+        """Feed a kept token to the request's grammar; True when the grammar is complete (or
+        broken: a token it did not allow, e.g. min_tokens blocking the EOS it demanded)."""
+        manager = self.structured_output_manager
+        if manager is None or not manager.should_advance(request):
+            return False
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_tokens([token]):
+            logger.warning("request %s: token %d breaks its grammar", request.request_id, token)
+            return True
+        return grammar.is_terminated()
 
     def _check_stop(self, request: Request, token: int) -> None:
         params = request.sampling_params

@@ -42,6 +42,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str]  # preempted this step: drop their state too
     # Requests whose sampled token is kept (the step reaches the end of their known tokens).
     sampled_req_ids: set[str] = dataclasses.field(default_factory=set)
+    # Of those, the requests with a structured-output grammar: the step's sampling waits for
+    # their token bitmask (Scheduler.grammar_bitmask, once every earlier step is processed).
+    structured_output_req_ids: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass

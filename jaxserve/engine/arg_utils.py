@@ -45,6 +45,7 @@ class EngineArgs:
     # Paged attention: "pallas" (the Pallas kernel; default on GPU) or "reference" (the jnp
     # op; default elsewhere, where the kernel only runs interpreted).
     attention_backend: str | None = None
+    reasoning_parser: str | None = None  # e.g. deepseek_r1, qwen3 (jaxserve/reasoning)
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
@@ -89,6 +90,8 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             attention_backend=attention_backend,
             load_format=self.load_format,
+            tokenizer_path=self.tokenizer,
+            reasoning_parser=self.reasoning_parser,
         )
 
 

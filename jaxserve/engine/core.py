@@ -23,6 +23,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxserve.models.loader import load_model
+from jaxserve.structured_output import StructuredOutputManager
 from jaxserve.worker.model_runner import (
     ModelRunner,
     PendingStep,
@@ -30,6 +31,8 @@ from jaxserve.worker.model_runner import (
 )
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.005  # how long an idle step waits for a compiling grammar
 
 
 class EngineCore:
@@ -49,7 +52,10 @@ class EngineCore:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.compile_all()
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.structured_output_manager = StructuredOutputManager(config)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, num_blocks, self.structured_output_manager
+        )
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
 
@@ -90,13 +96,35 @@ class EngineCore:
             if pending is not None:
                 self.in_flight.append((scheduler_output, pending))
                 dispatched = True
+        self._sample_oldest()
         if not self.in_flight or (dispatched and len(self.in_flight) < self.max_in_flight):
-            return None
+            return self._outputs_outside_steps(dispatched)
         scheduler_output, pending = self.in_flight.popleft()
         runner_output = self.runner.fetch(pending)
         self.process_aborts_mid_step()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._sample_oldest()
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(), timestamp=time.time())
+
+    def _sample_oldest(self) -> None:
+        """Dispatch the sampling of the oldest step in flight if it waits for a grammar
+        bitmask: every step before it is processed, so its grammars are up to date."""
+        if self.in_flight and self.in_flight[0][1].fetch is None:
+            so, pending = self.in_flight[0]
+            bitmask = self.scheduler.grammar_bitmask(
+                pending.req_ids, so.sampled_req_ids, len(pending.req_ids)
+            )
+            self.in_flight[0] = (so, self.runner.dispatch_sample(pending, bitmask))
+
+    def _outputs_outside_steps(self, dispatched: bool) -> EngineCoreOutputs | None:
+        """Requests finished without a step (a grammar that failed to compile); with nothing
+        to run but grammars compiling, wait a little for them instead of spinning."""
+        outputs = self.scheduler.take_pending_outputs()
+        if outputs:
+            return EngineCoreOutputs(outputs, self.scheduler.make_stats(), timestamp=time.time())
+        if not dispatched and not self.in_flight and self.scheduler.num_waiting_for_grammar:
+            self.structured_output_manager.wait_for_grammars(GRAMMAR_POLL_S)
+        return None
 
     def process_aborts_mid_step(self) -> None:
         """Hook: aborts that arrived while the step ran (the core process applies them here,

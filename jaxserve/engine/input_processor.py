@@ -13,6 +13,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.ipc.messages import EngineCoreRequest
 from jaxserve.layers.sampler import MAX_BIAS_TOKENS
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured_output import validate_structured_outputs
 
 
 class InputProcessor:
@@ -112,6 +113,8 @@ class InputProcessor:
                 f"{len(blocked) if params.min_tokens else 0} stop tokens; together at most "
                 f"{MAX_BIAS_TOKENS} token ids"
             )
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -63,6 +63,7 @@ class SamplerVariant(NamedTuple):
     penalties: bool = False  # repetition / frequency / presence
     bias: bool = False  # logit_bias, or min_tokens blocking EOS and stop tokens
     logprobs: bool = False  # sampled-token logprobs (+ top-K)
+    structured: bool = False  # some row is constrained by a grammar (a token bitmask)
     dynamic: bool = False
 
     @classmethod
@@ -97,6 +98,8 @@ COMPILED_VARIANTS = (
     SamplerVariant(random=True, greedy=True, top_k=True, top_p=True),
     SamplerVariant(logprobs=True),
     SamplerVariant(random=True, greedy=True, logprobs=True),
+    SamplerVariant(structured=True),
+    SamplerVariant(random=True, greedy=True, top_k=True, top_p=True, structured=True),
     FULL_VARIANT,
 )
 
@@ -125,6 +128,9 @@ class SamplingMetadata(NamedTuple):
     seeds_hi: jax.Array  # u32[S]; its high word
     has_seed: jax.Array  # bool[S]
     output_positions: jax.Array  # i32[S]; tokens generated so far by this request
+    # i32[S, ceil(V/32)]: bit t % 32 of word t // 32 clear = token t is not allowed (a
+    # structured-output grammar); all bits set on free rows. None for variants without it.
+    token_bitmask: jax.Array | None = None
 
 
 class SamplerOutput(NamedTuple):
@@ -153,6 +159,8 @@ def sample(
     """
     _check_shapes(logits, md)
     logits = logits.astype(jnp.float32)  # [S, V]
+    if variant.structured and md.token_bitmask is not None:  # first: logprobs see it (vLLM)
+        logits = apply_token_bitmask(logits, md.token_bitmask)
 
     processed = logits
     if variant.bias:
@@ -209,6 +217,15 @@ def _sample_rows(
     if variant.dynamic:
         return lax.cond(jnp.any(greedy), with_greedy_rows, lambda: drawn)
     return with_greedy_rows()
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf on the tokens a row's bitmask leaves out: logits f32[S, V], bitmask
+    i32[S, ceil(V/32)] (bit t % 32 of word t // 32 set = token t allowed)."""
+    num_rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def draw_rows(logits: jax.Array, uniforms: jax.Array) -> jax.Array:

@@ -53,6 +53,7 @@ from jaxserve.layers.sampler import (
 )
 from jaxserve.models.llama import lm_logits
 from jaxserve.models.loader import LoadedModel
+from jaxserve.structured_output import bitmask_words
 from jaxserve.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class ModelRunner:
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, out_shardings=rep)
         self._init_penalty_row = jax.jit(_init_penalty_row, donate_argnums=(0,), out_shardings=rep)
         self._compiled: dict[tuple, Any] = {}  # (kind, shape...) -> compiled executable
+        self._free_bitmasks: dict[int, np.ndarray] = {}
         # Penalty state per input-batch row, on the device: (prompt_mask bool[R, V],
         # output_counts i32[R, V]). A penalised request's row is filled once when it is
         # scheduled (_init_penalty_row); each step with penalties then adds its sampled tokens.
@@ -386,41 +388,63 @@ class ModelRunner:
 
         params = [ib.params[r] for r in rows]
         sampling, has_bias = self._sampling_metadata(rows, s)
-        variant = pick_variant(SamplerVariant.of(params)._replace(bias=has_bias))
-        want_logprobs = any(p.logprobs is not None for p in params)
         appends = np.zeros(s, bool)  # the step reaches the end of the tokens: it is kept
         appends[:num_reqs] = [r in so.sampled_req_ids for r in req_ids]
         sample_inputs = SampleInputs(
-            sampling, np.pad(rows, (0, s - num_reqs)), appends, np.bool_(want_logprobs),
-            np.int32(self.step_count),
+            sampling, np.pad(rows, (0, s - num_reqs)), appends,
+            np.bool_(any(p.logprobs is not None for p in params)), np.int32(self.step_count),
         )  # fmt: skip
 
         last_hidden, hidden, self.kv_caches = self._executable("forward", t)(
             self.params, self.kv_caches, self.last_tokens, forward_inputs
         )
-        out, self.penalty_state, self.last_tokens = self._executable("sample", s, variant)(
-            self.head, last_hidden, self.penalty_state, self.last_tokens, sample_inputs
-        )
         self.step_count += 1
-        fetch = {"ids": out.token_ids}
-        if want_logprobs:
-            fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
-        if wants_prompt_lp.any():
-            fetch["prompt_logprobs"] = self._executable("prompt_logprobs", t)(
-                self.head, hidden, targets
-            )
-        for leaf in jax.tree.leaves(fetch):
-            leaf.copy_to_host_async()
         # The sampled tokens are placeholders until fetch(): the next step reads them from
         # last_tokens on the device.
         append_rows = rows[appends[:num_reqs]]
         append_positions = ib.num_tokens[append_rows].copy()
         ib.token_ids[append_rows, append_positions] = -1
         ib.num_tokens[append_rows] += 1
-        return PendingStep(
+        pending = PendingStep(
             req_ids, rows, appends[:num_reqs], append_positions, qsl, start, targets,
-            wants_prompt_lp, fetch,
+            wants_prompt_lp, fetch=None,
+            deferred=_DeferredSample(
+                SamplerVariant.of(params)._replace(bias=has_bias), sample_inputs, last_hidden,
+                hidden, t,
+            ),
         )  # fmt: skip
+        if so.structured_output_req_ids:
+            return pending  # sampled once the grammars have seen every earlier token
+        return self.dispatch_sample(pending, None)
+
+    def dispatch_sample(self, pending: PendingStep, bitmask: np.ndarray | None) -> PendingStep:
+        """Start a dispatched step's sampling; bitmask: i32[num_reqs, ceil(V/32)] (or None),
+        the allowed tokens of each row (structured outputs)."""
+        d = pending.deferred
+        sample_inputs, needed = d.sample_inputs, d.needed
+        if bitmask is not None:
+            s = sample_inputs.rows.shape[0]
+            padded = np.full((s, bitmask.shape[1]), -1, np.int32)
+            padded[: bitmask.shape[0]] = bitmask
+            sample_inputs = sample_inputs._replace(
+                sampling=sample_inputs.sampling._replace(token_bitmask=padded)
+            )
+            needed = needed._replace(structured=True)
+        s = sample_inputs.rows.shape[0]
+        variant = pick_variant(needed)
+        out, self.penalty_state, self.last_tokens = self._executable("sample", s, variant)(
+            self.head, d.last_hidden, self.penalty_state, self.last_tokens, sample_inputs
+        )
+        fetch = {"ids": out.token_ids}
+        if needed.logprobs:
+            fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
+        if pending.wants_prompt_lp.any():
+            fetch["prompt_logprobs"] = self._executable("prompt_logprobs", d.num_tokens)(
+                self.head, d.hidden, pending.targets
+            )
+        for leaf in jax.tree.leaves(fetch):
+            leaf.copy_to_host_async()
+        return pending._replace(fetch=fetch, deferred=None)
 
     def fetch(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and bring its results to the host: the step's one sync."""
@@ -452,6 +476,14 @@ class ModelRunner:
             result.logprobs, result.logprob_token_ids = lp[:num_reqs], lp_ids[:num_reqs]
             result.sampled_ranks = ranks[:num_reqs]
         return result
+
+    def _free_bitmask(self, s: int) -> np.ndarray:
+        """i32[s, ceil(V/32)] with every token allowed (a step without constrained rows: the
+        variants that ignore the mask never even transfer it)."""
+        if s not in self._free_bitmasks:
+            self._free_bitmasks[s] = np.full((s, bitmask_words(self.config.vocab_size)), -1,
+                                             np.int32)  # fmt: skip
+        return self._free_bitmasks[s]
 
     def _sampling_metadata(self, rows, s: int) -> tuple[SamplingMetadata, bool]:
         """Per-row sampling arrays for `rows` (host row ids), padded to s rows, and whether
@@ -488,7 +520,7 @@ class ModelRunner:
             repetition_penalty=repetition, prompt_mask=None, output_counts=None,  # step fills
             bias_token_ids=bias_ids, bias_values=bias_vals, seeds=seeds, seeds_hi=seeds_hi,
             has_seed=has_seed,
-            output_positions=out_pos,
+            output_positions=out_pos, token_bitmask=self._free_bitmask(s),
         )  # fmt: skip
         return md, bool((bias_ids >= 0).any())
 
@@ -524,7 +556,18 @@ class PendingStep(NamedTuple):
     start: np.ndarray  # i32[num_reqs]: first position run this step
     targets: np.ndarray  # i32[T]: prompt-logprob targets
     wants_prompt_lp: np.ndarray  # bool[num_reqs]
-    fetch: dict  # device arrays to bring back
+    fetch: dict | None  # device arrays to bring back; None until the sampling is dispatched
+    deferred: _DeferredSample | None = None  # the sampling, until dispatched
+
+
+class _DeferredSample(NamedTuple):
+    """What a step's sampling needs once its forward is dispatched."""
+
+    needed: SamplerVariant  # the passes the batch needs (structured added with a bitmask)
+    sample_inputs: SampleInputs
+    last_hidden: jax.Array  # [R, D]
+    hidden: jax.Array  # [T, D]
+    num_tokens: int  # T, the token bucket
 
 
 def _penalised(params) -> bool:

@@ -7,13 +7,18 @@ that names the field (`Expected int, got str - at $.max_tokens`); unknown fields
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
 
 import msgspec
 
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -47,10 +52,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     priority: int = 0
     user: str | None = None  # accepted, ignored
-    # Not supported yet: a 400 that says so (UNSUPPORTED below).
+    # Structured outputs (structured_outputs_params below); the guided_* fields are vLLM's
+    # names before 0.12, still sent by many clients, so still honoured.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
+    guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -236,26 +242,14 @@ def random_tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-UNSUPPORTED = {
-    "response_format": "response_format (structured output)",
-    "structured_outputs": "structured_outputs",
-    "guided_json": "guided_json",
-    "guided_regex": "guided_regex",
-    "guided_choice": "guided_choice",
-    "guided_grammar": "guided_grammar",
-    "tools": "tools (function calling)",
-    "suffix": "suffix",
-}
+UNSUPPORTED = {"suffix": "suffix"}
 
 
 def check_supported(request: _SamplingFields) -> None:
     """ValueError for fields this engine cannot honour yet (rather than ignoring them) and
     for values no SamplingParams field checks."""
     for field, what in UNSUPPORTED.items():
-        value = getattr(request, field, None)
-        if field == "response_format" and value is not None and value.get("type") == "text":
-            continue  # plain text is what we produce anyway
-        if value is not None and value != []:
+        if getattr(request, field, None) is not None:
             raise ValueError(f"{what} is not supported by jaxserve yet")
     for field in request.__struct_fields__:  # JSON ints are unbounded; msgpack's are not
         value = getattr(request, field)
@@ -263,6 +257,50 @@ def check_supported(request: _SamplingFields) -> None:
             raise ValueError(f"{field} must be a 64-bit signed integer, got {value}")
     if request.stream_options is not None and not request.stream:
         raise ValueError("stream_options is only allowed when stream is true")
+
+
+def structured_outputs_params(request: _SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint from whichever field carries it: response_format,
+    structured_outputs or a legacy guided_* field (two of them: a 400)."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = request.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ValueError(
+                    'response_format of type "json_schema" needs a json_schema object with a '
+                    f"schema, got {spec!r:.200}"
+                )
+            found.append(("response_format", {"json": spec["schema"]}))
+        elif kind == "structural_tag":
+            tag = {k: v for k, v in rf.items() if k != "type"}
+            found.append(("response_format", {"structural_tag": json.dumps(tag)}))
+        elif kind != "text":
+            raise ValueError(
+                "response_format.type must be text, json_object, json_schema or structural_tag, "
+                f"got {kind!r}"
+            )
+    if request.structured_outputs is not None:
+        found.append(("structured_outputs", request.structured_outputs))
+    for legacy in ("json", "regex", "choice", "grammar"):
+        value = getattr(request, f"guided_{legacy}")
+        if value is not None:
+            found.append((f"guided_{legacy}", {legacy: value}))
+    if len(found) > 1:
+        raise ValueError(
+            f"only one output constraint per request; got {', '.join(f for f, _ in found)}"
+        )
+    if not found:
+        return None
+    field, value = found[0]
+    try:
+        return msgspec.convert(value, StructuredOutputsParams)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"{field}: {e}") from None
 
 
 def to_sampling_params(
@@ -308,5 +346,6 @@ def to_sampling_params(
         prompt_logprobs=request.prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=logit_bias,
+        structured_outputs=structured_outputs_params(request),
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
     )

@@ -251,11 +251,14 @@ def test_bad_requests_fail_alone_with_openai_errors(client, server):
         client.completions.create(model=MODEL, prompt="hi", logprobs=21)
     with pytest.raises(openai.BadRequestError, match="out of vocabulary"):
         client.completions.create(model=MODEL, prompt="hi", logit_bias={"99999999": 1})
-    with pytest.raises(openai.BadRequestError, match="not supported"):
+    with pytest.raises(openai.BadRequestError, match="Invalid type: objekt"):
         client.chat.completions.create(
             model=MODEL,
             messages=CHAT,
-            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+            },
         )
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         client.chat.completions.create(
