@@ -188,9 +188,12 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
-            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
-                skipped.append(self.waiting.pop())
-                continue
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                if not request.structured_output_request.is_ready:
+                    skipped.append(self.waiting.pop())
+                    continue
+                if not self._grammar_compiled(request):  # finished, off the queue
+                    continue
             assert not request.num_output_placeholders, request  # resolved before readmission
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_computed, budget)
@@ -246,12 +249,10 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
-    def _grammar_ready(self, request: Request) -> bool:
-        """Whether a WAITING_FOR_FSM request may be scheduled (its grammar compiled). A
+    def _grammar_compiled(self, request: Request) -> bool:
+        """A WAITING_FOR_FSM request whose compile is done: True if it may be scheduled; a
         failed compile finishes it (aborted, reported with the next outputs)."""
         so = request.structured_output_request
-        if not so.is_ready:
-            return False
         if so.future.exception() is not None:
             logger.error("request %s: %s", request.request_id, so.future.exception())
             self.waiting.remove(request)

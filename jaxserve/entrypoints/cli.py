@@ -79,6 +79,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=["pallas", "reference"],
         help="paged attention: the Pallas kernel (default on GPU) or the jnp reference",
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think> reasoning into the reasoning field (deepseek_r1, qwen3); "
+        "structured outputs then bind after the reasoning",
+    )
     return parser
 
 
@@ -116,6 +122,23 @@ def _add_serve_parser(sub) -> None:
         help="require 'Authorization: Bearer KEY' on /v1 (or $JAXSERVE_API_KEY)",
     )
     serve.add_argument("--chat-template", default=None, help="a Jinja template or a file")
+    serve.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="message content as the template takes it: one string, or a list of text parts "
+        "(auto: detected from the template)",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes, llama3_json, mistral, pythonic",
+    )
     serve.add_argument(
         "--shutdown-timeout",
         type=float,

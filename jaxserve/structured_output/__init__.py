@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,9 @@ class StructuredOutputManager:
         self._backend: GuidanceBackend | None = None
         self._backend_lock = threading.Lock()
         self._compiling: list[Future] = []
+        # The step profile's structured-output cost: host time building bitmasks, and steps.
+        self.bitmask_seconds = 0.0
+        self.bitmask_steps = 0
         self.reasoner = None
         if config.reasoning_parser:
             from jaxserve.reasoning import ReasoningParserManager
@@ -130,8 +134,11 @@ class StructuredOutputManager:
         ]
         if not rows:
             return None
+        start = time.perf_counter()
         bitmask = np.full((num_rows, bitmask_words(self.vocab_size)), -1, np.int32)
         self.backend.fill_bitmask(rows, bitmask)
+        self.bitmask_seconds += time.perf_counter() - start
+        self.bitmask_steps += 1
         return bitmask
 
     def wait_for_grammars(self, timeout: float) -> None:

@@ -415,9 +415,9 @@ def test_structured_outputs_constrain_their_rows_only(llm):
     core(llm).scheduler.kv_cache_manager.check_no_leaks()
 
 
-def test_json_schema_always_valid_when_sampled_with_async_scheduling(tiny_pool):
-    """20 sampled requests at temperature 1.0 (async scheduling: each step's bitmask waits
-    for the step before it) all give JSON that validates."""
+def test_json_schema_valid_when_sampled_with_async_scheduling_and_preemption(tiny_pool):
+    """Sampled requests at temperature 1.0 (async scheduling: each step's bitmask waits for
+    the step before it; a small KV pool: preemptions) all give JSON that validates."""
     import json
 
     import jsonschema
@@ -425,10 +425,10 @@ def test_json_schema_always_valid_when_sampled_with_async_scheduling(tiny_pool):
     from jaxserve.sampling_params import StructuredOutputsParams as SO
 
     params = SamplingParams(temperature=1.0, max_tokens=200, structured_outputs=SO(json=PERSON))
-    outs = tiny_pool.chat([[{"role": "user", "content": "A person, as JSON."}]] * 20, params)
+    outs = tiny_pool.chat([[{"role": "user", "content": "A person, as JSON."}]] * 8, params)
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
-    assert len({o.outputs[0].text for o in outs}) > 10  # sampled, not one answer
+    assert len({o.outputs[0].text for o in outs}) > 4  # sampled, not one answer
     core(tiny_pool).scheduler.kv_cache_manager.check_no_leaks()
 
 

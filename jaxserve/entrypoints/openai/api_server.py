@@ -253,6 +253,9 @@ def build_app(
     *,
     api_key: str | None = None,
     chat_template: str | None = None,
+    chat_template_content_format: str = "auto",
+    enable_auto_tools: bool = False,
+    tool_parser: str | None = None,
     log_stats_interval: float = 10.0,
 ) -> Starlette:
     prometheus = PrometheusStatLogger(served_model_names[0])
@@ -290,7 +293,15 @@ def build_app(
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers
     )
-    app.state.serving = OpenAIServing(engine, served_model_names, chat_template=chat_template)
+    app.state.serving = OpenAIServing(
+        engine,
+        served_model_names,
+        chat_template=chat_template,
+        chat_template_content_format=chat_template_content_format,
+        enable_auto_tools=enable_auto_tools,
+        tool_parser=tool_parser,
+        reasoning_parser=engine.config.reasoning_parser,
+    )
     app.state.cpu = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize")
     app.state.engine_died = False
     app.state.on_engine_death = None  # run_server: stop uvicorn
@@ -307,6 +318,23 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
+def check_server_args(args) -> None:
+    """Flag errors before minutes of loading: parser names, auto tools without a parser."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    try:
+        if args.tool_call_parser:
+            from jaxserve.entrypoints.openai.tool_parsers import ToolParserManager
+
+            ToolParserManager.get_tool_parser(args.tool_call_parser)
+        if args.reasoning_parser:
+            from jaxserve.reasoning import ReasoningParserManager
+
+            ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
+    except (KeyError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+
+
 def run_server(args, engine_args) -> None:
     from jaxserve.models.loader import DEFAULT_MODEL_NAME
 
@@ -316,12 +344,16 @@ def run_server(args, engine_args) -> None:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
+    check_server_args(args)
     engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(
         engine,
         names,
         api_key=api_key,
         chat_template=load_chat_template(args.chat_template),
+        chat_template_content_format=args.chat_template_content_format,
+        enable_auto_tools=args.enable_auto_tool_choice,
+        tool_parser=args.tool_call_parser,
         log_stats_interval=float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10")),
     )
     host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host

@@ -17,6 +17,15 @@ from typing import Any
 import msgspec
 
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.chat_utils import (
+    CONTENT_FORMATS,
+    ChoiceParser,
+    check_tools,
+    content_format,
+    template_messages,
+    tool_choice,
+    tool_choice_constraint,
+)
 from jaxserve.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -53,12 +62,39 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLM, served_model_names: list[str], *, chat_template: str | None = None
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        *,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        enable_auto_tools: bool = False,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.engine = engine
         self.model_names = served_model_names
         self.chat_template = chat_template
         self.tokenizer = engine.get_tokenizer()
+        self.content_format = chat_template_content_format
+        if self.content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                f"got {self.content_format!r}"
+            )
+        self.tool_parser_cls = None
+        if tool_parser is not None:
+            from jaxserve.entrypoints.openai.tool_parsers import ToolParserManager
+
+            self.tool_parser_cls = ToolParserManager.get_tool_parser(tool_parser)
+        self.auto_tools = enable_auto_tools and self.tool_parser_cls is not None
+        self.reasoning_parser_cls = None
+        if reasoning_parser is not None:
+            from jaxserve.reasoning import ReasoningParserManager
+
+            self.reasoning_parser_cls = ReasoningParserManager.get_reasoning_parser(
+                reasoning_parser
+            )
         self.defaults = generation_defaults(engine.generation_config)
         self.max_model_len = engine.config.scheduler.max_model_len
 
@@ -99,11 +135,14 @@ class OpenAIServing:
             raise ValueError("this model has no tokenizer, so no chat template")
         if not request.messages:
             raise ValueError("messages must not be empty")
-        messages = [_chat_message(i, m) for i, m in enumerate(request.messages)]
+        template = request.chat_template or self.chat_template
+        fmt = content_format(template or self.tokenizer.chat_template, self.content_format)
+        messages = template_messages(request.messages, fmt)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
-                chat_template=request.chat_template or self.chat_template,
+                tools=request.tools,
+                chat_template=template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tokenize=False,
@@ -195,8 +234,11 @@ class OpenAIServing:
     def prepare_chat(self, request: ChatCompletionRequest):
         self.check_model(request.model)
         check_supported(request)
+        check_tools(request, auto_tools=self.auto_tools)
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        if self.tool_parser_cls is not None and request.tools:
+            request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
         prompt = self.chat_prompt(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_tokens
@@ -209,6 +251,14 @@ class OpenAIServing:
         params = to_sampling_params(
             request, self.defaults, max_tokens=max_tokens, logprobs=logprobs
         )
+        constraint = tool_choice_constraint(request)
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise ValueError(
+                    f"tool_choice {tool_choice(request)!r:.100} cannot be combined with "
+                    "another output constraint (response_format, structured_outputs)"
+                )
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
         request_id = random_id("chatcmpl")
         return request_id, self._validate(request_id, [prompt], params), params
 
@@ -218,15 +268,13 @@ class OpenAIServing:
         choices = []
         for c in out.outputs:
             logprobs = self._chat_logprobs(c, request)
-            choices.append(
-                ChatChoice(
-                    c.index,
-                    ChatMessage("assistant", c.text),
-                    logprobs,
-                    c.finish_reason,
-                    c.stop_reason,
-                )
+            message, called = self._choice_parser(request).full(c.text)
+            if not request.include_reasoning:
+                message.reasoning = message.reasoning_content = None
+            finish_reason = (
+                "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
             )
+            choices.append(ChatChoice(c.index, message, logprobs, finish_reason, c.stop_reason))
         usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
         response = ChatCompletionResponse(
             request_id, int(time.time()), self._name(request.model), choices, usage
@@ -246,33 +294,41 @@ class OpenAIServing:
                 usage = UsageInfo.of(prompt_tokens, completion_tokens)
             return sse(ChatCompletionChunk(request_id, created, model, choices, usage))
 
+        parsers = [self._choice_parser(request) for _ in range(params.n)]
         try:
             for i in range(params.n):  # the role first, once per choice
                 yield chunk([ChatStreamChoice(i, ChatMessage("assistant", ""))])
             async for _, out in self._merged(request_id, prompts, params, request.priority):
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
+                    parser = parsers[c.index]
+                    delta = parser.delta(c.text, c.token_ids) if c.text else None
+                    finish_reason = c.finish_reason
+                    if finish_reason is not None:
+                        delta = _joined(delta, parser.finish())
+                        if parser.tools_called and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    if delta is not None and not request.include_reasoning:
+                        delta.reasoning = delta.reasoning_content = None
                     # Held-back text still sends its tokens' logprobs, when asked for.
                     has_logprobs = bool(request.logprobs and c.token_ids)
-                    if not c.text and c.finish_reason is None and not has_logprobs:
+                    if delta is None and finish_reason is None and not has_logprobs:
                         continue
                     logprobs = self._chat_logprobs(c, request)
+                    delta = delta or ChatMessage(content="")
                     yield chunk(
-                        [
-                            ChatStreamChoice(
-                                c.index,
-                                ChatMessage(content=c.text),
-                                logprobs,
-                                c.finish_reason,
-                                c.stop_reason,
-                            )
-                        ]
+                        [ChatStreamChoice(c.index, delta, logprobs, finish_reason, c.stop_reason)]
                     )
             if include_usage:
                 yield chunk([], UsageInfo.of(prompt_tokens, completion_tokens))
         except Exception as e:
             yield sse(error_body(e))
         yield SSE_DONE
+
+    def _choice_parser(self, request: ChatCompletionRequest) -> ChoiceParser:
+        return ChoiceParser(
+            request, self.tool_parser_cls, self.reasoning_parser_cls, self.tokenizer
+        )
 
     # ------------------------------------------------------------------ running
     async def _gather(self, request_id, prompts, params, priority) -> list[RequestOutput]:
@@ -387,35 +443,18 @@ class OpenAIServing:
         return {"content": content}
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-
-
-def _chat_message(i: int, message: dict[str, Any]) -> dict[str, Any]:
-    """A message as chat templates take it: a known role; content a string (a list of text
-    parts joined with newlines, as vLLM does for string-content templates; null -> "")."""
-    role = message.get("role")
-    if role not in _ROLES:
-        raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
-    content = message.get("content")
-    if content is None:
-        content = ""
-    elif isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(
-                    f"messages[{i}].content[{j}] must be a text part "
-                    f'({{"type": "text", "text": ...}}), got {part!r:.200}'
-                )
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    elif not isinstance(content, str):
-        raise ValueError(
-            f"messages[{i}].content must be a string, a list of parts or null, "
-            f"got {type(content).__name__}"
-        )
-    return {**message, "content": content}
+def _joined(a: ChatMessage | None, b: ChatMessage | None) -> ChatMessage | None:
+    """Two deltas of one choice as one (a's text first)."""
+    if a is None or b is None:
+        return a or b
+    cat = lambda x, y: (x or "") + (y or "") or None  # noqa: E731
+    reasoning = cat(a.reasoning, b.reasoning)
+    return ChatMessage(
+        content=cat(a.content, b.content),
+        reasoning=reasoning,
+        reasoning_content=reasoning,
+        tool_calls=[*a.tool_calls, *b.tool_calls],
+    )
 
 
 def _usage_options(request) -> tuple[bool, bool]:

@@ -8,7 +8,7 @@ from tests.entrypoints.openai.test_api_server import KEY, Server
 
 @pytest.fixture(scope="package")
 def server():
-    s = Server("--api-key", KEY)
+    s = Server("--api-key", KEY, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     s.stop()
 

@@ -218,7 +218,9 @@ def test_fuzzed_bodies_get_no_500_and_the_engine_drains(server):
               "logprobs", "top_logprobs", "echo", "logit_bias", "priority", "min_tokens",
               "ignore_eos", "stream", "stream_options", "prompt_logprobs", "messages",
               "prompt", "max_completion_tokens", "skip_special_tokens", "response_format",
-              "include_stop_str_in_output", "user", "model"]  # fmt: skip
+              "include_stop_str_in_output", "user", "model", "structured_outputs",
+              "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+              "tool_choice", "parallel_tool_calls", "include_reasoning"]  # fmt: skip
 
     def value(depth=0):
         kinds = ["int", "bigint", "neg", "float", "nan", "str", "bool", "none", "list", "dict"]

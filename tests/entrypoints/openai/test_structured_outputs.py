@@ -1,0 +1,178 @@
+"""Structured outputs and tool calling through the official openai client, on the default
+model (the package's shared server: --enable-auto-tool-choice --tool-call-parser hermes)."""
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+
+from tests.entrypoints.openai.test_api_server import MODEL
+from tests.entrypoints.test_llm import PERSON
+
+pytestmark = pytest.mark.slow
+
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer"},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 30}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_json_schema_always_validates_over_20_sampled_requests(client):
+    def one(i):
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, temperature=1.0, max_tokens=200, seed=i,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            },
+        )  # fmt: skip
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(20) as pool:
+        texts = list(pool.map(one, range(20)))
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 10
+
+
+def test_regex_choice_json_object_and_legacy_fields_match(client):
+    for i in range(4):
+        r = client.completions.create(
+            model=MODEL, prompt="My phone number is", temperature=1.0, max_tokens=30, seed=i,
+            extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}},
+        )  # fmt: skip
+        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", r.choices[0].text)
+        r = client.chat.completions.create(
+            model=MODEL, messages=ASK, temperature=1.0, max_tokens=10, seed=i,
+            extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
+        )  # fmt: skip
+        assert r.choices[0].message.content in ("positive", "negative")
+    legacy = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=10,
+        extra_body={"guided_choice": ["alpha", "beta"]},
+    )  # fmt: skip
+    assert legacy.choices[0].message.content in ("alpha", "beta")
+    obj = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=120, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": 'Reply with {"answer": 2 + 2} as JSON.'}],
+    )  # fmt: skip
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_named_and_required_tool_calls_always_have_valid_arguments(client):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for i in range(3):
+        named = client.chat.completions.create(
+            model=MODEL, messages=TOOL_ASK, tools=[WEATHER, TIME], temperature=1.0, seed=i,
+            max_tokens=100, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )  # fmt: skip
+        choice = named.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content == ""
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and re.fullmatch(
+            r"chatcmpl-tool-[0-9a-f]{32}", call.id
+        )
+        jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
+
+        required = client.chat.completions.create(
+            model=MODEL, messages=TOOL_ASK, tools=[WEATHER, TIME], temperature=1.0, seed=i,
+            max_tokens=150, tool_choice="required", parallel_tool_calls=False,
+        )  # fmt: skip
+        choice = required.choices[0]  # (one call: a 135M model may repeat calls endlessly)
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_streamed_tool_call_deltas_concatenate_to_the_non_streamed_call(client, tool_choice):
+    kwargs = dict(model=MODEL, messages=TOOL_ASK, tools=[WEATHER, TIME], temperature=0,
+                  max_tokens=150, tool_choice=tool_choice)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                if d.id:
+                    assert call["id"] is None and d.function.name  # id and name come first
+                    call["id"], call["name"] = d.id, d.function.name
+                call["arguments"] += d.function.arguments or ""
+    expected = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
+    assert finish == whole.finish_reason
+
+
+def test_auto_tool_choice_and_tool_history_render(client):
+    """tool_choice auto (the hermes parser reads the text), with a history of an assistant
+    call and its tool result going through the chat template."""
+    history = [
+        *TOOL_ASK,
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        }]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], temperature=0, max_tokens=30
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "needs a json_schema object with a schema"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "Invalid regex specification"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "only one output constraint"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": []}, "tools must not be empty"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "'nope', which is not in tools"),
+        ({"tools": [WEATHER], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ],
+)  # fmt: skip
+def test_bad_constraints_and_tool_settings_are_400s(client, body, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=body)
+    assert message in e.value.message
