@@ -99,6 +99,7 @@ COMPILED_VARIANTS = (
     SamplerVariant(logprobs=True),
     SamplerVariant(random=True, greedy=True, logprobs=True),
     SamplerVariant(structured=True),
+    SamplerVariant(random=True, greedy=True, structured=True),
     SamplerVariant(random=True, greedy=True, top_k=True, top_p=True, structured=True),
     FULL_VARIANT,
 )
