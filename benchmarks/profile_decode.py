@@ -9,7 +9,10 @@ ids are prefilled and then decoded; once every request is decoding:
   attention: the reference attention op alone on that step's metadata, times the layers;
 - sampler: the compiled sampling executable of that step (LM head, the step's sampler
   variant, penalty and last-token bookkeeping), replayed the same way;
-- host: engine - forward - sampler (scheduling, batch building, dispatch, fetch, update).
+- host: engine - forward - sampler (scheduling, batch building, dispatch, fetch, update);
+- grammar (with --constrained, part of host): building the step's structured-output token
+  bitmask, replayed on the last step's requests. --constrained gives every request a regex
+  that never completes in practice (letters, then the unlikely "ZQXJ!"), so decode goes on.
 
 Each part is the median of --iters runs after one warm-up, block_until_ready each time.
 
@@ -53,6 +56,12 @@ def profile_batch(core, batch: int, args, rng) -> dict:
 
     runner = core.runner
     params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=10**4)
+    if args.constrained:
+        from jaxserve.sampling_params import StructuredOutputsParams
+
+        so = StructuredOutputsParams(regex=r"[a-z ,.]+ZQXJ!")
+        params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=10**4,
+                                structured_outputs=so)  # fmt: skip
     ids = [f"p{batch}-{i}" for i in range(batch)]
     vocab = runner.config.vocab_size
     for rid in ids:
@@ -105,6 +114,12 @@ def profile_batch(core, batch: int, args, rng) -> dict:
         return out
 
     sampler_ms = median_ms(run_sampler, iters=args.iters)
+    live = [r for r in ids if r in core.scheduler.requests]
+    grammar_ms = 0.0
+    if args.constrained:
+        grammar_ms = median_ms(
+            core.scheduler.grammar_bitmask, live, set(live), len(live), iters=args.iters
+        )
     core.abort_requests(ids)
     while core.has_unfinished_requests():
         core.step()
@@ -112,7 +127,7 @@ def profile_batch(core, batch: int, args, rng) -> dict:
         batch=batch, tokens_bucket=forward_key[1], seqs_bucket=sample_key[1],
         engine_ms=engine_ms, host_ms=engine_ms - forward_ms - sampler_ms,
         forward_ms=forward_ms, attention_ms=attention_ms, sampler_ms=sampler_ms,
-        sampler_variant=sample_key[2],
+        sampler_variant=sample_key[2], grammar_ms=grammar_ms,
     )  # fmt: skip
 
 
@@ -124,6 +139,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=96, help="context at decode")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--constrained", action="store_true", help="every request constrained (grammar_ms)"
+    )
     add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.max_num_seqs is None:
@@ -134,6 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rng = np.random.default_rng(args.seed)
     rows = [profile_batch(core, b, args, rng) for b in args.batch_sizes]
     cols = ["batch", "engine_ms", "host_ms", "forward_ms", "attention_ms", "sampler_ms"]
+    cols += ["grammar_ms"] if args.constrained else []
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

@@ -76,6 +76,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -94,7 +95,7 @@ class ModelConfig:
             "Qwen2"
         )
         sliding_window = getattr(hf_config, "sliding_window", None)
-        if archs[0].startswith("Qwen2") and not getattr(hf_config, "use_sliding_window", False):
+        if archs[0].startswith("Qwen") and not getattr(hf_config, "use_sliding_window", False):
             sliding_window = None
         return cls(
             architecture=archs[0],
@@ -111,6 +112,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             sliding_window=sliding_window,
+            qk_norm=archs[0].startswith("Qwen3"),
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )

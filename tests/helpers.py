@@ -32,10 +32,11 @@ TINY = dict(
 
 
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
-    """Save a random-weight HF model of `family` (llama | mistral | qwen2) to out_dir, fp32."""
+    """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3) to out_dir,
+    fp32."""
     import transformers
 
-    cls_name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    cls_name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     config = getattr(transformers, f"{cls_name}Config")(**{**TINY, **overrides})
     config.architectures = [f"{cls_name}ForCausalLM"]
     torch.manual_seed(0)

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
+from jaxserve.layers.norm import RMSNorm
 from jaxserve.layers.rotary import apply_rotary, rope_inv_freq
 from pallas_kernels.paged_attention import (
     ragged_paged_attention,
@@ -111,6 +112,10 @@ class Attention(nnx.Module):
         width = self.num_kv_heads * (self.group + 2) * hd
         self.qkv_proj = Linear(d, width, bias=config.attention_bias, dtype=config.dtype, rngs=rngs)
         self.o_proj = Linear(hq * hd, d, dtype=config.dtype, rngs=rngs)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype=config.dtype)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype=config.dtype)
+        self.qk_norm = config.qk_norm
         self.rope = config.rope
         self.head_dim = hd
         self.backend, self.mesh = "reference", None  # configure_attention sets these
@@ -130,8 +135,11 @@ class Attention(nnx.Module):
         t, hd, g = x.shape[0], self.head_dim, self.group
         qkv = self.qkv_proj(x).reshape(t, self.num_kv_heads, g + 2, hd)  # [T, Hkv, G + 2, hd]
         inv_freq = rope_inv_freq(hd, self.rope)  # a trace-time constant
-        q = apply_rotary(qkv[:, :, :g].reshape(t, -1, hd), positions, inv_freq)  # [T, Hq, hd]
-        k = apply_rotary(qkv[:, :, g], positions, inv_freq)  # [T, Hkv, hd]
+        q, k = qkv[:, :, :g].reshape(t, -1, hd), qkv[:, :, g]  # [T, Hq, hd], [T, Hkv, hd]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, positions, inv_freq)
+        k = apply_rotary(k, positions, inv_freq)
         v = qkv[:, :, g + 1]  # [T, Hkv, hd]
         k_cache = write_kv(k_cache, k, md.slot_mapping)
         v_cache = write_kv(v_cache, v, md.slot_mapping)

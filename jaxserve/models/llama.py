@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax NNX.
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) in Flax NNX.
 
 One forward call runs a flat batch of tokens from many sequences over a paged KV cache. Each
 decoder layer has its own parameter arrays and the layers run as a plain Python loop (unrolled

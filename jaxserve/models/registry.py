@@ -6,6 +6,7 @@ _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # + q/k norms (ModelConfig.qk_norm)
 }
 
 

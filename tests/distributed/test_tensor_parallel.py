@@ -10,10 +10,12 @@ from tests.helpers import hf_logits, hf_model, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=[("qwen2", {}), ("qwen3", {"head_dim": 16})],
+                ids=["qwen2", "qwen3"])  # fmt: skip
+def model_dir(request, tmp_path_factory):
     # 8 query heads, 2 KV heads: tp=2 shards the KV heads, tp=4 replicates them.
-    return make_tiny_hf("qwen2", tmp_path_factory.mktemp("tp"), num_key_value_heads=2)
+    family, overrides = request.param
+    return make_tiny_hf(family, tmp_path_factory.mktemp("tp"), num_key_value_heads=2, **overrides)
 
 
 def test_logits_identical_across_tp(model_dir, cpu_devices):
@@ -25,7 +27,8 @@ def test_logits_identical_across_tp(model_dir, cpu_devices):
         qkv = loaded.model.layers[0].self_attn.qkv_proj.kernel[...]
         # each device: its 8 / tp query heads and the (one copy of the) KV head they use
         heads_per_device = 8 // tp + 2 * max(1, 2 // tp)
-        assert qkv.sharding.shard_shape(qkv.shape)[1] == heads_per_device * 8  # head_dim 8
+        hd = loaded.config.head_dim
+        assert qkv.sharding.shard_shape(qkv.shape)[1] == heads_per_device * hd
         fed, results[tp] = run_mixed_schedule(loaded, prompts)
     for tp in (2, 4):
         for seq in results[1]:

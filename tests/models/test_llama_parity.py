@@ -30,6 +30,8 @@ FAMILIES = {
     ),  # fmt: skip
     "mistral": ("mistral", dict(sliding_window=None)),
     "qwen2-bias": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    # q/k norms, and a head_dim that is not hidden_size / heads (8 x 16 = 128 != 64)
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
 }
 
 
