@@ -26,13 +26,20 @@ class RopeConfig:
     """Rotary embedding parameters (HF `rope_parameters` / `rope_theta` + `rope_scaling`)."""
 
     theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3
+    rope_type: str = "default"  # default | linear | llama3 | yarn
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192
+    # yarn: cos / sin scale (None: from factor, mscale, mscale_all_dim) and the ramp's bounds
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
-    SUPPORTED = ("default", "linear", "llama3")
+    SUPPORTED = ("default", "linear", "llama3", "yarn")
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> RopeConfig:
@@ -46,15 +53,25 @@ class RopeConfig:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(cls.SUPPORTED)}"
             )
+        # As transformers standardises it: the config's own field first (Phi-3 keeps it
+        # there), then the rope parameters, then max_position_embeddings.
+        original = getattr(hf_config, "original_max_position_embeddings", None) or params.get(
+            "original_max_position_embeddings", getattr(hf_config, "max_position_embeddings", 8192)
+        )
+        optional = lambda key: None if params.get(key) is None else float(params[key])  # noqa: E731
         return cls(
             theta=float(theta),
             rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
+            factor=float(params.get("factor") or 1.0),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                params.get("original_max_position_embeddings", 8192)
-            ),
+            original_max_position_embeddings=int(original),
+            attention_factor=optional("attention_factor"),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=optional("mscale"),
+            mscale_all_dim=optional("mscale_all_dim"),
+            truncate=bool(params.get("truncate", True)),
         )
 
 

@@ -15,7 +15,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
-from jaxserve.layers.rotary import apply_rotary, rope_inv_freq
+from jaxserve.layers.rotary import apply_rotary, rope_attention_factor, rope_inv_freq
 from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -138,8 +138,9 @@ class Attention(nnx.Module):
         q, k = qkv[:, :, :g].reshape(t, -1, hd), qkv[:, :, g]  # [T, Hq, hd], [T, Hkv, hd]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, positions, inv_freq)
-        k = apply_rotary(k, positions, inv_freq)
+        scale = rope_attention_factor(self.rope)
+        q = apply_rotary(q, positions, inv_freq, scale)
+        k = apply_rotary(k, positions, inv_freq, scale)
         v = qkv[:, :, g + 1]  # [T, Hkv, hd]
         k_cache = write_kv(k_cache, k, md.slot_mapping)
         v_cache = write_kv(v_cache, v, md.slot_mapping)

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF's rotate-half layout) with linear and llama3 scaling."""
+"""Rotary position embeddings (HF's rotate-half layout) with linear, llama3 and YaRN scaling."""
 
 import math
 
@@ -26,14 +26,58 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = np.where(is_medium, smoothed, scaled)
+    elif rope.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(head_dim, rope)
     return inv_freq.astype(np.float32)
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x: [T, H, D] by angles positions [T] x inv_freq [D // 2]; float32 math."""
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The scale of cos and sin: 1, or YaRN's attention factor (0.1 ln(factor) + 1 unless the
+    config gives it, or mscale / mscale_all_dim say otherwise)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return mscale(rope.factor, rope.mscale) / mscale(rope.factor, rope.mscale_all_dim)
+    return mscale(rope.factor)
+
+
+def _yarn_inv_freq(dim: int, rope: RopeConfig) -> np.ndarray:
+    """YaRN: interpolated (divided by factor) low frequencies, extrapolated (unchanged) high
+    ones, and a linear ramp between the dimensions that turn beta_slow and beta_fast times
+    over the original context."""
+
+    def correction_dim(rotations: float) -> float:
+        wavelengths = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    pos_freqs = rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    return (1 / (rope.factor * pos_freqs)) * (1 - extrapolate) + (1 / pos_freqs) * extrapolate
+
+
+def apply_rotary(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
+) -> jax.Array:
+    """Rotate x: [T, H, D] by angles positions [T] x inv_freq [D // 2], cos and sin times
+    scale (YaRN's attention factor); float32 math."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)

@@ -30,6 +30,14 @@ FAMILIES = {
     ),  # fmt: skip
     "mistral": ("mistral", dict(sliding_window=None)),
     "qwen2-bias": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama-yarn": (
+        "llama",
+        dict(
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8
+            )
+        ),
+    ),  # fmt: skip
     # q/k norms, and a head_dim that is not hidden_size / heads (8 x 16 = 128 != 64)
     "qwen3-qk-norm": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
 }
