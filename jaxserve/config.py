@@ -104,6 +104,11 @@ class ModelConfig:
             raise ValueError("HF config has no `architectures` entry; cannot pick a model class")
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
+        rope_params = getattr(hf_config, "rope_parameters", None) or {}
+        partial = rope_params.get("partial_rotary_factor", None)
+        partial = getattr(hf_config, "partial_rotary_factor", None) if partial is None else partial
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
         num_heads = hf_config.num_attention_heads

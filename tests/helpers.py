@@ -32,11 +32,13 @@ TINY = dict(
 
 
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
-    """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3) to out_dir,
-    fp32."""
+    """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3) to
+    out_dir, fp32."""
     import transformers
 
-    cls_name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+             "phi3": "Phi3"}  # fmt: skip
+    cls_name = names[family]
     config = getattr(transformers, f"{cls_name}Config")(**{**TINY, **overrides})
     config.architectures = [f"{cls_name}ForCausalLM"]
     torch.manual_seed(0)

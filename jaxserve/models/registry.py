@@ -1,12 +1,14 @@
 """HF `architectures` name -> model class."""
 
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.phi3 import Phi3ForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,  # + q/k norms (ModelConfig.qk_norm)
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv / gate_up checkpoints
 }
 
 

@@ -10,8 +10,11 @@ from tests.helpers import hf_logits, hf_model, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
 
 
-@pytest.fixture(scope="module", params=[("qwen2", {}), ("qwen3", {"head_dim": 16})],
-                ids=["qwen2", "qwen3"])  # fmt: skip
+@pytest.fixture(
+    scope="module",
+    params=[("qwen2", {}), ("qwen3", {"head_dim": 16}), ("phi3", {"pad_token_id": 0})],
+    ids=["qwen2", "qwen3", "phi3"],
+)
 def model_dir(request, tmp_path_factory):
     # 8 query heads, 2 KV heads: tp=2 shards the KV heads, tp=4 replicates them.
     family, overrides = request.param

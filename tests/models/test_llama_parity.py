@@ -38,6 +38,7 @@ FAMILIES = {
             )
         ),
     ),  # fmt: skip
+    "phi3-fused": ("phi3", dict(pad_token_id=0)),  # HF's qkv_proj and gate_up_proj
     # q/k norms, and a head_dim that is not hidden_size / heads (8 x 16 = 128 != 64)
     "qwen3-qk-norm": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
 }
