@@ -92,7 +92,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # each token attends to the latest this many keys
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -141,9 +141,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence the model attends over in full (capped by a sliding window)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence the model takes (a sliding window is honoured by the attention,
+        so it does not cap it)."""
         return self.max_position_embeddings
 
     @property

@@ -62,6 +62,7 @@ def paged_attention(
     md: AttentionMetadata,
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
     backend: str = "reference",
     mesh: Mesh | None = None,
 ) -> jax.Array:
@@ -73,9 +74,14 @@ def paged_attention(
     """
     args = (q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs)
     if backend == "reference":
-        return ragged_paged_attention_reference(*args, sm_scale=sm_scale)
+        return ragged_paged_attention_reference(
+            *args, sm_scale=sm_scale, sliding_window=sliding_window
+        )
     on_gpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "gpu"
-    kernel = functools.partial(ragged_paged_attention, sm_scale=sm_scale, interpret=not on_gpu)
+    kernel = functools.partial(
+        ragged_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window,
+        interpret=not on_gpu,
+    )  # fmt: skip
     if mesh is None or mesh.shape[TP_AXIS] == 1:
         return kernel(*args)
     heads, cache = P(None, TP_AXIS, None), P(None, None, TP_AXIS, None)
@@ -117,6 +123,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype=config.dtype)
         self.qk_norm = config.qk_norm
         self.rope = config.rope
+        self.sliding_window = config.sliding_window
         self.head_dim = hd
         self.backend, self.mesh = "reference", None  # configure_attention sets these
 
@@ -145,6 +152,7 @@ class Attention(nnx.Module):
         k_cache = write_kv(k_cache, k, md.slot_mapping)
         v_cache = write_kv(v_cache, v, md.slot_mapping)
         out = paged_attention(
-            q, k_cache, v_cache, md, sm_scale=hd**-0.5, backend=self.backend, mesh=self.mesh
-        )  # [T, Hq, hd]
+            q, k_cache, v_cache, md, sm_scale=hd**-0.5, sliding_window=self.sliding_window,
+            backend=self.backend, mesh=self.mesh,
+        )  # fmt: skip
         return self.o_proj(out.reshape(t, -1)), k_cache, v_cache

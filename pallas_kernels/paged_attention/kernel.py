@@ -94,21 +94,26 @@ def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visib
 def _decode_kernel(
     kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
     *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float, exact: bool,
+    window: int | None,
 ):  # fmt: skip
     """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D], m_ref/l_ref [BH]."""
     seq, split = pl.program_id(0), pl.program_id(2)
     block_size = k_ref.shape[1]
     kv_len = kv_lens_ref[seq]
     num_pages = pl.cdiv(kv_len, block_size)
-    per_split = pl.cdiv(pl.cdiv(num_pages, num_splits), pages_per_step) * pages_per_step
-    first = split * per_split
+    lowest_key = 0 if window is None else jnp.maximum(kv_len - window, 0)
+    start_page = lowest_key // block_size  # pages before the window are not read
+    per_split = pl.cdiv(pl.cdiv(num_pages - start_page, num_splits), pages_per_step)
+    per_split *= pages_per_step
+    first = start_page + split * per_split
     last = jnp.minimum(first + per_split, num_pages)
     num_steps = pl.cdiv(jnp.maximum(last - first, 0), pages_per_step)
 
     rows = q_ref.shape[0]
 
     def visible(key_pos):
-        return jnp.broadcast_to((key_pos < kv_len)[None, :], (rows, key_pos.shape[0]))
+        seen = (key_pos < kv_len) & (key_pos >= lowest_key)
+        return jnp.broadcast_to(seen[None, :], (rows, key_pos.shape[0]))
 
     m, l, acc = _attend(
         q_ref[...], k_ref, v_ref, block_tables_ref, seq, first, num_steps, visible,
@@ -123,7 +128,7 @@ def _mixed_kernel(
     tile_seq_ref, tile_row_ref, kv_lens_ref, query_start_loc_ref, block_tables_ref,
     q_ref, k_ref, v_ref, o_ref,
     *, group: int, q_block: int, max_blocks: int, pages_per_step: int, scale: float,
-    exact: bool,
+    exact: bool, window: int | None,
 ):  # fmt: skip
     """Program (tile, kv_head): q_ref/o_ref [T*G + q_block, D] rows of this KV head."""
     tile = pl.program_id(0)
@@ -147,10 +152,21 @@ def _mixed_kernel(
 
         last_tok = jnp.minimum((row0 + q_block - 1) // group, q_len - 1)
         num_keys = kv_len - q_len + last_tok + 1  # keys visible to the tile's last row
-        num_steps = pl.cdiv(num_keys, pages_per_step * block_size)
+        first_page = 0
+        if window is not None:  # the tile's first row sees nothing before its window
+            first_key = jnp.maximum(kv_len - q_len + row0 // group - window + 1, 0)
+            first_page = first_key // block_size
+        step_tokens = pages_per_step * block_size
+        num_steps = pl.cdiv(jnp.maximum(num_keys - first_page * block_size, 0), step_tokens)
+
+        def visible(key_pos):
+            seen = key_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                seen &= key_pos[None, :] > q_pos[:, None] - window
+            return seen
+
         _, l, acc = _attend(
-            q, k_ref, v_ref, block_tables_ref, seq, 0, num_steps,
-            lambda key_pos: key_pos[None, :] <= q_pos[:, None],
+            q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible,
             max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
         )  # fmt: skip
         out = acc / jnp.maximum(l, 1e-30)[:, None]
@@ -159,7 +175,7 @@ def _mixed_kernel(
 
 def _decode(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, scale, exact,
-    pages_per_step, num_splits, num_warps, num_stages, interpret,
+    pages_per_step, num_splits, num_warps, num_stages, interpret, window,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -174,7 +190,7 @@ def _decode(
 
     kernel = functools.partial(
         _decode_kernel, max_blocks=max_blocks, pages_per_step=pages_per_step,
-        num_splits=num_splits, scale=scale, exact=exact,
+        num_splits=num_splits, scale=scale, exact=exact, window=window,
     )  # fmt: skip
     part = (num_splits, max_seqs, num_kv_heads, rows)
     o, m, l = pl.pallas_call(
@@ -215,7 +231,7 @@ def _decode(
 
 def _mixed(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, scale, exact,
-    q_block, pages_per_step, num_warps, num_stages, interpret,
+    q_block, pages_per_step, num_warps, num_stages, interpret, window,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -244,7 +260,7 @@ def _mixed(
 
     kernel = functools.partial(
         _mixed_kernel, group=group, q_block=q_block, max_blocks=max_blocks,
-        pages_per_step=pages_per_step, scale=scale, exact=exact,
+        pages_per_step=pages_per_step, scale=scale, exact=exact, window=window,
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,
@@ -277,7 +293,7 @@ def _mixed(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "decode_pages_per_step", "num_kv_splits", "q_block",
+        "sm_scale", "sliding_window", "decode_pages_per_step", "num_kv_splits", "q_block",
         "prefill_kv_tokens_per_step", "num_warps", "num_stages", "interpret",
     ),
 )  # fmt: skip
@@ -291,6 +307,7 @@ def ragged_paged_attention(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
     decode_pages_per_step: int | None = None,
     num_kv_splits: int = 8,
     q_block: int = 64,
@@ -310,6 +327,8 @@ def ragged_paged_attention(
       query_start_loc: i32[S+1] row offsets of each sequence's queries in q.
       num_seqs: i32[1] number of real sequences; later entries are padding.
       sm_scale: softmax scale, usually head_dim ** -0.5.
+      sliding_window: each query sees only the latest this many keys (its own included);
+        pages before a program's window are skipped.
       decode_pages_per_step: KV pages per inner step of the decode kernel (default: 128
         tokens' worth).
       num_kv_splits: programs a decode sequence's context is split across (merged after).
@@ -339,7 +358,7 @@ def ragged_paged_attention(
     query_start_loc = query_start_loc.astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32)
     common = dict(scale=sm_scale * _LOG2E, exact=exact, num_warps=num_warps,
-                  num_stages=num_stages, interpret=interpret)  # fmt: skip
+                  num_stages=num_stages, interpret=interpret, window=sliding_window)  # fmt: skip
 
     max_seqs = block_tables.shape[0]
     n = num_seqs[0]

@@ -31,7 +31,7 @@ _Q_TILE = 16  # query rows per tile (the tiled path)
 _TILE_GROUP = 4  # tiles attended together (the tiled path)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -42,6 +42,7 @@ def ragged_paged_attention_reference(
     num_seqs: jax.Array,
     *,
     sm_scale: float,
+    sliding_window: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged queries over a paged KV cache.
 
@@ -53,6 +54,8 @@ def ragged_paged_attention_reference(
       query_start_loc: i32[S+1] row offsets of each sequence's queries in q.
       num_seqs: i32[1] number of real sequences; later entries are padding.
       sm_scale: softmax scale, usually head_dim ** -0.5.
+      sliding_window: each query sees only the latest this many keys (its own included), as
+        HF's sliding-window mask; the keys before every row's window are not read.
 
     Returns:
       [T, Hq, D] in q's dtype; padding rows are zero.
@@ -66,25 +69,29 @@ def ragged_paged_attention_reference(
     real = jnp.arange(max_seqs) < n
     q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)  # [S]
     single = q_lens == 1
-    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, sliding_window)
     out = _decode(*args, single)
     if num_tokens == 1:
         return out
     return _tiled(*args, jnp.where(single, 0, q_lens), out)
 
 
-def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, single):
+def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, window, single):
     """The sequences with one query token (single: bool[S]), one row each. -> [T, Hq, D], the
     other rows zero."""
     num_tokens = q.shape[0]
     row = jnp.where(single, query_start_loc[:-1], num_tokens)  # [S]; T: dropped
     q_pos = jnp.where(single, kv_lens - 1, -1)[:, None]  # [S, 1]: others see no keys
     q_rows = q[jnp.minimum(row, num_tokens - 1), None]  # [S, 1, Hq, D]
-    res = _attend(q_rows, q_pos, block_tables, k_cache, v_cache, sm_scale, _DECODE_CHUNK_TOKENS)
+    res = _attend(
+        q_rows, q_pos, block_tables, k_cache, v_cache, sm_scale, _DECODE_CHUNK_TOKENS, window
+    )
     return jnp.zeros_like(q).at[row].set(res[:, 0], mode="drop")
 
 
-def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, q_lens, out):
+def _tiled(
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, window, q_lens, out
+):
     """The sequences with q_lens [S] > 0 (several query tokens): sequence s gets
     ceil(q_len / _Q_TILE) tiles of its consecutive rows, in order; a tile attends with its
     sequence's blocks, gathered once per chunk for all its rows. Writes their rows of out."""
@@ -114,19 +121,20 @@ def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale
         pos = jax.lax.dynamic_slice_in_dim(q_pos, at, _TILE_GROUP)
         blk = jax.lax.dynamic_slice_in_dim(blocks, at, _TILE_GROUP)
         q_rows = q[jnp.minimum(tok, num_tokens - 1)]
-        res = _attend(q_rows, pos, blk, k_cache, v_cache, sm_scale, _TILED_CHUNK_TOKENS)
+        res = _attend(q_rows, pos, blk, k_cache, v_cache, sm_scale, _TILED_CHUNK_TOKENS, window)
         return out.at[tok.reshape(-1)].set(res.reshape(-1, num_q_heads, head_dim), mode="drop")
 
     used_groups = (ends[-1] + _TILE_GROUP - 1) // _TILE_GROUP
     return jax.lax.fori_loop(0, used_groups, group, out)
 
 
-def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens):
+def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens, window=None):
     """Online-softmax attention of R groups of rows, each group over one sequence's blocks.
 
     q: [R, Q, Hq, D]; q_pos: i32[R, Q] each row's position (-1: padding, sees no keys);
     blocks: i32[R, max_blocks] the group's block table; keys are streamed chunk_tokens (rounded
-    to whole blocks) at a time. Returns [R, Q, Hq, D] in q's dtype.
+    to whole blocks) at a time, from the first chunk any row's window reaches. Returns
+    [R, Q, Hq, D] in q's dtype.
     """
     num_groups, group_rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -135,6 +143,10 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens):
     blocks_per_chunk = max(1, chunk_tokens // block_size)
     chunk = blocks_per_chunk * block_size
     num_chunks = (jnp.max(q_pos) + chunk) // chunk  # chunks covering q_pos + 1 keys
+    first_chunk = 0
+    if window is not None:  # the earliest key any real row sees
+        lowest = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max))
+        first_chunk = jnp.minimum(jnp.maximum(lowest - window + 1, 0) // chunk, num_chunks)
     # [R, Hkv, Q, G, D]: each (group, KV head) is one [Q*G, D] x [D, chunk] product
     qg = q.reshape(num_groups, group_rows, num_kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
     qg = qg.astype(jnp.float32) * sm_scale
@@ -147,7 +159,10 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens):
         v = v_cache[blk].reshape(num_groups, chunk, num_kv_heads, head_dim)
         s = jnp.einsum("rkqgd,rckd->rkqgc", qg, k.astype(jnp.float32))
         k_pos = c * chunk + jnp.arange(chunk)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None, :, None, :]  # [R,1,Q,1,C]
+        seen = k_pos[None, None, :] <= q_pos[:, :, None]  # [R, Q, C]
+        if window is not None:
+            seen &= k_pos[None, None, :] > q_pos[:, :, None] - window
+        mask = seen[:, None, :, None, :]  # [R, 1, Q, 1, C]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -162,7 +177,7 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens):
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, head_dim), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(first_chunk, num_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no keys: acc = 0 -> 0
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_groups, group_rows, num_q_heads, head_dim)
     return out.astype(q.dtype)

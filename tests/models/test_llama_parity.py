@@ -29,6 +29,8 @@ FAMILIES = {
         ),
     ),  # fmt: skip
     "mistral": ("mistral", dict(sliding_window=None)),
+    # prompts of 11 and 17 tokens and their decodes run past the 6-token window
+    "mistral-sliding-window": ("mistral", dict(sliding_window=6)),
     "qwen2-bias": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "llama-yarn": (
         "llama",

@@ -67,8 +67,9 @@ def make_case(
     )
 
 
-def naive_attention(case: PagedCase, sm_scale: float) -> np.ndarray:
-    """Dense causal attention per sequence in float64; padding rows zero."""
+def naive_attention(case: PagedCase, sm_scale: float, window: int | None = None) -> np.ndarray:
+    """Dense causal attention per sequence in float64 (each query sees the `window` latest
+    keys up to its own when a window is given); padding rows zero."""
     q = case.q.astype(np.float64)
     k_all, v_all = case.k_cache.astype(np.float64), case.v_cache.astype(np.float64)
     _, block_size, hkv, d = k_all.shape
@@ -83,7 +84,11 @@ def naive_attention(case: PagedCase, sm_scale: float) -> np.ndarray:
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [kv_len, Hq, D]
         q_pos = kv_len - (end - np.arange(start, end))  # [q_len]
         s = np.einsum("qhd,khd->hqk", q[start:end], k) * sm_scale
-        s = np.where(np.arange(kv_len)[None, None, :] <= q_pos[None, :, None], s, -np.inf)
+        k_pos = np.arange(kv_len)[None, None, :]
+        seen = k_pos <= q_pos[None, :, None]
+        if window is not None:
+            seen &= k_pos > q_pos[None, :, None] - window
+        s = np.where(seen, s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         out[start:end] = np.einsum("hqk,khd->qhd", p, v)

@@ -140,3 +140,15 @@ def test_gpu_matches_oracle(layout, head_dim, heads, block_size):
     bf16 = _case(layout, head_dim, heads, block_size, dtype=ml_dtypes.bfloat16, seed=3)
     out = _kernel(bf16, jnp.bfloat16)
     np.testing.assert_allclose(out, naive_attention(bf16, head_dim**-0.5), atol=2e-2)
+
+
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
+@pytest.mark.parametrize(("window", "tuning"), [(1, {}), (20, {}), (37, dict(num_kv_splits=3))])
+def test_sliding_window_matches_the_oracle(layout, window, tuning):
+    """Windows shorter than a block, of a few blocks and not block-aligned; pages before a
+    program's window are skipped (the decode splits share only the window's pages)."""
+    case = _case(layout, 64, (8, 2), 16, seed=window)
+    out = _kernel(case, interpret=True, sliding_window=window, **tuning)
+    np.testing.assert_allclose(out, naive_attention(case, 0.125, window), atol=1e-5)
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, sliding_window=window)
+    np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5)

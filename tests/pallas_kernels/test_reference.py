@@ -71,3 +71,16 @@ def test_padding_sequences_ignored_and_no_recompile_on_num_seqs():
     cut = case.query_start_loc[4]
     np.testing.assert_array_equal(part[:cut], full[:cut])
     assert not part[cut:].any()
+
+
+@pytest.mark.parametrize("window", [1, 16, 29, 1000])
+@pytest.mark.parametrize("layout", [MIXED, DECODE, LONG])
+def test_sliding_window_matches_the_oracle(layout, window):
+    case = make_case(
+        layout, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, pad_tokens=3,
+        pad_seqs=2, seed=window,
+    )  # fmt: skip
+    args = case.args()
+    out = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.125, sliding_window=window))
+    np.testing.assert_allclose(out, naive_attention(case, 0.125, window), atol=1e-5, rtol=0)
+    assert not out[-3:].any()
