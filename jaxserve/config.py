@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
 _DTYPES = {
     "float32": jnp.float32,
     "float": jnp.float32,
@@ -42,9 +44,13 @@ class RopeConfig:
     SUPPORTED = ("default", "linear", "llama3", "yarn")
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> RopeConfig:
+    def from_hf(cls, hf_config: Any, layer_type: str | None = None) -> RopeConfig:
+        """layer_type: the entry of per-layer-type rope_parameters (Gemma 3's
+        full_attention / sliding_attention), when the config has them."""
         # transformers >= 5 folds rope_theta into `rope_parameters`; 4.x has both separately.
         params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if params and all(isinstance(v, dict) for v in params.values()):
+            params = dict(params.get(layer_type or "full_attention", {}))
         scaling = getattr(hf_config, "rope_scaling", None) or {}
         params = {**scaling, **params}
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -93,7 +99,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None  # each token attends to the latest this many keys
-    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh
+    # Per layer "sliding_attention" (sliding_window applies) or "full_attention"; None: every
+    # layer alike (the window, if any, applies to all).
+    layer_types: tuple[str, ...] | None = None
+    sliding_rope: RopeConfig | None = None  # rotary of sliding layers, when it differs
+    attn_logit_softcapping: float | None = None  # scores: cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits likewise (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its ** -0.5, not head_dim's
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -109,8 +123,15 @@ class ModelConfig:
         partial = getattr(hf_config, "partial_rotary_factor", None) if partial is None else partial
         if partial not in (None, 1, 1.0):
             raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
-        if getattr(hf_config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported (only 'silu')")
+        hidden_act = (
+            getattr(hf_config, "hidden_activation", None)
+            or getattr(hf_config, "hidden_act", None)
+            or "silu"
+        )
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            )
         num_heads = hf_config.num_attention_heads
         # Qwen2 always has q/k/v biases; Llama-style configs say so with `attention_bias`.
         attention_bias = bool(getattr(hf_config, "attention_bias", False)) or archs[0].startswith(
@@ -119,6 +140,12 @@ class ModelConfig:
         sliding_window = getattr(hf_config, "sliding_window", None)
         if archs[0].startswith("Qwen") and not getattr(hf_config, "use_sliding_window", False):
             sliding_window = None
+        layer_types = getattr(hf_config, "layer_types", None)
+        if layer_types and not sliding_window:
+            layer_types = None
+        sliding_rope = RopeConfig.from_hf(hf_config, "sliding_attention")
+        if sliding_rope == RopeConfig.from_hf(hf_config):
+            sliding_rope = None
         return cls(
             architecture=archs[0],
             vocab_size=hf_config.vocab_size,
@@ -134,7 +161,13 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             sliding_window=sliding_window,
-            qk_norm=archs[0].startswith("Qwen3"),
+            qk_norm=archs[0].startswith(("Qwen3", "Gemma3")),
+            hidden_act=hidden_act,
+            layer_types=tuple(layer_types) if layer_types else None,
+            sliding_rope=sliding_rope,
+            attn_logit_softcapping=getattr(hf_config, "attn_logit_softcapping", None),
+            final_logit_softcapping=getattr(hf_config, "final_logit_softcapping", None),
+            query_pre_attn_scalar=getattr(hf_config, "query_pre_attn_scalar", None),
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )
@@ -144,6 +177,17 @@ class ModelConfig:
         """Longest sequence the model takes (a sliding window is honoured by the attention,
         so it does not cap it)."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (None: full attention)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        if self.sliding_rope is not None and self.layer_window(layer) is not None:
+            return self.sliding_rope
+        return self.rope
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -63,6 +63,7 @@ def paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     backend: str = "reference",
     mesh: Mesh | None = None,
 ) -> jax.Array:
@@ -75,12 +76,12 @@ def paged_attention(
     args = (q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs)
     if backend == "reference":
         return ragged_paged_attention_reference(
-            *args, sm_scale=sm_scale, sliding_window=sliding_window
+            *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
         )
     on_gpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "gpu"
     kernel = functools.partial(
         ragged_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window,
-        interpret=not on_gpu,
+        soft_cap=soft_cap, interpret=not on_gpu,
     )  # fmt: skip
     if mesh is None or mesh.shape[TP_AXIS] == 1:
         return kernel(*args)
@@ -111,7 +112,10 @@ class Attention(nnx.Module):
     under tensor parallelism each device's contiguous share of the columns is whole groups.
     """
 
-    def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, layer: int = 0, kv_replicas: int = 1,
+                 rngs: nnx.Rngs, norm_cls: type = RMSNorm):  # fmt: skip
+        """layer: which decoder layer (its sliding window and rotary); norm_cls: the q/k norm
+        (Qwen3's RMSNorm, Gemma 3's)."""
         d, hq, hd = config.hidden_size, config.num_heads, config.head_dim
         self.num_kv_heads = config.num_kv_heads * kv_replicas  # as the cache holds them
         self.group = hq // self.num_kv_heads
@@ -119,11 +123,13 @@ class Attention(nnx.Module):
         self.qkv_proj = Linear(d, width, bias=config.attention_bias, dtype=config.dtype, rngs=rngs)
         self.o_proj = Linear(hq * hd, d, dtype=config.dtype, rngs=rngs)
         if config.qk_norm:
-            self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype=config.dtype)
-            self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype=config.dtype)
+            self.q_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)
+            self.k_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)
         self.qk_norm = config.qk_norm
-        self.rope = config.rope
-        self.sliding_window = config.sliding_window
+        self.rope = config.layer_rope(layer)
+        self.sliding_window = config.layer_window(layer)
+        self.sm_scale = (config.query_pre_attn_scalar or hd) ** -0.5
+        self.soft_cap = config.attn_logit_softcapping
         self.head_dim = hd
         self.backend, self.mesh = "reference", None  # configure_attention sets these
 
@@ -152,7 +158,7 @@ class Attention(nnx.Module):
         k_cache = write_kv(k_cache, k, md.slot_mapping)
         v_cache = write_kv(v_cache, v, md.slot_mapping)
         out = paged_attention(
-            q, k_cache, v_cache, md, sm_scale=hd**-0.5, sliding_window=self.sliding_window,
-            backend=self.backend, mesh=self.mesh,
+            q, k_cache, v_cache, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap, backend=self.backend, mesh=self.mesh,
         )  # fmt: skip
         return self.o_proj(out.reshape(t, -1)), k_cache, v_cache

@@ -1,4 +1,5 @@
-"""Gated SiLU MLP (Llama's gate/up/down) with one fused gate_up projection."""
+"""Gated MLP (Llama's gate/up/down; SiLU, or tanh-approximated GELU for Gemma) with one fused
+gate_up projection."""
 
 import jax
 from flax import nnx
@@ -10,11 +11,18 @@ class GatedMLP(nnx.Module):
     """gate_up_proj's output columns interleave the two: column 2f is gate f, 2f + 1 is up f,
     so under tensor parallelism each device's contiguous share holds both halves of its f."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
+                 act: str = "silu"):  # fmt: skip
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)
+        self.act = act
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] -> [T, D]."""
         gate_up = self.gate_up_proj(x).reshape(x.shape[0], -1, 2)  # [T, F, 2]
-        return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
+        gate = gate_up[..., 0]
+        if self.act == "gelu_pytorch_tanh":
+            gate = jax.nn.gelu(gate, approximate=True)
+        else:
+            gate = jax.nn.silu(gate)
+        return self.down_proj(gate * gate_up[..., 1])

@@ -33,12 +33,13 @@ KVCaches = tuple[jax.Array, jax.Array]  # K, V: [L * num_blocks, block_size, Hkv
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, *, kv_replicas: int, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer: int, *, kv_replicas: int, rngs: nnx.Rngs):
         dt = config.dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
-        self.self_attn = Attention(config, kv_replicas=kv_replicas, rngs=rngs)
+        self.self_attn = Attention(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs,
+                            act=config.hidden_act)  # fmt: skip
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
         """x: [T, D] -> ([T, D], k_cache, v_cache)."""
@@ -52,7 +53,13 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     """kv_replicas: copies of each KV head in the projections and cache (tensor parallelism
-    over more devices than KV heads; `distributed.sharding.kv_head_replicas`)."""
+    over more devices than KV heads; `distributed.sharding.kv_head_replicas`). Other families
+    subclass it with their own decoder layer and norm (`layer_cls`, `norm_cls`) and embedding
+    scale (`embed_scale`)."""
+
+    layer_cls: type = DecoderLayer
+    norm_cls: type = RMSNorm
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
 
     def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
         self.config = config
@@ -63,11 +70,11 @@ class LlamaForCausalLM(nnx.Module):
         )
         self.layers = nnx.List(
             [
-                DecoderLayer(config, kv_replicas=kv_replicas, rngs=rngs)
-                for _ in range(config.num_layers)
+                self.layer_cls(config, i, kv_replicas=kv_replicas, rngs=rngs)
+                for i in range(config.num_layers)
             ]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps, dtype=dt)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dt, rngs=rngs)
 
@@ -88,6 +95,8 @@ class LlamaForCausalLM(nnx.Module):
         num_blocks = k_cache.shape[0] // len(self.layers)
         block_size = k_cache.shape[1]
         h = self.embed_tokens(input_ids)  # [T, D]
+        if self.embed_scale:  # HF rounds the scale to the weights' dtype first
+            h = h * jnp.asarray(self.config.hidden_size**0.5, h.dtype)
         for i, layer in enumerate(self.layers):
             offset = i * num_blocks  # this layer's blocks in the cache
             layer_md = md._replace(
@@ -108,7 +117,10 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, D] (only the rows whose next token is wanted) -> float32 logits [N, V]."""
-        return lm_logits(hidden, self.logits_head, tied=self.config.tie_word_embeddings)
+        return lm_logits(
+            hidden, self.logits_head, tied=self.config.tie_word_embeddings,
+            soft_cap=self.config.final_logit_softcapping,
+        )  # fmt: skip
 
     @staticmethod
     def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
@@ -137,13 +149,18 @@ class LlamaForCausalLM(nnx.Module):
         return HFWeight((f"{prefix}.{name}.{suffix}",))
 
 
-def lm_logits(hidden: jax.Array, head: jax.Array, *, tied: bool) -> jax.Array:
+def lm_logits(
+    hidden: jax.Array, head: jax.Array, *, tied: bool, soft_cap: float | None = None
+) -> jax.Array:
     """hidden [N, D] x `LlamaForCausalLM.logits_head` ([V, D] when tied, else [D, V]) ->
-    f32[N, V]."""
+    f32[N, V], soft-capped (soft_cap * tanh(logit / soft_cap), Gemma 2) when asked."""
     # Tied: contract D with the embedding's minor dim as it lies (`hidden @ head.T` makes
     # XLA:CPU transpose the whole table for a one-row product).
     dims = (((1,), (1,)), ((), ())) if tied else (((1,), (0,)), ((), ()))
-    return jax.lax.dot_general(hidden, head, dims).astype(jnp.float32)
+    logits = jax.lax.dot_general(hidden, head, dims).astype(jnp.float32)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    return logits
 
 
 def fuse_qkv(

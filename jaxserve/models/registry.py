@@ -1,5 +1,6 @@
 """HF `architectures` name -> model class."""
 
+from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
 
@@ -9,6 +10,8 @@ _MODELS = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,  # + q/k norms (ModelConfig.qk_norm)
     "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv / gate_up checkpoints
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,  # text only
 }
 
 

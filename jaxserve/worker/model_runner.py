@@ -123,6 +123,7 @@ class ModelRunner:
         configure_attention(loaded.model, engine_config.attention_backend, self.mesh)
         self.num_cache_kv_heads = loaded.model.num_cache_kv_heads
         self.tied_head = self.config.tie_word_embeddings
+        self.soft_cap = self.config.final_logit_softcapping
         self.head = loaded.model.logits_head  # [V, D] tied or [D, V]
         self.graphdef, state = nnx.split(loaded.model)
         self.params, self._params_def = jax.tree.flatten(state)
@@ -176,7 +177,7 @@ class ModelRunner:
         """LM head and sampling for the first S rows of last_hidden [R, D]. Returns
         (SamplerOutput [S], penalty_state with this step's tokens counted, last_tokens)."""
         s = inputs.rows.shape[0]
-        logits = lm_logits(last_hidden[:s], head, tied=self.tied_head)  # [S, V] float32
+        logits = lm_logits(last_hidden[:s], head, tied=self.tied_head, soft_cap=self.soft_cap)
         sampling = inputs.sampling
         prompt_mask, output_counts = penalty_state
         if variant.penalties:
@@ -209,7 +210,9 @@ class ModelRunner:
         ids = jnp.pad(jnp.maximum(targets, 0), (0, padded - t)).reshape(-1, chunk)
         out = lax.map(
             lambda x: compute_prompt_logprobs(
-                lm_logits(x[0], head, tied=self.tied_head), x[1], num_logprobs=k
+                lm_logits(x[0], head, tied=self.tied_head, soft_cap=self.soft_cap),
+                x[1],
+                num_logprobs=k,
             ),
             (h, ids),
         )

@@ -59,7 +59,7 @@ def _kv_head_spec(cache_shape: tuple[int, ...], head_axis: int) -> pl.BlockSpec:
 
 
 def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible, *,
-            max_blocks, pages_per_step, scale, exact):  # fmt: skip
+            max_blocks, pages_per_step, scale, exact, soft_cap=None):  # fmt: skip
     """Online softmax of q [R, D] over `num_steps` steps of `pages_per_step` pages of sequence
     `seq`, from its page `first_page` on. visible(key_pos i32[K]) -> bool[R, K] says which keys
     each row may see. Returns m, l: f32[R] (log2 units) and the unnormalised acc: f32[R, D]."""
@@ -75,6 +75,9 @@ def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visib
         k = k_ref[pages].reshape(step_tokens, head_dim)  # [P, bs, D] gathered -> [K, D]
         v = v_ref[pages].reshape(step_tokens, head_dim)
         s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale  # [R, K] f32
+        if soft_cap is not None:  # cap the natural-log scores: scale holds log2(e)
+            cap = soft_cap * _LOG2E
+            s = cap * jnp.tanh(s / cap)
         s = jnp.where(visible(page0 * block_size + jnp.arange(step_tokens)), s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_new[:, None])
@@ -94,7 +97,7 @@ def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visib
 def _decode_kernel(
     kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
     *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float, exact: bool,
-    window: int | None,
+    window: int | None, soft_cap: float | None,
 ):  # fmt: skip
     """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D], m_ref/l_ref [BH]."""
     seq, split = pl.program_id(0), pl.program_id(2)
@@ -118,6 +121,7 @@ def _decode_kernel(
     m, l, acc = _attend(
         q_ref[...], k_ref, v_ref, block_tables_ref, seq, first, num_steps, visible,
         max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
+        soft_cap=soft_cap,
     )  # fmt: skip
     o_ref[...] = acc
     m_ref[...] = m
@@ -128,7 +132,7 @@ def _mixed_kernel(
     tile_seq_ref, tile_row_ref, kv_lens_ref, query_start_loc_ref, block_tables_ref,
     q_ref, k_ref, v_ref, o_ref,
     *, group: int, q_block: int, max_blocks: int, pages_per_step: int, scale: float,
-    exact: bool, window: int | None,
+    exact: bool, window: int | None, soft_cap: float | None,
 ):  # fmt: skip
     """Program (tile, kv_head): q_ref/o_ref [T*G + q_block, D] rows of this KV head."""
     tile = pl.program_id(0)
@@ -168,6 +172,7 @@ def _mixed_kernel(
         _, l, acc = _attend(
             q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible,
             max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
+            soft_cap=soft_cap,
         )  # fmt: skip
         out = acc / jnp.maximum(l, 1e-30)[:, None]
         plgpu.store(o_ref.at[pl.ds(base, q_block), :], out.astype(o_ref.dtype), mask=mask)
@@ -175,7 +180,7 @@ def _mixed_kernel(
 
 def _decode(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, scale, exact,
-    pages_per_step, num_splits, num_warps, num_stages, interpret, window,
+    pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -190,7 +195,7 @@ def _decode(
 
     kernel = functools.partial(
         _decode_kernel, max_blocks=max_blocks, pages_per_step=pages_per_step,
-        num_splits=num_splits, scale=scale, exact=exact, window=window,
+        num_splits=num_splits, scale=scale, exact=exact, window=window, soft_cap=soft_cap,
     )  # fmt: skip
     part = (num_splits, max_seqs, num_kv_heads, rows)
     o, m, l = pl.pallas_call(
@@ -231,7 +236,7 @@ def _decode(
 
 def _mixed(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, scale, exact,
-    q_block, pages_per_step, num_warps, num_stages, interpret, window,
+    q_block, pages_per_step, num_warps, num_stages, interpret, window, soft_cap,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -261,6 +266,7 @@ def _mixed(
     kernel = functools.partial(
         _mixed_kernel, group=group, q_block=q_block, max_blocks=max_blocks,
         pages_per_step=pages_per_step, scale=scale, exact=exact, window=window,
+        soft_cap=soft_cap,
     )  # fmt: skip
     out = pl.pallas_call(
         kernel,
@@ -293,7 +299,8 @@ def _mixed(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "decode_pages_per_step", "num_kv_splits", "q_block",
+        "sm_scale", "sliding_window", "soft_cap", "decode_pages_per_step", "num_kv_splits",
+        "q_block",
         "prefill_kv_tokens_per_step", "num_warps", "num_stages", "interpret",
     ),
 )  # fmt: skip
@@ -308,6 +315,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     decode_pages_per_step: int | None = None,
     num_kv_splits: int = 8,
     q_block: int = 64,
@@ -329,6 +337,7 @@ def ragged_paged_attention(
       sm_scale: softmax scale, usually head_dim ** -0.5.
       sliding_window: each query sees only the latest this many keys (its own included);
         pages before a program's window are skipped.
+      soft_cap: scores become soft_cap * tanh(score / soft_cap) (Gemma 2).
       decode_pages_per_step: KV pages per inner step of the decode kernel (default: 128
         tokens' worth).
       num_kv_splits: programs a decode sequence's context is split across (merged after).
@@ -358,7 +367,8 @@ def ragged_paged_attention(
     query_start_loc = query_start_loc.astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32)
     common = dict(scale=sm_scale * _LOG2E, exact=exact, num_warps=num_warps,
-                  num_stages=num_stages, interpret=interpret, window=sliding_window)  # fmt: skip
+                  num_stages=num_stages, interpret=interpret, window=sliding_window,
+                  soft_cap=soft_cap)  # fmt: skip
 
     max_seqs = block_tables.shape[0]
     n = num_seqs[0]

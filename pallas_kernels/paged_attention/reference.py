@@ -19,6 +19,7 @@ Both run in every call; a batch without one kind skips its loop (zero iterations
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ _Q_TILE = 16  # query rows per tile (the tiled path)
 _TILE_GROUP = 4  # tiles attended together (the tiled path)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -43,6 +44,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of ragged queries over a paged KV cache.
 
@@ -56,6 +58,7 @@ def ragged_paged_attention_reference(
       sm_scale: softmax scale, usually head_dim ** -0.5.
       sliding_window: each query sees only the latest this many keys (its own included), as
         HF's sliding-window mask; the keys before every row's window are not read.
+      soft_cap: scores become soft_cap * tanh(score / soft_cap) (Gemma 2).
 
     Returns:
       [T, Hq, D] in q's dtype; padding rows are zero.
@@ -69,29 +72,34 @@ def ragged_paged_attention_reference(
     real = jnp.arange(max_seqs) < n
     q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)  # [S]
     single = q_lens == 1
-    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, sliding_window)
+    scores = _Scores(sm_scale, sliding_window, soft_cap)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores)
     out = _decode(*args, single)
     if num_tokens == 1:
         return out
     return _tiled(*args, jnp.where(single, 0, q_lens), out)
 
 
-def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, window, single):
+class _Scores(NamedTuple):
+    """How scores are formed (static): scale, sliding window, soft cap."""
+
+    sm_scale: float
+    window: int | None
+    soft_cap: float | None
+
+
+def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, single):
     """The sequences with one query token (single: bool[S]), one row each. -> [T, Hq, D], the
     other rows zero."""
     num_tokens = q.shape[0]
     row = jnp.where(single, query_start_loc[:-1], num_tokens)  # [S]; T: dropped
     q_pos = jnp.where(single, kv_lens - 1, -1)[:, None]  # [S, 1]: others see no keys
     q_rows = q[jnp.minimum(row, num_tokens - 1), None]  # [S, 1, Hq, D]
-    res = _attend(
-        q_rows, q_pos, block_tables, k_cache, v_cache, sm_scale, _DECODE_CHUNK_TOKENS, window
-    )
+    res = _attend(q_rows, q_pos, block_tables, k_cache, v_cache, scores, _DECODE_CHUNK_TOKENS)
     return jnp.zeros_like(q).at[row].set(res[:, 0], mode="drop")
 
 
-def _tiled(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale, window, q_lens, out
-):
+def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, q_lens, out):
     """The sequences with q_lens [S] > 0 (several query tokens): sequence s gets
     ceil(q_len / _Q_TILE) tiles of its consecutive rows, in order; a tile attends with its
     sequence's blocks, gathered once per chunk for all its rows. Writes their rows of out."""
@@ -121,14 +129,14 @@ def _tiled(
         pos = jax.lax.dynamic_slice_in_dim(q_pos, at, _TILE_GROUP)
         blk = jax.lax.dynamic_slice_in_dim(blocks, at, _TILE_GROUP)
         q_rows = q[jnp.minimum(tok, num_tokens - 1)]
-        res = _attend(q_rows, pos, blk, k_cache, v_cache, sm_scale, _TILED_CHUNK_TOKENS, window)
+        res = _attend(q_rows, pos, blk, k_cache, v_cache, scores, _TILED_CHUNK_TOKENS)
         return out.at[tok.reshape(-1)].set(res.reshape(-1, num_q_heads, head_dim), mode="drop")
 
     used_groups = (ends[-1] + _TILE_GROUP - 1) // _TILE_GROUP
     return jax.lax.fori_loop(0, used_groups, group, out)
 
 
-def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens, window=None):
+def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens):
     """Online-softmax attention of R groups of rows, each group over one sequence's blocks.
 
     q: [R, Q, Hq, D]; q_pos: i32[R, Q] each row's position (-1: padding, sees no keys);
@@ -142,6 +150,7 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens, window=N
     g = num_q_heads // num_kv_heads
     blocks_per_chunk = max(1, chunk_tokens // block_size)
     chunk = blocks_per_chunk * block_size
+    sm_scale, window, soft_cap = scores
     num_chunks = (jnp.max(q_pos) + chunk) // chunk  # chunks covering q_pos + 1 keys
     first_chunk = 0
     if window is not None:  # the earliest key any real row sees
@@ -158,6 +167,8 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, sm_scale, chunk_tokens, window=N
         k = k_cache[blk].reshape(num_groups, chunk, num_kv_heads, head_dim)
         v = v_cache[blk].reshape(num_groups, chunk, num_kv_heads, head_dim)
         s = jnp.einsum("rkqgd,rckd->rkqgc", qg, k.astype(jnp.float32))
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = c * chunk + jnp.arange(chunk)
         seen = k_pos[None, None, :] <= q_pos[:, :, None]  # [R, Q, C]
         if window is not None:

@@ -9,19 +9,29 @@ from jaxserve.models.loader import load_model
 from tests.helpers import hf_logits, hf_model, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
 
+FAMILIES = {
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 16}),
+    "phi3": ("phi3", {"pad_token_id": 0}),
+    "gemma3": ("gemma3", {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24}),
+}
 
-@pytest.fixture(
-    scope="module",
-    params=[("qwen2", {}), ("qwen3", {"head_dim": 16}), ("phi3", {"pad_token_id": 0})],
-    ids=["qwen2", "qwen3", "phi3"],
-)
-def model_dir(request, tmp_path_factory):
+
+def tiny(tmp_path_factory, name):
     # 8 query heads, 2 KV heads: tp=2 shards the KV heads, tp=4 replicates them.
-    family, overrides = request.param
-    return make_tiny_hf(family, tmp_path_factory.mktemp("tp"), num_key_value_heads=2, **overrides)
+    family, overrides = FAMILIES[name]
+    return make_tiny_hf(family, tmp_path_factory.mktemp(name), num_key_value_heads=2, **overrides)
 
 
-def test_logits_identical_across_tp(model_dir, cpu_devices):
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny(tmp_path_factory, "qwen2")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_identical_across_tp(family, tmp_path_factory, model_dir, cpu_devices):
+    if family != "qwen2":
+        model_dir = tiny(tmp_path_factory, family)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 256, n).tolist() for n in (9, 14)]
     results = {}

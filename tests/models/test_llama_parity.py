@@ -12,7 +12,7 @@ import pytest
 from jaxserve.models.loader import load_model
 from tests.helpers import PagedSequences, hf_logits, hf_model, make_tiny_hf
 
-FAMILIES = {
+FAMILIES = {  # fmt: skip
     "llama-gqa-untied": ("llama", {}),
     "llama3-rope-tied": (
         "llama",
@@ -41,6 +41,31 @@ FAMILIES = {
         ),
     ),  # fmt: skip
     "phi3-fused": ("phi3", dict(pad_token_id=0)),  # HF's qkv_proj and gate_up_proj
+    # sliding / full layers (a 6-token window), soft caps small enough to bite, scaled
+    # embeddings, sandwich norms, GELU; Gemma 3: q/k norms, its own rotary for sliding layers
+    "gemma2": (
+        "gemma2",
+        dict(
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    "gemma3": (
+        "gemma3",
+        dict(
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        ),
+    ),
     # q/k norms, and a head_dim that is not hidden_size / heads (8 x 16 = 128 != 64)
     "qwen3-qk-norm": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
 }

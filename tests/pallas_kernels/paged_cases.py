@@ -67,9 +67,12 @@ def make_case(
     )
 
 
-def naive_attention(case: PagedCase, sm_scale: float, window: int | None = None) -> np.ndarray:
+def naive_attention(
+    case: PagedCase, sm_scale: float, window: int | None = None, soft_cap: float | None = None
+) -> np.ndarray:
     """Dense causal attention per sequence in float64 (each query sees the `window` latest
-    keys up to its own when a window is given); padding rows zero."""
+    keys up to its own when a window is given; scores soft-capped when asked); padding rows
+    zero."""
     q = case.q.astype(np.float64)
     k_all, v_all = case.k_cache.astype(np.float64), case.v_cache.astype(np.float64)
     _, block_size, hkv, d = k_all.shape
@@ -84,6 +87,8 @@ def naive_attention(case: PagedCase, sm_scale: float, window: int | None = None)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # [kv_len, Hq, D]
         q_pos = kv_len - (end - np.arange(start, end))  # [q_len]
         s = np.einsum("qhd,khd->hqk", q[start:end], k) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * np.tanh(s / soft_cap)
         k_pos = np.arange(kv_len)[None, None, :]
         seen = k_pos <= q_pos[None, :, None]
         if window is not None:

@@ -143,12 +143,25 @@ def test_gpu_matches_oracle(layout, head_dim, heads, block_size):
 
 
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
-@pytest.mark.parametrize(("window", "tuning"), [(1, {}), (20, {}), (37, dict(num_kv_splits=3))])
-def test_sliding_window_matches_the_oracle(layout, window, tuning):
-    """Windows shorter than a block, of a few blocks and not block-aligned; pages before a
-    program's window are skipped (the decode splits share only the window's pages)."""
-    case = _case(layout, 64, (8, 2), 16, seed=window)
-    out = _kernel(case, interpret=True, sliding_window=window, **tuning)
-    np.testing.assert_allclose(out, naive_attention(case, 0.125, window), atol=1e-5)
-    ref = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, sliding_window=window)
+@pytest.mark.parametrize(
+    ("window", "soft_cap", "tuning"),
+    [(1, None, {}), (37, None, dict(num_kv_splits=3)), (20, 1.0, {})],
+)  # fmt: skip
+def test_sliding_window_and_soft_cap_match_the_oracle(layout, window, soft_cap, tuning):
+    """Windows shorter than a block, of a few blocks and not block-aligned (pages before a
+    program's window are skipped: the decode splits share only the window's pages); soft caps
+    small enough to change every score."""
+    case = _case(layout, 64, (8, 2), 16, seed=window or 3)
+    kw = dict(sliding_window=window, soft_cap=soft_cap)
+    out = _kernel(case, interpret=True, **kw, **tuning)
+    np.testing.assert_allclose(out, naive_attention(case, 0.125, window, soft_cap), atol=1e-5)
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, **kw)
     np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5)
+
+
+def test_window_and_soft_cap_lower_to_triton_for_cuda():
+    case = _case("mixed", 64, (8, 2), 16)
+    args = [jnp.asarray(a, jnp.bfloat16) if i < 3 else a for i, a in enumerate(case.args())]
+    f = functools.partial(ragged_paged_attention, sm_scale=0.125, sliding_window=20, soft_cap=50.0)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
