@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+QUANTIZATIONS = ("int8", "fp8")
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -108,11 +109,20 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # scores: cap * tanh(score / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits likewise (Gemma 2)
     query_pre_attn_scalar: float | None = None  # scores scaled by its ** -0.5, not head_dim's
+    # Weight-only quantization of the decoder layers' linear kernels, computed at load:
+    # "int8" or "fp8" (e4m3), one float32 scale per output channel (layers/linear.py).
+    quantization: str | None = None
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_hf(cls, hf_config: Any, dtype: str | Any = "auto") -> ModelConfig:
+    def from_hf(
+        cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None
+    ) -> ModelConfig:
+        if quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}"
+            )
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError("HF config has no `architectures` entry; cannot pick a model class")
@@ -168,6 +178,7 @@ class ModelConfig:
             attn_logit_softcapping=getattr(hf_config, "attn_logit_softcapping", None),
             final_logit_softcapping=getattr(hf_config, "final_logit_softcapping", None),
             query_pre_attn_scalar=getattr(hf_config, "query_pre_attn_scalar", None),
+            quantization=quantization,
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )

@@ -54,6 +54,9 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         "self_attn/o_proj/kernel": P(TP_AXIS, None),  # [Hq * hd, D]
         "mlp/gate_up_proj/kernel": P(None, TP_AXIS),  # [D, F * 2]
         "mlp/down_proj/kernel": P(TP_AXIS, None),  # [F, D]
+        # per-output-channel scales of quantized kernels: split as their kernel's columns
+        "self_attn/qkv_proj/scale": P(TP_AXIS),
+        "mlp/gate_up_proj/scale": P(TP_AXIS),
     }
     for suffix, spec in rules.items():
         if name.endswith(suffix):

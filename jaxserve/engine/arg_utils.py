@@ -46,11 +46,12 @@ class EngineArgs:
     # op; default elsewhere, where the kernel only runs interpreted).
     attention_backend: str | None = None
     reasoning_parser: str | None = None  # e.g. deepseek_r1, qwen3 (jaxserve/reasoning)
+    quantization: str | None = None  # int8 | fp8: weight-only, computed at load
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
         path = resolve_model_path(self.model, self.load_format)
-        model_config = read_model_config(path, self.dtype)
+        model_config = read_model_config(path, self.dtype, self.quantization)
         on_cpu = jax.default_backend() == "cpu"
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(

@@ -17,6 +17,9 @@ import logging
 import time
 from collections import deque
 
+import jax
+from flax import nnx
+
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
@@ -45,7 +48,13 @@ class EngineCore:
             tensor_parallel_size=config.parallel.tensor_parallel_size,
             load_tokenizer=False,
             load_format=config.load_format,
+            quantization=config.model.quantization,
         )
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
+        logger.info(
+            "weights: %.1f MiB%s", weight_bytes / 2**20,
+            f" ({config.model.quantization} linear kernels)" if config.model.quantization else "",
+        )  # fmt: skip
         self.runner = ModelRunner(loaded, config)
         # Size the KV cache from what the weights left (compiling needs its shape); the
         # compiled steps' temporaries live in the headroom gpu_memory_utilization leaves.

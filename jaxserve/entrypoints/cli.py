@@ -80,6 +80,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="paged attention: the Pallas kernel (default on GPU) or the jnp reference",
     )
     parser.add_argument(
+        "-q",
+        "--quantization",
+        default=None,
+        choices=["int8", "fp8"],
+        help="weight-only quantization of the linear layers, computed at load",
+    )
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         help="split <think> reasoning into the reasoning field (deepseek_r1, qwen3); "

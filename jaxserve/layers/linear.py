@@ -1,20 +1,53 @@
-"""A plain dense layer with its kernel stored [in, out]."""
+"""A plain dense layer with its kernel stored [in, out], optionally weight-only quantized."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 from flax import nnx
+
+# Quantized kernel dtypes and the largest value each holds.
+QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
 
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias), kernel [in, out]: the layout a matmul reads as it is, so no
-    weight is transposed or copied in the step."""
+    weight is transposed or copied in the step.
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs):
+    quant "int8" / "fp8": kernel holds int8 or float8_e4m3 values and `scale` f32[out] one
+    scale per output channel (`quantize_kernel`); the product is (x @ kernel) * scale, the
+    kernel converted to x's dtype inside the matmul's fusion.
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
+                 quant: str | None = None):  # fmt: skip
         init = nnx.initializers.lecun_normal()
-        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
+        if quant is None:
+            self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
+            self.scale = None
+        else:
+            self.kernel = nnx.Param(jnp.zeros((d_in, d_out), QUANT_DTYPES[quant][0]))
+            self.scale = nnx.Param(jnp.ones((d_out,), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, in] -> [T, out]."""
-        y = x @ self.kernel[...]
+        if self.scale is None:
+            y = x @ self.kernel[...]
+        else:
+            y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+
+def quantize_kernel(w: np.ndarray, quant: str) -> tuple[np.ndarray, np.ndarray]:
+    """A float kernel [in, out] -> (quantized [in, out], f32 scale [out]): symmetric, one
+    scale per output channel (its largest magnitude maps to the format's largest value)."""
+    dtype, top = QUANT_DTYPES[quant]
+    w = np.asarray(w, np.float32)
+    scale = np.maximum(np.abs(w).max(axis=0), 1e-12) / top  # [out]
+    q = w / scale
+    if quant == "int8":
+        q = np.clip(np.rint(q), -top, top).astype(np.int8)
+    else:
+        q = q.astype(ml_dtypes.float8_e4m3fn)
+    return q, scale.astype(np.float32)

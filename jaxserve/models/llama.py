@@ -39,7 +39,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs,
-                            act=config.hidden_act)  # fmt: skip
+                            act=config.hidden_act, quant=config.quantization)  # fmt: skip
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
         """x: [T, D] -> ([T, D], k_cache, v_cache)."""

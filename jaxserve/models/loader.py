@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
+from jaxserve.layers.linear import quantize_kernel
 from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
@@ -110,11 +111,13 @@ def resolve_model_path(model: str | Path | None, load_format: str = "auto") -> P
 
 
 @functools.lru_cache(maxsize=8)
-def read_model_config(model: str | Path | None, dtype: str = "auto") -> ModelConfig:
+def read_model_config(
+    model: str | Path | None, dtype: str = "auto", quantization: str | None = None
+) -> ModelConfig:
     """The model's architecture without loading its weights (the frontend needs only this)."""
     path = resolve_model_path(model)
     hf_config = _gguf_hf_config(GGUFSource(path)) if path.is_file() else _hf_config(path)
-    return ModelConfig.from_hf(hf_config, dtype)
+    return ModelConfig.from_hf(hf_config, dtype, quantization)
 
 
 def load_model(
@@ -125,9 +128,11 @@ def load_model(
     tensor_parallel_size: int = 1,
     load_tokenizer: bool = True,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load `model` (see the module docstring) onto `mesh` (default: tp over local devices);
-    load_format "dummy": random weights generated on the devices instead of read ones."""
+    load_format "dummy": random weights generated on the devices instead of read ones;
+    quantization "int8" / "fp8": the decoder layers' linear kernels quantized as they load."""
     path = resolve_model_path(model, load_format)
     dummy = load_format == "dummy"
     if path.is_file():
@@ -138,7 +143,9 @@ def load_model(
         is_checkpoint = (path / CHECKPOINT_MARKER).exists()
         source = None if is_checkpoint or dummy else SafetensorsSource(path)
 
-    config = ModelConfig.from_hf(hf_config, dtype)
+    config = ModelConfig.from_hf(hf_config, dtype, quantization)
+    if quantization and source is None and not dummy:
+        raise ValueError("quantization of a jaxserve (orbax) checkpoint is not supported yet")
     model_cls = get_model_class(config.architecture)
     mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
     tp = mesh.shape[TP_AXIS]
@@ -154,10 +161,23 @@ def load_model(
         params = _restore_orbax(path / "params", model_cls, config, replicas, shardings)
     else:
         params = {}
-        for p in tqdm(targets, desc=f"Loading {path.name}", unit="param", leave=False):
-            host = _read_param(source, model_cls.hf_weight(config, p, replicas), targets[p])
+
+        def place(p, host):
             params[p] = jax.make_array_from_callback(host.shape, shardings[p], host.__getitem__)
-            del host  # keep host memory at one parameter beyond the placed ones
+
+        for p in tqdm(targets, desc=f"Loading {path.name}", unit="param", leave=False):
+            if p[-1] == "scale":
+                continue  # placed with its quantized kernel
+            weight = model_cls.hf_weight(config, p, replicas)
+            if _quantized(targets[p]):  # read in float32, quantized per output channel
+                kernel, scale = quantize_kernel(
+                    _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),
+                    config.quantization,
+                )  # fmt: skip
+                place(p, kernel)
+                place((*p[:-1], "scale"), scale)
+            else:
+                place(p, _read_param(source, weight, targets[p]))
         del source  # the GGUF reader's parsed metadata is large; free it before the tokenizer
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(params))
 
@@ -183,6 +203,11 @@ def _dummy_params(
             shape, dtype = targets[p].shape, targets[p].dtype
             if "norm" in "/".join(map(str, p)):  # RMSNorm weights: 1, activations stay O(1)
                 out.append(jnp.ones(shape, dtype))
+            elif p[-1] == "scale":  # of a quantized kernel holding ~N(0, 32) values
+                out.append(jnp.full(shape, DUMMY_STD / 32, dtype))
+            elif _quantized(targets[p]):
+                w = jax.random.normal(jax.random.fold_in(key, i), shape) * 32
+                out.append(jnp.clip(jnp.round(w), -127, 127).astype(dtype))
             else:
                 w = jax.random.normal(jax.random.fold_in(key, i), shape, dtype) * DUMMY_STD
                 out.append(w.astype(dtype))
@@ -190,6 +215,10 @@ def _dummy_params(
 
     arrays = jax.jit(init, out_shardings=[shardings[p] for p in paths])(jax.random.key(seed))
     return dict(zip(paths, arrays, strict=True))
+
+
+def _quantized(target) -> bool:
+    return jnp.dtype(target.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def _read_param(source, weight: HFWeight, target) -> np.ndarray:
