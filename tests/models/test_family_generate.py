@@ -1,6 +1,6 @@
 """Through the whole engine (scheduler, chunked prefill, runner, sampler): greedy tokens of a
 tiny Gemma 3 (interleaved sliding / full layers, a window shorter than the prompts) equal HF
-`generate` over 32 steps, and logprobs agree within 1e-2."""
+`generate` over 32 steps, and logprobs agree within 1e-2, at tp 1 and 2 (host devices)."""
 
 import numpy as np
 import pytest
@@ -20,10 +20,11 @@ def gemma3_dir(tmp_path_factory):
     )  # fmt: skip
 
 
-def test_greedy_generate_matches_hf(gemma3_dir, monkeypatch):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_generate_matches_hf(gemma3_dir, monkeypatch, tp):
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(str(gemma3_dir), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
-              dtype="float32")  # fmt: skip
+              dtype="float32", tensor_parallel_size=tp)  # fmt: skip
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, n).tolist() for n in (9, 23, 14)]  # 23: chunked (16)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
