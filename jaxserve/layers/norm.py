@@ -12,8 +12,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
 
+    def normalized(self, x: jax.Array) -> jax.Array:
+        """x / rms(x) in float32."""
+        xf = x.astype(jnp.float32)
+        return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., dim] -> [..., dim] in x's dtype."""
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * xf.astype(x.dtype)
+        return self.weight[...] * self.normalized(x).astype(x.dtype)

@@ -21,21 +21,17 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import Attention, AttentionMetadata
 from jaxserve.layers.mlp import GatedMLP
+from jaxserve.layers.norm import RMSNorm
 from jaxserve.models.llama import LlamaForCausalLM
 
 
-class GemmaRMSNorm(nnx.Module):
+class GemmaRMSNorm(RMSNorm):
     """y = (x / rms(x)) * (1 + weight), computed in float32 and cast back (HF Gemma)."""
-
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
-        self.eps = eps
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., dim] -> [..., dim] in x's dtype."""
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (xf * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        scale = 1.0 + self.weight[...].astype(jnp.float32)
+        return (self.normalized(x) * scale).astype(x.dtype)
 
 
 class GemmaDecoderLayer(nnx.Module):

@@ -44,6 +44,9 @@ __all__ = [
 ]
 
 
+REASONING_TAIL = 16  # latest output tokens searched for the end of the reasoning
+
+
 def bitmask_words(vocab_size: int) -> int:
     """Width of a bitmask row: 32 tokens per int32 word."""
     return -(-vocab_size // 32)
@@ -105,7 +108,7 @@ class StructuredOutputManager:
     def grammar_init(self, request: Request) -> None:
         params = request.sampling_params.structured_outputs
         future = self.pool.submit(lambda: self.backend.compile_grammar(params))
-        self._compiling.append(future)
+        self._compiling = [f for f in self._compiling if not f.done()] + [future]
         request.structured_output_request = StructuredOutputRequest(params, future)
         if self.reasoner is not None:
             request.structured_output_request.reasoning_ended = False
@@ -117,7 +120,9 @@ class StructuredOutputManager:
         if so is None:
             return False
         if not so.reasoning_ended:
-            if self.reasoner.is_reasoning_end(request.output_token_ids):
+            # Checked at every token, so the tag is always within the latest few: a tail
+            # keeps this O(1) per token (without a `</think>` id the parser decodes them).
+            if self.reasoner.is_reasoning_end(request.output_token_ids[-REASONING_TAIL:]):
                 so.reasoning_ended = True
             return False  # the token that ends the reasoning is not the grammar's
         return True
@@ -147,6 +152,3 @@ class StructuredOutputManager:
         self._compiling = futures
         if futures:
             wait(futures, timeout, return_when=FIRST_COMPLETED)
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -142,6 +142,3 @@ class GuidanceGrammar:
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing after it (only EOS)."""
         return self.matcher.is_stopped()
-
-    def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)

@@ -73,7 +73,6 @@ def test_a_request_waits_for_its_grammar_and_steps_follow_it(tokenizer):
         _, outputs = step(sched, lambda r: next(tokens) if r == "c" else 7)
     assert tokenizer.decode(constrained.output_token_ids) == "Paris"
     assert constrained.status == RequestStatus.FINISHED_STOPPED  # the grammar is complete
-    som.shutdown()
 
 
 def test_a_grammar_that_fails_to_compile_aborts_its_request_alone():

@@ -63,9 +63,7 @@ def check_tools(request: ChatCompletionRequest, *, auto_tools: bool) -> None:
             params = fn.get("parameters", {})
             if not isinstance(params, dict):
                 raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
-    choice = request.tool_choice
-    if choice is None:
-        choice = "auto" if tools else "none"
+    choice = tool_choice(request)
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -216,10 +214,6 @@ class ChoiceParser:
         self.content = ""  # the part after the reasoning
         self.tools_called = False
         self.named_sent = False
-
-    @property
-    def parses_tools(self) -> bool:
-        return self.named is not None or self.choice == "required" or self.tool_parser is not None
 
     # -------------------------------------------------------------- whole text
     def full(self, text: str) -> tuple[ChatMessage, bool]:
