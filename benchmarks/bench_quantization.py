@@ -1,7 +1,8 @@
-"""Weight-only quantization on the default model: memory, agreement, quality and speed against
-full precision, each mode in its own engine in this process.
+"""Weight-only quantization and the fp8 KV cache on the default model: memory, agreement,
+quality and speed against full precision, each mode in its own engine in this process.
+Modes: none, int8, fp8 (weights), kv-fp8 (full-precision weights, `kv_cache_dtype="fp8"`).
 
-  - weights: bytes of the model's parameters on the device;
+  - weights: bytes of the model's parameters on the device; KV cache bytes per token;
   - greedy agreement: 64 greedy tokens on each of 4 chat prompts, tokens equal to full
     precision's at the same position (counted up to the first difference, and in total);
   - mean logprob of a fixed text (its prompt logprobs), and its change against full precision;
@@ -39,10 +40,14 @@ TEXT = (
 )
 
 
-def run(quantization: str | None, iters: int) -> dict:
-    llm = LLM(max_num_seqs=8, max_model_len=512, quantization=quantization)
+def run(mode: str, iters: int) -> dict:
+    quantization = None if mode in ("none", "kv-fp8") else mode
+    kv_cache_dtype = "fp8" if mode == "kv-fp8" else "auto"
+    llm = LLM(max_num_seqs=8, max_model_len=512, quantization=quantization,
+              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     core = llm.llm_engine.engine_core.engine_core
     weights = sum(x.nbytes for x in jax.tree.leaves(core.runner.params))
+    kv_per_token = core.runner.kv_bytes_per_block() / core.runner.block_size
     tok = llm.get_tokenizer()
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
@@ -61,8 +66,9 @@ def run(quantization: str | None, iters: int) -> dict:
         llm.generate(prompts * 2, batch, use_tqdm=False)
         times.append(time.perf_counter() - start)
     result = {
-        "quantization": quantization or "none",
+        "mode": mode,
         "weight_mib": weights / 2**20,
+        "kv_bytes_per_token": kv_per_token,
         "tokens": [o.outputs[0].token_ids for o in greedy],
         "mean_logprob": float(np.mean(logprobs)),
         "decode_tok_s": 8 * 64 / statistics.median(times),
@@ -73,11 +79,11 @@ def run(quantization: str | None, iters: int) -> dict:
 
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="none,int8,fp8")
+    parser.add_argument("--modes", default="none,int8,fp8,kv-fp8")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    rows = [run(None if m == "none" else m, args.iters) for m in args.modes.split(",")]
+    rows = [run(m, args.iters) for m in args.modes.split(",")]
     base = rows[0]
     for r in rows:
         same, prefix = 0, 0

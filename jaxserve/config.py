@@ -14,6 +14,15 @@ import jax.numpy as jnp
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 QUANTIZATIONS = ("int8", "fp8")
+# --kv-cache-dtype values (vLLM's names) -> the cache's dtype; "auto": the model's dtype.
+# "fp8" is e4m3, as vLLM has it on CUDA.
+KV_CACHE_DTYPES = {
+    "auto": None,
+    "bfloat16": jnp.bfloat16,
+    "fp8": jnp.float8_e4m3fn,
+    "fp8_e4m3": jnp.float8_e4m3fn,
+    "fp8_e5m2": jnp.float8_e5m2,
+}
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -230,8 +239,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # explicit budget; wins over the utilisation
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV cache
     num_gpu_blocks_override: int | None = None  # exact block count (tests, debugging)
+    cache_dtype: str = "auto"  # --kv-cache-dtype: a KV_CACHE_DTYPES key
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.cache_dtype!r} is not supported; choose from "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -242,6 +257,10 @@ class CacheConfig:
             raise ValueError(
                 f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}"
             )
+
+    def kv_dtype(self, model_dtype: Any) -> Any:
+        """The dtype the KV cache is stored in (the model's own for "auto")."""
+        return KV_CACHE_DTYPES[self.cache_dtype] or model_dtype
 
 
 @dataclasses.dataclass(frozen=True)

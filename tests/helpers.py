@@ -168,7 +168,8 @@ def _bucket(n: int, minimum: int = 8) -> int:
 class PagedSequences:
     """Runs steps of (sequence -> new tokens) through a jaxserve model over a paged KV cache."""
 
-    def __init__(self, loaded, *, num_blocks=64, block_size=4, max_blocks=32, seed=0):
+    def __init__(self, loaded, *, num_blocks=64, block_size=4, max_blocks=32, seed=0,
+                 kv_dtype=None):  # fmt: skip
         self.model, self.config, self.block_size = loaded.model, loaded.config, block_size
         self.max_blocks = max_blocks
         rng = np.random.default_rng(seed)
@@ -179,7 +180,8 @@ class PagedSequences:
         heads = loaded.model.num_cache_kv_heads
         shape = (cfg.num_layers * num_blocks, block_size, heads, cfg.head_dim)
         sharding = kv_cache_sharding(loaded.mesh)
-        self.kv = tuple(jax.device_put(jnp.zeros(shape, cfg.dtype), sharding) for _ in range(2))
+        kv_dtype = kv_dtype or cfg.dtype
+        self.kv = tuple(jax.device_put(jnp.zeros(shape, kv_dtype), sharding) for _ in range(2))
         self._forward = _make_forward(self.model, NamedSharding(loaded.mesh, jax.P()))
 
     def step(self, chunks: dict[int, list[int]]) -> dict[int, np.ndarray]:

@@ -36,6 +36,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"  # auto | bfloat16 | fp8 (e4m3) | fp8_e4m3 | fp8_e5m2
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"
     # Schedule step N+1 while step N runs. Default: on with an accelerator; off on CPU, where
@@ -80,6 +81,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype=self.kv_cache_dtype,
         )
         return EngineConfig(
             model_path=str(path),

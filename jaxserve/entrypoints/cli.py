@@ -65,6 +65,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="KV cache storage: auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3) or "
+        "fp8_e5m2; fp8 values are scaled by the checkpoint's k_scale / v_scale, else 1.0",
+    )  # fmt: skip
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument(

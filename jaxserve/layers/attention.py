@@ -42,17 +42,25 @@ class AttentionMetadata(NamedTuple):
     num_seqs: jax.Array
 
 
-def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, scale: float = 1.0) -> jax.Array:
     """Scatter new: [T, Hkv, D] into cache: [num_blocks, block_size, Hkv, D] at slots: [T].
 
-    Negative slots (padding) are dropped. With the cache donated this updates it in place. The
-    scatter indexes the 4-D cache by (block, offset): on a reshaped view XLA:CPU turns a
-    one-token write into a dynamic-update-slice of the view, which it runs on a copy of the
-    whole cache.
+    An fp8 cache stores new / scale, saturated at the format's largest value (a plain cast
+    would make NaN of anything past it). Negative slots (padding) are dropped. With the cache
+    donated this updates it in place. The scatter indexes the 4-D cache by (block, offset): on
+    a reshaped view XLA:CPU turns a one-token write into a dynamic-update-slice of the view,
+    which it runs on a copy of the whole cache.
     """
     num_blocks, block_size = cache.shape[:2]
     blocks = jnp.where(slots >= 0, slots // block_size, num_blocks)  # out of range: dropped
+    if is_fp8(cache.dtype):
+        top = float(jnp.finfo(cache.dtype).max)
+        new = jnp.clip(new.astype(jnp.float32) / scale, -top, top)
     return cache.at[blocks, slots % block_size].set(new.astype(cache.dtype), mode="drop")
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
 def paged_attention(
@@ -134,6 +142,9 @@ class Attention(nnx.Module):
         self.soft_cap = config.attn_logit_softcapping
         self.head_dim = hd
         self.backend, self.mesh = "reference", None  # configure_attention sets these
+        # An fp8 cache holds K / k_scale and V / v_scale (the checkpoint's, when it has them:
+        # loader.load_kv_scales); a wider cache ignores them.
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def __call__(
         self,
@@ -157,10 +168,16 @@ class Attention(nnx.Module):
         q = apply_rotary(q, positions, inv_freq, scale)
         k = apply_rotary(k, positions, inv_freq, scale)
         v = qkv[:, :, g + 1]  # [T, Hkv, hd]
-        k_cache = write_kv(k_cache, k, md.slot_mapping)
-        v_cache = write_kv(v_cache, v, md.slot_mapping)
+        k_scale, v_scale = (self.k_scale, self.v_scale) if is_fp8(k_cache.dtype) else (1.0, 1.0)
+        k_cache = write_kv(k_cache, k, md.slot_mapping, k_scale)
+        v_cache = write_kv(v_cache, v, md.slot_mapping, v_scale)
+        # q . (k_scale * k8) = k_scale * (q . k8), and sum p (v_scale * v8) = v_scale * sum p v8:
+        # the scales fold into the score scale and the output, outside the attention op.
         out = paged_attention(
-            q, k_cache, v_cache, md, sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-            soft_cap=self.soft_cap, backend=self.backend, mesh=self.mesh,
+            q, k_cache, v_cache, md, sm_scale=self.sm_scale * k_scale,
+            sliding_window=self.sliding_window, soft_cap=self.soft_cap, backend=self.backend,
+            mesh=self.mesh,
         )  # fmt: skip
+        if v_scale != 1.0:
+            out = out * jnp.asarray(v_scale, out.dtype)
         return self.o_proj(out.reshape(t, -1)), k_cache, v_cache

@@ -178,16 +178,41 @@ def load_model(
                 place((*p[:-1], "scale"), scale)
             else:
                 place(p, _read_param(source, weight, targets[p]))
-        del source  # the GGUF reader's parsed metadata is large; free it before the tokenizer
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(params))
+    model = nnx.merge(graphdef, state)
+    if source is not None:
+        load_kv_scales(model, source)
+    del source  # the GGUF reader's parsed metadata is large; free it before the tokenizer
 
     return LoadedModel(
-        model=nnx.merge(graphdef, state),
+        model=model,
         config=config,
         mesh=mesh,
         tokenizer=read_tokenizer(path) if load_tokenizer else None,
         generation_config=read_generation_config(path),
     )
+
+
+# Where fp8 checkpoints keep each layer's KV cache scales, as vLLM reads them: ModelOpt's
+# self_attn.{k,v}_scale, compressed-tensors' {k,v}_proj.output_scale, the older kv_scale for both.
+_KV_SCALE_NAMES = (
+    ("self_attn.k_scale", "self_attn.v_scale"),
+    ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+    ("self_attn.kv_scale", "self_attn.kv_scale"),
+)
+
+
+def load_kv_scales(model: nnx.Module, source) -> None:
+    """Set each layer's Attention.k_scale / v_scale (used by an fp8 KV cache) from the
+    checkpoint's scalars, where it has them."""
+    for i, layer in enumerate(model.layers):
+        for k_name, v_name in _KV_SCALE_NAMES:
+            k_name, v_name = f"model.layers.{i}.{k_name}", f"model.layers.{i}.{v_name}"
+            if k_name in source and v_name in source:
+                attn = layer.self_attn
+                attn.k_scale = float(np.asarray(source.get(k_name), np.float32).reshape(-1)[0])
+                attn.v_scale = float(np.asarray(source.get(v_name), np.float32).reshape(-1)[0])
+                break
 
 
 def _dummy_params(

@@ -109,6 +109,7 @@ class ModelRunner:
         self.mesh = loaded.mesh
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
+        self.kv_dtype = cache_config.kv_dtype(self.config.dtype)
         self.max_model_len = scheduler_config.max_model_len
         self.max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -222,7 +223,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         c = self.config
         kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
-        itemsize = jnp.dtype(c.dtype).itemsize
+        itemsize = jnp.dtype(self.kv_dtype).itemsize
         return 2 * c.num_layers * self.block_size * kv_heads * c.head_dim * itemsize
 
     def determine_num_blocks(self) -> int:
@@ -253,13 +254,14 @@ class ModelRunner:
         """K and V: [L * num_blocks, block_size, Hkv (x replicas), hd] each, zeros."""
         c = self.config
         shape = (c.num_layers * num_blocks, self.block_size, self.num_cache_kv_heads, c.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, c.dtype), out_shardings=self._kv_sharding)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self._kv_sharding)
         self.kv_caches = (zeros(), zeros())
         self.num_blocks = num_blocks
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.0f MiB); maximum concurrency at "
+            "KV cache: %d blocks of %d tokens (%.0f MiB, %s); maximum concurrency at "
             "max_model_len=%d: %.2fx",
             num_blocks, self.block_size, num_blocks * self.kv_bytes_per_block() / 2**20,
+            jnp.dtype(self.kv_dtype).name,
             self.max_model_len, num_blocks * self.block_size / self.max_model_len,
         )  # fmt: skip
 

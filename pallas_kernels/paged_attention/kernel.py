@@ -74,6 +74,8 @@ def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visib
         pages = block_tables_ref[seq * max_blocks + idx]  # [P] block ids
         k = k_ref[pages].reshape(step_tokens, head_dim)  # [P, bs, D] gathered -> [K, D]
         v = v_ref[pages].reshape(step_tokens, head_dim)
+        if k.dtype != q.dtype:  # an fp8 cache, widened once loaded (its scales apply outside)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale  # [R, K] f32
         if soft_cap is not None:  # cap the natural-log scores: scale holds log2(e)
             cap = soft_cap * _LOG2E

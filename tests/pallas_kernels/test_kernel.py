@@ -165,3 +165,38 @@ def test_window_and_soft_cap_lower_to_triton_for_cuda():
     f = functools.partial(ragged_paged_attention, sm_scale=0.125, sliding_window=20, soft_cap=50.0)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def _fp8_case(layout, dtype=ml_dtypes.float8_e4m3fn):
+    """A case whose caches hold fp8 values (q stays float32)."""
+    case = _case(layout, 64, (8, 2), 16, seed=11)
+    case.k_cache, case.v_cache = case.k_cache.astype(dtype), case.v_cache.astype(dtype)
+    return case
+
+
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2])
+def test_fp8_cache_matches_the_oracle_on_its_values(layout, dtype):
+    """An fp8 cache (--kv-cache-dtype fp8) is widened as it is read: the kernel and the
+    reference give the oracle's attention over the fp8 values themselves."""
+    case = _fp8_case(layout, dtype)
+    want = naive_attention(case, 0.125)  # the oracle reads the fp8 values exactly
+    np.testing.assert_allclose(_kernel(case, interpret=True), want, atol=1e-5)
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(ref), want, atol=1e-5)
+
+
+def test_fp8_cache_lowers_to_triton_for_cuda():
+    case = _fp8_case("mixed")
+    args = [jnp.asarray(a) for a in case.args()]
+    args[0] = args[0].astype(jnp.bfloat16)
+    f = functools.partial(ragged_paged_attention, sm_scale=0.125)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
+def test_gpu_fp8_cache_matches_the_oracle(layout):
+    case = _fp8_case(layout)
+    np.testing.assert_allclose(_kernel(case), naive_attention(case, 0.125), atol=1e-4)
