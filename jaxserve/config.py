@@ -210,6 +210,13 @@ class ModelConfig:
         return self.rope
 
     @property
+    def uniform_sliding_window(self) -> int | None:
+        """The sliding window when every layer has it (Mistral); None when any layer attends
+        to the whole context (Gemma's global layers) or none has a window."""
+        windows = {self.layer_window(layer) for layer in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
@@ -240,6 +247,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV cache
     num_gpu_blocks_override: int | None = None  # exact block count (tests, debugging)
     cache_dtype: str = "auto"  # --kv-cache-dtype: a KV_CACHE_DTYPES key
+    # The model's sliding window when every layer has one (ModelConfig.uniform_sliding_window):
+    # blocks that fall out of it are given back as a request runs.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:

@@ -1,5 +1,10 @@
 """Which KV-cache blocks each request holds (vLLM V1's KVCacheManager, one attention type).
 
+With a sliding window on every layer (`sliding_window`), a request's blocks that every later
+token is past are given back as it runs (vLLM's SlidingWindowManager): its block list keeps
+the null block in their place, so positions still index it. The runner's block table keeps
+the old ids there; the attention never reads keys outside the window.
+
 The scheduler asks get_computed_blocks for a new request's prefix-cache hit, then
 allocate_slots for the blocks its next tokens need, and free when the request finishes or is
 preempted. Blocks are cached by hash as soon as they are allocated full of known tokens: the
@@ -31,11 +36,18 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's, or None
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -79,9 +91,11 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Give the request blocks for its prefix-cache hit plus num_new_tokens more tokens.
-        Returns the newly allocated blocks, or None (and changes nothing) if they do not fit."""
+        Returns the newly allocated blocks, or None if they do not fit (then only blocks that
+        fell out of the sliding window have been given back)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
+        self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-num_total // self.block_size)
@@ -107,6 +121,22 @@ class KVCacheManager:
         self.num_cached_block[request.request_id] = num_cached
         return new_blocks
 
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Sliding window: give back the leading blocks wholly before the window of the next
+        token (position num_computed_tokens sees keys from num_computed_tokens - window + 1
+        on), putting the null block in their place."""
+        blocks = self.req_to_blocks.get(request_id)
+        if self.sliding_window is None or not blocks:
+            return
+        first_needed = max(0, num_computed_tokens - self.sliding_window + 1)
+        skipped = []
+        for i in reversed(range(min(first_needed // self.block_size, len(blocks)))):
+            if blocks[i].is_null:
+                break  # the earlier ones went at an earlier step
+            skipped.append(blocks[i])
+            blocks[i] = self.block_pool.null_block
+        self.block_pool.free_blocks(skipped)  # latest first, as `free` orders them
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first: the free queue evicts in that order, and a
         prompt's head blocks are the ones other requests are likeliest to share."""
@@ -131,7 +161,9 @@ class KVCacheManager:
         it and the free queue holds exactly the unreferenced blocks. With no requests held, this
         means every ref count is 0 and num_blocks - 1 blocks are free."""
         pool = self.block_pool
-        holders = Counter(b for blocks in self.req_to_blocks.values() for b in blocks)
+        holders = Counter(
+            b for blocks in self.req_to_blocks.values() for b in blocks if not b.is_null
+        )  # a request holds the null block only in place of blocks out of its window
         free = set(pool.free_block_queue.get_all_free_blocks())
         problems = []
         for block in pool.blocks[1:]:

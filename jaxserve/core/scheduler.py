@@ -90,8 +90,9 @@ class Scheduler:
         self.structured_output_manager = structured_output_manager
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            sliding_window=cache_config.sliding_window,
+        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(scheduler_config.policy)
         self.running: list[Request] = []

@@ -82,6 +82,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
+            sliding_window=model_config.uniform_sliding_window,
         )
         return EngineConfig(
             model_path=str(path),

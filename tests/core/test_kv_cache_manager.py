@@ -245,3 +245,40 @@ def test_check_no_leaks_catches_a_bad_ref_count():
     manager.block_pool.blocks[1].ref_cnt = 1
     with pytest.raises(RuntimeError, match="held by 0 requests"):
         manager.check_no_leaks()
+
+
+def test_sliding_window_gives_back_blocks_every_later_token_is_past():
+    """Window 6, blocks of 4: the token at position p sees keys p - 5 .. p, so block i (keys
+    4i .. 4i + 3) goes back once p - 5 > 4i + 3. Its place holds the null block; the freed
+    blocks stay cached (a later prompt can still hit them while they are free)."""
+    manager = KVCacheManager(num_blocks=11, block_size=BS, sliding_window=6)
+    req = _request("a", list(range(10)))
+    _schedule(manager, req)  # blocks 1, 2, 3 for tokens 0-9
+    req.num_computed_tokens = 10
+    req.append_output_token_ids(100)
+    manager.allocate_slots(req, 1)  # position 10 sees 5..10: block 1 (keys 0-3) is past
+    assert manager.get_block_ids("a") == [0, 2, 3]
+    assert manager.num_free_blocks == 8
+    manager.check_no_leaks()
+    for p in range(11, 20):
+        req.num_computed_tokens = p
+        req.append_output_token_ids(100 + p)
+        manager.allocate_slots(req, 1)
+        held = [b for b in manager.get_block_ids("a") if b]
+        assert len(held) <= -(-6 // BS) + 1  # the window's blocks and the one being written
+        manager.check_no_leaks()
+    assert manager.get_block_ids("a")[:3] == [0, 0, 0]  # position 19 sees 14..19: blocks 3, 4
+    assert manager.block_pool.get_cached_block(req.block_hashes[0]).block_id == 1
+    manager.free(req)
+    assert manager.num_free_blocks == 10
+    manager.check_no_leaks()
+
+
+def test_no_window_keeps_every_block():
+    manager = KVCacheManager(num_blocks=11, block_size=BS)
+    req = _request("a", list(range(10)))
+    _schedule(manager, req)
+    req.num_computed_tokens = 10
+    req.append_output_token_ids(100)
+    manager.allocate_slots(req, 1)
+    assert manager.get_block_ids("a") == [1, 2, 3]
