@@ -118,9 +118,11 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # scores: cap * tanh(score / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits likewise (Gemma 2)
     query_pre_attn_scalar: float | None = None  # scores scaled by its ** -0.5, not head_dim's
-    # Weight-only quantization of the decoder layers' linear kernels, computed at load:
-    # "int8" or "fp8" (e4m3), one float32 scale per output channel (layers/linear.py).
+    # Weight-only quantization of the decoder layers' linear kernels: "int8" or "fp8" (e4m3),
+    # one float32 scale per output channel (layers/linear.py), computed at load, or read from
+    # a pre-quantized checkpoint (prequantized: compressed-tensors, `checkpoint_quantization`).
     quantization: str | None = None
+    prequantized: bool = False
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -128,10 +130,18 @@ class ModelConfig:
     def from_hf(
         cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None
     ) -> ModelConfig:
-        if quantization not in (None, *QUANTIZATIONS):
+        prequantized = checkpoint_quantization(hf_config)
+        if quantization not in (None, *QUANTIZATIONS, "compressed-tensors"):
             raise ValueError(
                 f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}"
             )
+        if prequantized and quantization not in (None, prequantized, "compressed-tensors"):
+            raise ValueError(
+                f"quantization {quantization!r} conflicts with the checkpoint's own "
+                f"compressed-tensors {prequantized} weights"
+            )
+        if quantization == "compressed-tensors" and not prequantized:
+            raise ValueError("quantization 'compressed-tensors': the checkpoint is not quantized")
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError("HF config has no `architectures` entry; cannot pick a model class")
@@ -187,7 +197,8 @@ class ModelConfig:
             attn_logit_softcapping=getattr(hf_config, "attn_logit_softcapping", None),
             final_logit_softcapping=getattr(hf_config, "final_logit_softcapping", None),
             query_pre_attn_scalar=getattr(hf_config, "query_pre_attn_scalar", None),
-            quantization=quantization,
+            quantization=prequantized or quantization,
+            prequantized=prequantized is not None,
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )
@@ -219,6 +230,40 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+def checkpoint_quantization(hf_config: Any) -> str | None:
+    """The weights of a pre-quantized checkpoint (its config's quantization_config): "int8" or
+    "fp8" for compressed-tensors with 8-bit symmetric per-channel or per-tensor weights stored
+    unpacked (int-, naive- or float-quantized; W8A16, or W8A8 whose activations then stay in
+    the model dtype); None for a full-precision checkpoint; ValueError naming anything else."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"checkpoint quantization {method!r} is not supported (compressed-tensors 8-bit "
+            "weights are; or load a full-precision checkpoint with --quantization int8|fp8)"
+        )
+    if fmt not in ("int-quantized", "naive-quantized", "float-quantized"):
+        raise ValueError(f"compressed-tensors format {fmt!r} is not supported (unpacked 8-bit)")
+    modes = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        kind = (w.get("type"), w.get("num_bits"))
+        if kind not in (("int", 8), ("float", 8)) or w.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(
+                f"compressed-tensors group {name!r}: {w.get('type')} {w.get('num_bits')}-bit "
+                f"{w.get('strategy')} weights are not supported (8-bit, channel or tensor)"
+            )
+        if not w.get("symmetric", True):
+            raise ValueError(f"compressed-tensors group {name!r}: asymmetric weights")
+        modes.add("int8" if kind[0] == "int" else "fp8")
+    if len(modes) != 1:
+        raise ValueError(f"compressed-tensors weights of mixed kinds {sorted(modes)}")
+    return modes.pop()
 
 
 def resolve_dtype(dtype: str | Any, hf_config: Any = None) -> Any:

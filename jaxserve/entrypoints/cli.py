@@ -88,7 +88,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "-q",
         "--quantization",
         default=None,
-        choices=["int8", "fp8"],
+        choices=["int8", "fp8", "compressed-tensors"],
         help="weight-only quantization of the linear layers, computed at load",
     )
     parser.add_argument(

@@ -169,7 +169,11 @@ def load_model(
             if p[-1] == "scale":
                 continue  # placed with its quantized kernel
             weight = model_cls.hf_weight(config, p, replicas)
-            if _quantized(targets[p]):  # read in float32, quantized per output channel
+            if _quantized(targets[p]) and config.prequantized:
+                kernel, scale = _read_prequantized(source, weight, targets[p])
+                place(p, kernel)
+                place((*p[:-1], "scale"), scale)
+            elif _quantized(targets[p]):  # read in float32, quantized per output channel
                 kernel, scale = quantize_kernel(
                     _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),
                     config.quantization,
@@ -251,6 +255,27 @@ def _read_param(source, weight: HFWeight, target) -> np.ndarray:
     tensors = [np.asarray(source.get(name)) for name in weight.names]
     host = weight.build(*tensors) if weight.build else tensors[0]
     return _checked(host.astype(target.dtype, copy=False), target.shape, ", ".join(weight.names))
+
+
+def _read_prequantized(source, weight: HFWeight, target) -> tuple[np.ndarray, np.ndarray]:
+    """A compressed-tensors kernel: each HF `*.weight` (int8 or fp8 values [out, in]) and its
+    `*.weight_scale` (per channel [out, 1], or one per tensor), fused and transposed like the
+    float weights -> (kernel [in, out] in the target dtype, float32 scale [out])."""
+    values, scales = [], []
+    for name in weight.names:
+        scale_name = name.removesuffix("weight") + "weight_scale"
+        if scale_name not in source:
+            raise ValueError(
+                f"{scale_name} is missing: a compressed-tensors checkpoint must quantize every "
+                "decoder linear layer (none may be in its ignore list)"
+            )
+        w = np.asarray(source.get(name))
+        values.append(w)
+        s = np.asarray(source.get(scale_name), np.float32).reshape(-1)
+        scales.append(np.broadcast_to(s, (w.shape[0],))[:, None])  # [out, 1]
+    build = weight.build or (lambda x: x)
+    kernel = _checked(build(*values).astype(target.dtype), target.shape, ", ".join(weight.names))
+    return kernel, build(*scales).reshape(-1).astype(np.float32)
 
 
 def _abstract_model(model_cls, config: ModelConfig, kv_replicas: int):

@@ -1,13 +1,16 @@
-"""Weight-only int8 / fp8 quantization at load: smaller kernels, nearly the same logits."""
+"""Weight-only int8 / fp8 quantization at load: smaller kernels, nearly the same logits; and
+checkpoints that come quantized (compressed-tensors)."""
+
+import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from jaxserve.layers.linear import quantize_kernel
+from jaxserve.layers.linear import QUANT_DTYPES, quantize_kernel
 from jaxserve.models.loader import load_model
-from tests.helpers import make_tiny_hf
+from tests.helpers import hf_logits, hf_model, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
 
 
@@ -50,3 +53,81 @@ def test_quantized_model_is_smaller_and_close(model_dir, quant, atol, agree):
     for seq in want:
         assert np.abs(got[seq] - want[seq]).max() < atol
         assert (got[seq].argmax(-1) == want[seq].argmax(-1)).mean() > agree
+
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+
+
+def _compressed_tensors_dir(src, dst, kind: str, strategy: str):
+    """src's weights quantized as llm-compressor saves them (compressed-tensors: `weight` int8
+    or fp8 [out, in] + `weight_scale`, per channel [out, 1] or per tensor) -> (dst, and a
+    full-precision dir holding exactly the dequantized weights, for HF to run)."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(src / "model.safetensors")
+    deq = dict(tensors)
+    top = 127.0 if kind == "int" else 448.0
+    for name in list(tensors):
+        if not name.endswith(".weight") or not any(f".{n}." in name for n in LINEARS):
+            continue
+        w = tensors.pop(name)
+        amax = np.abs(w).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w).max()
+        scale = (amax / top).astype(np.float32)
+        q = (
+            np.rint(w / scale).astype(np.int8)
+            if kind == "int"
+            else (w / scale).astype(jnp.float8_e4m3fn)
+        )
+        tensors[name], tensors[name + "_scale"] = q, np.asarray(scale, np.float32)
+        deq[name] = (q.astype(np.float32) * scale).astype(np.float32)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized" if kind == "int" else "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "input_activations": None,
+            "weights": {"num_bits": 8, "type": kind, "strategy": strategy, "symmetric": True},
+        }},
+        "ignore": ["lm_head"],
+    }  # fmt: skip
+    full = dst.parent / f"{dst.name}-dequantized"
+    for d, ts in ((dst, tensors), (full, deq)):
+        d.mkdir()
+        save_file(ts, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps(config if d == dst else {
+            k: v for k, v in config.items() if k != "quantization_config"
+        }))  # fmt: skip
+    return dst, full
+
+
+@pytest.mark.parametrize(("kind", "strategy"), [("int", "channel"), ("float", "tensor")])
+def test_compressed_tensors_checkpoint_loads_quantized(model_dir, tmp_path, kind, strategy):
+    """A pre-quantized checkpoint is read as it is (no re-quantization): its int8 / fp8 kernels
+    and scales give HF's logits of the same dequantized weights."""
+    ct, full = _compressed_tensors_dir(model_dir, tmp_path / "ct", kind, strategy)
+    loaded = load_model(ct, dtype="float32")
+    mode = "int8" if kind == "int" else "fp8"
+    assert loaded.config.quantization == mode and loaded.config.prequantized
+    qkv = loaded.model.layers[1].self_attn.qkv_proj
+    assert qkv.kernel[...].dtype == jnp.dtype(QUANT_DTYPES[mode][0])
+    ref = hf_model(str(full))
+    prompts = [list(range(3, 14)), list(range(40, 57))]
+    fed, got = run_mixed_schedule(loaded, prompts)
+    for seq, ids in fed.items():
+        np.testing.assert_allclose(got[seq], hf_logits(ref, ids), atol=2e-4)
+    with pytest.raises(ValueError, match="conflicts with the checkpoint"):
+        load_model(ct, dtype="float32", quantization="fp8" if mode == "int8" else "int8")
+
+
+def test_unsupported_checkpoint_quantization_is_named(model_dir, tmp_path):
+    ct, _ = _compressed_tensors_dir(model_dir, tmp_path / "ct", "int", "channel")
+    config = json.loads((ct / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "group"
+    (ct / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="int 8-bit group weights are not supported"):
+        load_model(ct, dtype="float32")
+    config["quantization_config"]["quant_method"] = "gptq"
+    (ct / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'gptq' is not supported"):
+        load_model(ct, dtype="float32")
