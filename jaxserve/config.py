@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-QUANTIZATIONS = ("int8", "fp8")
+QUANTIZATIONS = ("int8", "fp8", "gguf")  # gguf: a GGUF file's blocks kept (layers/linear.py)
 # --kv-cache-dtype values (vLLM's names) -> the cache's dtype; "auto": the model's dtype.
 # "fp8" is e4m3, as vLLM has it on CUDA.
 KV_CACHE_DTYPES = {

@@ -28,6 +28,11 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         problems.append(f"num_key_value_heads={config.num_kv_heads} (nor is tp a multiple of it)")
     if config.intermediate_size % tp:
         problems.append(f"intermediate_size={config.intermediate_size}")
+    if config.quantization == "gguf":  # row-parallel kernels split whole 32-row blocks
+        for name, rows in (("num_attention_heads * head_dim", config.num_heads * config.head_dim),
+                           ("intermediate_size", config.intermediate_size)):  # fmt: skip
+            if rows % (32 * tp):
+                problems.append(f"{name}={rows} into whole GGUF blocks of 32")
     if problems:
         raise ValueError(
             f"tensor_parallel_size={tp} does not divide {', '.join(problems)} of "
@@ -44,6 +49,8 @@ def kv_head_replicas(config: ModelConfig, tp: int) -> int:
 def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
     """The PartitionSpec of the parameter at `path`, e.g. ('layers', 3, 'mlp', 'down_proj',
     'kernel')."""
+    if config.quantization == "gguf" and path[-1] in ("scale", "offset"):
+        return param_spec((*path[:-1], "kernel"), config, tp)  # [in / 32, out]: as the kernel
     name = "/".join(str(p) for p in path)
     vocab = TP_AXIS if config.vocab_size % tp == 0 else None
     rules = {

@@ -47,7 +47,7 @@ class EngineArgs:
     # op; default elsewhere, where the kernel only runs interpreted).
     attention_backend: str | None = None
     reasoning_parser: str | None = None  # e.g. deepseek_r1, qwen3 (jaxserve/reasoning)
-    quantization: str | None = None  # int8 | fp8: weight-only, computed at load
+    quantization: str | None = None  # int8 | fp8 (at load) | gguf | compressed-tensors
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""

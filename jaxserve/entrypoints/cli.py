@@ -88,8 +88,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "-q",
         "--quantization",
         default=None,
-        choices=["int8", "fp8", "compressed-tensors"],
-        help="weight-only quantization of the linear layers, computed at load",
+        choices=["int8", "fp8", "gguf", "compressed-tensors"],
+        help="weight-only quantization of the linear layers: int8 / fp8 computed at load, gguf "
+        "(a GGUF file's blocks kept), compressed-tensors (read from the checkpoint; automatic)",
     )
     parser.add_argument(
         "--reasoning-parser",

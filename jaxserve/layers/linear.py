@@ -8,6 +8,7 @@ from flax import nnx
 
 # Quantized kernel dtypes and the largest value each holds.
 QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+GGUF_BLOCK = 32  # input rows per scale and min of a "gguf" kernel (llama.cpp's blocks)
 
 
 class Linear(nnx.Module):
@@ -17,6 +18,10 @@ class Linear(nnx.Module):
     quant "int8" / "fp8": kernel holds int8 or float8_e4m3 values and `scale` f32[out] one
     scale per output channel (`quantize_kernel`); the product is (x @ kernel) * scale, the
     kernel converted to x's dtype inside the matmul's fusion.
+
+    quant "gguf": a GGUF file's blocks kept as they are stored (Q8_0, Q4_0/1, Q5_0/1): kernel
+    holds int8 q [in, out], `scale` d and `offset` m f32[in / 32, out], one per block of 32
+    input rows; the weight is d * q + m blockwise, rebuilt in x's dtype for the matmul.
     """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
@@ -24,16 +29,28 @@ class Linear(nnx.Module):
         init = nnx.initializers.lecun_normal()
         if quant is None:
             self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
-            self.scale = None
+            self.scale = self.offset = None
+        elif quant == "gguf":
+            if d_in % GGUF_BLOCK:
+                raise ValueError(f"a gguf kernel's input size {d_in} is not a multiple of 32")
+            self.kernel = nnx.Param(jnp.zeros((d_in, d_out), jnp.int8))
+            self.scale = nnx.Param(jnp.ones((d_in // GGUF_BLOCK, d_out), jnp.float32))
+            self.offset = nnx.Param(jnp.zeros((d_in // GGUF_BLOCK, d_out), jnp.float32))
         else:
             self.kernel = nnx.Param(jnp.zeros((d_in, d_out), QUANT_DTYPES[quant][0]))
             self.scale = nnx.Param(jnp.ones((d_out,), jnp.float32))
+            self.offset = None
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, in] -> [T, out]."""
         if self.scale is None:
             y = x @ self.kernel[...]
+        elif self.offset is not None:
+            d_in, d_out = self.kernel.shape
+            q = self.kernel[...].astype(x.dtype).reshape(-1, GGUF_BLOCK, d_out)
+            scale, offset = (v[...].astype(x.dtype)[:, None] for v in (self.scale, self.offset))
+            y = x @ (q * scale + offset).reshape(d_in, d_out)
         else:
             y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]

@@ -146,6 +146,8 @@ def load_model(
     config = ModelConfig.from_hf(hf_config, dtype, quantization)
     if quantization and source is None and not dummy:
         raise ValueError("quantization of a jaxserve (orbax) checkpoint is not supported yet")
+    if quantization == "gguf" and not isinstance(source, GGUFSource) and not dummy:
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not one")
     model_cls = get_model_class(config.architecture)
     mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
     tp = mesh.shape[TP_AXIS]
@@ -166,10 +168,17 @@ def load_model(
             params[p] = jax.make_array_from_callback(host.shape, shardings[p], host.__getitem__)
 
         for p in tqdm(targets, desc=f"Loading {path.name}", unit="param", leave=False):
-            if p[-1] == "scale":
+            if p[-1] in ("scale", "offset"):
                 continue  # placed with its quantized kernel
             weight = model_cls.hf_weight(config, p, replicas)
-            if _quantized(targets[p]) and config.prequantized:
+            if _quantized(targets[p]) and config.quantization == "gguf":
+                blocks = [source.get_blocks(name) for name in weight.names]  # (q, d, m) each
+                build = weight.build or (lambda x: x)
+                for i, leaf in enumerate(("kernel", "scale", "offset")):
+                    host = build(*(b[i] for b in blocks))
+                    place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
+                                                    ", ".join(weight.names)))  # fmt: skip
+            elif _quantized(targets[p]) and config.prequantized:
                 kernel, scale = _read_prequantized(source, weight, targets[p])
                 place(p, kernel)
                 place((*p[:-1], "scale"), scale)
@@ -234,6 +243,8 @@ def _dummy_params(
                 out.append(jnp.ones(shape, dtype))
             elif p[-1] == "scale":  # of a quantized kernel holding ~N(0, 32) values
                 out.append(jnp.full(shape, DUMMY_STD / 32, dtype))
+            elif p[-1] == "offset":  # of a gguf kernel
+                out.append(jnp.zeros(shape, dtype))
             elif _quantized(targets[p]):
                 w = jax.random.normal(jax.random.fold_in(key, i), shape) * 32
                 out.append(jnp.clip(jnp.round(w), -127, 127).astype(dtype))

@@ -140,6 +140,18 @@ class GGUFSource:
         except KeyError:
             return False
 
+    def get_blocks(self, name: str) -> tuple[np.ndarray, ...]:
+        """A quantized tensor as it is stored: (q int8 [out, in], d, m float32 [out, in / 32]),
+        rows unpermuted like `get`'s (`gguf_blocks`)."""
+        t = self._tensors[self._gguf_name(name)]
+        num_in = int(t.shape[0])  # GGUF lists dims innermost first
+        parts = gguf_blocks(t.data, t.tensor_type.name, num_in)
+        if name.endswith("q_proj.weight"):
+            parts = tuple(_unpermute(p, self.num_heads) for p in parts)
+        elif name.endswith("k_proj.weight"):
+            parts = tuple(_unpermute(p, self.num_kv_heads) for p in parts)
+        return parts
+
     def get(self, name: str) -> np.ndarray:
         import gguf
 
@@ -154,6 +166,55 @@ class GGUFSource:
         elif gname.endswith(("attn_k.weight", "attn_k.bias")):
             w = _unpermute(w, self.num_kv_heads)
         return w
+
+
+# llama.cpp's legacy 32-value block formats, all w = d * q + m per block (m = 0 unless the
+# format has a min): name -> (has a min, has 5th bits, offset subtracted from the stored q).
+GGUF_BLOCK = 32
+_GGUF_BLOCK_FORMATS = {
+    "Q8_0": (False, False, 0),
+    "Q4_0": (False, False, 8),
+    "Q4_1": (True, False, 0),
+    "Q5_0": (False, True, 16),
+    "Q5_1": (True, True, 0),
+}
+
+
+def gguf_blocks(data: np.ndarray, qtype: str, num_in: int) -> tuple[np.ndarray, ...]:
+    """One GGUF tensor's raw blocks (uint8 [out, bytes per row]) -> (q int8 [out, in],
+    d float32 [out, in / 32], m float32 [out, in / 32]) with weight = d * q + m blockwise.
+
+    Each block: f16 d, f16 m (formats with a min), u32 5th bits (5-bit formats), then the
+    values: 32 int8 (Q8_0) or 16 bytes of nibbles, element j in the low nibble of byte j and
+    element j + 16 in its high nibble."""
+    if qtype not in _GGUF_BLOCK_FORMATS:
+        raise ValueError(
+            f"{qtype} blocks cannot stay quantized (supported: "
+            f"{', '.join(_GGUF_BLOCK_FORMATS)}); load without --quantization gguf"
+        )
+    has_min, five_bit, offset = _GGUF_BLOCK_FORMATS[qtype]
+    rows, nb = data.shape[0], num_in // GGUF_BLOCK
+    blocks = np.ascontiguousarray(data).reshape(rows, nb, -1)
+
+    def f16(at: int) -> np.ndarray:
+        return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    d, pos = f16(0), 2
+    m = np.zeros_like(d)
+    if has_min:
+        m, pos = f16(2), 4
+    if qtype == "Q8_0":
+        q = blocks[..., pos:].copy().view(np.int8)
+    else:
+        if five_bit:
+            qh = blocks[..., pos : pos + 4].copy().view(np.uint32)  # [rows, nb, 1]
+            pos += 4
+        qs = blocks[..., pos : pos + 16]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, nb, 32]
+        if five_bit:
+            q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        q = (q.astype(np.int16) - offset).astype(np.int8)
+    return q.reshape(rows, num_in), d, m
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

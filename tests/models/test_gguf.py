@@ -2,9 +2,11 @@
 quantisation types) loads into the same logits as HF on the identically rounded weights."""
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 from jaxserve.models.loader import load_model
 from tests.helpers import hf_logits, make_tiny_hf, write_llama_gguf
@@ -56,3 +58,55 @@ def test_non_llama_gguf_is_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match=r"GGUF architecture 'falcon' in .*falcon\.gguf"):
         load_model(path)
+
+
+KEPT = {  # every legacy block format, mixed inside the fused qkv and gate_up kernels
+    "attn_q.weight": Q.Q8_0,
+    "attn_k.weight": Q.Q4_0,
+    "attn_v.weight": Q.Q4_1,
+    "attn_output.weight": Q.Q5_0,
+    "ffn_gate.weight": Q.Q5_1,
+    "ffn_up.weight": Q.Q4_1,
+    "ffn_down.weight": Q.Q8_0,
+}
+
+
+@pytest.fixture(scope="module")
+def kept_gguf(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = make_tiny_hf("llama", tmp_path_factory.mktemp("hf"))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_llama_gguf(path, hf, KEPT)
+    return path, hf
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gguf_blocks_kept_quantized_give_the_same_logits(kept_gguf, tp):
+    """--quantization gguf: the decoder layers' kernels stay in their blocks (int8 q, one d
+    and m per 32 input rows: ~1.25 bytes a weight, not 4) and rebuild exactly the weights the
+    dequantizing load gives, so the logits are HF's on the rounded weights."""
+    path, hf = kept_gguf
+    loaded = load_model(path, dtype="float32", quantization="gguf", tensor_parallel_size=tp)
+    full = load_model(path, dtype="float32")
+    kernels = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+    def linear_bytes(model):
+        state = nnx.to_flat_state(nnx.state(model))
+        return sum(v.get_value().nbytes for p, v in state if any(k in p for k in kernels))
+
+    assert loaded.model.layers[0].mlp.down_proj.kernel[...].dtype == jnp.int8
+    assert linear_bytes(loaded.model) * 3 < linear_bytes(full.model)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (10, 6)]
+    fed, logits = run_mixed_schedule(loaded, prompts)
+    for seq, tokens in fed.items():
+        np.testing.assert_allclose(logits[seq], hf_logits(hf, tokens), atol=1e-4, rtol=0)
+
+
+def test_gguf_blocks_need_a_supported_format_and_whole_blocks(gguf_and_reference, kept_gguf):
+    with pytest.raises(ValueError, match="F16 blocks cannot stay quantized"):
+        load_model(gguf_and_reference[0], quantization="gguf")  # its attn_q is F16
+    with pytest.raises(ValueError, match="num_attention_heads \\* head_dim=64 into whole GGUF"):
+        load_model(kept_gguf[0], quantization="gguf", tensor_parallel_size=4)
