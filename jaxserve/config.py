@@ -123,6 +123,13 @@ class ModelConfig:
     # a pre-quantized checkpoint (prequantized: compressed-tensors, `checkpoint_quantization`).
     quantization: str | None = None
     prequantized: bool = False
+    # Mixture of experts (Mixtral, Qwen3-MoE; layers/fused_moe.py): 0 experts = dense MLPs.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen3-MoE's)
+    expert_parallel: bool = False  # experts split over the devices (load_model sets it)
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -172,6 +179,16 @@ class ModelConfig:
         layer_types = getattr(hf_config, "layer_types", None)
         if layer_types and not sliding_window:
             layer_types = None
+        num_experts = int(
+            getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0)
+            or 0
+        )  # fmt: skip
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        only_mlp = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        dense_layers = tuple(
+            i for i in range(hf_config.num_hidden_layers)
+            if num_experts and (i in only_mlp or (i + 1) % step)
+        )  # fmt: skip
         sliding_rope = RopeConfig.from_hf(hf_config, "sliding_attention")
         if sliding_rope == RopeConfig.from_hf(hf_config):
             sliding_rope = None
@@ -197,6 +214,13 @@ class ModelConfig:
             attn_logit_softcapping=getattr(hf_config, "attn_logit_softcapping", None),
             final_logit_softcapping=getattr(hf_config, "final_logit_softcapping", None),
             query_pre_attn_scalar=getattr(hf_config, "query_pre_attn_scalar", None),
+            num_experts=num_experts,
+            num_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(
+                getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+            ),
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
+            dense_layers=dense_layers,
             quantization=prequantized or quantization,
             prequantized=prequantized is not None,
             dtype=resolve_dtype(dtype, hf_config),
@@ -219,6 +243,9 @@ class ModelConfig:
         if self.sliding_rope is not None and self.layer_window(layer) is not None:
             return self.sliding_rope
         return self.rope
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def uniform_sliding_window(self) -> int | None:
@@ -342,6 +369,7 @@ class ParallelConfig:
     """How the model is spread over devices: tensor parallelism over one process's devices."""
 
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # a mixture of experts' experts split over the devices
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -33,11 +33,12 @@ TINY = dict(
 
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
-    gemma2 | gemma3) to out_dir, fp32."""
+    gemma2 | gemma3 | mixtral | qwen3_moe) to out_dir, fp32."""
     import transformers
 
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-             "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3"}  # fmt: skip
+             "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral",
+             "qwen3_moe": "Qwen3Moe"}  # fmt: skip
     cls_name = names[family]
     config_cls = "Gemma3TextConfig" if family == "gemma3" else f"{cls_name}Config"
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})

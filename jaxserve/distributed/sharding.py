@@ -28,6 +28,10 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         problems.append(f"num_key_value_heads={config.num_kv_heads} (nor is tp a multiple of it)")
     if config.intermediate_size % tp:
         problems.append(f"intermediate_size={config.intermediate_size}")
+    if config.num_experts and config.expert_parallel and config.num_experts % tp:
+        problems.append(f"num_experts={config.num_experts} (expert parallel)")
+    if config.num_experts and not config.expert_parallel and config.moe_intermediate_size % tp:
+        problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
     if config.quantization == "gguf":  # row-parallel kernels split whole 32-row blocks
         for name, rows in (("num_attention_heads * head_dim", config.num_heads * config.head_dim),
                            ("intermediate_size", config.intermediate_size)):  # fmt: skip
@@ -61,6 +65,10 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         "self_attn/o_proj/kernel": P(TP_AXIS, None),  # [Hq * hd, D]
         "mlp/gate_up_proj/kernel": P(None, TP_AXIS),  # [D, F * 2]
         "mlp/down_proj/kernel": P(TP_AXIS, None),  # [F, D]
+        # experts [E, D, 2F] and [E, F, D]: whole experts per device (expert parallel), or
+        # every expert's slice of F (tensor parallel); the router is replicated
+        "mlp/w13": P(TP_AXIS) if config.expert_parallel else P(None, None, TP_AXIS),
+        "mlp/w2": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),
         # per-output-channel scales of quantized kernels: split as their kernel's columns
         "self_attn/qkv_proj/scale": P(TP_AXIS),
         "mlp/gate_up_proj/scale": P(TP_AXIS),

@@ -26,6 +26,7 @@ class EngineArgs:
     tokenizer: str | None = None  # a HF tokenizer directory; default: the model's own
     load_format: str = "auto"  # "dummy": random weights (model: also a config.json or preset)
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts per device instead of F slices
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None  # default: the model's context length
@@ -54,6 +55,10 @@ class EngineArgs:
         path = resolve_model_path(self.model, self.load_format)
         model_config = read_model_config(path, self.dtype, self.quantization)
         on_cpu = jax.default_backend() == "cpu"
+        if self.enable_expert_parallel and not model_config.num_experts:
+            raise ValueError(
+                f"enable_expert_parallel: {model_config.architecture} is not a mixture of experts"
+            )
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
@@ -89,7 +94,7 @@ class EngineArgs:
             model=model_config,
             cache=cache,
             scheduler=scheduler,
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel),
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             attention_backend=attention_backend,

@@ -49,6 +49,7 @@ class EngineCore:
             load_tokenizer=False,
             load_format=config.load_format,
             quantization=config.model.quantization,
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
         )
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
         logger.info(

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import Attention, AttentionMetadata
+from jaxserve.layers.fused_moe import FusedMoE
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.mlp import GatedMLP
 from jaxserve.layers.norm import RMSNorm
@@ -38,8 +39,13 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
         self.self_attn = Attention(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs,
-                            act=config.hidden_act, quant=config.quantization)  # fmt: skip
+        if config.is_moe_layer(layer):  # Mixtral, Qwen3-MoE
+            self.mlp = FusedMoE(config, rngs=rngs)
+        else:
+            self.mlp = GatedMLP(
+                config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs,
+                act=config.hidden_act, quant=config.quantization,
+            )  # fmt: skip
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
         """x: [T, D] -> ([T, D], k_cache, v_cache)."""

@@ -129,10 +129,12 @@ def load_model(
     load_tokenizer: bool = True,
     load_format: str = "auto",
     quantization: str | None = None,
+    enable_expert_parallel: bool = False,
 ) -> LoadedModel:
     """Load `model` (see the module docstring) onto `mesh` (default: tp over local devices);
     load_format "dummy": random weights generated on the devices instead of read ones;
-    quantization "int8" / "fp8": the decoder layers' linear kernels quantized as they load."""
+    quantization "int8" / "fp8": the decoder layers' linear kernels quantized as they load;
+    enable_expert_parallel: a mixture of experts' experts split over the mesh."""
     path = resolve_model_path(model, load_format)
     dummy = load_format == "dummy"
     if path.is_file():
@@ -144,6 +146,10 @@ def load_model(
         source = None if is_checkpoint or dummy else SafetensorsSource(path)
 
     config = ModelConfig.from_hf(hf_config, dtype, quantization)
+    if enable_expert_parallel:
+        if not config.num_experts:
+            raise ValueError(f"enable_expert_parallel: {config.architecture} has no experts")
+        config = dataclasses.replace(config, expert_parallel=True)
     if quantization and source is None and not dummy:
         raise ValueError("quantization of a jaxserve (orbax) checkpoint is not supported yet")
     if quantization == "gguf" and not isinstance(source, GGUFSource) and not dummy:

@@ -2,7 +2,9 @@
 
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
+from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -12,6 +14,8 @@ _MODELS = {
     "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv / gate_up checkpoints
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,  # text only
+    "MixtralForCausalLM": MixtralForCausalLM,  # mixture of experts
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # + q/k norms, some dense layers
 }
 
 

@@ -42,6 +42,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.layers.attention import AttentionMetadata, configure_attention
+from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.layers.sampler import (
     COMPILED_VARIANTS,
     MAX_BIAS_TOKENS,
@@ -122,6 +123,7 @@ class ModelRunner:
             self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
         )
         configure_attention(loaded.model, engine_config.attention_backend, self.mesh)
+        configure_moe(loaded.model, self.mesh)
         self.num_cache_kv_heads = loaded.model.num_cache_kv_heads
         self.tied_head = self.config.tie_word_embeddings
         self.soft_cap = self.config.final_logit_softcapping

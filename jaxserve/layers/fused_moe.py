@@ -1,0 +1,104 @@
+"""Mixture-of-experts MLP (vLLM's FusedMoE): a router picks each token's top-k experts, the
+token's rows are sorted by expert and run through grouped matmuls (`jax.lax.ragged_dot`).
+
+Weights: router `gate` [D, E]; `w13` [E, D, 2F] (each expert's gate and up interleaved, as
+GatedMLP's gate_up: column 2f is gate f, 2f + 1 is up f); `w2` [E, F, D].
+
+Parallelism over the `tp` mesh axis, inside `jax.shard_map` (a grouped matmul is not
+auto-partitioned), each device's partial output summed with a psum:
+  - tensor parallel (default): every device holds every expert's 1/tp slice of F;
+  - expert parallel (`--enable-expert-parallel`): every device holds E/tp whole experts and
+    computes only the rows routed to them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.config import ModelConfig
+from jaxserve.distributed.mesh import TP_AXIS
+from jaxserve.layers.linear import Linear
+
+
+def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [T, E] -> (expert ids i32[T, k], weights f32[T, k]): the top-k of the
+    float32 softmax over all experts, renormalised to sum to 1 when asked (HF's routing)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), weights
+
+
+def expert_mlp(
+    x: jax.Array, ids: jax.Array, weights: jax.Array, w13: jax.Array, w2: jax.Array,
+    first_expert: jax.Array | int = 0, act: str = "silu",
+) -> jax.Array:  # fmt: skip
+    """The experts first_expert .. first_expert + E_local - 1 (w13 [E_local, D, 2F'],
+    w2 [E_local, F', D]) applied to the rows routed to them: x [T, D], ids / weights [T, k]
+    -> [T, D], the routing-weighted sum (rows routed elsewhere contribute nothing)."""
+    t, k = ids.shape
+    num_local = w13.shape[0]
+    flat = ids.reshape(-1)  # [T*k]
+    order = jnp.argsort(flat, stable=True)  # rows sorted by expert
+    local = flat[order] - first_expert
+    is_local = (local >= 0) & (local < num_local)
+    group_sizes = jnp.bincount(jnp.where(is_local, local, num_local), length=num_local + 1)
+    # Rows of earlier (other devices') experts come first: rotate them past the local ones,
+    # whose groups ragged_dot then reads from row 0; rows past the groups come back zero.
+    start = jnp.sum(local < 0)
+    rows = jnp.roll(x[order // k], -start, axis=0)  # [T*k, D]
+    gate_up = jax.lax.ragged_dot(rows, w13, group_sizes[:num_local]).reshape(t * k, -1, 2)
+    gate = gate_up[..., 0]
+    gate = jax.nn.gelu(gate, approximate=True) if act == "gelu_pytorch_tanh" else jax.nn.silu(gate)
+    out = jax.lax.ragged_dot(gate * gate_up[..., 1], w2, group_sizes[:num_local])
+    out = jnp.roll(out, start, axis=0)  # [T*k, D] in expert order
+    scale = jnp.where(is_local, weights.reshape(-1)[order], 0).astype(out.dtype)
+    return jnp.zeros_like(x).at[order // k].add(out * scale[:, None])
+
+
+class FusedMoE(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, e, f, dt = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
+                       config.dtype)  # fmt: skip
+        self.gate = Linear(d, e, dtype=dt, rngs=rngs)  # the router, never quantized
+        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
+        self.w13 = nnx.Param(init(rngs.params(), (e, d, 2 * f), dt))
+        self.w2 = nnx.Param(init(rngs.params(), (e, f, d), dt))
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.act = config.hidden_act
+        self.expert_parallel = config.expert_parallel
+        self.mesh: Mesh | None = None  # configure_moe sets it
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [T, D] -> [T, D]."""
+        ids, weights = route(self.gate(x), self.top_k, self.renormalize)
+        w13, w2 = self.w13[...], self.w2[...]
+        if self.mesh is None or self.mesh.shape[TP_AXIS] == 1:
+            return expert_mlp(x, ids, weights, w13, w2, act=self.act)
+        ep = self.expert_parallel
+
+        def shard(x, ids, weights, w13, w2):
+            first = jax.lax.axis_index(TP_AXIS) * w13.shape[0] if ep else 0
+            out = expert_mlp(x, ids, weights, w13, w2, first, act=self.act)
+            return jax.lax.psum(out, TP_AXIS)
+
+        spec13, spec2 = (
+            (P(TP_AXIS), P(TP_AXIS)) if ep else (P(None, None, TP_AXIS), P(None, TP_AXIS))
+        )
+        return jax.shard_map(
+            shard, mesh=self.mesh, in_specs=(P(), P(), P(), spec13, spec2), out_specs=P(),
+            check_vma=False,
+        )(x, ids, weights, w13, w2)  # fmt: skip
+
+
+def configure_moe(model: nnx.Module, mesh: Mesh | None) -> None:
+    """Give every FusedMoE of `model` the mesh its shard_map runs over."""
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, FusedMoE):
+            module.mesh = mesh
