@@ -384,6 +384,26 @@ class ParallelConfig:
             )
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling runner (`runner="pooling"`) turns a prompt's final hidden states into one
+    vector: the last token's (LAST, vLLM's default for decoder models), their mean (MEAN) or
+    the first token's (CLS), L2-normalised unless `normalize` is off (per request:
+    PoolingParams.normalize)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type {self.pooling_type!r} is not one of {', '.join(POOLING_TYPES)}"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs to start: built by `EngineArgs.create_engine_config`.
@@ -402,6 +422,7 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights of the model's shapes
     tokenizer_path: str | None = None  # default: model_path (structured outputs read it)
     reasoning_parser: str | None = None  # structured outputs bind after the reasoning ends
+    pooler: PoolerConfig | None = None  # set: a pooling runner (embeddings), no generation
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

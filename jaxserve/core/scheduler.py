@@ -349,6 +349,7 @@ class Scheduler:
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
                     num_cached_tokens=request.num_cached_tokens,
+                    pooled=runner_output.pooled.get(req_id),
                     scheduled_time=self._take_scheduled_time(request),
                 )
             )

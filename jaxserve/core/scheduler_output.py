@@ -73,3 +73,5 @@ class ModelRunnerOutput:
     sampled_ranks: np.ndarray | None = None  # i32[num_reqs]
     # Requests that asked for prompt_logprobs and ran prompt positions this step.
     prompt_logprobs: dict[str, PromptLogprobs] = dataclasses.field(default_factory=dict)
+    # A pooling runner's f32[D] per request whose prompt ended this step.
+    pooled: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)

@@ -7,10 +7,18 @@ name, one default and one validation wherever it is given.
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import jax
 
-from jaxserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from jaxserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    PoolerConfig,
+    SchedulerConfig,
+)
 from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.models.loader import read_model_config, resolve_model_path
 
@@ -49,6 +57,13 @@ class EngineArgs:
     attention_backend: str | None = None
     reasoning_parser: str | None = None  # e.g. deepseek_r1, qwen3 (jaxserve/reasoning)
     quantization: str | None = None  # int8 | fp8 (at load) | gguf | compressed-tensors
+    # "pooling": an embedding model (LLM.embed, /v1/embeddings), no generation; "auto" and
+    # "generate": text generation. `task="embed"` is vLLM's older name for runner="pooling".
+    runner: str = "auto"
+    task: str | None = None
+    # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (or its JSON); default: the
+    # model's sentence-transformers config, else LAST, normalised (vLLM's for decoders)
+    pooler_config: dict | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
@@ -80,9 +95,11 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend={attention_backend!r}; choose from {ATTENTION_BACKENDS}"
             )
+        pooler = self._pooler(path)
         cache = CacheConfig(
             block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
+            # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
+            enable_prefix_caching=self.enable_prefix_caching and pooler is None,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -101,7 +118,58 @@ class EngineArgs:
             load_format=self.load_format,
             tokenizer_path=self.tokenizer,
             reasoning_parser=self.reasoning_parser,
+            pooler=pooler,
         )
+
+    def _pooler(self, path: Path) -> PoolerConfig | None:
+        """The PoolerConfig of a pooling runner, None for a generating one."""
+        tasks = {None: None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner {self.runner!r} is not one of auto, generate, pooling")
+        if self.task not in tasks:
+            raise ValueError(f"task {self.task!r} is not one of generate, embed")
+        runner = tasks[self.task] or self.runner
+        if runner != "pooling":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config needs runner='pooling'")
+            return None
+        config = self.pooler_config
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"pooler_config {config!r} is not JSON: {e}") from None
+        defaults = sentence_transformers_pooling(path)
+        config = {k.lower(): v for k, v in (config or {}).items()}
+        unknown = sorted(set(config) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"pooler_config: unknown fields {unknown}")
+        return PoolerConfig(
+            pooling_type=str(config.get("pooling_type", defaults.pooling_type)).upper(),
+            normalize=bool(config.get("normalize", defaults.normalize)),
+        )
+
+
+def sentence_transformers_pooling(path: Path) -> PoolerConfig:
+    """A sentence-transformers model dir's pooling (`modules.json` and its Pooling module's
+    config: mean / last-token / CLS, and whether a Normalize module follows); LAST,
+    normalised when the dir has none."""
+    modules_file = path / "modules.json" if path.is_dir() else None
+    if modules_file is None or not modules_file.exists():
+        return PoolerConfig()
+    modules = json.loads(modules_file.read_text())
+    pooling_type, normalize = "LAST", False
+    for module in modules:
+        kind = module.get("type", "")
+        if kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("Pooling"):
+            pooling = json.loads((path / module.get("path", "") / "config.json").read_text())
+            if pooling.get("pooling_mode_mean_tokens"):
+                pooling_type = "MEAN"
+            elif pooling.get("pooling_mode_cls_token"):
+                pooling_type = "CLS"
+    return PoolerConfig(pooling_type, normalize)
 
 
 def _or(value: int | None, default: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import msgspec
 
@@ -65,6 +66,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None, position 1, ...]
     prompt_logprobs_sent: bool = False  # for DELTA outputs
+    pooled: Any = None  # a pooling runner's f32[D]
 
     @property
     def finished(self) -> bool:
@@ -159,6 +161,8 @@ class OutputProcessor:
             if out.logprobs is not None and child.logprobs is not None:
                 child.logprobs.append(self._position(*out.logprobs))
                 child.cumulative_logprob += out.logprobs[0][0]
+            if out.pooled is not None:
+                state.pooled = out.pooled
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 values, token_ids, ranks = (a.tolist() for a in out.prompt_logprobs)
                 state.prompt_logprobs = [None] + [
@@ -243,4 +247,5 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            pooled=state.pooled,
         )

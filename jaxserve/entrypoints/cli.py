@@ -63,6 +63,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument(
+        "--runner", default="auto", choices=["auto", "generate", "pooling"],
+        help="pooling: an embedding model (/v1/embeddings, LLM.embed), no generation",
+    )  # fmt: skip
+    parser.add_argument("--task", default=None, choices=["generate", "embed", "embedding"],
+                        help="vLLM's older name: embed = --runner pooling")  # fmt: skip
+    parser.add_argument(
+        "--pooler-config", default=None,
+        help='JSON, e.g. {"pooling_type": "MEAN", "normalize": false} (LAST, MEAN or CLS)',
+    )  # fmt: skip
+    parser.add_argument(
         "--enable-expert-parallel", action="store_true",
         help="mixture of experts: whole experts per device (tensor_parallel_size of them)",
     )  # fmt: skip

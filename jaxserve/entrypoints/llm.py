@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams, generation_defaults
 
 
@@ -43,6 +44,8 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        if self.llm_engine.config.pooler is not None:
+            raise ValueError("this LLM runs a pooling model (runner='pooling'): use LLM.embed()")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         sampling_params = sampling_params or self.get_default_sampling_params()
@@ -61,6 +64,41 @@ class LLM:
         for text, request in queued:
             engine.add_processed_request(text, request)
         return self._run_engine([request.request_id for _, request in queued], use_tqdm)
+
+    def embed(
+        self,
+        prompts: Any,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text, {"prompt_token_ids": [...]}, or a list of them):
+        the pooled final hidden state (PoolerConfig), normalised as pooling_params say."""
+        pooler = self.llm_engine.config.pooler
+        if pooler is None:
+            raise ValueError("LLM.embed() needs a pooling model: LLM(model, runner='pooling')")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        pooling_params = pooling_params or PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
+        for p in pooling_params:
+            p.verify(self.llm_engine.config.model.hidden_size)
+        engine = self.llm_engine
+        one_step = SamplingParams(max_tokens=1, temperature=0.0)
+        queued = [engine.process_inputs(str(next(self._counter)), p, one_step) for p in prompts]
+        for text, request in queued:
+            engine.add_processed_request(text, request)
+        outs = self._run_engine([request.request_id for _, request in queued], use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                out.request_id, out.prompt_token_ids,
+                EmbeddingOutput(params.apply(out.pooled, pooler.normalize)),
+            )
+            for out, params in zip(outs, pooling_params, strict=True)
+        ]  # fmt: skip
 
     def chat(
         self,

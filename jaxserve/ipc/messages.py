@@ -36,6 +36,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # token ids, i32[P-1] ranks), each row the prompt token first, then the top-K.
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     num_cached_tokens: int = 0
+    pooled: np.ndarray | None = None  # a pooling runner's f32[D] for the prompt (unnormalised)
     scheduled_time: float | None = None  # first output only: when first scheduled (time.time())
 
     @property

@@ -145,6 +145,11 @@ class ModelRunner:
             out_shardings=rep,
         )  # fmt: skip
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_fn, out_shardings=rep)
+        # A pooling runner (embeddings): every step also pools its prompt tokens' hidden states;
+        # MEAN sums and CLS firsts are kept per request until its prompt ends (fetch()).
+        self.pooler = engine_config.pooler
+        self._pool = jax.jit(_pool_fn, static_argnames=("num_seqs",), out_shardings=rep)
+        self._pool_acc: dict[str, list] = {}  # req_id -> [sum f32[D], first f32[D]]
         self._init_penalty_row = jax.jit(_init_penalty_row, donate_argnums=(0,), out_shardings=rep)
         self._compiled: dict[tuple, Any] = {}  # (kind, shape...) -> compiled executable
         self._free_bitmasks: dict[int, np.ndarray] = {}
@@ -283,6 +288,11 @@ class ModelRunner:
             lowered["prompt_logprobs", t] = self._prompt_logprobs.lower(
                 self.head, hidden, np.full(t, -1, np.int32)
             )
+            if self.pooler is not None:
+                idx = np.zeros(self.max_num_seqs, np.int32)
+                lowered["pool", t] = self._pool.lower(
+                    hidden, np.zeros(t, np.int32), idx, idx, num_seqs=self.max_num_seqs
+                )
         for s in self.seq_buckets:
             for variant in COMPILED_VARIANTS:
                 inputs = SampleInputs(
@@ -335,6 +345,7 @@ class ModelRunner:
         ib = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             ib.remove_request(req_id)
+            self._pool_acc.pop(req_id, None)
         starts = {}
         for new in so.scheduled_new_reqs:
             row = ib.add_request(new, new.eos_token_id)
@@ -405,6 +416,13 @@ class ModelRunner:
         last_hidden, hidden, self.kv_caches = self._executable("forward", t)(
             self.params, self.kv_caches, self.last_tokens, forward_inputs
         )
+        pooled = None
+        if self.pooler is not None:  # each request's sum, first and last hidden state
+            seq_of_token = np.full(t, self.max_num_seqs, np.int32)  # padding: dropped
+            seq_of_token[:num_tokens] = np.repeat(np.arange(num_reqs, dtype=np.int32), n_sched)
+            first = np.zeros(self.max_num_seqs, np.int32)
+            first[:num_reqs] = qsl[:num_reqs]
+            pooled = self._executable("pool", t)(hidden, seq_of_token, first, logits_indices)
         self.step_count += 1
         # The sampled tokens are placeholders until fetch(): the next step reads them from
         # last_tokens on the device.
@@ -414,7 +432,7 @@ class ModelRunner:
         ib.num_tokens[append_rows] += 1
         pending = PendingStep(
             req_ids, rows, appends[:num_reqs], append_positions, qsl, start, targets,
-            wants_prompt_lp, fetch=None,
+            wants_prompt_lp, fetch=None, pooled=pooled,
             deferred=_DeferredSample(
                 SamplerVariant.of(params)._replace(bias=has_bias), sample_inputs, last_hidden,
                 hidden, t,
@@ -443,6 +461,8 @@ class ModelRunner:
             self.head, d.last_hidden, self.penalty_state, self.last_tokens, sample_inputs
         )
         fetch = {"ids": out.token_ids}
+        if pending.pooled is not None:
+            fetch["pooled"] = pending.pooled
         if needed.logprobs:
             fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
         if pending.wants_prompt_lp.any():
@@ -478,11 +498,33 @@ class ModelRunner:
                     )
         result = ModelRunnerOutput(p.req_ids, sampled)
         result.prompt_logprobs = prompt_logprobs
+        if "pooled" in fetched:
+            result.pooled = self._pooled_outputs(p, *fetched["pooled"])
         if "logprobs" in fetched:
             lp, lp_ids, ranks = fetched["logprobs"]
             result.logprobs, result.logprob_token_ids = lp[:num_reqs], lp_ids[:num_reqs]
             result.sampled_ranks = ranks[:num_reqs]
         return result
+
+    def _pooled_outputs(self, p: PendingStep, sums, firsts, lasts) -> dict[str, np.ndarray]:
+        """Accumulate a step's pooled hidden states ([max_num_seqs, D] each, in the step's
+        request order) and return the vector of each request whose prompt ended: its last
+        token's, the mean over its prompt, or its first token's (PoolerConfig.pooling_type)."""
+        ib, kind, out = self.input_batch, self.pooler.pooling_type, {}
+        for i, req_id in enumerate(p.req_ids):
+            if p.start[i] == 0:  # the prompt's first chunk (again, after a preemption)
+                self._pool_acc[req_id] = [np.zeros_like(sums[i]), firsts[i]]
+            acc = self._pool_acc[req_id]
+            acc[0] = acc[0] + sums[i]
+            if p.appends[i]:  # the prompt ended in this step
+                del self._pool_acc[req_id]
+                if kind == "LAST":
+                    out[req_id] = lasts[i]
+                elif kind == "MEAN":
+                    out[req_id] = acc[0] / ib.num_prompt_tokens[p.rows[i]]
+                else:
+                    out[req_id] = acc[1]
+        return out
 
     def _free_bitmask(self, s: int) -> np.ndarray:
         """i32[s, ceil(V/32)] with every token allowed (a step without constrained rows: the
@@ -565,6 +607,7 @@ class PendingStep(NamedTuple):
     wants_prompt_lp: np.ndarray  # bool[num_reqs]
     fetch: dict | None  # device arrays to bring back; None until the sampling is dispatched
     deferred: _DeferredSample | None = None  # the sampling, until dispatched
+    pooled: tuple | None = None  # a pooling runner's (sums, firsts, lasts) on the device
 
 
 class _DeferredSample(NamedTuple):
@@ -575,6 +618,15 @@ class _DeferredSample(NamedTuple):
     last_hidden: jax.Array  # [R, D]
     hidden: jax.Array  # [T, D]
     num_tokens: int  # T, the token bucket
+
+
+def _pool_fn(hidden, seq_of_token, first, last, *, num_seqs: int):
+    """hidden [T, D]; seq_of_token i32[T] (num_seqs: padding); first, last i32[S]: each
+    sequence's first and last token in the step -> f32 (sum over its tokens, first token's,
+    last token's hidden state), each [S, D]."""
+    h = hidden.astype(jnp.float32)
+    sums = jax.ops.segment_sum(h, seq_of_token, num_segments=num_seqs + 1)[:num_seqs]
+    return sums, h[first], h[last]
 
 
 def _penalised(params) -> bool:

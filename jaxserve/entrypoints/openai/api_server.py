@@ -39,6 +39,7 @@ from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -114,7 +115,7 @@ async def _generate(request: Request, cls, prepare, run, stream) -> Response:
         prepared = await _off_loop(request, prepare, body)
     except Exception as e:
         return error_response(e)
-    if body.stream:
+    if stream is not None and body.stream:
         return StreamingResponse(stream(body, prepared), media_type="text/event-stream")
     try:
         result = await run_until_disconnected(request, run(body, prepared))
@@ -135,6 +136,11 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     s = _serving(request)
     return await _generate(request, ChatCompletionRequest, s.prepare_chat, s.chat, s.chat_stream)
+
+
+async def embeddings(request: Request) -> Response:
+    s = _serving(request)
+    return await _generate(request, EmbeddingRequest, s.prepare_embedding, s.embedding, None)
 
 
 async def models(request: Request) -> Response:
@@ -281,6 +287,7 @@ def build_app(
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),

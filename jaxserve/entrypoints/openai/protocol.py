@@ -351,3 +351,30 @@ def to_sampling_params(
         structured_outputs=structured_outputs_params(request),
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
     )
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """/v1/embeddings (a pooling server: --runner pooling)."""
+
+    input: str | list[Any]  # str, list[str], list[int] or list[list[int]]
+    model: str | None = None
+    encoding_format: str = "float"  # float | base64 (little-endian float32)
+    dimensions: int | None = None  # keep the first this many (Matryoshka)
+    user: str | None = None
+    normalize: bool | None = None  # vLLM's extension; None: the model's pooler config
+    priority: int = 0
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+    object: str = "list"

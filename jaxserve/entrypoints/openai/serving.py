@@ -10,11 +10,13 @@ handler (the client went away) closes the generators, which aborts the requests 
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.chat_utils import (
@@ -36,6 +38,9 @@ from jaxserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorInfo,
     ErrorResponse,
     UsageInfo,
@@ -44,6 +49,7 @@ from jaxserve.entrypoints.openai.protocol import (
     to_sampling_params,
 )
 from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams, generation_defaults
 
 _json = msgspec.json.Encoder()
@@ -107,7 +113,9 @@ class OpenAIServing:
             raise ModelNotFound(f"The model `{model}` does not exist.")
 
     # ------------------------------------------------------------------ prompts
-    def completion_prompts(self, prompt: str | list[Any]) -> list[tuple[str | None, list[int]]]:
+    def completion_prompts(
+        self, prompt: str | list[Any], field: str = "prompt"
+    ) -> list[tuple[str | None, list[int]]]:
         """str | list[str] | list[int] | list[list[int]] -> [(text or None, token ids)]."""
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
@@ -116,7 +124,7 @@ class OpenAIServing:
         else:
             prompts = prompt
         if not prompts:
-            raise ValueError("prompt must not be empty")
+            raise ValueError(f"{field} must not be empty")
         out = []
         for p in prompts:
             if isinstance(p, str):
@@ -125,8 +133,8 @@ class OpenAIServing:
                 out.append((None, list(p)))
             else:
                 raise ValueError(
-                    "prompt must be a string, a list of strings, a list of token ids or a list "
-                    f"of lists of token ids, got {type(p).__name__} inside the list"
+                    f"{field} must be a string, a list of strings, a list of token ids or a "
+                    f"list of lists of token ids, got {type(p).__name__} inside the list"
                 )
         return out
 
@@ -160,8 +168,45 @@ class OpenAIServing:
         return [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
 
     # ------------------------------------------------------------------ completions
+    def check_runner(self, api: str) -> None:
+        """One server runs one kind of model (vLLM): generation or pooling."""
+        pooling = self.engine.config.pooler is not None
+        if pooling != (api == "Embeddings"):
+            hint = "--runner pooling" if api == "Embeddings" else "without --runner pooling"
+            raise ValueError(f"The model does not support the {api} API (serve it {hint})")
+
+    def prepare_embedding(self, request: EmbeddingRequest):
+        self.check_model(request.model)
+        self.check_runner("Embeddings")
+        if request.encoding_format not in ("float", "base64"):
+            raise ValueError(
+                f"encoding_format {request.encoding_format!r} is not one of float, base64"
+            )
+        pooling = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
+        pooling.verify(self.engine.config.model.hidden_size)
+        prompts = self.completion_prompts(request.input, "input")
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        request_id = random_id("embd")
+        return request_id, self._validate(request_id, prompts, params), params, pooling
+
+    async def embedding(self, request: EmbeddingRequest, prepared) -> EmbeddingResponse:
+        request_id, prompts, params, pooling = prepared
+        finals = await self._gather(request_id, prompts, params, request.priority)
+        default_normalize = self.engine.config.pooler.normalize
+        data = []
+        for i, out in enumerate(finals):
+            vector = pooling.apply(out.pooled, default_normalize)
+            if request.encoding_format == "base64":
+                vector = base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode()
+            data.append(EmbeddingData(i, vector))
+        usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in finals), 0)
+        return EmbeddingResponse(
+            request_id, int(time.time()), self._name(request.model), data, usage
+        )
+
     def prepare_completion(self, request: CompletionRequest):
         self.check_model(request.model)
+        self.check_runner("Completions")
         check_supported(request)
         prompts = self.completion_prompts(request.prompt)
         params = to_sampling_params(
@@ -232,6 +277,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
     def prepare_chat(self, request: ChatCompletionRequest):
+        self.check_runner("Chat Completions")
         self.check_model(request.model)
         check_supported(request)
         check_tools(request, auto_tools=self.auto_tools)
