@@ -32,11 +32,11 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         problems.append(f"num_experts={config.num_experts} (expert parallel)")
     if config.num_experts and not config.expert_parallel and config.moe_intermediate_size % tp:
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
-    if config.quantization == "gguf":  # row-parallel kernels split whole 32-row blocks
+    if config.quantization == "gguf":  # row-parallel kernels split whole 16-row runs
         for name, rows in (("num_attention_heads * head_dim", config.num_heads * config.head_dim),
                            ("intermediate_size", config.intermediate_size)):  # fmt: skip
-            if rows % (32 * tp):
-                problems.append(f"{name}={rows} into whole GGUF blocks of 32")
+            if rows % (16 * tp):
+                problems.append(f"{name}={rows} into whole GGUF runs of 16")
     if problems:
         raise ValueError(
             f"tensor_parallel_size={tp} does not divide {', '.join(problems)} of "

@@ -8,7 +8,7 @@ from flax import nnx
 
 # Quantized kernel dtypes and the largest value each holds.
 QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
-GGUF_BLOCK = 32  # input rows per scale and min of a "gguf" kernel (llama.cpp's blocks)
+GGUF_BLOCK = 16  # input rows per scale and min of a "gguf" kernel (Q6_K's sub-blocks)
 
 
 class Linear(nnx.Module):
@@ -19,9 +19,10 @@ class Linear(nnx.Module):
     scale per output channel (`quantize_kernel`); the product is (x @ kernel) * scale, the
     kernel converted to x's dtype inside the matmul's fusion.
 
-    quant "gguf": a GGUF file's blocks kept as they are stored (Q8_0, Q4_0/1, Q5_0/1): kernel
-    holds int8 q [in, out], `scale` d and `offset` m f32[in / 32, out], one per block of 32
-    input rows; the weight is d * q + m blockwise, rebuilt in x's dtype for the matmul.
+    quant "gguf": a GGUF file's blocks kept quantized (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q6_K;
+    models/weight_sources.py::gguf_blocks): kernel holds int8 q [in, out], `scale` d and
+    `offset` m f32[in / 16, out], one per 16 input rows; the weight is d * q + m blockwise,
+    rebuilt in x's dtype for the matmul.
     """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
@@ -32,7 +33,7 @@ class Linear(nnx.Module):
             self.scale = self.offset = None
         elif quant == "gguf":
             if d_in % GGUF_BLOCK:
-                raise ValueError(f"a gguf kernel's input size {d_in} is not a multiple of 32")
+                raise ValueError(f"a gguf kernel's input size {d_in} is not a multiple of 16")
             self.kernel = nnx.Param(jnp.zeros((d_in, d_out), jnp.int8))
             self.scale = nnx.Param(jnp.ones((d_in // GGUF_BLOCK, d_out), jnp.float32))
             self.offset = nnx.Param(jnp.zeros((d_in // GGUF_BLOCK, d_out), jnp.float32))

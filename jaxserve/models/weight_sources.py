@@ -14,6 +14,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jaxserve.layers.linear import GGUF_BLOCK
+
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -141,7 +143,7 @@ class GGUFSource:
             return False
 
     def get_blocks(self, name: str) -> tuple[np.ndarray, ...]:
-        """A quantized tensor as it is stored: (q int8 [out, in], d, m float32 [out, in / 32]),
+        """A quantized tensor as it is stored: (q int8 [out, in], d, m float32 [out, in / 16]),
         rows unpermuted like `get`'s (`gguf_blocks`)."""
         t = self._tensors[self._gguf_name(name)]
         num_in = int(t.shape[0])  # GGUF lists dims innermost first
@@ -168,53 +170,94 @@ class GGUFSource:
         return w
 
 
-# llama.cpp's legacy 32-value block formats, all w = d * q + m per block (m = 0 unless the
-# format has a min): name -> (has a min, has 5th bits, offset subtracted from the stored q).
-GGUF_BLOCK = 32
-_GGUF_BLOCK_FORMATS = {
+# llama.cpp's block formats kept quantized (`--quantization gguf`), all w = d * q + m per run
+# of GGUF_BLOCK input values. Legacy 32-value blocks: name -> (has a min, has 5th bits, offset
+# subtracted from the stored q); and the K-quants Q4_K (256-value super-blocks of 32-value
+# sub-blocks with 6-bit scales and mins) and Q6_K (16-value sub-blocks with int8 scales), which
+# is why the runs are 16 long (a 32-value block's d and m are repeated).
+_GGUF_LEGACY = {
     "Q8_0": (False, False, 0),
     "Q4_0": (False, False, 8),
     "Q4_1": (True, False, 0),
     "Q5_0": (False, True, 16),
     "Q5_1": (True, True, 0),
 }
+GGUF_KEPT = (*_GGUF_LEGACY, "Q4_K", "Q6_K")
 
 
 def gguf_blocks(data: np.ndarray, qtype: str, num_in: int) -> tuple[np.ndarray, ...]:
     """One GGUF tensor's raw blocks (uint8 [out, bytes per row]) -> (q int8 [out, in],
-    d float32 [out, in / 32], m float32 [out, in / 32]) with weight = d * q + m blockwise.
-
-    Each block: f16 d, f16 m (formats with a min), u32 5th bits (5-bit formats), then the
-    values: 32 int8 (Q8_0) or 16 bytes of nibbles, element j in the low nibble of byte j and
-    element j + 16 in its high nibble."""
-    if qtype not in _GGUF_BLOCK_FORMATS:
+    d float32 [out, in / 16], m float32 [out, in / 16]): weight = d * q + m per 16 inputs,
+    exactly the values llama.cpp's (and gguf-py's) dequantisation gives."""
+    if qtype not in GGUF_KEPT:
         raise ValueError(
-            f"{qtype} blocks cannot stay quantized (supported: "
-            f"{', '.join(_GGUF_BLOCK_FORMATS)}); load without --quantization gguf"
+            f"{qtype} blocks cannot stay quantized (supported: {', '.join(GGUF_KEPT)}); load "
+            "without --quantization gguf"
         )
-    has_min, five_bit, offset = _GGUF_BLOCK_FORMATS[qtype]
-    rows, nb = data.shape[0], num_in // GGUF_BLOCK
-    blocks = np.ascontiguousarray(data).reshape(rows, nb, -1)
+    rows = data.shape[0]
+    if qtype == "Q4_K":
+        q, d, m = _q4_k(np.ascontiguousarray(data).reshape(rows, num_in // 256, -1))
+    elif qtype == "Q6_K":
+        q, d, m = _q6_k(np.ascontiguousarray(data).reshape(rows, num_in // 256, -1))
+    else:
+        q, d, m = _legacy(np.ascontiguousarray(data).reshape(rows, num_in // 32, -1), qtype)
+    runs = num_in // GGUF_BLOCK
+    d, m = (np.repeat(x.reshape(rows, -1), runs // x.reshape(rows, -1).shape[1], 1) for x in (d, m))
+    return q.reshape(rows, num_in), d, m
 
-    def f16(at: int) -> np.ndarray:
-        return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
-    d, pos = f16(0), 2
+def _f16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The f16 at byte `at` of every block [..., bytes] -> f32 [...]."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _legacy(blocks: np.ndarray, qtype: str) -> tuple[np.ndarray, ...]:
+    """[rows, nb, bytes] 32-value blocks: f16 d, f16 m (formats with a min), u32 5th bits
+    (5-bit formats), then 32 int8 (Q8_0) or 16 bytes of nibbles, element j in the low nibble
+    of byte j and element j + 16 in its high nibble -> q [rows, nb, 32], d, m [rows, nb]."""
+    has_min, five_bit, offset = _GGUF_LEGACY[qtype]
+    d, pos = _f16(blocks, 0), 2
     m = np.zeros_like(d)
     if has_min:
-        m, pos = f16(2), 4
+        m, pos = _f16(blocks, 2), 4
     if qtype == "Q8_0":
-        q = blocks[..., pos:].copy().view(np.int8)
-    else:
-        if five_bit:
-            qh = blocks[..., pos : pos + 4].copy().view(np.uint32)  # [rows, nb, 1]
-            pos += 4
-        qs = blocks[..., pos : pos + 16]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, nb, 32]
-        if five_bit:
-            q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
-        q = (q.astype(np.int16) - offset).astype(np.int8)
-    return q.reshape(rows, num_in), d, m
+        return blocks[..., pos:].copy().view(np.int8), d, m
+    if five_bit:
+        qh = blocks[..., pos : pos + 4].copy().view(np.uint32)  # [rows, nb, 1]
+        pos += 4
+    qs = blocks[..., pos : pos + 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [rows, nb, 32]
+    if five_bit:
+        q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    return (q.astype(np.int16) - offset).astype(np.int8), d, m
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """[rows, nb, 144] super-blocks: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for
+    8 sub-blocks, 128 bytes of nibbles (per 64 values: 32 bytes, low nibbles first) ->
+    q [rows, nb, 256], d, m [rows, nb, 8] (w = d * sc * q - dmin * mn)."""
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sm = blocks[..., 4:16].astype(np.uint8)
+    low = np.concatenate([sm[..., 0:4] & 63, sm[..., 8:12] & 0x0F | (sm[..., 0:4] >> 6) << 4], -1)
+    mins = np.concatenate([sm[..., 4:8] & 63, sm[..., 8:12] >> 4 | (sm[..., 4:8] >> 6) << 4], -1)
+    qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)
+    q = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*blocks.shape[:2], 256)
+    scale = d[..., None] * low.astype(np.float32)
+    return q.astype(np.int8), scale, -(dmin[..., None] * mins.astype(np.float32))
+
+
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """[rows, nb, 210] super-blocks: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8
+    scales (one per 16 values), f16 d -> q [rows, nb, 256], d, m [rows, nb, 16]."""
+    shape = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(*shape, 2, 2, 32)  # [half, 32-byte row, l]
+    qh = blocks[..., 128:192].reshape(*shape, 2, 1, 32)  # [half, ., l]
+    low = np.stack([ql & 0x0F, ql >> 4], axis=-3)  # [half, nibble, row, l]: value 64n + 32r + l
+    high = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-3).reshape(*shape, 2, 2, 2, 32)
+    q = (low | high << 4).astype(np.int16) - 32  # value 128h + 64 nibble + 32 row + l
+    scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    d = _f16(blocks, 208)[..., None] * scales
+    return q.reshape(*shape, 256).astype(np.int8), d, np.zeros_like(d)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
