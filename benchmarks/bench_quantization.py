@@ -7,7 +7,7 @@ Modes: none, int8, fp8 (weights), kv-fp8 (full-precision weights, `kv_cache_dtyp
     precision's at the same position (counted up to the first difference, and in total);
   - mean logprob of a fixed text (its prompt logprobs), and its change against full precision;
   - decode speed: output tokens/s of a batch of 8 generating 64 tokens (ignore_eos), median of
-    --iters runs after a warm-up.
+    --iters runs after a warm-up (--iters 0: quality only).
 
     .venv/bin/python benchmarks/bench_quantization.py --output-json \\
         benchmarks/results/quantization-cpu-2026-11-23.json
@@ -19,7 +19,9 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 
 os.environ.setdefault("JAXSERVE_ENABLE_MULTIPROCESSING", "0")  # the core in this process
@@ -40,11 +42,13 @@ TEXT = (
 )
 
 
-def run(mode: str, iters: int) -> dict:
+def run(mode: str, iters: int, max_num_batched_tokens: int | None = None) -> dict:
     quantization = None if mode in ("none", "kv-fp8") else mode
     kv_cache_dtype = "fp8" if mode == "kv-fp8" else "auto"
-    llm = LLM(max_num_seqs=8, max_model_len=512, quantization=quantization,
-              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    llm = LLM(
+        max_num_seqs=8, max_model_len=512, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=max_num_batched_tokens,
+    )  # fmt: skip
     core = llm.llm_engine.engine_core.engine_core
     weights = sum(x.nbytes for x in jax.tree.leaves(core.runner.params))
     kv_per_token = core.runner.kv_bytes_per_block() / core.runner.block_size
@@ -59,7 +63,8 @@ def run(mode: str, iters: int) -> dict:
     scored = llm.generate(TEXT, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     logprobs = [next(iter(p.values())).logprob for p in scored[0].prompt_logprobs[1:]]
     batch = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.generate(prompts * 2, batch, use_tqdm=False)  # warm-up
+    if iters:
+        llm.generate(prompts * 2, batch, use_tqdm=False)  # warm-up
     times = []
     for _ in range(iters):
         start = time.perf_counter()
@@ -71,7 +76,7 @@ def run(mode: str, iters: int) -> dict:
         "kv_bytes_per_token": kv_per_token,
         "tokens": [o.outputs[0].token_ids for o in greedy],
         "mean_logprob": float(np.mean(logprobs)),
-        "decode_tok_s": 8 * 64 / statistics.median(times),
+        "decode_tok_s": 8 * 64 / statistics.median(times) if times else None,
     }
     del llm, core
     return result
@@ -81,9 +86,10 @@ def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="none,int8,fp8,kv-fp8")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    rows = [run(m, args.iters) for m in args.modes.split(",")]
+    rows = [run(m, args.iters, args.max_num_batched_tokens) for m in args.modes.split(",")]
     base = rows[0]
     for r in rows:
         same, prefix = 0, 0
@@ -94,10 +100,15 @@ def main() -> dict:
         r["greedy_tokens_equal"] = f"{same}/{64 * len(CHATS)}"
         r["greedy_prefix_equal"] = f"{prefix}/{64 * len(CHATS)}"
         r["mean_logprob_change"] = r["mean_logprob"] / base["mean_logprob"] - 1
-        r["speed_vs_full"] = r["decode_tok_s"] / base["decode_tok_s"]
+        if r["decode_tok_s"] is not None:
+            r["speed_vs_full"] = r["decode_tok_s"] / base["decode_tok_s"]
     for r in rows:
         del r["tokens"]
-    result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "rows": rows}
+    result = {
+        "command": shlex.join(["python", *sys.argv]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "rows": rows,
+    }
     for r in rows:
         print(json.dumps(r))
     if args.output_json:
