@@ -65,6 +65,7 @@ class Request:
         # Tokens being sampled by steps in flight, not yet known (async scheduling): the next
         # step may already run on them; the model runner feeds them from the device.
         self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []  # drafts for the next step (speculative decoding)
         self.first_scheduled_time: float | None = None  # time.time() when first scheduled
         self.scheduled_time_sent = False
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet)

@@ -11,6 +11,11 @@ Each step (vLLM V1's schedule()):
 No waiting request is admitted in a step that preempted one. `update_from_output` appends the
 sampled tokens, applies the stop conditions and frees finished requests' blocks.
 
+Speculative decoding: a running request in decode also runs the draft tokens the proposer made
+after its last step (`Request.spec_token_ids`) when they fit the budget and its limits; they
+count as computed until the step's output says how many were accepted, then the rest are
+rolled back and the accepted ones are appended before the sampled token.
+
 Async scheduling (EngineCore keeps one step in flight): step N+1 is scheduled before step N's
 sampled tokens are known. A step that completes a request's known tokens leaves an output
 placeholder on it; the next step may then run the request on that placeholder (the model runner
@@ -34,7 +39,7 @@ from jaxserve.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
-from jaxserve.ipc.messages import EngineCoreOutput, SchedulerStats
+from jaxserve.ipc.messages import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from jaxserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -85,6 +90,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
+        speculative: bool = False,
     ):
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
@@ -100,6 +106,7 @@ class Scheduler:
         self.pending_outputs: list[EngineCoreOutput] = []  # finished outside a step
         self.num_preemptions = 0  # since the last stats snapshot
         self.total_preemptions = 0
+        self.spec_stats = SpecDecodingStats() if speculative else None  # since the last stats
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -146,6 +153,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
         kv = self.kv_cache_manager
 
         i = 0
@@ -155,7 +163,13 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            new_blocks = kv.allocate_slots(request, num_new)
+            drafts = self._drafts_to_schedule(request, num_new, budget)
+            request.spec_token_ids = []  # used now or never
+            new_blocks = kv.allocate_slots(request, num_new + len(drafts))
+            if new_blocks is None and drafts:  # no room for the drafts: run without them
+                drafts = []
+                new_blocks = kv.allocate_slots(request, num_new)
+            num_new += len(drafts)
             while new_blocks is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
@@ -164,6 +178,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim.request_id in num_scheduled:  # scheduled earlier in this step: undo
                     budget += num_scheduled.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                 if victim is request:
                     break
@@ -172,6 +187,8 @@ class Scheduler:
                 continue  # `request` itself was preempted; running[i] is the next one now
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             cached_reqs.append(
                 CachedRequestData(
                     request.request_id,
@@ -246,6 +263,7 @@ class Scheduler:
             structured_output_req_ids={
                 r for r in sampled if self.requests[r].structured_output_request is not None
             },
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         return output
@@ -292,6 +310,18 @@ class Scheduler:
                 return 0
         return request.num_tokens_with_placeholders - request.num_computed_tokens
 
+    def _drafts_to_schedule(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts that may run after its next token: only in a decode step
+        (num_new == 1), within the token budget, and short enough that the token sampled
+        after them stays within max_tokens and max_model_len."""
+        drafts = request.spec_token_ids
+        if not drafts or num_new != 1 or request.num_output_placeholders:
+            return []
+        limit = min(budget, self.config.max_model_len - request.num_tokens) - 1
+        if request.sampling_params.max_tokens is not None:
+            limit = min(limit, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(limit, 0)]
+
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -302,6 +332,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.total_preemptions += 1
@@ -322,11 +353,17 @@ class Scheduler:
             if req_id not in scheduler_output.sampled_req_ids:  # mid-prompt chunk
                 continue
             request.num_output_placeholders -= 1
-            token = int(runner_output.sampled_token_ids[row])
-            request.append_output_token_ids(token)
-            self._check_stop(request, token)
-            if not request.is_finished and self._advance_grammar(request, token):
-                request.status = RequestStatus.FINISHED_STOPPED
+            new_tokens = self._accepted_tokens(request, scheduler_output, runner_output, row)
+            for i, token in enumerate(new_tokens):
+                request.append_output_token_ids(token)
+                self._check_stop(request, token)
+                if not request.is_finished and self._advance_grammar(request, token):
+                    request.status = RequestStatus.FINISHED_STOPPED
+                if request.is_finished:
+                    del new_tokens[i + 1 :]  # drafts accepted past a stop are not output
+                    break
+            if request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             logprobs = None
             if request.sampling_params.logprobs is not None:
                 k = request.sampling_params.logprobs + 1
@@ -343,7 +380,7 @@ class Scheduler:
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    [token],
+                    new_tokens,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     logprobs=logprobs,
@@ -360,6 +397,20 @@ class Scheduler:
                     self.waiting.remove(request)
                 self._free(request)
         return outputs
+
+    def _accepted_tokens(
+        self, request: Request, so: SchedulerOutput, ro: ModelRunnerOutput, row: int
+    ) -> list[int]:
+        """The step's new tokens for a request: its accepted drafts, then its sampled token;
+        the rejected drafts' positions are no longer computed (their KV slots are reused)."""
+        sampled = [int(ro.sampled_token_ids[row])]
+        drafts = so.scheduled_spec_decode_tokens.get(request.request_id)
+        if not drafts:
+            return sampled
+        accepted = ro.num_accepted_drafts[request.request_id]
+        request.num_computed_tokens -= len(drafts) - accepted
+        self.spec_stats.observe(len(drafts), accepted)
+        return drafts[:accepted] + sampled
 
     @staticmethod
     def _take_scheduled_time(request: Request) -> float | None:
@@ -406,4 +457,11 @@ class Scheduler:
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
             num_preemptions=preemptions,
+            spec_decoding=self._take_spec_stats(),
         )
+
+    def _take_spec_stats(self) -> SpecDecodingStats | None:
+        stats = self.spec_stats
+        if stats is not None:
+            self.spec_stats = SpecDecodingStats()
+        return stats

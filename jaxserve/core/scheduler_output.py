@@ -45,6 +45,9 @@ class SchedulerOutput:
     # Of those, the requests with a structured-output grammar: the step's sampling waits for
     # their token bitmask (Scheduler.grammar_bitmask, once every earlier step is processed).
     structured_output_req_ids: set[str] = dataclasses.field(default_factory=set)
+    # Speculative decoding: the draft tokens scheduled after each request's last token (they
+    # are counted in num_scheduled_tokens and in num_computed_tokens until rejected).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -67,6 +70,7 @@ class ModelRunnerOutput:
     """
 
     req_ids: list[str]
+    # The token sampled after each request's accepted drafts (its only token without drafts).
     sampled_token_ids: np.ndarray  # i32[num_reqs]
     logprobs: np.ndarray | None = None  # f32[num_reqs, K+1]: the sampled token, then top-K
     logprob_token_ids: np.ndarray | None = None  # i32[num_reqs, K+1]
@@ -75,3 +79,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = dataclasses.field(default_factory=dict)
     # A pooling runner's f32[D] per request whose prompt ended this step.
     pooled: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # Speculative decoding: how many of each drafted request's scheduled drafts were accepted
+    # (they come before its sampled token), and the next drafts the proposer made.
+    num_accepted_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)

@@ -18,6 +18,7 @@ from jaxserve.config import (
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.models.loader import read_model_config, resolve_model_path
@@ -64,6 +65,9 @@ class EngineArgs:
     # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (or its JSON); default: the
     # model's sentence-transformers config, else LAST, normalised (vLLM's for decoders)
     pooler_config: dict | str | None = None
+    # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max":
+    # ..} (or its JSON): speculative decoding; turns async scheduling off
+    speculative_config: dict | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
@@ -78,6 +82,14 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
             )
+        speculative = None
+        if self.speculative_config is not None:
+            speculative = SpeculativeConfig.parse(self.speculative_config)
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling is not supported with speculative_config: a step's drafts "
+                    "come from the tokens the step before it accepted"
+                )
         scheduler = SchedulerConfig(
             max_model_len=_or(self.max_model_len, model_config.max_model_len),
             max_num_seqs=_or(self.max_num_seqs, CPU_MAX_NUM_SEQS if on_cpu else MAX_NUM_SEQS),
@@ -86,7 +98,9 @@ class EngineArgs:
                 CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else MAX_NUM_BATCHED_TOKENS,
             ),
             policy=self.scheduling_policy,
-            async_scheduling=not on_cpu if self.async_scheduling is None else self.async_scheduling,
+            async_scheduling=not (on_cpu or speculative)
+            if self.async_scheduling is None
+            else self.async_scheduling,
         )
         attention_backend = self.attention_backend or (
             "pallas" if jax.default_backend() == "gpu" else "reference"
@@ -96,6 +110,8 @@ class EngineArgs:
                 f"attention_backend={attention_backend!r}; choose from {ATTENTION_BACKENDS}"
             )
         pooler = self._pooler(path)
+        if pooler is not None and speculative is not None:
+            raise ValueError("speculative_config needs a generating runner, not runner='pooling'")
         cache = CacheConfig(
             block_size=self.block_size,
             # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
@@ -119,6 +135,7 @@ class EngineArgs:
             tokenizer_path=self.tokenizer,
             reasoning_parser=self.reasoning_parser,
             pooler=pooler,
+            speculative=speculative,
         )
 
     def _pooler(self, path: Path) -> PoolerConfig | None:

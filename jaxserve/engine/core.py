@@ -64,8 +64,9 @@ class EngineCore:
         self.runner.compile_all()
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, num_blocks, self.structured_output_manager
-        )
+            config.scheduler, config.cache, num_blocks, self.structured_output_manager,
+            speculative=config.speculative is not None,
+        )  # fmt: skip
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
 

@@ -76,6 +76,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--enable-expert-parallel", action="store_true",
         help="mixture of experts: whole experts per device (tensor_parallel_size of them)",
     )  # fmt: skip
+    parser.add_argument(
+        "--speculative-config", default=None,
+        help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
+    )  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)

@@ -44,6 +44,25 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Speculative decoding since the last stats: drafts scored, their tokens, how many were
+    accepted, and how often the draft at each position (0 = the first) was accepted."""
+
+    num_drafts: int = 0  # request-steps that scored at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -51,6 +70,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_queries: int = 0  # tokens looked up since the last stats
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0  # since the last stats
+    spec_decoding: SpecDecodingStats | None = None  # set when speculative decoding is on
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

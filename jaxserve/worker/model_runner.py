@@ -5,9 +5,9 @@ step calls a compiled executable on a fixed argument list; size the KV cache fro
 budget after the weights are placed; then lower every step shape and compile them all in
 parallel threads (XLA compiles outside the GIL), with the persistent compilation cache on:
   forward        one per token bucket T: the model over T tokens (its sequence metadata padded
-                 to min(T, max_num_seqs) rows), returning the hidden state of each sequence's
-                 last token ([max_num_seqs, D]) and of every token ([T, D]);
-  sample         one per (sequence bucket S, SamplerVariant): LM head on the first S rows and
+                 to min(T, max_num_seqs) rows), returning the hidden state of each sampling
+                 row ([max_sample_rows, D]) and of every token ([T, D]);
+  sample         one per (row bucket S, SamplerVariant): LM head on the first S rows and
                  the sampler's passes for that variant (layers/sampler.py), which also updates
                  the device-resident penalty state and each row's last sampled token;
   prompt logprobs one per token bucket, dispatched only when a request asks.
@@ -20,6 +20,17 @@ parameters, and dispatch forward + sample (the KV cache is donated and updated i
 sync. Between the two the engine core schedules and dispatches the next step: a token still
 being sampled is a placeholder (-1) in the input batch, and the forward reads it from the
 device (`last_tokens`, each row's latest sampled token).
+
+Speculative decoding: a request with draft tokens runs its last token and the drafts, and every
+one of those positions is a sampling row (max_sample_rows = max_num_seqs * (1 + k), capped by
+the token budget), sampled exactly as it would be without speculation: the draft at position j
+is accepted while it equals row j's sample, and the first row that disagrees (or the row after
+the last draft) gives the request's next token. For a draft that is a single token (ngram),
+this is the rejection sampler itself: accepted with probability p_j(draft), and otherwise a
+sample of p_j conditioned on not being the draft, i.e. p_j with the draft removed, renormalised;
+a seeded request's rows even draw the same uniforms as without speculation. Requests whose
+sampling depends on more than the position (penalties, grammars) or that want logprobs get no
+drafts.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ from jaxserve.layers.sampler import (
 )
 from jaxserve.models.llama import lm_logits
 from jaxserve.models.loader import LoadedModel
+from jaxserve.spec_decode import NgramProposer
 from jaxserve.structured_output import bitmask_words
 from jaxserve.worker.input_batch import InputBatch
 
@@ -118,6 +130,17 @@ class ModelRunner:
             MIN_TOKEN_BUCKET, scheduler_config.max_num_batched_tokens
         )
         self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, self.max_num_seqs)
+        spec = engine_config.speculative
+        self.drafter = None
+        self.max_sample_rows = self.max_num_seqs  # one per request, plus one per draft token
+        if spec is not None:
+            k = spec.num_speculative_tokens
+            self.drafter = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            self.max_sample_rows = min(
+                self.max_num_seqs * (1 + k),
+                max(self.max_num_seqs, scheduler_config.max_num_batched_tokens),
+            )
+        self.sample_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, self.max_sample_rows)
         self.num_logprobs = engine_config.max_logprobs
         self.input_batch = InputBatch(
             self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
@@ -182,7 +205,7 @@ class ModelRunner:
     def _sample_fn(
         self, head, last_hidden, penalty_state, last_tokens, inputs: SampleInputs, *, variant
     ):
-        """LM head and sampling for the first S rows of last_hidden [R, D]. Returns
+        """LM head and sampling for the first S rows of last_hidden [max_sample_rows, D]. Returns
         (SamplerOutput [S], penalty_state with this step's tokens counted, last_tokens)."""
         s = inputs.rows.shape[0]
         logits = lm_logits(last_hidden[:s], head, tied=self.tied_head, soft_cap=self.soft_cap)
@@ -278,7 +301,9 @@ class ModelRunner:
         start = time.perf_counter()
         rep = self._replicated
         d = self.config.hidden_size
-        last_hidden = jax.ShapeDtypeStruct((self.max_num_seqs, d), self.config.dtype, sharding=rep)
+        last_hidden = jax.ShapeDtypeStruct(
+            (self.max_sample_rows, d), self.config.dtype, sharding=rep
+        )
         lowered = {}
         for t in self.token_buckets:
             hidden = jax.ShapeDtypeStruct((t, d), self.config.dtype, sharding=rep)
@@ -293,7 +318,7 @@ class ModelRunner:
                 lowered["pool", t] = self._pool.lower(
                     hidden, np.zeros(t, np.int32), idx, idx, num_seqs=self.max_num_seqs
                 )
-        for s in self.seq_buckets:
+        for s in self.sample_buckets:
             for variant in COMPILED_VARIANTS:
                 inputs = SampleInputs(
                     self._sampling_metadata([], s)[0], np.zeros(s, np.int32), np.zeros(s, bool),
@@ -331,7 +356,7 @@ class ModelRunner:
             query_start_loc=np.zeros(s + 1, np.int32),
             num_seqs=np.zeros(1, np.int32),
         )
-        return ForwardInputs(ids, ids, ids, md, np.zeros(self.max_num_seqs, np.int32))
+        return ForwardInputs(ids, ids, ids, md, np.zeros(self.max_sample_rows, np.int32))
 
     def _forward_seqs(self, t: int) -> int:
         """Sequence rows of the forward's metadata at token bucket t: every sequence has at
@@ -366,9 +391,17 @@ class ModelRunner:
         n_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], np.int32)
         start = np.array([starts[r] for r in req_ids], np.int32)
         num_reqs, num_tokens = len(req_ids), int(n_sched.sum())
+        # Sampling rows: one per request, then one more per draft token (speculative decoding).
+        drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
+        n_rows = np.array([1 + len(d) for d in drafts], np.int32)
+        first_row = (np.cumsum(n_rows) - n_rows).astype(np.int32)
+        num_rows = int(n_rows.sum())
+        for row, d in zip(rows, drafts, strict=True):
+            if d:  # the drafts are the inputs after the last known token
+                ib.token_ids[row, ib.num_tokens[row] : ib.num_tokens[row] + len(d)] = d
         t = next(b for b in self.token_buckets if b >= num_tokens)
         sf = self._forward_seqs(t)
-        s = next(b for b in self.seq_buckets if b >= num_reqs)
+        s = next(b for b in self.sample_buckets if b >= num_rows)
 
         qsl = np.zeros(sf + 1, np.int32)
         qsl[1 : num_reqs + 1] = np.cumsum(n_sched)
@@ -389,8 +422,10 @@ class ModelRunner:
         block_tables[:num_reqs] = ib.block_table[rows]
         kv_lens = np.zeros(sf, np.int32)
         kv_lens[:num_reqs] = start + n_sched
-        logits_indices = np.zeros(self.max_num_seqs, np.int32)
-        logits_indices[:num_reqs] = qsl[1 : num_reqs + 1] - 1
+        # Each request's last n_rows tokens: the positions whose next token is sampled.
+        row_offset = np.arange(num_rows, dtype=np.int32) - np.repeat(first_row, n_rows)
+        logits_indices = np.zeros(self.max_sample_rows, np.int32)
+        logits_indices[:num_rows] = np.repeat(qsl[1 : num_reqs + 1] - n_rows, n_rows) + row_offset
         md = AttentionMetadata(slots, block_tables, kv_lens, qsl, np.array([num_reqs], np.int32))
         forward_inputs = ForwardInputs(ids, positions, token_rows, md, logits_indices)
 
@@ -405,11 +440,16 @@ class ModelRunner:
             targets[:num_tokens] = np.where(in_prompt, next_ids, -1)
 
         params = [ib.params[r] for r in rows]
-        sampling, has_bias = self._sampling_metadata(rows, s)
-        appends = np.zeros(s, bool)  # the step reaches the end of the tokens: it is kept
-        appends[:num_reqs] = [r in so.sampled_req_ids for r in req_ids]
+        sample_rows = np.repeat(rows, n_rows)
+        sampling, has_bias = self._sampling_metadata(sample_rows, s, row_offset)
+        # The step reaches the end of the tokens: its sample is kept (a drafted request's
+        # kept token is known only after fetch(): the host writes it then).
+        sampled = np.array([r in so.sampled_req_ids for r in req_ids], bool)
+        kept = sampled & (n_rows == 1)
+        appends = np.zeros(s, bool)
+        appends[first_row[kept]] = True
         sample_inputs = SampleInputs(
-            sampling, np.pad(rows, (0, s - num_reqs)), appends,
+            sampling, np.pad(sample_rows, (0, s - num_rows)), appends,
             np.bool_(any(p.logprobs is not None for p in params)), np.int32(self.step_count),
         )  # fmt: skip
 
@@ -422,17 +462,19 @@ class ModelRunner:
             seq_of_token[:num_tokens] = np.repeat(np.arange(num_reqs, dtype=np.int32), n_sched)
             first = np.zeros(self.max_num_seqs, np.int32)
             first[:num_reqs] = qsl[:num_reqs]
-            pooled = self._executable("pool", t)(hidden, seq_of_token, first, logits_indices)
+            last = logits_indices[: self.max_num_seqs]  # one row per request: no drafts
+            pooled = self._executable("pool", t)(hidden, seq_of_token, first, last)
         self.step_count += 1
         # The sampled tokens are placeholders until fetch(): the next step reads them from
         # last_tokens on the device.
-        append_rows = rows[appends[:num_reqs]]
+        append_rows = rows[kept]
         append_positions = ib.num_tokens[append_rows].copy()
         ib.token_ids[append_rows, append_positions] = -1
         ib.num_tokens[append_rows] += 1
         pending = PendingStep(
-            req_ids, rows, appends[:num_reqs], append_positions, qsl, start, targets,
-            wants_prompt_lp, fetch=None, pooled=pooled,
+            req_ids, rows, kept, append_positions, qsl, start, targets,
+            wants_prompt_lp, fetch=None, pooled=pooled, sampled=sampled, first_row=first_row,
+            drafts=drafts,
             deferred=_DeferredSample(
                 SamplerVariant.of(params)._replace(bias=has_bias), sample_inputs, last_hidden,
                 hidden, t,
@@ -450,7 +492,7 @@ class ModelRunner:
         if bitmask is not None:
             s = sample_inputs.rows.shape[0]
             padded = np.full((s, bitmask.shape[1]), -1, np.int32)
-            padded[: bitmask.shape[0]] = bitmask
+            padded[pending.first_row] = bitmask  # constrained requests have no draft rows
             sample_inputs = sample_inputs._replace(
                 sampling=sample_inputs.sampling._replace(token_bitmask=padded)
             )
@@ -477,8 +519,9 @@ class ModelRunner:
         """Wait for a dispatched step and bring its results to the host: the step's one sync."""
         p, ib = pending, self.input_batch
         fetched = jax.device_get(p.fetch)
-        num_reqs = len(p.req_ids)
-        sampled = np.asarray(fetched["ids"][:num_reqs], np.int32)
+        row_ids = np.asarray(fetched["ids"], np.int32)
+        final_row, num_accepted = self._accept_drafts(p, row_ids)
+        sampled = row_ids[final_row]  # each request's kept token
         # Fill the placeholders, unless the row has since gone to another request.
         kept = np.flatnonzero(p.appends)
         for i, pos in zip(kept, p.append_positions, strict=True):
@@ -497,14 +540,52 @@ class ModelRunner:
                         int(p.start[i]) + 1, lp[lo:valid], lp_ids[lo:valid], ranks[lo:valid]
                     )
         result = ModelRunnerOutput(p.req_ids, sampled)
+        result.num_accepted_drafts = num_accepted
         result.prompt_logprobs = prompt_logprobs
         if "pooled" in fetched:
             result.pooled = self._pooled_outputs(p, *fetched["pooled"])
         if "logprobs" in fetched:
             lp, lp_ids, ranks = fetched["logprobs"]
-            result.logprobs, result.logprob_token_ids = lp[:num_reqs], lp_ids[:num_reqs]
-            result.sampled_ranks = ranks[:num_reqs]
+            result.logprobs, result.logprob_token_ids = lp[final_row], lp_ids[final_row]
+            result.sampled_ranks = ranks[final_row]
+        if self.drafter is not None:
+            result.spec_token_ids = self._propose(p)
         return result
+
+    def _accept_drafts(self, p: PendingStep, row_ids: np.ndarray) -> tuple[np.ndarray, dict]:
+        """Each request's row whose sample it keeps (i32[num_reqs]: after its accepted
+        drafts) and, per drafted request, how many drafts it accepted; a drafted request's
+        accepted tokens and kept token go into the input batch (row_ids: i32[S], every
+        sampling row's sample)."""
+        ib, final_row, num_accepted = self.input_batch, p.first_row.copy(), {}
+        for i, drafts in enumerate(p.drafts):
+            if not drafts:
+                continue
+            first = p.first_row[i]
+            rejected = np.flatnonzero(row_ids[first : first + len(drafts)] != drafts)
+            accepted = int(rejected[0]) if len(rejected) else len(drafts)
+            final_row[i] = first + accepted
+            num_accepted[p.req_ids[i]] = accepted
+            row = p.rows[i]
+            if ib.req_id_to_row.get(p.req_ids[i]) == row:  # drafts[:accepted] are in place
+                n = ib.num_tokens[row] + accepted
+                ib.token_ids[row, n] = row_ids[first + accepted]
+                ib.num_tokens[row] = n + 1
+        return final_row, num_accepted
+
+    def _propose(self, p: PendingStep) -> dict[str, list[int]]:
+        """The next drafts of the step's requests that sampled a token and may be drafted."""
+        ib, out = self.input_batch, {}
+        for i in np.flatnonzero(p.sampled):
+            req_id, row = p.req_ids[i], p.rows[i]
+            if ib.req_id_to_row.get(req_id) != row or not _draftable(ib.params[row]):
+                continue
+            room = self.max_model_len - int(ib.num_tokens[row]) - 1
+            if room > 0:
+                drafts = self.drafter.propose(ib.token_ids[row, : ib.num_tokens[row]], room)
+                if drafts:
+                    out[req_id] = drafts
+        return out
 
     def _pooled_outputs(self, p: PendingStep, sums, firsts, lasts) -> dict[str, np.ndarray]:
         """Accumulate a step's pooled hidden states ([max_num_seqs, D] each, in the step's
@@ -534,10 +615,13 @@ class ModelRunner:
                                              np.int32)  # fmt: skip
         return self._free_bitmasks[s]
 
-    def _sampling_metadata(self, rows, s: int) -> tuple[SamplingMetadata, bool]:
+    def _sampling_metadata(
+        self, rows, s: int, offsets: np.ndarray | None = None
+    ) -> tuple[SamplingMetadata, bool]:
         """Per-row sampling arrays for `rows` (host row ids), padded to s rows, and whether
         any row has a logit bias now; the [S, V] penalty arrays come from the device-resident
-        penalty state inside the step."""
+        penalty state inside the step. offsets: i32[len(rows)], how many tokens (drafts) come
+        between a row's request's known tokens and the token that row samples."""
         ib = self.input_batch
         f32 = lambda fill=0.0: np.full(s, fill, np.float32)  # noqa: E731
         temperature, top_p, min_p = f32(), f32(1.0), f32()
@@ -552,7 +636,7 @@ class ModelRunner:
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
             repetition[i] = p.repetition_penalty
-            out_pos[i] = ib.num_output_tokens(row)
+            out_pos[i] = ib.num_output_tokens(row) + (0 if offsets is None else offsets[i])
             if p.seed is not None:
                 seed = p.seed % 2**64  # two's complement of a negative seed
                 seeds[i], seeds_hi[i], has_seed[i] = seed & 0xFFFFFFFF, seed >> 32, True
@@ -599,7 +683,7 @@ class PendingStep(NamedTuple):
 
     req_ids: list[str]
     rows: np.ndarray  # i32[num_reqs]
-    appends: np.ndarray  # bool[num_reqs]: the sampled token is kept
+    appends: np.ndarray  # bool[num_reqs]: the sampled token is kept as a placeholder (no drafts)
     append_positions: np.ndarray  # i32[num appended]: where each kept token goes
     qsl: np.ndarray  # i32[S+1]
     start: np.ndarray  # i32[num_reqs]: first position run this step
@@ -608,6 +692,9 @@ class PendingStep(NamedTuple):
     fetch: dict | None  # device arrays to bring back; None until the sampling is dispatched
     deferred: _DeferredSample | None = None  # the sampling, until dispatched
     pooled: tuple | None = None  # a pooling runner's (sums, firsts, lasts) on the device
+    sampled: np.ndarray | None = None  # bool[num_reqs]: the step samples the next token
+    first_row: np.ndarray | None = None  # i32[num_reqs]: each request's first sampling row
+    drafts: list[list[int]] | None = None  # each request's draft tokens (one row each)
 
 
 class _DeferredSample(NamedTuple):
@@ -627,6 +714,13 @@ def _pool_fn(hidden, seq_of_token, first, last, *, num_seqs: int):
     h = hidden.astype(jnp.float32)
     sums = jax.ops.segment_sum(h, seq_of_token, num_segments=num_seqs + 1)[:num_seqs]
     return sums, h[first], h[last]
+
+
+def _draftable(params) -> bool:
+    """Drafts are exact for sampling that depends only on the position: not for penalties
+    (counts of earlier tokens) or grammars; logprobs are reported one token per output."""
+    constrained = params.structured_outputs is not None
+    return not (_penalised(params) or constrained or params.logprobs is not None)
 
 
 def _penalised(params) -> bool:

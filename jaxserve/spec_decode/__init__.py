@@ -1,0 +1,14 @@
+"""Speculative decoding (vLLM V1's spec_decode/): proposers draft tokens after each step.
+
+The flow: a step's fetch gives each request's accepted tokens; the model runner asks the
+proposer for the next drafts (`ModelRunnerOutput.spec_token_ids`); the scheduler keeps them on
+the request and schedules them with its next token, within the token budget; the runner
+scores every draft position in the same compiled step, samples each position as it would
+without speculation and keeps the drafts up to the first one its sample disagrees with, plus
+that sample (the rejection rule for drafts that are a single token each, which is exact: see
+worker/model_runner.py); the scheduler rolls num_computed_tokens back over the rest.
+"""
+
+from jaxserve.spec_decode.ngram_proposer import NgramProposer
+
+__all__ = ["NgramProposer"]
