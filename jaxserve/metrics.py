@@ -14,7 +14,7 @@ import time
 
 import prometheus_client as prom
 
-from jaxserve.ipc.messages import SchedulerStats
+from jaxserve.ipc.messages import SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,14 @@ class PrometheusStatLogger:
         self.prefix_queries = metric(c, "prefix_cache_queries", "Prefix-cache tokens queried.")
         self.prefix_hits = metric(c, "prefix_cache_hits", "Prefix-cache tokens hit.")
         self.preemptions = metric(c, "num_preemptions", "Requests preempted.")
+        # Speculative decoding (labelled once an engine with a speculative config reports).
+        self.spec_drafts = metric(c, "spec_decode_num_drafts", "Drafts scored (request-steps).")
+        self.spec_draft_tokens = metric(c, "spec_decode_num_draft_tokens", "Draft tokens scored.")
+        self.spec_accepted = metric(c, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = metric(
+            c, "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted per position.",
+            extra=["position"],
+        )  # fmt: skip
         self.ttft = metric(
             h, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS
         )
@@ -112,6 +120,8 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(name).inc(sched.prefix_cache_queries)
             self.prefix_hits.labels(name).inc(sched.prefix_cache_hits)
             self.preemptions.labels(name).inc(sched.num_preemptions)
+            if sched.spec_decoding is not None:
+                self._record_spec(sched.spec_decoding)
         self.prompt_tokens.labels(name).inc(it.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(it.num_generation_tokens)
         for t in it.time_to_first_tokens:
@@ -124,6 +134,14 @@ class PrometheusStatLogger:
             if f.queue_time is not None:
                 self.queue.labels(name).observe(f.queue_time)
 
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        name = self.model_name
+        self.spec_drafts.labels(name).inc(spec.num_drafts)
+        self.spec_draft_tokens.labels(name).inc(spec.num_draft_tokens)
+        self.spec_accepted.labels(name).inc(spec.num_accepted_tokens)
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(name, str(pos)).inc(n)
+
     def engine_dead(self) -> None:
         """The gauges read 0 once the engine core is gone: nothing runs or waits any more."""
         for gauge in (self.running, self.waiting, self.kv_usage):
@@ -135,19 +153,23 @@ class PrometheusStatLogger:
 
 class LoggingStatLogger:
     """vLLM's periodic line: prompt and generation throughput since the last line, running,
-    waiting, KV-cache usage and prefix-cache hit rate."""
+    waiting, KV-cache usage and prefix-cache hit rate; with speculative decoding, a second
+    line with the drafts' acceptance since the last one."""
 
     def __init__(self):
         self.last_log = time.monotonic()
         self.prompt_tokens = self.generation_tokens = 0
         self.queries = self.hits = 0
         self.sched = SchedulerStats()
+        self.spec: SpecDecodingStats | None = None
 
     def record(self, sched: SchedulerStats | None, it: IterationStats) -> None:
         if sched is not None:
             self.sched = sched
             self.queries += sched.prefix_cache_queries
             self.hits += sched.prefix_cache_hits
+            if sched.spec_decoding is not None:
+                self._add_spec(sched.spec_decoding)
         self.prompt_tokens += it.num_prompt_tokens
         self.generation_tokens += it.num_generation_tokens
 
@@ -164,6 +186,37 @@ class LoggingStatLogger:
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
         logger.info(line)
+        if self.spec is not None:
+            spec_line = self._spec_line(elapsed)
+            logger.info(spec_line)
+            line = f"{line}\n{spec_line}"
+            self.spec = SpecDecodingStats()
         self.last_log, self.prompt_tokens, self.generation_tokens = now, 0, 0
         self.queries = self.hits = 0
         return line
+
+    def _add_spec(self, stats: SpecDecodingStats) -> None:
+        spec = self.spec = self.spec or SpecDecodingStats()
+        spec.num_drafts += stats.num_drafts
+        spec.num_draft_tokens += stats.num_draft_tokens
+        spec.num_accepted_tokens += stats.num_accepted_tokens
+        per_pos = stats.num_accepted_tokens_per_pos
+        spec.num_accepted_tokens_per_pos.extend(
+            [0] * (len(per_pos) - len(spec.num_accepted_tokens_per_pos))
+        )
+        for pos, n in enumerate(per_pos):
+            spec.num_accepted_tokens_per_pos[pos] += n
+
+    def _spec_line(self, elapsed: float) -> str:
+        s = self.spec
+        drafts = max(s.num_drafts, 1)
+        per_pos = ", ".join(f"{n / drafts:.3f}" for n in s.num_accepted_tokens_per_pos)
+        rate = 100 * s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: "
+            f"{1 + s.num_accepted_tokens / drafts:.2f}, "
+            f"Accepted throughput: {s.num_accepted_tokens / elapsed:.2f} tokens/s, "
+            f"Drafted throughput: {s.num_draft_tokens / elapsed:.2f} tokens/s, "
+            f"Accepted: {s.num_accepted_tokens} tokens, Drafted: {s.num_draft_tokens} tokens, "
+            f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {rate:.1f}%"
+        )

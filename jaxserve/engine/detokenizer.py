@@ -32,15 +32,19 @@ class IncrementalDetokenizer:
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.output_text = ""
         self._sent = 0  # characters returned by get_next_output_text so far
+        self.num_consumed = 0  # tokens the last update() read (all, or up to a stop string)
 
     def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string if one now matches (text then truncated)."""
-        for token_id in new_token_ids:
+        """Append tokens; returns the stop string if one now matches (text then truncated,
+        and `num_consumed` says how many of new_token_ids were read up to the match)."""
+        for i, token_id in enumerate(new_token_ids):
             old_len = len(self.output_text)
             self.output_text += self._step(token_id)
             stop = self._find_stop(old_len)
             if stop is not None:
+                self.num_consumed = i + 1
                 return stop
+        self.num_consumed = len(new_token_ids)
         return None
 
     def _step(self, token_id: int) -> str:

@@ -172,6 +172,9 @@ class OutputProcessor:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if child.detokenizer is not None:
                 stop = child.detokenizer.update(out.new_token_ids)
+                unread = len(out.new_token_ids) - child.detokenizer.num_consumed
+                if unread:  # accepted drafts past a stop string are not output
+                    del child.token_ids[-unread:]
                 if stop is not None and out.finish_reason is None:
                     child.finish_reason, child.stop_reason = "stop", stop
                     to_abort.append(out.request_id)

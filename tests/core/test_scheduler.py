@@ -9,6 +9,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import ModelRunnerOutput
+from jaxserve.ipc.messages import SpecDecodingStats
 from jaxserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -312,4 +313,95 @@ def test_async_scheduling_drops_the_token_after_a_stop_and_respects_max_tokens()
     # "eos" ran one step past its stop (its token was not known yet); "short" never did.
     assert sum("eos" in o.sampled_req_ids for o in outs) == 3
     assert sum("short" in o.sampled_req_ids for o in outs) == 2
+    assert_pool_clean(sched)
+
+
+def spec_scheduler(**kw):
+    sched = make_scheduler(**kw)
+    sched.spec_stats = SpecDecodingStats()  # as Scheduler(..., speculative=True)
+    return sched
+
+
+def spec_step(sched, truth, drafts_for):
+    """One step against a scripted target: request r's true continuation is truth[r] (a
+    list); drafts equal to it are accepted up to the first that differs, as the runner does.
+    drafts_for(r, tokens so far) are the next drafts the proposer hands back."""
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    sampled, accepted, proposed = [], {}, {}
+    for r in ids:
+        so_far = sched.requests[r].output_token_ids
+        drafts = out.scheduled_spec_decode_tokens.get(r, [])
+        a = 0
+        while a < len(drafts) and drafts[a] == truth[r][len(so_far) + a]:
+            a += 1
+        sampled.append(truth[r][len(so_far) + a])
+        if drafts:
+            accepted[r] = a
+        proposed[r] = drafts_for(r, [*so_far, *drafts[:a], sampled[-1]])
+    runner = ModelRunnerOutput(ids, np.array(sampled, np.int32), num_accepted_drafts=accepted)
+    runner.spec_token_ids = proposed
+    return out, sched.update_from_output(out, runner)
+
+
+def test_drafts_are_budgeted_accepted_and_rolled_back():
+    """A decode runs its drafts after its last token within the token budget; accepted drafts
+    come out before the sampled token, rejected ones leave num_computed_tokens."""
+    sched = spec_scheduler(max_tokens=4)
+    truth = {"a": [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]}
+    sched.add_request(req("a", n_prompt=4, max_tokens=10, ignore_eos=True))
+    guesses = iter([[21, 22, 99, 98], [25, 26, 27], [29]])
+    out, outs = spec_step(sched, truth, lambda r, toks: next(guesses))
+    assert out.num_scheduled_tokens == {"a": 4} and outs[0].new_token_ids == [20]
+    # Budget 4: the token and 3 of the 4 drafts; 21, 22 accepted, 99 rejected, 23 sampled.
+    out, outs = spec_step(sched, truth, lambda r, toks: next(guesses))
+    assert out.scheduled_spec_decode_tokens == {"a": [21, 22, 99]}
+    assert out.num_scheduled_tokens == {"a": 4}
+    assert outs[0].new_token_ids == [21, 22, 23]
+    request = sched.requests["a"]
+    assert request.num_computed_tokens == request.num_tokens - 1 == 4 + 4 - 1
+    # 25, 26 wrong from the start (24 comes first): only the sampled token.
+    out, outs = spec_step(sched, truth, lambda r, toks: next(guesses))
+    assert outs[0].new_token_ids == [24]
+    stats = sched.make_stats().spec_decoding
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 2)
+    assert stats.num_accepted_tokens_per_pos == [1, 1, 0]
+    assert sched.make_stats().spec_decoding.num_drafts == 0  # reset after each snapshot
+
+
+def test_drafts_stop_at_max_tokens_and_at_a_stop_inside_them():
+    sched = spec_scheduler()
+    truth = {"long": [30, 31, 32, 33, 34, 35, 36, 37], "eos": [40, 41, EOS, 43, 44, 45, 46, 47, 48]}
+    sched.add_request(req("long", max_tokens=4, ignore_eos=True))
+    sched.add_request(req("eos", max_tokens=8))
+    outputs, scheduled = {}, {}
+    for _ in range(6):
+        if not sched.has_unfinished_requests():
+            break
+        out, outs = spec_step(sched, truth, lambda r, toks: truth[r][len(toks) :][:5])
+        for r, d in out.scheduled_spec_decode_tokens.items():
+            scheduled.setdefault(r, []).append(d)
+        for o in outs:
+            outputs[o.request_id] = outputs.get(o.request_id, []) + o.new_token_ids
+    # max_tokens=4: after the first token at most 2 drafts (the sampled one makes 4).
+    assert scheduled["long"] == [[31, 32]] and outputs["long"] == [30, 31, 32, 33]
+    # EOS accepted as a draft ends the request there: 43, 44 are never output.
+    assert outputs["eos"] == [40, 41, EOS]
+    assert_pool_clean(sched)
+
+
+def test_drafts_give_way_to_preemption_before_requests_do():
+    """With too few free blocks for a request's drafts, it runs without them instead of
+    preempting another request."""
+    sched = spec_scheduler(num_blocks=6, max_tokens=64)  # 5 usable blocks of 4 tokens
+    truth = {"a": list(range(60, 80)), "b": list(range(80, 100))}
+    sched.add_request(req("a", n_prompt=8, max_tokens=3, ignore_eos=True))
+    sched.add_request(req("b", n_prompt=7, max_tokens=3, ignore_eos=True))
+    spec_step(sched, truth, lambda r, toks: [1, 2, 3, 4, 5, 6])  # prompts: 2 + 2 blocks
+    out, _ = spec_step(sched, truth, lambda r, toks: [])
+    assert sched.total_preemptions == 0
+    # a's draft takes the last free block; b's would need another: b runs without it.
+    assert out.scheduled_spec_decode_tokens == {"a": [1]}
+    assert out.num_scheduled_tokens == {"a": 2, "b": 1}
+    drain(sched)
     assert_pool_clean(sched)
