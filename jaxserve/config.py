@@ -405,7 +405,7 @@ class PoolerConfig:
             )
 
 
-SPEC_METHODS = ("ngram",)  # draft_model / eagle / eagle3: not built yet
+SPEC_METHODS = ("ngram", "draft_model")  # eagle / eagle3: not built yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,25 +416,36 @@ class SpeculativeConfig:
 
     ngram (prompt lookup): the longest suffix of a request's tokens, between prompt_lookup_min
     and prompt_lookup_max tokens long, that occurred earlier in them; the tokens that followed
-    its latest occurrence are the draft. Both unset: 5 and 5; one set: the other copies it."""
+    its latest occurrence are the draft. Both unset: 5 and 5; one set: the other copies it.
+
+    draft_model: `model` (an HF dir or .gguf of the target's vocabulary, resolved) drafts
+    greedily with its own KV cache in the target's blocks (spec_decode/draft_model.py)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model: the draft's path
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"speculative_config method {self.method!r} is not supported; jaxserve "
-                f"implements {', '.join(SPEC_METHODS)} (draft_model, eagle and eagle3 are not "
-                "built yet)"
+                f"implements {', '.join(SPEC_METHODS)} (eagle and eagle3 are not built yet)"
             )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(
                 f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}"
             )
+        if self.method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config method draft_model needs a model")
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("speculative_config prompt_lookup_min/max are for method ngram")
+            return
+        if self.model is not None:
+            raise ValueError(f"speculative_config model {self.model!r}: method ngram takes none")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
         for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
@@ -462,6 +473,8 @@ class SpeculativeConfig:
         if config.get("model") == "ngram":  # vLLM's older spelling of method ngram
             del config["model"]
             method = method or "ngram"
+        elif method is None and config.get("model"):
+            method = "draft_model"  # vLLM refines this to eagle etc. from the checkpoint
         if method is None:
             raise ValueError(
                 f"speculative_config {config!r} names no method; jaxserve implements "

@@ -86,3 +86,35 @@ def test_a_dead_engine_zeroes_the_gauges_and_stops_the_server():
     text = prom.exposition().decode()
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f'jaxserve:{name}{{model_name="m"}} 0.0' in text, name
+
+
+def test_speculative_decoding_counters_and_log_line(caplog):
+    from jaxserve.ipc.messages import SpecDecodingStats
+
+    spec = SpecDecodingStats()
+    spec.observe(3, 2)
+    spec.observe(3, 0)
+    spec.observe(2, 2)
+    sched = SchedulerStats(spec_decoding=spec)
+    prom = PrometheusStatLogger("m")
+    prom.record(sched, IterationStats())
+    text = prom.exposition().decode()
+    for line in [
+        'jaxserve:spec_decode_num_drafts_total{model_name="m"} 3.0',
+        'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 8.0',
+        'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0',
+        'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
+        'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0',
+        'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 0.0',
+    ]:
+        assert line in text, line
+    caplog.set_level(logging.INFO, logger="jaxserve.metrics")
+    log = LoggingStatLogger()
+    log.last_log -= 2.0
+    log.record(sched, IterationStats())
+    line = log.log().splitlines()[1]
+    assert line.startswith("SpecDecoding metrics: Mean acceptance length: 2.33, ")
+    assert "Accepted: 4 tokens, Drafted: 8 tokens" in line
+    assert "Per-position acceptance rate: 0.667, 0.667, 0.000" in line
+    assert line.endswith("Avg Draft acceptance rate: 50.0%")
+    assert len(LoggingStatLogger().log().splitlines()) == 1  # no speculation: no second line

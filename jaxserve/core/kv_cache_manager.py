@@ -89,16 +89,18 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
-        """Give the request blocks for its prefix-cache hit plus num_new_tokens more tokens.
-        Returns the newly allocated blocks, or None if they do not fit (then only blocks that
-        fell out of the sliding window have been given back)."""
+        """Give the request blocks for its prefix-cache hit plus num_new_tokens more tokens,
+        and room for num_lookahead_tokens after them (a draft model's proposals). Returns the
+        newly allocated blocks, or None if they do not fit (then only blocks that fell out of
+        the sliding window have been given back)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
         self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-num_total // self.block_size)
+        num_required = -(-(num_total + num_lookahead_tokens) // self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # A hit on a free block takes it out of the free queue, so it counts against the space.
         num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -91,7 +91,10 @@ class Scheduler:
         num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative: bool = False,
+        num_lookahead_tokens: int = 0,
     ):
+        """speculative: drafts are scheduled (Request.spec_token_ids); num_lookahead_tokens:
+        KV slots kept free after each request's tokens for a draft model's proposals."""
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
         self.block_size = cache_config.block_size
@@ -107,6 +110,7 @@ class Scheduler:
         self.num_preemptions = 0  # since the last stats snapshot
         self.total_preemptions = 0
         self.spec_stats = SpecDecodingStats() if speculative else None  # since the last stats
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -165,10 +169,16 @@ class Scheduler:
                 continue
             drafts = self._drafts_to_schedule(request, num_new, budget)
             request.spec_token_ids = []  # used now or never
-            new_blocks = kv.allocate_slots(request, num_new + len(drafts))
+            n = num_new + len(drafts)
+            ahead = self._lookahead(request.num_computed_tokens + n)
+            new_blocks = kv.allocate_slots(request, n, num_lookahead_tokens=ahead)
             if new_blocks is None and drafts:  # no room for the drafts: run without them
                 drafts = []
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(
+                    request,
+                    num_new,
+                    num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new),
+                )
             num_new += len(drafts)
             while new_blocks is None:
                 victim = self._pick_victim()
@@ -182,7 +192,11 @@ class Scheduler:
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                 if victim is request:
                     break
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(
+                    request,
+                    num_new,
+                    num_lookahead_tokens=self._lookahead(request.num_computed_tokens + num_new),
+                )
             if new_blocks is None:
                 continue  # `request` itself was preempted; running[i] is the next one now
             num_scheduled[request.request_id] = num_new
@@ -215,7 +229,10 @@ class Scheduler:
             assert not request.num_output_placeholders, request  # resolved before readmission
             computed_blocks, num_computed = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_computed, budget)
-            new_blocks = kv.allocate_slots(request, num_new, computed_blocks, num_computed)
+            lookahead = self._lookahead(num_computed + num_new)
+            new_blocks = kv.allocate_slots(
+                request, num_new, computed_blocks, num_computed, num_lookahead_tokens=lookahead
+            )
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -309,6 +326,11 @@ class Scheduler:
             ):
                 return 0
         return request.num_tokens_with_placeholders - request.num_computed_tokens
+
+    def _lookahead(self, end: int) -> int:
+        """KV slots to keep after a request's first `end` tokens for a draft model's
+        proposals, up to max_model_len."""
+        return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - end))
 
     def _drafts_to_schedule(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The request's drafts that may run after its next token: only in a decode step

@@ -84,7 +84,7 @@ class EngineArgs:
             )
         speculative = None
         if self.speculative_config is not None:
-            speculative = SpeculativeConfig.parse(self.speculative_config)
+            speculative = self._speculative(model_config)
             if self.async_scheduling:
                 raise ValueError(
                     "async_scheduling is not supported with speculative_config: a step's drafts "
@@ -137,6 +137,21 @@ class EngineArgs:
             pooler=pooler,
             speculative=speculative,
         )
+
+    def _speculative(self, target) -> SpeculativeConfig:
+        """The parsed speculative config; a draft model's path resolved and its vocabulary
+        checked against the target's."""
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec.method != "draft_model":
+            return spec
+        path = resolve_model_path(spec.model, "auto")
+        draft = read_model_config(path, self.dtype, None)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_config model {spec.model!r} has a vocabulary of "
+                f"{draft.vocab_size} tokens; the target's has {target.vocab_size}"
+            )
+        return dataclasses.replace(spec, model=str(path))
 
     def _pooler(self, path: Path) -> PoolerConfig | None:
         """The PoolerConfig of a pooling runner, None for a generating one."""

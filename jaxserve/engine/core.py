@@ -56,7 +56,13 @@ class EngineCore:
             "weights: %.1f MiB%s", weight_bytes / 2**20,
             f" ({config.model.quantization} linear kernels)" if config.model.quantization else "",
         )  # fmt: skip
-        self.runner = ModelRunner(loaded, config)
+        draft = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            draft = load_model(
+                config.speculative.model, dtype=config.model.dtype, mesh=loaded.mesh,
+                load_tokenizer=False,
+            )  # fmt: skip
+        self.runner = ModelRunner(loaded, config, draft)
         # Size the KV cache from what the weights left (compiling needs its shape); the
         # compiled steps' temporaries live in the headroom gpu_memory_utilization leaves.
         num_blocks = self.runner.determine_num_blocks()
@@ -64,9 +70,17 @@ class EngineCore:
         self.runner.compile_all()
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, num_blocks, self.structured_output_manager,
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            self.structured_output_manager,
             speculative=config.speculative is not None,
-        )  # fmt: skip
+            num_lookahead_tokens=(
+                config.speculative.num_speculative_tokens
+                if config.speculative is not None and config.speculative.method == "draft_model"
+                else 0
+            ),
+        )
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
 

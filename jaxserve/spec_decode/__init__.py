@@ -1,5 +1,8 @@
 """Speculative decoding (vLLM V1's spec_decode/): proposers draft tokens after each step.
 
+A proposer has `propose_rows(input_batch, rows) -> drafts per row` and `needs_kv_cache`; one
+that needs a KV cache (a draft model) also mirrors every target forward (draft_model.py).
+
 The flow: a step's fetch gives each request's accepted tokens; the model runner asks the
 proposer for the next drafts (`ModelRunnerOutput.spec_token_ids`); the scheduler keeps them on
 the request and schedules them with its next token, within the token budget; the runner
@@ -9,6 +12,7 @@ that sample (the rejection rule for drafts that are a single token each, which i
 worker/model_runner.py); the scheduler rolls num_computed_tokens back over the rest.
 """
 
+from jaxserve.spec_decode.draft_model import DraftModelProposer
 from jaxserve.spec_decode.ngram_proposer import NgramProposer
 
-__all__ = ["NgramProposer"]
+__all__ = ["DraftModelProposer", "NgramProposer"]

@@ -16,6 +16,12 @@ class NgramProposer:
     def __init__(self, k: int, min_n: int, max_n: int):
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
+    needs_kv_cache = False
+
+    def propose_rows(self, ib, rows: np.ndarray) -> list[list[int]]:
+        """Drafts for the InputBatch's `rows`, each from its own tokens."""
+        return [self.propose(ib.token_ids[r, : ib.num_tokens[r]]) for r in rows]
+
     def propose(self, token_ids: np.ndarray, k: int | None = None) -> list[int]:
         """token_ids: i32[L], a request's prompt and output so far -> at most k draft ids."""
         k = self.k if k is None else min(k, self.k)

@@ -65,7 +65,8 @@ from jaxserve.layers.sampler import (
 )
 from jaxserve.models.llama import lm_logits
 from jaxserve.models.loader import LoadedModel
-from jaxserve.spec_decode import NgramProposer
+from jaxserve.spec_decode import DraftModelProposer, NgramProposer
+from jaxserve.spec_decode.backoff import DraftBackoff
 from jaxserve.structured_output import bitmask_words
 from jaxserve.worker.input_batch import InputBatch
 
@@ -116,7 +117,10 @@ def num_compilations() -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, engine_config: EngineConfig):
+    def __init__(
+        self, loaded: LoadedModel, engine_config: EngineConfig, draft: LoadedModel | None = None
+    ):
+        """draft: the draft model of speculative method draft_model, on the same mesh."""
         scheduler_config, cache_config = engine_config.scheduler, engine_config.cache
         self.config = loaded.config
         self.mesh = loaded.mesh
@@ -132,15 +136,29 @@ class ModelRunner:
         self.seq_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, self.max_num_seqs)
         spec = engine_config.speculative
         self.drafter = None
+        self.draft_backoff = DraftBackoff()
+        self._kv_sharding = kv_cache_sharding(self.mesh)
         self.max_sample_rows = self.max_num_seqs  # one per request, plus one per draft token
         if spec is not None:
             k = spec.num_speculative_tokens
-            self.drafter = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec.method == "ngram":
+                self.drafter = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            else:
+                self.drafter = DraftModelProposer(
+                    draft, k, engine_config.attention_backend, self._kv_sharding,
+                    self.block_size, self.seq_buckets,
+                )  # fmt: skip
             self.max_sample_rows = min(
                 self.max_num_seqs * (1 + k),
                 max(self.max_num_seqs, scheduler_config.max_num_batched_tokens),
             )
         self.sample_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, self.max_sample_rows)
+        if spec is not None:  # one request's decode with k drafts fills its buckets exactly
+            width = 1 + spec.num_speculative_tokens
+            if width < self.token_buckets[-1]:
+                self.token_buckets = sorted({*self.token_buckets, width})
+            if width < self.sample_buckets[-1]:
+                self.sample_buckets = sorted({*self.sample_buckets, width})
         self.num_logprobs = engine_config.max_logprobs
         self.input_batch = InputBatch(
             self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
@@ -157,7 +175,6 @@ class ModelRunner:
         self.step_count = 0
         self.kv_caches: tuple[jax.Array, jax.Array] | None = None
         self.num_blocks = 0
-        self._kv_sharding = kv_cache_sharding(self.mesh)
         self._replicated = NamedSharding(self.mesh, P())
         rep = self._replicated
         self._forward = jax.jit(
@@ -254,7 +271,10 @@ class ModelRunner:
         c = self.config
         kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
         itemsize = jnp.dtype(self.kv_dtype).itemsize
-        return 2 * c.num_layers * self.block_size * kv_heads * c.head_dim * itemsize
+        size = 2 * c.num_layers * self.block_size * kv_heads * c.head_dim * itemsize
+        if self.drafter is not None and self.drafter.needs_kv_cache:  # the same blocks' draft KV
+            size += self.drafter.kv_bytes_per_block(self.block_size, self.drafter.config.dtype)
+        return size
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the budget (per device), after weights and compiled steps."""
@@ -287,6 +307,8 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, self.kv_dtype), out_shardings=self._kv_sharding)
         self.kv_caches = (zeros(), zeros())
         self.num_blocks = num_blocks
+        if self.drafter is not None and self.drafter.needs_kv_cache:
+            self.drafter.initialize_kv_cache(num_blocks, self.block_size)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.0f MiB, %s); maximum concurrency at "
             "max_model_len=%d: %.2fx",
@@ -328,6 +350,11 @@ class ModelRunner:
                     self.head, last_hidden, self.penalty_state, self.last_tokens, inputs,
                     variant=variant,
                 )  # fmt: skip
+        if self.drafter is not None and self.drafter.needs_kv_cache:
+            padding = {t: self._padding_forward(t) for t in self.token_buckets}
+            lowered.update(
+                self.drafter.lower_all(padding, self.seq_buckets, self.max_blocks_per_req)
+            )
         tokens = np.zeros(self.max_model_len, np.int32)
         zero = np.int32(0)
         lowered["init_penalty_row",] = self._init_penalty_row.lower(
@@ -336,6 +363,8 @@ class ModelRunner:
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = pool.map(lambda lo: lo.compile(), lowered.values())
             self._compiled = dict(zip(lowered, compiled, strict=True))
+        if self.drafter is not None and self.drafter.needs_kv_cache:
+            self.drafter.set_compiled(self._compiled)
         logger.info(
             "compiled %d step shapes in %.1f s", len(self._compiled), time.perf_counter() - start
         )
@@ -371,6 +400,7 @@ class ModelRunner:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             ib.remove_request(req_id)
             self._pool_acc.pop(req_id, None)
+            self.draft_backoff.forget(req_id)
         starts = {}
         for new in so.scheduled_new_reqs:
             row = ib.add_request(new, new.eos_token_id)
@@ -456,6 +486,8 @@ class ModelRunner:
         last_hidden, hidden, self.kv_caches = self._executable("forward", t)(
             self.params, self.kv_caches, self.last_tokens, forward_inputs
         )
+        if self.drafter is not None and self.drafter.needs_kv_cache:
+            self.drafter.mirror(t, forward_inputs)  # the draft's cache follows the target's
         pooled = None
         if self.pooler is not None:  # each request's sum, first and last hidden state
             seq_of_token = np.full(t, self.max_num_seqs, np.int32)  # padding: dropped
@@ -566,6 +598,7 @@ class ModelRunner:
             accepted = int(rejected[0]) if len(rejected) else len(drafts)
             final_row[i] = first + accepted
             num_accepted[p.req_ids[i]] = accepted
+            self.draft_backoff.observe(p.req_ids[i], accepted)
             row = p.rows[i]
             if ib.req_id_to_row.get(p.req_ids[i]) == row:  # drafts[:accepted] are in place
                 n = ib.num_tokens[row] + accepted
@@ -574,17 +607,20 @@ class ModelRunner:
         return final_row, num_accepted
 
     def _propose(self, p: PendingStep) -> dict[str, list[int]]:
-        """The next drafts of the step's requests that sampled a token and may be drafted."""
-        ib, out = self.input_batch, {}
-        for i in np.flatnonzero(p.sampled):
-            req_id, row = p.req_ids[i], p.rows[i]
-            if ib.req_id_to_row.get(req_id) != row or not _draftable(ib.params[row]):
-                continue
-            room = self.max_model_len - int(ib.num_tokens[row]) - 1
-            if room > 0:
-                drafts = self.drafter.propose(ib.token_ids[row, : ib.num_tokens[row]], room)
-                if drafts:
-                    out[req_id] = drafts
+        """The next drafts of the step's requests that sampled a token and may be drafted
+        (as many as fit before max_model_len with the token sampled after them)."""
+        ib = self.input_batch
+        chosen = [
+            i for i in np.flatnonzero(p.sampled)
+            if ib.req_id_to_row.get(p.req_ids[i]) == p.rows[i] and _draftable(ib.params[p.rows[i]])
+            and self.draft_backoff.should_draft(p.req_ids[i])
+        ]  # fmt: skip
+        rows = p.rows[chosen]
+        out = {}
+        for i, row, drafts in zip(chosen, rows, self.drafter.propose_rows(ib, rows), strict=True):
+            drafts = drafts[: self.max_model_len - int(ib.num_tokens[row]) - 1]
+            if drafts:
+                out[p.req_ids[i]] = drafts
         return out
 
     def _pooled_outputs(self, p: PendingStep, sums, firsts, lasts) -> dict[str, np.ndarray]:

@@ -176,3 +176,41 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_dir):
         table = np.stack([with_spec[row], without[row]])
         table = table[:, table.sum(axis=0) > 0]
         assert chi2_contingency(table).pvalue > 1e-3, (positions[row], table)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny random llama target and a smaller random draft of its vocabulary."""
+    root = tmp_path_factory.mktemp("pair")
+    target = make_tiny_hf("llama", root / "target")
+    draft = make_tiny_hf("llama", root / "draft", num_hidden_layers=1, hidden_size=32,
+                         intermediate_size=64, num_attention_heads=4)  # fmt: skip
+    return target, draft
+
+
+def test_draft_model_greedy_equals_decoding_without_speculation(tiny_pair):
+    """Greedy output with a draft model equals the target's alone, through chunked prefill
+    (16-token budget), prefix-cache hits (each prompt twice) and up to max_model_len. With
+    the target as its own draft every draft is accepted: the draft's KV cache (mirrored
+    steps, lookahead slots, cached blocks) holds what the target's does."""
+    target, draft = tiny_pair
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (5, 23, 40, 70)]
+    prompts = [{"prompt_token_ids": p} for p in prompts + prompts]
+    params = [  # the longest prompt runs up to max_model_len
+        SamplingParams(temperature=0.0, max_tokens=min(32, 96 - len(p["prompt_token_ids"])),
+                       ignore_eos=True)
+        for p in prompts
+    ]  # fmt: skip
+    engine = dict(model=str(target), max_num_seqs=4, max_num_batched_tokens=16,
+                  max_model_len=96, max_logprobs=5)  # fmt: skip
+    want = token_ids(LLM(**engine).generate(prompts, params, use_tqdm=False))
+    for path in (draft, target):
+        spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
+        llm = LLM(**engine, speculative_config=spec)
+        counter = AcceptCounter(llm)
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+        assert counter.drafted > 30  # a draft that is never right backs off (DraftBackoff)
+        if path == target:
+            assert counter.accepted == counter.drafted, vars(counter)
+        core(llm).scheduler.kv_cache_manager.check_no_leaks()

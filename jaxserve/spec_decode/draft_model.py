@@ -1,0 +1,143 @@
+"""Draft-model drafting: a smaller model of the target's vocabulary drafts k tokens greedily.
+
+Its KV cache has the target's block layout (the same block ids, its own arrays), so the
+scheduler's block tables serve both models and a prefix-cache hit holds the draft's keys as
+well: every target forward is mirrored by a draft forward over the same tokens (`mirror`), so
+the draft's cache holds every position the target's does. Once a step's drafts are verified,
+`propose` runs the draft k times on one token per request (the kept token, then its own
+argmax) in one compiled loop; the scheduler allocates k lookahead slots for those writes.
+Greedy drafts are single tokens, so the runner's acceptance rule stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.layers.attention import AttentionMetadata, configure_attention
+from jaxserve.layers.fused_moe import configure_moe
+from jaxserve.models.loader import LoadedModel
+
+if TYPE_CHECKING:
+    from jaxserve.worker.input_batch import InputBatch
+    from jaxserve.worker.model_runner import ForwardInputs
+
+
+class DraftModelProposer:
+    needs_kv_cache = True
+
+    def __init__(
+        self, loaded: LoadedModel, k: int, attention_backend: str, kv_sharding,
+        block_size: int, seq_buckets: list[int],
+    ):  # fmt: skip
+        self.k, self.block_size, self.seq_buckets = k, block_size, seq_buckets
+        self.config = loaded.config
+        self.mesh = loaded.mesh
+        configure_attention(loaded.model, attention_backend, self.mesh)
+        configure_moe(loaded.model, self.mesh)
+        self.num_cache_kv_heads = loaded.model.num_cache_kv_heads
+        self.graphdef, state = nnx.split(loaded.model)
+        self.params, self._params_def = jax.tree.flatten(state)
+        self._kv_sharding = kv_sharding
+        rep = NamedSharding(self.mesh, P())
+        self._mirror = jax.jit(self._mirror_fn, donate_argnums=(1,), out_shardings=kv_sharding)
+        self._propose = jax.jit(
+            self._propose_fn, donate_argnums=(1,), out_shardings=(rep, kv_sharding)
+        )
+        self.kv_caches: tuple[jax.Array, jax.Array] | None = None
+        self._compiled: dict[tuple, Any] = {}
+
+    def _model(self, params):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
+
+    def _mirror_fn(self, params, kv_caches, inputs: ForwardInputs):
+        """The target step's tokens through the draft: only its KV cache is kept."""
+        ids = jnp.maximum(inputs.input_ids, 0)  # a placeholder's slot is rewritten later
+        _, kv_caches = self._model(params)(ids, inputs.positions, kv_caches, inputs.attn)
+        return kv_caches
+
+    def _propose_fn(self, params, kv_caches, tokens, positions, block_tables, slots, num_seqs):
+        """tokens, positions: i32[S], each request's kept token and its position; slots:
+        i32[k, S], where the K/V of the token at positions + j goes (-1: nowhere) ->
+        (drafts i32[S, k], kv_caches)."""
+        model = self._model(params)
+        s = tokens.shape[0]
+        qsl = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), num_seqs[0])
+
+        def one(carry, xs):
+            tokens, kv_caches = carry
+            j, slot = xs
+            kv_lens = jnp.where(jnp.arange(s) < num_seqs[0], positions + j + 1, 0)
+            md = AttentionMetadata(slot, block_tables, kv_lens, qsl, num_seqs)
+            hidden, kv_caches = model(tokens, positions + j, kv_caches, md)
+            nxt = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
+            return (nxt, kv_caches), nxt
+
+        (_, kv_caches), drafts = lax.scan(
+            one, (tokens, kv_caches), (jnp.arange(self.k, dtype=jnp.int32), slots)
+        )
+        return drafts.T, kv_caches
+
+    # ------------------------------------------------------------------ start-up
+    def kv_bytes_per_block(self, block_size: int, kv_dtype: Any) -> int:
+        c = self.config
+        kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
+        return 2 * c.num_layers * block_size * kv_heads * c.head_dim * jnp.dtype(kv_dtype).itemsize
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        c = self.config
+        shape = (c.num_layers * num_blocks, block_size, self.num_cache_kv_heads, c.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, c.dtype), out_shardings=self._kv_sharding)
+        self.kv_caches = (zeros(), zeros())
+
+    def lower_all(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
+        """Lowered mirrors (one per token bucket, from the runner's padding inputs) and
+        proposal loops (one per sequence bucket), for the runner to compile with its own."""
+        lowered = {}
+        for t, inputs in padding_forwards.items():
+            lowered["draft_mirror", t] = self._mirror.lower(self.params, self.kv_caches, inputs)
+        for s in seq_buckets:
+            zeros = np.zeros(s, np.int32)
+            lowered["draft_propose", s] = self._propose.lower(
+                self.params, self.kv_caches, zeros, zeros, np.zeros((s, max_blocks), np.int32),
+                np.full((self.k, s), -1, np.int32), np.zeros(1, np.int32),
+            )  # fmt: skip
+        return lowered
+
+    def set_compiled(self, compiled: dict) -> None:
+        self._compiled = compiled
+
+    # ------------------------------------------------------------------ a serving step
+    def mirror(self, t: int, inputs: ForwardInputs) -> None:
+        self.kv_caches = self._compiled["draft_mirror", t](self.params, self.kv_caches, inputs)
+
+    def propose_rows(self, ib: InputBatch, rows: np.ndarray) -> list[list[int]]:
+        """Greedy drafts of the input batch's `rows` (each after its latest token): one
+        compiled loop of k one-token steps, and this step's second host sync."""
+        n = len(rows)
+        if not n:
+            return []
+        s = next(b for b in self.seq_buckets if b >= n)
+        positions = ib.num_tokens[rows] - 1
+        tokens = ib.token_ids[rows, positions]
+        block_tables = ib.block_table[rows]
+        pos = positions[None, :] + np.arange(self.k, dtype=np.int32)[:, None]  # [k, n]
+        bs = self.block_size
+        block = np.minimum(pos // bs, block_tables.shape[1] - 1)
+        ids = np.take_along_axis(block_tables.T, block, axis=0)
+        # Lookahead blocks were allocated up to max_model_len; past them nothing is written.
+        slots = np.where(pos // bs < ib.num_blocks[rows][None, :], ids * bs + pos % bs, -1)
+        pad = (0, s - n)
+        drafts, self.kv_caches = self._compiled["draft_propose", s](
+            self.params, self.kv_caches, np.pad(tokens, pad), np.pad(positions, pad),
+            np.pad(block_tables, (pad, (0, 0))), np.pad(slots, ((0, 0), pad), constant_values=-1),
+            np.array([n], np.int32),
+        )  # fmt: skip
+        return np.asarray(drafts)[:n].tolist()
