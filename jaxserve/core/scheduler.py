@@ -92,9 +92,14 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         speculative: bool = False,
         num_lookahead_tokens: int = 0,
+        draft_step_tokens: int | None = None,
     ):
         """speculative: drafts are scheduled (Request.spec_token_ids); num_lookahead_tokens:
-        KV slots kept free after each request's tokens for a draft model's proposals."""
+        KV slots kept free after each request's tokens for a draft model's proposals;
+        draft_step_tokens: drafts only fill a step up to the power of two its other tokens
+        need, or up to this many tokens (None: no limit but the budget). A draft token costs
+        a forward token and a sampling row: nearly free while the step is bound by reading the
+        weights (few tokens), a full token's compute once it is not (many)."""
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
         self.block_size = cache_config.block_size
@@ -111,6 +116,7 @@ class Scheduler:
         self.total_preemptions = 0
         self.spec_stats = SpecDecodingStats() if speculative else None  # since the last stats
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.draft_step_tokens = draft_step_tokens
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -158,6 +164,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
+        draft_room = self._draft_room(budget)
         kv = self.kv_cache_manager
 
         i = 0
@@ -167,7 +174,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
-            drafts = self._drafts_to_schedule(request, num_new, budget)
+            drafts = self._drafts_to_schedule(request, num_new, min(budget, 1 + draft_room))
             request.spec_token_ids = []  # used now or never
             n = num_new + len(drafts)
             ahead = self._lookahead(request.num_computed_tokens + n)
@@ -203,6 +210,7 @@ class Scheduler:
             budget -= num_new
             if drafts:
                 spec_tokens[request.request_id] = drafts
+                draft_room -= len(drafts)
             cached_reqs.append(
                 CachedRequestData(
                     request.request_id,
@@ -331,6 +339,16 @@ class Scheduler:
         """KV slots to keep after a request's first `end` tokens for a draft model's
         proposals, up to max_model_len."""
         return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - end))
+
+    def _draft_room(self, budget: int) -> int:
+        """Draft tokens this step may hold (see draft_step_tokens): running requests' other
+        tokens first, drafts then up to their power of two or draft_step_tokens."""
+        if self.spec_stats is None:
+            return 0
+        if self.draft_step_tokens is None:
+            return budget
+        n = sum(self._num_tokens_to_schedule(r) for r in self.running)
+        return max(1 << max(n - 1, 0).bit_length(), self.draft_step_tokens) - n
 
     def _drafts_to_schedule(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The request's drafts that may run after its next token: only in a decode step

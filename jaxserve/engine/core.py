@@ -80,6 +80,13 @@ class EngineCore:
                 if config.speculative is not None and config.speculative.method == "draft_model"
                 else 0
             ),
+            # On CPU a step is compute-bound past a few tokens: drafts fill the step up to
+            # 2 (k + 1) tokens, or the power of two its other tokens need (benchmarks/results).
+            draft_step_tokens=(
+                2 * (1 + config.speculative.num_speculative_tokens)
+                if config.speculative is not None and jax.default_backend() == "cpu"
+                else None
+            ),
         )
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()

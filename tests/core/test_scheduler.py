@@ -405,3 +405,17 @@ def test_drafts_give_way_to_preemption_before_requests_do():
     assert out.num_scheduled_tokens == {"a": 2, "b": 1}
     drain(sched)
     assert_pool_clean(sched)
+
+
+def test_drafts_fill_a_step_only_up_to_its_draft_step_tokens():
+    """draft_step_tokens=6: 3 decodes (their own power of two: 4) may add 3 draft tokens;
+    8 decodes fill a power of two already, so none."""
+    for n_reqs, expected in ((3, {"r0": [1, 2, 3]}), (8, {})):
+        sched = spec_scheduler()
+        sched.draft_step_tokens = 6
+        truth = {f"r{i}": list(range(40, 60)) for i in range(n_reqs)}
+        for r in truth:
+            sched.add_request(req(r, n_prompt=4, max_tokens=10, ignore_eos=True))
+        spec_step(sched, truth, lambda r, toks: [1, 2, 3, 4])
+        out, _ = spec_step(sched, truth, lambda r, toks: [])
+        assert out.scheduled_spec_decode_tokens == expected, n_reqs
