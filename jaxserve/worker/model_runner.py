@@ -35,6 +35,7 @@ drafts.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -360,6 +361,10 @@ class ModelRunner:
         lowered["init_penalty_row",] = self._init_penalty_row.lower(
             self.penalty_state, zero, tokens, zero, zero
         )
+        # Free what dropped engines left in reference cycles now, not in the middle of the
+        # threaded compile (CI once segfaulted in a cache write while an engine that a test had
+        # just dropped was being collected; the cause is not confirmed).
+        gc.collect()
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             compiled = pool.map(lambda lo: lo.compile(), lowered.values())
             self._compiled = dict(zip(lowered, compiled, strict=True))

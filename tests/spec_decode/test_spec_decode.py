@@ -157,6 +157,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_dir):
     params = SamplingParams(temperature=0.8, top_k=10, max_tokens=4, ignore_eos=True)
     engine = dict(model=str(tiny_dir), max_num_seqs=64, max_num_batched_tokens=512,
                   max_model_len=128, seed=0, max_logprobs=5)  # fmt: skip
+    plain = LLM(**engine)
     spec = LLM(
         **engine,
         speculative_config={
@@ -170,8 +171,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_dir):
     positions = [1, 2, 3]  # token 0 comes from the prompt's last position: never drafted
     with_spec = token_counts(spec, prompt, params, 3000, positions)
     assert 0.05 < counter.accepted / counter.drafted < 0.9, vars(counter)
-    del spec
-    without = token_counts(LLM(**engine), prompt, params, 3000, positions)
+    without = token_counts(plain, prompt, params, 3000, positions)
     for row in range(len(positions)):
         table = np.stack([with_spec[row], without[row]])
         table = table[:, table.sum(axis=0) > 0]
@@ -204,10 +204,12 @@ def test_draft_model_greedy_equals_decoding_without_speculation(tiny_pair):
     ]  # fmt: skip
     engine = dict(model=str(target), max_num_seqs=4, max_num_batched_tokens=16,
                   max_model_len=96, max_logprobs=5)  # fmt: skip
-    want = token_ids(LLM(**engine).generate(prompts, params, use_tqdm=False))
+    engines = [LLM(**engine)]  # all kept until the test ends
+    want = token_ids(engines[0].generate(prompts, params, use_tqdm=False))
     for path in (draft, target):
         spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
         llm = LLM(**engine, speculative_config=spec)
+        engines.append(llm)
         counter = AcceptCounter(llm)
         assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
         assert counter.drafted > 30  # a draft that is never right backs off (DraftBackoff)
