@@ -38,6 +38,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -95,6 +96,26 @@ def enable_persistent_compilation_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _serialize_cache_reads()
+
+
+def _serialize_cache_reads() -> None:
+    """Deserialize persistent-cache hits one at a time. compile_all compiles in threads, and
+    CI once died (SIGSEGV) with two of them inside XLA:CPU's deserialize_executable at once;
+    compiles themselves stay parallel. A no-op where jax's internals differ."""
+    from jax._src import compilation_cache as cc
+
+    read = getattr(cc, "get_executable_and_time", None)
+    if read is None or getattr(read, "_jaxserve_locked", False):
+        return
+    lock = threading.Lock()
+
+    def locked_read(*args, **kwargs):
+        with lock:
+            return read(*args, **kwargs)
+
+    locked_read._jaxserve_locked = True
+    cc.get_executable_and_time = locked_read
 
 
 class _CompileCounter:
@@ -361,13 +382,19 @@ class ModelRunner:
         lowered["init_penalty_row",] = self._init_penalty_row.lower(
             self.penalty_state, zero, tokens, zero, zero
         )
-        # Free what dropped engines left in reference cycles now, not in the middle of the
-        # threaded compile (CI once segfaulted in a cache write while an engine that a test had
-        # just dropped was being collected; the cause is not confirmed).
+        # Free what dropped engines left in reference cycles now, and not in a compile thread
+        # while another one is inside XLA (CI once segfaulted there; see
+        # _serialize_cache_reads, which also guards it).
         gc.collect()
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            compiled = pool.map(lambda lo: lo.compile(), lowered.values())
-            self._compiled = dict(zip(lowered, compiled, strict=True))
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                compiled = pool.map(lambda lo: lo.compile(), lowered.values())
+                self._compiled = dict(zip(lowered, compiled, strict=True))
+        finally:
+            if collecting:
+                gc.enable()
         if self.drafter is not None and self.drafter.needs_kv_cache:
             self.drafter.set_compiled(self._compiled)
         logger.info(
