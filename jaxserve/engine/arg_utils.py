@@ -22,6 +22,7 @@ from jaxserve.config import (
 )
 from jaxserve.layers.attention import ATTENTION_BACKENDS
 from jaxserve.models.loader import read_model_config, resolve_model_path
+from pallas_kernels.paged_attention import pallas_unavailable_message
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
 # smaller limits keep start-up short.
@@ -109,6 +110,8 @@ class EngineArgs:
             raise ValueError(
                 f"attention_backend={attention_backend!r}; choose from {ATTENTION_BACKENDS}"
             )
+        if attention_backend == "pallas" and pallas_unavailable_message():
+            raise ImportError(pallas_unavailable_message())
         pooler = self._pooler(path)
         if pooler is not None and speculative is not None:
             raise ValueError("speculative_config needs a generating runner, not runner='pooling'")
