@@ -1,0 +1,50 @@
+"""scripts/gpu_suite.sh --dry-run: the GPU suite's every step runs on CPU (the kernel interpreted,
+a tiny dummy model, few iterations) and the report names each step's status and figures. The
+pipeline is proven here so the one device call that runs it for real does not fail on it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ["env", "pytest_gpu", "kernel_bench", "latency_b1", "latency_b2", "latency_b4",
+         "throughput_2", "throughput_4"]  # fmt: skip
+
+
+def test_dry_run_runs_every_step_and_reports_each(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "OUT")}
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_suite.sh", "--dry-run", "--out", str(out), "--work", str(work),
+         "--budget", "600"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    steps = [line.split("\t") for line in (work / "steps.tsv").read_text().splitlines()]
+    assert [(s[0], s[1]) for s in steps] == [(name, "ok") for name in STEPS]
+
+    report = (out / "gpu-cpu.md").read_text()
+    assert "**dry run on CPU**" in report
+    assert re.search(r"^\| jax \| \d+\.\d+\.\d+ ", report, re.M)
+    assert re.search(r"^\| commit \| [0-9a-f]{7,}", report, re.M)
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| (\w+) \| ok \| \d+ \| (.*) \|$", report, re.M)}
+    assert list(rows) == STEPS
+    assert "jaxserve imports" in rows["env"]
+    assert re.search(r"\d+ skipped, \d+ deselected", rows["pytest_gpu"])  # no GPU: all skip
+    assert rows["kernel_bench"].startswith("3 cases")
+    assert len(re.findall(r"^\| (?:decode|mixed) .* \|$", report, re.M)) == 3
+    for name in ("latency_b1", "latency_b2", "latency_b4"):
+        assert re.search(r"avg latency [0-9.]+ s; decode step [0-9.]+ ms", rows[name]), name
+        assert "of the HBM bound" in rows[name], name
+    assert "output tok/s" in rows["throughput_4"]
+    assert "of the HBM bound" in rows["throughput_2"]  # one batch: the roofline follows
+
+    assert "=== latency_b4: ok" in (out / "suite.log").read_text()
+    with tarfile.open(out / "gpu-suite-logs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {f"{name}.log" for name in STEPS} | {"steps.tsv", "env.json"} <= names
+    assert not (ROOT / "benchmarks" / "results" / "gpu-cpu.md").exists()  # a dry run's stays out
