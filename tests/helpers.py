@@ -135,6 +135,30 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def assert_generate_matches_hf(llm, model_dir, prompts: list[list[int]], max_tokens: int = 32):
+    """Greedy decode `prompts` through `llm` (logprobs on): the tokens equal HF `generate`'s
+    over max_tokens steps (up to HF's EOS, which the engine ignores) and every chosen token's
+    logprob is within 1e-2 of HF's. Returns the engine's outputs."""
+    from jaxserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ref = hf_model(str(model_dir))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                               do_sample=False, output_logits=True,
+                               return_dict_in_generate=True)  # fmt: skip
+        want = gen.sequences[0, len(prompt) :].tolist()
+        got = out.outputs[0]
+        assert len(want) >= 5 and got.token_ids[: len(want)] == want, (prompt, got.token_ids)
+        steps = zip(gen.logits, want, strict=True)
+        hf_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in steps]
+        ours = [lp[t].logprob for lp, t in zip(got.logprobs, want, strict=False)]
+        np.testing.assert_allclose(ours, hf_lp, atol=1e-2)
+    return outs
+
+
 @functools.cache
 def hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM

@@ -11,8 +11,7 @@ import torch
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.layers.fused_moe import configure_moe, expert_mlp, route
 from jaxserve.models.loader import load_model
-from jaxserve.sampling_params import SamplingParams
-from tests.helpers import hf_logits, hf_model, make_tiny_hf
+from tests.helpers import assert_generate_matches_hf, hf_logits, hf_model, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
 
 FAMILIES = {
@@ -118,16 +117,4 @@ def test_expert_parallel_generate_matches_hf(tmp_path, monkeypatch):
     assert moe.mesh is not None and moe.mesh.shape["tp"] == 2
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, n).tolist() for n in (9, 23, 14)]  # 23: chunked (16)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    ref = hf_model(str(model_dir))
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            gen = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                               output_logits=True, return_dict_in_generate=True)  # fmt: skip
-        want = gen.sequences[0, len(prompt) :].tolist()
-        assert len(want) >= 5 and out.outputs[0].token_ids[: len(want)] == want
-        steps = zip(gen.logits, want, strict=True)
-        hf_lp = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in steps]
-        ours = [lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, want, strict=False)]
-        np.testing.assert_allclose(ours, hf_lp, atol=1e-2)
+    assert_generate_matches_hf(llm, model_dir, prompts)
