@@ -13,6 +13,11 @@ ids are prefilled and then decoded; once every request is decoding:
 - grammar (with --constrained, part of host): building the step's structured-output token
   bitmask, replayed on the last step's requests. --constrained gives every request a regex
   that never completes in practice (letters, then the unlikely "ZQXJ!"), so decode goes on.
+- general_forward (with --decode-only-forwards): decode steps run the runner's decode-only
+  forward (whose attention is the decode path alone) even where the backend has none
+  (model_runner.DECODE_ONLY_FORWARDS), and the general forward of the same bucket is timed on
+  the same inputs, calls of the two alternating, both reported as the median (not at batch
+  1: a 1-token step is always a decode, and has no general forward).
 
 Each part is the median of --iters runs after one warm-up, block_until_ready each time.
 
@@ -98,11 +103,21 @@ def profile_batch(core, batch: int, args, rng) -> dict:
     (forward_key, (weights, _, _, inputs)) = captured["forward"]
     forward = runner._executable(*forward_key)
 
-    def run_forward(fn=forward):
-        *out, runner.kv_caches = fn(weights, runner.kv_caches, runner.last_tokens, inputs)
+    def run_forward(fn=forward, x=inputs):
+        *out, runner.kv_caches = fn(weights, runner.kv_caches, runner.last_tokens, x)
         return out
 
     forward_ms = median_ms(run_forward, iters=args.iters)
+    general_ms = 0.0
+    if args.decode_only_forwards and forward_key[1] > 1:  # the general forward, same inputs
+        general = runner._executable(*forward_key[:2], False)
+        x = inputs._replace(attn=inputs.attn._replace(decode_only=False))
+        times = {forward: [], general: []}
+        for fn in (forward, general) * args.iters:
+            start = time.perf_counter()
+            jax.block_until_ready(run_forward(fn, x if fn is general else inputs))
+            times[fn].append(time.perf_counter() - start)
+        forward_ms, general_ms = (1e3 * float(np.median(times[f])) for f in (forward, general))
     attention_ms = runner.config.num_layers * reference_attention_ms(runner, inputs, args.iters)
     sample_key, (head, last_hidden, _, _, sample_inputs) = captured["sample"]
     sampler = runner._executable(*sample_key)
@@ -127,7 +142,7 @@ def profile_batch(core, batch: int, args, rng) -> dict:
         batch=batch, tokens_bucket=forward_key[1], seqs_bucket=sample_key[1],
         engine_ms=engine_ms, host_ms=engine_ms - forward_ms - sampler_ms,
         forward_ms=forward_ms, attention_ms=attention_ms, sampler_ms=sampler_ms,
-        sampler_variant=sample_key[2], grammar_ms=grammar_ms,
+        sampler_variant=sample_key[2], grammar_ms=grammar_ms, general_forward_ms=general_ms,
     )  # fmt: skip
 
 
@@ -142,17 +157,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--constrained", action="store_true", help="every request constrained (grammar_ms)"
     )
+    parser.add_argument(
+        "--decode-only-forwards", action="store_true",
+        help="decode steps run a decode-only forward; time the general one beside it",
+    )  # fmt: skip
     add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.max_num_seqs is None:
         args.max_num_seqs = max(args.batch_sizes)
     from jaxserve.engine.core import EngineCore
 
+    if args.decode_only_forwards:
+        from jaxserve.worker import model_runner
+
+        for backend in model_runner.DECODE_ONLY_FORWARDS:
+            model_runner.DECODE_ONLY_FORWARDS[backend] = True
     core = EngineCore(engine_args_from(args).create_engine_config())
     rng = np.random.default_rng(args.seed)
     rows = [profile_batch(core, b, args, rng) for b in args.batch_sizes]
     cols = ["batch", "engine_ms", "host_ms", "forward_ms", "attention_ms", "sampler_ms"]
     cols += ["grammar_ms"] if args.constrained else []
+    cols += ["general_forward_ms"] if args.decode_only_forwards else []
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

@@ -33,6 +33,9 @@ class AttentionMetadata(NamedTuple):
     kv_lens:         [S] tokens cached per sequence after this step's tokens are written.
     query_start_loc: [S+1] offsets of each sequence's tokens in the flat batch.
     num_seqs:        [1] sequences in use; later rows of the arrays above are padding.
+    decode_only:     (static, a Python bool) every sequence in use has exactly one token: the
+                     attention runs its decode path alone. Part of the pytree's structure, not
+                     a leaf, so a step compiled for one layout refuses inputs of the other.
     """
 
     slot_mapping: jax.Array
@@ -40,6 +43,18 @@ class AttentionMetadata(NamedTuple):
     kv_lens: jax.Array
     query_start_loc: jax.Array
     num_seqs: jax.Array
+    decode_only: bool = False
+
+
+jax.tree_util.register_pytree_with_keys(
+    AttentionMetadata,
+    lambda md: (
+        [(jax.tree_util.GetAttrKey(k), getattr(md, k)) for k in md._fields[:5]],
+        md.decode_only,
+    ),  # fmt: skip
+    lambda decode_only, arrays: AttentionMetadata(*arrays, decode_only=decode_only),
+    flatten_func=lambda md: (md[:5], md.decode_only),
+)
 
 
 def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, scale: float = 1.0) -> jax.Array:
@@ -80,16 +95,18 @@ def paged_attention(
     backend "reference" is the jnp op (XLA partitions it over `mesh` by itself); "pallas" is
     the kernel, compiled for a GPU and interpreted elsewhere, run per device over its own
     heads when the mesh splits them (shard_map: a custom call cannot be auto-partitioned).
+    Either runs its decode path alone when md.decode_only says the batch is all decodes.
     """
     args = (q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs)
     if backend == "reference":
         return ragged_paged_attention_reference(
-            *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap
-        )
+            *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            decode_only=md.decode_only,
+        )  # fmt: skip
     on_gpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "gpu"
     kernel = functools.partial(
         ragged_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, interpret=not on_gpu,
+        soft_cap=soft_cap, decode_only=md.decode_only, interpret=not on_gpu,
     )  # fmt: skip
     if mesh is None or mesh.shape[TP_AXIS] == 1:
         return kernel(*args)

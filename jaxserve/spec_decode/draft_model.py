@@ -5,7 +5,8 @@ scheduler's block tables serve both models and a prefix-cache hit holds the draf
 well: every target forward is mirrored by a draft forward over the same tokens (`mirror`), so
 the draft's cache holds every position the target's does. Once a step's drafts are verified,
 `propose` runs the draft k times on one token per request (the kept token, then its own
-argmax) in one compiled loop; the scheduler allocates k lookahead slots for those writes.
+argmax) in one compiled loop, whose attention is the decode path alone (every request has one
+token); the scheduler allocates k lookahead slots for those writes.
 Greedy drafts are single tokens, so the runner's acceptance rule stays exact.
 """
 
@@ -75,7 +76,7 @@ class DraftModelProposer:
             tokens, kv_caches = carry
             j, slot = xs
             kv_lens = jnp.where(jnp.arange(s) < num_seqs[0], positions + j + 1, 0)
-            md = AttentionMetadata(slot, block_tables, kv_lens, qsl, num_seqs)
+            md = AttentionMetadata(slot, block_tables, kv_lens, qsl, num_seqs, decode_only=True)
             hidden, kv_caches = model(tokens, positions + j, kv_caches, md)
             nxt = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
             return (nxt, kv_caches), nxt
@@ -98,11 +99,14 @@ class DraftModelProposer:
         self.kv_caches = (zeros(), zeros())
 
     def lower_all(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
-        """Lowered mirrors (one per token bucket, from the runner's padding inputs) and
-        proposal loops (one per sequence bucket), for the runner to compile with its own."""
+        """Lowered mirrors (one per forward of the runner's: {(token bucket, decode_only):
+        its padding inputs}) and proposal loops (one per sequence bucket), for the runner to
+        compile with its own."""
         lowered = {}
-        for t, inputs in padding_forwards.items():
-            lowered["draft_mirror", t] = self._mirror.lower(self.params, self.kv_caches, inputs)
+        for (t, decode_only), inputs in padding_forwards.items():
+            lowered["draft_mirror", t, decode_only] = self._mirror.lower(
+                self.params, self.kv_caches, inputs
+            )
         for s in seq_buckets:
             zeros = np.zeros(s, np.int32)
             lowered["draft_propose", s] = self._propose.lower(
@@ -116,7 +120,9 @@ class DraftModelProposer:
 
     # ------------------------------------------------------------------ a serving step
     def mirror(self, t: int, inputs: ForwardInputs) -> None:
-        self.kv_caches = self._compiled["draft_mirror", t](self.params, self.kv_caches, inputs)
+        """The target's forward inputs at token bucket t (decode-only or not, as the target's)."""
+        mirror = self._compiled["draft_mirror", t, inputs.attn.decode_only]
+        self.kv_caches = mirror(self.params, self.kv_caches, inputs)
 
     def propose_rows(self, ib: InputBatch, rows: np.ndarray) -> list[list[int]]:
         """Greedy drafts of the input batch's `rows` (each after its latest token): one

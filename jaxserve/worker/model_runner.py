@@ -6,7 +6,10 @@ budget after the weights are placed; then lower every step shape and compile the
 parallel threads (XLA compiles outside the GIL), with the persistent compilation cache on:
   forward        one per token bucket T: the model over T tokens (its sequence metadata padded
                  to min(T, max_num_seqs) rows), returning the hidden state of each sampling
-                 row ([max_sample_rows, D]) and of every token ([T, D]);
+                 row ([max_sample_rows, D]) and of every token ([T, D]); with the Pallas
+                 attention a second, decode-only one per bucket a decode step can fall in
+                 (T up to max_num_seqs' bucket; T = 1 has only that one), so no step holds
+                 both attention kernels (DECODE_ONLY_FORWARDS);
   sample         one per (row bucket S, SamplerVariant): LM head on the first S rows and
                  the sampler's passes for that variant (layers/sampler.py), which also updates
                  the device-resident penalty state and each row's last sampled token;
@@ -78,6 +81,13 @@ MIN_TOKEN_BUCKET = 1
 MIN_SEQ_BUCKET = 1
 CPU_DEFAULT_KV_BYTES = 1 << 30  # host memory for the KV cache when no budget is given
 PROMPT_LOGPROBS_CHUNK = 256  # positions whose [chunk, V] logits are live at once
+# Per attention backend: whether a decode-only step (every scheduled request has one new
+# token; no drafts) runs a forward of its own, whose attention is the decode path alone. The
+# Pallas kernel's paths are two kernels: a forward choosing between them by lax.cond compiled
+# both into every step. The reference's decode-only forward was no faster on CPU (SmolLM2,
+# 2 cores, batch 8 / 32 at contexts 96 / 480: 0.96-1.01x the general forward's time;
+# benchmarks/results/cpu.md), so it keeps one forward per bucket and compiles no more.
+DECODE_ONLY_FORWARDS = {"pallas": True, "reference": False}
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -181,6 +191,7 @@ class ModelRunner:
                 self.token_buckets = sorted({*self.token_buckets, width})
             if width < self.sample_buckets[-1]:
                 self.sample_buckets = sorted({*self.sample_buckets, width})
+        self.decode_only_forwards = DECODE_ONLY_FORWARDS[engine_config.attention_backend]
         self.num_logprobs = engine_config.max_logprobs
         self.input_batch = InputBatch(
             self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
@@ -349,11 +360,13 @@ class ModelRunner:
             (self.max_sample_rows, d), self.config.dtype, sharding=rep
         )
         lowered = {}
+        for t, decode_only in self.forward_variants():
+            lowered["forward", t, decode_only] = self._forward.lower(
+                self.params, self.kv_caches, self.last_tokens,
+                self._padding_forward(t, decode_only),
+            )  # fmt: skip
         for t in self.token_buckets:
             hidden = jax.ShapeDtypeStruct((t, d), self.config.dtype, sharding=rep)
-            lowered["forward", t] = self._forward.lower(
-                self.params, self.kv_caches, self.last_tokens, self._padding_forward(t)
-            )
             lowered["prompt_logprobs", t] = self._prompt_logprobs.lower(
                 self.head, hidden, np.full(t, -1, np.int32)
             )
@@ -373,7 +386,7 @@ class ModelRunner:
                     variant=variant,
                 )  # fmt: skip
         if self.drafter is not None and self.drafter.needs_kv_cache:
-            padding = {t: self._padding_forward(t) for t in self.token_buckets}
+            padding = {v: self._padding_forward(*v) for v in self.forward_variants()}
             lowered.update(
                 self.drafter.lower_all(padding, self.seq_buckets, self.max_blocks_per_req)
             )
@@ -407,7 +420,20 @@ class ModelRunner:
         except KeyError:
             raise RuntimeError(f"no compiled step for {key}: compile_all() must cover it") from None
 
-    def _padding_forward(self, t: int) -> ForwardInputs:
+    def forward_variants(self) -> list[tuple[int, bool]]:
+        """(token bucket, decode_only) of every forward: a general one per bucket, and where
+        the backend has them (DECODE_ONLY_FORWARDS) a decode-only one per bucket a decode step
+        can fall in (it has at most max_num_seqs tokens); a 1-token step is always a decode."""
+        if not self.decode_only_forwards:
+            return [(t, False) for t in self.token_buckets]
+        top = self._token_bucket(min(self.max_num_seqs, self.token_buckets[-1]))
+        decode = [(t, True) for t in self.token_buckets if t <= top]
+        return decode + [(t, False) for t in self.token_buckets if t > 1]
+
+    def _token_bucket(self, num_tokens: int) -> int:
+        return next(b for b in self.token_buckets if b >= num_tokens)
+
+    def _padding_forward(self, t: int, decode_only: bool = False) -> ForwardInputs:
         s = self._forward_seqs(t)
         ids = np.zeros(t, np.int32)
         md = AttentionMetadata(
@@ -416,6 +442,7 @@ class ModelRunner:
             kv_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
             num_seqs=np.zeros(1, np.int32),
+            decode_only=decode_only,
         )
         return ForwardInputs(ids, ids, ids, md, np.zeros(self.max_sample_rows, np.int32))
 
@@ -461,7 +488,7 @@ class ModelRunner:
         for row, d in zip(rows, drafts, strict=True):
             if d:  # the drafts are the inputs after the last known token
                 ib.token_ids[row, ib.num_tokens[row] : ib.num_tokens[row] + len(d)] = d
-        t = next(b for b in self.token_buckets if b >= num_tokens)
+        t = self._token_bucket(num_tokens)
         sf = self._forward_seqs(t)
         s = next(b for b in self.sample_buckets if b >= num_rows)
 
@@ -488,7 +515,10 @@ class ModelRunner:
         row_offset = np.arange(num_rows, dtype=np.int32) - np.repeat(first_row, n_rows)
         logits_indices = np.zeros(self.max_sample_rows, np.int32)
         logits_indices[:num_rows] = np.repeat(qsl[1 : num_reqs + 1] - n_rows, n_rows) + row_offset
-        md = AttentionMetadata(slots, block_tables, kv_lens, qsl, np.array([num_reqs], np.int32))
+        # Every request has one new token (drafts make more): the decode-only forward.
+        decode_only = self.decode_only_forwards and num_tokens == num_reqs
+        md = AttentionMetadata(slots, block_tables, kv_lens, qsl, np.array([num_reqs], np.int32),
+                               decode_only)  # fmt: skip
         forward_inputs = ForwardInputs(ids, positions, token_rows, md, logits_indices)
 
         # Prompt logprobs: the token at pos + 1 is the target of position pos, while in the prompt.
@@ -515,7 +545,7 @@ class ModelRunner:
             np.bool_(any(p.logprobs is not None for p in params)), np.int32(self.step_count),
         )  # fmt: skip
 
-        last_hidden, hidden, self.kv_caches = self._executable("forward", t)(
+        last_hidden, hidden, self.kv_caches = self._executable("forward", t, decode_only)(
             self.params, self.kv_caches, self.last_tokens, forward_inputs
         )
         if self.drafter is not None and self.drafter.needs_kv_cache:

@@ -4,15 +4,16 @@ in one batch, over the paged KV cache the engine writes.
 Same signature and semantics as `reference.ragged_paged_attention_reference` (read its
 docstring for the batch layout), plus keyword-only tuning arguments and `interpret`.
 
-Two kernels, both compiled for every batch shape and picked at run time with `lax.cond` from
-the batch's layout, so a step never recompiles:
+Two kernels; the caller picks one with the static `decode_only` (the model runner knows from
+the scheduler's output whether every sequence of a step has one new token, and compiles a
+forward per layout), so a compiled step holds one kernel and no `lax.cond` between them:
 
 - **decode** (every real sequence has exactly one query token): one program per (sequence, KV
   head, KV split). The GQA group's query heads (padded to 16 rows, the smallest `tl.dot`) share
   each K/V page load, so a page is read once per KV head; a long context is cut into
   `num_kv_splits` page ranges run by separate programs, whose partial (max, sum, output) are
   merged afterwards in XLA (split-K / flash-decoding).
-- **mixed** (any sequence has more than one query token): queries are tiled too. For each KV
+- **mixed** (any layout, single-token decodes included): queries are tiled too. For each KV
   head the rows (token, head-in-group) of a sequence are laid out contiguously, so a tile of
   `q_block` rows is one slice; one program per (tile, KV head) streams the keys the tile can
   see (causal, up to its last row's position) with an online softmax. Tiles are assigned to
@@ -23,12 +24,18 @@ Softmax statistics and accumulators are float32 whatever the input dtype; scores
 with log2(e) folded into the scale. K/V pages are gathered through the block table inside
 the kernel (no copy of the cache); the cache layout is the engine's own
 `[num_blocks, block_size, Hkv, D]`, read for one KV head through a strided block spec.
+
+Shared memory: Triton keeps `num_stages` buffers of each inner step's K and V tiles (its
+software pipeline) and the query tile in shared memory, which is 227 KB per block on Hopper.
+`plan_tiles` shrinks the KV tokens per step, then the stages, until that estimate fits, and
+refuses (naming dtype, head_dim and bytes) shapes nothing fits.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +45,68 @@ from jax.experimental.pallas import triton as plgpu
 _LOG2E = math.log2(math.e)
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _M_INIT = -1e30  # finite "minus infinity": empty rows merge to 0 without NaN
+# Shared memory a block may use on Hopper (H100, H200): 227 KB, what Triton reports as
+# "available" there. (Ampere A100: 166912; other Ampere / Ada parts: 101376.)
+HOPPER_SMEM_BYTES = 232448
+_DEFAULT_KV_TOKENS = {"decode": 128, "mixed": 64}  # per inner step, before fitting
+_DEFAULT_STAGES = 2
+
+
+def smem_bytes(*, rows: int, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int) -> int:
+    """Estimated shared memory of one program of either kernel: `num_stages` buffers of an
+    inner step's K and V tiles ([kv_tokens, D] each; a single buffer without pipelining) and
+    the query tile [rows, D], all at `itemsize` bytes. Matches what Triton asked for on the
+    H100 (jax 0.11.2) for the fp32, head_dim 128 decode kernel with 16 rows, 128 tokens and 2
+    stages: 2 * 2 * 128 * 128 * 4 + 16 * 128 * 4 = 270336."""
+    return (max(1, num_stages) * 2 * kv_tokens + rows) * head_dim * itemsize
+
+
+class TilePlan(NamedTuple):
+    """One kernel's tiling: KV pages per inner step, Triton pipeline stages, and its
+    estimated shared memory (smem_bytes)."""
+
+    pages_per_step: int
+    num_stages: int
+    smem_bytes: int
+
+
+def plan_tiles(
+    kernel: str, *, dtype, head_dim: int, block_size: int, rows: int,
+    kv_tokens: int | None = None, num_stages: int | None = None,
+    smem_limit: int = HOPPER_SMEM_BYTES,
+) -> TilePlan:  # fmt: skip
+    """The tiling of `kernel` ("decode": rows = the GQA group padded to 16; "mixed": rows =
+    q_block) for queries of `dtype` (K/V tiles are held at its width: an fp8 cache is widened
+    to it) and head_dim, within smem_limit bytes of shared memory.
+
+    kv_tokens (whole pages, at least one) and num_stages given are kept and checked; left None
+    they start at the defaults (decode 128 tokens, mixed 64; 2 stages) and the tokens per
+    step are halved down to max(block_size, 16), then the stages lowered to 1, until the
+    estimate fits. Raises ValueError when it does not."""
+    itemsize = jnp.dtype(dtype).itemsize
+    name = jnp.dtype(dtype).name
+    smallest = max(block_size, _MIN_DOT)
+    tokens = _DEFAULT_KV_TOKENS[kernel] if kv_tokens is None else kv_tokens
+    tokens = max(block_size, tokens // block_size * block_size)
+    stages = _DEFAULT_STAGES if num_stages is None else num_stages
+
+    def need(tokens, stages):
+        return smem_bytes(rows=rows, head_dim=head_dim, kv_tokens=tokens, num_stages=stages,
+                          itemsize=itemsize)  # fmt: skip
+
+    while need(tokens, stages) > smem_limit:
+        if kv_tokens is None and tokens > smallest:
+            tokens = max(smallest, tokens // 2 // block_size * block_size)
+        elif num_stages is None and stages > 1:
+            stages -= 1
+        else:
+            raise ValueError(
+                f"ragged_paged_attention: the {kernel} kernel does not fit in shared memory for "
+                f"dtype {name}, head_dim {head_dim} (block_size {block_size}, {rows} query "
+                f"rows): {tokens} KV tokens per step in {stages} pipeline stage(s) need about "
+                f"{need(tokens, stages)} B, {smem_limit} B are available"
+            )
+    return TilePlan(tokens // block_size, stages, need(tokens, stages))
 
 
 def _pow2_at_least(x: int, floor: int) -> int:
@@ -301,9 +370,9 @@ def _mixed(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "decode_pages_per_step", "num_kv_splits",
-        "q_block",
-        "prefill_kv_tokens_per_step", "num_warps", "num_stages", "interpret",
+        "sm_scale", "sliding_window", "soft_cap", "decode_only", "decode_pages_per_step",
+        "num_kv_splits", "q_block", "prefill_kv_tokens_per_step", "num_warps", "num_stages",
+        "smem_limit", "interpret",
     ),
 )  # fmt: skip
 def ragged_paged_attention(
@@ -318,12 +387,14 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    decode_only: bool = False,
     decode_pages_per_step: int | None = None,
     num_kv_splits: int = 8,
     q_block: int = 64,
-    prefill_kv_tokens_per_step: int = 64,
+    prefill_kv_tokens_per_step: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
+    smem_limit: int = HOPPER_SMEM_BYTES,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention of ragged queries over a paged KV cache (Pallas kernel).
@@ -340,12 +411,19 @@ def ragged_paged_attention(
       sliding_window: each query sees only the latest this many keys (its own included);
         pages before a program's window are skipped.
       soft_cap: scores become soft_cap * tanh(score / soft_cap) (Gemma 2).
+      decode_only: the caller promises every real sequence has exactly one query token: the
+        decode kernel runs. Otherwise the mixed kernel, which takes any layout.
       decode_pages_per_step: KV pages per inner step of the decode kernel (default: 128
-        tokens' worth).
+        tokens' worth, fewer where shared memory needs it: `plan_tiles`).
       num_kv_splits: programs a decode sequence's context is split across (merged after).
       q_block: query rows (token x GQA head) per program of the mixed kernel; power of two.
-      prefill_kv_tokens_per_step: keys per inner step of the mixed kernel.
-      num_warps, num_stages: Triton launch parameters of both kernels.
+      prefill_kv_tokens_per_step: keys per inner step of the mixed kernel (default 64, fewer
+        where shared memory needs it).
+      num_warps: Triton warps per program.
+      num_stages: Triton software-pipeline stages (default 2, fewer where shared memory
+        needs it).
+      smem_limit: shared memory per block in bytes (default Hopper's); tilings given
+        explicitly are checked against it, defaults are fitted to it.
       interpret: run in Pallas interpret mode (CPU testing).
 
     Returns:
@@ -360,34 +438,34 @@ def ragged_paged_attention(
             raise ValueError(f"{name}={value} must be a power of two for the Pallas kernel")
     if q_block < _MIN_DOT:
         raise ValueError(f"q_block={q_block} must be at least {_MIN_DOT}")
-    if decode_pages_per_step is None:
-        decode_pages_per_step = max(1, 128 // block_size)
-    prefill_pages = max(1, prefill_kv_tokens_per_step // block_size)
-    exact = q.dtype == jnp.float32
+    group = num_q_heads // num_kv_heads
+    if decode_only:
+        rows = _pow2_at_least(group, _MIN_DOT)
+        requested = None if decode_pages_per_step is None else decode_pages_per_step * block_size
+    else:
+        rows, requested = q_block, prefill_kv_tokens_per_step
+    # K/V tiles are held at the wider of q's and the cache's widths (fp8 pages are widened).
+    wide = max(q.dtype, k_cache.dtype, key=lambda d: d.itemsize)
+    plan = plan_tiles(
+        "decode" if decode_only else "mixed", dtype=wide, head_dim=head_dim,
+        block_size=block_size, rows=rows, kv_tokens=requested, num_stages=num_stages,
+        smem_limit=smem_limit,
+    )  # fmt: skip
     kv_lens = kv_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32)
-    common = dict(scale=sm_scale * _LOG2E, exact=exact, num_warps=num_warps,
-                  num_stages=num_stages, interpret=interpret, window=sliding_window,
-                  soft_cap=soft_cap)  # fmt: skip
-
-    max_seqs = block_tables.shape[0]
-    n = num_seqs[0]
-    real = jnp.arange(max_seqs) < n
-    decode_only = query_start_loc[n] == n  # every real sequence has one query token
-
-    def decode(q):
-        lens = jnp.where(real, kv_lens, 0)
+    common = dict(scale=sm_scale * _LOG2E, exact=q.dtype == jnp.float32, num_warps=num_warps,
+                  num_stages=plan.num_stages, pages_per_step=plan.pages_per_step,
+                  interpret=interpret, window=sliding_window, soft_cap=soft_cap)  # fmt: skip
+    if decode_only:
+        real = jnp.arange(block_tables.shape[0]) < num_seqs[0]
+        lens = jnp.where(real, kv_lens, 0)  # padding sequences read nothing, write no row
         return _decode(
             q, k_cache, v_cache, lens, block_tables, query_start_loc,
-            pages_per_step=decode_pages_per_step, num_splits=num_kv_splits, **common,
+            num_splits=num_kv_splits, **common,
         )  # fmt: skip
-
-    def mixed(q):
-        return _mixed(
-            q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-            q_block=q_block, pages_per_step=prefill_pages, **common,
-        )  # fmt: skip
-
-    return jax.lax.cond(decode_only, decode, mixed, q)
+    return _mixed(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, q_block=q_block,
+        **common,
+    )  # fmt: skip

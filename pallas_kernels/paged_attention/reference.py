@@ -15,7 +15,8 @@ longest sequence in the batch. Which rows share a chunk's gather depends on the 
            consecutive tokens and each tile gathers the sequence's blocks once for all its
            rows (per-row gathers made a prefill step's attention 3-5x slower on CPU); tiles
            run _TILE_GROUP at a time, each group only as far as its own rows need.
-Both run in every call; a batch without one kind skips its loop (zero iterations).
+Both run in every call (a batch without one kind skips its loop: zero iterations), unless the
+caller says the batch is decode-only (`decode_only`), when only the first is traced.
 """
 
 import functools
@@ -32,7 +33,9 @@ _Q_TILE = 16  # query rows per tile (the tiled path)
 _TILE_GROUP = 4  # tiles attended together (the tiled path)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only")
+)
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_cache: jax.Array,
@@ -45,6 +48,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Causal attention of ragged queries over a paged KV cache.
 
@@ -59,6 +63,8 @@ def ragged_paged_attention_reference(
       sliding_window: each query sees only the latest this many keys (its own included), as
         HF's sliding-window mask; the keys before every row's window are not read.
       soft_cap: scores become soft_cap * tanh(score / soft_cap) (Gemma 2).
+      decode_only: the caller promises every real sequence has one query token: the path of
+        prefill chunks is left out (a sequence with more would get zeros).
 
     Returns:
       [T, Hq, D] in q's dtype; padding rows are zero.
@@ -75,7 +81,7 @@ def ragged_paged_attention_reference(
     scores = _Scores(sm_scale, sliding_window, soft_cap)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores)
     out = _decode(*args, single)
-    if num_tokens == 1:
+    if decode_only or num_tokens == 1:
         return out
     return _tiled(*args, jnp.where(single, 0, q_lens), out)
 

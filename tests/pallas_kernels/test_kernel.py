@@ -1,13 +1,16 @@
 """The Pallas ragged paged-attention kernel against the dense oracle and the jnp reference.
 
 On CPU the kernel runs in Pallas interpret mode (same kernel code, executed by XLA); the
-`gpu`-marked tests run the same sweep compiled by Triton on a real GPU. A lowering test checks,
-without a GPU, that every configuration of the sweep passes Pallas' Triton lowering (block
-sizes, supported ops) for CUDA.
+`gpu`-marked tests run the same sweep compiled by Triton on a real GPU. Lowering tests check,
+without a GPU, that every configuration of the sweep and every kernel variant (decode-only
+and mixed, fp32 and bf16, head_dim 64 to 256) passes Pallas' Triton lowering (block sizes,
+supported ops) for CUDA, each step holding the one kernel its layout asked for; the tilings
+are checked against the H100's shared memory on the host (`plan_tiles`).
 """
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +18,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import (
+from pallas_kernels.paged_attention import ragged_paged_attention_reference
+from pallas_kernels.paged_attention.kernel import (
+    HOPPER_SMEM_BYTES,
+    plan_tiles,
     ragged_paged_attention,
-    ragged_paged_attention_reference,
+    smem_bytes,
 )
 from tests.pallas_kernels.paged_cases import make_case, naive_attention
 
@@ -41,12 +47,29 @@ def _case(layout, head_dim, heads, block_size, dtype=np.float32, seed=0):
     )  # fmt: skip
 
 
-def _kernel(case, dtype=None, **kw):
+def _kernel(case, dtype=None, *, layout="mixed", **kw):
+    """The kernel on a case; layout "decode" runs the decode-only kernel (decode_only=True)."""
     args = case.args()
     if dtype is not None:
         args = tuple(jnp.asarray(a, dtype) if i < 3 else a for i, a in enumerate(args))
     scale = case.q.shape[-1] ** -0.5
-    return np.asarray(ragged_paged_attention(*args, sm_scale=scale, **kw), np.float32)
+    out = ragged_paged_attention(*args, sm_scale=scale, decode_only=layout == "decode", **kw)
+    return np.asarray(out, np.float32)
+
+
+def _lowered_for_cuda(case, dtype=jnp.bfloat16, **kw) -> str:
+    args = [jnp.asarray(a, dtype) if i < 3 else a for i, a in enumerate(case.args())]
+    f = functools.partial(ragged_paged_attention, sm_scale=case.q.shape[-1] ** -0.5, **kw)
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _kernels_in(text: str) -> list[tuple[str, int]]:
+    """(name, num_stages) of each Triton kernel a lowered step launches."""
+    return [
+        (m.group(1), int(m.group(2)))
+        for line in text.splitlines() if "__gpu$xla.gpu.triton" in line
+        for m in [re.search(r'name = "(\w+)".*?num_stages = (\d+)', line)]
+    ]  # fmt: skip
 
 
 def _check_fp32(case, out):
@@ -58,14 +81,22 @@ def _check_fp32(case, out):
 @pytest.mark.parametrize(("head_dim", "heads", "block_size"), SWEEP)
 def test_interpret_matches_oracle_fp32(layout, head_dim, heads, block_size):
     case = _case(layout, head_dim, heads, block_size, seed=head_dim + sum(heads) + block_size)
-    _check_fp32(case, _kernel(case, interpret=True))
+    _check_fp32(case, _kernel(case, layout=layout, interpret=True))
+
+
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
+def test_interpret_matches_oracle_fp32_head_dim_256(layout):
+    """fp32 at head_dim 256 runs with fewer KV tokens per step than the default (32 for the
+    decode kernel, 32 for the mixed one: shared memory), still the oracle's result."""
+    case = _case(layout, 256, (8, 2), 16, seed=7)
+    _check_fp32(case, _kernel(case, layout=layout, interpret=True))
 
 
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("heads", [(8, 2), (3, 1)])
 def test_interpret_matches_reference_bf16(layout, heads):
     case = _case(layout, 128, heads, 16, dtype=ml_dtypes.bfloat16, seed=5)
-    out = _kernel(case, jnp.bfloat16, interpret=True)
+    out = _kernel(case, jnp.bfloat16, layout=layout, interpret=True)
     args = tuple(jnp.asarray(a, jnp.bfloat16) if i < 3 else a for i, a in enumerate(case.args()))
     ref = np.asarray(ragged_paged_attention_reference(*args, sm_scale=128**-0.5), np.float32)
     np.testing.assert_allclose(out, ref, atol=2e-2)
@@ -84,32 +115,20 @@ def test_interpret_matches_reference_bf16(layout, heads):
 def test_tuning_arguments_do_not_change_the_result(tuning):
     for layout in ("mixed", "decode"):
         case = _case(layout, 64, (8, 2), 16, seed=11)
-        _check_fp32(case, _kernel(case, interpret=True, **tuning))
+        _check_fp32(case, _kernel(case, layout=layout, interpret=True, **tuning))
 
 
-def test_one_compile_serves_decode_and_mixed_batches():
-    """The path is picked at run time: same shapes, another layout, no recompile."""
-    mixed = _case("mixed", 64, (8, 2), 16, seed=1)
-    n = len(DECODE)
-    # A decode batch padded to the mixed case's shapes (same T, S, max_blocks, num_blocks).
-    decode = make_case(DECODE, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, seed=2)
-    t, s = mixed.q.shape[0], mixed.kv_lens.shape[0]
-    decode.q = np.concatenate([decode.q, np.zeros((t - n, 8, 64), np.float32)])
-    pad_blocks = mixed.k_cache.shape[0] - decode.k_cache.shape[0]
-    decode.k_cache = np.concatenate([decode.k_cache, np.ones((pad_blocks, 16, 2, 64), np.float32)])
-    decode.v_cache = np.concatenate([decode.v_cache, np.ones((pad_blocks, 16, 2, 64), np.float32)])
-    tables = np.zeros_like(mixed.block_tables)
-    tables[:n, : decode.block_tables.shape[1]] = decode.block_tables
-    decode.block_tables = tables
-    decode.kv_lens = np.concatenate([decode.kv_lens, np.zeros(s - n, np.int32)])
-    decode.query_start_loc = np.concatenate([np.arange(n + 1), np.full(s - n, n)]).astype(np.int32)
-
-    _kernel(mixed, interpret=True)
-    before = ragged_paged_attention._cache_size()
-    out = _kernel(decode, interpret=True)
-    assert ragged_paged_attention._cache_size() == before
-    np.testing.assert_allclose(out, naive_attention(decode, 0.125), atol=1e-5)
-    assert not out[n:].any()
+def test_decode_batches_run_through_either_kernel():
+    """A decode batch gives the oracle's result through the decode-only kernel and through
+    the mixed one (which takes any layout); each compiled call holds only its own kernel."""
+    case = _case("decode", 64, (8, 2), 16, seed=2)
+    want = naive_attention(case, 0.125)
+    for layout in ("decode", "mixed"):
+        out = _kernel(case, layout=layout, interpret=True)
+        np.testing.assert_allclose(out, want, atol=1e-5)
+        assert not out[-3:].any()
+        names = [n for n, _ in _kernels_in(_lowered_for_cuda(case, decode_only=layout == "decode"))]
+        assert names == [f"ragged_paged_attention_{layout}"]
 
 
 def test_rejects_shapes_the_kernel_cannot_tile():
@@ -121,14 +140,105 @@ def test_rejects_shapes_the_kernel_cannot_tile():
         _kernel(case, interpret=True)
 
 
+def test_smem_estimate_rejects_the_decode_tiling_that_failed_on_the_h100():
+    """The H100 (jax 0.11.2) refused the fp32, head_dim 128 decode kernel with 128 KV tokens
+    per step in 2 stages: `Shared memory size limit exceeded: requested 270336, available:
+    232448`. The estimate gives that figure, and the plan refuses the tiling."""
+    assert smem_bytes(rows=16, head_dim=128, kv_tokens=128, num_stages=2, itemsize=4) == 270336
+    assert HOPPER_SMEM_BYTES == 232448
+    with pytest.raises(ValueError, match=r"float32, head_dim 128 .* 270336 B, 232448 B"):
+        plan_tiles("decode", dtype=jnp.float32, head_dim=128, block_size=16, rows=16,
+                   kv_tokens=128, num_stages=2)  # fmt: skip
+
+
+# (kernel, dtype, head_dim) -> (KV tokens per step, pipeline stages) the kernel picks, at
+# block_size 16, GQA groups up to 16 (decode) and q_block 64 (mixed).
+PICKS = {
+    ("decode", "float32", 64): (128, 2),
+    ("decode", "float32", 128): (64, 2),
+    ("decode", "float32", 256): (32, 2),
+    ("decode", "bfloat16", 64): (128, 2),
+    ("decode", "bfloat16", 128): (128, 2),
+    ("decode", "bfloat16", 256): (64, 2),
+    ("mixed", "float32", 64): (64, 2),
+    ("mixed", "float32", 128): (64, 2),
+    ("mixed", "float32", 256): (32, 2),
+    ("mixed", "bfloat16", 64): (64, 2),
+    ("mixed", "bfloat16", 128): (64, 2),
+    ("mixed", "bfloat16", 256): (64, 2),
+}
+
+
+@pytest.mark.parametrize(("kernel", "dtype", "head_dim"), list(PICKS))
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_picked_tilings_fit_hopper_shared_memory(kernel, dtype, head_dim, block_size):
+    """What the kernel picks fits 232448 B, with room left for a float32 score tile
+    [rows, KV tokens] should Triton stage one through shared memory too."""
+    rows = 16 if kernel == "decode" else 64
+    plan = plan_tiles(kernel, dtype=dtype, head_dim=head_dim, block_size=block_size, rows=rows)
+    tokens = plan.pages_per_step * block_size
+    if block_size == 16:
+        assert (tokens, plan.num_stages) == PICKS[kernel, dtype, head_dim]
+    itemsize = jnp.dtype(dtype).itemsize
+    assert plan.smem_bytes == smem_bytes(rows=rows, head_dim=head_dim, kv_tokens=tokens,
+                                         num_stages=plan.num_stages, itemsize=itemsize)  # fmt: skip
+    assert plan.smem_bytes + rows * tokens * 4 <= HOPPER_SMEM_BYTES
+
+
+def test_explicit_tilings_are_kept_and_checked():
+    plan = plan_tiles("decode", dtype=jnp.bfloat16, head_dim=128, block_size=16, rows=16,
+                      kv_tokens=64, num_stages=3)  # fmt: skip
+    assert plan[:2] == (4, 3)
+    # Tokens given, stages free: the stages drop until it fits.
+    plan = plan_tiles("decode", dtype=jnp.float32, head_dim=128, block_size=16, rows=16,
+                      kv_tokens=128)  # fmt: skip
+    assert plan[:2] == (8, 1)
+    case = _case("decode", 128, (8, 2), 16)
+    with pytest.raises(ValueError, match="float32, head_dim 128"):
+        _kernel(case, layout="decode", decode_pages_per_step=8, num_stages=2, interpret=True)
+
+
+def test_rejects_shapes_no_tiling_fits():
+    """fp32 head_dim 256 in 256-token pages: one page of K and V alone is over the limit."""
+    with pytest.raises(ValueError, match=r"float32, head_dim 256 .* 540672 B, 232448 B"):
+        plan_tiles("decode", dtype=jnp.float32, head_dim=256, block_size=256, rows=16)
+    spec = jax.ShapeDtypeStruct
+    i32 = jnp.int32
+    args = (
+        spec((4, 8, 256), jnp.float32), spec((8, 256, 2, 256), jnp.float32),
+        spec((8, 256, 2, 256), jnp.float32), spec((4,), i32), spec((4, 2), i32),
+        spec((5,), i32), spec((1,), i32),
+    )  # fmt: skip
+    for decode_only in (True, False):
+        f = functools.partial(ragged_paged_attention, sm_scale=0.1, decode_only=decode_only)
+        with pytest.raises(ValueError, match="float32, head_dim 256"):
+            jax.eval_shape(f, *args)
+
+
 @pytest.mark.parametrize(("head_dim", "heads", "block_size"), SWEEP)
 def test_lowers_to_triton_for_cuda(head_dim, heads, block_size):
-    """Without a GPU: both kernels pass Pallas' Triton lowering (power-of-two tensors, ops)."""
+    """Without a GPU: each kernel passes Pallas' Triton lowering (power-of-two tensors, ops),
+    one kernel per compiled call."""
     case = _case("mixed", head_dim, heads, block_size)
-    args = [jnp.asarray(a, jnp.bfloat16) if i < 3 else a for i, a in enumerate(case.args())]
-    f = functools.partial(ragged_paged_attention, sm_scale=head_dim**-0.5)
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2  # the decode and the mixed kernel
+    for layout in ("decode", "mixed"):
+        text = _lowered_for_cuda(case, decode_only=layout == "decode")
+        assert [n for n, _ in _kernels_in(text)] == [f"ragged_paged_attention_{layout}"]
+
+
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_every_variant_lowers_to_triton_for_cuda_within_shared_memory(layout, dtype, head_dim):
+    """Every kernel variant the runner compiles lowers for CUDA with the stages its tiling
+    plan chose, and that plan fits the H100's shared memory."""
+    case = _case(layout, head_dim, (8, 2), 16)
+    decode = layout == "decode"
+    plan = plan_tiles(
+        layout, dtype=dtype, head_dim=head_dim, block_size=16, rows=16 if decode else 64
+    )
+    assert plan.smem_bytes <= HOPPER_SMEM_BYTES
+    text = _lowered_for_cuda(case, dtype, decode_only=decode)
+    assert _kernels_in(text) == [(f"ragged_paged_attention_{layout}", plan.num_stages)]
 
 
 @pytest.mark.gpu
@@ -136,9 +246,9 @@ def test_lowers_to_triton_for_cuda(head_dim, heads, block_size):
 @pytest.mark.parametrize(("head_dim", "heads", "block_size"), SWEEP)
 def test_gpu_matches_oracle(layout, head_dim, heads, block_size):
     case = _case(layout, head_dim, heads, block_size, seed=head_dim + sum(heads) + block_size)
-    _check_fp32(case, _kernel(case))
+    _check_fp32(case, _kernel(case, layout=layout))
     bf16 = _case(layout, head_dim, heads, block_size, dtype=ml_dtypes.bfloat16, seed=3)
-    out = _kernel(bf16, jnp.bfloat16)
+    out = _kernel(bf16, jnp.bfloat16, layout=layout)
     np.testing.assert_allclose(out, naive_attention(bf16, head_dim**-0.5), atol=2e-2)
 
 
@@ -153,7 +263,7 @@ def test_sliding_window_and_soft_cap_match_the_oracle(layout, window, soft_cap, 
     small enough to change every score."""
     case = _case(layout, 64, (8, 2), 16, seed=window or 3)
     kw = dict(sliding_window=window, soft_cap=soft_cap)
-    out = _kernel(case, interpret=True, **kw, **tuning)
+    out = _kernel(case, layout=layout, interpret=True, **kw, **tuning)
     np.testing.assert_allclose(out, naive_attention(case, 0.125, window, soft_cap), atol=1e-5)
     ref = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, **kw)
     np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5)
@@ -161,10 +271,9 @@ def test_sliding_window_and_soft_cap_match_the_oracle(layout, window, soft_cap, 
 
 def test_window_and_soft_cap_lower_to_triton_for_cuda():
     case = _case("mixed", 64, (8, 2), 16)
-    args = [jnp.asarray(a, jnp.bfloat16) if i < 3 else a for i, a in enumerate(case.args())]
-    f = functools.partial(ragged_paged_attention, sm_scale=0.125, sliding_window=20, soft_cap=50.0)
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    for decode_only in (True, False):
+        text = _lowered_for_cuda(case, sliding_window=20, soft_cap=50.0, decode_only=decode_only)
+        assert len(_kernels_in(text)) == 1
 
 
 def _fp8_case(layout, dtype=ml_dtypes.float8_e4m3fn):
@@ -181,7 +290,7 @@ def test_fp8_cache_matches_the_oracle_on_its_values(layout, dtype):
     reference give the oracle's attention over the fp8 values themselves."""
     case = _fp8_case(layout, dtype)
     want = naive_attention(case, 0.125)  # the oracle reads the fp8 values exactly
-    np.testing.assert_allclose(_kernel(case, interpret=True), want, atol=1e-5)
+    np.testing.assert_allclose(_kernel(case, layout=layout, interpret=True), want, atol=1e-5)
     ref = ragged_paged_attention_reference(*case.args(), sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(ref), want, atol=1e-5)
 
@@ -190,13 +299,16 @@ def test_fp8_cache_lowers_to_triton_for_cuda():
     case = _fp8_case("mixed")
     args = [jnp.asarray(a) for a in case.args()]
     args[0] = args[0].astype(jnp.bfloat16)
-    f = functools.partial(ragged_paged_attention, sm_scale=0.125)
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    for decode_only in (True, False):
+        f = functools.partial(ragged_paged_attention, sm_scale=0.125, decode_only=decode_only)
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert len(_kernels_in(text)) == 1
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 def test_gpu_fp8_cache_matches_the_oracle(layout):
     case = _fp8_case(layout)
-    np.testing.assert_allclose(_kernel(case), naive_attention(case, 0.125), atol=1e-4)
+    np.testing.assert_allclose(
+        _kernel(case, layout=layout), naive_attention(case, 0.125), atol=1e-4
+    )

@@ -1,7 +1,9 @@
 """ragged_paged_attention_reference against a dense per-sequence oracle."""
 
+import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -49,6 +51,22 @@ def test_decode_and_long_prefill_layouts_match_the_oracle(layout):
     out = _run(case, 0.125)
     np.testing.assert_allclose(out, naive_attention(case, 0.125), atol=1e-5, rtol=0)
     assert not out[-3:].any()
+
+
+def test_decode_only_runs_the_decode_path_alone():
+    """decode_only=True (the draft model's proposal steps): the same result on a decode batch,
+    with the prefill path left out of the program."""
+    case = make_case(
+        DECODE, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, pad_tokens=3,
+        pad_seqs=2, seed=3,
+    )  # fmt: skip
+    out = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, decode_only=True)
+    np.testing.assert_allclose(np.asarray(out), naive_attention(case, 0.125), atol=1e-5, rtol=0)
+    assert not np.asarray(out)[-3:].any()
+    f = functools.partial(ragged_paged_attention_reference, sm_scale=0.125)
+    loops = [jax.jit(f, static_argnames="decode_only").lower(*case.args(), decode_only=d)
+             .as_text().count("stablehlo.while") for d in (True, False)]  # fmt: skip
+    assert loops[0] < loops[1]
 
 
 def test_matches_dense_oracle_bf16():

@@ -1,6 +1,7 @@
 """The model runner with attention_backend='pallas': the kernel (interpreted on CPU) inside
 the real compiled step gives the jnp reference's tokens, with and without tensor parallelism
-(tp 4 > 2 KV heads: each device holds a copy of the KV head its query heads use)."""
+(tp 4 > 2 KV heads: each device holds a copy of the KV head its query heads use). Decode-only
+steps run their own forward, which holds the decode kernel alone; the others the mixed one."""
 
 import jax
 import pytest
@@ -59,8 +60,21 @@ def test_pallas_backend_gives_the_reference_tokens(model_dir, reference, tp):
     runner = _runner(llm)
     modules = [m for _, m in nnx.iter_graph(runner.model)]
     assert {m.backend for m in modules if isinstance(m, Attention)} == {"pallas"}
+    # Token buckets 1..16; a decode step has at most max_num_seqs = 4 tokens.
+    forwards = {key[1:]: c for key, c in runner._compiled.items() if key[0] == "forward"}
+    assert sorted(forwards) == [(1, True), (2, False), (2, True), (4, False), (4, True),
+                                (8, False), (16, False)]  # fmt: skip
+    for (t, decode_only), c in forwards.items():
+        text = c.as_text()
+        kernel, other = ("decode", "mixed") if decode_only else ("mixed", "decode")
+        assert f"ragged_paged_attention_{kernel}" in text, t
+        assert f"ragged_paged_attention_{other}" not in text, t
+    used = set()
+    executable = runner._executable
+    runner._executable = lambda *key: used.add(key) or executable(*key)
     compiled = num_compilations()
     got = llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)  # 2nd round: prefix-cache hits
+    assert {key[2] for key in used if key[0] == "forward"} == {True, False}
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
     for g, w in zip(got, reference, strict=True):
         assert g.outputs[0].cumulative_logprob == pytest.approx(

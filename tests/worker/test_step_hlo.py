@@ -116,13 +116,14 @@ def runner(request, tmp_path_factory):
 def test_forward_reads_weights_and_kv_cache_in_place(runner):
     table = runner.model.embed_tokens.embedding[...]
     lookup = f"params[{next(i for i, p in enumerate(runner.params) if p is table)}]"
-    for t in runner.token_buckets:
-        text = runner._compiled["forward", t].as_text()
+    forwards = {key: c for key, c in runner._compiled.items() if key[0] == "forward"}
+    assert sorted(forwards) == [("forward", t, False) for t in runner.token_buckets]
+    for key, compiled in forwards.items():
         found = copies_of(
-            text, lambda name: name.startswith(("params[", "kv_caches[")),
+            compiled.as_text(), lambda name: name.startswith(("params[", "kv_caches[")),
             lambda name: name == lookup or name.startswith("kv_caches["),
         )  # fmt: skip
-        assert found == [], f"forward at {t} tokens"
+        assert found == [], key
 
 
 def test_sampling_reads_the_lm_head_in_place(runner):
