@@ -21,7 +21,9 @@ from jaxserve.config import (
     SpeculativeConfig,
 )
 from jaxserve.layers.attention import ATTENTION_BACKENDS
+from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.loader import read_model_config, resolve_model_path
+from jaxserve.models.registry import get_model_class
 from pallas_kernels.paged_attention import pallas_unavailable_message
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
@@ -145,7 +147,7 @@ class EngineArgs:
         """The parsed speculative config; a draft model's path resolved and its vocabulary
         checked against the target's."""
         spec = SpeculativeConfig.parse(self.speculative_config)
-        if spec.method != "draft_model":
+        if spec.method == "ngram":
             return spec
         path = resolve_model_path(spec.model, "auto")
         draft = read_model_config(path, self.dtype, None)
@@ -154,6 +156,17 @@ class EngineArgs:
                 f"speculative_config model {spec.model!r} has a vocabulary of "
                 f"{draft.vocab_size} tokens; the target's has {target.vocab_size}"
             )
+        if spec.method == "eagle":
+            if get_model_class(target.architecture) is not LlamaForCausalLM:
+                raise ValueError(
+                    f"speculative_config method eagle needs a Llama-family target (Llama, "
+                    f"Mistral, Qwen2/3); {target.architecture} is not one"
+                )
+            if draft.hidden_size != target.hidden_size:
+                raise ValueError(
+                    f"speculative_config model {spec.model!r}: the EAGLE head's hidden_size "
+                    f"{draft.hidden_size} is not the target's {target.hidden_size}"
+                )
         return dataclasses.replace(spec, model=str(path))
 
     def _pooler(self, path: Path) -> PoolerConfig | None:

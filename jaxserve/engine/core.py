@@ -57,10 +57,12 @@ class EngineCore:
             f" ({config.model.quantization} linear kernels)" if config.model.quantization else "",
         )  # fmt: skip
         draft = None
-        if config.speculative is not None and config.speculative.method == "draft_model":
+        spec_method = config.speculative.method if config.speculative is not None else None
+        if spec_method in ("draft_model", "eagle"):
             draft = load_model(
                 config.speculative.model, dtype=config.model.dtype, mesh=loaded.mesh,
                 load_tokenizer=False,
+                architecture="EagleLlamaForCausalLM" if spec_method == "eagle" else None,
             )  # fmt: skip
         self.runner = ModelRunner(loaded, config, draft)
         # Size the KV cache from what the weights left (compiling needs its shape); the
@@ -77,7 +79,7 @@ class EngineCore:
             speculative=config.speculative is not None,
             num_lookahead_tokens=(
                 config.speculative.num_speculative_tokens
-                if config.speculative is not None and config.speculative.method == "draft_model"
+                if spec_method in ("draft_model", "eagle")
                 else 0
             ),
             # On CPU a step is compute-bound past a few tokens: drafts fill the step up to

@@ -130,11 +130,14 @@ def load_model(
     load_format: str = "auto",
     quantization: str | None = None,
     enable_expert_parallel: bool = False,
+    architecture: str | None = None,
 ) -> LoadedModel:
     """Load `model` (see the module docstring) onto `mesh` (default: tp over local devices);
     load_format "dummy": random weights generated on the devices instead of read ones;
     quantization "int8" / "fp8": the decoder layers' linear kernels quantized as they load;
-    enable_expert_parallel: a mixture of experts' experts split over the mesh."""
+    enable_expert_parallel: a mixture of experts' experts split over the mesh;
+    architecture: the model class to build instead of the config's (an EAGLE head's config
+    names a plain Llama)."""
     path = resolve_model_path(model, load_format)
     dummy = load_format == "dummy"
     if path.is_file():
@@ -146,6 +149,8 @@ def load_model(
         source = None if is_checkpoint or dummy else SafetensorsSource(path)
 
     config = ModelConfig.from_hf(hf_config, dtype, quantization)
+    if architecture is not None:
+        config = dataclasses.replace(config, architecture=architecture)
     if enable_expert_parallel:
         if not config.num_experts:
             raise ValueError(f"enable_expert_parallel: {config.architecture} has no experts")

@@ -1,5 +1,6 @@
 """HF `architectures` name -> model class."""
 
+from jaxserve.models.eagle import EagleLlamaForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
@@ -16,6 +17,7 @@ _MODELS = {
     "Gemma3ForCausalLM": GemmaForCausalLM,  # text only
     "MixtralForCausalLM": MixtralForCausalLM,  # mixture of experts
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # + q/k norms, some dense layers
+    "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
 }
 
 

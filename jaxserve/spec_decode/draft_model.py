@@ -119,12 +119,12 @@ class DraftModelProposer:
         self._compiled = compiled
 
     # ------------------------------------------------------------------ a serving step
-    def mirror(self, t: int, inputs: ForwardInputs) -> None:
+    def mirror(self, t: int, inputs: ForwardInputs, step=None) -> None:
         """The target's forward inputs at token bucket t (decode-only or not, as the target's)."""
         mirror = self._compiled["draft_mirror", t, inputs.attn.decode_only]
         self.kv_caches = mirror(self.params, self.kv_caches, inputs)
 
-    def propose_rows(self, ib: InputBatch, rows: np.ndarray) -> list[list[int]]:
+    def propose_rows(self, ib: InputBatch, rows: np.ndarray, sample_rows=None) -> list[list[int]]:
         """Greedy drafts of the input batch's `rows` (each after its latest token): one
         compiled loop of k one-token steps, and this step's second host sync."""
         n = len(rows)

@@ -18,7 +18,7 @@ class NgramProposer:
 
     needs_kv_cache = False
 
-    def propose_rows(self, ib, rows: np.ndarray) -> list[list[int]]:
+    def propose_rows(self, ib, rows: np.ndarray, sample_rows=None) -> list[list[int]]:
         """Drafts for the InputBatch's `rows`, each from its own tokens."""
         return [self.propose(ib.token_ids[r, : ib.num_tokens[r]]) for r in rows]
 

@@ -70,7 +70,7 @@ from jaxserve.layers.sampler import (
 )
 from jaxserve.models.llama import lm_logits
 from jaxserve.models.loader import LoadedModel
-from jaxserve.spec_decode import DraftModelProposer, NgramProposer
+from jaxserve.spec_decode import DraftModelProposer, EagleProposer, NgramProposer, StepRows
 from jaxserve.spec_decode.backoff import DraftBackoff
 from jaxserve.structured_output import bitmask_words
 from jaxserve.worker.input_batch import InputBatch
@@ -173,17 +173,22 @@ class ModelRunner:
         self.max_sample_rows = self.max_num_seqs  # one per request, plus one per draft token
         if spec is not None:
             k = spec.num_speculative_tokens
-            if spec.method == "ngram":
-                self.drafter = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            else:
-                self.drafter = DraftModelProposer(
-                    draft, k, engine_config.attention_backend, self._kv_sharding,
-                    self.block_size, self.seq_buckets,
-                )  # fmt: skip
             self.max_sample_rows = min(
                 self.max_num_seqs * (1 + k),
                 max(self.max_num_seqs, scheduler_config.max_num_batched_tokens),
             )
+            backend = engine_config.attention_backend
+            if spec.method == "ngram":
+                self.drafter = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            elif spec.method == "eagle":
+                self.drafter = EagleProposer(
+                    draft, loaded.model, k, backend, self._kv_sharding, self.block_size,
+                    self.seq_buckets, self.max_sample_rows,
+                )  # fmt: skip
+            else:
+                self.drafter = DraftModelProposer(
+                    draft, k, backend, self._kv_sharding, self.block_size, self.seq_buckets
+                )
         self.sample_buckets = power_of_two_buckets(MIN_SEQ_BUCKET, self.max_sample_rows)
         if spec is not None:  # one request's decode with k drafts fills its buckets exactly
             width = 1 + spec.num_speculative_tokens
@@ -549,7 +554,11 @@ class ModelRunner:
             self.params, self.kv_caches, self.last_tokens, forward_inputs
         )
         if self.drafter is not None and self.drafter.needs_kv_cache:
-            self.drafter.mirror(t, forward_inputs)  # the draft's cache follows the target's
+            # The draft's cache follows the target's (an EAGLE head's from its hidden states).
+            last_pos = positions[qsl[1 : num_reqs + 1] - 1]
+            self.drafter.mirror(t, forward_inputs, StepRows(
+                req_ids, hidden, last_hidden, first_row, last_pos - n_rows + 1, n_rows,
+            ))  # fmt: skip
         pooled = None
         if self.pooler is not None:  # each request's sum, first and last hidden state
             seq_of_token = np.full(t, self.max_num_seqs, np.int32)  # padding: dropped
@@ -643,7 +652,7 @@ class ModelRunner:
             result.logprobs, result.logprob_token_ids = lp[final_row], lp_ids[final_row]
             result.sampled_ranks = ranks[final_row]
         if self.drafter is not None:
-            result.spec_token_ids = self._propose(p)
+            result.spec_token_ids = self._propose(p, final_row)
         return result
 
     def _accept_drafts(self, p: PendingStep, row_ids: np.ndarray) -> tuple[np.ndarray, dict]:
@@ -668,9 +677,10 @@ class ModelRunner:
                 ib.num_tokens[row] = n + 1
         return final_row, num_accepted
 
-    def _propose(self, p: PendingStep) -> dict[str, list[int]]:
+    def _propose(self, p: PendingStep, final_row: np.ndarray) -> dict[str, list[int]]:
         """The next drafts of the step's requests that sampled a token and may be drafted
-        (as many as fit before max_model_len with the token sampled after them)."""
+        (as many as fit before max_model_len with the token sampled after them); final_row:
+        each request's sampling row whose sample it kept."""
         ib = self.input_batch
         chosen = [
             i for i in np.flatnonzero(p.sampled)
@@ -679,7 +689,8 @@ class ModelRunner:
         ]  # fmt: skip
         rows = p.rows[chosen]
         out = {}
-        for i, row, drafts in zip(chosen, rows, self.drafter.propose_rows(ib, rows), strict=True):
+        proposed = self.drafter.propose_rows(ib, rows, final_row[chosen])
+        for i, row, drafts in zip(chosen, rows, proposed, strict=True):
             drafts = drafts[: self.max_model_len - int(ib.num_tokens[row]) - 1]
             if drafts:
                 out[p.req_ids[i]] = drafts

@@ -1,0 +1,211 @@
+"""EAGLE-1 drafting: a one-layer head drafts from the target's own hidden states.
+
+The head's KV cache entry at position p holds [embedding of x_{p+1} ; f_p], f_p the target's
+final hidden state at p (models/eagle.py), in the target's block layout like a draft model's
+(spec_decode/draft_model.py). Every target forward is mirrored: token i of the step (at
+position p_i) writes the entry at p_i - 1, pairing itself with the hidden state before it: the
+previous token's of the same forward, or, for the first token of a request's tokens in the step,
+one of the previous step's sampling rows (every request has one at its last token, plus one per
+draft). Where that position was not a row of the previous step (a prompt resumed after a
+prefix-cache hit or a preemption) the entry is skipped: drafts may then be worse, output never
+changes. Once a step's drafts are verified, `propose_rows` writes the entry of the kept token
+x' at P - 1 with the target's hidden state of the row that sampled it, and continues k - 1
+more one-token steps, each feeding the head's own output as the next feature; every draft is
+the argmax of the target's LM head on the head's output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.models.llama import lm_logits
+from jaxserve.models.loader import LoadedModel
+from jaxserve.spec_decode.draft_model import DraftModelProposer
+
+if TYPE_CHECKING:
+    from jaxserve.worker.input_batch import InputBatch
+    from jaxserve.worker.model_runner import ForwardInputs
+
+
+class StepRows(NamedTuple):
+    """What a dispatched target forward leaves for drafting: its hidden states and, per
+    request, which sampling rows hold which positions."""
+
+    req_ids: list[str]
+    hidden: jax.Array  # [T, D] every token's final hidden state
+    rows_hidden: jax.Array  # [R, D] the sampling rows' (forward's last_hidden)
+    first_row: np.ndarray  # i32[num_reqs] each request's first sampling row
+    first_row_pos: np.ndarray  # i32[num_reqs] the position that row's hidden state is at
+    num_rows: np.ndarray  # i32[num_reqs] its rows (1 + its drafts), consecutive positions
+
+    def rows_by_request(self) -> dict[str, tuple[int, int, int]]:
+        return {
+            r: (int(f), int(p), int(n))
+            for r, f, p, n in zip(
+                self.req_ids, self.first_row, self.first_row_pos, self.num_rows, strict=True
+            )  # fmt: skip
+        }
+
+
+class EagleProposer(DraftModelProposer):
+    def __init__(
+        self, head: LoadedModel, target, k: int, attention_backend: str, kv_sharding,
+        block_size: int, seq_buckets: list[int], max_sample_rows: int,
+    ):  # fmt: skip
+        """head: the loaded EAGLE head; target: the target model (its embedding and LM head
+        are shared, as vLLM shares them)."""
+        super().__init__(head, k, attention_backend, kv_sharding, block_size, seq_buckets)
+        self.embedding = target.embed_tokens.embedding[...]  # [V, D]
+        self.lm_head = target.logits_head
+        self.tied = target.config.tie_word_embeddings
+        self.soft_cap = target.config.final_logit_softcapping
+        self.max_sample_rows = max_sample_rows
+        rep = self._replicated = NamedSharding(self.mesh, P())
+        self._no_rows = jax.device_put(
+            np.zeros((max_sample_rows, self.config.hidden_size), self.embedding.dtype), rep
+        )
+        self._mirror = jax.jit(self._mirror_fn, donate_argnums=(1,), out_shardings=kv_sharding)
+        self._propose = jax.jit(
+            self._propose_fn, donate_argnums=(1,), out_shardings=(rep, kv_sharding)
+        )
+        self._rows = None  # the latest step's sampling rows: (hidden [R, D], {req_id: ...})
+
+    # ------------------------------------------------------------------ compiled
+    def _mirror_fn(self, params, kv_caches, embedding, hidden, prev_rows, ids, positions,
+                   feature_idx, md: AttentionMetadata):  # fmt: skip
+        """ids, positions: i32[T] each entry's token and position; feature_idx: i32[T] into
+        [this step's hidden [T, D] ; the previous step's sampling rows [R, D]]."""
+        features = jnp.concatenate([hidden, prev_rows])[feature_idx]
+        _, kv_caches = self._model(params)(embedding[ids], features, positions, kv_caches, md)
+        return kv_caches
+
+    def _propose_fn(self, params, kv_caches, embedding, lm_head, rows_hidden, tokens, positions,
+                    feature_rows, block_tables, slots, num_seqs):  # fmt: skip
+        """tokens: i32[S] each request's kept token x'; positions: i32[S] its position - 1;
+        feature_rows: i32[S] the sampling row (of rows_hidden [R, D]) that sampled it; slots:
+        i32[k, S] -> (drafts i32[S, k], kv_caches)."""
+        model = self._model(params)
+        s = tokens.shape[0]
+        qsl = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), num_seqs[0])
+
+        def one(carry, xs):
+            tokens, features, kv_caches = carry
+            j, slot = xs
+            kv_lens = jnp.where(jnp.arange(s) < num_seqs[0], positions + j + 1, 0)
+            md = AttentionMetadata(slot, block_tables, kv_lens, qsl, num_seqs, decode_only=True)
+            h, kv_caches = model(embedding[tokens], features, positions + j, kv_caches, md)
+            logits = lm_logits(h, lm_head, tied=self.tied, soft_cap=self.soft_cap)
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (nxt, h, kv_caches), nxt
+
+        carry = (tokens, rows_hidden[feature_rows], kv_caches)
+        (_, _, kv_caches), drafts = lax.scan(
+            one, carry, (jnp.arange(self.k, dtype=jnp.int32), slots)
+        )
+        return drafts.T, kv_caches
+
+    # ------------------------------------------------------------------ start-up
+    def lower_all(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
+        lowered = {}
+        d = self.config.hidden_size
+        dtype = self.embedding.dtype
+        rep = self._replicated
+        rows = jax.ShapeDtypeStruct((self.max_sample_rows, d), dtype, sharding=rep)
+        for (t, decode_only), inputs in padding_forwards.items():
+            hidden = jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)
+            lowered["draft_mirror", t, decode_only] = self._mirror.lower(
+                self.params, self.kv_caches, self.embedding, hidden, rows, inputs.input_ids,
+                inputs.positions, inputs.input_ids, inputs.attn,
+            )  # fmt: skip
+        for s in seq_buckets:
+            zeros = np.zeros(s, np.int32)
+            lowered["draft_propose", s] = self._propose.lower(
+                self.params, self.kv_caches, self.embedding, self.lm_head, rows, zeros, zeros,
+                zeros, np.zeros((s, max_blocks), np.int32), np.full((self.k, s), -1, np.int32),
+                np.zeros(1, np.int32),
+            )  # fmt: skip
+        return lowered
+
+    # ------------------------------------------------------------------ a serving step
+    def mirror(self, t: int, inputs: ForwardInputs, step: StepRows) -> None:
+        """Write the head's entries for the target forward at token bucket t."""
+        md = inputs.attn
+        num_seqs = int(md.num_seqs[0])
+        qsl = np.asarray(md.query_start_loc)
+        positions = np.asarray(inputs.positions)
+        slots = np.asarray(md.slot_mapping)
+        n = int(qsl[num_seqs])
+        first = np.zeros(t, bool)
+        first[qsl[:num_seqs]] = True
+        # Entry of token i at p_i - 1: the previous token's slot and hidden state, or, for a
+        # request's first token, the previous step's sampling row at p_i - 1 (if it had one).
+        entry_slots = np.full(t, -1, np.int32)
+        entry_slots[1:n] = slots[: n - 1]
+        feature_idx = np.zeros(t, np.int32)
+        feature_idx[1:n] = np.arange(n - 1)
+        prev_hidden, prev = self._rows if self._rows is not None else (None, {})
+        for i, req_id in enumerate(step.req_ids):
+            q, pos = int(qsl[i]), int(positions[qsl[i]]) - 1
+            entry_slots[q] = -1
+            row = _row_at(prev.get(req_id), pos)
+            if pos >= 0 and row is not None:
+                feature_idx[q] = t + row
+                table = md.block_tables[i]
+                entry_slots[q] = table[pos // self.block_size] * self.block_size + (
+                    pos % self.block_size
+                )
+        if prev_hidden is None:
+            prev_hidden = self._no_rows
+        entry_md = md._replace(
+            slot_mapping=entry_slots,
+            kv_lens=np.maximum(np.asarray(md.kv_lens) - 1, 0),
+        )
+        self.kv_caches = self._compiled["draft_mirror", t, md.decode_only](
+            self.params, self.kv_caches, self.embedding, step.hidden, prev_hidden,
+            np.asarray(inputs.input_ids).clip(0), np.maximum(positions - 1, 0), feature_idx,
+            entry_md,
+        )  # fmt: skip
+        self._rows = (step.rows_hidden, step.rows_by_request())
+
+    def propose_rows(
+        self, ib: InputBatch, rows: np.ndarray, sample_rows: np.ndarray
+    ) -> list[list[int]]:
+        """Greedy drafts of the input batch's `rows`; sample_rows: the sampling row that
+        sampled each one's latest token, in the step just verified."""
+        n = len(rows)
+        if not n:
+            return []
+        s = next(b for b in self.seq_buckets if b >= n)
+        positions = ib.num_tokens[rows] - 2  # the kept token's entry: one before it
+        tokens = ib.token_ids[rows, positions + 1]
+        block_tables = ib.block_table[rows]
+        pos = positions[None, :] + np.arange(self.k, dtype=np.int32)[:, None]  # [k, n]
+        bs = self.block_size
+        block = np.minimum(pos // bs, block_tables.shape[1] - 1)
+        ids = np.take_along_axis(block_tables.T, block, axis=0)
+        slots = np.where(pos // bs < ib.num_blocks[rows][None, :], ids * bs + pos % bs, -1)
+        pad = (0, s - n)
+        drafts, self.kv_caches = self._compiled["draft_propose", s](
+            self.params, self.kv_caches, self.embedding, self.lm_head, self._rows[0],
+            np.pad(tokens, pad), np.pad(positions, pad), np.pad(sample_rows, pad),
+            np.pad(block_tables, (pad, (0, 0))), np.pad(slots, ((0, 0), pad), constant_values=-1),
+            np.array([n], np.int32),
+        )  # fmt: skip
+        return np.asarray(drafts)[:n].tolist()
+
+
+def _row_at(rows: tuple[int, int, int] | None, pos: int) -> int | None:
+    """rows: a request's (first sampling row, its position, number of rows) in a step -> the
+    row holding the hidden state at `pos`, if one does."""
+    if rows is None:
+        return None
+    first, first_pos, count = rows
+    return first + pos - first_pos if 0 <= pos - first_pos < count else None
