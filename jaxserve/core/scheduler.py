@@ -311,13 +311,18 @@ class Scheduler:
     def num_waiting_for_grammar(self) -> int:
         return sum(r.status == RequestStatus.WAITING_FOR_FSM for r in self.waiting)
 
-    def grammar_bitmask(self, req_ids: list[str], sampled_req_ids: set[str], num_rows: int):
-        """The step's token bitmask, i32[num_rows, ceil(V/32)], or None when no request whose
-        token the step keeps is constrained (see StructuredOutputManager.grammar_bitmask)."""
+    def grammar_bitmask(
+        self, req_ids: list[str], sampled_req_ids: set[str], first_rows, drafts, num_rows: int
+    ):
+        """The step's token bitmask, i32[num_rows, ceil(V/32)] (one row per sampling row: a
+        request's first_rows[i], then one per draft), or None when no request whose token the
+        step keeps is constrained (see StructuredOutputManager.grammar_bitmask)."""
         if self.structured_output_manager is None:
             return None
         requests = [self.requests.get(r) if r in sampled_req_ids else None for r in req_ids]
-        return self.structured_output_manager.grammar_bitmask(requests, num_rows)
+        return self.structured_output_manager.grammar_bitmask(
+            requests, first_rows, drafts, num_rows
+        )
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []
@@ -403,15 +408,22 @@ class Scheduler:
                     del new_tokens[i + 1 :]  # drafts accepted past a stop are not output
                     break
             if request.status == RequestStatus.RUNNING:
-                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
+                drafts = runner_output.spec_token_ids.get(req_id, [])
+                if self.structured_output_manager is not None:  # only what its grammar allows
+                    drafts = self.structured_output_manager.valid_drafts(request, drafts)
+                request.spec_token_ids = drafts
             logprobs = None
             if request.sampling_params.logprobs is not None:
-                k = request.sampling_params.logprobs + 1
-                logprobs = (
-                    runner_output.logprobs[row, :k].tolist(),
-                    runner_output.logprob_token_ids[row, :k].tolist(),
-                    int(runner_output.sampled_ranks[row]),
-                )
+                k, first = request.sampling_params.logprobs + 1, runner_output.first_row[row]
+                rows = range(first, first + len(new_tokens))  # accepted drafts', then sampled
+                logprobs = [
+                    (
+                        runner_output.logprobs[r, :k].tolist(),
+                        runner_output.logprob_token_ids[r, :k].tolist(),
+                        int(runner_output.sampled_ranks[r]),
+                    )
+                    for r in rows
+                ]
             prompt_logprobs = None
             if request.sampling_params.prompt_logprobs is not None and (
                 request.num_output_tokens == 1  # sent with the first token, once

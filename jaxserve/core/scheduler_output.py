@@ -72,9 +72,12 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # The token sampled after each request's accepted drafts (its only token without drafts).
     sampled_token_ids: np.ndarray  # i32[num_reqs]
-    logprobs: np.ndarray | None = None  # f32[num_reqs, K+1]: the sampled token, then top-K
-    logprob_token_ids: np.ndarray | None = None  # i32[num_reqs, K+1]
-    sampled_ranks: np.ndarray | None = None  # i32[num_reqs]
+    # Per sampling row (a request's rows start at first_row: one, plus one per draft; an
+    # accepted draft's row holds that draft's logprobs): the sampled token, then top-K.
+    logprobs: np.ndarray | None = None  # f32[num_rows, K+1]
+    logprob_token_ids: np.ndarray | None = None  # i32[num_rows, K+1]
+    sampled_ranks: np.ndarray | None = None  # i32[num_rows]
+    first_row: np.ndarray | None = None  # i32[num_reqs], with the logprob arrays
     # Requests that asked for prompt_logprobs and ran prompt positions this step.
     prompt_logprobs: dict[str, PromptLogprobs] = dataclasses.field(default_factory=dict)
     # A pooling runner's f32[D] per request whose prompt ended this step.

@@ -145,9 +145,11 @@ class EngineCore:
         bitmask: every step before it is processed, so its grammars are up to date."""
         if self.in_flight and self.in_flight[0][1].fetch is None:
             so, pending = self.in_flight[0]
+            drafts = pending.drafts or [[] for _ in pending.req_ids]
             bitmask = self.scheduler.grammar_bitmask(
-                pending.req_ids, so.sampled_req_ids, len(pending.req_ids)
-            )
+                pending.req_ids, so.sampled_req_ids, pending.first_row, drafts,
+                len(pending.req_ids) + sum(map(len, drafts)),
+            )  # fmt: skip
             self.in_flight[0] = (so, self.runner.dispatch_sample(pending, bitmask))
 
     def _outputs_outside_steps(self, dispatched: bool) -> EngineCoreOutputs | None:

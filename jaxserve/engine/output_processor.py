@@ -159,8 +159,9 @@ class OutputProcessor:
             state.metrics.last_token_time = now
             child.token_ids += out.new_token_ids
             if out.logprobs is not None and child.logprobs is not None:
-                child.logprobs.append(self._position(*out.logprobs))
-                child.cumulative_logprob += out.logprobs[0][0]
+                for position in out.logprobs:
+                    child.logprobs.append(self._position(*position))
+                    child.cumulative_logprob += position[0][0]
             if out.pooled is not None:
                 state.pooled = out.pooled
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
@@ -175,6 +176,10 @@ class OutputProcessor:
                 unread = len(out.new_token_ids) - child.detokenizer.num_consumed
                 if unread:  # accepted drafts past a stop string are not output
                     del child.token_ids[-unread:]
+                    if out.logprobs is not None and child.logprobs is not None:
+                        for position in child.logprobs[-unread:]:  # the chosen token first
+                            child.cumulative_logprob -= next(iter(position.values())).logprob
+                        del child.logprobs[-unread:]
                 if stop is not None and out.finish_reason is None:
                     child.finish_reason, child.stop_reason = "stop", stop
                     to_abort.append(out.request_id)

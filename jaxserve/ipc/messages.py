@@ -30,8 +30,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id (stop strings: frontend)
-    # (logprobs [K+1], token ids [K+1], sampled rank): the sampled token first, then top-K.
-    logprobs: tuple[list[float], list[int], int] | None = None
+    # Per new token (accepted drafts make several): (logprobs [K+1], token ids [K+1], sampled
+    # rank), the sampled token first, then the top-K.
+    logprobs: list[tuple[list[float], list[int], int]] | None = None
     # With the first token only: prompt positions 1.. as (f32[P-1, K+1] logprobs, i32[P-1, K+1]
     # token ids, i32[P-1] ranks), each row the prompt token first, then the top-K.
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None

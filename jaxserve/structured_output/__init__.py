@@ -127,12 +127,17 @@ class StructuredOutputManager:
             return False  # the token that ends the reasoning is not the grammar's
         return True
 
-    def grammar_bitmask(self, requests: list[Request | None], num_rows: int) -> np.ndarray | None:
-        """i32[num_rows, ceil(V/32)]: row i the allowed tokens of requests[i] (all allowed for
-        None, unconstrained or still-reasoning requests); None when no row is constrained."""
+    def grammar_bitmask(
+        self, requests: list[Request | None], first_rows: list[int], drafts: list[list[int]],
+        num_rows: int,
+    ) -> np.ndarray | None:  # fmt: skip
+        """i32[num_rows, ceil(V/32)]: requests[i]'s rows from first_rows[i] on, one before and
+        one after each of its drafts[i] (speculative decoding), the allowed tokens there (all
+        allowed for None, unconstrained or still-reasoning requests, and after a draft the
+        grammar refuses); None when no row is constrained."""
         rows = [
-            (r.structured_output_request.grammar, i)
-            for i, r in enumerate(requests)
+            (r.structured_output_request.grammar, first, d)
+            for r, first, d in zip(requests, first_rows, drafts, strict=True)
             if r is not None
             and r.structured_output_request is not None
             and r.structured_output_request.reasoning_ended
@@ -145,6 +150,16 @@ class StructuredOutputManager:
         self.bitmask_seconds += time.perf_counter() - start
         self.bitmask_steps += 1
         return bitmask
+
+    def valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The prefix of a request's next drafts its grammar accepts: all of them when it is
+        unconstrained, none while its reasoning (before the grammar binds) goes on."""
+        so = request.structured_output_request
+        if so is None or not drafts:
+            return drafts
+        if not so.reasoning_ended:
+            return []
+        return drafts[: so.grammar.validate_tokens(drafts)]
 
     def wait_for_grammars(self, timeout: float) -> None:
         """Block up to timeout seconds for any grammar being compiled to finish."""

@@ -118,14 +118,23 @@ class GuidanceBackend:
             raise ValueError(f"cannot compile the {params.kind} constraint: {matcher.get_error()}")
         return GuidanceGrammar(matcher)
 
-    def fill_bitmask(self, grammars: list[tuple[GuidanceGrammar, int]], bitmask: np.ndarray):
+    def fill_bitmask(
+        self, grammars: list[tuple[GuidanceGrammar, int, list[int]]], bitmask: np.ndarray
+    ) -> None:
         """Write each grammar's allowed-token mask into its row of bitmask: i32[S, ceil(V/32)]
-        (bit t % 32 of word t // 32 set = token t allowed), in parallel threads."""
+        (bit t % 32 of word t // 32 set = token t allowed), in parallel threads. With draft
+        tokens, row + j + 1 gets the mask after the first j + 1 drafts, up to the first draft
+        the grammar refuses (later rows are left as they are); the grammar is left as it was."""
         import llguidance.numpy
 
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self.executor, [(g.matcher, row) for g, row in grammars], bitmask
-        )
+        if any(drafts for _, _, drafts in grammars):
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(
+                self.executor, [(g.matcher, row, drafts) for g, row, drafts in grammars], bitmask
+            )
+        else:
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self.executor, [(g.matcher, row) for g, row, _ in grammars], bitmask
+            )
 
 
 class GuidanceGrammar:
@@ -138,6 +147,10 @@ class GuidanceGrammar:
         """False when a token breaks the grammar (the request is then left unconstrained by a
         matcher in its error state, which allows nothing more: the caller stops it)."""
         return self.matcher.consume_tokens(token_ids)
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of token_ids, in order, the grammar would accept now (nothing consumed)."""
+        return self.matcher.validate_tokens(token_ids)
 
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing after it (only EOS)."""

@@ -595,7 +595,7 @@ class ModelRunner:
         if bitmask is not None:
             s = sample_inputs.rows.shape[0]
             padded = np.full((s, bitmask.shape[1]), -1, np.int32)
-            padded[pending.first_row] = bitmask  # constrained requests have no draft rows
+            padded[: bitmask.shape[0]] = bitmask  # every sampling row's, drafts' too
             sample_inputs = sample_inputs._replace(
                 sampling=sample_inputs.sampling._replace(token_bitmask=padded)
             )
@@ -649,8 +649,8 @@ class ModelRunner:
             result.pooled = self._pooled_outputs(p, *fetched["pooled"])
         if "logprobs" in fetched:
             lp, lp_ids, ranks = fetched["logprobs"]
-            result.logprobs, result.logprob_token_ids = lp[final_row], lp_ids[final_row]
-            result.sampled_ranks = ranks[final_row]
+            result.logprobs, result.logprob_token_ids, result.sampled_ranks = lp, lp_ids, ranks
+            result.first_row = p.first_row
         if self.drafter is not None:
             result.spec_token_ids = self._propose(p, final_row)
         return result
@@ -826,10 +826,10 @@ def _pool_fn(hidden, seq_of_token, first, last, *, num_seqs: int):
 
 
 def _draftable(params) -> bool:
-    """Drafts are exact for sampling that depends only on the position: not for penalties
-    (counts of earlier tokens) or grammars; logprobs are reported one token per output."""
-    constrained = params.structured_outputs is not None
-    return not (_penalised(params) or constrained or params.logprobs is not None)
+    """Drafts are exact for sampling that depends only on the position and the tokens before
+    it (a grammar's mask is computed per draft row): not for penalties (counts of earlier
+    tokens, kept per request on the device)."""
+    return not _penalised(params)
 
 
 def _penalised(params) -> bool:

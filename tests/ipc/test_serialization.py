@@ -42,7 +42,7 @@ def test_outputs_with_arrays_round_trip(prompt_len):
         rng.integers(1, 100, prompt_len).astype(np.int32),
     )
     out = EngineCoreOutput("a", [5], finish_reason="stop", stop_reason=5,
-                           logprobs=([-0.1, -2.0], [5, 9], 1), prompt_logprobs=plp,
+                           logprobs=[([-0.1, -2.0], [5, 9], 1)], prompt_logprobs=plp,
                            num_cached_tokens=16)  # fmt: skip
     outputs = EngineCoreOutputs(
         [out, EngineCoreOutput("b", [])],

@@ -3,6 +3,7 @@ target distribution on a tiny one, no compilation after warm-up, no leaked block
 
 import functools
 
+import numpy as np
 import pytest
 
 import jaxserve.engine.core as core_module
@@ -96,9 +97,10 @@ def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(plain, ngr
 
 @pytest.mark.slow
 def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, ngram):
-    """Drafted requests share steps with ones that get no drafts (penalties, logprobs,
-    min_p and logit bias, a grammar): every output equals decoding without speculation, and
-    no step compiles."""
+    """Drafted requests (with logprobs, with min_p and logit bias, with a grammar) share steps
+    with one that gets no drafts (penalties): every output equals decoding without
+    speculation, logprobs included (one per token, accepted drafts' too), and no step
+    compiles."""
     ngram.chat(CHATS[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # grammar backend
     compiled = num_compilations()
     mixes = [
@@ -116,5 +118,27 @@ def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, 
     assert num_compilations() == compiled
     assert token_ids(got) == token_ids(want)
     lp_got, lp_want = got[2].outputs[0].logprobs, want[2].outputs[0].logprobs
+    assert len(lp_got) == len(got[2].outputs[0].token_ids) == 20
     assert [sorted(p) for p in lp_got] == [sorted(p) for p in lp_want]
+    values = [[p[t].logprob for t in sorted(p)] for p in lp_got]
+    np.testing.assert_allclose(values, [[p[t].logprob for t in sorted(p)] for p in lp_want],
+                               atol=1e-3)  # fmt: skip
+    assert got[2].outputs[0].cumulative_logprob == pytest.approx(
+        want[2].outputs[0].cumulative_logprob, abs=1e-2
+    )
+    counter = AcceptCounter(ngram)  # a logprobs request alone is drafted, and accepts drafts
+    alone = ngram.chat(chats[2:3], mixes[2], use_tqdm=False)[0].outputs[0]
+    assert counter.accepted > 0 and alone.token_ids == got[2].outputs[0].token_ids
+    assert [sorted(p) for p in alone.logprobs] == [sorted(p) for p in lp_want]
+    # A constrained request is drafted too: drafts are cut to what its grammar accepts and
+    # each draft row is masked as the grammar stands after the drafts before it.
+    sentence = "The quick brown fox jumps over the lazy dog. The lazy dog sleeps"
+    params = SamplingParams(temperature=0.0, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex=sentence))  # fmt: skip
+    counter = AcceptCounter(ngram)
+    got = ngram.chat(CHATS[1:2], params, use_tqdm=False)[0].outputs[0]
+    want = plain.chat(CHATS[1:2], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids and got.text == sentence
+    assert counter.accepted > 5, vars(counter)
+    core(ngram).scheduler.kv_cache_manager.check_no_leaks()
     core(ngram).scheduler.kv_cache_manager.check_no_leaks()

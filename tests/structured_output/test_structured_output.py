@@ -58,7 +58,8 @@ def test_a_request_waits_for_its_grammar_and_steps_follow_it(tokenizer):
     out = sched.schedule()
     assert out.structured_output_req_ids == {"c"}
     ids = list(out.num_scheduled_tokens)
-    mask = sched.grammar_bitmask(ids, out.sampled_req_ids, len(ids))
+    mask = sched.grammar_bitmask(ids, out.sampled_req_ids, range(len(ids)), [[]] * len(ids),
+                                 len(ids))  # fmt: skip
     vocab = som.vocab_size
     c_row, f_row = ids.index("c"), ids.index("f")
     assert len(allowed(mask[f_row], vocab)) == vocab  # the free row: everything
@@ -103,7 +104,7 @@ def test_with_a_reasoning_parser_the_grammar_binds_after_the_reasoning(tokenizer
     while not r.is_finished:
         out = sched.schedule()
         ids = list(out.num_scheduled_tokens)
-        masks.append(sched.grammar_bitmask(ids, out.sampled_req_ids, len(ids)))
+        masks.append(sched.grammar_bitmask(ids, out.sampled_req_ids, [0], [[]], 1))
         from jaxserve.core.scheduler_output import ModelRunnerOutput
 
         sched.update_from_output(out, ModelRunnerOutput(ids, np.array([next(script)])))
@@ -124,3 +125,32 @@ def test_the_sampler_masks_exactly_the_cleared_bits():
     bitmask = np.packbits(words, axis=1, bitorder="little").view(np.int32)
     out = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(bitmask)))
     np.testing.assert_array_equal(out, np.where(keep, logits, -np.inf))
+
+
+def test_draft_rows_get_the_masks_after_each_draft_and_invalid_drafts_are_cut(tokenizer):
+    """Speculative decoding: row j of a drafted request is the grammar's mask after its first
+    j drafts, rows after a draft the grammar refuses allow everything (that row's sample
+    rejects the draft first), the grammar itself does not move, and the proposer's drafts
+    are cut to the prefix the grammar accepts."""
+    som = manager()
+    sched = make_scheduler()
+    sched.structured_output_manager = som
+    r = req("r", structured_outputs=StructuredOutputsParams(choice=["Paris is big"]))
+    sched.add_request(r)
+    r.structured_output_request.future.result(10)
+    words = tokenizer.encode("Paris is big", add_special_tokens=False)
+    assert len(words) >= 3
+    vocab = som.vocab_size
+    drafts = [words[0], words[1], 7]  # 7 is not the next word
+    mask = som.grammar_bitmask([r], [1], [drafts], 5)
+    assert len(allowed(mask[0], vocab)) == vocab  # an unconstrained row before it
+    for row, word in ((1, words[0]), (2, words[1]), (3, words[2])):  # after 0, 1, 2 drafts
+        ok = allowed(mask[row], vocab)
+        assert word in ok and len(ok) < 20, (row, word, ok)  # the text's next pieces only
+    assert words[1] not in allowed(mask[1], vocab) and words[0] not in allowed(mask[2], vocab)
+    assert len(allowed(mask[4], vocab)) == vocab  # after the refused draft: left as is
+    again = som.grammar_bitmask([r], [0], [[]], 1)  # nothing was consumed
+    np.testing.assert_array_equal(again[0], mask[1])
+    assert som.valid_drafts(r, drafts) == words[:2]
+    assert som.valid_drafts(r, [7, words[0]]) == []
+    assert som.valid_drafts(req("free"), [7, 8]) == [7, 8]
