@@ -31,9 +31,10 @@ is accepted while it equals row j's sample, and the first row that disagrees (or
 the last draft) gives the request's next token. For a draft that is a single token (ngram),
 this is the rejection sampler itself: accepted with probability p_j(draft), and otherwise a
 sample of p_j conditioned on not being the draft, i.e. p_j with the draft removed, renormalised;
-a seeded request's rows even draw the same uniforms as without speculation. Requests whose
-sampling depends on more than the position (penalties, grammars) or that want logprobs get no
-drafts.
+a seeded request's rows even draw the same uniforms as without speculation. What a row's
+sampling depends on beyond its position is what it would be there: a penalised row counts the
+drafts before it as output (`SampleInputs.prior_drafts`), a constrained row gets the grammar's
+mask after them, and each accepted position reports its own logprobs.
 """
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ class ModelRunner:
         self.draft_backoff = DraftBackoff()
         self._kv_sharding = kv_cache_sharding(self.mesh)
         self.max_sample_rows = self.max_num_seqs  # one per request, plus one per draft token
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         if spec is not None:
             k = spec.num_speculative_tokens
             self.max_sample_rows = min(
@@ -267,9 +269,12 @@ class ModelRunner:
         sampling = inputs.sampling
         prompt_mask, output_counts = penalty_state
         if variant.penalties:
-            sampling = sampling._replace(
-                prompt_mask=prompt_mask[inputs.rows], output_counts=output_counts[inputs.rows]
-            )
+            counts = output_counts[inputs.rows]
+            if inputs.prior_drafts.shape[1]:  # a draft row's earlier drafts count as output
+                vocab = counts.shape[1]
+                prior = jnp.where(inputs.prior_drafts >= 0, inputs.prior_drafts, vocab)
+                counts = counts.at[jnp.arange(s)[:, None], prior].add(1, mode="drop")
+            sampling = sampling._replace(prompt_mask=prompt_mask[inputs.rows], output_counts=counts)
         key = jax.random.fold_in(self.base_key, inputs.step)
         sampled = sample(
             logits, sampling, key, num_logprobs=self.num_logprobs, variant=variant,
@@ -384,7 +389,7 @@ class ModelRunner:
             for variant in COMPILED_VARIANTS:
                 inputs = SampleInputs(
                     self._sampling_metadata([], s)[0], np.zeros(s, np.int32), np.zeros(s, bool),
-                    np.bool_(False), np.int32(0),
+                    np.bool_(False), np.int32(0), np.full((s, self.num_spec_tokens), -1, np.int32),
                 )  # fmt: skip
                 lowered["sample", s, variant] = self._sample.lower(
                     self.head, last_hidden, self.penalty_state, self.last_tokens, inputs,
@@ -545,9 +550,14 @@ class ModelRunner:
         kept = sampled & (n_rows == 1)
         appends = np.zeros(s, bool)
         appends[first_row[kept]] = True
+        prior_drafts = np.full((s, self.num_spec_tokens), -1, np.int32)
+        for i, d in enumerate(drafts):  # row first + j counts the first j drafts
+            for j in range(1, len(d) + 1):
+                prior_drafts[first_row[i] + j, :j] = d[:j]
         sample_inputs = SampleInputs(
             sampling, np.pad(sample_rows, (0, s - num_rows)), appends,
             np.bool_(any(p.logprobs is not None for p in params)), np.int32(self.step_count),
+            prior_drafts,
         )  # fmt: skip
 
         last_hidden, hidden, self.kv_caches = self._executable("forward", t, decode_only)(
@@ -675,6 +685,11 @@ class ModelRunner:
                 n = ib.num_tokens[row] + accepted
                 ib.token_ids[row, n] = row_ids[first + accepted]
                 ib.num_tokens[row] = n + 1
+                if _penalised(ib.params[row]):  # its kept tokens were not counted in the step
+                    self.penalty_state = self._executable("init_penalty_row")(
+                        self.penalty_state, np.int32(row), ib.token_ids[row],
+                        ib.num_prompt_tokens[row], ib.num_tokens[row],
+                    )  # fmt: skip
         return final_row, num_accepted
 
     def _propose(self, p: PendingStep, final_row: np.ndarray) -> dict[str, list[int]]:
@@ -684,7 +699,7 @@ class ModelRunner:
         ib = self.input_batch
         chosen = [
             i for i in np.flatnonzero(p.sampled)
-            if ib.req_id_to_row.get(p.req_ids[i]) == p.rows[i] and _draftable(ib.params[p.rows[i]])
+            if ib.req_id_to_row.get(p.req_ids[i]) == p.rows[i]
             and self.draft_backoff.should_draft(p.req_ids[i])
         ]  # fmt: skip
         rows = p.rows[chosen]
@@ -785,6 +800,9 @@ class SampleInputs(NamedTuple):
     appends: np.ndarray  # bool[S]: the sampled token is kept (SchedulerOutput.sampled_req_ids)
     want_logprobs: np.ndarray  # bool[]: some sequence asked for sampled-token logprobs
     step: np.ndarray  # i32[]: the step counter, folded into the PRNG key
+    # i32[S, k]: the drafts before each row's position (-1: none), which penalties count as
+    # output (speculative decoding; k = 0 without it)
+    prior_drafts: np.ndarray
 
 
 class PendingStep(NamedTuple):
@@ -823,13 +841,6 @@ def _pool_fn(hidden, seq_of_token, first, last, *, num_seqs: int):
     h = hidden.astype(jnp.float32)
     sums = jax.ops.segment_sum(h, seq_of_token, num_segments=num_seqs + 1)[:num_seqs]
     return sums, h[first], h[last]
-
-
-def _draftable(params) -> bool:
-    """Drafts are exact for sampling that depends only on the position and the tokens before
-    it (a grammar's mask is computed per draft row): not for penalties (counts of earlier
-    tokens, kept per request on the device)."""
-    return not _penalised(params)
 
 
 def _penalised(params) -> bool:

@@ -97,10 +97,9 @@ def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(plain, ngr
 
 @pytest.mark.slow
 def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, ngram):
-    """Drafted requests (with logprobs, with min_p and logit bias, with a grammar) share steps
-    with one that gets no drafts (penalties): every output equals decoding without
-    speculation, logprobs included (one per token, accepted drafts' too), and no step
-    compiles."""
+    """Drafted requests (with penalties, logprobs, min_p and logit bias, a grammar) share
+    steps: every output equals decoding without speculation, logprobs included (one per
+    token, accepted drafts' too), and no step compiles."""
     ngram.chat(CHATS[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # grammar backend
     compiled = num_compilations()
     mixes = [
@@ -130,6 +129,17 @@ def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, 
     alone = ngram.chat(chats[2:3], mixes[2], use_tqdm=False)[0].outputs[0]
     assert counter.accepted > 0 and alone.token_ids == got[2].outputs[0].token_ids
     assert [sorted(p) for p in alone.logprobs] == [sorted(p) for p in lp_want]
+    # Penalised requests are drafted too: each draft row counts the drafts before it, and a
+    # seeded sampled one reproduces bit for bit.
+    penalised = [
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, max_tokens=40, frequency_penalty=0.5,
+                       presence_penalty=0.3, seed=3),
+    ]  # fmt: skip
+    counter = AcceptCounter(ngram)
+    got = ngram.chat(CHATS[:2], penalised, use_tqdm=False)
+    assert token_ids(got) == token_ids(plain.chat(CHATS[:2], penalised, use_tqdm=False))
+    assert counter.accepted > 0, vars(counter)  # penalties make the prompt's text less likely
     # A constrained request is drafted too: drafts are cut to what its grammar accepts and
     # each draft row is masked as the grammar stands after the drafts before it.
     sentence = "The quick brown fox jumps over the lazy dog. The lazy dog sleeps"

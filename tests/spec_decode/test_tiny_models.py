@@ -111,3 +111,29 @@ def test_draft_model_greedy_equals_decoding_without_speculation(tiny_pair):
         if path == target:
             assert counter.accepted == counter.drafted, vars(counter)
         core(llm).scheduler.kv_cache_manager.check_no_leaks()
+
+
+def test_penalised_greedy_drafts_count_the_drafts_before_them(tiny_dir):
+    """Greedy with strong penalties, one request at a time so every step has room for drafts:
+    a draft row must count the drafts before it as output (and the row's penalty state the
+    accepted ones), or its argmax differs from decoding without speculation."""
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(1, 16, 12).tolist()} for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                            frequency_penalty=0.6, presence_penalty=0.2)  # fmt: skip
+    engine = dict(model=str(tiny_dir), max_num_seqs=1, max_num_batched_tokens=64,
+                  max_model_len=128, max_logprobs=5)  # fmt: skip
+    want = token_ids(LLM(**engine).generate(prompts, params, use_tqdm=False))
+    spec = LLM(
+        **engine,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+        },
+    )
+    core(spec).runner.draft_backoff.should_draft = lambda req_id: True  # every chance
+    counter = AcceptCounter(spec)
+    assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == want
+    assert counter.accepted > 10, vars(counter)
