@@ -405,7 +405,7 @@ class PoolerConfig:
             )
 
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle")  # eagle3: not built yet
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,27 +421,28 @@ class SpeculativeConfig:
     draft_model: `model` (an HF dir or .gguf of the target's vocabulary, resolved) drafts
     greedily with its own KV cache in the target's blocks (spec_decode/draft_model.py).
 
-    eagle: `model` is an EAGLE-1 head (HF dir, models/eagle.py) for a Llama-family target; it
-    drafts greedily from the target's hidden states (spec_decode/eagle.py)."""
+    eagle / eagle3: `model` is an EAGLE-1 / EAGLE-3 head (HF dir, models/eagle.py) for a
+    Llama-family target; it drafts greedily from the target's hidden states
+    (spec_decode/eagle.py)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    model: str | None = None  # draft_model / eagle: the draft's path
+    model: str | None = None  # draft_model / eagle / eagle3: the draft's path
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(
                 f"speculative_config method {self.method!r} is not supported; jaxserve "
-                f"implements {', '.join(SPEC_METHODS)} (eagle3 is not built yet)"
+                f"implements {', '.join(SPEC_METHODS)}"
             )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(
                 f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}"
             )
-        if self.method in ("draft_model", "eagle"):
+        if self.method in ("draft_model", "eagle", "eagle3"):
             if not self.model:
                 raise ValueError(f"speculative_config method {self.method} needs a model")
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:

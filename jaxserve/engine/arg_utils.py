@@ -156,16 +156,19 @@ class EngineArgs:
                 f"speculative_config model {spec.model!r} has a vocabulary of "
                 f"{draft.vocab_size} tokens; the target's has {target.vocab_size}"
             )
-        if spec.method == "eagle":
+        if spec.method in ("eagle", "eagle3"):
             if get_model_class(target.architecture) is not LlamaForCausalLM:
                 raise ValueError(
-                    f"speculative_config method eagle needs a Llama-family target (Llama, "
-                    f"Mistral, Qwen2/3); {target.architecture} is not one"
+                    f"speculative_config method {spec.method} needs a Llama-family target "
+                    f"(Llama, Mistral, Qwen2/3); {target.architecture} is not one"
                 )
-            if draft.hidden_size != target.hidden_size:
+            width = draft.hidden_size
+            if spec.method == "eagle3":  # its fc reads the target's width
+                width = getattr(draft.hf_config, "target_hidden_size", None) or width
+            if width != target.hidden_size:
                 raise ValueError(
                     f"speculative_config model {spec.model!r}: the EAGLE head's hidden_size "
-                    f"{draft.hidden_size} is not the target's {target.hidden_size}"
+                    f"{width} is not the target's {target.hidden_size}"
                 )
         return dataclasses.replace(spec, model=str(path))
 

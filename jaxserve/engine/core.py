@@ -58,11 +58,11 @@ class EngineCore:
         )  # fmt: skip
         draft = None
         spec_method = config.speculative.method if config.speculative is not None else None
-        if spec_method in ("draft_model", "eagle"):
+        if spec_method in ("draft_model", "eagle", "eagle3"):
+            heads = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
             draft = load_model(
                 config.speculative.model, dtype=config.model.dtype, mesh=loaded.mesh,
-                load_tokenizer=False,
-                architecture="EagleLlamaForCausalLM" if spec_method == "eagle" else None,
+                load_tokenizer=False, architecture=heads.get(spec_method),
             )  # fmt: skip
         self.runner = ModelRunner(loaded, config, draft)
         # Size the KV cache from what the weights left (compiling needs its shape); the
@@ -79,7 +79,7 @@ class EngineCore:
             speculative=config.speculative is not None,
             num_lookahead_tokens=(
                 config.speculative.num_speculative_tokens
-                if spec_method in ("draft_model", "eagle")
+                if spec_method in ("draft_model", "eagle", "eagle3")
                 else 0
             ),
             # On CPU a step is compute-bound past a few tokens: drafts fill the step up to

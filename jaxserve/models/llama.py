@@ -95,15 +95,21 @@ class LlamaForCausalLM(nnx.Module):
         positions: jax.Array,
         kv_caches: KVCaches,
         md: AttentionMetadata,
-    ) -> tuple[jax.Array, KVCaches]:
-        """input_ids, positions: i32[T] -> (final hidden states [T, D], updated kv_caches)."""
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, KVCaches] | tuple[jax.Array, KVCaches, jax.Array]:
+        """input_ids, positions: i32[T] -> (final hidden states [T, D], updated kv_caches);
+        aux_layers: also the inputs of those layers, concatenated [T, D * len(aux_layers)]
+        (an EAGLE-3 head's feature)."""
         k_cache, v_cache = kv_caches
         num_blocks = k_cache.shape[0] // len(self.layers)
         block_size = k_cache.shape[1]
         h = self.embed_tokens(input_ids)  # [T, D]
         if self.embed_scale:  # HF rounds the scale to the weights' dtype first
             h = h * jnp.asarray(self.config.hidden_size**0.5, h.dtype)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(h)
             offset = i * num_blocks  # this layer's blocks in the cache
             layer_md = md._replace(
                 block_tables=md.block_tables + offset,
@@ -112,6 +118,8 @@ class LlamaForCausalLM(nnx.Module):
                 ),
             )
             h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md)
+        if aux_layers:
+            return self.norm(h), (k_cache, v_cache), jnp.concatenate(aux, axis=-1)
         return self.norm(h), (k_cache, v_cache)
 
     @property

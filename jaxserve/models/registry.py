@@ -1,6 +1,6 @@
 """HF `architectures` name -> model class."""
 
-from jaxserve.models.eagle import EagleLlamaForCausalLM
+from jaxserve.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
@@ -18,6 +18,7 @@ _MODELS = {
     "MixtralForCausalLM": MixtralForCausalLM,  # mixture of experts
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # + q/k norms, some dense layers
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
+    "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # an EAGLE-3 draft head
 }
 
 

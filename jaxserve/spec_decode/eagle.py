@@ -1,17 +1,19 @@
-"""EAGLE-1 drafting: a one-layer head drafts from the target's own hidden states.
+"""EAGLE-1 / EAGLE-3 drafting: a one-layer head drafts from the target's own hidden states.
 
 The head's KV cache entry at position p holds [embedding of x_{p+1} ; f_p], f_p the target's
-final hidden state at p (models/eagle.py), in the target's block layout like a draft model's
-(spec_decode/draft_model.py). Every target forward is mirrored: token i of the step (at
-position p_i) writes the entry at p_i - 1, pairing itself with the hidden state before it: the
-previous token's of the same forward, or, for the first token of a request's tokens in the step,
-one of the previous step's sampling rows (every request has one at its last token, plus one per
-draft). Where that position was not a row of the previous step (a prompt resumed after a
-prefix-cache hit or a preemption) the entry is skipped: drafts may then be worse, output never
-changes. Once a step's drafts are verified, `propose_rows` writes the entry of the kept token
-x' at P - 1 with the target's hidden state of the row that sampled it, and continues k - 1
-more one-token steps, each feeding the head's own output as the next feature; every draft is
-the argmax of the target's LM head on the head's output.
+feature at p (EAGLE-1: its final hidden state; EAGLE-3: the inputs of three of its layers,
+which the runner's forwards then return too; models/eagle.py), in the target's block layout
+like a draft model's (spec_decode/draft_model.py). Every target forward is mirrored: token i of
+the step (at position p_i) writes the entry at p_i - 1, pairing itself with the feature before
+it: the previous token's in the same forward, or, for the first token of a request's tokens in
+the step, one of the previous step's sampling rows (every request has one at its last token,
+plus one per draft). Where that position was not a row of the previous step (a prompt resumed
+after a prefix-cache hit or a preemption) the entry is skipped: drafts may then be worse,
+output never changes. Once a step's drafts are verified, `propose_rows` writes the entry of
+the kept token x' at P - 1 with the target's feature of the row that sampled it, and continues
+k - 1 more one-token steps, each feeding the head's own output as the next feature; every
+draft is the argmax of an LM head on the head's output (EAGLE-1: the target's; EAGLE-3: its
+own over a draft vocabulary, mapped to target ids).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.layers.attention import AttentionMetadata
-from jaxserve.models.llama import lm_logits
+from jaxserve.models.eagle import Eagle3LlamaForCausalLM
 from jaxserve.models.loader import LoadedModel
 from jaxserve.spec_decode.draft_model import DraftModelProposer
 
@@ -40,8 +42,8 @@ class StepRows(NamedTuple):
     request, which sampling rows hold which positions."""
 
     req_ids: list[str]
-    hidden: jax.Array  # [T, D] every token's final hidden state
-    rows_hidden: jax.Array  # [R, D] the sampling rows' (forward's last_hidden)
+    hidden: jax.Array  # [T, F] every token's feature (EAGLE-1: its final hidden state)
+    rows_hidden: jax.Array  # [R, F] the sampling rows' (the forward's last_hidden's rows)
     first_row: np.ndarray  # i32[num_reqs] each request's first sampling row
     first_row_pos: np.ndarray  # i32[num_reqs] the position that row's hidden state is at
     num_rows: np.ndarray  # i32[num_reqs] its rows (1 + its drafts), consecutive positions
@@ -68,9 +70,16 @@ class EagleProposer(DraftModelProposer):
         self.tied = target.config.tie_word_embeddings
         self.soft_cap = target.config.final_logit_softcapping
         self.max_sample_rows = max_sample_rows
+        self.aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers of its feature
+        self.feature_width = target.config.hidden_size
+        if isinstance(head.model, Eagle3LlamaForCausalLM):
+            self.aux_layers = Eagle3LlamaForCausalLM.aux_layers(
+                head.config, target.config.num_layers
+            )
+            self.feature_width *= len(self.aux_layers)
         rep = self._replicated = NamedSharding(self.mesh, P())
         self._no_rows = jax.device_put(
-            np.zeros((max_sample_rows, self.config.hidden_size), self.embedding.dtype), rep
+            np.zeros((max_sample_rows, self.feature_width), self.embedding.dtype), rep
         )
         self._mirror = jax.jit(self._mirror_fn, donate_argnums=(1,), out_shardings=kv_sharding)
         self._propose = jax.jit(
@@ -83,8 +92,9 @@ class EagleProposer(DraftModelProposer):
                    feature_idx, md: AttentionMetadata):  # fmt: skip
         """ids, positions: i32[T] each entry's token and position; feature_idx: i32[T] into
         [this step's hidden [T, D] ; the previous step's sampling rows [R, D]]."""
-        features = jnp.concatenate([hidden, prev_rows])[feature_idx]
-        _, kv_caches = self._model(params)(embedding[ids], features, positions, kv_caches, md)
+        model = self._model(params)
+        h = model.prepare(jnp.concatenate([hidden, prev_rows])[feature_idx])
+        _, _, kv_caches = model(embedding[ids], h, positions, kv_caches, md)
         return kv_caches
 
     def _propose_fn(self, params, kv_caches, embedding, lm_head, rows_hidden, tokens, positions,
@@ -97,16 +107,15 @@ class EagleProposer(DraftModelProposer):
         qsl = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), num_seqs[0])
 
         def one(carry, xs):
-            tokens, features, kv_caches = carry
+            tokens, h, kv_caches = carry
             j, slot = xs
             kv_lens = jnp.where(jnp.arange(s) < num_seqs[0], positions + j + 1, 0)
             md = AttentionMetadata(slot, block_tables, kv_lens, qsl, num_seqs, decode_only=True)
-            h, kv_caches = model(embedding[tokens], features, positions + j, kv_caches, md)
-            logits = lm_logits(h, lm_head, tied=self.tied, soft_cap=self.soft_cap)
-            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            out, h, kv_caches = model(embedding[tokens], h, positions + j, kv_caches, md)
+            nxt = model.greedy(out, lm_head, tied=self.tied, soft_cap=self.soft_cap)
             return (nxt, h, kv_caches), nxt
 
-        carry = (tokens, rows_hidden[feature_rows], kv_caches)
+        carry = (tokens, model.prepare(rows_hidden[feature_rows]), kv_caches)
         (_, _, kv_caches), drafts = lax.scan(
             one, carry, (jnp.arange(self.k, dtype=jnp.int32), slots)
         )
@@ -115,7 +124,7 @@ class EagleProposer(DraftModelProposer):
     # ------------------------------------------------------------------ start-up
     def lower_all(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
         lowered = {}
-        d = self.config.hidden_size
+        d = self.feature_width
         dtype = self.embedding.dtype
         rep = self._replicated
         rows = jax.ShapeDtypeStruct((self.max_sample_rows, d), dtype, sharding=rep)

@@ -182,7 +182,7 @@ class ModelRunner:
             backend = engine_config.attention_backend
             if spec.method == "ngram":
                 self.drafter = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            elif spec.method == "eagle":
+            elif spec.method in ("eagle", "eagle3"):
                 self.drafter = EagleProposer(
                     draft, loaded.model, k, backend, self._kv_sharding, self.block_size,
                     self.seq_buckets, self.max_sample_rows,
@@ -198,6 +198,8 @@ class ModelRunner:
                 self.token_buckets = sorted({*self.token_buckets, width})
             if width < self.sample_buckets[-1]:
                 self.sample_buckets = sorted({*self.sample_buckets, width})
+        # An EAGLE-3 head's feature: the inputs of a few target layers, from every forward.
+        self.aux_layers = getattr(self.drafter, "aux_layers", ())
         self.decode_only_forwards = DECODE_ONLY_FORWARDS[engine_config.attention_backend]
         self.num_logprobs = engine_config.max_logprobs
         self.input_batch = InputBatch(
@@ -217,9 +219,8 @@ class ModelRunner:
         self.num_blocks = 0
         self._replicated = NamedSharding(self.mesh, P())
         rep = self._replicated
-        self._forward = jax.jit(
-            self._forward_fn, donate_argnums=(1,), out_shardings=(rep, rep, self._kv_sharding)
-        )
+        outs = (rep, rep, self._kv_sharding) + (rep, rep) * bool(self.aux_layers)
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), out_shardings=outs)
         self._sample = jax.jit(
             self._sample_fn, static_argnames=("variant",), donate_argnums=(2, 3),
             out_shardings=rep,
@@ -256,6 +257,12 @@ class ModelRunner:
         input_ids = jnp.where(
             inputs.input_ids < 0, last_tokens[inputs.token_rows], inputs.input_ids
         )
+        if self.aux_layers:  # + the EAGLE-3 features of every token and sampling row
+            hidden, kv_caches, aux = model(
+                input_ids, inputs.positions, kv_caches, inputs.attn, aux_layers=self.aux_layers
+            )
+            rows = inputs.logits_indices
+            return hidden[rows], hidden, kv_caches, aux, aux[rows]
         hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn)
         return hidden[inputs.logits_indices], hidden, kv_caches
 
@@ -560,14 +567,16 @@ class ModelRunner:
             prior_drafts,
         )  # fmt: skip
 
-        last_hidden, hidden, self.kv_caches = self._executable("forward", t, decode_only)(
+        outs = self._executable("forward", t, decode_only)(
             self.params, self.kv_caches, self.last_tokens, forward_inputs
         )
+        last_hidden, hidden, self.kv_caches = outs[:3]
+        features, feature_rows = outs[3:] if self.aux_layers else (hidden, last_hidden)
         if self.drafter is not None and self.drafter.needs_kv_cache:
             # The draft's cache follows the target's (an EAGLE head's from its hidden states).
             last_pos = positions[qsl[1 : num_reqs + 1] - 1]
             self.drafter.mirror(t, forward_inputs, StepRows(
-                req_ids, hidden, last_hidden, first_row, last_pos - n_rows + 1, n_rows,
+                req_ids, features, feature_rows, first_row, last_pos - n_rows + 1, n_rows,
             ))  # fmt: skip
         pooled = None
         if self.pooler is not None:  # each request's sum, first and last hidden state

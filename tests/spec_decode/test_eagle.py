@@ -1,8 +1,8 @@
-"""EAGLE-1 drafting on a tiny random Llama target with a tiny random EAGLE head in EAGLE's HF
-layout: every draft the engine proposes equals what a plain PyTorch EAGLE (HF's Llama layer,
-recomputed from scratch over the request's tokens) drafts there, through chunked prefill,
-batched decode and accepted / rejected drafts; greedy output equals decoding without
-speculation; config errors are named."""
+"""EAGLE-1 and EAGLE-3 drafting on a tiny random Llama target with tiny random heads in EAGLE's
+HF layouts: every draft the engine proposes equals what a plain PyTorch EAGLE (recomputed from
+scratch over the request's tokens) drafts there, through chunked prefill, batched decode and
+accepted / rejected drafts; greedy output equals decoding without speculation; config errors
+are named."""
 
 import json
 
@@ -82,6 +82,112 @@ class TorchEagle:
         return out
 
 
+AUX = [0, 1, 2]  # the 3-layer target's layers whose inputs make EAGLE-3's feature
+DRAFT_IDS = [0, 1, 2, 3, 5, 6, 8, 9, 11, 13, 14, 15]  # its draft vocabulary, in target ids
+
+
+def make_tiny_eagle3(out_dir):
+    """An EAGLE-3 head in its HF layout (midlayer.*, fc [D, 3D], norm, lm_head over a 12-token
+    draft vocabulary, d2t), its layer's qkv reading 2D."""
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 1, "vocab_size": 16})
+    config.architectures = ["LlamaForCausalLMEagle3"]
+    config.draft_vocab_size = len(DRAFT_IDS)
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": AUX}
+    torch.manual_seed(2)
+    d, hd = config.hidden_size, config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes = {
+        "fc.weight": (d, 3 * d), "norm.weight": (d,), "lm_head.weight": (len(DRAFT_IDS), d),
+        "midlayer.input_layernorm.weight": (d,), "midlayer.hidden_norm.weight": (d,),
+        "midlayer.post_attention_layernorm.weight": (d,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * d),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * d),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * d),
+        "midlayer.self_attn.o_proj.weight": (d, q),
+        "midlayer.mlp.gate_proj.weight": (config.intermediate_size, d),
+        "midlayer.mlp.up_proj.weight": (config.intermediate_size, d),
+        "midlayer.mlp.down_proj.weight": (d, config.intermediate_size),
+    }  # fmt: skip
+    tensors = {
+        name: torch.empty(shape).uniform_(0.5, 1.5) if "norm" in name
+        else torch.randn(shape) * 0.08
+        for name, shape in shapes.items()
+    }  # fmt: skip
+    tensors["fc.weight"] *= 8  # the feature dominates the output: drafts follow the tokens
+    tensors["d2t"] = torch.tensor(DRAFT_IDS) - torch.arange(len(DRAFT_IDS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    return out_dir
+
+
+class TorchEagle3:
+    """EAGLE-3 greedy drafting in PyTorch, from scratch: entry p is the layer over
+    [norm(embed(x_{p+1})) ; hidden_norm(h_p)] with residual h_p, h_p = fc(the inputs of the
+    target's AUX layers at p), or the head's own pre-norm output at a draft position; the draft
+    is the argmax of its head over the draft vocabulary, plus d2t."""
+
+    def __init__(self, head_dir, target):
+        import transformers
+        from safetensors.torch import load_file
+
+        self.config = transformers.LlamaConfig.from_pretrained(head_dir)
+        self.w = load_file(str(head_dir / "model.safetensors"))
+        self.target = target
+        self.rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(self.config)
+
+    def norm(self, x, name):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return x * self.w[name]
+
+    def layer(self, embeds, h):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        w, c = self.w, self.config
+        n, heads, kv_heads = h.shape[0], c.num_attention_heads, c.num_key_value_heads
+        hd = c.hidden_size // heads
+        x = torch.cat([self.norm(embeds, "midlayer.input_layernorm.weight"),
+                       self.norm(h, "midlayer.hidden_norm.weight")], -1)  # fmt: skip
+        q, k, v = (
+            (x @ w[f"midlayer.self_attn.{p}_proj.weight"].T).view(n, -1, hd).transpose(0, 1)
+            for p in "qkv"
+        )
+        cos, sin = self.rotary(x[None], torch.arange(n)[None])
+        q, k = apply_rotary_pos_emb(q[None], k[None], cos, sin)
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v[None]))
+        scores = (q @ k.transpose(-1, -2)) / hd**0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=bool).triu(1), float("-inf"))
+        attn = (scores.softmax(-1) @ v)[0].transpose(0, 1).reshape(n, -1)
+        y = h + attn @ w["midlayer.self_attn.o_proj.weight"].T
+        z = self.norm(y, "midlayer.post_attention_layernorm.weight")
+        gate, up = (z @ w[f"midlayer.mlp.{p}_proj.weight"].T for p in ("gate", "up"))
+        return y + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        ids = torch.tensor([tokens])
+        states = self.target.model(input_ids=ids, output_hidden_states=True).hidden_states
+        features = torch.cat([states[i][0] for i in AUX], -1)  # the inputs of those layers
+        embed = self.target.model.embed_tokens
+        embeds, h, out = embed(ids[0, 1:]), features[:-1] @ self.w["fc.weight"].T, []
+        for _ in range(k):
+            y = self.layer(embeds, h)[-1]
+            best = int(torch.argmax(self.norm(y, "norm.weight") @ self.w["lm_head.weight"].T))
+            d = best + int(self.w["d2t"][best])
+            out.append(d)
+            embeds = torch.cat([embeds, embed(torch.tensor([d]))])
+            h = torch.cat([h, y[None]])
+        return out
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory):
+    return make_tiny_eagle3(tmp_path_factory.mktemp("eagle3"))
+
+
 @pytest.fixture(scope="module")
 def target_and_head(tmp_path_factory):
     """A 16-token vocabulary, so random drafts are accepted often enough to test both
@@ -95,16 +201,20 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtyp
               enable_prefix_caching=False, max_logprobs=5)  # fmt: skip
 
 
-def test_drafts_equal_pytorch_eagle_and_greedy_output_is_exact(target_and_head, monkeypatch):
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_drafts_equal_pytorch_eagle_and_greedy_output_is_exact(
+    target_and_head, eagle3_head, monkeypatch, method
+):
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     target, head = target_and_head
+    head = eagle3_head if method == "eagle3" else head
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 16, n).tolist() for n in (5, 23, 40)]  # 23, 40: chunked
     prompts = [{"prompt_token_ids": p} for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = token_ids(LLM(str(target), **ENGINE).generate(prompts, params, use_tqdm=False))
 
-    spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": K}
+    spec = {"method": method, "model": str(head), "num_speculative_tokens": K}
     llm = LLM(str(target), **ENGINE, speculative_config=spec)
     runner = core(llm).runner
     proposed = []  # (the request's tokens, its drafts), as the engine saw them
@@ -123,7 +233,7 @@ def test_drafts_equal_pytorch_eagle_and_greedy_output_is_exact(target_and_head, 
     assert 0 < counter.accepted < counter.drafted, vars(counter)  # both outcomes
     core(llm).scheduler.kv_cache_manager.check_no_leaks()
 
-    reference = TorchEagle(head, hf_model(str(target)))
+    reference = (TorchEagle3 if method == "eagle3" else TorchEagle)(head, hf_model(str(target)))
     assert len(proposed) > 30
     for tokens, drafts in proposed:
         assert drafts == reference.drafts(tokens, K), tokens

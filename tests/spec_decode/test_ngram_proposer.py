@@ -45,8 +45,9 @@ def test_speculative_config_defaults_and_vllm_spellings():
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"method": "eagle3", "num_speculative_tokens": 2}, "method 'eagle3' is not supported"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method 'medusa' is not supported"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method eagle needs a model"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "method eagle3 needs a model"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "got 0"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
