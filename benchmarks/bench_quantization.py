@@ -5,7 +5,8 @@ Modes: none, int8, fp8 (weights), kv-fp8 (full-precision weights, `kv_cache_dtyp
   - weights: bytes of the model's parameters on the device; KV cache bytes per token;
   - greedy agreement: 64 greedy tokens on each of 4 chat prompts, tokens equal to full
     precision's at the same position (counted up to the first difference, and in total);
-  - mean logprob of a fixed text (its prompt logprobs), and its change against full precision;
+  - mean logprob of a fixed ~330-token text (its prompt logprobs: a perplexity-style check),
+    and its change against full precision;
   - decode speed: output tokens/s of a batch of 8 generating 64 tokens (ignore_eos), median of
     --iters runs after a warm-up (--iters 0: quality only).
 
@@ -34,11 +35,26 @@ from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
          "List three colours.", "Explain what a CPU does in two sentences."]  # fmt: skip
-TEXT = (
+TEXT = (  # ~330 tokens of plain English on several subjects: the quality check's sample
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
     "It is named after the engineer Gustave Eiffel, whose company designed and built the tower "
     "from 1887 to 1889. Locally nicknamed 'La dame de fer', it was constructed as the "
-    "centrepiece of the 1889 World's Fair."
+    "centrepiece of the 1889 World's Fair.\n\n"
+    "Bread is one of the oldest prepared foods. A simple loaf needs only flour, water, salt and "
+    "yeast. The dough is kneaded until it becomes smooth and elastic, then left to rise in a "
+    "warm place for an hour or two. After shaping, it rises again before it is baked in a hot "
+    "oven until the crust turns golden brown and the loaf sounds hollow when tapped.\n\n"
+    "A computer program is a list of instructions that a machine follows one after another. "
+    "Programmers write these instructions in a programming language, which a compiler or an "
+    "interpreter turns into something the processor can run. Good programs are easy to read, "
+    "because people spend far more time reading code than writing it.\n\n"
+    "The water cycle moves water between the oceans, the air and the land. The sun heats the "
+    "surface of the sea, and water evaporates into the atmosphere. As the moist air rises it "
+    "cools, and the vapour condenses into clouds. When the droplets grow heavy enough they fall "
+    "as rain or snow, which flows back through rivers and streams to the sea.\n\n"
+    "Many people enjoy walking in the mountains during the summer. Before setting out, it is "
+    "wise to check the weather forecast, to carry enough water and warm clothes, and to tell a "
+    "friend which path you plan to take and when you expect to return."
 )
 
 
