@@ -45,12 +45,13 @@ def token_counts(llm, prompt, params, n, position):
 def test_sampled_tokens_keep_the_target_distribution(tiny_dir):
     """Unseeded sampling (temperature, top-k) with and without ngram drafts: per output
     position, the token frequencies over 3000 samples agree (chi-square, p > 0.001). Every
-    token occurs in the prompt, so nearly every step is drafted; about a tenth of the drafts
-    are accepted, so both branches of the rejection rule are exercised. (Keeping the sample of
-    the row after a rejected draft instead gives p < 1e-11 at positions 1 and 2.)"""
+    token occurs in the prompt and every step has room for drafts (the CPU's draft-room rule
+    and the backoff are off), so nearly every decode is drafted; a fair share of the drafts are
+    accepted, so both branches of the rejection rule are exercised. (Keeping the sample of the
+    row after a rejected draft instead gives p < 1e-11 at positions 1 and 2.)"""
     prompt = [*range(1, 16), *range(15, 0, -1), 3, 7, 1, 9]
     params = SamplingParams(temperature=0.8, top_k=10, max_tokens=4, ignore_eos=True)
-    engine = dict(model=str(tiny_dir), max_num_seqs=64, max_num_batched_tokens=512,
+    engine = dict(model=str(tiny_dir), max_num_seqs=16, max_num_batched_tokens=64,
                   max_model_len=128, seed=0, max_logprobs=5)  # fmt: skip
     plain = LLM(**engine)
     spec = LLM(
@@ -62,10 +63,12 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_dir):
             "prompt_lookup_max": 2,
         },
     )
+    core(spec).scheduler.draft_step_tokens = None  # drafts fill the token budget
+    core(spec).runner.draft_backoff.should_draft = lambda req_id: True
     counter = AcceptCounter(spec)
     positions = [1, 2, 3]  # token 0 comes from the prompt's last position: never drafted
     with_spec = token_counts(spec, prompt, params, 3000, positions)
-    assert 0.05 < counter.accepted / counter.drafted < 0.9, vars(counter)
+    assert counter.drafted > 3000 and 0.05 < counter.accepted / counter.drafted < 0.9, vars(counter)
     without = token_counts(plain, prompt, params, 3000, positions)
     for row in range(len(positions)):
         table = np.stack([with_spec[row], without[row]])
