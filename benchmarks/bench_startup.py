@@ -2,10 +2,12 @@
 
 Cold: the persistent XLA compilation cache ($JAXSERVE_COMPILE_CACHE, read by
 model_runner.enable_persistent_compilation_cache) points at a fresh empty directory, so every
-step shape is compiled. Warm: the same directory again, now filled by the cold run. Either way
+step shape is compiled. Warm: the same directory again, now filled by the cold run (the step
+executables saved there load without tracing: worker/executable_cache.py). Either way
 the OS page cache may already hold the model file and Python's bytecode (this is a cold
 compile, not a cold machine). Each run is stopped with SIGTERM once healthy. The server's own
-log gives the compile share ("compiled N step shapes in X s").
+log gives the compile share ("compiled|loaded N step shapes in X s") and the phase timeline
+("start-up: ready in X s (phase s; ...)"), printed under each run.
 
     .venv/bin/python benchmarks/bench_startup.py --num-warm 2 -- --max-model-len 1024
 """
@@ -27,7 +29,8 @@ import httpx
 
 from jaxserve.benchmarks.common import git_commit, write_json
 
-COMPILED = re.compile(r"compiled (\d+) step shapes in ([\d.]+) s")
+COMPILED = re.compile(r"(compiled|loaded) (\d+) step shapes in ([\d.]+) s")
+READY = re.compile(r"start-up: ready in ([\d.]+) s \((.*)\)")
 
 
 def free_port() -> int:
@@ -71,10 +74,13 @@ def time_startup(serve_args: list[str], cache_dir: str, timeout: float) -> dict:
                 proc.wait()
         reader.join(10)
     match = next((m for m in map(COMPILED.search, log) if m), None)
+    timeline = next((m.group(2) for m in map(READY.search, log) if m), None)
     return dict(
         ready_s=ready,
-        num_compiled=int(match.group(1)) if match else None,
-        compile_s=float(match.group(2)) if match else None,
+        executables=match.group(1) if match else None,  # "compiled" or "loaded" (saved)
+        num_compiled=int(match.group(2)) if match else None,
+        compile_s=float(match.group(3)) if match else None,
+        timeline=timeline,  # the server's own "phase s; ..." line
     )
 
 
@@ -97,11 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
     for kind, rs in runs.items():
         for r in rs:
             compiled = (
-                f" (compile {r['compile_s']:.1f} s for {r['num_compiled']} step shapes)"
+                f" ({r['executables']} {r['num_compiled']} step shapes in {r['compile_s']:.1f} s)"
                 if r["compile_s"] is not None
                 else ""
             )
             print(f"Start-up {kind}: {r['ready_s']:.1f} s to ready{compiled}")
+            if r["timeline"]:
+                print(f"  phases: {r['timeline']}")
     results = dict(commit=git_commit(), serve_args=args.serve_args, **runs)
     if args.output_json:
         write_json(args.output_json, results)

@@ -72,6 +72,11 @@ class EngineArgs:
     # ..} (or its JSON): speculative decoding; turns async scheduling off
     speculative_config: dict | str | None = None
 
+    def tokenizer_source(self) -> str:
+        """Where the frontend reads the tokenizer: --tokenizer, else the model (as the engine
+        config's tokenizer_path / model_path resolve them)."""
+        return self.tokenizer or str(resolve_model_path(self.model, self.load_format))
+
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
         path = resolve_model_path(self.model, self.load_format)

@@ -15,7 +15,9 @@ EngineDeadError and new calls fail at once.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxserve.config import EngineConfig
@@ -106,14 +108,18 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        """Starts the engine core process (blocking: load, compile) and reads the tokenizer."""
-        client = AsyncMPClient(args)
-        return cls(
-            client.config,
-            client,
-            tokenizer=read_tokenizer(args.tokenizer or client.config.model_path),
-            generation_config=read_generation_config(client.config.model_path),
-        )
+        """Starts the engine core process (blocking: load, compile) and, meanwhile, reads the
+        tokenizer in a thread."""
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(read_tokenizer, args.tokenizer_source())
+            client = AsyncMPClient(args)
+            start = time.perf_counter()
+            engine = cls(
+                client.config, client, tokenizer=tokenizer.result(),
+                generation_config=read_generation_config(client.config.model_path),
+            )  # fmt: skip
+        client.timeline.add("tokenizer (after the engine core)", time.perf_counter() - start)
+        return engine
 
     @property
     def errored(self) -> bool:

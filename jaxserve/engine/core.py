@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.engine.startup import StartupTimeline
 from jaxserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxserve.models.loader import load_model
 from jaxserve.structured_output import StructuredOutputManager
@@ -42,15 +43,17 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         enable_persistent_compilation_cache()
         self.config = config
-        loaded = load_model(
-            config.model_path,
-            dtype=config.model.dtype,
-            tensor_parallel_size=config.parallel.tensor_parallel_size,
-            load_tokenizer=False,
-            load_format=config.load_format,
-            quantization=config.model.quantization,
-            enable_expert_parallel=config.parallel.enable_expert_parallel,
-        )
+        self.timeline = timeline = StartupTimeline()
+        with timeline.phase("load weights"):
+            loaded = load_model(
+                config.model_path,
+                dtype=config.model.dtype,
+                tensor_parallel_size=config.parallel.tensor_parallel_size,
+                load_tokenizer=False,
+                load_format=config.load_format,
+                quantization=config.model.quantization,
+                enable_expert_parallel=config.parallel.enable_expert_parallel,
+            )
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
         logger.info(
             "weights: %.1f MiB%s", weight_bytes / 2**20,
@@ -60,16 +63,19 @@ class EngineCore:
         spec_method = config.speculative.method if config.speculative is not None else None
         if spec_method in ("draft_model", "eagle", "eagle3"):
             heads = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
-            draft = load_model(
-                config.speculative.model, dtype=config.model.dtype, mesh=loaded.mesh,
-                load_tokenizer=False, architecture=heads.get(spec_method),
-            )  # fmt: skip
-        self.runner = ModelRunner(loaded, config, draft)
-        # Size the KV cache from what the weights left (compiling needs its shape); the
-        # compiled steps' temporaries live in the headroom gpu_memory_utilization leaves.
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
-        self.runner.compile_all()
+            with timeline.phase("load draft weights"):
+                draft = load_model(
+                    config.speculative.model, dtype=config.model.dtype, mesh=loaded.mesh,
+                    load_tokenizer=False, architecture=heads.get(spec_method),
+                )  # fmt: skip
+        with timeline.phase("runner and KV cache"):
+            self.runner = ModelRunner(loaded, config, draft)
+            # Size the KV cache from what the weights left (compiling needs its shape); the
+            # compiled steps' temporaries live in the headroom gpu_memory_utilization leaves.
+            num_blocks = self.runner.determine_num_blocks()
+            self.runner.initialize_kv_cache(num_blocks)
+        with timeline.phase("step executables"):
+            self.runner.compile_all()
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(
             config.scheduler,

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -30,6 +31,7 @@ import zmq.asyncio
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.startup import StartupTimeline
 from jaxserve.ipc.messages import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -123,12 +125,14 @@ class SyncMPClient(EngineCoreClient):
         self.output_socket.bind(address("output"))
         with open(os.path.join(self.run_dir, "engine_args.pkl"), "wb") as f:
             pickle.dump(args, f)
+        self.timeline = StartupTimeline()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.engine.core_proc", self.run_dir]
         )
         try:
             ready = self._handshake(handshake, {"input": address("input"),
                                                 "output": address("output")})  # fmt: skip
+            self.timeline.extend("engine core: ", ready["timeline"])
             self.config: EngineConfig = pickle.loads(ready["config"])
             self.num_blocks: int = ready["num_blocks"]
             # The core's input DEALER announces itself with an empty frame.
@@ -145,6 +149,7 @@ class SyncMPClient(EngineCoreClient):
 
     # ------------------------------------------------------------------ start-up
     def _handshake(self, sock: zmq.Socket, addresses: dict) -> dict:
+        start = time.perf_counter()
         while True:
             if not sock.poll(1000):
                 self._check_alive_during_startup()
@@ -153,7 +158,11 @@ class SyncMPClient(EngineCoreClient):
             message = msgspec.msgpack.decode(payload)
             if message["status"] == "HELLO":
                 sock.send_multipart([identity, msgspec.msgpack.encode(addresses)])
+                hello_s = time.perf_counter() - start
             elif message["status"] == "READY":
+                # The core says HELLO once its engine config is built.
+                config_s = dict(message["timeline"]).get("engine config", 0.0)
+                self.timeline.add("engine core process (spawn, imports)", hello_s - config_s)
                 return message
             else:
                 raise RuntimeError(f"EngineCore failed to start: {message.get('error')}")

@@ -62,7 +62,9 @@ class EngineCoreProc(EngineCore):
         # never initialises a JAX backend (on a GPU that would take its memory).
         self.parent_pid = parent_pid
         threading.Thread(target=self._watch_parent, daemon=True, name="parent-watch").start()
+        start = time.perf_counter()
         config = args.create_engine_config()
+        config_s = time.perf_counter() - start
         self.ctx = zmq.Context()
         self.handshake = self.ctx.socket(zmq.DEALER)
         self.handshake.connect(handshake_address)
@@ -72,6 +74,7 @@ class EngineCoreProc(EngineCore):
         addresses = msgspec.msgpack.decode(self.handshake.recv())
 
         super().__init__(config)
+        self.timeline.phases.insert(0, ("engine config", config_s))
 
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
@@ -95,6 +98,7 @@ class EngineCoreProc(EngineCore):
             "status": "READY",
             "num_blocks": self.num_blocks,
             "config": pickle.dumps(config),  # frozen dataclasses; a trusted local socket
+            "timeline": self.timeline.phases,
         }
         self.handshake.send(msgspec.msgpack.encode(ready_message))
 

@@ -11,6 +11,7 @@ through prefix caching; the output processor gathers them into one RequestOutput
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxserve.config import EngineConfig
@@ -48,14 +49,20 @@ class LLMEngine:
         if multiprocess is None:
             multiprocess = os.environ.get("JAXSERVE_ENABLE_MULTIPROCESSING", "1") != "0"
         if multiprocess:
-            client: EngineCoreClient = SyncMPClient(args)
-            config = client.config
+            # The tokenizer is read while the core process starts (not beside an in-process
+            # core: transformers' lazy imports are not thread-safe).
+            with ThreadPoolExecutor(1) as pool:
+                tokenizer = pool.submit(read_tokenizer, args.tokenizer_source())
+                client: EngineCoreClient = SyncMPClient(args)
+                config = client.config
+                tokenizer = tokenizer.result()
         else:
             config = args.create_engine_config()
             client = InprocClient(config)
+            tokenizer = read_tokenizer(args.tokenizer or config.model_path)
         return cls(
             config,
-            tokenizer=read_tokenizer(args.tokenizer or config.model_path),
+            tokenizer=tokenizer,
             generation_config=read_generation_config(config.model_path),
             client=client,
         )

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import time
 
 from jaxserve import __version__
+
+_STARTED = time.perf_counter()  # `jaxserve serve` logs its start-up time from here
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -20,7 +23,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from jaxserve.entrypoints.openai.api_server import run_server
 
-    run_server(args, engine_args_from(args))
+    run_server(args, engine_args_from(args), started=_STARTED)
     return 0
 
 

@@ -39,9 +39,9 @@ def read_gguf_tokenizer(path: str | Path) -> Any:
 
     Raises ValueError when the file has no tokenizer or one of an unsupported type.
     """
-    import gguf
+    from jaxserve.models.weight_sources import gguf_reader
 
-    reader = gguf.GGUFReader(path)
+    reader = gguf_reader(path)
 
     def field(key: str, default: Any = None) -> Any:
         f = reader.get_field(f"tokenizer.{key}")

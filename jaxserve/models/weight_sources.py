@@ -6,10 +6,13 @@ memory stays at about one (stacked) parameter beyond what has been placed on dev
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -101,6 +104,24 @@ _GGUF_LAYER = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
+def gguf_reader(path: str | Path) -> Any:
+    """The `gguf.GGUFReader` of the file at `path`, parsed once per process while the file is
+    unchanged (parsing a 49k-token vocabulary takes seconds; the engine config, the weights and
+    the tokenizer all read the same file)."""
+    stat = os.stat(path)
+    return _gguf_reader(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str, size: int, mtime_ns: int) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises bare ValueErrors / struct errors on bad files
+        raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e
+
+
 class GGUFSource:
     """Dequantised float32 tensors of a llama-architecture GGUF file, under their HF names.
 
@@ -109,12 +130,7 @@ class GGUFSource:
     """
 
     def __init__(self, path: Path):
-        import gguf
-
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # gguf raises bare ValueErrors / struct errors on bad files
-            raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e
+        self.reader = gguf_reader(path)
         self.path = path
         arch = self.field("general.architecture")
         if arch != "llama":

@@ -42,7 +42,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -74,6 +73,7 @@ from jaxserve.models.loader import LoadedModel
 from jaxserve.spec_decode import DraftModelProposer, EagleProposer, NgramProposer, StepRows
 from jaxserve.spec_decode.backoff import DraftBackoff
 from jaxserve.structured_output import bitmask_words
+from jaxserve.worker import executable_cache
 from jaxserve.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -100,33 +100,18 @@ def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
     return [*buckets, largest]
 
 
+def compile_cache_dir() -> str:
+    """$JAXSERVE_COMPILE_CACHE, or ~/.cache/jaxserve/xla: jax's persistent compilation cache,
+    and the runner's saved executables under its `executables/`."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+    return os.environ.get("JAXSERVE_COMPILE_CACHE", default)
+
+
 def enable_persistent_compilation_cache() -> None:
-    cache_dir = os.environ.get(
-        "JAXSERVE_COMPILE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
-    )
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_compilation_cache_dir", compile_cache_dir())
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    _serialize_cache_reads()
-
-
-def _serialize_cache_reads() -> None:
-    """Deserialize persistent-cache hits one at a time. compile_all compiles in threads, and
-    CI once died (SIGSEGV) with two of them inside XLA:CPU's deserialize_executable at once;
-    compiles themselves stay parallel. A no-op where jax's internals differ."""
-    from jax._src import compilation_cache as cc
-
-    read = getattr(cc, "get_executable_and_time", None)
-    if read is None or getattr(read, "_jaxserve_locked", False):
-        return
-    lock = threading.Lock()
-
-    def locked_read(*args, **kwargs):
-        with lock:
-            return read(*args, **kwargs)
-
-    locked_read._jaxserve_locked = True
-    cc.get_executable_and_time = locked_read
+    executable_cache.watch_cache_reads()
 
 
 class _CompileCounter:
@@ -155,6 +140,7 @@ class ModelRunner:
     ):
         """draft: the draft model of speculative method draft_model, on the same mesh."""
         scheduler_config, cache_config = engine_config.scheduler, engine_config.cache
+        self.engine_config = engine_config
         self.config = loaded.config
         self.mesh = loaded.mesh
         self.cache_config = cache_config
@@ -368,9 +354,44 @@ class ModelRunner:
         )  # fmt: skip
 
     def compile_all(self) -> None:
-        """Lower every step shape, then compile them all in parallel threads, so no serving
-        step ever compiles."""
+        """Every step shape's executable, so no serving step ever compiles: loaded as saved by
+        an earlier start with the same signature (executable_cache), or lowered and then
+        compiled in parallel threads (and saved)."""
         start = time.perf_counter()
+        cache_dir, key = compile_cache_dir(), self._executables_key()
+        devices = list(self.mesh.devices.flat)
+        compiled = executable_cache.load(cache_dir, key, devices)
+        how = "loaded"
+        if compiled is None:
+            with executable_cache.CacheHits() as hits:
+                compiled, how = self._compile(self._lower_all()), "compiled"
+            executable_cache.save(cache_dir, key, compiled, hits)
+        self._compiled = compiled
+        if self.drafter is not None and self.drafter.needs_kv_cache:
+            self.drafter.set_compiled(self._compiled)
+        logger.info(
+            "%s %d step shapes in %.1f s", how, len(self._compiled), time.perf_counter() - start
+        )
+
+    def _executables_key(self) -> str:
+        """What the step executables depend on beyond the environment: the configuration
+        (engine, model, draft) and the layout of every argument array."""
+        drafter = self.drafter
+        return executable_cache.signature(
+            engine=repr(self.engine_config),
+            model_files=executable_cache.file_stats(self.engine_config.model_path),
+            model=repr(self.config),
+            params=executable_cache.abstract((self.params, self.head, self.kv_caches)),
+            state=executable_cache.abstract((self.penalty_state, self.last_tokens)),
+            param_tree=str(self._params_def),
+            draft=executable_cache.abstract(
+                [getattr(drafter, a, None) for a in ("params", "kv_caches", "embedding")]
+            ),
+            draft_model=repr(getattr(drafter, "config", None)),
+            mesh=repr(self.mesh),
+        )
+
+    def _lower_all(self) -> dict[tuple, Any]:
         rep = self._replicated
         d = self.config.hidden_size
         last_hidden = jax.ShapeDtypeStruct(
@@ -412,24 +433,23 @@ class ModelRunner:
         lowered["init_penalty_row",] = self._init_penalty_row.lower(
             self.penalty_state, zero, tokens, zero, zero
         )
+        return lowered
+
+    @staticmethod
+    def _compile(lowered: dict[tuple, Any]) -> dict[tuple, Any]:
         # Free what dropped engines left in reference cycles now, and not in a compile thread
         # while another one is inside XLA (CI once segfaulted there; see
-        # _serialize_cache_reads, which also guards it).
+        # executable_cache.watch_cache_reads, which also guards it).
         gc.collect()
         collecting = gc.isenabled()
         gc.disable()
         try:
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
                 compiled = pool.map(lambda lo: lo.compile(), lowered.values())
-                self._compiled = dict(zip(lowered, compiled, strict=True))
+                return dict(zip(lowered, compiled, strict=True))
         finally:
             if collecting:
                 gc.enable()
-        if self.drafter is not None and self.drafter.needs_kv_cache:
-            self.drafter.set_compiled(self._compiled)
-        logger.info(
-            "compiled %d step shapes in %.1f s", len(self._compiled), time.perf_counter() - start
-        )
 
     def _executable(self, *key) -> Any:
         try:

@@ -177,9 +177,13 @@ def test_bench_startup(dummy_dir, capsys):
          "--num-gpu-blocks-override", "16"]
     )  # fmt: skip
     out = capsys.readouterr().out
-    line = rf"{NUM} s to ready \(compile {NUM} s for \d+ step shapes\)$"
-    assert re.search(rf"^Start-up cold: {line}", out, re.M)
-    assert re.search(rf"^Start-up warm: {line}", out, re.M)
+    line = rf"{NUM} s to ready \(%s (\d+) step shapes in {NUM} s\)\n  phases: (.*)$"
+    cold = re.search(rf"^Start-up cold: {line % 'compiled'}", out, re.M)
+    warm = re.search(rf"^Start-up warm: {line % 'loaded'}", out, re.M)  # saved executables
+    assert cold and warm, out
+    assert cold.group(1) == warm.group(1)
+    for phase in ("frontend imports", "engine core: load weights", "step executables"):
+        assert phase in cold.group(2) and phase in warm.group(2), out
     assert len(results["cold"]) == len(results["warm"]) == 1
 
 

@@ -52,7 +52,8 @@ def test_100_concurrent_streams_10_cancelled_the_rest_exact(model_dir):
 
             tasks = [asyncio.create_task(one(i)) for i in range(100)]
             cancelled = list(range(1, 20, 2))  # 10 DELTA streams, cut after their first output
-            await asyncio.gather(*(started[i].wait() for i in cancelled))
+            # (bounded: a stream that fails before its first output must not hang the test)
+            await asyncio.wait_for(asyncio.gather(*(started[i].wait() for i in cancelled)), 120)
             for i in cancelled:
                 tasks[i].cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)

@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -342,8 +343,12 @@ def check_server_args(args) -> None:
         raise SystemExit(str(e)) from None
 
 
-def run_server(args, engine_args) -> None:
+def run_server(args, engine_args, started: float | None = None) -> None:
+    """started: time.perf_counter() when the process began (the start-up timeline's zero)."""
     from jaxserve.models.loader import DEFAULT_MODEL_NAME
+
+    started = time.perf_counter() if started is None else started
+    imports = time.perf_counter() - started
 
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -363,6 +368,9 @@ def run_server(args, engine_args) -> None:
         tool_parser=args.tool_call_parser,
         log_stats_interval=float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10")),
     )
+    timeline = engine.engine_core.timeline
+    timeline.phases.insert(0, ("frontend imports", imports))
+    logger.info("start-up: ready in %.1f s (%s)", time.perf_counter() - started, timeline.summary())
     host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
     body = _json.encode({"model": names[0], "temperature": 0, "messages": [

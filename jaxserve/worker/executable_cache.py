@@ -1,0 +1,207 @@
+"""Serialized step executables: a warm start loads them instead of tracing, lowering and
+looking each one up in jax's persistent compilation cache (which still traces and lowers).
+
+One file per runner under `<compile cache dir>/executables/`, named by a hash of everything an
+executable depends on that tracing would otherwise decide (`signature`): the jaxserve and
+pallas_kernels sources, jax and jaxlib versions, the backend's platform and version, the
+devices and the mesh, XLA_FLAGS, the engine and model configuration, and the shape, dtype and
+sharding of every argument array. Anything different is a different file, so a stale
+executable is never loaded; a file that fails to load for any reason is ignored and the runner
+compiles as before. Writes go to a temporary file renamed into place (concurrent starts are
+safe).
+
+An executable that jax's persistent cache gave back (a hit) is saved as the bytes that cache
+held: on XLA:CPU, serializing an executable that was itself deserialized loses its kernels
+("Function ... not found" when it runs), so those bytes are taken as jax reads them
+(`watch_cache_reads`); a hit whose bytes were not seen leaves no file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when the file layout changes
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over every .py file of jaxserve and pallas_kernels (their code is traced into the
+    executables)."""
+    import jaxserve
+    import pallas_kernels
+
+    digest = hashlib.sha256()
+    for package in (jaxserve, pallas_kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def environment() -> dict[str, str]:
+    """What outside the engine's configuration decides an executable."""
+    devices = jax.devices()
+    return {
+        "format": str(FORMAT),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": f"{devices[0].client.platform} {devices[0].client.platform_version}",
+        "devices": ",".join(f"{d.id}:{d.device_kind}" for d in devices),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "x64": str(getattr(jax.config, "jax_enable_x64", None)),
+        "matmul_precision": str(getattr(jax.config, "jax_default_matmul_precision", None)),
+        "sources": source_digest(),
+    }
+
+
+def abstract(tree: Any) -> str:
+    """Shape, dtype and sharding of every array in `tree`, with the tree's structure."""
+    leaves, treedef = jax.tree.flatten(tree)
+    described = [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]
+    return f"{treedef}|{described}"
+
+
+def file_stats(path: str) -> str:
+    """Name, size and modification time of the file at `path`, or of every file under it:
+    a rewritten model file changes its executables' signature (a weight the trace reads as a
+    constant would otherwise be stale)."""
+    root = Path(path)
+    files = sorted(root.rglob("*")) if root.is_dir() else [root]
+    return repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()])
+
+
+def signature(**parts: Any) -> str:
+    """A file name for the executables that `parts` (the runner's configuration and argument
+    layouts, as strings) and this process's environment decide."""
+    digest = hashlib.sha256()
+    for name, value in sorted({**environment(), **parts}.items()):
+        digest.update(f"{name}={value}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def _path(cache_dir: str, key: str) -> Path:
+    return Path(cache_dir) / "executables" / f"{key}.pkl"
+
+
+def load(cache_dir: str, key: str, devices: list) -> dict[tuple, Any] | None:
+    """The executables saved under `key`, loaded onto `devices`; None when there is no such
+    file or it cannot be loaded (the caller compiles)."""
+    path = _path(cache_dir, key)
+    if not path.exists():
+        return None
+    try:
+        with open(path, "rb") as f:
+            saved = pickle.load(f)
+        backend = devices[0].client
+        return {
+            name: serialize_executable.deserialize_and_load(
+                blob, in_tree, out_tree, backend=backend, execution_devices=devices
+            )
+            for name, (blob, in_tree, out_tree) in saved.items()
+        }
+    except Exception as e:  # a truncated file, a jax that pickles differently: compile
+        logger.warning("ignoring the saved executables in %s (%s: %s)", path, type(e).__name__, e)
+        return None
+
+
+_read_lock = threading.Lock()
+_recording: list[dict[int, Any]] = []  # the open CacheHits' maps: id(executable) -> bytes
+
+
+class CacheHits:
+    """While open, every persistent-cache hit's executable -> the serialized bytes it was
+    read from (None where they could not be taken)."""
+
+    def __enter__(self) -> dict[int, Any]:
+        self.hits: dict[int, Any] = {}
+        with _read_lock:
+            _recording.append(self.hits)
+        return self.hits
+
+    def __exit__(self, *exc) -> None:
+        with _read_lock:
+            _recording.remove(self.hits)
+
+
+def watch_cache_reads() -> None:
+    """Wrap jax's persistent-cache read so that hits are deserialized one at a time (compile_all
+    compiles in threads, and CI once died, SIGSEGV, with two threads inside XLA:CPU's
+    deserialize_executable at once) and their bytes are kept for `save` while a CacheHits is
+    open. A no-op where jax's internals differ (then any hit keeps `save` from writing)."""
+    from jax._src import compilation_cache as cc
+
+    read = getattr(cc, "get_executable_and_time", None)
+    if read is None or getattr(read, "_jaxserve_watched", False):
+        return
+
+    def watched_read(cache_key, compile_options, backend, *args, **kwargs):
+        with _read_lock:
+            executable, compile_time = read(cache_key, compile_options, backend, *args, **kwargs)
+            if executable is not None and _recording:
+                try:
+                    raw = cc.decompress_executable(cc._get_cache(backend).get(cache_key))
+                    blob = cc.extract_executable_and_time(raw)[0]
+                except Exception:  # jax's internals moved: this hit cannot be saved
+                    blob = None
+                for hits in _recording:
+                    hits[id(executable)] = (executable, blob)  # keeps the id valid
+            return executable, compile_time
+
+    watched_read._jaxserve_watched = True
+    cc.get_executable_and_time = watched_read
+
+
+def _serialize(compiled: Any, hits: dict[int, Any]) -> tuple[bytes, Any, Any]:
+    """serialize_executable.serialize, writing a persistent-cache hit as the bytes it was read
+    from (jax's own pickler otherwise; a jax without it raises, and save writes nothing)."""
+    blob, in_tree, out_tree = serialize_executable.serialize(compiled)  # validates
+    if not hits:
+        return blob, in_tree, out_tree
+
+    class HitBytesPickler(serialize_executable._JaxPjrtPickler):
+        def persistent_id(self, obj):
+            executable, raw = hits.get(id(obj), (None, None))
+            if executable is obj:
+                if raw is None:
+                    raise ValueError("a persistent-cache hit whose bytes were not seen")
+                return ("exec", raw)
+            return super().persistent_id(obj)
+
+    unloaded = compiled._executable._unloaded_executable
+    args_info_flat, _ = jax.tree_util.tree_flatten(compiled.args_info)
+    with io.BytesIO() as f:
+        HitBytesPickler(f).dump((unloaded, args_info_flat, compiled._no_kwargs))
+        return f.getvalue(), in_tree, out_tree
+
+
+def save(
+    cache_dir: str, key: str, compiled: dict[tuple, Any], hits: dict[int, Any] | None = None
+) -> None:
+    """Write `compiled` under `key` (hits: a CacheHits map open while they were compiled); an
+    executable that cannot be serialized leaves no file (the next start compiles, through
+    jax's persistent cache)."""
+    path = _path(cache_dir, key)
+    try:
+        saved = {name: _serialize(c, hits or {}) for name, c in compiled.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
+            pickle.dump(saved, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(f.name, path)
+    except Exception as e:
+        logger.warning("could not save the executables to %s (%s: %s)", path, type(e).__name__, e)

@@ -1,0 +1,157 @@
+"""Saved step executables: a second start with the same signature loads them (no compile, the
+same tokens); a change to anything the signature covers is another file; a bad file is ignored
+and compiled over."""
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker import executable_cache
+from jaxserve.worker.model_runner import num_compilations
+from tests.helpers import make_tiny_hf
+
+ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8,
+              num_gpu_blocks_override=16)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf("llama", tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("compile-cache")
+        mp.setenv("JAXSERVE_COMPILE_CACHE", str(path))
+        mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+        yield path
+
+
+@pytest.fixture(scope="module")
+def first(model_dir, cache_dir):
+    """The first start: compiles every step shape and saves them."""
+    return start(model_dir)
+
+
+def generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 11, 3], [7, 7, 2, 30, 31, 4, 18, 2, 6])]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def start(model_dir, **overrides) -> tuple[LLM, int]:
+    """An engine in this process, and the compilations its start-up asked XLA for."""
+    before = num_compilations()
+    llm = LLM(str(model_dir), **{**ENGINE, **overrides})
+    return llm, num_compilations() - before
+
+
+def runner(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core.runner
+
+
+def test_a_second_start_loads_every_executable_and_gives_the_same_tokens(
+    model_dir, cache_dir, first, caplog
+):
+    first, compiled = first
+    steps = len(runner(first)._compiled)
+    assert compiled >= steps > 0  # + a few small start-up jits (KV cache, penalty state)
+    assert len(list((cache_dir / "executables").glob("*.pkl"))) == 1
+    with caplog.at_level(logging.INFO, "jaxserve.worker.model_runner"):
+        second, compiled_again = start(model_dir)
+    assert f"loaded {steps} step shapes" in caplog.text
+    assert compiled_again <= compiled - steps  # no step executable compiled
+    assert set(runner(second)._compiled) == set(runner(first)._compiled)
+    serving = num_compilations()
+    sampled = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, logprobs=2)
+    for params in (SamplingParams(temperature=0, max_tokens=12), sampled):
+        assert generate(second, params) == generate(first, params)
+    assert num_compilations() == serving  # serving from loaded executables compiles nothing
+
+
+def test_a_different_flag_model_file_jax_or_source_is_a_different_signature(
+    model_dir, first, monkeypatch
+):
+    runner_ = runner(first[0])
+    config = runner_.engine_config
+    key = runner_._executables_key()
+    assert runner_._executables_key() == key  # deterministic
+    runner_.engine_config = dataclasses.replace(
+        runner_.engine_config, max_logprobs=runner_.engine_config.max_logprobs + 1
+    )
+    assert runner_._executables_key() != key
+    runner_.engine_config = config
+    weights = next(model_dir.glob("*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # rewritten in place
+    try:
+        assert runner_._executables_key() != key
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert runner_._executables_key() == key
+    with monkeypatch.context() as m:
+        m.setattr(jax, "__version__", "0.0.1")
+        assert runner_._executables_key() != key
+    with monkeypatch.context() as m:
+        m.setattr(executable_cache, "source_digest", lambda: "edited")
+        assert runner_._executables_key() != key
+    with monkeypatch.context() as m:
+        m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
+        assert runner_._executables_key() != key
+
+
+def test_an_unreadable_file_is_ignored_and_compiled_over(model_dir, cache_dir, first, caplog):
+    llm = first[0]
+    (path,) = (cache_dir / "executables").glob("*.pkl")
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    with caplog.at_level(logging.INFO):
+        again, _ = start(model_dir)
+    assert f"compiled {len(runner(again)._compiled)} step shapes" in caplog.text
+    assert "ignoring the saved executables" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert generate(again, params) == generate(llm, params)
+    assert path.stat().st_size > 1000  # written again
+
+
+RUN = """
+import json, sys
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
+prompts = [{"prompt_token_ids": [5, 9, 11, 3]}, {"prompt_token_ids": [7, 7, 2, 30, 31, 4]}]
+for params in (SamplingParams(temperature=0, max_tokens=10),
+               SamplingParams(temperature=0.9, seed=1, max_tokens=10, logprobs=1)):
+    print([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+"""
+
+
+def test_executables_saved_from_persistent_cache_hits_run_in_a_new_process(model_dir, tmp_path):
+    """jax's persistent cache hits are saved as the bytes it read (re-serializing a deserialized
+    XLA:CPU executable loses its kernels: "Function ... not found" in the next process)."""
+
+    def run() -> tuple[str, str]:
+        env = {**os.environ, "JAXSERVE_COMPILE_CACHE": str(tmp_path),
+               "JAXSERVE_ENABLE_MULTIPROCESSING": "1"}  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", RUN, str(model_dir), json.dumps(ENGINE)],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout, done.stderr
+
+    cold, log = run()  # compiles (and fills jax's persistent cache)
+    assert "compiled" in log
+    shutil.rmtree(tmp_path / "executables")
+    hits, log = run()  # every step shape a persistent-cache hit; saved from those bytes
+    assert "compiled" in log and hits == cold
+    loaded, log = run()
+    assert "loaded" in log and loaded == cold
