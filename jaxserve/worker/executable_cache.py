@@ -120,6 +120,7 @@ def load(cache_dir: str, key: str, devices: list) -> dict[tuple, Any] | None:
         return None
 
 
+_NOT_A_HIT = object()
 _read_lock = threading.Lock()
 _recording: list[dict[int, Any]] = []  # the open CacheHits' maps: id(executable) -> bytes
 
@@ -157,7 +158,8 @@ def watch_cache_reads() -> None:
                 try:
                     raw = cc.decompress_executable(cc._get_cache(backend).get(cache_key))
                     blob = cc.extract_executable_and_time(raw)[0]
-                except Exception:  # jax's internals moved: this hit cannot be saved
+                except Exception as e:  # jax's internals moved: this hit cannot be saved
+                    logger.debug("persistent-cache hit %s not kept: %r", cache_key, e)
                     blob = None
                 for hits in _recording:
                     hits[id(executable)] = (executable, blob)  # keeps the id valid
@@ -176,7 +178,7 @@ def _serialize(compiled: Any, hits: dict[int, Any]) -> tuple[bytes, Any, Any]:
 
     class HitBytesPickler(serialize_executable._JaxPjrtPickler):
         def persistent_id(self, obj):
-            executable, raw = hits.get(id(obj), (None, None))
+            executable, raw = hits.get(id(obj), (_NOT_A_HIT, None))
             if executable is obj:
                 if raw is None:
                     raise ValueError("a persistent-cache hit whose bytes were not seen")
