@@ -344,7 +344,7 @@ def _gguf_hf_config(source: GGUFSource):
         rope_scaling = {"rope_type": "linear", "factor": float(f("rope.scaling.factor"))}
     num_heads = int(f("attention.head_count"))
     hidden = int(f("embedding_length"))
-    vocab = f("vocab_size") or len(source.reader.get_field("tokenizer.ggml.tokens").data)
+    vocab = f("vocab_size") or len(source.field("tokenizer.ggml.tokens"))
     return LlamaConfig(
         architectures=[_GGUF_ARCHITECTURES[source.field("general.architecture")]],
         vocab_size=int(vocab),

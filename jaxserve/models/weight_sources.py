@@ -12,12 +12,12 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from jaxserve.layers.linear import GGUF_BLOCK
+from jaxserve.models.gguf_file import GGUFFile
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -104,21 +104,18 @@ _GGUF_LAYER = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
-def gguf_reader(path: str | Path) -> Any:
-    """The `gguf.GGUFReader` of the file at `path`, parsed once per process while the file is
-    unchanged (parsing a 49k-token vocabulary takes seconds; the engine config, the weights and
-    the tokenizer all read the same file)."""
+def gguf_reader(path: str | Path) -> GGUFFile:
+    """The GGUF file at `path` (`models/gguf_file.py`), parsed once per process while the file
+    is unchanged: the engine config, the weights and the tokenizer all read it."""
     stat = os.stat(path)
     return _gguf_reader(str(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str, size: int, mtime_ns: int) -> Any:
-    import gguf
-
+def _gguf_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises bare ValueErrors / struct errors on bad files
+        return GGUFFile(path)
+    except Exception as e:  # struct errors, bad enum values, short files
         raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e
 
 
