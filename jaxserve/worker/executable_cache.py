@@ -8,7 +8,7 @@ devices and the mesh, XLA_FLAGS, the engine and model configuration, and the sha
 sharding of every argument array. Anything different is a different file, so a stale
 executable is never loaded; a file that fails to load for any reason is ignored and the runner
 compiles as before. Writes go to a temporary file renamed into place (concurrent starts are
-safe).
+safe); past KEEP_FILES files, the least recently used are deleted.
 
 An executable that jax's persistent cache gave back (a hit) is saved as the bytes that cache
 held: on XLA:CPU, serializing an executable that was itself deserialized loses its kernels
@@ -95,6 +95,17 @@ def signature(**parts: Any) -> str:
     return digest.hexdigest()[:32]
 
 
+KEEP_FILES = 16  # the most recently used saved files kept; older ones are deleted on save
+
+
+def prune(directory: Path, keep: int = KEEP_FILES) -> None:
+    """Delete all but the `keep` most recently used files (every code change or new flag set
+    writes a new one)."""
+    files = sorted(directory.glob("*.pkl"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for stale in files[keep:]:
+        stale.unlink(missing_ok=True)
+
+
 def _path(cache_dir: str, key: str) -> Path:
     return Path(cache_dir) / "executables" / f"{key}.pkl"
 
@@ -106,6 +117,7 @@ def load(cache_dir: str, key: str, devices: list) -> dict[tuple, Any] | None:
     if not path.exists():
         return None
     try:
+        os.utime(path)  # recently used: pruned last
         with open(path, "rb") as f:
             saved = pickle.load(f)
         backend = devices[0].client
@@ -205,5 +217,6 @@ def save(
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
             pickle.dump(saved, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(f.name, path)
+        prune(path.parent)
     except Exception as e:
         logger.warning("could not save the executables to %s (%s: %s)", path, type(e).__name__, e)

@@ -157,3 +157,12 @@ def test_executables_saved_from_persistent_cache_hits_run_in_a_new_process(model
     assert "could not save" not in log, log
     loaded, log = run()
     assert re.search(r"loaded \d+ step shapes", log) and loaded == cold, log
+
+
+def test_only_the_most_recently_used_files_are_kept(tmp_path):
+    for i in range(5):
+        path = tmp_path / f"{i}.pkl"
+        path.write_bytes(b"x")
+        os.utime(path, ns=(i * 10**9, i * 10**9))
+    executable_cache.prune(tmp_path, keep=3)
+    assert sorted(p.name for p in tmp_path.glob("*.pkl")) == ["2.pkl", "3.pkl", "4.pkl"]
