@@ -118,7 +118,7 @@ class AsyncLLM:
                 client.config, client, tokenizer=tokenizer.result(),
                 generation_config=read_generation_config(client.config.model_path),
             )  # fmt: skip
-        client.timeline.add("tokenizer (after the engine core)", time.perf_counter() - start)
+        client.timeline.add("frontend set-up (after the engine core)", time.perf_counter() - start)
         return engine
 
     @property

@@ -134,12 +134,13 @@ def load(cache_dir: str, key: str, devices: list) -> dict[tuple, Any] | None:
 
 _NOT_A_HIT = object()
 _read_lock = threading.Lock()
-_recording: list[dict[int, Any]] = []  # the open CacheHits' maps: id(executable) -> bytes
+# The open CacheHits' maps: id(executable) -> (executable, the bytes it was read from | None).
+_recording: list[dict[int, Any]] = []
 
 
 class CacheHits:
-    """While open, every persistent-cache hit's executable -> the serialized bytes it was
-    read from (None where they could not be taken)."""
+    """While open, maps every persistent-cache hit: id(executable) -> (executable, the
+    serialized bytes it was read from, or None where they could not be taken)."""
 
     def __enter__(self) -> dict[int, Any]:
         self.hits: dict[int, Any] = {}
@@ -184,7 +185,9 @@ def watch_cache_reads() -> None:
 def _serialize(compiled: Any, hits: dict[int, Any]) -> tuple[bytes, Any, Any]:
     """serialize_executable.serialize, writing a persistent-cache hit as the bytes it was read
     from (jax's own pickler otherwise; a jax without it raises, and save writes nothing)."""
-    blob, in_tree, out_tree = serialize_executable.serialize(compiled)  # validates
+    # jax's serialize checks what its pickler cannot carry (const args, mutable refs); with hits
+    # its bytes are discarded and the executable pickled again below (start-up only).
+    blob, in_tree, out_tree = serialize_executable.serialize(compiled)
     if not hits:
         return blob, in_tree, out_tree
 
