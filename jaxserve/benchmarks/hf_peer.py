@@ -25,7 +25,7 @@ def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = 
         if path.is_file():  # a GGUF: its config, from the file's metadata
             from jaxserve.models.loader import read_model_config
 
-            config = read_model_config(path).hf_config
+            config = read_model_config(path).hf_config.to_transformers()
         else:
             config = AutoConfig.from_pretrained(path)
         return AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()

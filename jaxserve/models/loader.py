@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import json
 import logging
+import types
 from pathlib import Path
 from typing import Any
 
@@ -321,14 +322,31 @@ def _hf_config(model_dir: Path):
         raise ValueError(f"cannot read {model_dir / 'config.json'}: {e}") from e
 
 
-def _gguf_hf_config(source: GGUFSource):
-    """A transformers config from the GGUF's metadata.
+class GGUFConfig(types.SimpleNamespace):
+    """A GGUF's architecture under transformers' `LlamaConfig` attribute names and defaults
+    (what `ModelConfig.from_hf` reads), built without importing transformers: where torch is
+    installed that import alone took ~2-3 s of every start-up. `to_transformers()` gives the
+    `LlamaConfig` where one is needed (saving a checkpoint, the HF peer)."""
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__(
+            **{"model_type": "llama", "hidden_act": "silu", "attention_bias": False,
+               "mlp_bias": False, **fields}
+        )  # fmt: skip
+
+    def to_transformers(self) -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**{k: v for k, v in vars(self).items() if k != "model_type"})
+
+
+def _gguf_hf_config(source: GGUFSource) -> GGUFConfig:
+    """The model config in the GGUF's metadata (a `GGUFConfig`).
 
     Built from the handful of fields a llama model needs rather than through
     `AutoConfig.from_pretrained(gguf_file=...)`, which parses the whole tokenizer vocabulary
     into Python objects (+330 MiB of host memory for SmolLM2) just to read them.
     """
-    from transformers import LlamaConfig
 
     def f(key, default=None):
         value = source.field(f"llama.{key}")
@@ -345,7 +363,7 @@ def _gguf_hf_config(source: GGUFSource):
     num_heads = int(f("attention.head_count"))
     hidden = int(f("embedding_length"))
     vocab = f("vocab_size") or len(source.field("tokenizer.ggml.tokens"))
-    return LlamaConfig(
+    return GGUFConfig(
         architectures=[_GGUF_ARCHITECTURES[source.field("general.architecture")]],
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -410,7 +428,10 @@ def save_checkpoint(loaded: LoadedModel, dst: str | Path) -> Path:
     if (dst / "params").exists():
         raise FileExistsError(f"{dst / 'params'} already exists; choose an empty destination")
     dst.mkdir(parents=True, exist_ok=True)
-    hf_config = copy.deepcopy(loaded.config.hf_config)
+    hf_config = loaded.config.hf_config
+    if isinstance(hf_config, GGUFConfig):
+        hf_config = hf_config.to_transformers()
+    hf_config = copy.deepcopy(hf_config)
     hf_config.dtype = np.dtype(loaded.config.dtype).name  # what `dtype="auto"` restores as
     hf_config.save_pretrained(dst)
     if loaded.tokenizer is not None:

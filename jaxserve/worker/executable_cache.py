@@ -18,7 +18,9 @@ held: on XLA:CPU, serializing an executable that was itself deserialized loses i
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import io
 import logging
@@ -26,6 +28,8 @@ import os
 import pickle
 import tempfile
 import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +102,21 @@ def signature(**parts: Any) -> str:
 KEEP_FILES = 16  # the most recently used saved files kept; older ones are deleted on save
 
 
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """The garbage collector off, after one collection: what dropped engines left in reference
+    cycles is freed now, not in a thread while another one is inside XLA compiling or loading
+    (CI once died, SIGSEGV, with two threads inside XLA:CPU's deserialize_executable)."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def prune(directory: Path, keep: int = KEEP_FILES) -> None:
     """Delete all but the `keep` most recently used files (every code change or new flag set
     writes a new one)."""
@@ -121,12 +140,18 @@ def load(cache_dir: str, key: str, devices: list) -> dict[tuple, Any] | None:
         with open(path, "rb") as f:
             saved = pickle.load(f)
         backend = devices[0].client
-        return {
-            name: serialize_executable.deserialize_and_load(
+
+        def deserialize(entry: tuple) -> Any:
+            blob, in_tree, out_tree = entry
+            return serialize_executable.deserialize_and_load(
                 blob, in_tree, out_tree, backend=backend, execution_devices=devices
             )
-            for name, (blob, in_tree, out_tree) in saved.items()
-        }
+
+        # In threads: XLA:CPU links each 30-layer forward's kernels as it loads (~1 s each),
+        # and two threads halve that on 2 cores. The largest first, so none is left alone last.
+        order = sorted(saved, key=lambda name: -len(saved[name][0]))
+        with no_gc(), ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return dict(zip(order, pool.map(deserialize, [saved[n] for n in order]), strict=True))
     except Exception as e:  # a truncated file, a jax that pickles differently: compile
         logger.warning("ignoring the saved executables in %s (%s: %s)", path, type(e).__name__, e)
         return None

@@ -39,7 +39,6 @@ mask after them, and each accepted position reports its own logprobs.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -437,19 +436,10 @@ class ModelRunner:
 
     @staticmethod
     def _compile(lowered: dict[tuple, Any]) -> dict[tuple, Any]:
-        # Free what dropped engines left in reference cycles now, and not in a compile thread
-        # while another one is inside XLA (CI once segfaulted there; see
-        # executable_cache.watch_cache_reads, which also guards it).
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                compiled = pool.map(lambda lo: lo.compile(), lowered.values())
-                return dict(zip(lowered, compiled, strict=True))
-        finally:
-            if collecting:
-                gc.enable()
+        with executable_cache.no_gc(), ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return dict(
+                zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values()), strict=True)
+            )
 
     def _executable(self, *key) -> Any:
         try:

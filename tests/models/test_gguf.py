@@ -145,3 +145,19 @@ def test_gguf_blocks_need_a_supported_format_and_whole_runs(gguf_and_reference, 
     )  # fmt: skip
     with pytest.raises(ValueError, match="num_attention_heads \\* head_dim=48 into whole GGUF"):
         validate_tp(config, 2)  # 24 rows a device: one run and a half
+
+
+def test_gguf_config_reads_as_transformers_llama_config(gguf_and_reference):
+    """The GGUF's config is built without importing transformers; the model config it gives
+    is the one transformers' LlamaConfig of the same fields gives (linear rope scaling too)."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.models.loader import GGUFConfig, read_model_config
+
+    config = read_model_config(gguf_and_reference[0])
+    assert isinstance(config.hf_config, GGUFConfig)
+    scaled = GGUFConfig(
+        **{**vars(config.hf_config), "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    )
+    for light in (config.hf_config, scaled):
+        assert ModelConfig.from_hf(light) == ModelConfig.from_hf(light.to_transformers())
+    assert ModelConfig.from_hf(scaled).rope != config.rope
