@@ -512,6 +512,9 @@ class EngineConfig:
     reasoning_parser: str | None = None  # structured outputs bind after the reasoning ends
     pooler: PoolerConfig | None = None  # set: a pooling runner (embeddings), no generation
     speculative: SpeculativeConfig | None = None
+    # Ready once the step shapes that can serve any step are; the rest in the background
+    # (ModelRunner.compile_all). Not part of what the executables depend on: no repr.
+    background_compile: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

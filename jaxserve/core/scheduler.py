@@ -157,8 +157,12 @@ class Scheduler:
         return self.num_unfinished_requests > 0
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
+        """max_tokens: a lower token budget for this step (the runner's start-up is still
+        compiling the forwards of larger steps: ModelRunner.max_step_tokens)."""
         budget = self.config.max_num_batched_tokens
+        if max_tokens is not None:
+            budget = min(budget, max_tokens)
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []

@@ -71,6 +71,10 @@ class EngineArgs:
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max":
     # ..} (or its JSON): speculative decoding; turns async scheduling off
     speculative_config: dict | str | None = None
+    # Ready as soon as the step shapes that can serve any step are (forwards up to max_num_seqs
+    # tokens, the greedy and all-pass samplers); the rest load or compile in the background and
+    # are used once ready. Default off (`LLM`); on for `jaxserve serve`.
+    background_compile: bool = False
 
     def tokenizer_source(self) -> str:
         """Where the frontend reads the tokenizer: --tokenizer, else the model (as the engine
@@ -146,6 +150,7 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             pooler=pooler,
             speculative=speculative,
+            background_compile=self.background_compile,
         )
 
     def _speculative(self, target) -> SpeculativeConfig:

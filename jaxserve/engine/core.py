@@ -75,7 +75,7 @@ class EngineCore:
             num_blocks = self.runner.determine_num_blocks()
             self.runner.initialize_kv_cache(num_blocks)
         with timeline.phase("step executables"):
-            self.runner.compile_all()
+            self.runner.compile_all(background=config.background_compile)
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(
             config.scheduler,
@@ -131,7 +131,7 @@ class EngineCore:
         this call (the first step of a burst, in flight)."""
         dispatched = False
         if self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self.scheduler.schedule(self.runner.max_step_tokens())
             pending = self.runner.dispatch(scheduler_output)
             if pending is not None:
                 self.in_flight.append((scheduler_output, pending))

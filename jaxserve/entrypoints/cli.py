@@ -114,6 +114,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(a GGUF file's blocks kept), compressed-tensors (read from the checkpoint; automatic)",
     )
     parser.add_argument(
+        "--background-compile", action=argparse.BooleanOptionalAction, default=False,
+        help="ready once the step shapes that can serve any step are compiled; the rest "
+        "compile in the background (smaller prefill chunks until then; default on for serve)",
+    )  # fmt: skip
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         help="split <think> reasoning into the reasoning field (deepseek_r1, qwen3); "
@@ -185,7 +190,7 @@ def _add_serve_parser(sub) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     add_engine_args(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, background_compile=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,6 +37,7 @@ from fold_in(step_key, row).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -105,9 +106,14 @@ COMPILED_VARIANTS = (
 )
 
 
-def pick_variant(needed: SamplerVariant) -> SamplerVariant:
-    """The cheapest compiled variant that runs every pass `needed` asks for."""
-    return next(v for v in COMPILED_VARIANTS if v.covers(needed))
+def pick_variant(
+    needed: SamplerVariant, ready: Callable[[SamplerVariant], bool] = lambda v: True
+) -> SamplerVariant:
+    """The cheapest compiled variant that runs every pass `needed` asks for, among those
+    `ready` (the runner's start-up may still be compiling some; FULL_VARIANT is always ready)."""
+    return next(
+        v for v in COMPILED_VARIANTS if v.covers(needed) and (v is FULL_VARIANT or ready(v))
+    )
 
 
 class SamplingMetadata(NamedTuple):

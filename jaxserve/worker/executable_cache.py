@@ -129,32 +129,38 @@ def _path(cache_dir: str, key: str) -> Path:
     return Path(cache_dir) / "executables" / f"{key}.pkl"
 
 
-def load(cache_dir: str, key: str, devices: list) -> dict[tuple, Any] | None:
-    """The executables saved under `key`, loaded onto `devices`; None when there is no such
-    file or it cannot be loaded (the caller compiles)."""
+def read(cache_dir: str, key: str) -> dict[tuple, Any] | None:
+    """The executables saved under `key`, still serialized (`deserialize` loads them); None
+    when there is no such file or it cannot be read (the caller compiles). A start stopped
+    while compiling in the background has saved some of its shapes only."""
     path = _path(cache_dir, key)
     if not path.exists():
         return None
     try:
         os.utime(path)  # recently used: pruned last
         with open(path, "rb") as f:
-            saved = pickle.load(f)
-        backend = devices[0].client
-
-        def deserialize(entry: tuple) -> Any:
-            blob, in_tree, out_tree = entry
-            return serialize_executable.deserialize_and_load(
-                blob, in_tree, out_tree, backend=backend, execution_devices=devices
-            )
-
-        # In threads: XLA:CPU links each 30-layer forward's kernels as it loads (~1 s each),
-        # and two threads halve that on 2 cores. The largest first, so none is left alone last.
-        order = sorted(saved, key=lambda name: -len(saved[name][0]))
-        with no_gc(), ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            return dict(zip(order, pool.map(deserialize, [saved[n] for n in order]), strict=True))
+            return pickle.load(f)
     except Exception as e:  # a truncated file, a jax that pickles differently: compile
         logger.warning("ignoring the saved executables in %s (%s: %s)", path, type(e).__name__, e)
         return None
+
+
+def deserialize(
+    saved: dict[tuple, Any], names: list[tuple], devices: list, workers: int
+) -> Iterator[tuple[tuple, Any]]:
+    """(name, executable) for each of `names`, in order, loaded onto `devices` from `saved` in
+    `workers` threads: XLA:CPU links each 30-layer forward's kernels as it loads (~1 s each),
+    and two threads halve that on 2 cores. Run it under `no_gc`."""
+    backend = devices[0].client
+
+    def load(name: tuple) -> Any:
+        blob, in_tree, out_tree = saved[name]
+        return serialize_executable.deserialize_and_load(
+            blob, in_tree, out_tree, backend=backend, execution_devices=devices
+        )
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        yield from zip(names, pool.map(load, names), strict=True)
 
 
 _NOT_A_HIT = object()
@@ -233,18 +239,26 @@ def _serialize(compiled: Any, hits: dict[int, Any]) -> tuple[bytes, Any, Any]:
 
 
 def save(
-    cache_dir: str, key: str, compiled: dict[tuple, Any], hits: dict[int, Any] | None = None
-) -> None:
-    """Write `compiled` under `key` (hits: a CacheHits map open while they were compiled); an
-    executable that cannot be serialized leaves no file (the next start compiles, through
-    jax's persistent cache)."""
+    cache_dir: str,
+    key: str,
+    compiled: dict[tuple, Any],
+    hits: dict[int, Any] | None = None,
+    serialized: dict[tuple, Any] | None = None,
+) -> dict[tuple, Any]:
+    """Write `compiled` under `key`, with `serialized` (entries of `read`'s dict, for the
+    executables that were loaded: one loaded on XLA:CPU cannot be serialized again); hits: a
+    CacheHits map open while they were compiled. Returns `compiled`'s entries as written. An
+    executable that cannot be serialized leaves no file and returns {} (the next start
+    compiles, through jax's persistent cache)."""
     path = _path(cache_dir, key)
     try:
-        saved = {name: _serialize(c, hits or {}) for name, c in compiled.items()}
+        written = {name: _serialize(c, hits or {}) for name, c in compiled.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
-            pickle.dump(saved, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump({**(serialized or {}), **written}, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(f.name, path)
         prune(path.parent)
+        return written
     except Exception as e:
         logger.warning("could not save the executables to %s (%s: %s)", path, type(e).__name__, e)
+        return {}

@@ -39,9 +39,13 @@ mask after them, and each accepted position reports its own logprobs.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -60,6 +64,7 @@ from jaxserve.layers.attention import AttentionMetadata, configure_attention
 from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.layers.sampler import (
     COMPILED_VARIANTS,
+    FULL_VARIANT,
     MAX_BIAS_TOKENS,
     SamplerVariant,
     SamplingMetadata,
@@ -218,6 +223,7 @@ class ModelRunner:
         self._pool_acc: dict[str, list] = {}  # req_id -> [sum f32[D], first f32[D]]
         self._init_penalty_row = jax.jit(_init_penalty_row, donate_argnums=(0,), out_shardings=rep)
         self._compiled: dict[tuple, Any] = {}  # (kind, shape...) -> compiled executable
+        self._background: threading.Thread | None = None  # compile_all's, while it runs
         self._free_bitmasks: dict[int, np.ndarray] = {}
         # Penalty state per input-batch row, on the device: (prompt_mask bool[R, V],
         # output_counts i32[R, V]). A penalised request's row is filled once when it is
@@ -352,25 +358,113 @@ class ModelRunner:
             self.max_model_len, num_blocks * self.block_size / self.max_model_len,
         )  # fmt: skip
 
-    def compile_all(self) -> None:
+    def compile_all(self, background: bool = False) -> None:
         """Every step shape's executable, so no serving step ever compiles: loaded as saved by
-        an earlier start with the same signature (executable_cache), or lowered and then
-        compiled in parallel threads (and saved)."""
+        an earlier start with the same signature (executable_cache), or lowered and compiled in
+        parallel threads (then saved).
+
+        background: return once the shapes that can serve any step are ready (every forward up
+        to the bucket of max_num_seqs tokens, all-greedy and all-pass sampling, prompt
+        logprobs, drafts); load or compile the rest in a background thread, each used as soon
+        as it is ready (`max_step_tokens` grows with the forwards, `pick_variant` takes the
+        cheapest ready sampler). Start-up is then about half as long cold; a step never waits
+        on a compile, but until the rest is ready prefill chunks are smaller and sampling may
+        run more passes than it needs."""
         start = time.perf_counter()
         cache_dir, key = compile_cache_dir(), self._executables_key()
         devices = list(self.mesh.devices.flat)
-        compiled = executable_cache.load(cache_dir, key, devices)
-        how = "loaded"
-        if compiled is None:
-            with executable_cache.CacheHits() as hits:
-                compiled, how = self._compile(self._lower_all()), "compiled"
-            executable_cache.save(cache_dir, key, compiled, hits)
-        self._compiled = compiled
+        lowerings = self._lowerings()
+        saved = executable_cache.read(cache_dir, key) or {}
+        if not saved.keys() <= lowerings.keys():
+            logger.warning("ignoring saved executables of other step shapes (key %s)", key)
+            saved = {}
+        loaded: set[tuple] = set()  # names loaded from the file
+        now = [n for n in lowerings if not background or self._serves_any_step(n)]
+        later = [n for n in lowerings if n not in set(now)]
+        hits = contextlib.ExitStack()  # persistent-cache hits, for save; open until all are in
+        hit_bytes = hits.enter_context(executable_cache.CacheHits())
+
+        def build(names: list[tuple], workers: int) -> None:
+            nonlocal saved
+            with executable_cache.no_gc():
+                try:
+                    on_file = [n for n in names if n in saved]
+                    for name, exe in executable_cache.deserialize(saved, on_file, devices, workers):
+                        self._compiled[name] = exe
+                        loaded.add(name)
+                except Exception as e:  # a jax that loads differently: compile the rest
+                    logger.warning("could not load saved executables (%r); compiling", e)
+                    saved = {n: saved[n] for n in loaded}
+                lowered = {n: lowerings[n]() for n in names if n not in loaded}
+                with ThreadPoolExecutor(max_workers=workers) as pool:
+                    compiled = pool.map(lambda lo: lo.compile(), lowered.values())
+                    for name, exe in zip(lowered, compiled, strict=True):
+                        self._compiled[name] = exe
+
+        def save() -> None:  # `saved`: the serialized bytes known good, of any shape
+            compiled = {n: e for n, e in list(self._compiled.items()) if n not in saved}
+            if compiled:
+                saved.update(executable_cache.save(cache_dir, key, compiled, hit_bytes, saved))
+
+        def finish() -> None:
+            try:
+                if later:  # what a stopped start compiled is kept
+                    save()
+                    build(later, workers=1)  # a core left to the serving steps
+                save()
+                if later:
+                    logger.info(
+                        "%d more step shapes ready (and saved) in the background, %.1f s "
+                        "after start-up began compiling", len(later), time.perf_counter() - start,
+                    )  # fmt: skip
+            finally:
+                hits.close()
+
+        build(now, workers=os.cpu_count() or 1)
         if self.drafter is not None and self.drafter.needs_kv_cache:
             self.drafter.set_compiled(self._compiled)
         logger.info(
-            "%s %d step shapes in %.1f s", how, len(self._compiled), time.perf_counter() - start
-        )
+            "%s %d step shapes in %.1f s%s",
+            "loaded" if loaded.issuperset(now) else "compiled", len(now),
+            time.perf_counter() - start,
+            f" ({len(later)} more in the background)" if later else "",
+        )  # fmt: skip
+        if later:
+            self._background = threading.Thread(target=finish, daemon=True, name="compile")
+            self._background.start()
+        else:
+            finish()
+
+    def _serves_any_step(self, name: tuple) -> bool:
+        """Whether step shape `name` is among those compile_all(background=True) waits for."""
+        if name[0] == "forward":
+            top = self._token_bucket(min(self.max_num_seqs, self.token_buckets[-1]))
+            return self.drafter is not None or name[1] <= top
+        if name[0] == "sample":
+            return name[2] in (COMPILED_VARIANTS[0], FULL_VARIANT)
+        return True
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for compile_all's background shapes; whether all are ready."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return not self.compiling
+
+    @property
+    def compiling(self) -> bool:
+        """Whether compile_all's background thread is still loading or compiling shapes."""
+        return self._background is not None and self._background.is_alive()
+
+    def max_step_tokens(self) -> int:
+        """The most tokens one step can schedule now: the forwards of every token bucket up to
+        it are ready (all of them once compile_all is done)."""
+        if not self.compiling:
+            return self.token_buckets[-1]
+        ready = self._compiled
+        missing = [t for t, d in self.forward_variants() if ("forward", t, d) not in ready]
+        if not missing:
+            return self.token_buckets[-1]
+        return max(t for t in self.token_buckets if t < min(missing))
 
     def _executables_key(self) -> str:
         """What the step executables depend on beyond the environment: the configuration
@@ -390,56 +484,54 @@ class ModelRunner:
             mesh=repr(self.mesh),
         )
 
-    def _lower_all(self) -> dict[tuple, Any]:
+    def _lowerings(self) -> dict[tuple, Callable[[], Any]]:
+        """Every step shape's name -> a function lowering it (called in compile_all's
+        background thread too: the donated state is captured as shapes, not arrays)."""
         rep = self._replicated
         d = self.config.hidden_size
+        spec = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+        )
+        kv, penalty, last = spec(self.kv_caches), spec(self.penalty_state), spec(self.last_tokens)
         last_hidden = jax.ShapeDtypeStruct(
             (self.max_sample_rows, d), self.config.dtype, sharding=rep
         )
-        lowered = {}
+        lowerings: dict[tuple, Callable[[], Any]] = {}
         for t, decode_only in self.forward_variants():
-            lowered["forward", t, decode_only] = self._forward.lower(
-                self.params, self.kv_caches, self.last_tokens,
-                self._padding_forward(t, decode_only),
-            )  # fmt: skip
+            lowerings["forward", t, decode_only] = functools.partial(
+                self._forward.lower, self.params, kv, last, self._padding_forward(t, decode_only)
+            )
         for t in self.token_buckets:
             hidden = jax.ShapeDtypeStruct((t, d), self.config.dtype, sharding=rep)
-            lowered["prompt_logprobs", t] = self._prompt_logprobs.lower(
-                self.head, hidden, np.full(t, -1, np.int32)
+            lowerings["prompt_logprobs", t] = functools.partial(
+                self._prompt_logprobs.lower, self.head, hidden, np.full(t, -1, np.int32)
             )
             if self.pooler is not None:
                 idx = np.zeros(self.max_num_seqs, np.int32)
-                lowered["pool", t] = self._pool.lower(
-                    hidden, np.zeros(t, np.int32), idx, idx, num_seqs=self.max_num_seqs
-                )
-        for s in self.sample_buckets:
-            for variant in COMPILED_VARIANTS:
-                inputs = SampleInputs(
-                    self._sampling_metadata([], s)[0], np.zeros(s, np.int32), np.zeros(s, bool),
-                    np.bool_(False), np.int32(0), np.full((s, self.num_spec_tokens), -1, np.int32),
+                lowerings["pool", t] = functools.partial(
+                    self._pool.lower, hidden, np.zeros(t, np.int32), idx, idx,
+                    num_seqs=self.max_num_seqs,
                 )  # fmt: skip
-                lowered["sample", s, variant] = self._sample.lower(
-                    self.head, last_hidden, self.penalty_state, self.last_tokens, inputs,
+        for s in self.sample_buckets:
+            inputs = SampleInputs(
+                self._sampling_metadata([], s)[0], np.zeros(s, np.int32), np.zeros(s, bool),
+                np.bool_(False), np.int32(0), np.full((s, self.num_spec_tokens), -1, np.int32),
+            )  # fmt: skip
+            for variant in COMPILED_VARIANTS:
+                lowerings["sample", s, variant] = functools.partial(
+                    self._sample.lower, self.head, last_hidden, penalty, last, inputs,
                     variant=variant,
                 )  # fmt: skip
         if self.drafter is not None and self.drafter.needs_kv_cache:
             padding = {v: self._padding_forward(*v) for v in self.forward_variants()}
-            lowered.update(
-                self.drafter.lower_all(padding, self.seq_buckets, self.max_blocks_per_req)
-            )
-        tokens = np.zeros(self.max_model_len, np.int32)
+            drafts = self.drafter.lower_all(padding, self.seq_buckets, self.max_blocks_per_req)
+            lowerings.update({name: (lambda lo=lo: lo) for name, lo in drafts.items()})
         zero = np.int32(0)
-        lowered["init_penalty_row",] = self._init_penalty_row.lower(
-            self.penalty_state, zero, tokens, zero, zero
-        )
-        return lowered
-
-    @staticmethod
-    def _compile(lowered: dict[tuple, Any]) -> dict[tuple, Any]:
-        with executable_cache.no_gc(), ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            return dict(
-                zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values()), strict=True)
-            )
+        lowerings["init_penalty_row",] = functools.partial(
+            self._init_penalty_row.lower,
+            penalty, zero, np.zeros(self.max_model_len, np.int32), zero, zero,
+        )  # fmt: skip
+        return lowerings
 
     def _executable(self, *key) -> Any:
         try:
@@ -630,7 +722,7 @@ class ModelRunner:
             )
             needed = needed._replace(structured=True)
         s = sample_inputs.rows.shape[0]
-        variant = pick_variant(needed)
+        variant = pick_variant(needed, ready=lambda v: ("sample", s, v) in self._compiled)
         out, self.penalty_state, self.last_tokens = self._executable("sample", s, variant)(
             self.head, d.last_hidden, self.penalty_state, self.last_tokens, sample_inputs
         )

@@ -10,6 +10,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import pytest
@@ -166,3 +168,69 @@ def test_only_the_most_recently_used_files_are_kept(tmp_path):
         os.utime(path, ns=(i * 10**9, i * 10**9))
     executable_cache.prune(tmp_path, keep=3)
     assert sorted(p.name for p in tmp_path.glob("*.pkl")) == ["2.pkl", "3.pkl", "4.pkl"]
+
+
+def test_background_compile_serves_at_once_without_compiling_then_saves_all(
+    model_dir, cache_dir, first, monkeypatch
+):
+    """background_compile: the engine is ready with the forwards up to max_num_seqs tokens and
+    the greedy and all-pass samplers; until the rest is in, steps take at most that many
+    tokens, sampling takes the all-pass variant, and nothing compiles on the serving path.
+    The same tokens as a start that compiled everything. What is compiled is saved at once
+    (a stopped start keeps it), every shape once all are in, and a second start loads them."""
+    from jaxserve.worker.model_runner import ModelRunner
+
+    gate = threading.Event()
+    lowerings = ModelRunner._lowerings
+
+    def gated(self):  # the background thread lowers nothing until the gate opens
+        def hold(lower):
+            def wait_then_lower():
+                if threading.current_thread().name == "compile":
+                    assert gate.wait(120)
+                return lower()
+
+            return wait_then_lower
+
+        return {name: hold(lower) for name, lower in lowerings(self).items()}
+
+    monkeypatch.setattr(ModelRunner, "_lowerings", gated)
+    config = dict(max_num_batched_tokens=16, background_compile=True)
+    llm, _ = start(model_dir, **config)
+    r = runner(llm)
+    all_shapes = set(gated(r))
+    assert r.compiling and r.max_step_tokens() == 2  # the bucket of max_num_seqs=2 tokens
+    assert {("forward", 4, False), ("forward", 16, False)}.isdisjoint(r._compiled)
+    steps = []
+    dispatch = r.dispatch
+    monkeypatch.setattr(
+        r, "dispatch", lambda so: steps.append(so.total_num_scheduled_tokens) or dispatch(so)
+    )
+    serving = num_compilations()
+    sampled = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, logprobs=2)
+    for params in (SamplingParams(temperature=0, max_tokens=12), sampled):
+        assert generate(llm, params) == generate(first[0], params)
+    assert num_compilations() == serving and max(steps) == 2  # 9-token prompt: 2-token chunks
+
+    for _ in range(600):  # what a start stopped now would keep: the shapes it has compiled
+        partial = executable_cache.read(str(cache_dir), r._executables_key())
+        if partial:
+            break
+        time.sleep(0.1)
+    assert partial is not None and set(partial) == set(r._compiled) != all_shapes
+
+    gate.set()
+    assert r.wait_compiled(300) and set(r._compiled) == all_shapes
+    assert r.max_step_tokens() == 16
+    steps.clear()
+    assert generate(llm, SamplingParams(temperature=0, max_tokens=4)) == [
+        t[:4] for t in generate(first[0], SamplingParams(temperature=0, max_tokens=4))
+    ]
+    assert max(steps) > 2
+    saved = executable_cache.read(str(cache_dir), r._executables_key())
+    assert saved is not None and set(saved) == all_shapes
+
+    again, compiled = start(model_dir, **config)
+    assert runner(again).wait_compiled(300) and set(runner(again)._compiled) == all_shapes
+    assert compiled < len(all_shapes)  # loaded, not compiled
+    assert generate(again, sampled) == generate(first[0], sampled)
