@@ -38,6 +38,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.layers.linear import quantize_kernel
+from jaxserve.models import weight_cache
 from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
@@ -175,34 +176,29 @@ def load_model(
         params = _restore_orbax(path / "params", model_cls, config, replicas, shardings)
     else:
         params = {}
+        # A GGUF's blocks are dequantized on every load: the arrays placed are cached on disk.
+        cached = writer = None
+        if isinstance(source, GGUFSource) and config.quantization != "gguf":
+            entry = weight_cache.key(path, config, replicas)
+            cached = weight_cache.read(entry, targets)
+            writer = weight_cache.Writer(entry) if cached is None else None
 
         def place(p, host):
             params[p] = jax.make_array_from_callback(host.shape, shardings[p], host.__getitem__)
+            if writer is not None:
+                writer.add(p, host)
 
-        for p in tqdm(targets, desc=f"Loading {path.name}", unit="param", leave=False):
-            if p[-1] in ("scale", "offset"):
-                continue  # placed with its quantized kernel
-            weight = model_cls.hf_weight(config, p, replicas)
-            if _quantized(targets[p]) and config.quantization == "gguf":
-                blocks = [source.get_blocks(name) for name in weight.names]  # (q, d, m) each
-                build = weight.build or (lambda x: x)
-                for i, leaf in enumerate(("kernel", "scale", "offset")):
-                    host = build(*(b[i] for b in blocks))
-                    place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
-                                                    ", ".join(weight.names)))  # fmt: skip
-            elif _quantized(targets[p]) and config.prequantized:
-                kernel, scale = _read_prequantized(source, weight, targets[p])
-                place(p, kernel)
-                place((*p[:-1], "scale"), scale)
-            elif _quantized(targets[p]):  # read in float32, quantized per output channel
-                kernel, scale = quantize_kernel(
-                    _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),
-                    config.quantization,
-                )  # fmt: skip
-                place(p, kernel)
-                place((*p[:-1], "scale"), scale)
+        try:
+            if cached is not None:
+                for p, host in cached.items():
+                    place(p, host)
             else:
-                place(p, _read_param(source, weight, targets[p]))
+                _read_params(source, model_cls, config, replicas, targets, place, path.name)
+            if writer is not None:
+                writer.commit()
+        finally:
+            if writer is not None:
+                writer.abort()  # nothing once committed
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(params))
     model = nnx.merge(graphdef, state)
     if source is not None:
@@ -216,6 +212,36 @@ def load_model(
         tokenizer=read_tokenizer(path) if load_tokenizer else None,
         generation_config=read_generation_config(path),
     )
+
+
+def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets: dict,
+                 place, label: str) -> None:  # fmt: skip
+    """Read (and convert, quantize) every parameter of `targets` from `source`, handing each
+    host array to `place(path, array)`."""
+    for p in tqdm(targets, desc=f"Loading {label}", unit="param", leave=False):
+        if p[-1] in ("scale", "offset"):
+            continue  # placed with its quantized kernel
+        weight = model_cls.hf_weight(config, p, replicas)
+        if _quantized(targets[p]) and config.quantization == "gguf":
+            blocks = [source.get_blocks(name) for name in weight.names]  # (q, d, m) each
+            build = weight.build or (lambda x: x)
+            for i, leaf in enumerate(("kernel", "scale", "offset")):
+                host = build(*(b[i] for b in blocks))
+                place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
+                                                ", ".join(weight.names)))  # fmt: skip
+        elif _quantized(targets[p]) and config.prequantized:
+            kernel, scale = _read_prequantized(source, weight, targets[p])
+            place(p, kernel)
+            place((*p[:-1], "scale"), scale)
+        elif _quantized(targets[p]):  # read in float32, quantized per output channel
+            kernel, scale = quantize_kernel(
+                _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),
+                config.quantization,
+            )  # fmt: skip
+            place(p, kernel)
+            place((*p[:-1], "scale"), scale)
+        else:
+            place(p, _read_param(source, weight, targets[p]))
 
 
 # Where fp8 checkpoints keep each layer's KV cache scales, as vLLM reads them: ModelOpt's
