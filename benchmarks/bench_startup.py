@@ -1,9 +1,11 @@
 """Start-up time of `jaxserve serve`: launch to a 200 from /health, cold and warm.
 
 Cold: the persistent XLA compilation cache ($JAXSERVE_COMPILE_CACHE, read by
-model_runner.enable_persistent_compilation_cache) points at a fresh empty directory, so every
-step shape is compiled. Warm: the same directory again, now filled by the cold run (the step
-executables saved there load without tracing: worker/executable_cache.py). Either way
+model_runner.enable_persistent_compilation_cache) and the converted-weight cache
+($JAXSERVE_WEIGHT_CACHE, models/weight_cache.py) point at fresh empty directories, so every
+step shape is compiled and a GGUF dequantized. Warm: the same directories again, now filled by
+the cold run (the step executables saved there load without tracing:
+worker/executable_cache.py). Either way
 the OS page cache may already hold the model file and Python's bytecode (this is a cold
 compile, not a cold machine). Each run is stopped with SIGTERM once healthy, and once the
 step shapes `serve` compiles or loads in the background after it is ready (--background-compile,
@@ -48,7 +50,8 @@ def time_startup(serve_args: list[str], cache_dir: str, timeout: float) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), *serve_args]  # fmt: skip
-    env = {**os.environ, "JAXSERVE_COMPILE_CACHE": cache_dir}
+    env = {**os.environ, "JAXSERVE_COMPILE_CACHE": os.path.join(cache_dir, "xla"),
+           "JAXSERVE_WEIGHT_CACHE": os.path.join(cache_dir, "weights")}  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     runs = {}
-    with tempfile.TemporaryDirectory(prefix="jaxserve-xla-") as cache_dir:
+    with tempfile.TemporaryDirectory(prefix="jaxserve-caches-") as cache_dir:
         runs["cold"] = [time_startup(args.serve_args, cache_dir, args.timeout)]
         runs["warm"] = [
             time_startup(args.serve_args, cache_dir, args.timeout) for _ in range(args.num_warm)

@@ -110,7 +110,7 @@ class Writer:
         self.data.write(b"\0" * pad)
         self.offset += pad
         self.index.append([list(path), array.dtype.name, list(array.shape), self.offset])
-        self.data.write(array.tobytes())
+        self.data.write(array.reshape(-1).view(np.uint8))  # no copy
         self.offset += array.nbytes
 
     def abort(self) -> None:

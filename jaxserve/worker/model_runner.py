@@ -93,6 +93,8 @@ PROMPT_LOGPROBS_CHUNK = 256  # positions whose [chunk, V] logits are live at onc
 # 2 cores, batch 8 / 32 at contexts 96 / 480: 0.96-1.01x the general forward's time;
 # benchmarks/results/cpu.md), so it keeps one forward per bucket and compiles no more.
 DECODE_ONLY_FORWARDS = {"pallas": True, "reference": False}
+# The executables compiled per token bucket (name[1]): a step of T tokens runs them at T's.
+TOKEN_BUCKET_STEPS = ("forward", "prompt_logprobs", "pool")
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> list[int]:
@@ -224,6 +226,7 @@ class ModelRunner:
         self._init_penalty_row = jax.jit(_init_penalty_row, donate_argnums=(0,), out_shardings=rep)
         self._compiled: dict[tuple, Any] = {}  # (kind, shape...) -> compiled executable
         self._background: threading.Thread | None = None  # compile_all's, while it runs
+        self._token_bucket_shapes: list[tuple] = []  # the steps run per token bucket
         self._free_bitmasks: dict[int, np.ndarray] = {}
         # Penalty state per input-batch row, on the device: (prompt_mask bool[R, V],
         # output_counts i32[R, V]). A penalised request's row is filled once when it is
@@ -363,24 +366,27 @@ class ModelRunner:
         an earlier start with the same signature (executable_cache), or lowered and compiled in
         parallel threads (then saved).
 
-        background: return once the shapes that can serve any step are ready (every forward up
-        to the bucket of max_num_seqs tokens, all-greedy and all-pass sampling, prompt
-        logprobs, drafts); load or compile the rest in a background thread, each used as soon
-        as it is ready (`max_step_tokens` grows with the forwards, `pick_variant` takes the
-        cheapest ready sampler). Start-up is then about half as long cold; a step never waits
-        on a compile, but until the rest is ready prefill chunks are smaller and sampling may
-        run more passes than it needs."""
+        background: return once the shapes that can serve any step are ready (the forward and
+        prompt logprobs of token buckets 1, 4, 16, .. and max_num_seqs', all-greedy and
+        all-pass sampling, drafts); load or compile the rest in a background thread, each used
+        as soon as it is ready (`_ready_token_bucket` pads a step to the next ready bucket,
+        `max_step_tokens` grows with the larger buckets, `pick_variant` takes the cheapest
+        ready sampler). Start-up is then about half as long cold; a step never waits on a
+        compile, but until the rest is in, some steps pad more, prefill chunks are smaller and
+        sampling may run more passes than it needs."""
         start = time.perf_counter()
         cache_dir, key = compile_cache_dir(), self._executables_key()
         devices = list(self.mesh.devices.flat)
         lowerings = self._lowerings()
+        self._token_bucket_shapes = [n for n in lowerings if n[0] in TOKEN_BUCKET_STEPS]
         saved = executable_cache.read(cache_dir, key) or {}
         if not saved.keys() <= lowerings.keys():
             logger.warning("ignoring saved executables of other step shapes (key %s)", key)
             saved = {}
         loaded: set[tuple] = set()  # names loaded from the file
         now = [n for n in lowerings if not background or self._serves_any_step(n)]
-        later = [n for n in lowerings if n not in set(now)]
+        later = [n for n in lowerings if n not in set(now)]  # a token bucket's steps together
+        later.sort(key=lambda n: n[1] if n[0] in TOKEN_BUCKET_STEPS else self.token_buckets[-1] + 1)
         hits = contextlib.ExitStack()  # persistent-cache hits, for save; open until all are in
         hit_bytes = hits.enter_context(executable_cache.CacheHits())
 
@@ -395,11 +401,14 @@ class ModelRunner:
                 except Exception as e:  # a jax that loads differently: compile the rest
                     logger.warning("could not load saved executables (%r); compiling", e)
                     saved = {n: saved[n] for n in loaded}
-                lowered = {n: lowerings[n]() for n in names if n not in loaded}
                 with ThreadPoolExecutor(max_workers=workers) as pool:
-                    compiled = pool.map(lambda lo: lo.compile(), lowered.values())
-                    for name, exe in zip(lowered, compiled, strict=True):
-                        self._compiled[name] = exe
+                    # Each compile starts as soon as its shape is lowered (here, holding the
+                    # GIL), so lowering the next ones overlaps the compiles (forwards first).
+                    compiling = {
+                        n: pool.submit(lowerings[n]().compile) for n in names if n not in loaded
+                    }
+                    for name, future in compiling.items():
+                        self._compiled[name] = future.result()
 
         def save() -> None:  # `saved`: the serialized bytes known good, of any shape
             compiled = {n: e for n, e in list(self._compiled.items()) if n not in saved}
@@ -437,9 +446,11 @@ class ModelRunner:
 
     def _serves_any_step(self, name: tuple) -> bool:
         """Whether step shape `name` is among those compile_all(background=True) waits for."""
-        if name[0] == "forward":
+        if name[0] in TOKEN_BUCKET_STEPS:  # 1, 4, 16, .. and max_num_seqs' bucket: a step
+            # pads to the next of these until the buckets between are in
             top = self._token_bucket(min(self.max_num_seqs, self.token_buckets[-1]))
-            return self.drafter is not None or name[1] <= top
+            t = name[1]
+            return self.drafter is not None or t == top or (t < top and t.bit_length() % 2 == 1)
         if name[0] == "sample":
             return name[2] in (COMPILED_VARIANTS[0], FULL_VARIANT)
         return True
@@ -460,11 +471,16 @@ class ModelRunner:
         it are ready (all of them once compile_all is done)."""
         if not self.compiling:
             return self.token_buckets[-1]
-        ready = self._compiled
-        missing = [t for t, d in self.forward_variants() if ("forward", t, d) not in ready]
-        if not missing:
-            return self.token_buckets[-1]
-        return max(t for t in self.token_buckets if t < min(missing))
+        missing = {n[1] for n in self._token_bucket_shapes if n not in self._compiled}
+        return max(t for t in self.token_buckets if t not in missing)
+
+    def _ready_token_bucket(self, num_tokens: int) -> int:
+        """The smallest token bucket holding num_tokens whose steps are all ready (while
+        compile_all's background thread runs, some between the ready ones may not be)."""
+        if not self.compiling:
+            return self._token_bucket(num_tokens)
+        missing = {n[1] for n in self._token_bucket_shapes if n not in self._compiled}
+        return next(t for t in self.token_buckets if t >= num_tokens and t not in missing)
 
     def _executables_key(self) -> str:
         """What the step executables depend on beyond the environment: the configuration
@@ -607,7 +623,7 @@ class ModelRunner:
         for row, d in zip(rows, drafts, strict=True):
             if d:  # the drafts are the inputs after the last known token
                 ib.token_ids[row, ib.num_tokens[row] : ib.num_tokens[row] + len(d)] = d
-        t = self._token_bucket(num_tokens)
+        t = self._ready_token_bucket(num_tokens)
         sf = self._forward_seqs(t)
         s = next(b for b in self.sample_buckets if b >= num_rows)
 

@@ -173,11 +173,12 @@ def test_only_the_most_recently_used_files_are_kept(tmp_path):
 def test_background_compile_serves_at_once_without_compiling_then_saves_all(
     model_dir, cache_dir, first, monkeypatch
 ):
-    """background_compile: the engine is ready with the forwards up to max_num_seqs tokens and
-    the greedy and all-pass samplers; until the rest is in, steps take at most that many
-    tokens, sampling takes the all-pass variant, and nothing compiles on the serving path.
-    The same tokens as a start that compiled everything. What is compiled is saved at once
-    (a stopped start keeps it), every shape once all are in, and a second start loads them."""
+    """background_compile: the engine is ready with the steps of token buckets 1, 4, 16, ..
+    and max_num_seqs' and the greedy and all-pass samplers; until the rest is in, a step pads to
+    the next ready bucket and takes at most max_num_seqs' tokens, sampling takes the all-pass
+    variant, and nothing compiles on the serving path. The same tokens as a start that
+    compiled everything. What is compiled is saved at once (a stopped start keeps it), every
+    shape once all are in, and a second start loads them."""
     from jaxserve.worker.model_runner import ModelRunner
 
     gate = threading.Event()
@@ -195,12 +196,14 @@ def test_background_compile_serves_at_once_without_compiling_then_saves_all(
         return {name: hold(lower) for name, lower in lowerings(self).items()}
 
     monkeypatch.setattr(ModelRunner, "_lowerings", gated)
-    config = dict(max_num_batched_tokens=16, background_compile=True)
+    config = dict(max_num_seqs=8, max_num_batched_tokens=16, background_compile=True)
     llm, _ = start(model_dir, **config)
     r = runner(llm)
     all_shapes = set(gated(r))
-    assert r.compiling and r.max_step_tokens() == 2  # the bucket of max_num_seqs=2 tokens
-    assert {("forward", 4, False), ("forward", 16, False)}.isdisjoint(r._compiled)
+    # token buckets 1, 4 and max_num_seqs' 8 are in: a 2-token step pads to 4, 16 waits
+    assert r.compiling and r.max_step_tokens() == 8 and r._ready_token_bucket(2) == 4
+    later = {("forward", 2, False), ("forward", 16, False), ("prompt_logprobs", 2)}
+    assert later.isdisjoint(r._compiled) and later < all_shapes
     steps = []
     dispatch = r.dispatch
     monkeypatch.setattr(
@@ -210,7 +213,7 @@ def test_background_compile_serves_at_once_without_compiling_then_saves_all(
     sampled = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, logprobs=2)
     for params in (SamplingParams(temperature=0, max_tokens=12), sampled):
         assert generate(llm, params) == generate(first[0], params)
-    assert num_compilations() == serving and max(steps) == 2  # 9-token prompt: 2-token chunks
+    assert num_compilations() == serving and max(steps) == 8  # a 9-token prompt: 8 + 1
 
     for _ in range(600):  # what a start stopped now would keep: the shapes it has compiled
         partial = executable_cache.read(str(cache_dir), r._executables_key())
@@ -221,12 +224,12 @@ def test_background_compile_serves_at_once_without_compiling_then_saves_all(
 
     gate.set()
     assert r.wait_compiled(300) and set(r._compiled) == all_shapes
-    assert r.max_step_tokens() == 16
+    assert r.max_step_tokens() == 16 and r._ready_token_bucket(2) == 2
     steps.clear()
     assert generate(llm, SamplingParams(temperature=0, max_tokens=4)) == [
         t[:4] for t in generate(first[0], SamplingParams(temperature=0, max_tokens=4))
     ]
-    assert max(steps) > 2
+    assert max(steps) > 8
     saved = executable_cache.read(str(cache_dir), r._executables_key())
     assert saved is not None and set(saved) == all_shapes
 
