@@ -71,9 +71,9 @@ class EngineArgs:
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max":
     # ..} (or its JSON): speculative decoding; turns async scheduling off
     speculative_config: dict | str | None = None
-    # Ready as soon as the step shapes that can serve any step are (forwards up to max_num_seqs
-    # tokens, the greedy and all-pass samplers); the rest load or compile in the background and
-    # are used once ready. Default off (`LLM`); on for `jaxserve serve`.
+    # Ready as soon as the step shapes that can serve any step are (token buckets 1, 4, 16, ..
+    # and max_num_seqs', the greedy and all-pass samplers); the rest load or compile in the
+    # background and are used once ready. Default off (`LLM`); on for `jaxserve serve`.
     background_compile: bool = False
 
     def tokenizer_source(self) -> str:

@@ -110,10 +110,8 @@ def pick_variant(
     needed: SamplerVariant, ready: Callable[[SamplerVariant], bool] = lambda v: True
 ) -> SamplerVariant:
     """The cheapest compiled variant that runs every pass `needed` asks for, among those
-    `ready` (the runner's start-up may still be compiling some; FULL_VARIANT is always ready)."""
-    return next(
-        v for v in COMPILED_VARIANTS if v.covers(needed) and (v is FULL_VARIANT or ready(v))
-    )
+    `ready` (the runner's start-up may still be compiling some; FULL_VARIANT is ready first)."""
+    return next(v for v in COMPILED_VARIANTS if v.covers(needed) and ready(v))
 
 
 class SamplingMetadata(NamedTuple):

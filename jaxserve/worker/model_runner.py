@@ -466,21 +466,21 @@ class ModelRunner:
         """Whether compile_all's background thread is still loading or compiling shapes."""
         return self._background is not None and self._background.is_alive()
 
-    def max_step_tokens(self) -> int:
-        """The most tokens one step can schedule now: the forwards of every token bucket up to
-        it are ready (all of them once compile_all is done)."""
+    def _ready_token_buckets(self) -> list[int]:
+        """The token buckets whose steps are all ready (all once compile_all is done)."""
         if not self.compiling:
-            return self.token_buckets[-1]
+            return self.token_buckets
         missing = {n[1] for n in self._token_bucket_shapes if n not in self._compiled}
-        return max(t for t in self.token_buckets if t not in missing)
+        return [t for t in self.token_buckets if t not in missing]
+
+    def max_step_tokens(self) -> int:
+        """The most tokens one step can schedule now: the largest ready token bucket."""
+        return self._ready_token_buckets()[-1]
 
     def _ready_token_bucket(self, num_tokens: int) -> int:
-        """The smallest token bucket holding num_tokens whose steps are all ready (while
-        compile_all's background thread runs, some between the ready ones may not be)."""
-        if not self.compiling:
-            return self._token_bucket(num_tokens)
-        missing = {n[1] for n in self._token_bucket_shapes if n not in self._compiled}
-        return next(t for t in self.token_buckets if t >= num_tokens and t not in missing)
+        """The smallest ready token bucket holding num_tokens (while compile_all's background
+        thread runs, some between the ready ones may not be)."""
+        return next(t for t in self._ready_token_buckets() if t >= num_tokens)
 
     def _executables_key(self) -> str:
         """What the step executables depend on beyond the environment: the configuration
