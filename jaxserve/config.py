@@ -371,8 +371,15 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # a mixture of experts' experts split over the devices
+    # Engines, each with its own tensor_parallel_size devices, scheduler and KV cache (not part
+    # of an engine's executables: kept out of the config's repr, their cache key)
+    data_parallel_size: int = dataclasses.field(default=1, repr=False)
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"data_parallel_size must be at least 1, got {self.data_parallel_size}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

@@ -2,14 +2,20 @@
 
 AsyncLLM's output handler records, after each batch of core outputs, the scheduler's state
 (`SchedulerStats`, from the core) and what the frontend saw (`IterationStats`: tokens, TTFT,
-ITL, finished requests, filled by the OutputProcessor). Names are vLLM's with the `jaxserve:`
-prefix and a model_name label.
+ITL, finished requests, filled by the OutputProcessor), with the index of the engine that sent
+the batch. Names are vLLM's with the `jaxserve:` prefix, and model_name and engine labels.
+
+With several API-server processes (`--api-server-count`) every process writes its values into
+prometheus-client's multiprocess files (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before
+prometheus_client is imported) and /metrics on any of them reads all: counters and histograms
+summed over the processes, the gauges (one engine's queue and KV cache) as last written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import prometheus_client as prom
@@ -48,14 +54,21 @@ class IterationStats:
     finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
 
 
-class PrometheusStatLogger:
-    """The metrics of one engine, in their own registry (served by /metrics)."""
+def multiprocess_dir() -> str | None:
+    """prometheus-client's multiprocess directory, when API servers share their metrics."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
-    def __init__(self, model_name: str):
+
+class PrometheusStatLogger:
+    """The metrics of a model's engines, in their own registry (served by /metrics)."""
+
+    def __init__(self, model_name: str, num_engines: int = 1):
         self.registry = prom.CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
 
         def metric(cls, name, doc, **kw):
+            if cls is prom.Gauge and multiprocess_dir():
+                kw["multiprocess_mode"] = "mostrecent"
             return cls(
                 f"jaxserve:{name}", doc, labels + kw.pop("extra", []), registry=self.registry, **kw
             )
@@ -93,77 +106,77 @@ class PrometheusStatLogger:
             h, "request_queue_time_seconds", "Arrival to first scheduled.", buckets=LATENCY_BUCKETS
         )
         self.model_name = model_name
-        for m in (
-            self.running,
-            self.waiting,
-            self.kv_usage,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.prefix_queries,
-            self.prefix_hits,
-            self.preemptions,
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.queue,
-        ):
-            m.labels(model_name)  # exported as 0 from the start
-        for reason in FINISH_REASONS:
-            self.success.labels(model_name, reason)
+        self.num_engines = num_engines
+        exported = (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
+                    self.generation_tokens, self.prefix_queries, self.prefix_hits,
+                    self.preemptions, self.ttft, self.itl, self.e2e, self.queue)  # fmt: skip
+        for engine in map(str, range(num_engines)):  # exported as 0 from the start
+            for m in exported:
+                m.labels(model_name, engine)
+            for reason in FINISH_REASONS:
+                self.success.labels(model_name, engine, reason)
 
-    def record(self, sched: SchedulerStats | None, it: IterationStats) -> None:
-        name = self.model_name
+    def record(self, sched: SchedulerStats | None, it: IterationStats, engine: int = 0) -> None:
+        labels = (self.model_name, str(engine))
         if sched is not None:
-            self.running.labels(name).set(sched.num_running_reqs)
-            self.waiting.labels(name).set(sched.num_waiting_reqs)
-            self.kv_usage.labels(name).set(sched.kv_cache_usage)
-            self.prefix_queries.labels(name).inc(sched.prefix_cache_queries)
-            self.prefix_hits.labels(name).inc(sched.prefix_cache_hits)
-            self.preemptions.labels(name).inc(sched.num_preemptions)
+            self.running.labels(*labels).set(sched.num_running_reqs)
+            self.waiting.labels(*labels).set(sched.num_waiting_reqs)
+            self.kv_usage.labels(*labels).set(sched.kv_cache_usage)
+            self.prefix_queries.labels(*labels).inc(sched.prefix_cache_queries)
+            self.prefix_hits.labels(*labels).inc(sched.prefix_cache_hits)
+            self.preemptions.labels(*labels).inc(sched.num_preemptions)
             if sched.spec_decoding is not None:
-                self._record_spec(sched.spec_decoding)
-        self.prompt_tokens.labels(name).inc(it.num_prompt_tokens)
-        self.generation_tokens.labels(name).inc(it.num_generation_tokens)
+                self._record_spec(sched.spec_decoding, labels)
+        self.prompt_tokens.labels(*labels).inc(it.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(it.num_generation_tokens)
         for t in it.time_to_first_tokens:
-            self.ttft.labels(name).observe(t)
+            self.ttft.labels(*labels).observe(t)
         for t in it.inter_token_latencies:
-            self.itl.labels(name).observe(t)
+            self.itl.labels(*labels).observe(t)
         for f in it.finished:
-            self.success.labels(name, f.finish_reason).inc()
-            self.e2e.labels(name).observe(f.e2e_latency)
+            self.success.labels(*labels, f.finish_reason).inc()
+            self.e2e.labels(*labels).observe(f.e2e_latency)
             if f.queue_time is not None:
-                self.queue.labels(name).observe(f.queue_time)
+                self.queue.labels(*labels).observe(f.queue_time)
 
-    def _record_spec(self, spec: SpecDecodingStats) -> None:
-        name = self.model_name
-        self.spec_drafts.labels(name).inc(spec.num_drafts)
-        self.spec_draft_tokens.labels(name).inc(spec.num_draft_tokens)
-        self.spec_accepted.labels(name).inc(spec.num_accepted_tokens)
+    def _record_spec(self, spec: SpecDecodingStats, labels: tuple[str, str]) -> None:
+        self.spec_drafts.labels(*labels).inc(spec.num_drafts)
+        self.spec_draft_tokens.labels(*labels).inc(spec.num_draft_tokens)
+        self.spec_accepted.labels(*labels).inc(spec.num_accepted_tokens)
         for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
-            self.spec_accepted_per_pos.labels(name, str(pos)).inc(n)
+            self.spec_accepted_per_pos.labels(*labels, str(pos)).inc(n)
 
     def engine_dead(self) -> None:
         """The gauges read 0 once the engine core is gone: nothing runs or waits any more."""
         for gauge in (self.running, self.waiting, self.kv_usage):
-            gauge.labels(self.model_name).set(0)
+            for engine in range(self.num_engines):
+                gauge.labels(self.model_name, str(engine)).set(0)
 
     def exposition(self) -> bytes:
+        if multiprocess_dir():  # every API server's values
+            from prometheus_client import multiprocess
+
+            registry = prom.CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return prom.generate_latest(registry)
         return prom.generate_latest(self.registry)
 
 
 class LoggingStatLogger:
     """vLLM's periodic line: prompt and generation throughput since the last line, running,
     waiting, KV-cache usage and prefix-cache hit rate; with speculative decoding, a second
-    line with the drafts' acceptance since the last one."""
+    line with the drafts' acceptance since the last one. With several engines, one logger per
+    engine (`PerEngineLogging`), each line prefixed "Engine 000: "."""
 
-    def __init__(self):
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
         self.last_log = time.monotonic()
         self.prompt_tokens = self.generation_tokens = 0
         self.queries = self.hits = 0
         self.sched = SchedulerStats()
         self.spec: SpecDecodingStats | None = None
 
-    def record(self, sched: SchedulerStats | None, it: IterationStats) -> None:
+    def record(self, sched: SchedulerStats | None, it: IterationStats, engine: int = 0) -> None:
         if sched is not None:
             self.sched = sched
             self.queries += sched.prefix_cache_queries
@@ -179,7 +192,7 @@ class LoggingStatLogger:
         s = self.sched
         hit_rate = 100 * self.hits / self.queries if self.queries else 0.0
         line = (
-            f"Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
+            f"{self.prefix}Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
             f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
             f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
@@ -187,7 +200,7 @@ class LoggingStatLogger:
         )
         logger.info(line)
         if self.spec is not None:
-            spec_line = self._spec_line(elapsed)
+            spec_line = self.prefix + self._spec_line(elapsed)
             logger.info(spec_line)
             line = f"{line}\n{spec_line}"
             self.spec = SpecDecodingStats()
@@ -220,3 +233,20 @@ class LoggingStatLogger:
             f"Accepted: {s.num_accepted_tokens} tokens, Drafted: {s.num_draft_tokens} tokens, "
             f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {rate:.1f}%"
         )
+
+
+class PerEngineLogging:
+    """The periodic lines of several data-parallel engines: a LoggingStatLogger each."""
+
+    def __init__(self, num_engines: int):
+        self.loggers = [LoggingStatLogger(f"Engine {i:03d}: ") for i in range(num_engines)]
+
+    def record(self, sched: SchedulerStats | None, it: IterationStats, engine: int = 0) -> None:
+        self.loggers[engine].record(sched, it)
+
+    def log(self) -> str:
+        return "\n".join(logger.log() for logger in self.loggers)
+
+
+def make_log_stats(num_engines: int) -> LoggingStatLogger | PerEngineLogging:
+    return LoggingStatLogger() if num_engines == 1 else PerEngineLogging(num_engines)

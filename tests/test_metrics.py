@@ -27,20 +27,20 @@ def test_prometheus_names_values_and_labels():
     prom.record(None, IterationStats(num_generation_tokens=3))
     text = prom.exposition().decode()
     for line in [
-        'jaxserve:num_requests_running{model_name="m"} 3.0',
-        'jaxserve:num_requests_waiting{model_name="m"} 2.0',
-        'jaxserve:kv_cache_usage_perc{model_name="m"} 0.25',
-        'jaxserve:prompt_tokens_total{model_name="m"} 50.0',
-        'jaxserve:generation_tokens_total{model_name="m"} 10.0',
-        'jaxserve:prefix_cache_queries_total{model_name="m"} 100.0',
-        'jaxserve:prefix_cache_hits_total{model_name="m"} 40.0',
-        'jaxserve:num_preemptions_total{model_name="m"} 1.0',
-        'jaxserve:request_success_total{finished_reason="length",model_name="m"} 1.0',
-        'jaxserve:request_success_total{finished_reason="abort",model_name="m"} 0.0',
-        'jaxserve:time_to_first_token_seconds_count{model_name="m"} 1.0',
-        'jaxserve:inter_token_latency_seconds_count{model_name="m"} 2.0',
-        'jaxserve:e2e_request_latency_seconds_sum{model_name="m"} 1.5',
-        'jaxserve:request_queue_time_seconds_sum{model_name="m"} 0.1',
+        'jaxserve:num_requests_running{engine="0",model_name="m"} 3.0',
+        'jaxserve:num_requests_waiting{engine="0",model_name="m"} 2.0',
+        'jaxserve:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'jaxserve:prompt_tokens_total{engine="0",model_name="m"} 50.0',
+        'jaxserve:generation_tokens_total{engine="0",model_name="m"} 10.0',
+        'jaxserve:prefix_cache_queries_total{engine="0",model_name="m"} 100.0',
+        'jaxserve:prefix_cache_hits_total{engine="0",model_name="m"} 40.0',
+        'jaxserve:num_preemptions_total{engine="0",model_name="m"} 1.0',
+        'jaxserve:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0',
+        'jaxserve:request_success_total{engine="0",finished_reason="abort",model_name="m"} 0.0',
+        'jaxserve:time_to_first_token_seconds_count{engine="0",model_name="m"} 1.0',
+        'jaxserve:inter_token_latency_seconds_count{engine="0",model_name="m"} 2.0',
+        'jaxserve:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.5',
+        'jaxserve:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.1',
     ]:
         assert line in text, line
 
@@ -85,7 +85,7 @@ def test_a_dead_engine_zeroes_the_gauges_and_stops_the_server():
     assert stopped == [True] and state.engine_died
     text = prom.exposition().decode()
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert f'jaxserve:{name}{{model_name="m"}} 0.0' in text, name
+        assert f'jaxserve:{name}{{engine="0",model_name="m"}} 0.0' in text, name
 
 
 def test_speculative_decoding_counters_and_log_line(caplog):
@@ -98,14 +98,15 @@ def test_speculative_decoding_counters_and_log_line(caplog):
     sched = SchedulerStats(spec_decoding=spec)
     prom = PrometheusStatLogger("m")
     prom.record(sched, IterationStats())
+    per_pos = 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
     text = prom.exposition().decode()
     for line in [
-        'jaxserve:spec_decode_num_drafts_total{model_name="m"} 3.0',
-        'jaxserve:spec_decode_num_draft_tokens_total{model_name="m"} 8.0',
-        'jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0',
-        'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 2.0',
-        'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0',
-        'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 0.0',
+        'jaxserve:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0',
+        'jaxserve:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 8.0',
+        'jaxserve:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 4.0',
+        per_pos + 'position="0"} 2.0',
+        per_pos + 'position="1"} 2.0',
+        per_pos + 'position="2"} 0.0',
     ]:
         assert line in text, line
     caplog.set_level(logging.INFO, logger="jaxserve.metrics")

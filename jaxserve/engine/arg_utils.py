@@ -38,6 +38,9 @@ class EngineArgs:
     tokenizer: str | None = None  # a HF tokenizer directory; default: the model's own
     load_format: str = "auto"  # "dummy": random weights (model: also a config.json or preset)
     tensor_parallel_size: int = 1
+    # Engine core processes, each with its own devices, scheduler and KV cache; new requests
+    # go to the least loaded (engine/core_client.py::LoadBalancer)
+    data_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE: whole experts per device instead of F slices
     dtype: str = "auto"
     seed: int = 0
@@ -141,7 +144,9 @@ class EngineArgs:
             model=model_config,
             cache=cache,
             scheduler=scheduler,
-            parallel=ParallelConfig(self.tensor_parallel_size, self.enable_expert_parallel),
+            parallel=ParallelConfig(
+                self.tensor_parallel_size, self.enable_expert_parallel, self.data_parallel_size
+            ),
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             attention_backend=attention_backend,

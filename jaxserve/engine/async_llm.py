@@ -102,7 +102,8 @@ class AsyncLLM:
         self.engine_core = client
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.scheduler_stats = SchedulerStats()
-        self.stat_loggers: list[Any] = []  # anything with record(SchedulerStats, IterationStats)
+        # anything with record(SchedulerStats | None, IterationStats, engine index)
+        self.stat_loggers: list[Any] = []
         self.output_handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
 
@@ -139,9 +140,11 @@ class AsyncLLM:
         request_id: str,
         *,
         priority: int = 0,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs (per sampling_params.output_kind) until it
-        finishes. Raises ValueError for bad input, EngineDeadError if the core dies."""
+        finishes. Raises ValueError for bad input, EngineDeadError if the core dies.
+        data_parallel_rank: run it on that engine (default: the least loaded)."""
         if self.errored:
             raise self.dead or self.engine_core.dead
         if request_id in self.collectors:
@@ -150,12 +153,12 @@ class AsyncLLM:
         text, ids = self.input_processor.tokenize(prompt)
         request = self.input_processor.process(request_id, ids, sampling_params,
                                                priority=priority)  # fmt: skip
+        request.data_parallel_rank = data_parallel_rank
         collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.collectors[request_id] = collector
         finished = False
         try:
-            for core_request in self.output_processor.add_request(text, request):
-                self.engine_core.add_request(core_request)
+            self.engine_core.add_requests(self.output_processor.add_request(text, request))
             while not finished:
                 try:
                     output = await collector.get()
@@ -172,9 +175,10 @@ class AsyncLLM:
         """Stop a request and free its blocks in the core; unknown ids are ignored."""
         stats = IterationStats()
         core_ids = self.output_processor.abort_request(request_id, stats)
+        engine = self.engine_core.engine_of(core_ids[0]) if core_ids else 0
         self.engine_core.abort_requests(core_ids)
         for stat_logger in self.stat_loggers:
-            stat_logger.record(None, stats)
+            stat_logger.record(None, stats, engine)
         collector = self.collectors.pop(request_id, None)
         if collector is not None:  # its generator ends without a further output
             collector.put(_Aborted())
@@ -194,7 +198,9 @@ class AsyncLLM:
                     core_outputs.outputs, stats
                 )
                 for stat_logger in self.stat_loggers:
-                    stat_logger.record(core_outputs.scheduler_stats, stats)
+                    stat_logger.record(
+                        core_outputs.scheduler_stats, stats, core_outputs.engine_index
+                    )
                 for output in outputs:
                     collector = self.collectors.get(output.request_id)
                     if collector is not None:

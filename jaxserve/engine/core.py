@@ -96,6 +96,7 @@ class EngineCore:
                 else None
             ),
         )
+        self.num_requests_added = 0  # since start-up (data-parallel balance, in get_state)
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
 
@@ -104,6 +105,7 @@ class EngineCore:
         return self.runner.num_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.num_requests_added += 1
         self.scheduler.add_request(
             Request(
                 request.request_id,
@@ -181,6 +183,7 @@ class EngineCore:
             "num_free_blocks": kv.block_pool.get_num_free_blocks(),
             "num_blocks": self.num_blocks,
             "total_preemptions": self.scheduler.total_preemptions,
+            "num_requests_added": self.num_requests_added,
         }
 
     def reset_prefix_cache(self) -> bool:

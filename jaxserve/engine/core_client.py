@@ -13,14 +13,11 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
-import pickle
 import queue
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -31,9 +28,11 @@ import zmq.asyncio
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.launch import EngineGroup, EngineGroupInfo, client_addresses, engine_identity
 from jaxserve.engine.startup import StartupTimeline
 from jaxserve.ipc.messages import (
     ENGINE_CORE_DEAD,
+    DPLoadState,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -48,6 +47,11 @@ PROC_POLL_S = 0.5  # how often the output reader checks that the core process li
 class EngineCoreClient(abc.ABC):
     @abc.abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Requests that belong together (a request's n > 1 children)."""
+        for request in requests:
+            self.add_request(request)
 
     @abc.abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -94,83 +98,150 @@ class EngineDeadError(RuntimeError):
         super().__init__(f"EngineCore is dead ({reason}); see its log for the cause")
 
 
-class SyncMPClient(EngineCoreClient):
-    """The engine core in its own process, reached over ZeroMQ (used by `LLM` by default).
+class LoadBalancer:
+    """Picks the data-parallel engine of each new request (vLLM's DPLBAsyncMPClient): the
+    lowest waiting * 4 + running, from the counts the DP coordinator publishes (a thread
+    reads its PUB socket), bumped here for every request sent until the next publication, so
+    a burst between two publications spreads instead of piling onto one engine. Ties go to
+    the first engine after this client's index, so API servers do not all pick engine 0."""
 
-    Sockets (the frontend binds, the core connects, ipc:// under a private temp dir):
-    handshake ROUTER, input ROUTER (ADD / ABORT / UTILITY frames to the core's DEALER), output
-    PULL (EngineCoreOutputs, or the ENGINE_CORE_DEAD sentinel, from the core's PUSH). A reader
-    thread decodes outputs into a queue and watches the process: whatever kills the core,
-    waiters get EngineDeadError within PROC_POLL_S and new calls fail at once.
+    def __init__(self, address: str, num_engines: int, client_index: int, client_count: int):
+        self.counts = [[0, 0] for _ in range(num_engines)]
+        self.wave, self.engines_running = 0, False
+        self.client_index, self.client_count = client_index, client_count
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.received = threading.Event()  # a first DPLoadState has arrived
+        self._thread = threading.Thread(target=self._read, args=(address,), daemon=True,
+                                        name="dp-load")  # fmt: skip
+        self._thread.start()
+
+    def _read(self, address: str) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        decoder = msgspec.msgpack.Decoder(DPLoadState)
+        try:
+            while not self._stop.is_set():
+                if sock.poll(PROC_POLL_S * 1000):
+                    state = decoder.decode(sock.recv())
+                    with self._lock:
+                        self.counts = [list(c) for c in state.counts]
+                        self.wave, self.engines_running = state.wave, state.engines_running
+                    self.received.set()
+        finally:
+            sock.close()
+
+    def pick(self, num_requests: int = 1) -> int:
+        """The engine for the next request(s), counted as waiting there from now on."""
+        with self._lock:
+            n = len(self.counts)
+            order = [(self.client_index + i) % n for i in range(n)]
+            best = min(order, key=lambda i: self.counts[i][0] * 4 + self.counts[i][1])
+            self.counts[best][0] += num_requests * self.client_count
+            return best
+
+    def all_idle(self) -> bool:
+        """Whether the coordinator last saw every engine without work (and no wave running)."""
+        with self._lock:
+            return not self.engines_running and not any(w or r for w, r in self.counts)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class SyncMPClient(EngineCoreClient):
+    """The engine cores in their own processes, reached over ZeroMQ (used by `LLM` by default).
+
+    With `args`, this client starts the engines (`engine/launch.py::EngineGroup`: one, or
+    data_parallel_size and the DP coordinator) and is their only frontend; with `group`, it
+    joins engines a `jaxserve serve` launcher started for several API servers, as frontend
+    `client_index`.
+
+    Sockets (this client binds, every engine connects, ipc:// under a private temp dir):
+    input ROUTER (ADD / ABORT / UTILITY frames to an engine's DEALER, by the engine's
+    identity), output PULL (EngineCoreOutputs, or the ENGINE_CORE_DEAD sentinel, from every
+    engine's PUSH). A reader thread decodes outputs into a queue and watches the engines:
+    whatever kills one, waiters get EngineDeadError within PROC_POLL_S and new calls fail at
+    once (with data parallelism too: vLLM's behaviour; a server then exits). With several
+    engines each new request goes to the one the LoadBalancer picks (n > 1 children to the same
+    one, which shares their prompt's blocks), aborts go to the engine holding the request, and
+    utility calls go to every engine (their results combined: `combine_results`).
     """
 
-    def __init__(self, args: EngineArgs):
+    def __init__(
+        self,
+        args: EngineArgs | None = None,
+        *,
+        group: EngineGroupInfo | None = None,
+        client_index: int = 0,
+    ):
         self.ctx = zmq.Context()
-        self.run_dir = tempfile.mkdtemp(prefix="jaxserve-")
         self.dead: EngineDeadError | None = None
         self._lock = threading.Lock()  # the input socket is shared by the caller's threads
         self._calls = itertools.count()
         self._encoder = MsgpackEncoder()  # its buffer is reused: use it under _lock only
         self._pending: dict[int, concurrent.futures.Future] = {}
         self.outputs: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        self.proc: subprocess.Popen | None = None
-
-        address = lambda name: f"ipc://{self.run_dir}/{name}"  # noqa: E731
-        handshake = self.ctx.socket(zmq.ROUTER)
-        handshake.bind(address("handshake"))
+        self.group: EngineGroup | None = None  # the engines, when this client started them
+        self.client_index = client_index
+        self.req_engine: dict[str, int] = {}  # request id -> its engine (several engines)
+        self.load_balancer: LoadBalancer | None = None
+        self._parent_pid = os.getppid()
+        self.run_dir = tempfile.mkdtemp(prefix="jaxserve-") if group is None else None
+        addresses = client_addresses(self.run_dir, 1)[0] if group is None else \
+            group.clients[client_index]  # fmt: skip
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable send raises
-        self.input_socket.bind(address("input"))
+        self.input_socket.bind(addresses["input"])
         self.output_socket = self.ctx.socket(zmq.PULL)
-        self.output_socket.bind(address("output"))
-        with open(os.path.join(self.run_dir, "engine_args.pkl"), "wb") as f:
-            pickle.dump(args, f)
-        self.timeline = StartupTimeline()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.engine.core_proc", self.run_dir]
-        )
+        self.output_socket.bind(addresses["output"])
         try:
-            ready = self._handshake(handshake, {"input": address("input"),
-                                                "output": address("output")})  # fmt: skip
-            self.timeline.extend("engine core: ", ready["timeline"])
-            self.config: EngineConfig = pickle.loads(ready["config"])
-            self.num_blocks: int = ready["num_blocks"]
-            # The core's input DEALER announces itself with an empty frame.
-            while not self.input_socket.poll(1000):
-                self._check_alive_during_startup()
-            self.core_identity, _ = self.input_socket.recv_multipart()
+            if group is None:
+                self.group = EngineGroup(args, [addresses], self.run_dir)
+                self._finalizer = weakref.finalize(self, self.group.shutdown)
+                group, self.timeline = self.group.info, self.group.timeline
+            else:
+                self.timeline = StartupTimeline()
+            self.info = group
+            self.config: EngineConfig = group.config
+            self.num_blocks: int = group.num_blocks[0]
+            self.engines = [engine_identity(i) for i in range(len(group.engine_pids))]
+            self._await_engines()
+            if group.coordinator_front is not None:
+                self.load_balancer = LoadBalancer(
+                    group.coordinator_front, len(self.engines), client_index, len(group.clients)
+                )
         except BaseException:
             self.shutdown()
             raise
-        finally:
-            handshake.close(linger=0)
         self._start_reader()
-        weakref.finalize(self, SyncMPClient._cleanup, self.proc, self.run_dir)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The (first) engine core process, when this client started it."""
+        return self.group.procs[0] if self.group is not None else None
 
     # ------------------------------------------------------------------ start-up
-    def _handshake(self, sock: zmq.Socket, addresses: dict) -> dict:
-        start = time.perf_counter()
-        while True:
-            if not sock.poll(1000):
-                self._check_alive_during_startup()
+    def _await_engines(self) -> None:
+        """Every engine's input DEALER announces itself with an empty frame: wait for all."""
+        waiting = set(self.engines)
+        while waiting:
+            if not self.input_socket.poll(1000):
+                if (reason := self._broken()) is not None:
+                    raise RuntimeError(f"EngineCore failed to start: {reason}")
                 continue
-            identity, payload = sock.recv_multipart()
-            message = msgspec.msgpack.decode(payload)
-            if message["status"] == "HELLO":
-                sock.send_multipart([identity, msgspec.msgpack.encode(addresses)])
-                hello_s = time.perf_counter() - start
-            elif message["status"] == "READY":
-                # The core says HELLO once its engine config is built.
-                config_s = dict(message["timeline"]).get("engine config", 0.0)
-                self.timeline.add("engine core process (spawn, imports)", hello_s - config_s)
-                return message
-            else:
-                raise RuntimeError(f"EngineCore failed to start: {message.get('error')}")
+            identity, _ = self.input_socket.recv_multipart()
+            waiting.discard(identity)
 
-    def _check_alive_during_startup(self) -> None:
-        code = self.proc.poll()
-        if code is not None:
-            raise RuntimeError(f"EngineCore exited with code {code} during start-up")
+    def _broken(self) -> str | None:
+        if self.group is not None:
+            return self.group.poll()
+        if os.getppid() != self._parent_pid:
+            return "the process that started the engines is gone"
+        return None
 
     # ------------------------------------------------------------------ outputs
     def _start_reader(self) -> None:
@@ -199,15 +270,17 @@ class SyncMPClient(EngineCoreClient):
         outputs = decoder.decode(frames)
         if outputs.utility_output is not None:
             self._resolve(outputs.utility_output)
-        else:
-            self._deliver(outputs)
+            return
+        if len(self.engines) > 1:
+            for out in outputs.outputs:
+                if out.finished:
+                    self.req_engine.pop(out.request_id, None)
+        self._deliver(outputs)
 
     def poll_dead(self) -> EngineDeadError | None:
-        """The error every caller gets once the core is gone (checks its process), or None."""
-        if self.dead is None:
-            code = self.proc.poll()
-            if code is not None:
-                self._set_dead(f"the process exited with code {code}")
+        """The error every caller gets once an engine is gone (checks the processes), or None."""
+        if self.dead is None and (reason := self._broken()) is not None:
+            self._set_dead(reason)
         return self.dead
 
     def _resolve(self, reply: UtilityOutput) -> None:
@@ -238,54 +311,120 @@ class SyncMPClient(EngineCoreClient):
         return item
 
     # ------------------------------------------------------------------ requests in
-    def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+    def _send(self, engine: int, request_type: EngineCoreRequestType, payload: Any) -> None:
         if self.dead is not None:
             raise self.dead
         with self._lock:
             frames = self._encoder.encode(payload)
             try:
                 self.input_socket.send_multipart(
-                    [self.core_identity, request_type.value, bytes(frames[0]), *frames[1:]]
+                    [self.engines[engine], request_type.value, bytes(frames[0]), *frames[1:]]
                 )
             except zmq.ZMQError as e:  # the core's socket is gone: so is the core
                 raise EngineDeadError(f"cannot reach it: {e}") from e
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(EngineCoreRequestType.ADD, request)
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Requests that go to one engine (a request's n > 1 children: they share blocks)."""
+        engine = self._engine_for(requests)
+        for request in requests:
+            request.client_index = self.client_index
+            if len(self.engines) > 1:
+                self.req_engine[request.request_id] = engine
+            self._send(engine, EngineCoreRequestType.ADD, request)
+
+    def _engine_for(self, requests: list[EngineCoreRequest]) -> int:
+        rank = requests[0].data_parallel_rank
+        if rank is not None:
+            if not 0 <= rank < len(self.engines):
+                raise ValueError(
+                    f"data_parallel_rank {rank} is out of range: there are {len(self.engines)} "
+                    "data-parallel engines"
+                )
+            return rank
+        if self.load_balancer is None:
+            return 0
+        return self.load_balancer.pick(len(requests))
+
+    def engine_of(self, request_id: str) -> int:
+        """The engine running a request (0 when unknown or finished)."""
+        return self.req_engine.get(request_id, 0)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.dead is None:
-            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+        if not request_ids or self.dead is not None:
+            return
+        if len(self.engines) == 1:
+            self._send(0, EngineCoreRequestType.ABORT, list(request_ids))
+            return
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self.req_engine.pop(request_id, None)
+            if engine is not None:  # else: finished, or never added
+                by_engine.setdefault(engine, []).append(request_id)
+        for engine, ids in by_engine.items():
+            self._send(engine, EngineCoreRequestType.ABORT, ids)
+
+    def _send_utility(self, method: str, args: tuple, make_future) -> list:
+        """Send the call to every engine; one future per engine."""
+        futures = []
+        for engine in range(len(self.engines)):
+            future = make_future()
+            call_id = next(self._calls)
+            self._pending[call_id] = future
+            try:
+                self._send(engine, EngineCoreRequestType.UTILITY,
+                           UtilityRequest(call_id, method, list(args)))  # fmt: skip
+            except EngineDeadError:
+                self._pending.pop(call_id, None)
+                raise
+            futures.append(future)
+        return futures
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        call_id = next(self._calls)
-        self._pending[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
-        return future.result()
+        futures = self._send_utility(method, args, concurrent.futures.Future)
+        return combine_results([f.result() for f in futures])
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float = 10.0) -> None:
-        """SIGTERM the core (it finishes in-flight work, then exits); kill it after timeout."""
+        """Started here: SIGTERM the cores (each finishes its in-flight work, then exits)
+        and kill what is left after timeout. Joined: the launcher stops them."""
         if self.dead is None:
             self.dead = EngineDeadError("the client was shut down")
-        SyncMPClient._cleanup(self.proc, self.run_dir, timeout)
+        if self.load_balancer is not None:
+            self.load_balancer.stop()
+        if self.group is not None:
+            self.group.shutdown(timeout)
+        elif self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
         reader = getattr(self, "_reader", None)
         if reader is not None:
             reader.join()  # it sees `dead` within PROC_POLL_S; then no thread uses a socket
         self.ctx.destroy(linger=0)
 
-    @staticmethod
-    def _cleanup(proc, run_dir, timeout: float = 10.0) -> None:
-        """Also the finalizer: never leave a core process holding the devices."""
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        shutil.rmtree(run_dir, ignore_errors=True)
+
+def combine_results(results: list) -> Any:
+    """Utility results of every engine as one: a single engine's as it is; several engines'
+    dicts with their counts ("num_*", "total_*") summed, their flags or-ed, and every engine's
+    dict under "engines"; booleans and-ed (e.g. reset_prefix_cache); anything else as the list."""
+    if len(results) == 1:
+        return results[0]
+    if all(isinstance(r, bool) for r in results):
+        return all(results)
+    if all(isinstance(r, dict) for r in results):
+        merged: dict[str, Any] = {}
+        for key, value in results[0].items():
+            values = [r.get(key) for r in results]
+            if isinstance(value, bool):
+                merged[key] = any(values)
+            elif key.startswith(("num_", "total_")):
+                merged[key] = sum(values)
+            else:
+                merged[key] = values
+        merged["engines"] = results
+        return merged
+    return results
 
 
 class AsyncMPClient(SyncMPClient):
@@ -326,15 +465,8 @@ class AsyncMPClient(SyncMPClient):
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         self._ensure_reader()
-        future = asyncio.get_running_loop().create_future()
-        call_id = next(self._calls)
-        self._pending[call_id] = future
-        try:
-            self._send(EngineCoreRequestType.UTILITY, UtilityRequest(call_id, method, list(args)))
-        except EngineDeadError:
-            self._pending.pop(call_id, None)
-            raise
-        return await future
+        futures = self._send_utility(method, args, asyncio.get_running_loop().create_future)
+        return combine_results(list(await asyncio.gather(*futures)))
 
     def get_output(self) -> EngineCoreOutputs:
         raise TypeError("AsyncMPClient is read on the event loop: use get_output_async()")

@@ -34,8 +34,11 @@ import zmq
 
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.launch import engine_identity
 from jaxserve.ipc.messages import (
     ENGINE_CORE_DEAD,
+    DPEngineState,
+    DPWave,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 60.0
 PARENT_POLL_S = 0.5
 _WAKEUP = object()  # input-queue item that only wakes the busy loop (signals)
+_WAVE = object()  # input-queue item: a DPWave from the coordinator
 # Test-only hooks: the core raises in the model step after this many steps; every step sleeps
 # this many seconds (so a test can act while requests are surely in flight).
 FAULT_ENV = "JAXSERVE_TEST_FAIL_AFTER_STEPS"
@@ -57,10 +61,12 @@ STEP_DELAY_ENV = "JAXSERVE_TEST_STEP_DELAY_S"
 
 
 class EngineCoreProc(EngineCore):
-    def __init__(self, args: EngineArgs, handshake_address: str, parent_pid: int):
+    def __init__(self, args: EngineArgs, handshake_address: str, parent_pid: int,
+                 engine_index: int = 0):  # fmt: skip
         # The config is resolved here, in the process that owns the devices: the frontend
         # never initialises a JAX backend (on a GPU that would take its memory).
         self.parent_pid = parent_pid
+        self.engine_index = engine_index
         threading.Thread(target=self._watch_parent, daemon=True, name="parent-watch").start()
         start = time.perf_counter()
         config = args.create_engine_config()
@@ -68,7 +74,8 @@ class EngineCoreProc(EngineCore):
         self.ctx = zmq.Context()
         self.handshake = self.ctx.socket(zmq.DEALER)
         self.handshake.connect(handshake_address)
-        self.handshake.send(msgspec.msgpack.encode({"status": "HELLO", "pid": os.getpid()}))
+        hello = {"status": "HELLO", "pid": os.getpid(), "engine_index": engine_index}
+        self.handshake.send(msgspec.msgpack.encode(hello))
         if not self.handshake.poll(HANDSHAKE_TIMEOUT_S * 1000):
             raise TimeoutError("the frontend did not answer HELLO")
         addresses = msgspec.msgpack.decode(self.handshake.recv())
@@ -78,17 +85,21 @@ class EngineCoreProc(EngineCore):
 
         self.input_queue: queue.Queue[Any] = queue.Queue()
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        # (client index, EngineCoreOutputs); None: a clean shutdown; ENGINE_CORE_DEAD: to all
         self.output_queue: queue.Queue[Any] = queue.Queue()
+        self.num_clients = len(addresses["outputs"])
+        self.req_client: dict[str, int] = {}  # request id -> its frontend (several frontends)
         self.shutdown_requested = False
         self.steps_until_fault = int(os.environ.get(FAULT_ENV, "-1"))
         self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0"))
+        self._init_data_parallel(addresses["coordinator"])
         ready = threading.Event()
         threading.Thread(
-            target=self._process_input_socket, args=(addresses["input"], ready),
+            target=self._process_input_sockets, args=(addresses["inputs"], ready),
             daemon=True, name="core-input",
         ).start()  # fmt: skip
         self.output_thread = threading.Thread(
-            target=self._process_output_socket, args=(addresses["output"],),
+            target=self._process_output_sockets, args=(addresses["outputs"],),
             daemon=True, name="core-output",
         )  # fmt: skip
         self.output_thread.start()
@@ -96,11 +107,31 @@ class EngineCoreProc(EngineCore):
             raise TimeoutError("the input socket did not connect")
         ready_message = {
             "status": "READY",
+            "engine_index": engine_index,
             "num_blocks": self.num_blocks,
             "config": pickle.dumps(config),  # frozen dataclasses; a trusted local socket
             "timeline": self.timeline.phases,
         }
         self.handshake.send(msgspec.msgpack.encode(ready_message))
+
+    def _init_data_parallel(self, coordinator: dict | None) -> None:
+        """With data parallelism: a PUSH of this engine's load to the DP coordinator and a
+        thread that turns its wave messages into input-queue items. Waves make idle engines
+        run dummy steps only for a mixture of experts (as vLLM), whose engines' steps would
+        meet in collectives once experts are spread over engines."""
+        self.coordinator_push: zmq.Socket | None = None
+        self.engines_running = False  # this engine's view of the DP wave
+        self.wave_sync = coordinator is not None and bool(self.config.model.num_experts)
+        self.num_dummy_steps = 0
+        self._load_encoder = msgspec.msgpack.Encoder()
+        self._last_load: tuple[int, int] | None = None
+        if coordinator is None:
+            return
+        self.coordinator_push = self.ctx.socket(zmq.PUSH)
+        self.coordinator_push.setsockopt(zmq.LINGER, 0)
+        self.coordinator_push.connect(coordinator["in"])
+        threading.Thread(target=self._process_waves, args=(coordinator["back"],),
+                         daemon=True, name="core-waves").start()  # fmt: skip
 
     # ------------------------------------------------------------------ threads
     def _watch_parent(self) -> None:
@@ -110,53 +141,94 @@ class EngineCoreProc(EngineCore):
                 logger.error("the frontend (pid %d) is gone; EngineCore exits", self.parent_pid)
                 os._exit(1)
 
-    def _process_input_socket(self, address: str, ready: threading.Event) -> None:
+    def _process_input_sockets(self, addresses: list[str], ready: threading.Event) -> None:
+        """One DEALER per frontend (its ROUTER routes to this engine by identity); each
+        message is queued with the index of the frontend that sent it."""
         decoders = {
             EngineCoreRequestType.ADD: MsgpackDecoder(EngineCoreRequest),
             EngineCoreRequestType.ABORT: MsgpackDecoder(list[str]),
             EngineCoreRequestType.UTILITY: MsgpackDecoder(UtilityRequest),
         }
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, b"core")
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        sock.send(b"")  # registers this DEALER with the frontend's ROUTER
+        poller, sockets = zmq.Poller(), {}
+        for client_index, address in enumerate(addresses):
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, engine_identity(self.engine_index))
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sock.send(b"")  # registers this DEALER with the frontend's ROUTER
+            poller.register(sock, zmq.POLLIN)
+            sockets[sock] = client_index
         ready.set()
         while True:
-            frames = sock.recv_multipart(copy=False)
-            request_type = EngineCoreRequestType(bytes(frames[0].buffer))
-            payload = decoders[request_type].decode(frames[1:])
-            if request_type == EngineCoreRequestType.ABORT:
-                self.aborts_queue.put_nowait(payload)
-            self.input_queue.put_nowait((request_type, payload))
+            for sock, _ in poller.poll():
+                frames = sock.recv_multipart(copy=False)
+                request_type = EngineCoreRequestType(bytes(frames[0].buffer))
+                payload = decoders[request_type].decode(frames[1:])
+                if request_type == EngineCoreRequestType.ABORT:
+                    self.aborts_queue.put_nowait(payload)
+                self.input_queue.put_nowait((request_type, payload, sockets[sock]))
 
-    def _process_output_socket(self, address: str) -> None:
+    def _process_waves(self, address: str) -> None:
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(address)
+        decoder = msgspec.msgpack.Decoder(DPWave)
+        while True:
+            self.input_queue.put_nowait((_WAVE, decoder.decode(sock.recv()), 0))
+
+    def _process_output_sockets(self, addresses: list[str]) -> None:
         encoder = MsgpackEncoder()
         # Its own context: terminating it waits (up to LINGER) until the last outputs and the
         # dead sentinel are delivered, which os._exit at the end of the process would not.
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 4000)
-        sock.connect(address)
+        sockets = []
+        for address in addresses:
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 4000)
+            sock.connect(address)
+            sockets.append(sock)
         while True:
             item = self.output_queue.get()
             if item is None or item == ENGINE_CORE_DEAD:  # None: a clean shutdown
-                if item is not None:
-                    sock.send(ENGINE_CORE_DEAD)
-                sock.close()
+                for sock in sockets:
+                    if item is not None:
+                        sock.send(ENGINE_CORE_DEAD)
+                    sock.close()
                 ctx.term()
                 return
-            frames = encoder.encode(item)
+            client_index, outputs = item
+            outputs.engine_index = self.engine_index
+            frames = encoder.encode(outputs)
+            sock = sockets[client_index]
             # The reused main buffer is copied; large arrays go out zero-copy.
             sock.send(frames[0], zmq.SNDMORE if len(frames) > 1 else 0, copy=True)
             for i, frame in enumerate(frames[1:], 2):
                 sock.send(frame, zmq.SNDMORE if i < len(frames) else 0, copy=False)
 
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """A step's outputs, split by the frontend each request came from. The scheduler
+        stats go to frontend 0 only (their counters are deltas: counted once; its gauges and
+        log line are the ones to read), alone when none of its requests has news."""
+        if self.num_clients == 1:
+            self.output_queue.put_nowait((0, outputs))
+            return
+        parts: dict[int, list[EngineCoreOutput]] = {0: []}
+        for out in outputs.outputs:
+            parts.setdefault(self.req_client.get(out.request_id, 0), []).append(out)
+            if out.finished:
+                self.req_client.pop(out.request_id, None)
+        for client_index, outs in parts.items():
+            stats = outputs.scheduler_stats if client_index == 0 else None
+            if outs or stats is not None:
+                message = EngineCoreOutputs(outs, stats, outputs.timestamp)
+                self.output_queue.put_nowait((client_index, message))
+
     # ------------------------------------------------------------------ the busy loop
     def run_busy_loop(self) -> None:
         shutdown_deadline = None
         while True:
-            self._process_input_queue(block=not self.has_unfinished_requests())
+            idle = not self.has_unfinished_requests()
+            self._process_input_queue(block=idle and not (self.wave_sync and self.engines_running))
             if self.shutdown_requested:
                 if shutdown_deadline is None:
                     timeout = float(os.environ.get("JAXSERVE_SHUTDOWN_TIMEOUT", "30"))
@@ -170,9 +242,28 @@ class EngineCoreProc(EngineCore):
             if self.has_unfinished_requests():
                 outputs = self.step()
                 if outputs is not None:
-                    self.output_queue.put_nowait(outputs)
+                    self._send_outputs(outputs)
+            elif self.wave_sync and self.engines_running:
+                self.runner.dummy_step()  # others have work: this engine steps with them
+                self.num_dummy_steps += 1
+            self._report_load()
         self.output_queue.put_nowait(None)
         self.output_thread.join(timeout=5)
+
+    def _report_load(self) -> None:
+        """Tell the DP coordinator this engine's queues when they changed; with work while
+        the engines are paused, start a wave."""
+        if self.coordinator_push is None:
+            return
+        load = (len(self.scheduler.waiting), len(self.scheduler.running))
+        start_wave = self.has_unfinished_requests() and not self.engines_running
+        if load == self._last_load and not start_wave:
+            return
+        self._last_load = load
+        if start_wave:
+            self.engines_running = True
+        state = DPEngineState(self.engine_index, *load, start_wave=start_wave)
+        self.coordinator_push.send(self._load_encoder.encode(state))
 
     def _process_input_queue(self, block: bool) -> None:
         while block and not self.shutdown_requested:
@@ -184,23 +275,27 @@ class EngineCoreProc(EngineCore):
         while not self.input_queue.empty():
             self._handle(*self.input_queue.get_nowait())
 
-    def _handle(self, request_type: Any, payload: Any = None) -> None:
+    def _handle(self, request_type: Any, payload: Any = None, client_index: int = 0) -> None:
         if request_type is _WAKEUP:
+            return
+        if request_type is _WAVE:
+            self.engines_running = payload.running
             return
         if request_type == EngineCoreRequestType.ADD:
             if self.shutdown_requested:  # refused: finish it at once
-                self.output_queue.put_nowait(
-                    EngineCoreOutputs([EngineCoreOutput(payload.request_id, [], "abort")])
-                )
+                abort = EngineCoreOutput(payload.request_id, [], "abort")
+                self.output_queue.put_nowait((client_index, EngineCoreOutputs([abort])))
             else:
+                if self.num_clients > 1:
+                    self.req_client[payload.request_id] = client_index
                 self.add_request(payload)
         elif request_type == EngineCoreRequestType.ABORT:
             self.abort_requests(payload)
             if not self.has_unfinished_requests():  # no step will report the freed blocks
-                stats = self.scheduler.make_stats()
-                self.output_queue.put_nowait(EngineCoreOutputs(scheduler_stats=stats))
+                self._send_outputs(EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats()))
         elif request_type == EngineCoreRequestType.UTILITY:
-            self.output_queue.put_nowait(EngineCoreOutputs(utility_output=self._utility(payload)))
+            reply = EngineCoreOutputs(utility_output=self._utility(payload))
+            self.output_queue.put_nowait((client_index, reply))
 
     def _utility(self, call: UtilityRequest) -> UtilityOutput:
         method = getattr(self, call.method, None)
@@ -211,11 +306,18 @@ class EngineCoreProc(EngineCore):
         except Exception as e:  # reported to the caller; the core keeps serving
             return UtilityOutput(call.call_id, failure_message=f"{type(e).__name__}: {e}")
 
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        aborted = super().abort_requests(request_ids)
+        for request_id in request_ids:
+            self.req_client.pop(request_id, None)
+        return aborted
+
     def _abort_and_report(self, request_ids: list[str]) -> None:
+        clients = {r: self.req_client.get(r, 0) for r in request_ids}
         aborted = self.abort_requests(request_ids)
-        if aborted:
-            outputs = [EngineCoreOutput(r, [], finish_reason="abort") for r in aborted]
-            self.output_queue.put_nowait(EngineCoreOutputs(outputs))
+        for r in aborted:
+            abort = EngineCoreOutput(r, [], finish_reason="abort")
+            self.output_queue.put_nowait((clients[r], EngineCoreOutputs([abort])))
 
     def process_aborts_mid_step(self) -> None:
         while not self.aborts_queue.empty():
@@ -230,7 +332,12 @@ class EngineCoreProc(EngineCore):
         return super().step()
 
     def get_state(self) -> dict:
-        return {**super().get_state(), "shutting_down": self.shutdown_requested}
+        return {
+            **super().get_state(),
+            "shutting_down": self.shutdown_requested,
+            "engine_index": self.engine_index,
+            "num_dummy_steps": self.num_dummy_steps,
+        }
 
     def request_shutdown(self) -> None:
         self.shutdown_requested = True
@@ -240,16 +347,19 @@ class EngineCoreProc(EngineCore):
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_state"})
 
 
-def run_engine_core(args: EngineArgs, handshake_address: str, parent_pid: int) -> None:
+def run_engine_core(
+    args: EngineArgs, handshake_address: str, parent_pid: int, engine_index: int = 0
+) -> None:
     """The core process's entry point."""
+    name = f"EngineCore_DP{engine_index}" if args.data_parallel_size > 1 else "EngineCore"
     logging.basicConfig(
         level=os.environ.get("JAXSERVE_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s [EngineCore] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
     )
     logging.getLogger("jax").setLevel(logging.WARNING)
     core: EngineCoreProc | None = None
     try:
-        core = EngineCoreProc(args, handshake_address, parent_pid)
+        core = EngineCoreProc(args, handshake_address, parent_pid, engine_index)
         signal.signal(signal.SIGTERM, lambda *_: core.request_shutdown())
         signal.signal(signal.SIGINT, lambda *_: core.request_shutdown())
         core.run_busy_loop()
@@ -259,7 +369,7 @@ def run_engine_core(args: EngineArgs, handshake_address: str, parent_pid: int) -
             _send_startup_failure(handshake_address, e)
         else:
             logger.exception("EngineCore hit a fatal error")
-            core.output_queue.put_nowait(ENGINE_CORE_DEAD)
+            core.output_queue.put_nowait(ENGINE_CORE_DEAD)  # to every frontend
             core.output_thread.join(timeout=5)
         os._exit(1)
     os._exit(0)  # daemon threads blocked in zmq calls would otherwise hold the exit
@@ -276,9 +386,10 @@ def _send_startup_failure(handshake_address: str, error: Exception) -> None:
 
 
 if __name__ == "__main__":
-    # python -m jaxserve.engine.core_proc RUN_DIR: started by MPClient, never by hand. A fresh
-    # interpreter (not multiprocessing) so the user's __main__ module is never re-imported.
+    # python -m jaxserve.engine.core_proc RUN_DIR ENGINE_INDEX: started by the engine group
+    # (engine/launch.py), never by hand. A fresh interpreter (not multiprocessing) so the
+    # user's __main__ module is never re-imported.
     run_dir = sys.argv[1]
     with open(os.path.join(run_dir, "engine_args.pkl"), "rb") as f:
         engine_args = pickle.load(f)
-    run_engine_core(engine_args, f"ipc://{run_dir}/handshake", os.getppid())
+    run_engine_core(engine_args, f"ipc://{run_dir}/handshake", os.getppid(), int(sys.argv[2]))

@@ -79,8 +79,7 @@ class LLMEngine:
         return text, self.input_processor.process(request_id, ids, params, priority=priority)
 
     def add_processed_request(self, text: str | None, request: EngineCoreRequest) -> None:
-        for core_request in self.output_processor.add_request(text, request):
-            self.engine_core.add_request(core_request)
+        self.engine_core.add_requests(self.output_processor.add_request(text, request))
 
     def add_request(
         self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0

@@ -55,6 +55,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
+        "-dp", "--data-parallel-size", type=int, default=1,
+        help="engine core processes, each with its own -tp devices, scheduler and KV cache; "
+        "each request goes to the least loaded",
+    )  # fmt: skip
+    parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -184,6 +189,10 @@ def _add_serve_parser(sub) -> None:
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests",
     )
+    serve.add_argument(
+        "--api-server-count", type=int, default=1,
+        help="HTTP server processes sharing the port, each a frontend of the same engines",
+    )  # fmt: skip
     serve.add_argument(
         "--uvicorn-log-level",
         default="info",

@@ -21,6 +21,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    client_index: int = 0  # which frontend (API server) gets the outputs
+    data_parallel_rank: int | None = None  # pin to this engine (else the load balancer picks)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -90,6 +92,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
+    engine_index: int = 0  # which data-parallel engine sent it
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -108,5 +111,33 @@ class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     args: list[Any] = []
 
 
-# The core sends this single frame on its output socket when it dies.
+# The core sends this single frame on its output socket when it dies (the engine group's
+# monitor sends it for a core that was killed).
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class DPEngineState(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A data-parallel engine's load, pushed to the DP coordinator after every step and every
+    change of its queues. start_wave: it has work while it believes the engines paused."""
+
+    engine_index: int
+    num_waiting: int
+    num_running: int
+    start_wave: bool = False
+
+
+class DPLoadState(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The coordinator's view, published to every frontend: [waiting, running] per engine,
+    the wave number (how many times all engines went idle) and whether a wave runs."""
+
+    counts: list[list[int]]
+    wave: int = 0
+    engines_running: bool = False
+
+
+class DPWave(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Coordinator -> engines: wave `wave` runs (every engine steps, idle ones a dummy step,
+    while any has work) or has ended (all idle)."""
+
+    wave: int
+    running: bool

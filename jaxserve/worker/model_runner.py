@@ -586,6 +586,16 @@ class ModelRunner:
         least one token, so min(t, max_num_seqs) rounded up to a sequence bucket."""
         return next(b for b in self.seq_buckets if b >= min(t, self.max_num_seqs))
 
+    def dummy_step(self) -> None:
+        """The smallest forward over padding (no KV written, nothing sampled), run to its
+        end: a data-parallel engine with no work steps with the others (vLLM's dummy batch)."""
+        t, decode_only = self._ready_token_bucket(1), self.decode_only_forwards
+        outs = self._executable("forward", t, decode_only)(
+            self.params, self.kv_caches, self.last_tokens, self._padding_forward(t, decode_only)
+        )
+        self.kv_caches = outs[2]
+        jax.block_until_ready(outs[0])
+
     # ------------------------------------------------------------------ a serving step
     def dispatch(self, so: SchedulerOutput) -> PendingStep | None:
         """Apply the scheduler's changes to the input batch and start the step on the devices

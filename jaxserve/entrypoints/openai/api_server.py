@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import logging
 import os
@@ -48,7 +49,7 @@ from jaxserve.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from jaxserve.entrypoints.openai.serving import OpenAIServing, error_body, error_status
-from jaxserve.metrics import LoggingStatLogger, PrometheusStatLogger
+from jaxserve.metrics import PrometheusStatLogger, make_log_stats
 
 logger = logging.getLogger("jaxserve.api_server")
 _json = msgspec.json.Encoder()
@@ -263,10 +264,11 @@ def build_app(
     chat_template_content_format: str = "auto",
     enable_auto_tools: bool = False,
     tool_parser: str | None = None,
-    log_stats_interval: float = 10.0,
+    log_stats_interval: float | None = 10.0,
 ) -> Starlette:
-    prometheus = PrometheusStatLogger(served_model_names[0])
-    log_stats = LoggingStatLogger()
+    num_engines = engine.config.parallel.data_parallel_size
+    prometheus = PrometheusStatLogger(served_model_names[0], num_engines)
+    log_stats = make_log_stats(num_engines)
     engine.stat_loggers += [prometheus, log_stats]
 
     @contextlib.asynccontextmanager
@@ -276,7 +278,9 @@ def build_app(
                 await asyncio.sleep(log_stats_interval)
                 log_stats.log()
 
-        tasks = [asyncio.create_task(periodic_log()), asyncio.create_task(watch_engine(app))]
+        tasks = [asyncio.create_task(watch_engine(app))]
+        if log_stats_interval is not None:  # (API servers after the first: see their loads)
+            tasks.append(asyncio.create_task(periodic_log()))
         try:
             yield
         finally:
@@ -328,6 +332,8 @@ def load_chat_template(value: str | None) -> str | None:
 
 def check_server_args(args) -> None:
     """Flag errors before minutes of loading: parser names, auto tools without a parser."""
+    if args.api_server_count < 1:
+        raise SystemExit(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     try:
@@ -343,21 +349,39 @@ def check_server_args(args) -> None:
         raise SystemExit(str(e)) from None
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before minutes of loading and compiling (a taken port fails
+    now); several API-server processes share it (--api-server-count)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def run_server(args, engine_args, started: float | None = None) -> None:
     """started: time.perf_counter() when the process began (the start-up timeline's zero)."""
-    from jaxserve.models.loader import DEFAULT_MODEL_NAME
-
     started = time.perf_counter() if started is None else started
     imports = time.perf_counter() - started
+    sock = bind_socket(args.host, args.port)
+    check_server_args(args)
+    if args.api_server_count > 1:
+        from jaxserve.entrypoints.openai.multi_server import run_api_servers
+
+        sys.exit(run_api_servers(args, engine_args, sock))
+    engine = AsyncLLM.from_engine_args(engine_args)
+    engine.engine_core.timeline.phases.insert(0, ("frontend imports", imports))
+    serve_http(args, engine, sock, started)
+
+
+def serve_http(
+    args, engine: AsyncLLM, sock: socket.socket, started: float, log_prefix: str = ""
+) -> None:
+    """Serve the app over `engine` on the bound socket until SIGTERM or the engine's death
+    (then exit 1). log_prefix: before uvicorn's log lines (its access lines too)."""
+    from jaxserve.models.loader import DEFAULT_MODEL_NAME
 
     api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    # Bind first: a taken port fails now, not after minutes of loading and compiling.
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    check_server_args(args)
-    engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(
         engine,
         names,
@@ -366,10 +390,11 @@ def run_server(args, engine_args, started: float | None = None) -> None:
         chat_template_content_format=args.chat_template_content_format,
         enable_auto_tools=args.enable_auto_tool_choice,
         tool_parser=args.tool_call_parser,
-        log_stats_interval=float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10")),
+        log_stats_interval=float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10"))
+        if engine.engine_core.client_index == 0
+        else None,
     )
     timeline = engine.engine_core.timeline
-    timeline.phases.insert(0, ("frontend imports", imports))
     logger.info("start-up: ready in %.1f s (%s)", time.perf_counter() - started, timeline.summary())
     host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
@@ -380,9 +405,13 @@ def run_server(args, engine_args, started: float | None = None) -> None:
         "-H 'Content-Type: application/json'%s -d '%s'",
         names[0], args.host, args.port, host, args.port, auth, body,
     )  # fmt: skip
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for formatter in log_config["formatters"].values():
+        formatter["fmt"] = log_prefix + formatter["fmt"]
     config = uvicorn.Config(
-        app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout
-    )
+        app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
+        log_config=log_config,
+    )  # fmt: skip
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make
     # that a no-op, so a drained shutdown exits 0 rather than as killed by SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: None)
