@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -253,15 +254,18 @@ class SyncMPClient(EngineCoreClient):
         decoder = MsgpackDecoder(EngineCoreOutputs)
         poller = zmq.Poller()
         poller.register(self.output_socket, zmq.POLLIN)
+        checked = time.monotonic()
         while self.dead is None:
             try:
                 ready = poller.poll(PROC_POLL_S * 1000)
             except zmq.ZMQError:  # closed by shutdown()
                 return
-            if not ready:
+            if ready:
+                self._process_frames(self.output_socket.recv_multipart(copy=False), decoder)
+            # (another engine's steady outputs must not hide a dead one)
+            if time.monotonic() - checked >= PROC_POLL_S:
+                checked = time.monotonic()
                 self.poll_dead()
-                continue
-            self._process_frames(self.output_socket.recv_multipart(copy=False), decoder)
 
     def _process_frames(self, frames: list, decoder: MsgpackDecoder) -> None:
         if len(frames) == 1 and frames[0].bytes == ENGINE_CORE_DEAD:
@@ -392,6 +396,8 @@ class SyncMPClient(EngineCoreClient):
         and kill what is left after timeout. Joined: the launcher stops them."""
         if self.dead is None:
             self.dead = EngineDeadError("the client was shut down")
+        elif self.group is not None and self.group.poll() is not None:
+            timeout = min(timeout, 1.0)  # an engine died: the others' requests are lost anyway
         if self.load_balancer is not None:
             self.load_balancer.stop()
         if self.group is not None:
@@ -445,12 +451,14 @@ class AsyncMPClient(SyncMPClient):
     async def _read_outputs_async(self) -> None:
         decoder = MsgpackDecoder(EngineCoreOutputs)
         sock = self._async_socket
+        checked = time.monotonic()
         with contextlib.suppress(zmq.ZMQError):  # closed by shutdown()
             while self.dead is None:
-                if not await sock.poll(PROC_POLL_S * 1000):
+                if await sock.poll(PROC_POLL_S * 1000):
+                    self._process_frames(await sock.recv_multipart(copy=False), decoder)
+                if time.monotonic() - checked >= PROC_POLL_S:  # as _read_outputs
+                    checked = time.monotonic()
                     self.poll_dead()
-                    continue
-                self._process_frames(await sock.recv_multipart(copy=False), decoder)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
         self._queue.put_nowait(item)
