@@ -48,7 +48,12 @@ from jaxserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from jaxserve.entrypoints.openai.serving import OpenAIServing, error_body, error_status
+from jaxserve.entrypoints.openai.serving import (
+    DATA_PARALLEL_RANK,
+    OpenAIServing,
+    error_body,
+    error_status,
+)
 from jaxserve.metrics import PrometheusStatLogger, make_log_stats
 
 logger = logging.getLogger("jaxserve.api_server")
@@ -113,6 +118,7 @@ async def _generate(request: Request, cls, prepare, run, stream) -> Response:
     if serving.engine.errored:
         return error_response(serving.engine.dead or serving.engine.engine_core.poll_dead())
     try:
+        DATA_PARALLEL_RANK.set(_data_parallel_rank(request, serving))
         body = await _decode(request, cls)
         prepared = await _off_loop(request, prepare, body)
     except Exception as e:
@@ -126,6 +132,20 @@ async def _generate(request: Request, cls, prepare, run, stream) -> Response:
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
     return MsgspecJSONResponse(result)
+
+
+def _data_parallel_rank(request: Request, serving: OpenAIServing) -> int | None:
+    """The X-data-parallel-rank header (vLLM's): run on that engine; ValueError if bad."""
+    value = request.headers.get("x-data-parallel-rank")
+    if value is None:
+        return None
+    size = serving.engine.config.parallel.data_parallel_size
+    if not value.strip().isdigit() or int(value) >= size:
+        raise ValueError(
+            f"X-data-parallel-rank {value!r} is not an engine index: there are {size} "
+            "data-parallel engines"
+        )
+    return int(value)
 
 
 async def completions(request: Request) -> Response:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextvars
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -53,6 +54,10 @@ from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams, generation_defaults
 
 _json = msgspec.json.Encoder()
+# The engine a request runs on, from its X-data-parallel-rank header (vLLM's); None: any.
+DATA_PARALLEL_RANK: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "data_parallel_rank", default=None
+)
 
 
 class ModelNotFound(LookupError):
@@ -392,7 +397,10 @@ class OpenAIServing:
         async def pump(i: int, prompt: dict) -> None:
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             try:
-                async for out in self.engine.generate(prompt, params, rid, priority=priority):
+                async for out in self.engine.generate(
+                    prompt, params, rid, priority=priority,
+                    data_parallel_rank=DATA_PARALLEL_RANK.get(),
+                ):  # fmt: skip
                     await queue.put((i, out))
                 await queue.put(done)
             except BaseException as e:  # noqa: BLE001 (handed to the consumer)

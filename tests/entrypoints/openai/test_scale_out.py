@@ -1,0 +1,125 @@
+"""`jaxserve serve -dp 2 --api-server-count 2` on the default model: two engine cores (one XLA
+CPU device each) behind a DP coordinator, two HTTP servers sharing the port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.test_api_server import LONG_STREAM, MODEL, Server, auth, sse_events
+
+pytest.importorskip("openai")  # the shared dp=1 server's client; absent on the GPU machine
+pytestmark = pytest.mark.slow
+
+PROMPTS = [f"Write a sentence about the number {i}." for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def scaled():
+    s = Server("-dp", "2", "--api-server-count", "2")
+    yield s
+    s.stop()
+
+
+def engine_pids(server: Server) -> dict[int, int]:
+    """engine index -> pid of the launcher's engine core processes."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(server.proc.pid)],
+                         capture_output=True, text=True).stdout  # fmt: skip
+    found = re.findall(r"^\s*(\d+) .*jaxserve\.engine\.core_proc \S+ (\d+)$", out, re.M)
+    return {int(index): int(pid) for pid, index in found}
+
+
+def next_event(lines) -> str:
+    """The next `data:` line of an SSE stream."""
+    while not (line := next(lines)).startswith("data: "):
+        pass
+    return line
+
+
+def wait_metric(server: Server, name: str, label: str, value: float, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while server.metric(name, label) != value:
+        assert time.monotonic() < deadline, f"{name}{{{label}}} is {server.metric(name, label)}"
+        time.sleep(0.1)
+
+
+def completed(server: Server, engine: int) -> float:
+    return sum(server.metric("request_success_total", f'engine="{engine}",finished_reason="{r}"')
+               for r in ("stop", "length", "abort"))  # fmt: skip
+
+
+def test_streaming_load_spreads_over_both_engines_and_servers_with_dp1_tokens(scaled, server):
+    before = [completed(scaled, e) for e in (0, 1)]
+
+    def stream(prompt: str) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", f"{scaled.url}/v1/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200, r.read()
+            events = sse_events(r)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"]
+        return "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(stream, PROMPTS))  # any failure raises here: 0 failed
+    done = [completed(scaled, e) - b for e, b in zip((0, 1), before, strict=True)]
+    assert sum(done) == 64 and all(0.4 * 64 <= n <= 0.6 * 64 for n in done), done
+    # the same greedy text as one engine (the shared dp=1 server of this package)
+    for prompt, text in list(zip(PROMPTS, texts, strict=True))[:6]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+        one = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(), timeout=120)
+        assert one.json()["choices"][0]["text"] == text
+    log = scaled.tail(2000)
+    for i in (0, 1):  # both API servers took connections
+        assert len(re.findall(rf"\(APIServer{i} pid=\d+\) .*POST /v1/completions", log)) >= 5
+    for engine in (0, 1):  # every block back
+        wait_metric(scaled, "kv_cache_usage_perc", f'engine="{engine}"', 0.0)
+        wait_metric(scaled, "num_requests_running", f'engine="{engine}"', 0.0)
+
+
+def test_a_client_disconnect_frees_the_kv_of_the_engine_it_ran_on(scaled):
+    bad = httpx.post(f"{scaled.url}/v1/completions", json={**LONG_STREAM, "stream": False},
+                     headers={"X-data-parallel-rank": "2"}, timeout=30)  # fmt: skip
+    assert bad.status_code == 400 and "X-data-parallel-rank '2'" in bad.text
+    streams = []
+    for engine in (0, 1):
+        cm = httpx.stream("POST", f"{scaled.url}/v1/completions", json=LONG_STREAM,
+                          headers={"X-data-parallel-rank": str(engine)}, timeout=300)  # fmt: skip
+        lines = cm.__enter__().iter_lines()
+        next_event(lines)  # a first token: it runs
+        streams.append((cm, lines))
+    for engine in (0, 1):
+        assert scaled.metric("num_requests_running", f'engine="{engine}"') == 1
+    streams[1][0].__exit__(None, None, None)  # the client of engine 1's request goes away
+    wait_metric(scaled, "num_requests_running", 'engine="1"', 0.0)
+    wait_metric(scaled, "kv_cache_usage_perc", 'engine="1"', 0.0)
+    assert scaled.metric("num_requests_running", 'engine="0"') == 1  # untouched
+    next_event(streams[0][1])
+    streams[0][0].__exit__(None, None, None)
+    wait_metric(scaled, "kv_cache_usage_perc", 'engine="0"', 0.0)
+
+
+def test_a_killed_engine_fails_the_streams_and_the_server_exits_1(scaled):
+    pids = engine_pids(scaled)
+    assert sorted(pids) == [0, 1], pids
+    with httpx.stream("POST", f"{scaled.url}/v1/completions", json=LONG_STREAM,
+                      headers={"X-data-parallel-rank": "0"}, timeout=60) as r:  # fmt: skip
+        lines = r.iter_lines()
+        next_event(lines)
+        os.kill(pids[1], signal.SIGKILL)  # not the engine of this stream: still all fail
+        start = time.monotonic()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - start < 10
+    assert rest[-1] == "data: [DONE]" and "EngineCore is dead" in rest[-2], rest[-3:]
+    assert scaled.proc.wait(30) == 1
+    deadline = time.monotonic() + 10  # and the other engine is stopped with it
+    while os.path.exists(f"/proc/{pids[0]}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pids[0]}")
