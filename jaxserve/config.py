@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.distributed.mesh import devices_per_process
+
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 QUANTIZATIONS = ("int8", "fp8", "gguf")  # gguf: a GGUF file's blocks kept (layers/linear.py)
 # --kv-cache-dtype values (vLLM's names) -> the cache's dtype; "auto": the model's dtype.
@@ -374,6 +376,9 @@ class ParallelConfig:
     # Engines, each with its own tensor_parallel_size devices, scheduler and KV cache (not part
     # of an engine's executables: kept out of the config's repr, their cache key)
     data_parallel_size: int = dataclasses.field(default=1, repr=False)
+    # Hosts one model spans (multi-host tensor parallelism, distributed/multihost.py): each
+    # runs tensor_parallel_size / nnodes of the devices, one process per host
+    nnodes: int = 1
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -384,11 +389,23 @@ class ParallelConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
-        available = jax.local_device_count()
-        if self.tensor_parallel_size > available:
+        if self.tensor_parallel_size < self.nnodes:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} exceeds the {available} "
-                f"local {jax.default_backend()} devices"
+                f"tensor_parallel_size={self.tensor_parallel_size} cannot span nnodes="
+                f"{self.nnodes}: every node needs at least one device"
+            )
+        if jax.process_count() != self.nnodes:
+            raise ValueError(
+                f"nnodes={self.nnodes} but {jax.process_count()} processes joined the JAX cluster"
+            )
+        available = jax.local_device_count()
+        needed = devices_per_process(self.tensor_parallel_size, self.nnodes)[jax.process_index()]
+        if needed > available:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+                + (f" over nnodes={self.nnodes}" if self.nnodes > 1 else "")
+                + f" needs {needed} devices here; there are {available} local "
+                f"{jax.default_backend()} devices"
             )
 
 

@@ -8,10 +8,19 @@ TP_AXIS = "tp"
 
 
 def make_mesh(tensor_parallel_size: int = 1, devices: list | None = None) -> Mesh:
-    """A 1-D Mesh named ('tp',) over the first `tensor_parallel_size` local devices.
+    """A 1-D Mesh named ('tp',) over the first `tensor_parallel_size` local devices; with
+    several processes (multi-host, distributed/multihost.py), over the first
+    `devices_per_process` of each process, in process order.
 
     The axis is Auto (sharding propagated by XLA), the same on jax 0.10 and 0.11.
     """
+    if devices is None and jax.process_count() > 1:
+        counts = devices_per_process(tensor_parallel_size, jax.process_count())
+        by_process = [
+            sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+            for p in range(jax.process_count())
+        ]
+        devices = [d for local, n in zip(by_process, counts, strict=True) for d in local[:n]]
     devices = list(devices if devices is not None else jax.local_devices())
     if tensor_parallel_size < 1 or tensor_parallel_size > len(devices):
         raise ValueError(
@@ -20,3 +29,11 @@ def make_mesh(tensor_parallel_size: int = 1, devices: list | None = None) -> Mes
         )
     devs = np.array(devices[:tensor_parallel_size])
     return Mesh(devs, (TP_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def devices_per_process(tensor_parallel_size: int, num_processes: int) -> list[int]:
+    """How many devices each process (host) gives a model spread over num_processes: an even
+    share, the first tensor_parallel_size % num_processes taking one more (e.g. a 9-head
+    model's tp 3 over two hosts: 2 + 1)."""
+    share, extra = divmod(tensor_parallel_size, num_processes)
+    return [share + (p < extra) for p in range(num_processes)]

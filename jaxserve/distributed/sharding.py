@@ -11,7 +11,9 @@ whole KV heads, and only the ones it needs.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
+import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -86,3 +88,12 @@ def param_sharding(path: Sequence[str | int], config: ModelConfig, mesh: Mesh) -
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [L * num_blocks, block_size, Hkv * replicas, hd] cache: over KV heads."""
     return NamedSharding(mesh, P(None, None, TP_AXIS, None))
+
+
+def put(tree: Any, sharding: NamedSharding) -> Any:
+    """Host arrays (numpy) onto the mesh: jax.device_put, without the check that every
+    process passed the same values, which over several hosts is a collective of its own and
+    assumes each host has as many devices (every rank builds these the same way)."""
+    return jax.tree.map(
+        lambda x: jax.make_array_from_callback(x.shape, sharding, x.__getitem__), tree
+    )

@@ -41,6 +41,13 @@ class EngineArgs:
     # Engine core processes, each with its own devices, scheduler and KV cache; new requests
     # go to the least loaded (engine/core_client.py::LoadBalancer)
     data_parallel_size: int = 1
+    # Multi-host: one model's tensor_parallel_size devices spread over nnodes hosts, one
+    # process each, joined by jax.distributed at master_addr:master_port (node_rank 0 runs the
+    # scheduler and the API server; the others `jaxserve serve --headless`)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     enable_expert_parallel: bool = False  # MoE: whole experts per device instead of F slices
     dtype: str = "auto"
     seed: int = 0
@@ -86,6 +93,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
+        self._check_nodes()
         path = resolve_model_path(self.model, self.load_format)
         model_config = read_model_config(path, self.dtype, self.quantization)
         on_cpu = jax.default_backend() == "cpu"
@@ -145,8 +153,11 @@ class EngineArgs:
             cache=cache,
             scheduler=scheduler,
             parallel=ParallelConfig(
-                self.tensor_parallel_size, self.enable_expert_parallel, self.data_parallel_size
-            ),
+                self.tensor_parallel_size,
+                self.enable_expert_parallel,
+                self.data_parallel_size,
+                self.nnodes,
+            ),  # fmt: skip
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             attention_backend=attention_backend,
@@ -155,8 +166,20 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             pooler=pooler,
             speculative=speculative,
-            background_compile=self.background_compile,
+            # every rank must have every shape when rank 0 picks one
+            background_compile=self.background_compile and self.nnodes == 1,
         )
+
+    def _check_nodes(self) -> None:
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank={self.node_rank} is not a rank of nnodes={self.nnodes} (0 .. nnodes-1)"
+            )
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: data "
+                "parallelism over several hosts is not supported; run one server per host"
+            )
 
     def _speculative(self, target) -> SpeculativeConfig:
         """The parsed speculative config; a draft model's path resolved and its vocabulary

@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.distributed.multihost import BroadcastRunner, Leader
 from jaxserve.engine.startup import StartupTimeline
 from jaxserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
 from jaxserve.models.loader import load_model
@@ -39,43 +40,54 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # how long an idle step waits for a compiling grammar
 
 
+def build_runner(config: EngineConfig, timeline: StartupTimeline) -> ModelRunner:
+    """Load the weights (and a draft model's) and build the model runner, without a KV cache:
+    the engine core's first steps, and a multi-host follower rank's (distributed/multihost.py)."""
+    enable_persistent_compilation_cache()
+    with timeline.phase("load weights"):
+        loaded = load_model(
+            config.model_path,
+            dtype=config.model.dtype,
+            tensor_parallel_size=config.parallel.tensor_parallel_size,
+            load_tokenizer=False,
+            load_format=config.load_format,
+            quantization=config.model.quantization,
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
+        )
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
+    logger.info(
+        "weights: %.1f MiB%s", weight_bytes / 2**20,
+        f" ({config.model.quantization} linear kernels)" if config.model.quantization else "",
+    )  # fmt: skip
+    draft = None
+    spec_method = config.speculative.method if config.speculative is not None else None
+    if spec_method in ("draft_model", "eagle", "eagle3"):
+        heads = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
+        with timeline.phase("load draft weights"):
+            draft = load_model(
+                config.speculative.model, dtype=config.model.dtype, mesh=loaded.mesh,
+                load_tokenizer=False, architecture=heads.get(spec_method),
+            )  # fmt: skip
+    with timeline.phase("model runner"):
+        return ModelRunner(loaded, config, draft)
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig):
-        enable_persistent_compilation_cache()
+    def __init__(self, config: EngineConfig, leader: Leader | None = None):
+        """leader: with a model spread over several hosts, the channel to the other ranks;
+        every runner call that runs on the devices is then made on theirs too."""
         self.config = config
         self.timeline = timeline = StartupTimeline()
-        with timeline.phase("load weights"):
-            loaded = load_model(
-                config.model_path,
-                dtype=config.model.dtype,
-                tensor_parallel_size=config.parallel.tensor_parallel_size,
-                load_tokenizer=False,
-                load_format=config.load_format,
-                quantization=config.model.quantization,
-                enable_expert_parallel=config.parallel.enable_expert_parallel,
-            )
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
-        logger.info(
-            "weights: %.1f MiB%s", weight_bytes / 2**20,
-            f" ({config.model.quantization} linear kernels)" if config.model.quantization else "",
-        )  # fmt: skip
-        draft = None
-        spec_method = config.speculative.method if config.speculative is not None else None
-        if spec_method in ("draft_model", "eagle", "eagle3"):
-            heads = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
-            with timeline.phase("load draft weights"):
-                draft = load_model(
-                    config.speculative.model, dtype=config.model.dtype, mesh=loaded.mesh,
-                    load_tokenizer=False, architecture=heads.get(spec_method),
-                )  # fmt: skip
-        with timeline.phase("runner and KV cache"):
-            self.runner = ModelRunner(loaded, config, draft)
+        runner = build_runner(config, timeline)
+        self.runner = runner if leader is None else BroadcastRunner(runner, leader)
+        with timeline.phase("KV cache"):
             # Size the KV cache from what the weights left (compiling needs its shape); the
             # compiled steps' temporaries live in the headroom gpu_memory_utilization leaves.
             num_blocks = self.runner.determine_num_blocks()
             self.runner.initialize_kv_cache(num_blocks)
         with timeline.phase("step executables"):
             self.runner.compile_all(background=config.background_compile)
+        spec_method = config.speculative.method if config.speculative is not None else None
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(
             config.scheduler,

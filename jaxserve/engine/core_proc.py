@@ -32,6 +32,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from jaxserve.distributed import multihost
+from jaxserve.distributed.multihost import Leader
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.launch import engine_identity
@@ -80,7 +82,10 @@ class EngineCoreProc(EngineCore):
             raise TimeoutError("the frontend did not answer HELLO")
         addresses = msgspec.msgpack.decode(self.handshake.recv())
 
-        super().__init__(config)
+        self.leader = None  # the other ranks of a model over several hosts
+        if config.parallel.nnodes > 1:
+            self.leader = Leader(config.parallel.nnodes, args.master_port, self._lost_rank)
+        super().__init__(config, self.leader)
         self.timeline.phases.insert(0, ("engine config", config_s))
 
         self.input_queue: queue.Queue[Any] = queue.Queue()
@@ -132,6 +137,16 @@ class EngineCoreProc(EngineCore):
         self.coordinator_push.connect(coordinator["in"])
         threading.Thread(target=self._process_waves, args=(coordinator["back"],),
                          daemon=True, name="core-waves").start()  # fmt: skip
+
+    def _lost_rank(self, reason: str) -> None:
+        """A rank of a multi-host model is gone: this core's step may wait forever on its
+        collectives. Tell every frontend the core is dead (each request fails), then exit."""
+        logger.error("%s: the engine core exits", reason)
+        output_thread = getattr(self, "output_thread", None)
+        if output_thread is not None:
+            self.output_queue.put_nowait(ENGINE_CORE_DEAD)
+            output_thread.join(timeout=5)
+        os._exit(1)
 
     # ------------------------------------------------------------------ threads
     def _watch_parent(self) -> None:
@@ -249,6 +264,8 @@ class EngineCoreProc(EngineCore):
             self._report_load()
         self.output_queue.put_nowait(None)
         self.output_thread.join(timeout=5)
+        if self.leader is not None:
+            self.leader.close()  # the follower ranks exit too
 
     def _report_load(self) -> None:
         """Tell the DP coordinator this engine's queues when they changed; with work while
@@ -359,6 +376,8 @@ def run_engine_core(
     logging.getLogger("jax").setLevel(logging.WARNING)
     core: EngineCoreProc | None = None
     try:
+        if args.nnodes > 1:  # before any device is touched
+            multihost.initialize(args.nnodes, 0, args.master_addr, args.master_port)
         core = EngineCoreProc(args, handshake_address, parent_pid, engine_index)
         signal.signal(signal.SIGTERM, lambda *_: core.request_shutdown())
         signal.signal(signal.SIGINT, lambda *_: core.request_shutdown())

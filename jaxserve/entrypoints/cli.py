@@ -21,6 +21,15 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.headless or args.node_rank > 0:
+        if not (args.headless and args.node_rank > 0):
+            raise SystemExit(
+                f"--node-rank {args.node_rank}{' --headless' * args.headless}: ranks above 0 run "
+                "no API server and need --headless; rank 0 runs the server"
+            )
+        from jaxserve.distributed.multihost import run_follower
+
+        return run_follower(engine_args_from(args))
     from jaxserve.entrypoints.openai.api_server import run_server
 
     run_server(args, engine_args_from(args), started=_STARTED)
@@ -88,6 +97,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--speculative-config", default=None,
         help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
     )  # fmt: skip
+    for flag, kind, default, what in (
+        ("--nnodes", int, 1, "hosts one model's -tp devices span (jax.distributed)"),
+        ("--node-rank", int, 0, "this host's rank; 0 runs the scheduler and the API server"),
+        ("--master-addr", str, "127.0.0.1", "rank 0's address (JAX's coordinator, step calls)"),
+        ("--master-port", int, 29501, "JAX's coordinator port; step calls use the next two"),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=what)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -189,6 +205,10 @@ def _add_serve_parser(sub) -> None:
         default=30.0,
         help="seconds SIGTERM waits for in-flight requests",
     )
+    serve.add_argument(
+        "--headless", action="store_true",
+        help="a follower host of a multi-host model (--node-rank above 0): no API server",
+    )  # fmt: skip
     serve.add_argument(
         "--api-server-count", type=int, default=1,
         help="HTTP server processes sharing the port, each a frontend of the same engines",

@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.distributed.sharding import put
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models.eagle import Eagle3LlamaForCausalLM
 from jaxserve.models.loader import LoadedModel
@@ -78,7 +79,7 @@ class EagleProposer(DraftModelProposer):
             )
             self.feature_width *= len(self.aux_layers)
         rep = self._replicated = NamedSharding(self.mesh, P())
-        self._no_rows = jax.device_put(
+        self._no_rows = put(
             np.zeros((max_sample_rows, self.feature_width), self.embedding.dtype), rep
         )
         self._mirror = jax.jit(self._mirror_fn, donate_argnums=(1,), out_shardings=kv_sharding)

@@ -67,6 +67,7 @@ def environment() -> dict[str, str]:
         "jaxlib": jaxlib.__version__,
         "platform": f"{devices[0].client.platform} {devices[0].client.platform_version}",
         "devices": ",".join(f"{d.id}:{d.device_kind}" for d in devices),
+        "process": f"{jax.process_index()} of {jax.process_count()}",  # multi-host ranks
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "x64": str(getattr(jax.config, "jax_enable_x64", None)),
         "matmul_precision": str(getattr(jax.config, "jax_default_matmul_precision", None)),

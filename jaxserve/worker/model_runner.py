@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from jaxserve.distributed.sharding import kv_cache_sharding
+from jaxserve.distributed.sharding import kv_cache_sharding, put
 from jaxserve.layers.attention import AttentionMetadata, configure_attention
 from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.layers.sampler import (
@@ -232,10 +232,8 @@ class ModelRunner:
         # output_counts i32[R, V]). A penalised request's row is filled once when it is
         # scheduled (_init_penalty_row); each step with penalties then adds its sampled tokens.
         r, v = self.max_num_seqs, self.config.vocab_size
-        self.penalty_state = jax.device_put(
-            (np.zeros((r, v), bool), np.zeros((r, v), np.int32)), rep
-        )
-        self.last_tokens = jax.device_put(np.zeros(r, np.int32), rep)  # i32[R]
+        self.penalty_state = put((np.zeros((r, v), bool), np.zeros((r, v), np.int32)), rep)
+        self.last_tokens = put(np.zeros(r, np.int32), rep)  # i32[R]
 
     @property
     def model(self) -> nnx.Module:

@@ -1,5 +1,6 @@
-"""`jaxserve serve -dp 2 --api-server-count 2` on the default model: two engine cores (one XLA
-CPU device each) behind a DP coordinator, two HTTP servers sharing the port."""
+"""Scaling out on the default model: `jaxserve serve -dp 2 --api-server-count 2` (two engine
+cores, one XLA CPU device each, behind a DP coordinator; two HTTP servers sharing the port) and
+one model over two jax.distributed processes (--nnodes 2, a --headless follower)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,21 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.entrypoints.openai.test_api_server import LONG_STREAM, MODEL, Server, auth, sse_events
+from tests.entrypoints.openai.test_api_server import (
+    LONG_STREAM,
+    MODEL,
+    Server,
+    auth,
+    free_port,
+    sse_events,
+)
 
 pytest.importorskip("openai")  # the shared dp=1 server's client; absent on the GPU machine
 pytestmark = pytest.mark.slow
@@ -123,3 +132,44 @@ def test_a_killed_engine_fails_the_streams_and_the_server_exits_1(scaled):
     while os.path.exists(f"/proc/{pids[0]}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pids[0]}")
+
+
+def test_default_model_over_two_processes_gives_one_processs_text(server, tmp_path):
+    """tp 3 (the default model's 9 heads: 3 per device) over two jax.distributed processes,
+    2 + 1 CPU devices, collectives between them over gloo: rank 0 serves, rank 1 follows."""
+    port = free_port()
+    flags = ["--nnodes", "2", "--master-port", str(port), "-tp", "3", "--max-num-seqs", "2",
+             "--max-num-batched-tokens", "16", "--max-model-len", "512"]  # fmt: skip
+    one_device = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    log = open(tmp_path / "follower.log", "w")  # noqa: SIM115 (closed below)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--headless",
+         "--node-rank", "1", *flags],
+        env=one_device, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    leader = None
+    try:
+        leader = Server(*flags, "--served-model-name", MODEL, defaults=[],
+                        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})  # fmt: skip
+        for prompt in PROMPTS[:4]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            two = httpx.post(f"{leader.url}/v1/completions", json=body, timeout=120)
+            one = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(),
+                             timeout=120)  # fmt: skip
+            assert two.json()["choices"][0]["text"] == one.json()["choices"][0]["text"]
+        with httpx.stream("POST", f"{leader.url}/v1/completions", json=LONG_STREAM,
+                          timeout=60) as r:  # fmt: skip
+            lines = r.iter_lines()
+            next_event(lines)
+            follower.kill()  # rank 1's host goes: rank 0's steps would wait on it forever
+            start = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - start < 10
+        assert "EngineCore is dead" in rest[-2], rest[-3:]
+        assert leader.proc.wait(30) == 1
+    finally:
+        follower.kill()
+        follower.wait()
+        log.close()
+        if leader is not None:
+            leader.stop()

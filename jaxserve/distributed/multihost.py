@@ -1,0 +1,235 @@
+"""One model over several hosts: JAX's own distributed runtime, rank 0 leading.
+
+`--nnodes N --node-rank R --master-addr A --master-port P`: every rank (one process per host)
+calls `jax.distributed.initialize(A:P, N, R)` before touching a device, so `jax.devices()` is
+the global list and the `tp` mesh spans every host (distributed/mesh.py takes
+tensor_parallel_size / N devices of each). Collectives between hosts are XLA's (NCCL on GPU,
+gloo on CPU): one SPMD program, run by every rank.
+
+Rank 0 is the ordinary engine core (engine/core_proc.py): its scheduler decides every step.
+Its runner is a `BroadcastRunner`: each call that runs on the devices (initialize_kv_cache,
+compile_all, dispatch, dispatch_sample, fetch, dummy_step) is first sent to the other ranks,
+which make the same call on their own ModelRunner (`run_follower`, the process `jaxserve
+serve --headless` starts on the other hosts), so every rank runs the same programs in the same
+order on the same host inputs, and keeps the same input batch. Only rank 0's results leave.
+Calls travel as pickles (trusted hosts of one job) over ZeroMQ: rank 0 binds a ROUTER on
+P + 1 (calls) and on P + 2 (heartbeats), the followers connect.
+
+Failure: every rank sends a heartbeat every HEARTBEAT_S and expects one back. Rank 0 that
+hears nothing from a follower for HEARTBEAT_TIMEOUT_S (it died, or its host did) calls its
+`on_lost` (the engine core reports itself dead to the frontend, failing every request, and
+exits: a step waiting on the lost rank's collective would never end). A follower that loses
+rank 0 exits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import zmq
+
+logger = logging.getLogger(__name__)
+
+CALL_PORT_OFFSET, HEARTBEAT_PORT_OFFSET = 1, 2
+HEARTBEAT_S = 0.2
+HEARTBEAT_TIMEOUT_S = 3.0
+JOIN_TIMEOUT_S = 600.0  # followers load and compile as long as rank 0 does
+# The runner calls that run programs on the devices (or decide what later ones run).
+BROADCAST_CALLS = frozenset(
+    {"initialize_kv_cache", "compile_all", "dispatch", "dispatch_sample", "fetch", "dummy_step"}
+)
+
+
+def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
+    """Join the JAX cluster of nnodes processes (blocks until all have joined); before any
+    device is touched."""
+    if "jax_cpu_collectives_implementation" in jax.config.values:  # collectives across hosts
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"{master_addr}:{master_port}",
+        num_processes=nnodes,
+        process_id=node_rank,
+    )
+    logger.info(
+        "rank %d of %d: %d local devices, %d in all",
+        node_rank, nnodes, jax.local_device_count(), jax.device_count(),
+    )  # fmt: skip
+
+
+def leave_cluster(timeout: float = 10.0) -> None:
+    """jax.distributed.shutdown (every rank waits for the others there; without it, the ranks
+    still in the cluster abort when its service, in rank 0, goes); bounded, in case a rank is
+    gone."""
+    done = threading.Thread(target=jax.distributed.shutdown, daemon=True)
+    done.start()
+    done.join(timeout)
+
+
+class _StepRef:
+    """A PendingStep in a call message: the follower's own PendingStep of that step."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+
+class Leader:
+    """Rank 0's end: the call channel to every follower and the heartbeats."""
+
+    def __init__(self, nnodes: int, master_port: int, on_lost: Callable[[str], None]):
+        self.num_followers = nnodes - 1
+        self.on_lost = on_lost
+        self.ctx = zmq.Context()
+        self.calls = self.ctx.socket(zmq.ROUTER)
+        self.calls.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.calls.bind(f"tcp://*:{master_port + CALL_PORT_OFFSET}")
+        self.followers: list[bytes] = []
+        self._heartbeat_port = master_port + HEARTBEAT_PORT_OFFSET
+        self._stop = threading.Event()
+
+    def wait_for_followers(self) -> None:
+        """Every follower says it is loaded (then the heartbeats start being checked)."""
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while len(self.followers) < self.num_followers:
+            if not self.calls.poll(1000):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(self.followers)} of {self.num_followers} follower "
+                                       f"ranks joined in {JOIN_TIMEOUT_S:.0f} s")  # fmt: skip
+                continue
+            identity, rank = self.calls.recv_multipart()
+            self.followers.append(identity)
+            logger.info("follower rank %s joined", rank.decode())
+        threading.Thread(target=self._heartbeats, daemon=True, name="heartbeats").start()
+
+    def send(self, message: tuple) -> None:
+        frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for identity in self.followers:
+            try:
+                self.calls.send_multipart([identity, frame])
+            except zmq.ZMQError as e:  # the follower's connection is gone
+                self.on_lost(f"cannot reach follower {identity!r}: {e}")
+
+    def _heartbeats(self) -> None:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.bind(f"tcp://*:{self._heartbeat_port}")
+        last_seen: dict[bytes, float] = {}
+        started = time.monotonic()
+        while not self._stop.is_set():
+            while sock.poll(HEARTBEAT_S * 1000 / 2):
+                identity, rank = sock.recv_multipart()
+                last_seen[identity] = time.monotonic()
+                sock.send_multipart([identity, b""])  # rank 0 lives
+            now = time.monotonic()
+            for identity in self.followers:
+                seen = last_seen.get(identity, started)
+                if now - seen > HEARTBEAT_TIMEOUT_S:
+                    self.on_lost(f"follower rank {identity.decode()} sent no heartbeat for "
+                                 f"{now - seen:.1f} s")  # fmt: skip
+                    return
+        sock.close(linger=0)
+
+    def close(self) -> None:
+        """A clean end: the followers exit too (each leaves the JAX cluster with rank 0)."""
+        self.send(("shutdown", (), {}, None))
+        self._stop.set()
+        self.calls.close(linger=2000)
+        leave_cluster()
+
+
+class BroadcastRunner:
+    """Rank 0's ModelRunner, seen through: every call in BROADCAST_CALLS goes to the followers
+    first (a PendingStep argument as the number of the step that made it), then runs here."""
+
+    def __init__(self, runner: Any, leader: Leader):
+        self._runner = runner
+        self._leader = leader
+        self._steps = itertools.count()
+        self._step_of: dict[int, int] = {}  # id(PendingStep) -> its step number
+        leader.wait_for_followers()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._runner, name)
+        if name not in BROADCAST_CALLS:
+            return value
+
+        def call(*args, **kwargs):
+            from jaxserve.worker.model_runner import PendingStep
+
+            refs = tuple(
+                _StepRef(self._step_of.pop(id(a))) if isinstance(a, PendingStep) else a
+                for a in args
+            )
+            step = next(self._steps) if name in ("dispatch", "dispatch_sample") else None
+            self._leader.send((name, refs, kwargs, step))
+            result = value(*args, **kwargs)
+            if step is not None and result is not None:
+                self._step_of[id(result)] = step
+            return result
+
+        return call
+
+
+def run_follower(args: Any) -> int:
+    """A follower rank (`jaxserve serve --headless --node-rank R`, R > 0): join the cluster,
+    load the same model, then make every call rank 0 sends on its own runner until rank 0
+    ends (0) or is lost (1)."""
+    from jaxserve.engine.core import build_runner
+    from jaxserve.engine.startup import StartupTimeline
+
+    rank = args.node_rank
+    ctx = zmq.Context()
+    lost = threading.Event()
+    threading.Thread(target=_follower_heartbeats, args=(ctx, args, lost), daemon=True,
+                     name="heartbeats").start()  # fmt: skip
+    initialize(args.nnodes, rank, args.master_addr, args.master_port)
+    config = args.create_engine_config()
+    runner = build_runner(config, StartupTimeline())
+    calls = ctx.socket(zmq.DEALER)
+    calls.setsockopt(zmq.IDENTITY, str(rank).encode())
+    calls.connect(f"tcp://{args.master_addr}:{args.master_port + CALL_PORT_OFFSET}")
+    calls.send(str(rank).encode())  # loaded: ready for calls
+    pending: dict[int, Any] = {}
+    while True:
+        while not calls.poll(HEARTBEAT_S * 1000):
+            if lost.is_set():
+                logger.error("rank 0 is gone: follower rank %d exits", rank)
+                return 1
+        name, refs, kwargs, step = pickle.loads(calls.recv())
+        if name == "shutdown":
+            logger.info("rank 0 ended: follower rank %d exits", rank)
+            leave_cluster()
+            return 0
+        call_args = [pending.pop(a.step) if isinstance(a, _StepRef) else a for a in refs]
+        result = getattr(runner, name)(*call_args, **kwargs)
+        if step is not None and result is not None:
+            pending[step] = result
+
+
+def _follower_heartbeats(ctx: zmq.Context, args: Any, lost: threading.Event) -> None:
+    """Send a heartbeat every HEARTBEAT_S; once rank 0 has answered, silence from it for
+    HEARTBEAT_TIMEOUT_S means it is gone: exit the process (it may be inside a collective)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, str(args.node_rank).encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{args.master_addr}:{args.master_port + HEARTBEAT_PORT_OFFSET}")
+    heard = None
+    while True:
+        sock.send(str(args.node_rank).encode())
+        if sock.poll(HEARTBEAT_S * 1000):
+            while sock.poll(0):
+                sock.recv()
+            heard = time.monotonic()
+        elif heard is not None and time.monotonic() - heard > HEARTBEAT_TIMEOUT_S:
+            lost.set()
+            logger.error("no heartbeat from rank 0 for %.1f s: follower exits", HEARTBEAT_TIMEOUT_S)
+            time.sleep(1.0)  # the main thread exits first when it can
+            os._exit(1)
+        else:
+            time.sleep(HEARTBEAT_S)
