@@ -206,16 +206,18 @@ def print_results(m: dict, max_concurrency: int | None) -> None:
 
 
 def server_gauges(base_url: str) -> dict[str, float]:
-    """KV-cache usage and running requests from the server's /metrics (empty if none)."""
+    """KV-cache usage (the fullest engine's) and running / waiting requests (all engines')
+    from the server's /metrics (empty if none)."""
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
     found = {}
     for name in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"):
-        match = re.search(rf"^(?:jaxserve|vllm):{name}{{[^}}]*}} (\S+)$", text, re.M)
-        if match:
-            found[name] = float(match.group(1))
+        values = re.findall(rf"^(?:jaxserve|vllm):{name}{{[^}}]*}} (\S+)$", text, re.M)
+        if values:
+            combine = max if name == "kv_cache_usage_perc" else sum
+            found[name] = float(combine(float(v) for v in values))
     return found
 
 

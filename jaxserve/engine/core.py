@@ -14,12 +14,14 @@ surface.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 
 import jax
 from flax import nnx
 
+from jaxserve.benchmarks.simulated import SIMULATE_ENV, SimulatedRunner
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
@@ -42,7 +44,11 @@ GRAMMAR_POLL_S = 0.005  # how long an idle step waits for a compiling grammar
 
 def build_runner(config: EngineConfig, timeline: StartupTimeline) -> ModelRunner:
     """Load the weights (and a draft model's) and build the model runner, without a KV cache:
-    the engine core's first steps, and a multi-host follower rank's (distributed/multihost.py)."""
+    the engine core's first steps, and a multi-host follower rank's (distributed/multihost.py).
+    With $JAXSERVE_SIMULATED_STEP set, a runner that only simulates a device's step time
+    (jaxserve/benchmarks/simulated.py: benchmarks of the serving layers at scale)."""
+    if simulated := os.environ.get(SIMULATE_ENV):
+        return SimulatedRunner(config, simulated)
     enable_persistent_compilation_cache()
     with timeline.phase("load weights"):
         loaded = load_model(

@@ -1,0 +1,77 @@
+"""A model runner that runs no model, for judging the serving layers at scales the machine
+cannot hold (benchmarks/bench_dp_scale.py): each step takes the time a cost model gives,
+
+    step time = base + per_token * scheduled tokens,
+
+one step at a time as on a device, and samples random tokens; everything else (scheduler, KV
+block manager, engine core processes, ZeroMQ, the DP coordinator and load balancer, the
+frontend) is the real thing. The engine core builds it instead of the real runner when
+$JAXSERVE_SIMULATED_STEP is "BASE_MS,PER_TOKEN_MS" (engine/core.py::build_runner); the model
+is only read for its configuration (e.g. `--load-format dummy` with a preset).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+SIMULATE_ENV = "JAXSERVE_SIMULATED_STEP"
+DEFAULT_NUM_BLOCKS = 8192
+
+
+class SimulatedStep(NamedTuple):
+    req_ids: list[str]
+    done_at: float  # time.monotonic() when the simulated device finishes it
+    fetch: bool = True  # (EngineCore: a dispatched step's sampling is dispatched too)
+
+
+class SimulatedRunner:
+    """ModelRunner's interface over the cost model."""
+
+    def __init__(self, config: EngineConfig, spec: str):
+        try:
+            base_ms, per_token_ms = (float(x) for x in spec.split(","))
+        except ValueError:
+            raise ValueError(f"${SIMULATE_ENV}={spec!r} is not BASE_MS,PER_TOKEN_MS") from None
+        self.base_s, self.per_token_s = base_ms / 1e3, per_token_ms / 1e3
+        self.config = config
+        self.num_blocks = 0
+        self.rng = np.random.default_rng(config.seed)
+        self.busy_until = 0.0
+
+    def determine_num_blocks(self) -> int:
+        return self.config.cache.num_gpu_blocks_override or DEFAULT_NUM_BLOCKS
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def compile_all(self, background: bool = False) -> None:
+        pass
+
+    def max_step_tokens(self) -> int:
+        return self.config.scheduler.max_num_batched_tokens
+
+    def dummy_step(self) -> None:
+        time.sleep(self.base_s)
+
+    def dispatch(self, so: SchedulerOutput) -> SimulatedStep | None:
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return None
+        start = max(time.monotonic(), self.busy_until)  # the device runs one step at a time
+        self.busy_until = start + self.base_s + self.per_token_s * so.total_num_scheduled_tokens
+        return SimulatedStep(req_ids, self.busy_until)
+
+    def dispatch_sample(self, pending: SimulatedStep, bitmask) -> SimulatedStep:
+        return pending
+
+    def fetch(self, pending: SimulatedStep) -> ModelRunnerOutput:
+        time.sleep(max(0.0, pending.done_at - time.monotonic()))
+        vocab = self.config.model.vocab_size
+        tokens = self.rng.integers(0, vocab, len(pending.req_ids)).astype(np.int32)
+        return ModelRunnerOutput(pending.req_ids, tokens)
