@@ -13,13 +13,15 @@ which make the same call on their own ModelRunner (`run_follower`, the process `
 serve --headless` starts on the other hosts), so every rank runs the same programs in the same
 order on the same host inputs, and keeps the same input batch. Only rank 0's results leave.
 Calls travel as pickles (trusted hosts of one job) over ZeroMQ: rank 0 binds a ROUTER on
-P + 1 (calls) and on P + 2 (heartbeats), the followers connect.
+P + 1, each follower connects a DEALER.
 
-Failure: every rank sends a heartbeat every HEARTBEAT_S and expects one back. Rank 0 that
-hears nothing from a follower for HEARTBEAT_TIMEOUT_S (it died, or its host did) calls its
-`on_lost` (the engine core reports itself dead to the frontend, failing every request, and
-exits: a step waiting on the lost rank's collective would never end). A follower that loses
-rank 0 exits.
+Failure: the call connection carries ZeroMQ's own heartbeats (every HEARTBEAT_S, answered by
+the peer's ZeroMQ I/O thread, so a rank busy compiling with the GIL held still answers), and
+each end watches it for a disconnect (a killed process: at once; a host gone silent: after
+HEARTBEAT_TIMEOUT_S). Rank 0 that loses a follower calls its `on_lost` (the engine core
+reports itself dead to the frontend, failing every request, and exits: a step waiting on the
+lost rank's collective would never end); a follower that loses rank 0 exits (JAX's own
+coordination service, hosted by rank 0, would end it too).
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from typing import Any
 
 import jax
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger(__name__)
 
-CALL_PORT_OFFSET, HEARTBEAT_PORT_OFFSET = 1, 2
-HEARTBEAT_S = 0.2
-HEARTBEAT_TIMEOUT_S = 3.0
+CALL_PORT_OFFSET = 1
+HEARTBEAT_S = 1.0
+HEARTBEAT_TIMEOUT_S = 10.0
 JOIN_TIMEOUT_S = 600.0  # followers load and compile as long as rank 0 does
+LEADER_GRACE_S = 2.0  # for a follower to read rank 0's last message after it disconnects
 # The runner calls that run programs on the devices (or decide what later ones run).
 BROADCAST_CALLS = frozenset(
     {"initialize_kv_cache", "compile_all", "dispatch", "dispatch_sample", "fetch", "dummy_step"}
@@ -80,8 +84,27 @@ class _StepRef:
         self.step = step
 
 
+def _heartbeats(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
+
+
+def _watch_disconnect(sock: zmq.Socket, on_lost: Callable[[str], None], what: str) -> None:
+    """Call on_lost (in a thread) when a connection of `sock` closes."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def watch() -> None:
+        while True:
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                on_lost(f"the connection to {what} closed")
+                return
+
+    threading.Thread(target=watch, daemon=True, name="rank-watch").start()
+
+
 class Leader:
-    """Rank 0's end: the call channel to every follower and the heartbeats."""
+    """Rank 0's end of the call channel to every follower."""
 
     def __init__(self, nnodes: int, master_port: int, on_lost: Callable[[str], None]):
         self.num_followers = nnodes - 1
@@ -89,13 +112,12 @@ class Leader:
         self.ctx = zmq.Context()
         self.calls = self.ctx.socket(zmq.ROUTER)
         self.calls.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        _heartbeats(self.calls)
         self.calls.bind(f"tcp://*:{master_port + CALL_PORT_OFFSET}")
         self.followers: list[bytes] = []
-        self._heartbeat_port = master_port + HEARTBEAT_PORT_OFFSET
-        self._stop = threading.Event()
 
     def wait_for_followers(self) -> None:
-        """Every follower says it is loaded (then the heartbeats start being checked)."""
+        """Every follower says it is loaded (from then on a closed connection is a lost rank)."""
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while len(self.followers) < self.num_followers:
             if not self.calls.poll(1000):
@@ -106,7 +128,7 @@ class Leader:
             identity, rank = self.calls.recv_multipart()
             self.followers.append(identity)
             logger.info("follower rank %s joined", rank.decode())
-        threading.Thread(target=self._heartbeats, daemon=True, name="heartbeats").start()
+        _watch_disconnect(self.calls, self.on_lost, "a follower rank")
 
     def send(self, message: tuple) -> None:
         frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -114,31 +136,12 @@ class Leader:
             try:
                 self.calls.send_multipart([identity, frame])
             except zmq.ZMQError as e:  # the follower's connection is gone
-                self.on_lost(f"cannot reach follower {identity!r}: {e}")
-
-    def _heartbeats(self) -> None:
-        sock = self.ctx.socket(zmq.ROUTER)
-        sock.bind(f"tcp://*:{self._heartbeat_port}")
-        last_seen: dict[bytes, float] = {}
-        started = time.monotonic()
-        while not self._stop.is_set():
-            while sock.poll(HEARTBEAT_S * 1000 / 2):
-                identity, rank = sock.recv_multipart()
-                last_seen[identity] = time.monotonic()
-                sock.send_multipart([identity, b""])  # rank 0 lives
-            now = time.monotonic()
-            for identity in self.followers:
-                seen = last_seen.get(identity, started)
-                if now - seen > HEARTBEAT_TIMEOUT_S:
-                    self.on_lost(f"follower rank {identity.decode()} sent no heartbeat for "
-                                 f"{now - seen:.1f} s")  # fmt: skip
-                    return
-        sock.close(linger=0)
+                self.on_lost(f"cannot reach follower rank {identity.decode()}: {e}")
 
     def close(self) -> None:
         """A clean end: the followers exit too (each leaves the JAX cluster with rank 0)."""
+        self.calls.disable_monitor()
         self.send(("shutdown", (), {}, None))
-        self._stop.set()
         self.calls.close(linger=2000)
         leave_cluster()
 
@@ -184,26 +187,23 @@ def run_follower(args: Any) -> int:
     from jaxserve.engine.startup import StartupTimeline
 
     rank = args.node_rank
-    ctx = zmq.Context()
-    lost = threading.Event()
-    threading.Thread(target=_follower_heartbeats, args=(ctx, args, lost), daemon=True,
-                     name="heartbeats").start()  # fmt: skip
     initialize(args.nnodes, rank, args.master_addr, args.master_port)
     config = args.create_engine_config()
     runner = build_runner(config, StartupTimeline())
+    ctx = zmq.Context()
     calls = ctx.socket(zmq.DEALER)
     calls.setsockopt(zmq.IDENTITY, str(rank).encode())
+    _heartbeats(calls)
     calls.connect(f"tcp://{args.master_addr}:{args.master_port + CALL_PORT_OFFSET}")
     calls.send(str(rank).encode())  # loaded: ready for calls
+    ending = threading.Event()  # rank 0 said "shutdown": its going away is no loss
+    _watch_disconnect(calls, lambda reason: _lost_leader(reason, ending), "rank 0")
     pending: dict[int, Any] = {}
     while True:
-        while not calls.poll(HEARTBEAT_S * 1000):
-            if lost.is_set():
-                logger.error("rank 0 is gone: follower rank %d exits", rank)
-                return 1
         name, refs, kwargs, step = pickle.loads(calls.recv())
         if name == "shutdown":
             logger.info("rank 0 ended: follower rank %d exits", rank)
+            ending.set()
             leave_cluster()
             return 0
         call_args = [pending.pop(a.step) if isinstance(a, _StepRef) else a for a in refs]
@@ -212,24 +212,10 @@ def run_follower(args: Any) -> int:
             pending[step] = result
 
 
-def _follower_heartbeats(ctx: zmq.Context, args: Any, lost: threading.Event) -> None:
-    """Send a heartbeat every HEARTBEAT_S; once rank 0 has answered, silence from it for
-    HEARTBEAT_TIMEOUT_S means it is gone: exit the process (it may be inside a collective)."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, str(args.node_rank).encode())
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{args.master_addr}:{args.master_port + HEARTBEAT_PORT_OFFSET}")
-    heard = None
-    while True:
-        sock.send(str(args.node_rank).encode())
-        if sock.poll(HEARTBEAT_S * 1000):
-            while sock.poll(0):
-                sock.recv()
-            heard = time.monotonic()
-        elif heard is not None and time.monotonic() - heard > HEARTBEAT_TIMEOUT_S:
-            lost.set()
-            logger.error("no heartbeat from rank 0 for %.1f s: follower exits", HEARTBEAT_TIMEOUT_S)
-            time.sleep(1.0)  # the main thread exits first when it can
-            os._exit(1)
-        else:
-            time.sleep(HEARTBEAT_S)
+def _lost_leader(reason: str, ending: threading.Event) -> None:
+    """Rank 0 is gone: exit (the main thread may be inside a collective), unless what closed
+    the connection was rank 0's clean end, whose "shutdown" the main thread is reading."""
+    if ending.wait(LEADER_GRACE_S):
+        return
+    logger.error("%s: the follower exits", reason)
+    os._exit(1)

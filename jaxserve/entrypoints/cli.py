@@ -101,7 +101,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         ("--nnodes", int, 1, "hosts one model's -tp devices span (jax.distributed)"),
         ("--node-rank", int, 0, "this host's rank; 0 runs the scheduler and the API server"),
         ("--master-addr", str, "127.0.0.1", "rank 0's address (JAX's coordinator, step calls)"),
-        ("--master-port", int, 29501, "JAX's coordinator port; step calls use the next two"),
+        ("--master-port", int, 29501, "JAX's coordinator port; step calls use the next one"),
     ):
         parser.add_argument(flag, type=kind, default=default, help=what)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -14,7 +14,7 @@ from jaxserve.distributed.mesh import devices_per_process
 from jaxserve.engine.core_client import EngineDeadError
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-from tests.entrypoints.openai.test_api_server import free_port
+from tests.entrypoints.openai.test_api_server import free_ports
 from tests.helpers import make_tiny_hf
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
@@ -53,7 +53,7 @@ def test_two_processes_give_one_processs_tokens_and_a_lost_rank_fails_fast(model
     finally:
         one.llm_engine.shutdown()
 
-    port = free_port()
+    port = free_ports(3)
     log = open(tmp_path / "follower.log", "w")  # noqa: SIM115 (closed below)
     follower = start_follower(model_dir, port, log)
     try:
@@ -95,7 +95,7 @@ def test_two_processes_give_one_processs_tokens_and_a_lost_rank_fails_fast(model
 
 
 def test_rank_0_going_away_ends_the_follower(model_dir, tmp_path):
-    port = free_port()
+    port = free_ports(3)
     with open(tmp_path / "follower.log", "w") as log:
         follower = start_follower(model_dir, port, log)
         try:

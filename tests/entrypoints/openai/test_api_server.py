@@ -4,6 +4,7 @@ EngineCore in another) on the default model, driven by the official openai clien
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -43,6 +44,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive free ports (a multi-host master port and the two after)."""
+    while True:
+        first = free_port()
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + n):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("", port))
+            return first
+        except OSError:
+            continue
 
 
 class Server:

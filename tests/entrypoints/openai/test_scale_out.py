@@ -20,7 +20,7 @@ from tests.entrypoints.openai.test_api_server import (
     MODEL,
     Server,
     auth,
-    free_port,
+    free_ports,
     sse_events,
 )
 
@@ -137,7 +137,7 @@ def test_a_killed_engine_fails_the_streams_and_the_server_exits_1(scaled):
 def test_default_model_over_two_processes_gives_one_processs_text(server, tmp_path):
     """tp 3 (the default model's 9 heads: 3 per device) over two jax.distributed processes,
     2 + 1 CPU devices, collectives between them over gloo: rank 0 serves, rank 1 follows."""
-    port = free_port()
+    port = free_ports(3)
     # (few step shapes: both ranks compile them all, on the same two cores)
     flags = ["--nnodes", "2", "--master-port", str(port), "-tp", "3", "--max-num-seqs", "1",
              "--max-num-batched-tokens", "8", "--max-model-len", "512"]  # fmt: skip
@@ -157,6 +157,7 @@ def test_default_model_over_two_processes_gives_one_processs_text(server, tmp_pa
             two = httpx.post(f"{leader.url}/v1/completions", json=body, timeout=120)
             one = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(),
                              timeout=120)  # fmt: skip
+            assert two.status_code == 200, two.text
             assert two.json()["choices"][0]["text"] == one.json()["choices"][0]["text"]
         with httpx.stream("POST", f"{leader.url}/v1/completions", json=LONG_STREAM,
                           timeout=60) as r:  # fmt: skip
