@@ -107,7 +107,7 @@ else
     THROUGHPUT_PROMPTS=(64 256)
     PYTEST_ARGS=(-m gpu)
     KERNEL_ARGS=()
-    LIMIT_PYTEST=120 LIMIT_KERNEL=120 LIMIT_FIRST_MODEL=300 LIMIT_MODEL=150
+    LIMIT_PYTEST=200 LIMIT_KERNEL=120 LIMIT_FIRST_MODEL=300 LIMIT_MODEL=150
 fi
 
 COMMIT=${GPU_SUITE_COMMIT:-}
@@ -193,7 +193,7 @@ if [ $DRY_RUN = 0 ] && selected wheels; then
 fi
 
 run_step env 90 "$PYTHON" scripts/gpu_suite_report.py env "$WORK"
-run_step pytest_gpu "$LIMIT_PYTEST" "$PYTHON" -m pytest -p no:cacheprovider -q -rfE \
+run_step pytest_gpu "$LIMIT_PYTEST" "$PYTHON" -m pytest -p no:cacheprovider -q -rfEs \
     "${PYTEST_ARGS[@]}"
 run_step kernel_bench "$LIMIT_KERNEL" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
     "${KERNEL_ARGS[@]}" --output-json "$WORK/kernel_bench.json"
