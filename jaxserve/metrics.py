@@ -20,7 +20,7 @@ import time
 
 import prometheus_client as prom
 
-from jaxserve.ipc.messages import SchedulerStats, SpecDecodingStats
+from jaxserve.ipc.messages import KVConnectorStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,25 @@ class PrometheusStatLogger:
         self.prefix_queries = metric(c, "prefix_cache_queries", "Prefix-cache tokens queried.")
         self.prefix_hits = metric(c, "prefix_cache_hits", "Prefix-cache tokens hit.")
         self.preemptions = metric(c, "num_preemptions", "Requests preempted.")
+        # A KV connector's tier (distributed/kv_transfer), labelled by the connector's name.
+        conn = ["connector"]
+        self.external_queries = metric(
+            c, "external_prefix_cache_queries", "Tokens looked up in a KV connector.", extra=conn
+        )
+        self.external_hits = metric(
+            c, "external_prefix_cache_hits", "Tokens a KV connector had.", extra=conn
+        )
+        self.kv_transfer_blocks = metric(
+            c, "kv_transfer_blocks", "KV blocks loaded into / saved from the device cache.",
+            extra=[*conn, "direction"],
+        )  # fmt: skip
+        self.kv_transfer_bytes = metric(
+            c, "kv_transfer_bytes", "KV bytes loaded into / saved from the device cache.",
+            extra=[*conn, "direction"],
+        )  # fmt: skip
+        self.kv_failed_loads = metric(
+            c, "kv_transfer_failed_loads", "Requests whose KV did not arrive.", extra=conn
+        )
         # Speculative decoding (labelled once an engine with a speculative config reports).
         self.spec_drafts = metric(c, "spec_decode_num_drafts", "Drafts scored (request-steps).")
         self.spec_draft_tokens = metric(c, "spec_decode_num_draft_tokens", "Draft tokens scored.")
@@ -127,6 +146,8 @@ class PrometheusStatLogger:
             self.preemptions.labels(*labels).inc(sched.num_preemptions)
             if sched.spec_decoding is not None:
                 self._record_spec(sched.spec_decoding, labels)
+            if sched.kv_connector is not None:
+                self._record_kv_connector(sched.kv_connector, labels)
         self.prompt_tokens.labels(*labels).inc(it.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(it.num_generation_tokens)
         for t in it.time_to_first_tokens:
@@ -138,6 +159,15 @@ class PrometheusStatLogger:
             self.e2e.labels(*labels).observe(f.e2e_latency)
             if f.queue_time is not None:
                 self.queue.labels(*labels).observe(f.queue_time)
+
+    def _record_kv_connector(self, kv: KVConnectorStats, labels: tuple) -> None:
+        labels = (*labels, kv.connector)
+        self.external_queries.labels(*labels).inc(kv.queries)
+        self.external_hits.labels(*labels).inc(kv.hits)
+        self.kv_failed_loads.labels(*labels).inc(kv.failed_loads)
+        for direction, blocks in (("load", kv.loaded_blocks), ("save", kv.saved_blocks)):
+            self.kv_transfer_blocks.labels(*labels, direction).inc(blocks)
+            self.kv_transfer_bytes.labels(*labels, direction).inc(blocks * kv.block_bytes)
 
     def _record_spec(self, spec: SpecDecodingStats, labels: tuple[str, str]) -> None:
         self.spec_drafts.labels(*labels).inc(spec.num_drafts)

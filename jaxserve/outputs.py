@@ -58,6 +58,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     pooled: Any = None  # a pooling runner's f32[D] (LLM.embed turns it into an embedding)
+    # Finished outputs only: what the engine's KV connector hands on (disaggregated prefill)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass

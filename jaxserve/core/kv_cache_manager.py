@@ -90,11 +90,14 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Give the request blocks for its prefix-cache hit plus num_new_tokens more tokens,
         and room for num_lookahead_tokens after them (a draft model's proposals). Returns the
         newly allocated blocks, or None if they do not fit (then only blocks that fell out of
-        the sliding window have been given back)."""
+        the sliding window have been given back). delay_cache_blocks: the new tokens' KV
+        arrives later (a remote KV load): their blocks become findable by hash only at the
+        request's next allocate_slots, once it runs."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
         self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
@@ -117,6 +120,9 @@ class KVCacheManager:
         # Cache only blocks full of known tokens; a speculative tail has no tokens to hash yet.
         num_full_blocks = min(num_total, request.num_tokens) // self.block_size
         num_cached = self.num_cached_block.get(request.request_id, 0)
+        if delay_cache_blocks:
+            num_full_blocks = request.num_computed_tokens + num_new_computed_tokens
+            num_full_blocks //= self.block_size
         if num_full_blocks > num_cached:
             self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full_blocks)
             num_cached = num_full_blocks

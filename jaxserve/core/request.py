@@ -15,6 +15,7 @@ from jaxserve.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()  # its structured-output grammar is being compiled
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # its KV is being fetched from another instance
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -47,6 +48,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -55,6 +57,7 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
         self.cache_salt = cache_salt
+        self.kv_transfer_params = kv_transfer_params  # a KV connector's (distributed/kv_transfer)
         self.block_size = block_size
 
         self.status = RequestStatus.WAITING

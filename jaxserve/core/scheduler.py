@@ -29,6 +29,7 @@ import heapq
 import logging
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
@@ -41,6 +42,9 @@ from jaxserve.core.scheduler_output import (
 )
 from jaxserve.ipc.messages import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 from jaxserve.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from jaxserve.distributed.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +97,7 @@ class Scheduler:
         speculative: bool = False,
         num_lookahead_tokens: int = 0,
         draft_step_tokens: int | None = None,
+        connector: KVConnectorBase | None = None,
     ):
         """speculative: drafts are scheduled (Request.spec_token_ids); num_lookahead_tokens:
         KV slots kept free after each request's tokens for a draft model's proposals;
@@ -117,6 +122,10 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats() if speculative else None  # since the last stats
         self.num_lookahead_tokens = num_lookahead_tokens
         self.draft_step_tokens = draft_step_tokens
+        self.connector = connector
+        # Requests whose KV is being fetched from another instance: they hold their blocks,
+        # and rejoin the front of the waiting queue when it arrives (or fails).
+        self.waiting_for_remote: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -137,6 +146,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_remote[req_id]
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -144,14 +155,16 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    def _free(self, request: Request) -> None:
+    def _free(self, request: Request) -> dict | None:
+        """Release a finished request; returns its KV connector's kv_transfer_params."""
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return self.connector.request_finished(request) if self.connector else None
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished_requests > 0
@@ -170,6 +183,8 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         draft_room = self._draft_room(budget)
         kv = self.kv_cache_manager
+        if self.connector is not None:
+            self._finish_remote_loads()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -239,14 +254,32 @@ class Scheduler:
                 if not self._grammar_compiled(request):  # finished, off the queue
                     continue
             assert not request.num_output_placeholders, request  # resolved before readmission
-            computed_blocks, num_computed = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_computed, budget)
-            lookahead = self._lookahead(num_computed + num_new)
+            num_external, load_async = 0, False
+            if request.request_id in kv.req_to_blocks:  # back from a remote load: has blocks
+                computed_blocks, num_computed = [], request.num_computed_tokens
+            else:
+                computed_blocks, num_computed = kv.get_computed_blocks(request)
+                if self.connector is not None:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                        request, num_computed
+                    )
+            if load_async:  # its KV comes from another instance: wait for it off the queue
+                if not self._wait_for_remote(request, computed_blocks, num_computed, num_external):
+                    break
+                continue
+            num_new = min(request.num_tokens - num_computed - num_external, budget)
+            lookahead = self._lookahead(num_computed + num_external + num_new)
             new_blocks = kv.allocate_slots(
-                request, num_new, computed_blocks, num_computed, num_lookahead_tokens=lookahead
-            )
+                request, num_external + num_new, computed_blocks, num_computed,
+                num_lookahead_tokens=lookahead,
+            )  # fmt: skip
             if new_blocks is None:
                 break
+            if num_external:  # loaded into its blocks before this step's forward
+                self.connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), num_computed, num_external
+                )
+                num_computed += num_external
             self.waiting.pop()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -281,6 +314,11 @@ class Scheduler:
             if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
                 sampled.add(req_id)
+        kv_connector_metadata = None
+        if self.connector is not None:
+            kv_connector_metadata = self.connector.build_connector_meta(
+                [self.requests[r] for r in num_scheduled], kv.get_block_ids
+            )
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -293,9 +331,48 @@ class Scheduler:
                 r for r in sampled if self.requests[r].structured_output_request is not None
             },
             scheduled_spec_decode_tokens=spec_tokens,
+            kv_connector_metadata=kv_connector_metadata,
         )
         self.finished_req_ids = set()
         return output
+
+    def _wait_for_remote(
+        self, request: Request, computed_blocks: list, num_computed: int, num_external: int
+    ) -> bool:
+        """Give a waiting request the blocks for its device hit and the KV another instance
+        will send, and park it until the KV arrives; False if the blocks do not fit."""
+        kv = self.kv_cache_manager
+        new_blocks = kv.allocate_slots(
+            request, num_external, computed_blocks, num_computed, delay_cache_blocks=True
+        )
+        if new_blocks is None:
+            return False
+        self.waiting.pop()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_computed
+        self.waiting_for_remote[request.request_id] = request
+        self.connector.update_state_after_alloc(
+            request, kv.get_block_ids(request.request_id), num_computed, num_external
+        )
+        return True
+
+    def _finish_remote_loads(self) -> None:
+        """Requests whose remote KV arrived rejoin the front of the waiting queue with it
+        counted as computed (a partial or failed load leaves the rest to compute); a failed
+        load under kv_load_failure_policy "fail" finishes the request (aborted)."""
+        for req_id, loaded in self.connector.get_finished_recving().items():
+            request = self.waiting_for_remote.pop(req_id, None)
+            if request is None:
+                continue
+            if loaded is None and self.connector.config.kv_load_failure_policy == "fail":
+                logger.error("request %s: its remote KV could not be loaded", req_id)
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free(request)
+                self.pending_outputs.append(EngineCoreOutput(req_id, [], "abort"))
+                continue
+            request.num_computed_tokens += loaded or 0
+            request.status = RequestStatus.WAITING
+            self.waiting.add_front(request)
 
     def _grammar_compiled(self, request: Request) -> bool:
         """A WAITING_FOR_FSM request whose compile is done: True if it may be scheduled; a
@@ -379,6 +456,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if self.connector is not None:
+            self.connector.request_preempted(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -451,7 +530,8 @@ class Scheduler:
                     self.running.remove(request)
                 else:  # preempted while its token was in flight
                     self.waiting.remove(request)
-                self._free(request)
+                if kv_transfer_params := self._free(request):
+                    outputs[-1].kv_transfer_params = kv_transfer_params
         return outputs
 
     def _accepted_tokens(
@@ -514,6 +594,7 @@ class Scheduler:
             prefix_cache_hits=stats.hits,
             num_preemptions=preemptions,
             spec_decoding=self._take_spec_stats(),
+            kv_connector=self.connector.take_stats() if self.connector is not None else None,
         )
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:

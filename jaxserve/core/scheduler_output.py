@@ -8,10 +8,14 @@ tokens are computed), so the runner keeps each request's state in its persistent
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxserve.distributed.kv_transfer.base import KVConnectorMetadata
 
 
 @dataclasses.dataclass
@@ -48,6 +52,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after each request's last token (they
     # are counted in num_scheduled_tokens and in num_computed_tokens until rejected).
     scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # A KV connector's copies for the step (distributed/kv_transfer/base.py): blocks to load
+    # into the cache before the forward, blocks to save after it.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ import jax
 from jaxserve.config import (
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
@@ -81,6 +82,12 @@ class EngineArgs:
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max":
     # ..} (or its JSON): speculative decoding; turns async scheduling off
     speculative_config: dict | str | None = None
+    # {"kv_connector": "ExampleConnector" | "ZmqConnector" | ..., "kv_role": "kv_producer" |
+    # "kv_consumer" | "kv_both", ...} (or its JSON): disaggregated prefill / decode
+    # (distributed/kv_transfer; docs/disaggregation.md)
+    kv_transfer_config: dict | str | None = None
+    # GiB of host memory for KV blocks evicted from the device (OffloadingConnector)
+    kv_offloading_size: float | None = None
     # Ready as soon as the step shapes that can serve any step are (token buckets 1, 4, 16, ..
     # and max_num_seqs', the greedy and all-pass samplers); the rest load or compile in the
     # background and are used once ready. Default off (`LLM`); on for `jaxserve serve`.
@@ -113,6 +120,7 @@ class EngineArgs:
                     "async_scheduling is not supported with speculative_config: a step's drafts "
                     "come from the tokens the step before it accepted"
                 )
+        kv_transfer = self._kv_transfer(speculative)
         scheduler = SchedulerConfig(
             max_model_len=_or(self.max_model_len, model_config.max_model_len),
             max_num_seqs=_or(self.max_num_seqs, CPU_MAX_NUM_SEQS if on_cpu else MAX_NUM_SEQS),
@@ -168,7 +176,41 @@ class EngineArgs:
             speculative=speculative,
             # every rank must have every shape when rank 0 picks one
             background_compile=self.background_compile and self.nnodes == 1,
+            kv_transfer=kv_transfer,
         )
+
+    def _kv_transfer(self, speculative: SpeculativeConfig | None) -> KVTransferConfig | None:
+        """--kv-transfer-config, or the OffloadingConnector --kv-offloading-size asks for."""
+        if self.kv_offloading_size is not None:
+            size = self.kv_offloading_size
+            if not isinstance(size, int | float) or size <= 0:
+                raise ValueError(
+                    f"kv_offloading_size must be a positive number of GiB, got {size!r}"
+                )
+            if self.kv_transfer_config is not None:
+                raise ValueError(
+                    "kv_offloading_size with kv_transfer_config: one KV connector at a time "
+                    "(no MultiConnector yet)"
+                )
+            config = KVTransferConfig(
+                "OffloadingConnector",
+                kv_connector_extra_config={"cpu_bytes_to_use": int(size * 2**30)},
+            )
+        elif self.kv_transfer_config is not None:
+            config = KVTransferConfig.parse(self.kv_transfer_config)
+        else:
+            return None
+        what = f"kv connector {config.kv_connector}"
+        if self.nnodes > 1:
+            raise ValueError(f"{what} with nnodes={self.nnodes}: not supported over several hosts")
+        if speculative is not None and speculative.method != "ngram":
+            raise ValueError(
+                f"{what} with speculative method {speculative.method}: the draft model's KV "
+                "is not transferred; use ngram or no speculation"
+            )
+        if self.runner == "pooling" or self.task == "embed":
+            raise ValueError(f"{what} needs a generating runner, not runner='pooling'")
+        return config
 
     def _check_nodes(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

@@ -76,6 +76,7 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
+    into.kv_transfer_params = new.kv_transfer_params
     into.metrics = new.metrics
     if into.prompt_logprobs is None:
         into.prompt_logprobs = new.prompt_logprobs
@@ -141,18 +142,22 @@ class AsyncLLM:
         *,
         priority: int = 0,
         data_parallel_rank: int | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs (per sampling_params.output_kind) until it
         finishes. Raises ValueError for bad input, EngineDeadError if the core dies.
-        data_parallel_rank: run it on that engine (default: the least loaded)."""
+        data_parallel_rank: run it on that engine (default: the least loaded).
+        kv_transfer_params: for the engine's KV connector (disaggregated prefill)."""
         if self.errored:
             raise self.dead or self.engine_core.dead
         if request_id in self.collectors:
             raise ValueError(f"request_id {request_id!r} is already running")
         self._start_output_handler()
         text, ids = self.input_processor.tokenize(prompt)
-        request = self.input_processor.process(request_id, ids, sampling_params,
-                                               priority=priority)  # fmt: skip
+        request = self.input_processor.process(
+            request_id, ids, sampling_params, priority=priority,
+            kv_transfer_params=kv_transfer_params,
+        )  # fmt: skip
         request.data_parallel_rank = data_parallel_rank
         collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.collectors[request_id] = collector

@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxserve.benchmarks.simulated import SIMULATE_ENV, SimulatedRunner
@@ -26,6 +27,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.distributed.kv_transfer import create_connector
+from jaxserve.distributed.kv_transfer.base import BlockLayout, KVConnectorBase
 from jaxserve.distributed.multihost import BroadcastRunner, Leader
 from jaxserve.engine.startup import StartupTimeline
 from jaxserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
@@ -79,9 +82,10 @@ def build_runner(config: EngineConfig, timeline: StartupTimeline) -> ModelRunner
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, leader: Leader | None = None):
+    def __init__(self, config: EngineConfig, leader: Leader | None = None, engine_index: int = 0):
         """leader: with a model spread over several hosts, the channel to the other ranks;
-        every runner call that runs on the devices is then made on theirs too."""
+        every runner call that runs on the devices is then made on theirs too.
+        engine_index: the data-parallel rank (a KV connector's producer port is offset by it)."""
         self.config = config
         self.timeline = timeline = StartupTimeline()
         runner = build_runner(config, timeline)
@@ -93,6 +97,7 @@ class EngineCore:
             self.runner.initialize_kv_cache(num_blocks)
         with timeline.phase("step executables"):
             self.runner.compile_all(background=config.background_compile)
+        self.kv_connector = self._make_kv_connector(engine_index)
         spec_method = config.speculative.method if config.speculative is not None else None
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(
@@ -113,10 +118,34 @@ class EngineCore:
                 if config.speculative is not None and jax.default_backend() == "cpu"
                 else None
             ),
+            connector=self.kv_connector,
         )
         self.num_requests_added = 0  # since start-up (data-parallel balance, in get_state)
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+
+    def _make_kv_connector(self, engine_index: int) -> KVConnectorBase | None:
+        """The KV connector `--kv-transfer-config` / `--kv-offloading-size` name, wired to
+        the runner's block copies (distributed/kv_transfer)."""
+        config = self.config
+        if config.kv_transfer is None:
+            return None
+        runner = self.runner
+        identity = f"{config.model_path}|{config.load_format}|{config.model.quantization}"
+        layout = BlockLayout(
+            runner.kv_block_shape, np.dtype(runner.kv_dtype), f"{identity}|{config.seed}"
+        )
+        connector = create_connector(config.kv_transfer, layout, engine_index)
+        runner.set_kv_connector(connector)
+        logger.info(
+            "KV connector %s (%s), blocks of %.2f MiB",
+            connector.name, config.kv_transfer.kv_role, layout.nbytes / 2**20,
+        )  # fmt: skip
+        return connector
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     @property
     def num_blocks(self) -> int:
@@ -134,6 +163,7 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                kv_transfer_params=request.kv_transfer_params,
             )
         )
 
@@ -186,6 +216,8 @@ class EngineCore:
             return EngineCoreOutputs(outputs, self.scheduler.make_stats(), timestamp=time.time())
         if not dispatched and not self.in_flight and self.scheduler.num_waiting_for_grammar:
             self.structured_output_manager.wait_for_grammars(GRAMMAR_POLL_S)
+        elif not dispatched and not self.in_flight and self.scheduler.waiting_for_remote:
+            self.kv_connector.wait_for_recving(GRAMMAR_POLL_S)
         return None
 
     def process_aborts_mid_step(self) -> None:

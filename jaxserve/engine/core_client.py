@@ -76,6 +76,9 @@ class InprocClient(EngineCoreClient):
     def __init__(self, config: EngineConfig):
         self.engine_core = EngineCore(config)
 
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
 

@@ -85,7 +85,7 @@ class EngineCoreProc(EngineCore):
         self.leader = None  # the other ranks of a model over several hosts
         if config.parallel.nnodes > 1:
             self.leader = Leader(config.parallel.nnodes, args.master_port, self._lost_rank)
-        super().__init__(config, self.leader)
+        super().__init__(config, self.leader, engine_index)
         self.timeline.phases.insert(0, ("engine config", config_s))
 
         self.input_queue: queue.Queue[Any] = queue.Queue()

@@ -75,7 +75,9 @@ class InputProcessor:
     def process(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         *, priority: int = 0, arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> EngineCoreRequest:  # fmt: skip
+        """kv_transfer_params: for the engine's KV connector (disaggregated prefill)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -115,6 +117,10 @@ class InputProcessor:
             )
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ValueError(
+                f"kv_transfer_params must be a dict, got {type(kv_transfer_params).__name__}"
+            )
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -122,4 +128,5 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
+            kv_transfer_params=kv_transfer_params,
         )

@@ -72,20 +72,26 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests in
     def process_inputs(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
-    ) -> tuple[str | None, EngineCoreRequest]:
-        """Tokenize and validate (ValueError naming the bad value); queues nothing."""
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:  # fmt: skip
+        """Tokenize and validate (ValueError naming the bad value); queues nothing.
+        kv_transfer_params: for the engine's KV connector (disaggregated prefill)."""
         text, ids = self.input_processor.tokenize(prompt)
-        return text, self.input_processor.process(request_id, ids, params, priority=priority)
+        return text, self.input_processor.process(
+            request_id, ids, params, priority=priority, kv_transfer_params=kv_transfer_params
+        )
 
     def add_processed_request(self, text: str | None, request: EngineCoreRequest) -> None:
         self.engine_core.add_requests(self.output_processor.add_request(text, request))
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
-    ) -> None:
-        self.add_processed_request(*self.process_inputs(request_id, prompt, params,
-                                                        priority=priority))  # fmt: skip
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        self.add_processed_request(*self.process_inputs(
+            request_id, prompt, params, priority=priority, kv_transfer_params=kv_transfer_params
+        ))  # fmt: skip
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Forget the requests and free their blocks in the core; unknown ids are ignored."""

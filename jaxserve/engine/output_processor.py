@@ -67,6 +67,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # [None, position 1, ...]
     prompt_logprobs_sent: bool = False  # for DELTA outputs
     pooled: Any = None  # a pooling runner's f32[D]
+    kv_transfer_params: dict[str, Any] | None = None  # the first child's, when it finished
 
     @property
     def finished(self) -> bool:
@@ -164,6 +165,8 @@ class OutputProcessor:
                     child.cumulative_logprob += position[0][0]
             if out.pooled is not None:
                 state.pooled = out.pooled
+            if out.kv_transfer_params is not None and child.index == 0:
+                state.kv_transfer_params = out.kv_transfer_params
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 values, token_ids, ranks = (a.tolist() for a in out.prompt_logprobs)
                 state.prompt_logprobs = [None] + [
@@ -256,4 +259,5 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
             pooled=state.pooled,
+            kv_transfer_params=state.kv_transfer_params,
         )

@@ -36,6 +36,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy(args: argparse.Namespace) -> int:
+    from jaxserve.entrypoints.disagg_proxy import run_proxy
+
+    run_proxy(args.prefill, args.decode, args.host, args.port)
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -96,6 +103,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--speculative-config", default=None,
         help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-transfer-config", default=None,
+        help='JSON, e.g. {"kv_connector": "ZmqConnector", "kv_role": "kv_producer"}: '
+        "disaggregated prefill / decode (docs/disaggregation.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-offloading-size", type=float, default=None, metavar="GiB",
+        help="host memory for KV blocks the device evicts (prefix-cache hits come back from it)",
     )  # fmt: skip
     for flag, kind, default, what in (
         ("--nnodes", int, 1, "hosts one model's -tp devices span (jax.distributed)"),
@@ -200,6 +216,12 @@ def _add_serve_parser(sub) -> None:
         help="how the model writes tool calls: hermes, llama3_json, mistral, pythonic",
     )
     serve.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens found in the prefix "
+        "cache (or loaded by a KV connector)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -222,6 +244,22 @@ def _add_serve_parser(sub) -> None:
     serve.set_defaults(func=_serve, background_compile=True)
 
 
+def _add_proxy_parser(sub) -> None:
+    proxy = sub.add_parser(
+        "proxy",
+        help="disaggregated prefill/decode: send each request's prefill to a --prefill server, "
+        "then the request with its kv_transfer_params to a --decode server",
+    )
+    for role in ("prefill", "decode"):
+        proxy.add_argument(
+            f"--{role}", action="append", required=True, metavar="URL",
+            help=f"a {role} server's base URL, e.g. http://host:8100 (repeat: round robin)",
+        )  # fmt: skip
+    proxy.add_argument("--host", default="0.0.0.0")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.set_defaults(func=_proxy)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"jaxserve {__version__}")
@@ -236,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     conv.set_defaults(func=_convert)
     _add_serve_parser(sub)
+    _add_proxy_parser(sub)
     _add_client_parsers(sub)
     bench = sub.add_parser("bench", help="vLLM's benchmarks: latency, throughput, serve")
     kinds = bench.add_subparsers(dest="bench", required=True)

@@ -43,7 +43,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        kv_transfer_params: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
+        """kv_transfer_params (one for every prompt, or one per prompt): for the engine's KV
+        connector (disaggregated prefill); the outputs carry what it hands back."""
         if self.llm_engine.config.pooler is not None:
             raise ValueError("this LLM runs a pooling model (runner='pooling'): use LLM.embed()")
         if isinstance(prompts, (str, dict)):
@@ -55,11 +58,17 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts"
             )
+        if kv_transfer_params is None or isinstance(kv_transfer_params, dict):
+            kv_transfer_params = [kv_transfer_params] * len(prompts)
+        if len(kv_transfer_params) != len(prompts):
+            raise ValueError(
+                f"got {len(kv_transfer_params)} kv_transfer_params for {len(prompts)} prompts"
+            )
         # Validate everything before anything is queued: a bad prompt fails alone, at once.
         engine = self.llm_engine
         queued = [
-            engine.process_inputs(str(next(self._counter)), prompt, params)
-            for prompt, params in zip(prompts, sampling_params, strict=True)
+            engine.process_inputs(str(next(self._counter)), prompt, params, kv_transfer_params=kv)
+            for prompt, params, kv in zip(prompts, sampling_params, kv_transfer_params, strict=True)
         ]
         for text, request in queued:
             engine.add_processed_request(text, request)

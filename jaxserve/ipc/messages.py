@@ -23,6 +23,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     client_index: int = 0  # which frontend (API server) gets the outputs
     data_parallel_rank: int | None = None  # pin to this engine (else the load balancer picks)
+    # Disaggregated prefill (distributed/kv_transfer): vLLM's request field, e.g. a prefill
+    # instance's {"do_remote_decode": true} or a decode instance's {"do_remote_prefill": true,
+    # "remote_host": ..., "remote_port": ...} (what the prefill instance's response carried).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -41,6 +45,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     pooled: np.ndarray | None = None  # a pooling runner's f32[D] for the prompt (unnormalised)
     scheduled_time: float | None = None  # first output only: when first scheduled (time.time())
+    # The finished output only: what a KV connector tells the next instance (the prefill
+    # instance's {"do_remote_prefill": true, "remote_host": ..., ...}), sent on by the proxy.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,6 +73,18 @@ class SpecDecodingStats(msgspec.Struct, array_like=True, omit_defaults=True):
             per_pos[pos] += 1
 
 
+class KVConnectorStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A KV connector's counts since the last stats (distributed/kv_transfer)."""
+
+    connector: str = ""  # its name: the metrics' label
+    queries: int = 0  # tokens looked up past the device prefix-cache hit
+    hits: int = 0  # of those, tokens it had
+    loaded_blocks: int = 0  # blocks copied into the KV cache
+    saved_blocks: int = 0  # blocks copied out of it
+    failed_loads: int = 0  # requests whose KV did not arrive (recomputed or failed)
+    block_bytes: int = 0  # one block's bytes
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -74,6 +93,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0  # since the last stats
     spec_decoding: SpecDecodingStats | None = None  # set when speculative decoding is on
+    kv_connector: KVConnectorStats | None = None  # set with a KV connector
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.distributed.sharding import kv_cache_sharding, put
 from jaxserve.layers.attention import AttentionMetadata, configure_attention
 from jaxserve.layers.fused_moe import configure_moe
@@ -77,7 +78,7 @@ from jaxserve.models.loader import LoadedModel
 from jaxserve.spec_decode import DraftModelProposer, EagleProposer, NgramProposer, StepRows
 from jaxserve.spec_decode.backoff import DraftBackoff
 from jaxserve.structured_output import bitmask_words
-from jaxserve.worker import executable_cache
+from jaxserve.worker import executable_cache, kv_block_io
 from jaxserve.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -224,6 +225,20 @@ class ModelRunner:
         self._pool = jax.jit(_pool_fn, static_argnames=("num_seqs",), out_shardings=rep)
         self._pool_acc: dict[str, list] = {}  # req_id -> [sum f32[D], first f32[D]]
         self._init_penalty_row = jax.jit(_init_penalty_row, donate_argnums=(0,), out_shardings=rep)
+        # A KV connector's block copies (distributed/kv_transfer; set_kv_connector).
+        self.kv_connector = None
+        self.kv_copy_buckets: list[int] = []
+        if engine_config.kv_transfer is not None:
+            self.kv_copy_buckets = kv_block_io.copy_buckets(self.max_blocks_per_req)
+            n_layers = self.config.num_layers
+            self._kv_gather = jax.jit(
+                functools.partial(kv_block_io.gather_blocks, num_layers=n_layers)
+            )
+            self._kv_scatter = jax.jit(
+                functools.partial(kv_block_io.scatter_blocks, num_layers=n_layers),
+                donate_argnums=(0,), out_shardings=(self._kv_sharding,) * 2,
+            )  # fmt: skip
+            self._kv_blocks_sharding = NamedSharding(self.mesh, P(None, None, None, None, TP_AXIS))
         self._compiled: dict[tuple, Any] = {}  # (kind, shape...) -> compiled executable
         self._background: threading.Thread | None = None  # compile_all's, while it runs
         self._token_bucket_shapes: list[tuple] = []  # the steps run per token bucket
@@ -317,6 +332,38 @@ class ModelRunner:
         if self.drafter is not None and self.drafter.needs_kv_cache:  # the same blocks' draft KV
             size += self.drafter.kv_bytes_per_block(self.block_size, self.drafter.config.dtype)
         return size
+
+    @property
+    def kv_block_shape(self) -> tuple[int, ...]:
+        """One block's K and V over all layers, as KV connectors move it."""
+        c = self.config
+        return (2, c.num_layers, self.block_size, self.num_cache_kv_heads, c.head_dim)
+
+    def set_kv_connector(self, connector) -> None:
+        """Load and save KV blocks for `connector` (distributed/kv_transfer) in every step."""
+        if not self.kv_copy_buckets:
+            raise RuntimeError("a KV connector needs EngineConfig.kv_transfer at start-up")
+        self.kv_connector = connector
+
+    def _load_kv_blocks(self, loads: list[tuple[int, np.ndarray]]) -> None:
+        """Scatter host blocks into the KV cache (before the step's forward reads them)."""
+        block_ids = [b for b, _ in loads]
+        for ids, start, n in kv_block_io.chunks(block_ids, self.kv_copy_buckets):
+            data = np.zeros((len(ids), *self.kv_block_shape), self.kv_dtype)
+            data[:n] = np.stack([blk for _, blk in loads[start : start + n]])
+            self.kv_caches = self._executable("kv_scatter", len(ids))(
+                self.kv_caches, ids, put(data, self._kv_blocks_sharding)
+            )
+        self.kv_connector.note_loaded(len(loads))
+
+    def _gather_kv_blocks(self, block_ids: list[int]) -> list[tuple[jax.Array, int]]:
+        """Start copying blocks out of the KV cache: (device array, real count) per chunk."""
+        out = []
+        for ids, _, n in kv_block_io.chunks(block_ids, self.kv_copy_buckets):
+            blocks = self._executable("kv_gather", len(ids))(self.kv_caches, ids)
+            blocks.copy_to_host_async()
+            out.append((blocks, n))
+        return out
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the budget (per device), after weights and compiled steps."""
@@ -496,6 +543,7 @@ class ModelRunner:
             ),
             draft_model=repr(getattr(drafter, "config", None)),
             mesh=repr(self.mesh),
+            kv_copies=repr(self.kv_copy_buckets),
         )
 
     def _lowerings(self) -> dict[tuple, Callable[[], Any]]:
@@ -540,6 +588,13 @@ class ModelRunner:
             padding = {v: self._padding_forward(*v) for v in self.forward_variants()}
             drafts = self.drafter.lower_all(padding, self.seq_buckets, self.max_blocks_per_req)
             lowerings.update({name: (lambda lo=lo: lo) for name, lo in drafts.items()})
+        for n in self.kv_copy_buckets:
+            ids = np.zeros(n, np.int32)
+            blocks = jax.ShapeDtypeStruct(
+                (n, *self.kv_block_shape), self.kv_dtype, sharding=self._kv_blocks_sharding
+            )
+            lowerings["kv_gather", n] = functools.partial(self._kv_gather.lower, kv, ids)
+            lowerings["kv_scatter", n] = functools.partial(self._kv_scatter.lower, kv, ids, blocks)
         zero = np.int32(0)
         lowerings["init_penalty_row",] = functools.partial(
             self._init_penalty_row.lower,
@@ -693,10 +748,17 @@ class ModelRunner:
             prior_drafts,
         )  # fmt: skip
 
+        kv_meta = so.kv_connector_metadata
+        if kv_meta is not None and kv_meta.loads:
+            self._load_kv_blocks(kv_meta.loads)
         outs = self._executable("forward", t, decode_only)(
             self.params, self.kv_caches, self.last_tokens, forward_inputs
         )
         last_hidden, hidden, self.kv_caches = outs[:3]
+        kv_saves = None
+        if kv_meta is not None and kv_meta.saves:  # read before the next step overwrites
+            kv_saves = ([h for _, h in kv_meta.saves],
+                        self._gather_kv_blocks([b for b, _ in kv_meta.saves]))  # fmt: skip
         features, feature_rows = outs[3:] if self.aux_layers else (hidden, last_hidden)
         if self.drafter is not None and self.drafter.needs_kv_cache:
             # The draft's cache follows the target's (an EAGLE head's from its hidden states).
@@ -722,7 +784,7 @@ class ModelRunner:
         pending = PendingStep(
             req_ids, rows, kept, append_positions, qsl, start, targets,
             wants_prompt_lp, fetch=None, pooled=pooled, sampled=sampled, first_row=first_row,
-            drafts=drafts,
+            drafts=drafts, kv_saves=kv_saves,
             deferred=_DeferredSample(
                 SamplerVariant.of(params)._replace(bias=has_bias), sample_inputs, last_hidden,
                 hidden, t,
@@ -767,6 +829,10 @@ class ModelRunner:
         """Wait for a dispatched step and bring its results to the host: the step's one sync."""
         p, ib = pending, self.input_batch
         fetched = jax.device_get(p.fetch)
+        if p.kv_saves is not None:  # saved before the step's outputs leave the engine
+            hashes, chunks = p.kv_saves
+            blocks = np.concatenate([np.asarray(b)[:n] for b, n in chunks])
+            self.kv_connector.save_blocks(hashes, blocks)
         row_ids = np.asarray(fetched["ids"], np.int32)
         final_row, num_accepted = self._accept_drafts(p, row_ids)
         sampled = row_ids[final_row]  # each request's kept token
@@ -957,6 +1023,8 @@ class PendingStep(NamedTuple):
     sampled: np.ndarray | None = None  # bool[num_reqs]: the step samples the next token
     first_row: np.ndarray | None = None  # i32[num_reqs]: each request's first sampling row
     drafts: list[list[int]] | None = None  # each request's draft tokens (one row each)
+    # A KV connector's saves: (block hashes, [(device blocks [n, 2, L, bs, H, hd], real n)])
+    kv_saves: tuple[list, list[tuple[jax.Array, int]]] | None = None
 
 
 class _DeferredSample(NamedTuple):

@@ -284,6 +284,7 @@ def build_app(
     chat_template_content_format: str = "auto",
     enable_auto_tools: bool = False,
     tool_parser: str | None = None,
+    enable_prompt_tokens_details: bool = False,
     log_stats_interval: float | None = 10.0,
 ) -> Starlette:
     num_engines = engine.config.parallel.data_parallel_size
@@ -333,6 +334,7 @@ def build_app(
         enable_auto_tools=enable_auto_tools,
         tool_parser=tool_parser,
         reasoning_parser=engine.config.reasoning_parser,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
     )
     app.state.cpu = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize")
     app.state.engine_died = False
@@ -410,6 +412,7 @@ def serve_http(
         chat_template_content_format=args.chat_template_content_format,
         enable_auto_tools=args.enable_auto_tool_choice,
         tool_parser=args.tool_call_parser,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_stats_interval=float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10"))
         if engine.engine_core.client_index == 0
         else None,

@@ -60,6 +60,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Disaggregated prefill (vLLM's field): handed to the engine's KV connector, e.g. the P/D
+    # proxy's {"do_remote_decode": true, ...} for a prefill instance.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -100,10 +103,16 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 # ---------------------------------------------------------------------- responses
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (or loaded from a peer)
+
+
 class UsageInfo(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Only with --enable-prompt-tokens-details (left out otherwise)
+    prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
@@ -127,6 +136,8 @@ class CompletionResponse(msgspec.Struct):  # also each streamed chunk
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     object: str = "text_completion"
+    # Only when the engine's KV connector set them (a prefill instance's, for the decoder)
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class FunctionCall(msgspec.Struct):
@@ -192,6 +203,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: UsageInfo
     object: str = "chat.completion"
     prompt_logprobs: list[dict[str, Any] | None] | msgspec.UnsetType = msgspec.UNSET
+    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # as above
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -44,6 +44,7 @@ from jaxserve.entrypoints.openai.protocol import (
     EmbeddingResponse,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     UsageInfo,
     check_supported,
     random_id,
@@ -82,8 +83,10 @@ class OpenAIServing:
         enable_auto_tools: bool = False,
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
+        enable_prompt_tokens_details: bool = False,
     ):
         self.engine = engine
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.model_names = served_model_names
         self.chat_template = chat_template
         self.tokenizer = engine.get_tokenizer()
@@ -224,7 +227,9 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:
         request_id, prompts, params = prepared
-        finals = await self._gather(request_id, prompts, params, request.priority)
+        finals = await self._gather(
+            request_id, prompts, params, request.priority, request.kv_transfer_params
+        )
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for p, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
@@ -241,19 +246,26 @@ class OpenAIServing:
                 if request.prompt_logprobs is not None:
                     choice.prompt_logprobs = _prompt_logprobs(out)
                 choices.append(choice)
-        usage = UsageInfo.of(prompt_tokens, completion_tokens)
-        return CompletionResponse(
+        cached = sum(out.num_cached_tokens for out in finals)
+        usage = self._usage(prompt_tokens, completion_tokens, cached)
+        response = CompletionResponse(
             request_id, int(time.time()), self._name(request.model), choices, usage
         )
+        if finals[0].kv_transfer_params is not None:
+            response.kv_transfer_params = finals[0].kv_transfer_params
+        return response
 
     async def completion_stream(self, request: CompletionRequest, prepared) -> AsyncIterator[bytes]:
         request_id, prompts, params = prepared
         created, model = int(time.time()), self._name(request.model)
         include_usage, continuous = _usage_options(request)
         prompt_tokens, completion_tokens = 0, 0
-        echoed = set()
+        echoed, cached = set(), {}
         try:
-            async for p, out in self._merged(request_id, prompts, params, request.priority):
+            async for p, out in self._merged(
+                request_id, prompts, params, request.priority, request.kv_transfer_params
+            ):
+                cached[p] = out.num_cached_tokens
                 if p not in echoed:
                     echoed.add(p)
                     prompt_tokens += len(out.prompt_token_ids)
@@ -274,7 +286,7 @@ class OpenAIServing:
                     usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
                     yield sse(CompletionResponse(request_id, created, model, [choice], usage))
             if include_usage:
-                usage = UsageInfo.of(prompt_tokens, completion_tokens)
+                usage = self._usage(prompt_tokens, completion_tokens, sum(cached.values()))
                 yield sse(CompletionResponse(request_id, created, model, [], usage))
         except Exception as e:
             yield sse(error_body(e))
@@ -315,7 +327,9 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
         request_id, prompts, params = prepared
-        (out,) = await self._gather(request_id, prompts, params, request.priority)
+        (out,) = await self._gather(
+            request_id, prompts, params, request.priority, request.kv_transfer_params
+        )
         choices = []
         for c in out.outputs:
             logprobs = self._chat_logprobs(c, request)
@@ -326,12 +340,15 @@ class OpenAIServing:
                 "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
             )
             choices.append(ChatChoice(c.index, message, logprobs, finish_reason, c.stop_reason))
-        usage = UsageInfo.of(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        usage = self._usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)
         response = ChatCompletionResponse(
             request_id, int(time.time()), self._name(request.model), choices, usage
         )
         if request.prompt_logprobs is not None:
             response.prompt_logprobs = _prompt_logprobs(out)
+        if out.kv_transfer_params is not None:
+            response.kv_transfer_params = out.kv_transfer_params
         return response
 
     async def chat_stream(self, request: ChatCompletionRequest, prepared) -> AsyncIterator[bytes]:
@@ -339,6 +356,7 @@ class OpenAIServing:
         created, model = int(time.time()), self._name(request.model)
         include_usage, continuous = _usage_options(request)
         prompt_tokens, completion_tokens = len(prompts[0]["prompt_token_ids"]), 0
+        cached = 0
 
         def chunk(choices, usage=None):
             if usage is None and continuous:
@@ -349,7 +367,10 @@ class OpenAIServing:
         try:
             for i in range(params.n):  # the role first, once per choice
                 yield chunk([ChatStreamChoice(i, ChatMessage("assistant", ""))])
-            async for _, out in self._merged(request_id, prompts, params, request.priority):
+            async for _, out in self._merged(
+                request_id, prompts, params, request.priority, request.kv_transfer_params
+            ):
+                cached = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     parser = parsers[c.index]
@@ -371,7 +392,7 @@ class OpenAIServing:
                         [ChatStreamChoice(c.index, delta, logprobs, finish_reason, c.stop_reason)]
                     )
             if include_usage:
-                yield chunk([], UsageInfo.of(prompt_tokens, completion_tokens))
+                yield chunk([], self._usage(prompt_tokens, completion_tokens, cached))
         except Exception as e:
             yield sse(error_body(e))
         yield SSE_DONE
@@ -382,15 +403,18 @@ class OpenAIServing:
         )
 
     # ------------------------------------------------------------------ running
-    async def _gather(self, request_id, prompts, params, priority) -> list[RequestOutput]:
+    async def _gather(
+        self, request_id, prompts, params, priority, kv_transfer_params=None
+    ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        async for i, out in self._merged(request_id, prompts, params, priority):
+        async for i, out in self._merged(request_id, prompts, params, priority, kv_transfer_params):
             finals[i] = out
         return finals
 
-    async def _merged(self, request_id, prompts, params, priority):
+    async def _merged(self, request_id, prompts, params, priority, kv_transfer_params=None):
         """(prompt index, RequestOutput) from one generate per prompt, as they come. Leaving
-        early (error, cancellation) closes every generator: unfinished requests are aborted."""
+        early (error, cancellation) closes every generator: unfinished requests are aborted.
+        kv_transfer_params (the request's) go with every prompt, as in vLLM."""
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
@@ -400,6 +424,7 @@ class OpenAIServing:
                 async for out in self.engine.generate(
                     prompt, params, rid, priority=priority,
                     data_parallel_rank=DATA_PARALLEL_RANK.get(),
+                    kv_transfer_params=kv_transfer_params,
                 ):  # fmt: skip
                     await queue.put((i, out))
                 await queue.put(done)
@@ -427,6 +452,13 @@ class OpenAIServing:
     # ------------------------------------------------------------------ formatting
     def _name(self, requested: str | None) -> str:
         return requested or self.model_name
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        """With --enable-prompt-tokens-details, prompt_tokens_details.cached_tokens too."""
+        usage = UsageInfo.of(prompt_tokens, completion_tokens)
+        if self.enable_prompt_tokens_details:
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens)
+        return usage
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:

@@ -1,0 +1,278 @@
+"""KV connectors (distributed/kv_transfer): a producer engine's KV loaded by a consumer engine
+instead of recomputed (files, or straight over ZeroMQ), and the host-memory offloading tier.
+In-process engines on a tiny random-weight model; greedy output must equal a plain engine's."""
+
+import functools
+import socket
+import time
+
+import numpy as np
+import pytest
+
+import jaxserve.engine.core as core_module
+from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker import kv_block_io
+from jaxserve.worker.model_runner import num_compilations
+from tests.helpers import make_tiny_hf
+
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+              num_gpu_blocks_override=64)  # fmt: skip
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
+PREFILL = SamplingParams(temperature=0.0, max_tokens=1)
+PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(70 + 5 * i)] for i in range(3)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def in_process(tmp_path_factory):
+    """Engines in this process (the tests look inside them), one model load for all."""
+    original = core_module.load_model
+    core_module.load_model = functools.cache(original)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    yield
+    mp.undo()
+    core_module.load_model = original
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_hf("llama", tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(model=model_dir, **ENGINE)
+    return [o.outputs[0].token_ids for o in llm.generate(as_prompts(PROMPTS), GREEDY)]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def as_prompts(token_lists):
+    return [{"prompt_token_ids": p} for p in token_lists]
+
+
+def core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def run(llm, req_id, prompt, params, kv_transfer_params=None):
+    """One request through the engine to its end: the finished RequestOutput."""
+    engine = llm.llm_engine
+    engine.add_request(
+        req_id, {"prompt_token_ids": prompt}, params, kv_transfer_params=kv_transfer_params
+    )
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    return final
+
+
+def expected_hit(prompt, block_size=16):
+    """Every full block but the one holding the last prompt token."""
+    return (len(prompt) - 1) // block_size * block_size
+
+
+# ---------------------------------------------------------------------- block copies
+def test_gather_then_scatter_moves_whole_blocks():
+    import jax.numpy as jnp
+
+    layers, n_blocks = 3, 5
+    k = jnp.arange(layers * n_blocks * 2 * 1 * 2, dtype=jnp.float32).reshape(-1, 2, 1, 2)
+    kv = (k, -k)
+    blocks = np.asarray(kv_block_io.gather_blocks(kv, jnp.array([3, 1]), num_layers=layers))
+    assert blocks.shape == (2, 2, layers, 2, 1, 2)  # [n, K/V, L, bs, H, hd]
+    for i, b in enumerate([3, 1]):
+        for layer in range(layers):
+            np.testing.assert_array_equal(blocks[i, 0, layer], k[layer * n_blocks + b])
+            np.testing.assert_array_equal(blocks[i, 1, layer], -k[layer * n_blocks + b])
+    moved = kv_block_io.scatter_blocks(kv, jnp.array([4, 2]), jnp.asarray(blocks), num_layers=3)
+    for layer in range(layers):
+        np.testing.assert_array_equal(moved[0][layer * n_blocks + 4], k[layer * n_blocks + 3])
+        np.testing.assert_array_equal(moved[1][layer * n_blocks + 2], -k[layer * n_blocks + 1])
+        np.testing.assert_array_equal(moved[0][layer * n_blocks], k[layer * n_blocks])
+    assert kv_block_io.copy_buckets(5) == [1, 2, 4, 8]
+    assert kv_block_io.copy_buckets(1000)[-1] == kv_block_io.MAX_BLOCKS_PER_COPY
+    (ids, start, n), *rest = kv_block_io.chunks([7, 8, 9], [1, 2, 4])
+    assert list(ids) == [7, 8, 9, 0] and (start, n) == (0, 3) and not rest
+
+
+# ---------------------------------------------------------------------- ExampleConnector
+def test_example_connector_consumer_loads_what_the_producer_saved(model_dir, reference, tmp_path):
+    store = tmp_path / "kv"
+    config = {"kv_connector": "SharedStorageConnector",  # vLLM's old name is accepted
+              "kv_connector_extra_config": {"shared_storage_path": str(store)}}  # fmt: skip
+    producer = LLM(
+        model=model_dir, **ENGINE, kv_transfer_config={**config, "kv_role": "kv_producer"}
+    )
+    producer.generate(as_prompts(PROMPTS), PREFILL)
+    files = list(store.rglob("*.kv"))
+    assert len(files) == sum(len(p) // 16 for p in PROMPTS)  # every full prompt block
+
+    before = num_compilations()
+    consumer = LLM(
+        model=model_dir, **ENGINE, kv_transfer_config={**config, "kv_role": "kv_consumer"}
+    )
+    outs = consumer.generate(as_prompts(PROMPTS), GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert [o.num_cached_tokens for o in outs] == [expected_hit(p) for p in PROMPTS]
+    stats = core(consumer).scheduler.connector.totals()
+    assert stats.loaded_blocks == sum(expected_hit(p) // 16 for p in PROMPTS)
+    assert core(consumer).get_state()["num_free_blocks"] == ENGINE["num_gpu_blocks_override"] - 1
+    del before  # the consumer's start-up compiled; its steps below must not
+
+    # The loaded blocks are what the consumer computes with: zeroed files change the output.
+    for f in files:
+        f.write_bytes(bytes(f.stat().st_size))
+    fresh = LLM(model=model_dir, **ENGINE, kv_transfer_config={**config, "kv_role": "kv_consumer"})
+    start = num_compilations()
+    zeroed = fresh.generate(as_prompts(PROMPTS), GREEDY)
+    assert num_compilations() == start  # loads and saves run precompiled copies
+    assert [o.outputs[0].token_ids for o in zeroed] != reference
+
+
+# ---------------------------------------------------------------------- ZmqConnector
+@pytest.fixture(scope="module")
+def zmq_pair(model_dir):
+    (port,) = free_ports(1)
+    config = {"kv_connector": "ZmqConnector", "kv_port": port,
+              "kv_connector_extra_config": {"timeout_s": 1.0}}  # fmt: skip
+    producer = LLM(
+        model=model_dir, **ENGINE, kv_transfer_config={**config, "kv_role": "kv_producer"}
+    )
+    consumer = LLM(
+        model=model_dir, **ENGINE, kv_transfer_config={**config, "kv_role": "kv_consumer"}
+    )
+    return producer, consumer, port
+
+
+def test_zmq_connector_moves_the_prompt_kv_between_engines(zmq_pair, reference):
+    producer, consumer, port = zmq_pair
+    for i, prompt in enumerate(PROMPTS):
+        first = run(producer, f"p{i}", prompt, PREFILL, {"do_remote_decode": True})
+        params = first.kv_transfer_params
+        assert params["do_remote_prefill"] and params["remote_port"] == port
+        out = run(consumer, f"d{i}", prompt, GREEDY, params)
+        assert out.outputs[0].token_ids == reference[i]
+        assert out.num_cached_tokens == expected_hit(prompt)  # one block computed at most
+    stats = core(consumer).scheduler.connector.totals()
+    assert stats.hits == sum(expected_hit(p) for p in PROMPTS) and stats.failed_loads == 0
+    # Without kv_transfer_params a consumer computes as any engine does.
+    plain = run(consumer, "plain", [5, 6, 7] * 20, GREEDY)
+    assert plain.kv_transfer_params is None
+    for llm in (producer, consumer):
+        state = core(llm).get_state()
+        assert state["num_requests"] == 0
+
+
+def test_a_consumer_recomputes_when_the_producer_does_not_answer(model_dir, zmq_pair, reference):
+    _, consumer, _ = zmq_pair
+    (dead_port,) = free_ports(1)  # nothing listens there
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": dead_port}
+    prompt = [p + 1 for p in PROMPTS[0]]  # not in the consumer's device cache
+    expected = run(LLM(model=model_dir, **ENGINE), "ref", prompt, GREEDY)
+    start = time.monotonic()
+    out = run(consumer, "orphan", prompt, GREEDY, params)
+    assert time.monotonic() - start < 10  # the 1 s timeout, then the prompt's compute
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert out.num_cached_tokens == 0
+    assert core(consumer).scheduler.connector.totals().failed_loads >= 1
+    core(consumer).get_state()  # no leaked blocks
+
+
+def test_an_aborted_request_waiting_for_remote_kv_frees_its_blocks(zmq_pair):
+    _, consumer, _ = zmq_pair
+    (dead_port,) = free_ports(1)
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": dead_port}
+    engine = consumer.llm_engine
+    prompt = {"prompt_token_ids": [p + 2 for p in PROMPTS[2]]}  # not on the device
+    engine.add_request("waits", prompt, GREEDY, kv_transfer_params=params)
+    engine.step()
+    sched = core(consumer).scheduler
+    assert "waits" in sched.waiting_for_remote  # off the waiting queue, holding its blocks
+    assert sched.kv_cache_manager.num_free_blocks < ENGINE["num_gpu_blocks_override"] - 1
+    engine.abort_request(["waits"])
+    assert not sched.waiting_for_remote and not engine.has_unfinished_requests()
+    assert core(consumer).get_state()["num_free_blocks"] == ENGINE["num_gpu_blocks_override"] - 1
+    time.sleep(1.5)  # the fetch times out after the abort: nothing to deliver it to
+    assert sched.connector.get_finished_recving() == {}
+
+
+def test_load_failure_policy_fail_ends_the_request(model_dir):
+    (port, dead_port) = free_ports(2)
+    llm = LLM(model=model_dir, **ENGINE, kv_transfer_config={
+        "kv_connector": "ZmqConnector", "kv_role": "kv_consumer", "kv_port": port,
+        "kv_load_failure_policy": "fail", "kv_connector_extra_config": {"timeout_s": 0.5},
+    })  # fmt: skip
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": dead_port}
+    out = run(llm, "r", PROMPTS[0], GREEDY, params)
+    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    assert core(llm).get_state()["num_free_blocks"] == ENGINE["num_gpu_blocks_override"] - 1
+
+
+# ---------------------------------------------------------------------- offloading
+def test_offloaded_blocks_come_back_after_device_eviction(model_dir):
+    # 24 device blocks of 16 tokens: the long prompt's 12 blocks are evicted by the others.
+    small = {**ENGINE, "num_gpu_blocks_override": 24}
+    long_prompt = [(11 * j) % 190 + 5 for j in range(200)]
+    others = [[(13 * j + i) % 180 + 9 for j in range(150)] for i in range(3)]
+    plain = LLM(model=model_dir, **small)
+    offload = LLM(model=model_dir, **small, kv_offloading_size=0.01)
+    results = {}
+    for name, llm in (("plain", plain), ("offload", offload)):
+        outs = [run(llm, f"{name}{i}", p, GREEDY) for i, p in enumerate([long_prompt, *others])]
+        again = run(llm, f"{name}-again", long_prompt, GREEDY)
+        results[name] = ([o.outputs[0].token_ids for o in outs], again)
+        state = core(llm).get_state()
+        assert state["num_requests"] == 0 and state["num_free_blocks"] == 23
+    (plain_outs, plain_again), (off_outs, off_again) = results["plain"], results["offload"]
+    assert off_outs == plain_outs
+    assert off_again.outputs[0].token_ids == plain_again.outputs[0].token_ids
+    assert plain_again.num_cached_tokens == 0  # evicted from the device: recomputed
+    assert off_again.num_cached_tokens == expected_hit(long_prompt)  # from the host tier
+    stats = core(offload).scheduler.connector.totals()
+    assert stats.hits == expected_hit(long_prompt) and stats.loaded_blocks == 12
+
+
+# ---------------------------------------------------------------------- configuration
+ZMQ, EXAMPLE = {"kv_connector": "ZmqConnector"}, {"kv_connector": "ExampleConnector"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_transfer_config": {"kv_connector": "NixlConnector"}}, "'NixlConnector' is not"),
+        ({"kv_transfer_config": {**EXAMPLE, "kv_role": "both"}}, "kv_role 'both'"),
+        ({"kv_transfer_config": '{"kv_connector": '}, "not valid JSON"),
+        ({"kv_transfer_config": {**ZMQ, "kv_load_failure_policy": "retry"}}, "'retry'"),
+        ({"kv_transfer_config": {**ZMQ, "bogus": 1}}, "unknown fields ['bogus']"),
+        ({"kv_offloading_size": -1}, "kv_offloading_size must be a positive"),
+        ({"kv_offloading_size": 1, "kv_transfer_config": ZMQ}, "one KV connector"),
+    ],
+)  # fmt: skip
+def test_bad_kv_transfer_settings_are_named(model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        EngineArgs(model=model_dir, **kwargs).create_engine_config()
+
+
+def test_example_connector_needs_its_storage_path(model_dir):
+    with pytest.raises(ValueError, match="shared_storage_path"):
+        LLM(model=model_dir, **ENGINE, kv_transfer_config={"kv_connector": "ExampleConnector"})
+
+
+def test_the_connector_stays_out_of_the_step_signature(model_dir):
+    config = EngineArgs(
+        model=model_dir, kv_transfer_config={"kv_connector": "ZmqConnector"}
+    ).create_engine_config()
+    assert config.kv_transfer.kv_role == "kv_both" and "kv_transfer" not in repr(config)

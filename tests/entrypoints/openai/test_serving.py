@@ -1,0 +1,85 @@
+"""OpenAIServing over AsyncLLM and a stand-in engine core (no server, no model): a request's
+kv_transfer_params reach the EngineCoreRequest and a finished output's reach the response's
+top level; --enable-prompt-tokens-details adds usage.prompt_tokens_details.cached_tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgspec
+import pytest
+
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from jaxserve.entrypoints.openai.serving import OpenAIServing
+from jaxserve.models.loader import read_tokenizer
+from tests.engine.test_kv_transfer_params import PREFILL, FakeCore, config, handed_back
+
+CHAT = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return read_tokenizer(None)  # the bundled default model's
+
+
+def call(tokenizer, body: dict, *, details: bool = False, cached: int = 0):
+    """(the JSON body, or the SSE events, the server would send; the stand-in core)."""
+    cfg = config(max_model_len=256)
+    cfg.model.vocab_size = len(tokenizer)
+    core = FakeCore(cached)
+    serving = OpenAIServing(
+        AsyncLLM(cfg, core, tokenizer=tokenizer), ["m"], enable_prompt_tokens_details=details
+    )
+    chat = "messages" in body
+    request = msgspec.json.decode(
+        json.dumps(body), type=ChatCompletionRequest if chat else CompletionRequest
+    )
+    prepared = (serving.prepare_chat if chat else serving.prepare_completion)(request)
+
+    async def main():
+        if request.stream:
+            stream = serving.chat_stream if chat else serving.completion_stream
+            return [chunk async for chunk in stream(request, prepared)]
+        return await (serving.chat if chat else serving.completion)(request, prepared)
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        serving.engine.shutdown()
+    if isinstance(result, list):
+        events = [c.removeprefix(b"data: ").strip() for c in result]
+        assert events[-1] == b"[DONE]"
+        return [json.loads(e) for e in events[:-1]], core
+    return json.loads(msgspec.json.encode(result)), core
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_kv_transfer_params_reach_the_core_and_the_response(tokenizer, kind):
+    body = {"messages": CHAT} if kind == "chat" else {"prompt": [[1, 2, 3], [4, 5]]}
+    plain, core = call(tokenizer, body)
+    assert "kv_transfer_params" not in plain
+    assert all(r.kv_transfer_params is None for r in core.requests)
+
+    answer, core = call(tokenizer, {**body, "kv_transfer_params": PREFILL})
+    assert [r.kv_transfer_params for r in core.requests] == [PREFILL] * len(core.requests)
+    assert answer["kv_transfer_params"] == handed_back(core.requests[0])  # the first prompt's
+    assert answer["choices"] == plain["choices"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("details", [False, True])
+def test_prompt_tokens_details_only_when_enabled(tokenizer, details, stream):
+    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    for body, cached in (
+        ({"prompt": [[1] * 40, [2] * 40], "n": 2}, 2 * 32),  # once per prompt, not per choice
+        ({"messages": CHAT}, 32),
+    ):
+        answer, _ = call(tokenizer, {**body, **extra}, details=details, cached=32)
+        usage = answer[-1]["usage"] if stream else answer["usage"]
+        if details:
+            assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
+        else:
+            assert "prompt_tokens_details" not in usage
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
