@@ -276,3 +276,24 @@ def test_the_connector_stays_out_of_the_step_signature(model_dir):
         model=model_dir, kv_transfer_config={"kv_connector": "ZmqConnector"}
     ).create_engine_config()
     assert config.kv_transfer.kv_role == "kv_both" and "kv_transfer" not in repr(config)
+
+
+def test_offload_soak_leaks_no_blocks(model_dir):
+    """Concurrent requests sharing prefixes on a device cache small enough to preempt, with
+    the host tier on: every device block comes back, the host tier stays in its size."""
+    small = {**ENGINE, "num_gpu_blocks_override": 20, "async_scheduling": True}
+    llm = LLM(model=model_dir, **small, kv_offloading_size=0.002)  # 2 MiB: ~340 tiny blocks
+    rng = np.random.default_rng(1)
+    heads = [rng.integers(3, 200, 48).tolist() for _ in range(4)]
+    prompts = [heads[i % 4] + rng.integers(3, 200, int(rng.integers(1, 40))).tolist()
+               for i in range(40)]  # fmt: skip
+    plain = LLM(model=model_dir, **small)
+    want = [o.outputs[0].token_ids for o in plain.generate(as_prompts(prompts), GREEDY)]
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(as_prompts(prompts), GREEDY)]
+        assert got == want
+    connector = core(llm).scheduler.connector
+    assert connector.totals().hits > 0 and core(llm).scheduler.total_preemptions > 0
+    assert len(connector.store) <= connector.store.capacity_blocks
+    state = core(llm).get_state()  # check_no_leaks() too
+    assert state["num_requests"] == 0 and state["num_free_blocks"] == 19
