@@ -9,6 +9,7 @@
 #   env           nvidia-smi, jax version and devices, and that jaxserve imports
 #   pytest_gpu    python -m pytest -m gpu
 #   kernel_bench  benchmarks/kernels/bench_paged_attention.py (HBM fraction of peak per case)
+#   kv_transfer   benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
 #   latency_bN    scripts/bench_latency.py, Llama-3-8B shape, dummy bf16 weights, batch 1 8 32
 #   throughput_N  benchmarks/bench_throughput.py, the same model, 64 and 256 prompts
 # All model runs share one engine configuration, so the first compiles and the rest read the
@@ -93,6 +94,7 @@ EOF
     THROUGHPUT_PROMPTS=(2 4)
     PYTEST_ARGS=(-m gpu)
     KERNEL_ARGS=(--smoke)
+    KV_TRANSFER_ARGS=(--blocks 1 8 --repeats 1)
     LIMIT_PYTEST=90 LIMIT_KERNEL=90 LIMIT_FIRST_MODEL=180 LIMIT_MODEL=90
 else
     MODE=gpu
@@ -107,6 +109,7 @@ else
     THROUGHPUT_PROMPTS=(64 256)
     PYTEST_ARGS=(-m gpu)
     KERNEL_ARGS=()
+    KV_TRANSFER_ARGS=(--layout llama-3-8b)
     LIMIT_PYTEST=200 LIMIT_KERNEL=120 LIMIT_FIRST_MODEL=300 LIMIT_MODEL=150
 fi
 
@@ -197,6 +200,8 @@ run_step pytest_gpu "$LIMIT_PYTEST" "$PYTHON" -m pytest -p no:cacheprovider -q -
     "${PYTEST_ARGS[@]}"
 run_step kernel_bench "$LIMIT_KERNEL" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
     "${KERNEL_ARGS[@]}" --output-json "$WORK/kernel_bench.json"
+run_step kv_transfer "$LIMIT_KERNEL" "$PYTHON" benchmarks/bench_kv_transfer.py \
+    "${KV_TRANSFER_ARGS[@]}" --output-json "$WORK/kv_transfer.json"
 limit=$LIMIT_FIRST_MODEL # the first model run compiles; the others read the cache
 for b in "${LATENCY_BATCHES[@]}"; do
     run_step "latency_b$b" "$limit" "$PYTHON" scripts/bench_latency.py "${MODEL_ARGS[@]}" \

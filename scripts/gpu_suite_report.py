@@ -155,6 +155,16 @@ def kernel_figures(log: str) -> str:
     return text + f"; best **{best:.0%} of the HBM peak** ({best_case}); table below"
 
 
+def kv_transfer_figures(log: str) -> str:
+    """The best GB/s of each copy path (benchmarks/bench_kv_transfer.py's table)."""
+    best: dict[str, float] = {}
+    for path, gbs in re.findall(
+        r"^\| ([^|]+?) \| \d+ \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|$", log, re.M
+    ):
+        best[path] = max(best.get(path, 0.0), float(gbs))
+    return "; ".join(f"{p}: {g:g} GB/s" for p, g in best.items()) or "no table"
+
+
 def compile_figures(log: str) -> str | None:
     m = _search(r"compiled (\d+) step shapes in ([0-9.]+) s", log)  # the engine core's log
     return f"compiled {m[1]} step shapes in {m[2]} s" if m else None
@@ -212,6 +222,8 @@ def figures(step: dict, log: str, env: dict) -> str:
         return pytest_figures(log)
     if name.startswith("kernel"):
         return kernel_figures(log)
+    if name == "kv_transfer":
+        return kv_transfer_figures(log)
     if name.startswith("latency"):
         return latency_figures(log)
     if name.startswith("throughput"):
