@@ -11,8 +11,8 @@ import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["env", "pytest_gpu", "kernel_bench", "latency_b1", "latency_b2", "latency_b4",
-         "throughput_2", "throughput_4"]  # fmt: skip
+STEPS = ["env", "pytest_gpu", "kernel_bench", "kv_transfer", "latency_b1", "latency_b2",
+         "latency_b4", "throughput_2", "throughput_4"]  # fmt: skip
 
 
 def test_dry_run_runs_every_step_and_reports_each(tmp_path):
@@ -36,6 +36,7 @@ def test_dry_run_runs_every_step_and_reports_each(tmp_path):
     assert "jaxserve imports" in rows["env"]
     assert re.search(r"\d+ skipped, \d+ deselected", rows["pytest_gpu"])  # no GPU: all skip
     assert rows["kernel_bench"].startswith("3 cases")
+    assert re.search(r"zmq fetch .*: [\d.]+ GB/s; save: .*; load: .* GB/s", rows["kv_transfer"])
     assert len(re.findall(r"^\| (?:decode|mixed) .* \|$", report, re.M)) == 3
     for name in ("latency_b1", "latency_b2", "latency_b4"):
         assert re.search(r"avg latency [0-9.]+ s; decode step [0-9.]+ ms", rows[name]), name
