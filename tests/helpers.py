@@ -7,18 +7,38 @@ power-of-two buckets, and returns the logits of every token it ran.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.layers.attention import AttentionMetadata
+
+
+@contextlib.contextmanager
+def engines_in_process():
+    """LLM engines in the test's process (tests look inside them), one model load per path
+    for all of them (engine/core.py's load_model cached)."""
+    import jaxserve.engine.core as core_module
+
+    original = core_module.load_model
+    core_module.load_model = functools.cache(original)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    try:
+        yield
+    finally:
+        mp.undo()
+        core_module.load_model = original
+
 
 TINY = dict(
     vocab_size=256,

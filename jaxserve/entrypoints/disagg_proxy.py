@@ -11,7 +11,6 @@ computes the prompt itself. GET /v1/models and /health go to the first decode in
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -24,6 +23,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from jaxserve.entrypoints.openai.api_server import run_until_disconnected
 
 logger = logging.getLogger("jaxserve.disagg_proxy")
 
@@ -96,7 +97,8 @@ class DisaggProxy:
             url = next(self.decodes) + request.url.path
             return await self.forward("POST", url, json=decode, headers=headers)
 
-        return await _until_disconnected(request, run())
+        response = await run_until_disconnected(request, run())
+        return Response(status_code=499) if response is None else response  # 499: nobody reads it
 
     async def passthrough(self, request: Request) -> Response:
         """GET /v1/models, /health: the first decode instance's answer."""
@@ -122,27 +124,6 @@ class DisaggProxy:
 
         content_type = upstream.headers.get("content-type")
         return StreamingResponse(relay(), upstream.status_code, media_type=content_type)
-
-
-async def _until_disconnected(request: Request, coro) -> Response:
-    """Run a handler (its body already read), cancelling it if the client disconnects."""
-    task = asyncio.ensure_future(coro)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return Response(status_code=499)  # nobody reads it
-    return task.result()
 
 
 def build_app(

@@ -543,7 +543,8 @@ class ModelRunner:
             ),
             draft_model=repr(getattr(drafter, "config", None)),
             mesh=repr(self.mesh),
-            kv_copies=repr(self.kv_copy_buckets),
+            # a connector's block copies (their own file: a start without one stays warm)
+            **({"kv_copies": repr(self.kv_copy_buckets)} if self.kv_copy_buckets else {}),
         )
 
     def _lowerings(self) -> dict[tuple, Callable[[], Any]]:

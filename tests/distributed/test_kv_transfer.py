@@ -2,20 +2,18 @@
 instead of recomputed (files, or straight over ZeroMQ), and the host-memory offloading tier.
 In-process engines on a tiny random-weight model; greedy output must equal a plain engine's."""
 
-import functools
 import socket
 import time
 
 import numpy as np
 import pytest
 
-import jaxserve.engine.core as core_module
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import kv_block_io
 from jaxserve.worker.model_runner import num_compilations
-from tests.helpers import make_tiny_hf
+from tests.helpers import engines_in_process, make_tiny_hf
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
               num_gpu_blocks_override=64)  # fmt: skip
@@ -25,15 +23,10 @@ PROMPTS = [[(7 * i + j) % 200 + 3 for j in range(70 + 5 * i)] for i in range(3)]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def in_process(tmp_path_factory):
+def in_process():
     """Engines in this process (the tests look inside them), one model load for all."""
-    original = core_module.load_model
-    core_module.load_model = functools.cache(original)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
-    yield
-    mp.undo()
-    core_module.load_model = original
+    with engines_in_process():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +113,6 @@ def test_example_connector_consumer_loads_what_the_producer_saved(model_dir, ref
     files = list(store.rglob("*.kv"))
     assert len(files) == sum(len(p) // 16 for p in PROMPTS)  # every full prompt block
 
-    before = num_compilations()
     consumer = LLM(
         model=model_dir, **ENGINE, kv_transfer_config={**config, "kv_role": "kv_consumer"}
     )
@@ -130,7 +122,6 @@ def test_example_connector_consumer_loads_what_the_producer_saved(model_dir, ref
     stats = core(consumer).scheduler.connector.totals()
     assert stats.loaded_blocks == sum(expected_hit(p) // 16 for p in PROMPTS)
     assert core(consumer).get_state()["num_free_blocks"] == ENGINE["num_gpu_blocks_override"] - 1
-    del before  # the consumer's start-up compiled; its steps below must not
 
     # The loaded blocks are what the consumer computes with: zeroed files change the output.
     for f in files:

@@ -1,15 +1,12 @@
 """LLM.generate / LLM.chat on the default model, end to end (fp32, CPU)."""
 
-import functools
-
 import pytest
 import torch
 
-import jaxserve.engine.core as core_module
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.worker.model_runner import num_compilations
-from tests.helpers import drain_engine, hf_default_model
+from tests.helpers import drain_engine, engines_in_process, hf_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +24,8 @@ SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512)
 def share_loaded_model():
     """The core in this process (the tests look inside it), and one model load for the
     module: every LLM below differs only in engine settings."""
-    original = core_module.load_model
-    core_module.load_model = functools.cache(original)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
-    yield
-    mp.undo()
-    core_module.load_model = original
+    with engines_in_process():
+        yield
 
 
 @pytest.fixture(scope="module")

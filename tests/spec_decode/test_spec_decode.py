@@ -1,15 +1,13 @@
 """Speculative decoding end to end: exact greedy and seeded output on the default model, the
 target distribution on a tiny one, no compilation after warm-up, no leaked blocks."""
 
-import functools
-
 import numpy as np
 import pytest
 
-import jaxserve.engine.core as core_module
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.worker.model_runner import num_compilations
+from tests.helpers import engines_in_process
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the sun while the "
@@ -29,13 +27,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 
 @pytest.fixture(scope="module", autouse=True)
 def share_loaded_model():
-    original = core_module.load_model
-    core_module.load_model = functools.cache(original)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
-    yield
-    mp.undo()
-    core_module.load_model = original
+    with engines_in_process():
+        yield
 
 
 def core(llm):

@@ -92,7 +92,6 @@ class HostBlockStore:
         self.capacity_blocks = max(0, int(capacity_bytes) // block_nbytes)
         self._blocks: OrderedDict[BlockHash, np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
-        self.num_evicted = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -108,7 +107,6 @@ class HostBlockStore:
             self._blocks[block_hash] = block
             while len(self._blocks) > self.capacity_blocks:
                 self._blocks.popitem(last=False)
-                self.num_evicted += 1
 
     def get_prefix(self, hashes: Sequence[BlockHash]) -> list[np.ndarray]:
         """The blocks of the longest leading run of `hashes` held (marked recently used)."""
