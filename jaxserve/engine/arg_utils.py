@@ -21,11 +21,12 @@ from jaxserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from jaxserve.layers.attention import ATTENTION_BACKENDS
+from jaxserve.layers.attention import ATTENTION_BACKENDS, default_attention_backend
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.loader import read_model_config, resolve_model_path
 from jaxserve.models.registry import get_model_class
 from pallas_kernels.paged_attention import pallas_unavailable_message
+from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
 # smaller limits keep start-up short.
@@ -133,8 +134,8 @@ class EngineArgs:
             if self.async_scheduling is None
             else self.async_scheduling,
         )
-        attention_backend = self.attention_backend or (
-            "pallas" if jax.default_backend() == "gpu" else "reference"
+        attention_backend = self.attention_backend or default_attention_backend(
+            jax.default_backend()
         )
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -142,6 +143,13 @@ class EngineArgs:
             )
         if attention_backend == "pallas" and pallas_unavailable_message():
             raise ImportError(pallas_unavailable_message())
+        if attention_backend == "cpu":
+            if jax.default_backend() != "cpu":
+                raise ValueError(
+                    f"attention_backend='cpu' runs on XLA:CPU, not {jax.default_backend()!r}"
+                )
+            if reason := cpu_kernel_unavailable_message():
+                raise RuntimeError(f"{reason}; use --attention-backend reference")
         pooler = self._pooler(path)
         if pooler is not None and speculative is not None:
             raise ValueError("speculative_config needs a generating runner, not runner='pooling'")

@@ -139,8 +139,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention-backend",
         default=None,
-        choices=["pallas", "reference"],
-        help="paged attention: the Pallas kernel (default on GPU) or the jnp reference",
+        choices=["pallas", "cpu", "reference"],
+        help="paged attention: the Pallas kernel (default on GPU), the C++ decode kernel for "
+        "XLA:CPU (default on CPU, built on first use with g++) or the pure-jnp reference",
     )
     parser.add_argument(
         "-q",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple
 
 import jax
@@ -20,8 +21,29 @@ from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.paged_attention.cpu import (
+    cpu_kernel_unavailable_message,
+    ragged_paged_attention_cpu,
+)
 
-ATTENTION_BACKENDS = ("pallas", "reference")
+logger = logging.getLogger(__name__)
+
+# pallas: the GPU kernel; cpu: decode rows in a C++ kernel, the rest as the reference (the
+# default on CPU where it builds); reference: the pure-jnp op.
+ATTENTION_BACKENDS = ("pallas", "cpu", "reference")
+
+
+def default_attention_backend(platform: str) -> str:
+    """The backend for a device platform: pallas on GPU; on CPU the C++ decode kernel, or the
+    reference (with a warning that says why) where it cannot be built."""
+    if platform == "gpu":
+        return "pallas"
+    if platform == "cpu":
+        reason = cpu_kernel_unavailable_message()
+        if reason is None:
+            return "cpu"
+        logger.warning("%s; using --attention-backend reference", reason)
+    return "reference"
 
 
 class AttentionMetadata(NamedTuple):
@@ -93,21 +115,23 @@ def paged_attention(
     """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
 
     backend "reference" is the jnp op (XLA partitions it over `mesh` by itself); "pallas" is
-    the kernel, compiled for a GPU and interpreted elsewhere, run per device over its own
-    heads when the mesh splits them (shard_map: a custom call cannot be auto-partitioned).
-    Either runs its decode path alone when md.decode_only says the batch is all decodes.
+    the kernel, compiled for a GPU and interpreted elsewhere; "cpu" has its decode rows
+    computed by a C++ kernel (XLA:CPU). The kernels run per device over its own heads when
+    the mesh splits them (shard_map: a custom call cannot be auto-partitioned). Each runs its
+    decode path alone when md.decode_only says the batch is all decodes.
     """
     args = (q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs)
+    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "reference":
-        return ragged_paged_attention_reference(
-            *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            decode_only=md.decode_only,
+        return ragged_paged_attention_reference(*args, **scores, decode_only=md.decode_only)
+    if backend == "cpu":
+        kernel = functools.partial(ragged_paged_attention_cpu, **scores, decode_only=md.decode_only)
+    else:
+        device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        kernel = functools.partial(
+            ragged_paged_attention, **scores, decode_only=md.decode_only,
+            interpret=device.platform != "gpu",
         )  # fmt: skip
-    on_gpu = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform == "gpu"
-    kernel = functools.partial(
-        ragged_paged_attention, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, decode_only=md.decode_only, interpret=not on_gpu,
-    )  # fmt: skip
     if mesh is None or mesh.shape[TP_AXIS] == 1:
         return kernel(*args)
     heads, cache = P(None, TP_AXIS, None), P(None, None, TP_AXIS, None)
@@ -122,7 +146,10 @@ def paged_attention(
 
 def configure_attention(model: nnx.Module, backend: str, mesh: Mesh | None) -> None:
     """Make every Attention layer of `model` use `backend` (see `paged_attention`; checked by
-    EngineArgs)."""
+    EngineArgs). The CPU kernel is registered with XLA here, before any executable that calls
+    it is compiled or loaded."""
+    if backend == "cpu" and (reason := cpu_kernel_unavailable_message()) is not None:
+        raise RuntimeError(reason)
     for _, module in nnx.iter_graph(model):
         if isinstance(module, Attention):
             module.backend, module.mesh = backend, mesh

@@ -44,15 +44,15 @@ FORMAT = 1  # bump when the file layout changes
 
 @functools.cache
 def source_digest() -> str:
-    """sha256 over every .py file of jaxserve and pallas_kernels (their code is traced into the
-    executables)."""
+    """sha256 over every .py and .cc file of jaxserve and pallas_kernels (their code is traced
+    into the executables, or called by them)."""
     import jaxserve
     import pallas_kernels
 
     digest = hashlib.sha256()
     for package in (jaxserve, pallas_kernels):
         root = Path(package.__file__).parent
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -92,8 +92,9 @@ PROMPT_LOGPROBS_CHUNK = 256  # positions whose [chunk, V] logits are live at onc
 # Pallas kernel's paths are two kernels: a forward choosing between them by lax.cond compiled
 # both into every step. The reference's decode-only forward was no faster on CPU (SmolLM2,
 # 2 cores, batch 8 / 32 at contexts 96 / 480: 0.96-1.01x the general forward's time;
-# benchmarks/results/cpu.md), so it keeps one forward per bucket and compiles no more.
-DECODE_ONLY_FORWARDS = {"pallas": True, "reference": False}
+# benchmarks/results/cpu.md), so it keeps one forward per bucket and compiles no more; so
+# does the CPU kernel backend, whose general forward runs the reference's prefill path.
+DECODE_ONLY_FORWARDS = {"pallas": True, "cpu": False, "reference": False}
 # The executables compiled per token bucket (name[1]): a step of T tokens runs them at T's.
 TOKEN_BUCKET_STEPS = ("forward", "prompt_logprobs", "pool")
 

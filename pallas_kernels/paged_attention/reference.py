@@ -69,21 +69,45 @@ def ragged_paged_attention_reference(
     Returns:
       [T, Hq, D] in q's dtype; padding rows are zero.
     """
-    num_tokens, num_q_heads, _ = q.shape
-    num_kv_heads = k_cache.shape[2]
-    max_seqs = block_tables.shape[0]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
-    n = num_seqs[0]
-    real = jnp.arange(max_seqs) < n
-    q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)  # [S]
-    single = q_lens == 1
+    q_lens = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs)
     scores = _Scores(sm_scale, sliding_window, soft_cap)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores)
-    out = _decode(*args, single)
-    if decode_only or num_tokens == 1:
+    out = _decode(*args, q_lens == 1)
+    if decode_only or q.shape[0] == 1:
         return out
-    return _tiled(*args, jnp.where(single, 0, q_lens), out)
+    return _tiled(*args, jnp.where(q_lens == 1, 0, q_lens), out)
+
+
+def multi_token_rows(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    out: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """The reference's rows of sequences with several query tokens (prefill chunks), written
+    into out [T, Hq, D] (which holds the decode rows, from a kernel); arguments as
+    `ragged_paged_attention_reference`'s. For a kernel that does decodes alone."""
+    q_lens = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs)
+    scores = _Scores(sm_scale, sliding_window, soft_cap)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores)
+    return _tiled(*args, jnp.where(q_lens == 1, 0, q_lens), out)
+
+
+def _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs):
+    """Query tokens per sequence, i32[S] (0 for padding sequences)."""
+    num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    real = jnp.arange(block_tables.shape[0]) < num_seqs[0]
+    return jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
 
 
 class _Scores(NamedTuple):

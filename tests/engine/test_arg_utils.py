@@ -7,6 +7,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, EngineArgs
 from jaxserve.entrypoints.llm import LLM
+from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
 from tests.helpers import make_tiny_hf
 
 
@@ -74,7 +75,11 @@ def test_bad_model_paths_and_unknown_arguments(tmp_path, model_dir):
 
 def test_attention_backend_default_and_checks(model_dir):
     config = EngineArgs(model=model_dir).create_engine_config()
-    assert config.attention_backend == "reference"  # on CPU; "pallas" on GPU
+    # on CPU the C++ decode kernel where it builds (else the reference); "pallas" on GPU
+    expected = "reference" if cpu_kernel_unavailable_message() else "cpu"
+    assert config.attention_backend == expected
+    config = EngineArgs(model=model_dir, attention_backend="reference")
+    assert config.create_engine_config().attention_backend == "reference"
     with pytest.raises(ValueError, match="attention_backend='flash'"):
         EngineArgs(model=model_dir, attention_backend="flash").create_engine_config()
     # tp above the KV heads: each device holds a copy of the KV head its query heads use

@@ -1,7 +1,8 @@
-"""The model runner with attention_backend='pallas': the kernel (interpreted on CPU) inside
-the real compiled step gives the jnp reference's tokens, with and without tensor parallelism
-(tp 4 > 2 KV heads: each device holds a copy of the KV head its query heads use). Decode-only
-steps run their own forward, which holds the decode kernel alone; the others the mixed one."""
+"""The model runner with attention_backend='pallas' (the kernel, interpreted on CPU) or 'cpu'
+(the C++ decode kernel) inside the real compiled step gives the jnp reference's tokens, with
+and without tensor parallelism (tp 4 > 2 KV heads: each device holds a copy of the KV head its
+query heads use). With pallas, decode-only steps run their own forward, which holds the decode
+kernel alone; the others the mixed one."""
 
 import jax
 import pytest
@@ -11,6 +12,7 @@ from jaxserve.entrypoints.llm import LLM
 from jaxserve.layers.attention import Attention
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.model_runner import num_compilations
+from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
 from tests.helpers import make_tiny_hf
 
 # head_dim 16 (the kernel's smallest dot), GQA group 4.
@@ -75,6 +77,30 @@ def test_pallas_backend_gives_the_reference_tokens(model_dir, reference, tp):
     compiled = num_compilations()
     got = llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)  # 2nd round: prefix-cache hits
     assert {key[2] for key in used if key[0] == "forward"} == {True, False}
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
+    for g, w in zip(got, reference, strict=True):
+        assert g.outputs[0].cumulative_logprob == pytest.approx(
+            w.outputs[0].cumulative_logprob, abs=1e-3
+        )
+    assert num_compilations() == compiled
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_cpu_backend_gives_the_reference_tokens(model_dir, reference, tp):
+    """The C++ kernel in every forward (per device under shard_map at tp 4), the reference's
+    tokens and logprobs, and no compilation while serving."""
+    if len(jax.devices()) < tp:
+        pytest.skip(f"tensor_parallel_size={tp} needs {tp} devices")
+    if (reason := cpu_kernel_unavailable_message()) is not None:
+        pytest.skip(reason)
+    llm = LLM(model_dir, attention_backend="cpu", tensor_parallel_size=tp, **ENGINE)
+    runner = _runner(llm)
+    modules = [m for _, m in nnx.iter_graph(runner.model)]
+    assert {m.backend for m in modules if isinstance(m, Attention)} == {"cpu"}
+    forwards = [c for key, c in runner._compiled.items() if key[0] == "forward"]
+    assert forwards and all("jaxserve_paged_attention_decode" in c.as_text() for c in forwards)
+    compiled = num_compilations()
+    got = llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
     for g, w in zip(got, reference, strict=True):
         assert g.outputs[0].cumulative_logprob == pytest.approx(

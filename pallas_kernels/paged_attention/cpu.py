@@ -1,0 +1,176 @@
+"""Ragged paged attention for XLA:CPU: decode rows in a C++ kernel, prefill rows as the reference.
+
+XLA:CPU runs the reference's decode path as a gather of every K/V chunk (a copy) and two small
+batched dots that read it again; at batch 64 that was half of a decode step's forward on a
+2-core CPU. `cpu_decode.cc` reads each sequence's K/V rows in place with an online softmax, as
+an XLA FFI custom call, and the rows of prefill chunks still take the reference's tiled path
+(compute-bound matmuls XLA does well). Results equal the reference's within float rounding.
+
+The kernel is C++ built on first use with the system's C++ compiler (`$CXX`, else g++/c++),
+for this CPU (-march=native), and cached under $JAXSERVE_KERNEL_CACHE (default
+~/.cache/jaxserve/kernels) by source, jaxlib and CPU; later processes load the cached library.
+`cpu_kernel_unavailable_message()` says why it cannot be used here (no compiler, a failed
+build), so the engine can fall back to the pure-jnp reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import reference
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode.cc")
+_TARGET = "jaxserve_paged_attention_decode"
+# No -ffast-math: linked into a shared library it can set flush-to-zero for the whole process.
+# Reductions vectorize by `omp simd` pragmas, exp by the kernel's own polynomial.
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+          "-std=c++17", "-shared", "-fPIC"]  # fmt: skip
+
+
+def kernel_cache_dir() -> Path:
+    default = Path.home() / ".cache" / "jaxserve" / "kernels"
+    return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", default))
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: a library built on one CPU may not run on another."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    """The kernel's shared library for this source, jaxlib and CPU (built when missing)."""
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256()
+    parts = (_SOURCE.read_bytes(), include, jax.__version__, _cpu_signature(), *_FLAGS, compiler)
+    for part in parts:
+        key.update(part if isinstance(part, bytes) else part.encode())
+    lib = kernel_cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (data-parallel engines) may build at once: each writes its own file
+    # and renames it into place.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    cmd = [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp, "-lpthread"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # ~5-10 s
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (once per machine) and register the kernel; None on success, else why not."""
+    compiler = _compiler()
+    if compiler is None:
+        return "no C++ compiler found (set $CXX, or install g++)"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return f"building {_SOURCE.name} failed: {e}"
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxservePagedDecode), "cpu")
+    return None
+
+
+def cpu_kernel_unavailable_message() -> str | None:
+    """Why the CPU attention kernel cannot run here, or None when it can (building it on the
+    first call)."""
+    reason = _load()
+    return None if reason is None else f"the CPU paged-attention kernel is unavailable: {reason}"
+
+
+def paged_attention_decode(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """The decode rows (sequences with one query token) of q [T, Hq, D] f32 over f32 caches
+    [num_blocks, block_size, Hkv, D] -> [T, Hq, D], every other row zero (the reference's
+    `_decode`)."""
+    reason = cpu_kernel_unavailable_message()
+    if reason is not None:
+        raise RuntimeError(reason)
+    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
+        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )  # fmt: skip
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only")
+)
+def ragged_paged_attention_cpu(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    decode_only: bool = False,
+) -> jax.Array:
+    """`ragged_paged_attention_reference` (same arguments, same result) with its decode rows
+    computed by the C++ kernel. Other dtypes than f32 (bf16, fp8 caches) take the reference
+    whole."""
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == jnp.float32):
+        return reference.ragged_paged_attention_reference(
+            q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw,
+            decode_only=decode_only,
+        )  # fmt: skip
+    out = paged_attention_decode(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw
+    )
+    if decode_only or q.shape[0] == 1:
+        return out
+    return reference.multi_token_rows(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, out, **kw
+    )
