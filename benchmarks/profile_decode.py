@@ -6,7 +6,8 @@ ids are prefilled and then decoded; once every request is decoding:
 - engine: one `EngineCore.step()` (schedule, build the batch, dispatch, fetch, update), median
   over --iters steps;
 - forward: the compiled forward executable alone, replayed on the last decode step's inputs;
-  attention: the reference attention op alone on that step's metadata, times the layers;
+  attention: the engine's attention op alone (the CPU kernel or the jnp reference, as its
+  --attention-backend; the reference for pallas) on that step's metadata, times the layers;
 - sampler: the compiled sampling executable of that step (LM head, the step's sampler
   variant, penalty and last-token bookkeeping), replayed the same way;
 - host: engine - forward - sampler (scheduling, batch building, dispatch, fetch, update);
@@ -41,14 +42,19 @@ def median_ms(fn, *args, iters: int) -> float:
     return 1e3 * median_seconds(fn, *args, iters=iters)
 
 
-def reference_attention_ms(runner, inputs, iters: int) -> float:
-    """One layer's reference attention on the step's metadata and KV cache (random q)."""
+def attention_op_ms(runner, inputs, iters: int) -> float:
+    """One layer's attention on the step's metadata and KV cache (random q): the CPU kernel
+    when the engine runs it, else the reference."""
     from pallas_kernels.paged_attention import ragged_paged_attention_reference
+    from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
 
     c, md = runner.config, inputs.attn
     q = jax.random.normal(jax.random.key(0), (len(inputs.input_ids), c.num_heads, c.head_dim))
     k_cache, v_cache = runner.kv_caches
-    attend = functools.partial(ragged_paged_attention_reference, sm_scale=c.head_dim**-0.5)
+    op = ragged_paged_attention_reference
+    if runner.engine_config.attention_backend == "cpu":
+        op = ragged_paged_attention_cpu
+    attend = functools.partial(op, sm_scale=c.head_dim**-0.5)
     return median_ms(
         attend, q.astype(c.dtype), k_cache, v_cache, md.kv_lens, md.block_tables,
         md.query_start_loc, md.num_seqs, iters=iters,
@@ -118,7 +124,7 @@ def profile_batch(core, batch: int, args, rng) -> dict:
             jax.block_until_ready(run_forward(fn, x if fn is general else inputs))
             times[fn].append(time.perf_counter() - start)
         forward_ms, general_ms = (1e3 * float(np.median(times[f])) for f in (forward, general))
-    attention_ms = runner.config.num_layers * reference_attention_ms(runner, inputs, args.iters)
+    attention_ms = runner.config.num_layers * attention_op_ms(runner, inputs, args.iters)
     sample_key, (head, last_hidden, _, _, sample_inputs) = captured["sample"]
     sampler = runner._executable(*sample_key)
 

@@ -12,8 +12,9 @@
 //
 // Shapes (f32): q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
 // i32: kv_lens [S], block_tables [S, max_blocks], query_start_loc [S + 1], num_seqs [1].
-// Output [T, Hq, D]. Work is split over (sequence, KV head) pairs and run on up to
-// JAXSERVE_CPU_ATTENTION_THREADS threads (default: the CPUs this process may run on).
+// Output [T, Hq, D]. Work is split over sequences (over (sequence, KV head) pairs when there
+// are fewer sequences than threads) and run on up to JAXSERVE_CPU_ATTENTION_THREADS threads
+// (default: the CPUs this process may run on).
 
 #include <sched.h>
 
@@ -69,45 +70,51 @@ inline float ExpNonPositive(float x) {
   return y * scale;
 }
 
-// One query row's G heads (those sharing KV head h) over the sequence's first kv_len keys.
-// q, out: [G, D] (rows Hq-contiguous in the caller's arrays); scratch: G * (2 + D + BS).
+// One query row's heads of KV heads [h0, h1) (G query heads each) over the sequence's first
+// kv_len keys. Each block's K/V token rows are read front to back, every KV head of the range
+// in one pass (a row of all heads is contiguous in the cache), and each K/V head row once for
+// its G query heads. q, out: [(h1 - h0) * G, D], contiguous in the caller's [Hq, D] rows;
+// scratch: R * (2 + D + BS) floats, R = (h1 - h0) * G.
 template <int kD>
-void AttendRow(const float* q, const float* k_cache, const float* v_cache,
-               const int32_t* blocks, int64_t kv_len, int64_t window, const Geometry& g,
-               int64_t h, float scale, float cap, float* out, float* scratch) {
+void AttendRows(const float* q, const float* k_cache, const float* v_cache,
+                const int32_t* blocks, int64_t kv_len, int64_t window, const Geometry& g,
+                int64_t h0, int64_t h1, float scale, float cap, float* out, float* scratch) {
   const int64_t D = kD > 0 ? kD : g.head_dim;
   const int64_t G = g.group, BS = g.block_size, stride = g.num_kv_heads * D;
+  const int64_t R = (h1 - h0) * G;
   float* m = scratch;
-  float* l = m + G;
-  float* acc = l + G;
-  float* s = acc + G * D;
-  for (int64_t r = 0; r < G; ++r) {
+  float* l = m + R;
+  float* acc = l + R;
+  float* s = acc + R * D;
+  for (int64_t r = 0; r < R; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
   }
-  std::memset(acc, 0, sizeof(float) * G * D);
+  std::memset(acc, 0, sizeof(float) * R * D);
   kv_len = std::min(kv_len, g.max_blocks * BS);
   const int64_t start = window > 0 ? std::max<int64_t>(0, kv_len - window) : 0;
   for (int64_t b = start / BS; b * BS < kv_len; ++b) {
     const int64_t block = blocks[b];
     if (block < 0 || block >= g.num_blocks) continue;  // never for a valid table
-    const float* kb = k_cache + (block * BS * g.num_kv_heads + h) * D;
-    const float* vb = v_cache + (block * BS * g.num_kv_heads + h) * D;
+    const float* kb = k_cache + block * BS * stride + h0 * D;
+    const float* vb = v_cache + block * BS * stride + h0 * D;
     const int64_t t0 = std::max<int64_t>(start - b * BS, 0);
     const int64_t t1 = std::min<int64_t>(BS, kv_len - b * BS);
-    for (int64_t t = t0; t < t1; ++t) {  // scores: each key row read once for all G heads
-      const float* kr = kb + t * stride;
-      for (int64_t r = 0; r < G; ++r) {
-        const float* qr = q + r * D;
-        float dot = 0.f;
+    for (int64_t t = t0; t < t1; ++t) {  // scores
+      for (int64_t h = 0; h < h1 - h0; ++h) {
+        const float* kr = kb + t * stride + h * D;
+        for (int64_t r = h * G; r < (h + 1) * G; ++r) {
+          const float* qr = q + r * D;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-        dot *= scale;
-        if (cap > 0.f) dot = cap * std::tanh(dot / cap);
-        s[r * BS + t] = dot;
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+          dot *= scale;
+          if (cap > 0.f) dot = cap * std::tanh(dot / cap);
+          s[r * BS + t] = dot;
+        }
       }
     }
-    for (int64_t r = 0; r < G; ++r) {  // online softmax over this block's keys
+    for (int64_t r = 0; r < R; ++r) {  // online softmax over this block's keys
       float* sr = s + r * BS;
       float block_max = sr[t0];
 #pragma omp simd reduction(max : block_max)
@@ -125,29 +132,31 @@ void AttendRow(const float* q, const float* k_cache, const float* v_cache,
       float* ar = acc + r * D;
       for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
     }
-    for (int64_t t = t0; t < t1; ++t) {  // values: each row read once for all G heads
-      const float* vr = vb + t * stride;
-      for (int64_t r = 0; r < G; ++r) {
-        const float p = s[r * BS + t];
-        float* ar = acc + r * D;
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+    for (int64_t t = t0; t < t1; ++t) {  // values
+      for (int64_t h = 0; h < h1 - h0; ++h) {
+        const float* vr = vb + t * stride + h * D;
+        for (int64_t r = h * G; r < (h + 1) * G; ++r) {
+          const float p = s[r * BS + t];
+          float* ar = acc + r * D;
+          for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+        }
       }
     }
   }
-  for (int64_t r = 0; r < G; ++r) {
+  for (int64_t r = 0; r < R; ++r) {
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
     for (int64_t d = 0; d < D; ++d) out[r * D + d] = acc[r * D + d] * inv;
   }
 }
 
-using RowFn = decltype(&AttendRow<0>);
+using RowFn = decltype(&AttendRows<0>);
 
 RowFn PickRowFn(int64_t head_dim) {
   switch (head_dim) {  // fixed widths let the compiler unroll and vectorize the D loops
-    case 64: return &AttendRow<64>;
-    case 128: return &AttendRow<128>;
-    case 256: return &AttendRow<256>;
-    default: return &AttendRow<0>;
+    case 64: return &AttendRows<64>;
+    case 128: return &AttendRows<128>;
+    case 256: return &AttendRows<256>;
+    default: return &AttendRows<0>;
   }
 }
 
@@ -178,7 +187,9 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
   float* o = out->typed_data();
   std::memset(o, 0, sizeof(float) * num_tokens * num_q_heads * head_dim);
 
-  // Work items: (sequence, KV head) for every single-token sequence in use.
+  // Work items: the single-token sequences in use, all their KV heads in one pass (rows of
+  // all heads are contiguous), or one KV head each when there are fewer sequences than
+  // threads to give work to.
   std::vector<int64_t> seqs;
   int64_t total_keys = 0;
   for (int64_t s = 0; s < n; ++s) {
@@ -187,24 +198,27 @@ ffi::Error PagedDecodeImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cach
       total_keys += lens[s];
     }
   }
-  const int64_t items = static_cast<int64_t>(seqs.size()) * g.num_kv_heads;
-  if (items == 0) return ffi::Error::Success();
+  if (seqs.empty()) return ffi::Error::Success();
+  // Threads only pay off past a few thousand keys (starting one costs ~20-50 us).
+  const int64_t want = std::min<int64_t>(NumThreads(), std::max<int64_t>(1, total_keys / 2048));
+  const int64_t heads_per_item =
+      static_cast<int64_t>(seqs.size()) >= want ? g.num_kv_heads : 1;
+  const int64_t splits = g.num_kv_heads / heads_per_item;
+  const int64_t items = static_cast<int64_t>(seqs.size()) * splits;
   const RowFn row_fn = PickRowFn(head_dim);
   const float* qp = q.typed_data();
   const float* kp = k_cache.typed_data();
   const float* vp = v_cache.typed_data();
   auto run = [&](int64_t first, int64_t step) {
-    std::vector<float> scratch(geo.group * (2 + head_dim + geo.block_size));
+    std::vector<float> scratch(heads_per_item * geo.group * (2 + head_dim + geo.block_size));
     for (int64_t i = first; i < items; i += step) {
-      const int64_t s = seqs[i / g.num_kv_heads], h = i % g.num_kv_heads;
-      const int64_t offset = (starts[s] * num_q_heads + h * geo.group) * head_dim;
-      row_fn(qp + offset, kp, vp, tables + s * g.max_blocks, lens[s], sliding_window, geo, h,
-             sm_scale, soft_cap, o + offset, scratch.data());
+      const int64_t s = seqs[i / splits], h0 = (i % splits) * heads_per_item;
+      const int64_t offset = (starts[s] * num_q_heads + h0 * geo.group) * head_dim;
+      row_fn(qp + offset, kp, vp, tables + s * g.max_blocks, lens[s], sliding_window, geo, h0,
+             h0 + heads_per_item, sm_scale, soft_cap, o + offset, scratch.data());
     }
   };
-  // Threads only pay off past a few thousand keys (starting one costs ~20-50 us).
-  const int64_t threads =
-      std::min<int64_t>({NumThreads(), items, std::max<int64_t>(1, total_keys / 2048)});
+  const int64_t threads = std::min<int64_t>(want, items);
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t, threads);
   run(0, threads);

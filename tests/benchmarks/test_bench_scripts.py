@@ -263,3 +263,20 @@ def test_bench_peers_alternates_backends_and_tabulates_medians(hf_dir, tmp_path,
     assert re.search(rf"^\| 2 \| {NUM} s \(step nan ms\) \| {NUM} s .* over vllm \|$", out, re.M)
     assert [len(results["runs"][b]["vllm"]) for b in ("1", "2")] == [2, 2]
     assert json.loads(out_json.read_text())["table"][1]["batch_size"] == 2
+
+
+def test_bench_cpu_attention(tmp_path, capsys):
+    """The CPU kernel's benchmark: a row per (batch, context), both ops timed, JSON written."""
+    from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
+
+    if (reason := cpu_kernel_unavailable_message()) is not None:
+        pytest.skip(reason)
+    out = tmp_path / "cpu_attention.json"
+    argv = ["--batch-sizes", "1", "4", "--contexts", "40", "--iters", "2",
+            "--output-json", str(out)]  # fmt: skip
+    script("benchmarks/kernels/bench_cpu_attention.py")(argv)
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 2 and table[-1].startswith("| 4 | 40 | ")
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 40), (4, 40)]
+    assert all(r["cpu_ms"] > 0 and r["reference_ms"] > 0 and r["kv_bytes"] > 0 for r in rows)

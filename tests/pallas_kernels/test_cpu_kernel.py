@@ -101,9 +101,14 @@ def test_decode_rows_are_the_kernel_and_read_the_cache_in_place():
 
 
 @needs_compiler
-def test_threads_split_the_work_without_changing_the_result():
-    """Many long decodes (enough keys for every thread the machine allows) equal the oracle."""
-    case = _case([(1, 300 + 7 * i) for i in range(24)], heads=(9, 3), seed=11)
+@pytest.mark.parametrize(
+    "layout",
+    [[(1, 300 + 7 * i) for i in range(24)],  # threads take whole sequences
+     [(1, 6000)]],  # fewer sequences than threads: threads take its KV heads
+)  # fmt: skip
+def test_threads_split_the_work_without_changing_the_result(layout):
+    """Long decodes (enough keys for every thread the machine allows) equal the oracle."""
+    case = _case(layout, heads=(9, 3), seed=11)
     out = np.asarray(ragged_paged_attention_cpu(*case.args(), sm_scale=0.125, decode_only=True))
     np.testing.assert_allclose(out, naive_attention(case, 0.125), atol=1e-5, rtol=0)
 
