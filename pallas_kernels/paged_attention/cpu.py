@@ -113,33 +113,6 @@ def cpu_kernel_unavailable_message() -> str | None:
     return None if reason is None else f"the CPU paged-attention kernel is unavailable: {reason}"
 
 
-def paged_attention_decode(
-    q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    kv_lens: jax.Array,
-    block_tables: jax.Array,
-    query_start_loc: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-) -> jax.Array:
-    """The decode rows (sequences with one query token) of q [T, Hq, D] f32 over f32 caches
-    [num_blocks, block_size, Hkv, D] -> [T, Hq, D], every other row zero (the reference's
-    `_decode`)."""
-    reason = cpu_kernel_unavailable_message()
-    if reason is not None:
-        raise RuntimeError(reason)
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs,
-        sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0),
-    )  # fmt: skip
-
-
 @functools.partial(
     jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only")
 )
@@ -160,17 +133,18 @@ def ragged_paged_attention_cpu(
     """`ragged_paged_attention_reference` (same arguments, same result) with its decode rows
     computed by the C++ kernel. Other dtypes than f32 (bf16, fp8 caches) take the reference
     whole."""
+    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if not (q.dtype == k_cache.dtype == v_cache.dtype == jnp.float32):
-        return reference.ragged_paged_attention_reference(
-            q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw,
-            decode_only=decode_only,
-        )  # fmt: skip
-    out = paged_attention_decode(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, **kw
-    )
+        return reference.ragged_paged_attention_reference(*args, **kw, decode_only=decode_only)
+    if (reason := cpu_kernel_unavailable_message()) is not None:
+        raise RuntimeError(reason)
+    # The decode rows (one query token per sequence), every other row zero: the reference's
+    # `_decode`, in the C++ kernel.
+    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        *args, sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )  # fmt: skip
     if decode_only or q.shape[0] == 1:
         return out
-    return reference.multi_token_rows(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, out, **kw
-    )
+    return reference.multi_token_rows(*args, out, **kw)

@@ -69,13 +69,13 @@ def ragged_paged_attention_reference(
     Returns:
       [T, Hq, D] in q's dtype; padding rows are zero.
     """
-    q_lens = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs)
-    scores = _Scores(sm_scale, sliding_window, soft_cap)
-    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores)
-    out = _decode(*args, q_lens == 1)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
+    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    single = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs) == 1
+    out = _decode(*args[:6], _Scores(**scores), single)
     if decode_only or q.shape[0] == 1:
         return out
-    return _tiled(*args, jnp.where(q_lens == 1, 0, q_lens), out)
+    return multi_token_rows(*args, out, **scores)
 
 
 def multi_token_rows(
@@ -114,7 +114,7 @@ class _Scores(NamedTuple):
     """How scores are formed (static): scale, sliding window, soft cap."""
 
     sm_scale: float
-    window: int | None
+    sliding_window: int | None
     soft_cap: float | None
 
 
