@@ -4,21 +4,25 @@ in one batch, over the paged KV cache the engine writes.
 Same signature and semantics as `reference.ragged_paged_attention_reference` (read its
 docstring for the batch layout), plus keyword-only tuning arguments and `interpret`.
 
-Two kernels; the caller picks one with the static `decode_only` (the model runner knows from
-the scheduler's output whether every sequence of a step has one new token, and compiles a
-forward per layout), so a compiled step holds one kernel and no `lax.cond` between them:
+Two kernels. A decode-only step (static `decode_only`: the model runner knows from the
+scheduler's output whether every sequence of a step has one new token, and compiles a forward
+per layout) runs the decode kernel alone; any other step runs the decode kernel over its
+single-token sequences and the mixed kernel over the others. No `lax.cond` chooses between
+them at run time (that compiled both into every step).
 
-- **decode** (every real sequence has exactly one query token): one program per (sequence, KV
-  head, KV split). The GQA group's query heads (padded to 16 rows, the smallest `tl.dot`) share
-  each K/V page load, so a page is read once per KV head; a long context is cut into
+- **decode** (one query token per sequence): one program per (sequence, KV head, KV split).
+  The GQA group's query heads (padded to 16 rows, the smallest `tl.dot`) share each K/V page
+  load, so a page is read once per KV head. A small batch cuts each context into
   `num_kv_splits` page ranges run by separate programs, whose partial (max, sum, output) are
-  merged afterwards in XLA (split-K / flash-decoding).
-- **mixed** (any layout, single-token decodes included): queries are tiled too. For each KV
-  head the rows (token, head-in-group) of a sequence are laid out contiguously, so a tile of
-  `q_block` rows is one slice; one program per (tile, KV head) streams the keys the tile can
-  see (causal, up to its last row's position) with an online softmax. Tiles are assigned to
-  sequences by a small XLA prologue over `query_start_loc`, so tile counts follow the batch
-  without changing the grid.
+  merged afterwards in XLA (split-K / flash-decoding); `plan_kv_splits` picks enough splits
+  to give every SM two programs, and one (the kernel writes the output itself) where the
+  batch alone does.
+- **mixed** (the multi-token sequences: prompts, prefill chunks): queries are tiled too. For
+  each KV head the rows (token, head-in-group) of a sequence are laid out contiguously, so a
+  tile of `q_block` rows is one slice; one program per (tile, KV head) streams the keys the
+  tile can see (causal, up to its last row's position) with an online softmax. Tiles are
+  assigned to sequences by a small XLA prologue over `query_start_loc`, so tile counts follow
+  the batch without changing the grid.
 
 Softmax statistics and accumulators are float32 whatever the input dtype; scores use exp2
 with log2(e) folded into the scale. K/V pages are gathered through the block table inside
@@ -50,6 +54,9 @@ _M_INIT = -1e30  # finite "minus infinity": empty rows merge to 0 without NaN
 HOPPER_SMEM_BYTES = 232448
 _DEFAULT_KV_TOKENS = {"decode": 128, "mixed": 64}  # per inner step, before fitting
 _DEFAULT_STAGES = 2
+HOPPER_NUM_SMS = 132  # H100 SXM and H200; the default where no GPU is attached
+_PROGRAMS_PER_SM = 2  # decode programs the splits aim for, per SM
+_MAX_KV_SPLITS = 64
 
 
 def smem_bytes(*, rows: int, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int) -> int:
@@ -109,6 +116,26 @@ def plan_tiles(
     return TilePlan(tokens // block_size, stages, need(tokens, stages))
 
 
+def plan_kv_splits(*, num_seqs: int, num_kv_heads: int, max_steps: int, num_sms: int) -> int:
+    """How many programs the decode kernel splits each sequence's context across (their
+    partial softmaxes are merged after): enough that the num_seqs x num_kv_heads x splits
+    programs give every one of num_sms SMs _PROGRAMS_PER_SM, so a small batch still streams
+    from every SM; one where the batch alone fills them (no partials, no merge). Never more
+    than max_steps, the inner steps the block table holds (a split past the longest possible
+    context is always empty), nor _MAX_KV_SPLITS. A context shorter than splits x a step
+    leaves the trailing splits empty (each split takes at least one step)."""
+    want = -(-_PROGRAMS_PER_SM * num_sms // max(1, num_seqs * num_kv_heads))
+    return max(1, min(want, max_steps, _MAX_KV_SPLITS))
+
+
+def default_num_sms() -> int:
+    """SMs of the default device when it is a GPU (its core_count), else Hopper's 132."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return int(getattr(device, "core_count", 0) or HOPPER_NUM_SMS)
+    return HOPPER_NUM_SMS
+
+
 def _pow2_at_least(x: int, floor: int) -> int:
     return max(floor, 1 << max(0, x - 1).bit_length())
 
@@ -166,11 +193,13 @@ def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visib
 
 
 def _decode_kernel(
-    kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
+    kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref=None, l_ref=None,
     *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float, exact: bool,
     window: int | None, soft_cap: float | None,
 ):  # fmt: skip
-    """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D], m_ref/l_ref [BH]."""
+    """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D] and m_ref/l_ref [BH]
+    (this split's partial softmax); with one split, o_ref [BH, D] is the output and m_ref /
+    l_ref are absent."""
     seq, split = pl.program_id(0), pl.program_id(2)
     block_size = k_ref.shape[1]
     kv_len = kv_lens_ref[seq]
@@ -194,6 +223,9 @@ def _decode_kernel(
         max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
         soft_cap=soft_cap,
     )  # fmt: skip
+    if num_splits == 1:  # the whole context was this program's: the output itself
+        o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+        return
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -268,8 +300,22 @@ def _decode(
         _decode_kernel, max_blocks=max_blocks, pages_per_step=pages_per_step,
         num_splits=num_splits, scale=scale, exact=exact, window=window, soft_cap=soft_cap,
     )  # fmt: skip
-    part = (num_splits, max_seqs, num_kv_heads, rows)
-    o, m, l = pl.pallas_call(
+    if num_splits == 1:  # the kernel writes the output rows in q's dtype: nothing to merge
+        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((max_seqs, num_kv_heads, rows, head_dim), q.dtype)
+    else:  # per split: the unnormalised output and its softmax statistics, in float32
+        part = (num_splits, max_seqs, num_kv_heads, rows)
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (k, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ]
+    result = pl.pallas_call(
         kernel,
         grid=(max_seqs, num_kv_heads, num_splits),
         in_specs=[
@@ -279,26 +325,21 @@ def _decode(
             _kv_head_spec(k_cache.shape, 1),
             _kv_head_spec(v_cache.shape, 1),
         ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (k, s, h, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_decode",
     )(kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache)
 
-    # Merge the splits: [K, S, Hkv, rows(, D)] -> [S, Hkv, rows, D].
-    m_all = jnp.max(m, axis=0)
-    w = jnp.exp2(m - m_all[None])
-    denom = jnp.sum(w * l, axis=0)
-    out = jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]
+    if num_splits == 1:
+        out = result
+    else:  # merge the splits: [K, S, Hkv, rows(, D)] -> [S, Hkv, rows, D]
+        o, m, l = result
+        m_all = jnp.max(m, axis=0)
+        w = jnp.exp2(m - m_all[None])
+        denom = jnp.sum(w * l, axis=0)
+        out = jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]
     out = out[:, :, :group].reshape(max_seqs, num_q_heads, head_dim).astype(q.dtype)
     # Scatter each sequence's row back to its token; rows of no sequence stay zero.
     dest = jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
@@ -315,9 +356,11 @@ def _mixed(
     group = num_q_heads // num_kv_heads
     num_rows = num_tokens * group
 
-    # Tile assignment: sequence s gets ceil(q_len*G / q_block) tiles, in order.
+    # Tile assignment: sequence s gets ceil(q_len*G / q_block) tiles, in order; single-token
+    # sequences get none (the decode kernel takes them).
     real = jnp.arange(max_seqs) < num_seqs[0]
     q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
+    q_lens = jnp.where(q_lens > 1, q_lens, 0)
     tiles = (q_lens * group + q_block - 1) // q_block
     ends = jnp.cumsum(tiles)
     max_tiles = pl.cdiv(num_rows, q_block) + min(max_seqs, num_tokens)
@@ -361,10 +404,7 @@ def _mixed(
       k_cache, v_cache)  # fmt: skip
 
     out = out[:, :num_rows].reshape(num_kv_heads, num_tokens, group, head_dim)
-    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
-    # Rows no tile wrote (padding) hold garbage: zero them as the reference does.
-    valid = jnp.arange(num_tokens) < query_start_loc[num_seqs[0]]
-    return jnp.where(valid[:, None, None], out, 0)
+    return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
 
 
 @functools.partial(
@@ -372,7 +412,7 @@ def _mixed(
     static_argnames=(
         "sm_scale", "sliding_window", "soft_cap", "decode_only", "decode_pages_per_step",
         "num_kv_splits", "q_block", "prefill_kv_tokens_per_step", "num_warps", "num_stages",
-        "smem_limit", "interpret",
+        "smem_limit", "num_sms", "interpret",
     ),
 )  # fmt: skip
 def ragged_paged_attention(
@@ -389,12 +429,13 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     decode_only: bool = False,
     decode_pages_per_step: int | None = None,
-    num_kv_splits: int = 8,
+    num_kv_splits: int | None = None,
     q_block: int = 64,
     prefill_kv_tokens_per_step: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
     smem_limit: int = HOPPER_SMEM_BYTES,
+    num_sms: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal attention of ragged queries over a paged KV cache (Pallas kernel).
@@ -411,11 +452,13 @@ def ragged_paged_attention(
       sliding_window: each query sees only the latest this many keys (its own included);
         pages before a program's window are skipped.
       soft_cap: scores become soft_cap * tanh(score / soft_cap) (Gemma 2).
-      decode_only: the caller promises every real sequence has exactly one query token: the
-        decode kernel runs. Otherwise the mixed kernel, which takes any layout.
+      decode_only: the caller promises every real sequence has exactly one query token: only
+        the decode kernel runs. Otherwise both run: the decode kernel over the single-token
+        sequences, the mixed kernel over the others.
       decode_pages_per_step: KV pages per inner step of the decode kernel (default: 128
         tokens' worth, fewer where shared memory needs it: `plan_tiles`).
-      num_kv_splits: programs a decode sequence's context is split across (merged after).
+      num_kv_splits: programs a decode sequence's context is split across (merged after);
+        default `plan_kv_splits` for this batch size, KV heads and num_sms.
       q_block: query rows (token x GQA head) per program of the mixed kernel; power of two.
       prefill_kv_tokens_per_step: keys per inner step of the mixed kernel (default 64, fewer
         where shared memory needs it).
@@ -424,6 +467,7 @@ def ragged_paged_attention(
         needs it).
       smem_limit: shared memory per block in bytes (default Hopper's); tilings given
         explicitly are checked against it, defaults are fitted to it.
+      num_sms: SMs the decode splits are planned for (default: the GPU's, else 132).
       interpret: run in Pallas interpret mode (CPU testing).
 
     Returns:
@@ -439,33 +483,53 @@ def ragged_paged_attention(
     if q_block < _MIN_DOT:
         raise ValueError(f"q_block={q_block} must be at least {_MIN_DOT}")
     group = num_q_heads // num_kv_heads
-    if decode_only:
-        rows = _pow2_at_least(group, _MIN_DOT)
-        requested = None if decode_pages_per_step is None else decode_pages_per_step * block_size
-    else:
-        rows, requested = q_block, prefill_kv_tokens_per_step
     # K/V tiles are held at the wider of q's and the cache's widths (fp8 pages are widened).
     wide = max(q.dtype, k_cache.dtype, key=lambda d: d.itemsize)
-    plan = plan_tiles(
-        "decode" if decode_only else "mixed", dtype=wide, head_dim=head_dim,
-        block_size=block_size, rows=rows, kv_tokens=requested, num_stages=num_stages,
-        smem_limit=smem_limit,
+    plan = functools.partial(
+        plan_tiles, dtype=wide, head_dim=head_dim, block_size=block_size,
+        num_stages=num_stages, smem_limit=smem_limit,
     )  # fmt: skip
+    decode_requested = None if decode_pages_per_step is None else decode_pages_per_step * block_size
+    decode_plan = plan("decode", rows=_pow2_at_least(group, _MIN_DOT), kv_tokens=decode_requested)
+    mixed_plan = None
+    if not decode_only:
+        mixed_plan = plan("mixed", rows=q_block, kv_tokens=prefill_kv_tokens_per_step)
+    max_seqs, max_blocks = block_tables.shape
+    if num_kv_splits is None:
+        num_kv_splits = plan_kv_splits(
+            num_seqs=max_seqs, num_kv_heads=num_kv_heads,
+            max_steps=-(-max_blocks // decode_plan.pages_per_step),
+            num_sms=default_num_sms() if num_sms is None else num_sms,
+        )  # fmt: skip
     kv_lens = kv_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32)
     common = dict(scale=sm_scale * _LOG2E, exact=q.dtype == jnp.float32, num_warps=num_warps,
-                  num_stages=plan.num_stages, pages_per_step=plan.pages_per_step,
                   interpret=interpret, window=sliding_window, soft_cap=soft_cap)  # fmt: skip
+
+    real = jnp.arange(max_seqs) < num_seqs[0]
+    single = real & (query_start_loc[1:] - query_start_loc[:-1] == 1)
     if decode_only:
-        real = jnp.arange(block_tables.shape[0]) < num_seqs[0]
-        lens = jnp.where(real, kv_lens, 0)  # padding sequences read nothing, write no row
-        return _decode(
-            q, k_cache, v_cache, lens, block_tables, query_start_loc,
-            num_splits=num_kv_splits, **common,
-        )  # fmt: skip
-    return _mixed(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, q_block=q_block,
-        **common,
+        single = real  # the caller's promise
+    decoded = _decode(  # sequences of no single-token row read nothing and write no row
+        q, k_cache, v_cache, jnp.where(single, kv_lens, 0), block_tables, query_start_loc,
+        num_splits=num_kv_splits, num_stages=decode_plan.num_stages,
+        pages_per_step=decode_plan.pages_per_step, **common,
     )  # fmt: skip
+    if decode_only:
+        return decoded
+    mixed = _mixed(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, q_block=q_block,
+        num_stages=mixed_plan.num_stages, pages_per_step=mixed_plan.pages_per_step, **common,
+    )  # fmt: skip
+    # Rows of the decode kernel's sequences from it, the other sequences' from the mixed one;
+    # rows no sequence owns (padding) hold garbage there: zero, as the reference gives.
+    tokens = jnp.arange(num_tokens)
+    is_decode_row = jnp.zeros((num_tokens,), bool)
+    is_decode_row = is_decode_row.at[jnp.where(single, query_start_loc[:-1], num_tokens)].set(
+        True, mode="drop"
+    )
+    valid = tokens < query_start_loc[num_seqs[0]]
+    out = jnp.where(is_decode_row[:, None, None], decoded, mixed)
+    return jnp.where(valid[:, None, None], out, 0)

@@ -13,6 +13,7 @@ import itertools
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -21,6 +22,7 @@ import pytest
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.paged_attention.kernel import (
     HOPPER_SMEM_BYTES,
+    plan_kv_splits,
     plan_tiles,
     ragged_paged_attention,
     smem_bytes,
@@ -72,6 +74,13 @@ def _kernels_in(text: str) -> list[tuple[str, int]]:
     ]  # fmt: skip
 
 
+# The Triton kernels each compiled variant launches, in order.
+_KERNELS = {
+    "decode": ["ragged_paged_attention_decode"],
+    "mixed": ["ragged_paged_attention_decode", "ragged_paged_attention_mixed"],
+}
+
+
 def _check_fp32(case, out):
     np.testing.assert_allclose(out, naive_attention(case, case.q.shape[-1] ** -0.5), atol=1e-5)
     assert not out[-3:].any()  # padding rows are zero
@@ -108,6 +117,7 @@ def test_interpret_matches_reference_bf16(layout, heads):
     [
         dict(num_kv_splits=1, decode_pages_per_step=1),
         dict(num_kv_splits=3, decode_pages_per_step=4),
+        dict(num_kv_splits=16, decode_pages_per_step=2),  # most splits empty
         dict(q_block=16, prefill_kv_tokens_per_step=16),
         dict(q_block=128, prefill_kv_tokens_per_step=128),
     ],
@@ -118,9 +128,10 @@ def test_tuning_arguments_do_not_change_the_result(tuning):
         _check_fp32(case, _kernel(case, layout=layout, interpret=True, **tuning))
 
 
-def test_decode_batches_run_through_either_kernel():
-    """A decode batch gives the oracle's result through the decode-only kernel and through
-    the mixed one (which takes any layout); each compiled call holds only its own kernel."""
+def test_decode_batches_run_through_either_variant():
+    """A decode batch gives the oracle's result through the decode-only call and through the
+    general one; the decode-only call holds the decode kernel alone, the general one the
+    decode kernel (its single-token sequences) and the mixed one (the others)."""
     case = _case("decode", 64, (8, 2), 16, seed=2)
     want = naive_attention(case, 0.125)
     for layout in ("decode", "mixed"):
@@ -128,7 +139,56 @@ def test_decode_batches_run_through_either_kernel():
         np.testing.assert_allclose(out, want, atol=1e-5)
         assert not out[-3:].any()
         names = [n for n, _ in _kernels_in(_lowered_for_cuda(case, decode_only=layout == "decode"))]
-        assert names == [f"ragged_paged_attention_{layout}"]
+        assert names == _KERNELS[layout]
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "max_steps", "want"),
+    [(1, 64, 33), (16, 64, 3), (64, 64, 1), (256, 64, 1), (1, 4, 4), (1, 1, 1), (0, 8, 8)],
+)
+def test_kv_splits_fill_the_sms_and_no_more(num_seqs, max_steps, want):
+    """Llama-3-8B's 8 KV heads on an H100's 132 SMs: a small batch is split until its
+    programs give every SM two (batch 1: 33 splits, batch 16: 3), a batch that fills them
+    alone is not split (batch 64 and up: no partials, no merge), and never into more splits
+    than the block table has steps."""
+    got = plan_kv_splits(num_seqs=num_seqs, num_kv_heads=8, max_steps=max_steps, num_sms=132)
+    assert got == want
+    assert plan_kv_splits(num_seqs=1, num_kv_heads=1, max_steps=1000, num_sms=132) == 64
+
+
+def _decode_outputs(num_seqs: int, max_blocks: int, **kw) -> list:
+    """Output avals of the decode kernel's pallas_call for a bf16 batch of num_seqs decodes
+    of up to max_blocks 16-token blocks (Hq 32, Hkv 8, D 128)."""
+    spec, i32 = jax.ShapeDtypeStruct, jnp.int32
+    cache = spec((num_seqs * max_blocks + 1, 16, 8, 128), jnp.bfloat16)
+    args = (
+        spec((num_seqs, 32, 128), jnp.bfloat16), cache, cache, spec((num_seqs,), i32),
+        spec((num_seqs, max_blocks), i32), spec((num_seqs + 1,), i32), spec((1,), i32),
+    )  # fmt: skip
+    f = functools.partial(ragged_paged_attention, sm_scale=0.1, decode_only=True, **kw)
+    jaxpr = jax.make_jaxpr(f)(*args)
+    calls = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1
+    return [v.aval for v in calls[0].outvars]
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+def test_unsplit_decode_writes_its_output_and_split_decode_its_partials():
+    """Batch 256 (one split): the kernel writes the bf16 output rows itself, no float32
+    partials to merge; batch 1 (33 splits at context 8192, 16 at 2048: one 128-token step
+    each): per-split float32 output, max and sum."""
+    (out,) = _decode_outputs(256, 128, num_sms=132)
+    assert (out.shape, out.dtype) == ((256, 8, 16, 128), jnp.bfloat16)
+    for max_blocks, splits in ((512, 33), (128, 16)):
+        o, m, l = _decode_outputs(1, max_blocks, num_sms=132)
+        assert (o.shape, o.dtype) == ((splits, 1, 8, 16, 128), jnp.float32)
+        assert m.shape == l.shape == (splits, 1, 8, 16)
 
 
 def test_rejects_shapes_the_kernel_cannot_tile():
@@ -222,7 +282,7 @@ def test_lowers_to_triton_for_cuda(head_dim, heads, block_size):
     case = _case("mixed", head_dim, heads, block_size)
     for layout in ("decode", "mixed"):
         text = _lowered_for_cuda(case, decode_only=layout == "decode")
-        assert [n for n, _ in _kernels_in(text)] == [f"ragged_paged_attention_{layout}"]
+        assert [n for n, _ in _kernels_in(text)] == _KERNELS[layout]
 
 
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
@@ -230,15 +290,19 @@ def test_lowers_to_triton_for_cuda(head_dim, heads, block_size):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_variant_lowers_to_triton_for_cuda_within_shared_memory(layout, dtype, head_dim):
     """Every kernel variant the runner compiles lowers for CUDA with the stages its tiling
-    plan chose, and that plan fits the H100's shared memory."""
+    plans chose, and those plans fit the H100's shared memory."""
     case = _case(layout, head_dim, (8, 2), 16)
-    decode = layout == "decode"
-    plan = plan_tiles(
-        layout, dtype=dtype, head_dim=head_dim, block_size=16, rows=16 if decode else 64
-    )
-    assert plan.smem_bytes <= HOPPER_SMEM_BYTES
-    text = _lowered_for_cuda(case, dtype, decode_only=decode)
-    assert _kernels_in(text) == [(f"ragged_paged_attention_{layout}", plan.num_stages)]
+    plans = {
+        kernel: plan_tiles(
+            kernel, dtype=dtype, head_dim=head_dim, block_size=16,
+            rows=16 if kernel == "decode" else 64,
+        )
+        for kernel in ("decode", "mixed")
+    }  # fmt: skip
+    assert all(p.smem_bytes <= HOPPER_SMEM_BYTES for p in plans.values())
+    text = _lowered_for_cuda(case, dtype, decode_only=layout == "decode")
+    want = [(name, plans[name.rsplit("_", 1)[1]].num_stages) for name in _KERNELS[layout]]
+    assert _kernels_in(text) == want
 
 
 @pytest.mark.gpu
@@ -273,7 +337,7 @@ def test_window_and_soft_cap_lower_to_triton_for_cuda():
     case = _case("mixed", 64, (8, 2), 16)
     for decode_only in (True, False):
         text = _lowered_for_cuda(case, sliding_window=20, soft_cap=50.0, decode_only=decode_only)
-        assert len(_kernels_in(text)) == 1
+        assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode" if decode_only else "mixed"]
 
 
 def _fp8_case(layout, dtype=ml_dtypes.float8_e4m3fn):
@@ -302,7 +366,7 @@ def test_fp8_cache_lowers_to_triton_for_cuda():
     for decode_only in (True, False):
         f = functools.partial(ragged_paged_attention, sm_scale=0.125, decode_only=decode_only)
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert len(_kernels_in(text)) == 1
+        assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode" if decode_only else "mixed"]
 
 
 @pytest.mark.gpu
