@@ -7,8 +7,14 @@ speed-up over (a) the jnp reference under XLA and (b) jax's own decode-only Pall
 `jax.experimental.pallas.ops.gpu.paged_attention` (on its own cache layout, built outside the
 timed region). Mixed cases (one prefill chunk beside decodes) compare with the reference only.
 
-Blocks are assigned from a shuffled pool (non-contiguous, as in serving); times are the median
-of --iters runs after warm-up, each synchronised with block_until_ready.
+Blocks are assigned from a shuffled pool (non-contiguous, as in serving). Timing is of the
+kernels, not of dispatch: each implementation runs as one jitted chain of n calls (each call's
+output is the next call's query, so none can be hoisted, merged or overlapped), n picked so a
+chain takes about --chain-ms; the time per call is (chain of n - chain of 1) / (n - 1), both
+medians over --iters runs, so the one dispatch per chain cancels. The cache holds R copies of
+the batch's blocks and call i reads copy i mod R (its own block table), the R copies at least
+--rotate-mb together, so the 50 MB L2 holds none of a call's K/V when it starts. Bandwidth
+counts the K/V bytes of the context (whole pages, each read once per KV head).
 
     python benchmarks/kernels/bench_paged_attention.py --output-json out.json
     python benchmarks/kernels/bench_paged_attention.py --smoke   # tiny, interpret mode, CPU
@@ -49,23 +55,25 @@ def peak_bandwidth(device) -> float | None:
     return None
 
 
-def make_batch(seqs, *, hq, hkv, head_dim, block_size, dtype, seed=0):
-    """seqs: (q_len, kv_len) per sequence -> the kernel's arguments (device arrays)."""
+def make_batch(seqs, *, hq, hkv, head_dim, block_size, dtype, copies=1, seed=0):
+    """seqs: (q_len, kv_len) per sequence -> the kernel's arguments (device arrays), with
+    block_tables [copies, S, max_blocks]: copy r's table points at its own blocks."""
     rng = np.random.default_rng(seed)
     blocks = [-(-kv // block_size) for _, kv in seqs]
     max_blocks = max(blocks)
-    num_blocks = sum(blocks) + 1
-    perm = rng.permutation(num_blocks).astype(np.int32)
-    tables = np.zeros((len(seqs), max_blocks), np.int32)
-    used = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = perm[used : used + n]
-        used += n
+    per_copy = sum(blocks) + 1
+    tables = np.zeros((copies, len(seqs), max_blocks), np.int32)
+    for r in range(copies):
+        perm = r * per_copy + rng.permutation(per_copy).astype(np.int32)
+        used = 0
+        for i, n in enumerate(blocks):
+            tables[r, i, :n] = perm[used : used + n]
+            used += n
     num_tokens = sum(q for q, _ in seqs)
     qsl = np.concatenate([[0], np.cumsum([q for q, _ in seqs])]).astype(np.int32)
     key = jax.random.PRNGKey(seed)
     kq, kk, kv = jax.random.split(key, 3)
-    cache_shape = (num_blocks, block_size, hkv, head_dim)
+    cache_shape = (copies * per_copy, block_size, hkv, head_dim)
     return dict(
         q=jax.random.normal(kq, (num_tokens, hq, head_dim), dtype),
         k_cache=jax.random.normal(kk, cache_shape, dtype),
@@ -77,53 +85,88 @@ def make_batch(seqs, *, hq, hkv, head_dim, block_size, dtype, seed=0):
     )
 
 
-def jax_decode_peer(batch, *, block_size):
-    """jax.experimental.pallas.ops.gpu.paged_attention on its [Hkv, pages, page, D] layout."""
+def chain(fn, n: int, copies: int):
+    """jit of n calls of fn(q, k, v, kv_lens, tables, ...) -> q' in a row: call i reads
+    block-table copy i mod copies and takes call i-1's output as its query."""
+
+    def run(q, k, v, kv_lens, tables, *rest):
+        for i in range(n):
+            q = fn(q, k, v, kv_lens, tables[i % copies], *rest)
+        return q
+
+    return jax.jit(run)
+
+
+def seconds_per_call(fn, args, *, copies, chain_s, warmup, iters):
+    """Kernel time of one fn call, and the jitted one-call chain (call it for an output).
+
+    Chains of 1 and n calls (n from the first's time, so a chain takes about chain_s) are
+    timed whole; their difference over n - 1 calls is the time per call, without the one
+    dispatch and synchronisation each chain pays."""
+    one = chain(fn, 1, copies)
+    t_one = median_seconds(one, *args, warmup=warmup, iters=iters)
+    n = int(min(32, max(4, round(chain_s / t_one))))
+    t_n = median_seconds(chain(fn, n, copies), *args, warmup=warmup, iters=iters)
+    per_call = (t_n - t_one) / (n - 1)
+    return (per_call if per_call > 0 else t_n / n), one  # noise beyond the difference: t_n/n
+
+
+def jax_decode_peer(batch, *, interpret=False):
+    """jax.experimental.pallas.ops.gpu.paged_attention on its [Hkv, pages, page, D] layout:
+    (fn(q, k_pages, v_pages, kv_lens, tables) -> out, its arguments)."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     k_pages = jnp.transpose(batch["k_cache"], (2, 0, 1, 3))
     v_pages = jnp.transpose(batch["v_cache"], (2, 0, 1, 3))
     tables = batch["block_tables"]
-    k_splits = 16 if tables.shape[1] >= 16 else 1
-    pad = -tables.shape[1] % (k_splits * 8)  # pages per split divisible by its compute block
-    tables = jnp.pad(tables, ((0, 0), (0, pad)))
-    q = batch["q"]
-    fn = jax.jit(functools.partial(paged_attention, k_splits=k_splits))
-    return fn, (q, k_pages, v_pages, tables, batch["kv_lens"])
+    k_splits = 16 if tables.shape[-1] >= 16 else 1
+    pad = -tables.shape[-1] % (k_splits * 8)  # pages per split divisible by its compute block
+    tables = jnp.pad(tables, ((0, 0), (0, 0), (0, pad)))
+
+    def fn(q, k_pages, v_pages, kv_lens, tables):
+        return paged_attention(
+            q, k_pages, v_pages, tables, kv_lens, k_splits=k_splits, interpret=interpret
+        )
+
+    return fn, (batch["q"], k_pages, v_pages, batch["kv_lens"], tables)
 
 
 def run_case(name, seqs, args, results):
     hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
     dtype = jnp.dtype(args.dtype)
-    batch = make_batch(seqs, hq=hq, hkv=hkv, head_dim=d, block_size=bs, dtype=dtype)
+    kv_bytes = sum(-(-kv // bs) * bs for _, kv in seqs) * 2 * hkv * d * dtype.itemsize
+    copies = max(1, min(args.max_copies, -(-args.rotate_mb * 2**20 // kv_bytes)))
+    batch = make_batch(seqs, hq=hq, hkv=hkv, head_dim=d, block_size=bs, dtype=dtype,
+                       copies=copies)  # fmt: skip
     inputs = tuple(batch.values())
     scale = d**-0.5
     decode_only = all(q == 1 for q, _ in seqs)  # as the model runner says: the decode kernel
-    kernel = jax.jit(
-        functools.partial(
-            ragged_paged_attention, sm_scale=scale, decode_only=decode_only, interpret=args.smoke
-        )
+    kernel = functools.partial(
+        ragged_paged_attention, sm_scale=scale, decode_only=decode_only, interpret=args.smoke
     )
-    reference = jax.jit(
-        functools.partial(ragged_paged_attention_reference, sm_scale=scale, decode_only=decode_only)
+    reference = functools.partial(
+        ragged_paged_attention_reference, sm_scale=scale, decode_only=decode_only
     )
-    timing = dict(warmup=args.warmup, iters=args.iters)
-    t_kernel = median_seconds(kernel, *inputs, **timing)
-    t_ref = median_seconds(reference, *inputs, **timing)
-    err = float(
-        jnp.max(
-            jnp.abs(kernel(*inputs).astype(jnp.float32) - reference(*inputs).astype(jnp.float32))
-        )
-    )
-    kv_bytes = sum(kv for _, kv in seqs) * 2 * hkv * d * dtype.itemsize
+    timing = dict(copies=copies, chain_s=args.chain_ms / 1e3, warmup=args.warmup,
+                  iters=args.iters)  # fmt: skip
+    t_kernel, kernel_one = seconds_per_call(kernel, inputs, **timing)
+    t_ref, reference_one = seconds_per_call(reference, inputs, **timing)
+    out, want = kernel_one(*inputs), reference_one(*inputs)  # one call each, table copy 0
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
     row = dict(case=name, kernel_us=t_kernel * 1e6, reference_us=t_ref * 1e6, max_abs_err=err,
-               kv_bytes=kv_bytes, achieved_gbps=kv_bytes / t_kernel / 1e9)  # fmt: skip
+               kv_bytes=kv_bytes, cache_copies=copies,
+               achieved_gbps=kv_bytes / t_kernel / 1e9)  # fmt: skip
     peak = peak_bandwidth(jax.devices()[0])
     if peak:
         row["hbm_fraction"] = kv_bytes / t_kernel / peak
-    if decode_only and not args.smoke:
-        fn, peer_args = jax_decode_peer(batch, block_size=bs)
-        row["jax_pallas_us"] = median_seconds(fn, *peer_args, **timing) * 1e6
+    if decode_only:
+        fn, peer_args = jax_decode_peer(batch, interpret=args.smoke)
+        t_peer, peer_one = seconds_per_call(fn, peer_args, **timing)
+        row["jax_pallas_us"] = t_peer * 1e6
+        q_scaled = (peer_args[0].astype(jnp.float32) * scale).astype(dtype)  # it has no scale
+        peer = peer_one(q_scaled, *peer_args[1:]).astype(jnp.float32)
+        row["jax_pallas_max_abs_err"] = float(jnp.max(jnp.abs(peer - want.astype(jnp.float32))))
+        del peer_args
     results.append(row)
     print(_format(row), flush=True)
 
@@ -150,8 +193,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5, help="timed runs of each chain")
+    parser.add_argument("--chain-ms", type=float, default=20.0,
+                        help="about how long a timed chain of calls runs")  # fmt: skip
+    parser.add_argument("--rotate-mb", type=int, default=256,
+                        help="the cache copies calls rotate over total at least this")  # fmt: skip
+    parser.add_argument("--max-copies", type=int, default=256)
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes in interpret mode (CPU; format check)"
@@ -160,7 +208,8 @@ def main() -> None:
     if args.smoke:
         args.batch_sizes, args.contexts = [1, 4], [40]
         args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
-        args.warmup, args.iters = 1, 2
+        args.warmup, args.iters, args.chain_ms = 1, 2, 0.0
+        args.rotate_mb, args.max_copies = 1, 2  # two copies: the rotation runs too
 
     device = jax.devices()[0]
     print(f"# {device.device_kind} ({device.platform}), jax {jax.__version__}, "
