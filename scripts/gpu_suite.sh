@@ -12,6 +12,8 @@
 #   kv_transfer   benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
 #   latency_bN    scripts/bench_latency.py, Llama-3-8B shape, dummy bf16 weights, batch 1 8 32
 #   throughput_N  benchmarks/bench_throughput.py, the same model, 64 and 256 prompts
+#   tune_kernel   benchmarks/kernels/tune_paged_attention.py (tile, split and mixed sweeps;
+#                 last, on what the budget has left: it stops cleanly at its own deadline)
 # All model runs share one engine configuration, so the first compiles and the rest read the
 # persistent compilation cache.
 #
@@ -95,7 +97,8 @@ EOF
     PYTEST_ARGS=(-m gpu)
     KERNEL_ARGS=(--smoke)
     KV_TRANSFER_ARGS=(--blocks 1 8 --repeats 1)
-    LIMIT_PYTEST=90 LIMIT_KERNEL=90 LIMIT_FIRST_MODEL=180 LIMIT_MODEL=90
+    TUNE_ARGS=(--smoke)
+    LIMIT_PYTEST=90 LIMIT_KERNEL=90 LIMIT_FIRST_MODEL=180 LIMIT_MODEL=90 LIMIT_TUNE=90
 else
     MODE=gpu
     # One configuration for every model run (the compiled steps are shared through the
@@ -110,7 +113,8 @@ else
     PYTEST_ARGS=(-m gpu)
     KERNEL_ARGS=()
     KV_TRANSFER_ARGS=(--layout llama-3-8b)
-    LIMIT_PYTEST=200 LIMIT_KERNEL=120 LIMIT_FIRST_MODEL=300 LIMIT_MODEL=150
+    TUNE_ARGS=()
+    LIMIT_PYTEST=200 LIMIT_KERNEL=150 LIMIT_FIRST_MODEL=300 LIMIT_MODEL=150 LIMIT_TUNE=300
 fi
 
 COMMIT=${GPU_SUITE_COMMIT:-}
@@ -213,6 +217,12 @@ for n in "${THROUGHPUT_PROMPTS[@]}"; do
         "${MODEL_ARGS[@]}" --num-prompts "$n" --quiet --output-json "$WORK/throughput_$n.json"
     selected "throughput_$n" && limit=$LIMIT_MODEL
 done
+
+left=$((DEADLINE - $(date +%s) - RESERVE))
+[ "$LIMIT_TUNE" -gt "$left" ] && LIMIT_TUNE=$left
+run_step tune_kernel "$LIMIT_TUNE" "$PYTHON" benchmarks/kernels/tune_paged_attention.py \
+    "${TUNE_ARGS[@]}" --max-seconds $((LIMIT_TUNE > 60 ? LIMIT_TUNE - 40 : LIMIT_TUNE / 2)) \
+    --output-json "$WORK/tune_kernel.json"
 
 # --------------------------------------------------------------------------------- report
 if [ $DRY_RUN = 1 ]; then report; else report "$ROOT/benchmarks/results"; fi

@@ -155,6 +155,21 @@ def kernel_figures(log: str) -> str:
     return text + f"; best **{best:.0%} of the HBM peak** ({best_case}); table below"
 
 
+def tune_rows(log: str) -> tuple[list[str], list[str]]:
+    """The table (its header, then a row per configuration) and the "# best ..." lines the
+    tuning sweep printed."""
+    lines = log.splitlines()
+    rows = [line for line in lines if line.startswith(("| kernel |", "| decode |", "| mixed |"))]
+    return rows, [line for line in lines if line.startswith("# best ")]
+
+
+def tune_figures(log: str) -> str:
+    rows, best = tune_rows(log)
+    if not rows:
+        return "no rows printed"
+    return f"{len(rows) - 1} configurations, {len(best)} cases; best per case below"
+
+
 def kv_transfer_figures(log: str) -> str:
     """The best GB/s of each copy path (benchmarks/bench_kv_transfer.py's table)."""
     best: dict[str, float] = {}
@@ -222,6 +237,8 @@ def figures(step: dict, log: str, env: dict) -> str:
         return pytest_figures(log)
     if name.startswith("kernel"):
         return kernel_figures(log)
+    if name == "tune_kernel":
+        return tune_figures(log)
     if name == "kv_transfer":
         return kv_transfer_figures(log)
     if name.startswith("latency"):
@@ -292,6 +309,10 @@ def build_report(work: Path) -> tuple[str, str]:
         if rows:
             lines += ["", "## Paged-attention kernel", "", *header, ""]
             lines += [KERNEL_HEADER, "|---|---|---|---|---|---|---|", *rows]
+    rows, best = tune_rows(logs.get("tune_kernel", ""))
+    if rows:
+        lines += ["", "## Kernel tuning sweep", "", *[f"- {b[2:]}" for b in best], ""]
+        lines += [rows[0], "|---" * rows[0].count(" | ") + "|---|", *rows[1:]]
     lines += ["", "## Commands", ""]
     lines += [f"- {s['name']} (limit {s['limit']} s): `{s['command']}`" for s in steps]
     bad = [s for s in steps if s["status"] in ("failed", "timeout")]
