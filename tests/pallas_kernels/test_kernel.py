@@ -191,6 +191,13 @@ def test_unsplit_decode_writes_its_output_and_split_decode_its_partials():
         assert m.shape == l.shape == (splits, 1, 8, 16)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_unsplit_and_split_decode_lower_to_triton_for_cuda(num_kv_splits):
+    case = _case("decode", 128, (8, 2), 16)
+    text = _lowered_for_cuda(case, decode_only=True, num_kv_splits=num_kv_splits)
+    assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode"]
+
+
 def test_rejects_shapes_the_kernel_cannot_tile():
     case = make_case([(1, 4)], num_q_heads=4, num_kv_heads=2, head_dim=48, block_size=16)
     with pytest.raises(ValueError, match="head_dim=48"):
