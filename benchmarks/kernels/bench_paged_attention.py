@@ -97,15 +97,15 @@ def chain(fn, n: int, copies: int):
     return jax.jit(run)
 
 
-def seconds_per_call(fn, args, *, copies, chain_s, warmup, iters):
+def seconds_per_call(fn, args, *, copies, chain_s, warmup, iters, max_calls=32):
     """Kernel time of one fn call, and the jitted one-call chain (call it for an output).
 
-    Chains of 1 and n calls (n from the first's time, so a chain takes about chain_s) are
-    timed whole; their difference over n - 1 calls is the time per call, without the one
-    dispatch and synchronisation each chain pays."""
+    Chains of 1 and n calls (n from the first's time, so a chain takes about chain_s; 2 to
+    max_calls) are timed whole; their difference over n - 1 calls is the time per call,
+    without the one dispatch and synchronisation each chain pays."""
     one = chain(fn, 1, copies)
     t_one = median_seconds(one, *args, warmup=warmup, iters=iters)
-    n = int(min(32, max(4, round(chain_s / t_one))))
+    n = int(min(max_calls, max(2, round(chain_s / t_one))))
     t_n = median_seconds(chain(fn, n, copies), *args, warmup=warmup, iters=iters)
     per_call = (t_n - t_one) / (n - 1)
     return (per_call if per_call > 0 else t_n / n), one  # noise beyond the difference: t_n/n
@@ -150,7 +150,8 @@ def run_case(name, seqs, args, results):
     timing = dict(copies=copies, chain_s=args.chain_ms / 1e3, warmup=args.warmup,
                   iters=args.iters)  # fmt: skip
     t_kernel, kernel_one = seconds_per_call(kernel, inputs, **timing)
-    t_ref, reference_one = seconds_per_call(reference, inputs, **timing)
+    # The reference is an XLA graph n times over (slow to compile) and slow enough for a few.
+    t_ref, reference_one = seconds_per_call(reference, inputs, **timing, max_calls=4)
     out, want = kernel_one(*inputs), reference_one(*inputs)  # one call each, table copy 0
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
     row = dict(case=name, kernel_us=t_kernel * 1e6, reference_us=t_ref * 1e6, max_abs_err=err,

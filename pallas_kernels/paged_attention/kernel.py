@@ -22,7 +22,9 @@ them at run time (that compiled both into every step).
   tile of `q_block` rows is one slice; one program per (tile, KV head) streams the keys the
   tile can see (causal, up to its last row's position) with an online softmax. Tiles are
   assigned to sequences by a small XLA prologue over `query_start_loc`, so tile counts follow
-  the batch without changing the grid.
+  the batch without changing the grid. Few tiles over long contexts (a speculative
+  verification, a short prompt after a cached prefix) have each tile's keys split across
+  `mixed_kv_splits` programs too, merged as the decode kernel's are.
 
 Softmax statistics and accumulators are float32 whatever the input dtype; scores use exp2
 with log2(e) folded into the scale. K/V pages are gathered through the block table inside
@@ -233,12 +235,15 @@ def _decode_kernel(
 
 def _mixed_kernel(
     tile_seq_ref, tile_row_ref, kv_lens_ref, query_start_loc_ref, block_tables_ref,
-    q_ref, k_ref, v_ref, o_ref,
-    *, group: int, q_block: int, max_blocks: int, pages_per_step: int, scale: float,
-    exact: bool, window: int | None, soft_cap: float | None,
+    q_ref, k_ref, v_ref, o_ref, m_ref=None, l_ref=None,
+    *, group: int, q_block: int, max_blocks: int, pages_per_step: int, num_splits: int,
+    scale: float, exact: bool, window: int | None, soft_cap: float | None,
 ):  # fmt: skip
-    """Program (tile, kv_head): q_ref/o_ref [T*G + q_block, D] rows of this KV head."""
-    tile = pl.program_id(0)
+    """Program (tile, kv_head, split): q_ref/o_ref [T*G + q_block, D] rows of this KV head;
+    with several splits, o_ref holds this split's unnormalised float32 output and m_ref /
+    l_ref [T*G + q_block] its softmax statistics, for the rows of the tile's keys this split
+    covers."""
+    tile, split = pl.program_id(0), pl.program_id(2)
     seq = tile_seq_ref[tile]
 
     @pl.when(seq >= 0)
@@ -265,6 +270,10 @@ def _mixed_kernel(
             first_page = first_key // block_size
         step_tokens = pages_per_step * block_size
         num_steps = pl.cdiv(jnp.maximum(num_keys - first_page * block_size, 0), step_tokens)
+        if num_splits > 1:  # this split's share of the tile's steps
+            per_split = pl.cdiv(num_steps, num_splits)
+            first_page += split * per_split * pages_per_step
+            num_steps = jnp.clip(num_steps - split * per_split, 0, per_split)
 
         def visible(key_pos):
             seen = key_pos[None, :] <= q_pos[:, None]
@@ -272,13 +281,29 @@ def _mixed_kernel(
                 seen &= key_pos[None, :] > q_pos[:, None] - window
             return seen
 
-        _, l, acc = _attend(
+        m, l, acc = _attend(
             q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible,
             max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
             soft_cap=soft_cap,
         )  # fmt: skip
-        out = acc / jnp.maximum(l, 1e-30)[:, None]
-        plgpu.store(o_ref.at[pl.ds(base, q_block), :], out.astype(o_ref.dtype), mask=mask)
+        rows_here = pl.ds(base, q_block)
+        if num_splits == 1:
+            out = acc / jnp.maximum(l, 1e-30)[:, None]
+            plgpu.store(o_ref.at[rows_here, :], out.astype(o_ref.dtype), mask=mask)
+        else:
+            plgpu.store(o_ref.at[rows_here, :], acc, mask=mask)
+            plgpu.store(m_ref.at[rows_here], m, mask=row_ok)
+            plgpu.store(l_ref.at[rows_here], l, mask=row_ok)
+
+
+def _merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Partial softmaxes of the same rows over disjoint key ranges -> their attention:
+    o f32[K, ..., D] unnormalised outputs, m and l f32[K, ...] their maxima (log2 units)
+    and sums -> f32[..., D]."""
+    m_all = jnp.max(m, axis=0)
+    w = jnp.exp2(m - m_all[None])
+    denom = jnp.sum(w * l, axis=0)
+    return jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]
 
 
 def _decode(
@@ -332,14 +357,7 @@ def _decode(
         name="ragged_paged_attention_decode",
     )(kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache)
 
-    if num_splits == 1:
-        out = result
-    else:  # merge the splits: [K, S, Hkv, rows(, D)] -> [S, Hkv, rows, D]
-        o, m, l = result
-        m_all = jnp.max(m, axis=0)
-        w = jnp.exp2(m - m_all[None])
-        denom = jnp.sum(w * l, axis=0)
-        out = jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]
+    out = result if num_splits == 1 else _merge_splits(*result)  # [S, Hkv, rows, D]
     out = out[:, :, :group].reshape(max_seqs, num_q_heads, head_dim).astype(q.dtype)
     # Scatter each sequence's row back to its token; rows of no sequence stay zero.
     dest = jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
@@ -348,7 +366,7 @@ def _decode(
 
 def _mixed(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, scale, exact,
-    q_block, pages_per_step, num_warps, num_stages, interpret, window, soft_cap,
+    q_block, pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -375,16 +393,31 @@ def _mixed(
     q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     q_rows = q_rows.reshape(num_kv_heads, num_rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, q_block), (0, 0)))
-    rows_spec = pl.BlockSpec((None, num_rows + q_block, head_dim), lambda t, h: (h, 0, 0))
+    padded = num_rows + q_block
+    rows_spec = pl.BlockSpec((None, padded, head_dim), lambda t, h, k: (h, 0, 0))
 
     kernel = functools.partial(
         _mixed_kernel, group=group, q_block=q_block, max_blocks=max_blocks,
-        pages_per_step=pages_per_step, scale=scale, exact=exact, window=window,
-        soft_cap=soft_cap,
+        pages_per_step=pages_per_step, num_splits=num_splits, scale=scale, exact=exact,
+        window=window, soft_cap=soft_cap,
     )  # fmt: skip
-    out = pl.pallas_call(
+    if num_splits == 1:
+        out_specs, out_shape = rows_spec, jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
+    else:  # per split: float32 output rows and their softmax statistics
+        out_specs = [
+            pl.BlockSpec((None, None, padded, head_dim), lambda t, h, k: (k, h, 0, 0)),
+            pl.BlockSpec((None, None, padded), lambda t, h, k: (k, h, 0)),
+            pl.BlockSpec((None, None, padded), lambda t, h, k: (k, h, 0)),
+        ]
+        part = (num_splits, num_kv_heads, padded)
+        out_shape = [
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ]
+    result = pl.pallas_call(
         kernel,
-        grid=(max_tiles, num_kv_heads),
+        grid=(max_tiles, num_kv_heads, num_splits),
         in_specs=[
             _whole((max_tiles,)),
             _whole((max_tiles,)),
@@ -395,13 +428,14 @@ def _mixed(
             _kv_head_spec(k_cache.shape, 1),
             _kv_head_spec(v_cache.shape, 1),
         ],
-        out_specs=rows_spec,
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_mixed",
     )(tile_seq, tile_row, kv_lens, query_start_loc, block_tables.reshape(-1), q_rows,
       k_cache, v_cache)  # fmt: skip
+    out = result if num_splits == 1 else _merge_splits(*result).astype(q.dtype)
 
     out = out[:, :num_rows].reshape(num_kv_heads, num_tokens, group, head_dim)
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
@@ -411,7 +445,8 @@ def _mixed(
     jax.jit,
     static_argnames=(
         "sm_scale", "sliding_window", "soft_cap", "decode_only", "decode_pages_per_step",
-        "num_kv_splits", "q_block", "prefill_kv_tokens_per_step", "num_warps", "num_stages",
+        "num_kv_splits", "q_block", "prefill_kv_tokens_per_step", "mixed_kv_splits",
+        "num_warps", "num_stages",
         "smem_limit", "num_sms", "interpret",
     ),
 )  # fmt: skip
@@ -432,6 +467,7 @@ def ragged_paged_attention(
     num_kv_splits: int | None = None,
     q_block: int = 64,
     prefill_kv_tokens_per_step: int | None = None,
+    mixed_kv_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
     smem_limit: int = HOPPER_SMEM_BYTES,
@@ -462,6 +498,10 @@ def ragged_paged_attention(
       q_block: query rows (token x GQA head) per program of the mixed kernel; power of two.
       prefill_kv_tokens_per_step: keys per inner step of the mixed kernel (default 64, fewer
         where shared memory needs it).
+      mixed_kv_splits: programs each query tile's keys are split across (merged after);
+        default `plan_kv_splits` for the tiles T tokens fill: a few tokens over a long
+        context (speculative verification, a short prompt after a cached prefix) still
+        stream from every SM.
       num_warps: Triton warps per program.
       num_stages: Triton software-pipeline stages (default 2, fewer where shared memory
         needs it).
@@ -495,11 +535,16 @@ def ragged_paged_attention(
     if not decode_only:
         mixed_plan = plan("mixed", rows=q_block, kv_tokens=prefill_kv_tokens_per_step)
     max_seqs, max_blocks = block_tables.shape
+    num_sms = default_num_sms() if num_sms is None else num_sms
     if num_kv_splits is None:
         num_kv_splits = plan_kv_splits(
             num_seqs=max_seqs, num_kv_heads=num_kv_heads,
-            max_steps=-(-max_blocks // decode_plan.pages_per_step),
-            num_sms=default_num_sms() if num_sms is None else num_sms,
+            max_steps=-(-max_blocks // decode_plan.pages_per_step), num_sms=num_sms,
+        )  # fmt: skip
+    if mixed_kv_splits is None and mixed_plan is not None:
+        mixed_kv_splits = plan_kv_splits(  # the fewest tiles T tokens can make
+            num_seqs=-(-num_tokens * group // q_block), num_kv_heads=num_kv_heads,
+            max_steps=-(-max_blocks // mixed_plan.pages_per_step), num_sms=num_sms,
         )  # fmt: skip
     kv_lens = kv_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
@@ -521,7 +566,8 @@ def ragged_paged_attention(
         return decoded
     mixed = _mixed(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, q_block=q_block,
-        num_stages=mixed_plan.num_stages, pages_per_step=mixed_plan.pages_per_step, **common,
+        num_splits=mixed_kv_splits, num_stages=mixed_plan.num_stages,
+        pages_per_step=mixed_plan.pages_per_step, **common,
     )  # fmt: skip
     # Rows of the decode kernel's sequences from it, the other sequences' from the mixed one;
     # rows no sequence owns (padding) hold garbage there: zero, as the reference gives.

@@ -120,6 +120,8 @@ def test_interpret_matches_reference_bf16(layout, heads):
         dict(num_kv_splits=16, decode_pages_per_step=2),  # most splits empty
         dict(q_block=16, prefill_kv_tokens_per_step=16),
         dict(q_block=128, prefill_kv_tokens_per_step=128),
+        dict(mixed_kv_splits=1),
+        dict(mixed_kv_splits=3, prefill_kv_tokens_per_step=16),  # some splits empty
     ],
 )
 def test_tuning_arguments_do_not_change_the_result(tuning):
@@ -156,20 +158,29 @@ def test_kv_splits_fill_the_sms_and_no_more(num_seqs, max_steps, want):
     assert plan_kv_splits(num_seqs=1, num_kv_heads=1, max_steps=1000, num_sms=132) == 64
 
 
-def _decode_outputs(num_seqs: int, max_blocks: int, **kw) -> list:
-    """Output avals of the decode kernel's pallas_call for a bf16 batch of num_seqs decodes
-    of up to max_blocks 16-token blocks (Hq 32, Hkv 8, D 128)."""
+def _kernel_outputs(num_seqs: int, max_blocks: int, num_tokens=None, **kw) -> dict:
+    """Output avals of each pallas_call, by kernel name, for a bf16 batch of num_seqs
+    sequences of up to max_blocks 16-token blocks (Hq 32, Hkv 8, D 128) and num_tokens query
+    tokens (default: one per sequence, decode-only)."""
     spec, i32 = jax.ShapeDtypeStruct, jnp.int32
     cache = spec((num_seqs * max_blocks + 1, 16, 8, 128), jnp.bfloat16)
     args = (
-        spec((num_seqs, 32, 128), jnp.bfloat16), cache, cache, spec((num_seqs,), i32),
-        spec((num_seqs, max_blocks), i32), spec((num_seqs + 1,), i32), spec((1,), i32),
+        spec((num_tokens or num_seqs, 32, 128), jnp.bfloat16), cache, cache,
+        spec((num_seqs,), i32), spec((num_seqs, max_blocks), i32), spec((num_seqs + 1,), i32),
+        spec((1,), i32),
     )  # fmt: skip
-    f = functools.partial(ragged_paged_attention, sm_scale=0.1, decode_only=True, **kw)
+    f = functools.partial(
+        ragged_paged_attention, sm_scale=0.1, decode_only=num_tokens is None, **kw
+    )
     jaxpr = jax.make_jaxpr(f)(*args)
     calls = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
-    assert len(calls) == 1
-    return [v.aval for v in calls[0].outvars]
+    return {e.params["name"]: [v.aval for v in e.outvars] for e in calls}
+
+
+def _decode_outputs(num_seqs: int, max_blocks: int, **kw) -> list:
+    outputs = _kernel_outputs(num_seqs, max_blocks, **kw)
+    assert list(outputs) == ["ragged_paged_attention_decode"]
+    return outputs["ragged_paged_attention_decode"]
 
 
 def _eqns(jaxpr):
@@ -191,11 +202,27 @@ def test_unsplit_decode_writes_its_output_and_split_decode_its_partials():
         assert m.shape == l.shape == (splits, 1, 8, 16)
 
 
-@pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_unsplit_and_split_decode_lower_to_triton_for_cuda(num_kv_splits):
-    case = _case("decode", 128, (8, 2), 16)
-    text = _lowered_for_cuda(case, decode_only=True, num_kv_splits=num_kv_splits)
-    assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode"]
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+def test_unsplit_and_split_kernels_lower_to_triton_for_cuda(layout, splits):
+    case = _case(layout, 128, (8, 2), 16)
+    text = _lowered_for_cuda(
+        case, decode_only=layout == "decode", num_kv_splits=splits, mixed_kv_splits=splits
+    )
+    assert [n for n, _ in _kernels_in(text)] == _KERNELS[layout]
+
+
+def test_mixed_kernel_splits_few_tiles_over_long_contexts():
+    """Four query tokens (a speculative verification at batch 1) over up to 8192 keys: one
+    64-row tile per KV head, so the tile's keys are split (33 programs per tile and head,
+    float32 partials); 1024 tokens fill the SMs with tiles alone (the output, in bf16)."""
+    outputs = _kernel_outputs(1, 512, num_tokens=4, num_sms=132)
+    o, m, l = outputs["ragged_paged_attention_mixed"]
+    assert (o.shape, o.dtype) == ((33, 8, 16 + 64, 128), jnp.float32)
+    assert m.shape == l.shape == (33, 8, 16 + 64)
+    outputs = _kernel_outputs(4, 512, num_tokens=1024, num_sms=132)
+    (out,) = outputs["ragged_paged_attention_mixed"]
+    assert (out.shape, out.dtype) == ((8, 4096 + 64, 128), jnp.bfloat16)
 
 
 def test_rejects_shapes_the_kernel_cannot_tile():
@@ -326,7 +353,7 @@ def test_gpu_matches_oracle(layout, head_dim, heads, block_size):
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize(
     ("window", "soft_cap", "tuning"),
-    [(1, None, {}), (37, None, dict(num_kv_splits=3)), (20, 1.0, {})],
+    [(1, None, {}), (37, None, dict(num_kv_splits=3, mixed_kv_splits=2)), (20, 1.0, {})],
 )  # fmt: skip
 def test_sliding_window_and_soft_cap_match_the_oracle(layout, window, soft_cap, tuning):
     """Windows shorter than a block, of a few blocks and not block-aligned (pages before a
