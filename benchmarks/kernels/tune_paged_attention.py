@@ -7,9 +7,10 @@ by --max-seconds or a timeout still reports what it had):
 
 1. decode tile at batch 256, context 8192 (the >= 85%-of-HBM case), unsplit: KV tokens per
    inner step x Triton pipeline stages x warps, where the tiling fits shared memory;
-2. decode KV splits at small batches (1 x 8192, 16 x 2048, 64 x 8192), default tile;
+2. KV splits at small batches, default tile: decode at 1 x 8192 (then 16 x 2048 and 64 x
+   8192, last), the mixed kernel's on one 4-token verification over 8192 keys;
 3. mixed kernel at one 512-token chunk beside 255 decodes, context 8192: q_block x KV tokens
-   per step of the mixed kernel.
+   per step x warps of the mixed kernel.
 
 Each row shows the time per call, the fraction of the HBM peak (K/V bytes of the context) and
 the speed against the configuration the kernel picks by itself today (its defaults: the first
@@ -56,12 +57,14 @@ def sweeps(smoke: bool) -> list[tuple[str, list[tuple[int, int]], list[dict]]]:
     ]
     splits = [{}] + [dict(num_kv_splits=s) for s in (1, 2, 4, 8, 16, 32, 64)]
     mixed = [{}] + [
-        dict(q_block=q, prefill_kv_tokens_per_step=t)
-        for q, t in itertools.product((32, 64, 128), (32, 64, 128))
+        dict(q_block=q, prefill_kv_tokens_per_step=t, num_warps=w)
+        for q, t, w in itertools.product((64, 128), (32, 64, 128), (4, 8))
     ]
+    verify = [{}] + [dict(mixed_kv_splits=s) for s in (1, 4, 16, 64)]
     return [
         ("decode b=256 ctx=8192", [(1, 8192)] * 256, [{**t, "num_kv_splits": 1} for t in tiles]),
         ("decode b=1 ctx=8192", [(1, 8192)], splits),
+        ("mixed 1x4-token verification ctx=8192", [(4, 8192)], verify),
         ("mixed 1x512-chunk + 255 decodes ctx=8192", [(512, 8192)] + [(1, 8192)] * 255, mixed),
         ("decode b=16 ctx=2048", [(1, 2048)] * 16, splits),
         ("decode b=64 ctx=8192", [(1, 8192)] * 64, splits),
@@ -122,7 +125,9 @@ def main() -> None:
                 _cell(config, "decode_pages_per_step", bs) if decode_only
                 else _cell(config, "prefill_kv_tokens_per_step"),
                 "-" if decode_only else _cell(config, "q_block"), _cell(config, "num_stages"),
-                _cell(config, "num_warps"), _cell(config, "num_kv_splits"), f"{us:.1f}",
+                _cell(config, "num_warps"),
+                _cell(config, "num_kv_splits" if decode_only else "mixed_kv_splits"),
+                f"{us:.1f}",
                 f"{row['hbm_fraction']:.0%}" if peak else "-", f"{row['vs_default']:.2f}x",
             ]  # fmt: skip
             print("| " + " | ".join(cells) + " |", flush=True)
