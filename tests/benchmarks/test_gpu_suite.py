@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["env", "pytest_gpu", "kernel_bench", "kv_transfer", "latency_b1", "latency_b2",
-         "latency_b4", "throughput_2", "throughput_4", "tune_kernel"]  # fmt: skip
+         "throughput_2", "tune_kernel"]  # fmt: skip
 
 
 def test_dry_run_runs_every_step_and_reports_each(tmp_path):
@@ -34,22 +34,23 @@ def test_dry_run_runs_every_step_and_reports_each(tmp_path):
     rows = {m[1]: m[2] for m in re.finditer(r"^\| (\w+) \| ok \| \d+ \| (.*) \|$", report, re.M)}
     assert list(rows) == STEPS
     assert "jaxserve imports" in rows["env"]
-    assert re.search(r"\d+ skipped, \d+ deselected", rows["pytest_gpu"])  # no GPU: all skip
+    # no GPU: the gpu tests skip, the CUDA lowering tests pass
+    assert re.search(r"^\d+ passed, \d+ skipped, \d+ deselected", rows["pytest_gpu"])
     assert rows["kernel_bench"].startswith("3 cases")
     assert re.search(r"zmq fetch .*: [\d.]+ GB/s; save: .*; load: .* GB/s", rows["kv_transfer"])
     kernel = report[report.index("## Paged-attention kernel") : report.index("## Kernel tuning")]
     assert len(re.findall(r"^\| (?:decode|mixed) .* \|$", kernel, re.M)) == 3
-    for name in ("latency_b1", "latency_b2", "latency_b4"):
+    for name in ("latency_b1", "latency_b2"):
         assert re.search(r"avg latency [0-9.]+ s; decode step [0-9.]+ ms", rows[name]), name
         assert "of the HBM bound" in rows[name], name
-    assert "output tok/s" in rows["throughput_4"]
+    assert "output tok/s" in rows["throughput_2"]
     assert "of the HBM bound" in rows["throughput_2"]  # one batch: the roofline follows
     assert rows["tune_kernel"] == "6 configurations, 3 cases; best per case below"
     sweep = report[report.index("## Kernel tuning sweep") :]
     assert len(re.findall(r"^- best ", sweep, re.M)) == 3
     assert len(re.findall(r"^\| (?:decode|mixed) \| .* \| [0-9.]+x \|$", sweep, re.M)) == 6
 
-    assert "=== latency_b4: ok" in (out / "suite.log").read_text()
+    assert "=== latency_b2: ok" in (out / "suite.log").read_text()
     with tarfile.open(out / "gpu-suite-logs.tar.gz") as tar:
         names = set(tar.getnames())
     assert {f"{name}.log" for name in STEPS} | {"steps.tsv", "env.json"} <= names

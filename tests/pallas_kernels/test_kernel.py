@@ -202,6 +202,7 @@ def test_unsplit_decode_writes_its_output_and_split_decode_its_partials():
         assert m.shape == l.shape == (splits, 1, 8, 16)
 
 
+@pytest.mark.cuda_lowering
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
 def test_unsplit_and_split_kernels_lower_to_triton_for_cuda(layout, splits):
@@ -309,6 +310,7 @@ def test_rejects_shapes_no_tiling_fits():
             jax.eval_shape(f, *args)
 
 
+@pytest.mark.cuda_lowering
 @pytest.mark.parametrize(("head_dim", "heads", "block_size"), SWEEP)
 def test_lowers_to_triton_for_cuda(head_dim, heads, block_size):
     """Without a GPU: each kernel passes Pallas' Triton lowering (power-of-two tensors, ops),
@@ -319,6 +321,7 @@ def test_lowers_to_triton_for_cuda(head_dim, heads, block_size):
         assert [n for n, _ in _kernels_in(text)] == _KERNELS[layout]
 
 
+@pytest.mark.cuda_lowering
 @pytest.mark.parametrize("layout", ["decode", "mixed"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -367,6 +370,7 @@ def test_sliding_window_and_soft_cap_match_the_oracle(layout, window, soft_cap, 
     np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.cuda_lowering
 def test_window_and_soft_cap_lower_to_triton_for_cuda():
     case = _case("mixed", 64, (8, 2), 16)
     for decode_only in (True, False):
@@ -393,6 +397,7 @@ def test_fp8_cache_matches_the_oracle_on_its_values(layout, dtype):
     np.testing.assert_allclose(np.asarray(ref), want, atol=1e-5)
 
 
+@pytest.mark.cuda_lowering
 def test_fp8_cache_lowers_to_triton_for_cuda():
     case = _fp8_case("mixed")
     args = [jnp.asarray(a) for a in case.args()]
