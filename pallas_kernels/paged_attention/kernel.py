@@ -310,6 +310,8 @@ def _decode(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, scale, exact,
     pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
 ):  # fmt: skip
+    """The decode kernel over each sequence's first query row -> (rows [S, Hq, D] in q's
+    dtype, dest i32[S]: the token each row belongs to, T for sequences with kv_lens 0)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_blocks = block_tables.shape
@@ -359,9 +361,8 @@ def _decode(
 
     out = result if num_splits == 1 else _merge_splits(*result)  # [S, Hkv, rows, D]
     out = out[:, :, :group].reshape(max_seqs, num_q_heads, head_dim).astype(q.dtype)
-    # Scatter each sequence's row back to its token; rows of no sequence stay zero.
-    dest = jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
-    return jnp.zeros_like(q).at[dest].set(out, mode="drop")
+    # Each sequence's row goes back to its token; sequences that read nothing go nowhere.
+    return out, jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
 
 
 def _mixed(
@@ -557,25 +558,20 @@ def ragged_paged_attention(
     single = real & (query_start_loc[1:] - query_start_loc[:-1] == 1)
     if decode_only:
         single = real  # the caller's promise
-    decoded = _decode(  # sequences of no single-token row read nothing and write no row
+    rows, dest = _decode(  # sequences of no single-token row read nothing and write no row
         q, k_cache, v_cache, jnp.where(single, kv_lens, 0), block_tables, query_start_loc,
         num_splits=num_kv_splits, num_stages=decode_plan.num_stages,
         pages_per_step=decode_plan.pages_per_step, **common,
     )  # fmt: skip
-    if decode_only:
-        return decoded
+    if decode_only:  # rows of no sequence stay zero
+        return jnp.zeros_like(q).at[dest].set(rows, mode="drop")
     mixed = _mixed(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, q_block=q_block,
         num_splits=mixed_kv_splits, num_stages=mixed_plan.num_stages,
         pages_per_step=mixed_plan.pages_per_step, **common,
     )  # fmt: skip
-    # Rows of the decode kernel's sequences from it, the other sequences' from the mixed one;
-    # rows no sequence owns (padding) hold garbage there: zero, as the reference gives.
-    tokens = jnp.arange(num_tokens)
-    is_decode_row = jnp.zeros((num_tokens,), bool)
-    is_decode_row = is_decode_row.at[jnp.where(single, query_start_loc[:-1], num_tokens)].set(
-        True, mode="drop"
-    )
-    valid = tokens < query_start_loc[num_seqs[0]]
-    out = jnp.where(is_decode_row[:, None, None], decoded, mixed)
-    return jnp.where(valid[:, None, None], out, 0)
+    # The mixed kernel wrote the multi-token sequences' rows; the rest hold garbage: padding
+    # rows become zero (as the reference gives), the decode rows are written over in place.
+    valid = jnp.arange(num_tokens) < query_start_loc[num_seqs[0]]
+    out = jnp.where(valid[:, None, None], mixed, 0)
+    return out.at[dest].set(rows, mode="drop")
