@@ -447,8 +447,7 @@ def _mixed(
     static_argnames=(
         "sm_scale", "sliding_window", "soft_cap", "decode_only", "decode_pages_per_step",
         "num_kv_splits", "q_block", "prefill_kv_tokens_per_step", "mixed_kv_splits",
-        "num_warps", "num_stages",
-        "smem_limit", "num_sms", "interpret",
+        "num_warps", "num_stages", "smem_limit", "num_sms", "interpret",
     ),
 )  # fmt: skip
 def ragged_paged_attention(
@@ -508,7 +507,7 @@ def ragged_paged_attention(
         needs it).
       smem_limit: shared memory per block in bytes (default Hopper's); tilings given
         explicitly are checked against it, defaults are fitted to it.
-      num_sms: SMs the decode splits are planned for (default: the GPU's, else 132).
+      num_sms: SMs the splits are planned for (default: the GPU's, else 132).
       interpret: run in Pallas interpret mode (CPU testing).
 
     Returns:
