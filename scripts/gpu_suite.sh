@@ -10,11 +10,11 @@
 #   pytest_gpu    python -m pytest -m "gpu or cuda_lowering" (GPU tests; every kernel variant
 #                 lowered for CUDA by this jax)
 #   kernel_bench  benchmarks/kernels/bench_paged_attention.py (HBM fraction of peak per case)
+#   tune_kernel   benchmarks/kernels/tune_paged_attention.py (tile, split and mixed sweeps,
+#                 most important first; stops cleanly 30 s before its limit)
 #   kv_transfer   benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
 #   latency_bN    scripts/bench_latency.py, Llama-3-8B shape, dummy bf16 weights, batch 1 8 32
 #   throughput_N  benchmarks/bench_throughput.py, the same model, 64 and 256 prompts
-#   tune_kernel   benchmarks/kernels/tune_paged_attention.py (tile, split and mixed sweeps;
-#                 last, on what the budget has left: it stops cleanly at its own deadline)
 # All model runs share one engine configuration, so the first compiles and the rest read the
 # persistent compilation cache.
 #
@@ -99,7 +99,8 @@ EOF
     KERNEL_ARGS=(--smoke)
     KV_TRANSFER_ARGS=(--blocks 1 8 --repeats 1)
     TUNE_ARGS=(--smoke)
-    LIMIT_PYTEST=90 LIMIT_KERNEL=90 LIMIT_FIRST_MODEL=180 LIMIT_MODEL=90 LIMIT_TUNE=90
+    LIMIT_PYTEST=90 LIMIT_KERNEL=90 LIMIT_TUNE=90 LIMIT_KV=90 LIMIT_FIRST_MODEL=180
+    LIMIT_MODEL=90
 else
     MODE=gpu
     # One configuration for every model run (the compiled steps are shared through the
@@ -115,7 +116,8 @@ else
     KERNEL_ARGS=()
     KV_TRANSFER_ARGS=(--layout llama-3-8b)
     TUNE_ARGS=()
-    LIMIT_PYTEST=200 LIMIT_KERNEL=150 LIMIT_FIRST_MODEL=300 LIMIT_MODEL=150 LIMIT_TUNE=300
+    LIMIT_PYTEST=200 LIMIT_KERNEL=180 LIMIT_TUNE=150 LIMIT_KV=90 LIMIT_FIRST_MODEL=300
+    LIMIT_MODEL=150
 fi
 
 COMMIT=${GPU_SUITE_COMMIT:-}
@@ -205,7 +207,12 @@ run_step pytest_gpu "$LIMIT_PYTEST" "$PYTHON" -m pytest -p no:cacheprovider -q -
     "${PYTEST_ARGS[@]}"
 run_step kernel_bench "$LIMIT_KERNEL" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
     "${KERNEL_ARGS[@]}" --output-json "$WORK/kernel_bench.json"
-run_step kv_transfer "$LIMIT_KERNEL" "$PYTHON" benchmarks/bench_kv_transfer.py \
+left=$((DEADLINE - $(date +%s) - RESERVE))
+[ "$LIMIT_TUNE" -gt "$left" ] && LIMIT_TUNE=$left
+run_step tune_kernel "$LIMIT_TUNE" "$PYTHON" benchmarks/kernels/tune_paged_attention.py \
+    "${TUNE_ARGS[@]}" --max-seconds $((LIMIT_TUNE > 60 ? LIMIT_TUNE - 30 : LIMIT_TUNE / 2)) \
+    --output-json "$WORK/tune_kernel.json"
+run_step kv_transfer "$LIMIT_KV" "$PYTHON" benchmarks/bench_kv_transfer.py \
     "${KV_TRANSFER_ARGS[@]}" --output-json "$WORK/kv_transfer.json"
 limit=$LIMIT_FIRST_MODEL # the first model run compiles; the others read the cache
 for b in "${LATENCY_BATCHES[@]}"; do
@@ -218,12 +225,6 @@ for n in "${THROUGHPUT_PROMPTS[@]}"; do
         "${MODEL_ARGS[@]}" --num-prompts "$n" --quiet --output-json "$WORK/throughput_$n.json"
     selected "throughput_$n" && limit=$LIMIT_MODEL
 done
-
-left=$((DEADLINE - $(date +%s) - RESERVE))
-[ "$LIMIT_TUNE" -gt "$left" ] && LIMIT_TUNE=$left
-run_step tune_kernel "$LIMIT_TUNE" "$PYTHON" benchmarks/kernels/tune_paged_attention.py \
-    "${TUNE_ARGS[@]}" --max-seconds $((LIMIT_TUNE > 60 ? LIMIT_TUNE - 40 : LIMIT_TUNE / 2)) \
-    --output-json "$WORK/tune_kernel.json"
 
 # --------------------------------------------------------------------------------- report
 if [ $DRY_RUN = 1 ]; then report; else report "$ROOT/benchmarks/results"; fi
