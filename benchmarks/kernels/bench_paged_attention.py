@@ -111,11 +111,20 @@ def seconds_per_call(fn, args, *, copies, chain_s, warmup, iters, max_calls=32):
     return (per_call if per_call > 0 else t_n / n), one  # noise beyond the difference: t_n/n
 
 
+def jax_paged_attention():
+    """jax's own decode kernel, or None in a jax without it (its Pallas Triton ops are
+    deprecated after 0.11)."""
+    try:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    except ImportError:
+        return None
+    return paged_attention
+
+
 def jax_decode_peer(batch, *, interpret=False):
     """jax.experimental.pallas.ops.gpu.paged_attention on its [Hkv, pages, page, D] layout:
     (fn(q, k_pages, v_pages, kv_lens, tables) -> out, its arguments)."""
-    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
-
+    paged_attention = jax_paged_attention()
     k_pages = jnp.transpose(batch["k_cache"], (2, 0, 1, 3))
     v_pages = jnp.transpose(batch["v_cache"], (2, 0, 1, 3))
     tables = batch["block_tables"]
@@ -160,7 +169,7 @@ def run_case(name, seqs, args, results):
     peak = peak_bandwidth(jax.devices()[0])
     if peak:
         row["hbm_fraction"] = kv_bytes / t_kernel / peak
-    if decode_only:
+    if decode_only and jax_paged_attention() is not None:
         fn, peer_args = jax_decode_peer(batch, interpret=args.smoke)
         t_peer, peer_one = seconds_per_call(fn, peer_args, **timing)
         row["jax_pallas_us"] = t_peer * 1e6
@@ -218,6 +227,9 @@ def main() -> None:
           f"D={args.head_dim} block={args.block_size} {args.dtype}")  # fmt: skip
     peak = peak_bandwidth(device)
     print(f"# peak HBM bandwidth: {peak / 1e12:.2f} TB/s" if peak else "# peak bandwidth: unknown")
+    if jax_paged_attention() is None:
+        print(f"# jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.paged_attention: "
+              "no peer column")  # fmt: skip
     print("| case | kernel us | KV GB/s | of peak | vs XLA reference | vs jax Pallas decode | "
           "max abs err |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
