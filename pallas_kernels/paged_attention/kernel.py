@@ -57,7 +57,7 @@ HOPPER_SMEM_BYTES = 232448
 _DEFAULT_KV_TOKENS = {"decode": 128, "mixed": 64}  # per inner step, before fitting
 _DEFAULT_STAGES = 2
 HOPPER_NUM_SMS = 132  # H100 SXM and H200; the default where no GPU is attached
-_PROGRAMS_PER_SM = 2  # decode programs the splits aim for, per SM
+_PROGRAMS_PER_SM = 2  # programs the KV splits aim for, per SM
 _MAX_KV_SPLITS = 64
 
 
@@ -119,10 +119,11 @@ def plan_tiles(
 
 
 def plan_kv_splits(*, num_seqs: int, num_kv_heads: int, max_steps: int, num_sms: int) -> int:
-    """How many programs the decode kernel splits each sequence's context across (their
-    partial softmaxes are merged after): enough that the num_seqs x num_kv_heads x splits
-    programs give every one of num_sms SMs _PROGRAMS_PER_SM, so a small batch still streams
-    from every SM; one where the batch alone fills them (no partials, no merge). Never more
+    """How many programs a kernel splits each sequence's (decode) or query tile's (mixed;
+    num_seqs = tiles) keys across, their partial softmaxes merged after: enough that the
+    num_seqs x num_kv_heads x splits programs give every one of num_sms SMs _PROGRAMS_PER_SM,
+    so a small batch still streams from every SM; one where the batch alone fills them (no
+    partials, no merge). Never more
     than max_steps, the inner steps the block table holds (a split past the longest possible
     context is always empty), nor _MAX_KV_SPLITS. A context shorter than splits x a step
     leaves the trailing splits empty (each split takes at least one step)."""
@@ -306,6 +307,20 @@ def _merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     return jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]
 
 
+def _partial_outputs(part: tuple[int, ...], index, head_dim: int):
+    """out_specs and out_shape of a split kernel's float32 partials: the unnormalised output
+    part + [D] and its softmax max and sum, part; index(*program_ids) gives each program's
+    block of part (one element along every axis but the last, which it holds whole)."""
+    block = (*(None,) * (len(part) - 1), part[-1])
+    specs = [
+        pl.BlockSpec((*block, head_dim), lambda *ids: (*index(*ids), 0)),
+        pl.BlockSpec(block, index),
+        pl.BlockSpec(block, index),
+    ]
+    f32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.float32)
+    return specs, [f32((*part, head_dim)), f32(part), f32(part)]
+
+
 def _decode(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, scale, exact,
     pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
@@ -330,18 +345,10 @@ def _decode(
     if num_splits == 1:  # the kernel writes the output rows in q's dtype: nothing to merge
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0))
         out_shape = jax.ShapeDtypeStruct((max_seqs, num_kv_heads, rows, head_dim), q.dtype)
-    else:  # per split: the unnormalised output and its softmax statistics, in float32
-        part = (num_splits, max_seqs, num_kv_heads, rows)
-        out_specs = [
-            pl.BlockSpec((None, None, None, rows, head_dim), lambda s, h, k: (k, s, h, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda s, h, k: (k, s, h, 0)),
-        ]
-        out_shape = [
-            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-        ]
+    else:  # per split: the unnormalised output and its softmax statistics
+        out_specs, out_shape = _partial_outputs(
+            (num_splits, max_seqs, num_kv_heads, rows), lambda s, h, k: (k, s, h, 0), head_dim
+        )
     result = pl.pallas_call(
         kernel,
         grid=(max_seqs, num_kv_heads, num_splits),
@@ -404,18 +411,10 @@ def _mixed(
     )  # fmt: skip
     if num_splits == 1:
         out_specs, out_shape = rows_spec, jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
-    else:  # per split: float32 output rows and their softmax statistics
-        out_specs = [
-            pl.BlockSpec((None, None, padded, head_dim), lambda t, h, k: (k, h, 0, 0)),
-            pl.BlockSpec((None, None, padded), lambda t, h, k: (k, h, 0)),
-            pl.BlockSpec((None, None, padded), lambda t, h, k: (k, h, 0)),
-        ]
-        part = (num_splits, num_kv_heads, padded)
-        out_shape = [
-            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-            jax.ShapeDtypeStruct(part, jnp.float32),
-        ]
+    else:  # per split: the unnormalised output rows and their softmax statistics
+        out_specs, out_shape = _partial_outputs(
+            (num_splits, num_kv_heads, padded), lambda t, h, k: (k, h, 0), head_dim
+        )
     result = pl.pallas_call(
         kernel,
         grid=(max_tiles, num_kv_heads, num_splits),
