@@ -123,10 +123,10 @@ def plan_kv_splits(*, num_seqs: int, num_kv_heads: int, max_steps: int, num_sms:
     num_seqs = tiles) keys across, their partial softmaxes merged after: enough that the
     num_seqs x num_kv_heads x splits programs give every one of num_sms SMs _PROGRAMS_PER_SM,
     so a small batch still streams from every SM; one where the batch alone fills them (no
-    partials, no merge). Never more
-    than max_steps, the inner steps the block table holds (a split past the longest possible
-    context is always empty), nor _MAX_KV_SPLITS. A context shorter than splits x a step
-    leaves the trailing splits empty (each split takes at least one step)."""
+    partials, no merge). Never more than max_steps, the inner steps the block table holds (a
+    split past the longest possible context is always empty), nor _MAX_KV_SPLITS. A context
+    shorter than splits x a step leaves the trailing splits empty (each split takes at least
+    one step)."""
     want = -(-_PROGRAMS_PER_SM * num_sms // max(1, num_seqs * num_kv_heads))
     return max(1, min(want, max_steps, _MAX_KV_SPLITS))
 
