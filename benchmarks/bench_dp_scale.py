@@ -2,7 +2,7 @@
 
 Every engine core is a real process with its real scheduler and KV block manager behind the
 real DP coordinator, load balancer and AsyncLLM frontend; only the device step is simulated
-(jaxserve/benchmarks/simulated.py: `--step-ms` + `--token-ms` per scheduled token, random
+(jaxserve/worker/simulated.py: `--step-ms` + `--token-ms` per scheduled token, random
 tokens), so N engines cost N sleeping processes. For each N in --engines, requests arrive as a
 Poisson process at N x --rate-per-engine requests/s (each engine sees the same load at every
 N), N x --prompts-per-engine of them, with prompt and output lengths uniform within
@@ -29,7 +29,7 @@ from collections import defaultdict
 import numpy as np
 
 from jaxserve.benchmarks.common import benchmark_parser, git_commit, machine, write_json
-from jaxserve.benchmarks.simulated import SIMULATE_ENV
+from jaxserve.worker.simulated import SIMULATE_ENV
 
 
 class LoadSampler:

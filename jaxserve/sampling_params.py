@@ -16,6 +16,9 @@ class RequestOutputKind(enum.IntEnum):
 
 _GREEDY_EPS = 1e-5
 MAX_N = 128  # completions per request
+# B of the sampler's sparse bias arrays: a request's logit_bias entries plus, while min_tokens
+# is unmet, its EOS and stop_token_ids (blocked with -inf) must fit.
+MAX_BIAS_TOKENS = 64
 _INT64 = (-(2**63), 2**63 - 1)
 
 

@@ -26,8 +26,8 @@ from jaxserve.layers.attention import AttentionMetadata
 @contextlib.contextmanager
 def engines_in_process():
     """LLM engines in the test's process (tests look inside them), one model load per path
-    for all of them (engine/core.py's load_model cached)."""
-    import jaxserve.engine.core as core_module
+    for all of them (worker/build.py's load_model cached)."""
+    import jaxserve.worker.build as core_module
 
     original = core_module.load_model
     core_module.load_model = functools.cache(original)
@@ -273,6 +273,30 @@ def _make_forward(model, replicated):
         return logits, kv  # logits of every row (tests only; the runner picks last tokens)
 
     return functools.partial(forward, state)
+
+
+def engine_with_registry(model: str, executables, **engine_args):
+    """An LLMEngine with its core in this process, whose runner compiles into and serves from
+    `executables` (an ExecutableRegistry: the runner's seam, worker/executables.py)."""
+    from jaxserve.engine.arg_utils import EngineArgs
+    from jaxserve.engine.core import EngineCore
+    from jaxserve.engine.core_client import InprocClient
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.startup import StartupTimeline
+    from jaxserve.worker.build import build_runner
+
+    config = EngineArgs(model=str(model), **engine_args).create_engine_config()
+    runner = build_runner(config, StartupTimeline(), executables=executables)
+    client = InprocClient(config, EngineCore(config, runner=runner))
+    return LLMEngine(config, client=client)
+
+
+def generate_ids(engine, prompts: list[list[int]], params) -> list[list[int]]:
+    """Each token-id prompt's output token ids from an LLMEngine, in prompt order."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    finished = drain_engine(engine)
+    return [finished[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
 def drain_engine(engine, finished: dict | None = None) -> dict:

@@ -7,13 +7,11 @@ tensor_parallel_size / N devices of each). Collectives between hosts are XLA's (
 gloo on CPU): one SPMD program, run by every rank.
 
 Rank 0 is the ordinary engine core (engine/core_proc.py): its scheduler decides every step.
-Its runner is a `BroadcastRunner`: each call that runs on the devices (initialize_kv_cache,
-compile_all, dispatch, dispatch_sample, fetch, dummy_step) is first sent to the other ranks,
-which make the same call on their own ModelRunner (`run_follower`, the process `jaxserve
-serve --headless` starts on the other hosts), so every rank runs the same programs in the same
-order on the same host inputs, and keeps the same input batch. Only rank 0's results leave.
-Calls travel as pickles (trusted hosts of one job) over ZeroMQ: rank 0 binds a ROUTER on
-P + 1, each follower connects a DEALER.
+Its runner sends each call that runs on the devices to the other ranks first, which make the
+same call on their own runner (worker/multihost.py: `BroadcastRunner`, `run_follower`), so
+every rank runs the same programs in the same order on the same host inputs. This module is
+the channel the calls travel on: pickles (trusted hosts of one job) over ZeroMQ, rank 0
+binding a ROUTER on P + 1 (`Leader`), each follower connecting a DEALER (`FollowerChannel`).
 
 Failure: the call connection carries ZeroMQ's own heartbeats (every HEARTBEAT_S, answered by
 the peer's ZeroMQ I/O thread, so a rank busy compiling with the GIL held still answers), and
@@ -26,14 +24,12 @@ coordination service, hosted by rank 0, would end it too).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import zmq
@@ -46,10 +42,6 @@ HEARTBEAT_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0
 JOIN_TIMEOUT_S = 600.0  # followers load and compile as long as rank 0 does
 LEADER_GRACE_S = 2.0  # for a follower to read rank 0's last message after it disconnects
-# The runner calls that run programs on the devices (or decide what later ones run).
-BROADCAST_CALLS = frozenset(
-    {"initialize_kv_cache", "compile_all", "dispatch", "dispatch_sample", "fetch", "dummy_step"}
-)
 
 
 def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
@@ -75,13 +67,6 @@ def leave_cluster(timeout: float = 10.0) -> None:
     done = threading.Thread(target=jax.distributed.shutdown, daemon=True)
     done.start()
     done.join(timeout)
-
-
-class _StepRef:
-    """A PendingStep in a call message: the follower's own PendingStep of that step."""
-
-    def __init__(self, step: int):
-        self.step = step
 
 
 def _heartbeats(sock: zmq.Socket) -> None:
@@ -146,76 +131,35 @@ class Leader:
         leave_cluster()
 
 
-class BroadcastRunner:
-    """Rank 0's ModelRunner, seen through: every call in BROADCAST_CALLS goes to the followers
-    first (a PendingStep argument as the number of the step that made it), then runs here."""
+class FollowerChannel:
+    """A follower rank's end of the call channel: rank 0's calls, in order."""
 
-    def __init__(self, runner: Any, leader: Leader):
-        self._runner = runner
-        self._leader = leader
-        self._steps = itertools.count()
-        self._step_of: dict[int, int] = {}  # id(PendingStep) -> its step number
-        leader.wait_for_followers()
+    def __init__(self, rank: int, master_addr: str, master_port: int):
+        self.rank = rank
+        self.ctx = zmq.Context()
+        self.calls = self.ctx.socket(zmq.DEALER)
+        self.calls.setsockopt(zmq.IDENTITY, str(rank).encode())
+        _heartbeats(self.calls)
+        self.calls.connect(f"tcp://{master_addr}:{master_port + CALL_PORT_OFFSET}")
+        self.ending = threading.Event()  # rank 0 said "shutdown": its going away is no loss
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._runner, name)
-        if name not in BROADCAST_CALLS:
-            return value
+    def ready(self) -> None:
+        """Tell rank 0 this rank is loaded: from then on a lost rank 0 ends this process."""
+        self.calls.send(str(self.rank).encode())
+        _watch_disconnect(self.calls, self._lost_leader, "rank 0")
 
-        def call(*args, **kwargs):
-            from jaxserve.worker.model_runner import PendingStep
+    def recv(self) -> tuple:
+        """The next call: (name, args, kwargs, step); ("shutdown", ...) is rank 0's end."""
+        message = pickle.loads(self.calls.recv())
+        if message[0] == "shutdown":
+            self.ending.set()
+        return message
 
-            refs = tuple(
-                _StepRef(self._step_of.pop(id(a))) if isinstance(a, PendingStep) else a
-                for a in args
-            )
-            step = next(self._steps) if name in ("dispatch", "dispatch_sample") else None
-            self._leader.send((name, refs, kwargs, step))
-            result = value(*args, **kwargs)
-            if step is not None and result is not None:
-                self._step_of[id(result)] = step
-            return result
-
-        return call
-
-
-def run_follower(args: Any) -> int:
-    """A follower rank (`jaxserve serve --headless --node-rank R`, R > 0): join the cluster,
-    load the same model, then make every call rank 0 sends on its own runner until rank 0
-    ends (0) or is lost (1)."""
-    from jaxserve.engine.core import build_runner
-    from jaxserve.engine.startup import StartupTimeline
-
-    rank = args.node_rank
-    initialize(args.nnodes, rank, args.master_addr, args.master_port)
-    config = args.create_engine_config()
-    runner = build_runner(config, StartupTimeline())
-    ctx = zmq.Context()
-    calls = ctx.socket(zmq.DEALER)
-    calls.setsockopt(zmq.IDENTITY, str(rank).encode())
-    _heartbeats(calls)
-    calls.connect(f"tcp://{args.master_addr}:{args.master_port + CALL_PORT_OFFSET}")
-    calls.send(str(rank).encode())  # loaded: ready for calls
-    ending = threading.Event()  # rank 0 said "shutdown": its going away is no loss
-    _watch_disconnect(calls, lambda reason: _lost_leader(reason, ending), "rank 0")
-    pending: dict[int, Any] = {}
-    while True:
-        name, refs, kwargs, step = pickle.loads(calls.recv())
-        if name == "shutdown":
-            logger.info("rank 0 ended: follower rank %d exits", rank)
-            ending.set()
-            leave_cluster()
-            return 0
-        call_args = [pending.pop(a.step) if isinstance(a, _StepRef) else a for a in refs]
-        result = getattr(runner, name)(*call_args, **kwargs)
-        if step is not None and result is not None:
-            pending[step] = result
-
-
-def _lost_leader(reason: str, ending: threading.Event) -> None:
-    """Rank 0 is gone: exit (the main thread may be inside a collective), unless what closed
-    the connection was rank 0's clean end, whose "shutdown" the main thread is reading."""
-    if ending.wait(LEADER_GRACE_S):
-        return
-    logger.error("%s: the follower exits", reason)
-    os._exit(1)
+    def _lost_leader(self, reason: str) -> None:
+        """Rank 0 is gone: exit (the main thread may be inside a collective), unless what
+        closed the connection was rank 0's clean end, whose "shutdown" the main thread is
+        reading."""
+        if self.ending.wait(LEADER_GRACE_S):
+            return
+        logger.error("%s: the follower exits", reason)
+        os._exit(1)

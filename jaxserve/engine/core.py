@@ -14,81 +14,46 @@ surface.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 
 import jax
 import numpy as np
-from flax import nnx
 
-from jaxserve.benchmarks.simulated import SIMULATE_ENV, SimulatedRunner
 from jaxserve.config import EngineConfig
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.distributed.kv_transfer import create_connector
 from jaxserve.distributed.kv_transfer.base import BlockLayout, KVConnectorBase
-from jaxserve.distributed.multihost import BroadcastRunner, Leader
-from jaxserve.engine.startup import StartupTimeline
+from jaxserve.distributed.multihost import Leader
 from jaxserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
-from jaxserve.models.loader import load_model
+from jaxserve.startup import StartupTimeline
 from jaxserve.structured_output import StructuredOutputManager
-from jaxserve.worker.model_runner import (
-    ModelRunner,
-    PendingStep,
-    enable_persistent_compilation_cache,
-)
+from jaxserve.worker.build import build_runner
+from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.multihost import BroadcastRunner
+from jaxserve.worker.step_types import PendingStep
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_POLL_S = 0.005  # how long an idle step waits for a compiling grammar
 
 
-def build_runner(config: EngineConfig, timeline: StartupTimeline) -> ModelRunner:
-    """Load the weights (and a draft model's) and build the model runner, without a KV cache:
-    the engine core's first steps, and a multi-host follower rank's (distributed/multihost.py).
-    With $JAXSERVE_SIMULATED_STEP set, a runner that only simulates a device's step time
-    (jaxserve/benchmarks/simulated.py: benchmarks of the serving layers at scale)."""
-    if simulated := os.environ.get(SIMULATE_ENV):
-        return SimulatedRunner(config, simulated)
-    enable_persistent_compilation_cache()
-    with timeline.phase("load weights"):
-        loaded = load_model(
-            config.model_path,
-            dtype=config.model.dtype,
-            tensor_parallel_size=config.parallel.tensor_parallel_size,
-            load_tokenizer=False,
-            load_format=config.load_format,
-            quantization=config.model.quantization,
-            enable_expert_parallel=config.parallel.enable_expert_parallel,
-        )
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
-    logger.info(
-        "weights: %.1f MiB%s", weight_bytes / 2**20,
-        f" ({config.model.quantization} linear kernels)" if config.model.quantization else "",
-    )  # fmt: skip
-    draft = None
-    spec_method = config.speculative.method if config.speculative is not None else None
-    if spec_method in ("draft_model", "eagle", "eagle3"):
-        heads = {"eagle": "EagleLlamaForCausalLM", "eagle3": "Eagle3LlamaForCausalLM"}
-        with timeline.phase("load draft weights"):
-            draft = load_model(
-                config.speculative.model, dtype=config.model.dtype, mesh=loaded.mesh,
-                load_tokenizer=False, architecture=heads.get(spec_method),
-            )  # fmt: skip
-    with timeline.phase("model runner"):
-        return ModelRunner(loaded, config, draft)
-
-
 class EngineCore:
-    def __init__(self, config: EngineConfig, leader: Leader | None = None, engine_index: int = 0):
+    def __init__(
+        self, config: EngineConfig, leader: Leader | None = None, engine_index: int = 0,
+        runner: ModelRunner | None = None,
+    ):  # fmt: skip
         """leader: with a model spread over several hosts, the channel to the other ranks;
         every runner call that runs on the devices is then made on theirs too.
-        engine_index: the data-parallel rank (a KV connector's producer port is offset by it)."""
+        engine_index: the data-parallel rank (a KV connector's producer port is offset by it).
+        runner: one built already (worker/build.py::build_runner, e.g. with a compile_fn),
+        without its KV cache; by default the core builds it."""
         self.config = config
         self.timeline = timeline = StartupTimeline()
-        runner = build_runner(config, timeline)
+        if runner is None:
+            runner = build_runner(config, timeline)
         self.runner = runner if leader is None else BroadcastRunner(runner, leader)
         with timeline.phase("KV cache"):
             # Size the KV cache from what the weights left (compiling needs its shape); the
@@ -133,7 +98,7 @@ class EngineCore:
         runner = self.runner
         identity = f"{config.model_path}|{config.load_format}|{config.model.quantization}"
         layout = BlockLayout(
-            runner.kv_block_shape, np.dtype(runner.kv_dtype), f"{identity}|{config.seed}"
+            runner.kv.block_shape, np.dtype(runner.kv.dtype), f"{identity}|{config.seed}"
         )
         connector = create_connector(config.kv_transfer, layout, engine_index)
         runner.set_kv_connector(connector)
@@ -201,10 +166,10 @@ class EngineCore:
         bitmask: every step before it is processed, so its grammars are up to date."""
         if self.in_flight and self.in_flight[0][1].fetch is None:
             so, pending = self.in_flight[0]
-            drafts = pending.drafts or [[] for _ in pending.req_ids]
+            batch = pending.batch
             bitmask = self.scheduler.grammar_bitmask(
-                pending.req_ids, so.sampled_req_ids, pending.first_row, drafts,
-                len(pending.req_ids) + sum(map(len, drafts)),
+                batch.req_ids, so.sampled_req_ids, batch.first_row, batch.drafts,
+                int(batch.num_rows.sum()),
             )  # fmt: skip
             self.in_flight[0] = (so, self.runner.dispatch_sample(pending, bitmask))
 

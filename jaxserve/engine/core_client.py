@@ -30,7 +30,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.launch import EngineGroup, EngineGroupInfo, client_addresses, engine_identity
-from jaxserve.engine.startup import StartupTimeline
+from jaxserve.startup import StartupTimeline
 from jaxserve.ipc.messages import (
     ENGINE_CORE_DEAD,
     DPLoadState,
@@ -73,8 +73,9 @@ class EngineCoreClient(abc.ABC):
 
 
 class InprocClient(EngineCoreClient):
-    def __init__(self, config: EngineConfig):
-        self.engine_core = EngineCore(config)
+    def __init__(self, config: EngineConfig, engine_core: EngineCore | None = None):
+        """engine_core: one built already (e.g. over a runner with a compile_fn)."""
+        self.engine_core = engine_core if engine_core is not None else EngineCore(config)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -11,8 +11,7 @@ import msgspec
 
 from jaxserve.config import EngineConfig
 from jaxserve.ipc.messages import EngineCoreRequest
-from jaxserve.layers.sampler import MAX_BIAS_TOKENS
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_BIAS_TOKENS, SamplingParams
 from jaxserve.structured_output import validate_structured_outputs
 
 

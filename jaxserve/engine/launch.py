@@ -33,7 +33,7 @@ import zmq
 
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.coordinator import coordinator_addresses
-from jaxserve.engine.startup import StartupTimeline
+from jaxserve.startup import StartupTimeline
 
 HANDSHAKE_POLL_S = 1.0
 

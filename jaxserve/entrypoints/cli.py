@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
                 f"--node-rank {args.node_rank}{' --headless' * args.headless}: ranks above 0 run "
                 "no API server and need --headless; rank 0 runs the server"
             )
-        from jaxserve.distributed.multihost import run_follower
+        from jaxserve.worker.multihost import run_follower
 
         return run_follower(engine_args_from(args))
     from jaxserve.entrypoints.openai.api_server import run_server

@@ -42,12 +42,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _GREEDY_EPS = 1e-5  # same cut-off as SamplingParams.greedy
-# B of the sparse bias arrays: a request's logit_bias entries plus, while min_tokens is unmet,
-# its EOS and stop_token_ids (blocked with -inf) must fit.
-MAX_BIAS_TOKENS = 64
 _DRAW_BLOCK = 256  # tokens per block of the two-level inverse-CDF draw
 
 
@@ -70,23 +68,41 @@ class SamplerVariant(NamedTuple):
     @classmethod
     def of(cls, params: list) -> SamplerVariant:
         """The passes a batch of SamplingParams-like rows needs (every flag exact)."""
-        random = [p for p in params if p.temperature >= _GREEDY_EPS]
+        column = lambda name: np.array([getattr(p, name) for p in params])  # noqa: E731
+        return cls.of_rows(
+            column("temperature"), column("top_k"), column("top_p"), column("min_p"),
+            penalties=np.array([is_penalised(p) for p in params], bool),
+            bias=np.array([bool(p.logit_bias) for p in params], bool),
+            logprobs=np.array([p.logprobs is not None for p in params], bool),
+        )  # fmt: skip
+
+    @classmethod
+    def of_rows(
+        cls, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+        *, penalties: np.ndarray, bias: np.ndarray, logprobs: np.ndarray,
+    ) -> SamplerVariant:  # fmt: skip
+        """The passes N rows need, from their parameters as arrays ([N] each; the bool ones:
+        the row is penalised / has a logit bias now / asked for logprobs)."""
+        random = temperature >= _GREEDY_EPS
         return cls(
-            random=bool(random),
-            greedy=bool(random) and len(random) < len(params),
-            top_k=any(p.top_k > 0 for p in random),
-            top_p=any(p.top_p < 1.0 for p in random),
-            min_p=any(p.min_p > 0.0 for p in random),
-            penalties=any(
-                p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-                for p in params
-            ),
-            bias=any(p.logit_bias for p in params),  # the runner adds min_tokens' blocks
-            logprobs=any(p.logprobs is not None for p in params),
+            random=bool(random.any()),
+            greedy=bool(random.any() and not random.all()),
+            top_k=bool((random & (top_k > 0)).any()),
+            top_p=bool((random & (top_p < 1.0)).any()),
+            min_p=bool((random & (min_p > 0.0)).any()),
+            penalties=bool(penalties.any()),
+            bias=bool(bias.any()),  # the runner adds min_tokens' blocks
+            logprobs=bool(logprobs.any()),
         )
 
     def covers(self, other: SamplerVariant) -> bool:
         return all(mine or not theirs for mine, theirs in zip(self[:-1], other[:-1], strict=True))
+
+
+def is_penalised(params) -> bool:
+    return bool(params.presence_penalty or params.frequency_penalty) or (
+        params.repetition_penalty != 1.0
+    )
 
 
 # Compiled for every sequence bucket, cheapest first; a batch runs the first that covers it.

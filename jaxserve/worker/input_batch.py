@@ -1,34 +1,55 @@
 """Persistent host-side state of the requests the model runner holds (vLLM V1's InputBatch).
 
 Each request owns a row from the moment it is scheduled until it finishes or is preempted:
-its token ids (prompt + generated), block table and sampling parameters live in preallocated
-numpy arrays, so building a step's inputs is slicing and a few vectorised writes, never a
-rebuild from the scheduler's objects.
+its token ids (prompt + generated), block table and sampling parameters (as arrays,
+worker/sampling_rows.py) live in preallocated numpy arrays, so building a step's inputs is
+slicing and a few vectorised writes, never a rebuild from the scheduler's objects.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jaxserve.core.scheduler_output import NewRequestData
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.scheduler_output import NewRequestData, SchedulerOutput
+from jaxserve.worker.sampling_rows import SamplingRows
 
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
         self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
         self.req_id_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
-        self.params: list[SamplingParams | None] = [None] * max_num_reqs
-        self.eos_token_ids: list[int | None] = [None] * max_num_reqs
 
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int32)  # prompt + generated, known so far
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        # Tokens whose KV is computed, as the scheduler said in the latest step (where that
+        # step's tokens start).
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
+        self.sampling = SamplingRows(max_num_reqs)
 
-    def add_request(self, new: NewRequestData, eos_token_id: int | None) -> int:
+    def update(self, so: SchedulerOutput) -> list[int]:
+        """Apply a step's scheduler output: drop finished and preempted requests, add the new
+        (or resumed) ones, append the running ones' new blocks. Returns the rows of the added
+        requests whose penalty state must be filled from their tokens (penalised ones)."""
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.remove_request(req_id)
+        penalised = []
+        for new in so.scheduled_new_reqs:
+            row = self.add_request(new)
+            self.num_computed_tokens[row] = new.num_computed_tokens
+            if self.sampling.penalised[row]:
+                penalised.append(row)
+        for cached in so.scheduled_cached_reqs:
+            row = self.req_id_to_row[cached.req_id]
+            self.append_blocks(row, cached.new_block_ids)
+            self.num_computed_tokens[row] = cached.num_computed_tokens
+        return penalised
+
+    def add_request(self, new: NewRequestData) -> int:
         if not self.free_rows:
             raise RuntimeError(f"input batch is full ({self.max_num_reqs} requests)")
         row = self.free_rows.pop()
@@ -39,14 +60,12 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
-        self.params[row] = new.sampling_params
-        self.eos_token_ids[row] = eos_token_id
+        self.sampling.add(row, new.sampling_params, new.eos_token_id)
         return row
 
     def remove_request(self, req_id: str) -> None:
         row = self.req_id_to_row.pop(req_id, None)
         if row is not None:
-            self.params[row] = None
             self.free_rows.append(row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
@@ -54,5 +73,7 @@ class InputBatch:
         self.block_table[row, n : n + len(block_ids)] = block_ids
         self.num_blocks[row] = n + len(block_ids)
 
-    def num_output_tokens(self, row: int) -> int:
-        return int(self.num_tokens[row] - self.num_prompt_tokens[row])
+    def holds(self, req_id: str, row: int) -> bool:
+        """Whether `row` still belongs to `req_id` (a row freed by a finished request may have
+        gone to another one while a step of the first was in flight)."""
+        return self.req_id_to_row.get(req_id) == row

@@ -9,9 +9,19 @@ block 0: a gather reads it for nothing, a scatter writes zeros into it (nothing 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.distributed.mesh import TP_AXIS
+from jaxserve.distributed.sharding import put
+from jaxserve.worker.buckets import bucket
 
 MAX_BLOCKS_PER_COPY = 32
 
@@ -50,8 +60,59 @@ def chunks(block_ids: list[int], buckets: list[int]) -> list[tuple[np.ndarray, i
     out = []
     for start in range(0, len(block_ids), buckets[-1]):
         part = block_ids[start : start + buckets[-1]]
-        n = next(b for b in buckets if b >= len(part))
+        n = bucket(buckets, len(part))
         ids = np.zeros(n, np.int32)
         ids[: len(part)] = part
         out.append((ids, start, len(part)))
     return out
+
+
+class KVBlockCopier:
+    """A KV connector's block copies for one runner: a jitted gather and scatter per
+    block-count bucket, lowered with the step executables (`lowerings`) and run from the
+    registry while serving."""
+
+    def __init__(self, spec, max_blocks_per_req: int):
+        """spec: the runner's KVCacheSpec (worker/kv_cache.py)."""
+        self.spec = spec
+        self.buckets = copy_buckets(max_blocks_per_req)
+        n_layers = spec.config.num_layers
+        self._gather = jax.jit(functools.partial(gather_blocks, num_layers=n_layers))
+        self._scatter = jax.jit(
+            functools.partial(scatter_blocks, num_layers=n_layers),
+            donate_argnums=(0,), out_shardings=(spec.sharding,) * 2,
+        )  # fmt: skip
+        self.blocks_sharding = NamedSharding(spec.mesh, P(None, None, None, None, TP_AXIS))
+
+    def lowerings(self, kv) -> dict[tuple, Callable[[], Any]]:
+        """kv: the cache's (K, V) as ShapeDtypeStructs."""
+        out: dict[tuple, Callable[[], Any]] = {}
+        for n in self.buckets:
+            ids = np.zeros(n, np.int32)
+            blocks = jax.ShapeDtypeStruct(
+                (n, *self.spec.block_shape), self.spec.dtype, sharding=self.blocks_sharding
+            )
+            out["kv_gather", n] = functools.partial(self._gather.lower, kv, ids)
+            out["kv_scatter", n] = functools.partial(self._scatter.lower, kv, ids, blocks)
+        return out
+
+    def load(self, executables, kv_caches, loads: list[tuple[int, np.ndarray]]):
+        """Scatter host blocks (block id, [2, L, bs, H, hd]) into the cache (before the step's
+        forward reads them); returns the new (K, V)."""
+        block_ids = [b for b, _ in loads]
+        for ids, start, n in chunks(block_ids, self.buckets):
+            data = np.zeros((len(ids), *self.spec.block_shape), self.spec.dtype)
+            data[:n] = np.stack([blk for _, blk in loads[start : start + n]])
+            kv_caches = executables["kv_scatter", len(ids)](
+                kv_caches, ids, put(data, self.blocks_sharding)
+            )
+        return kv_caches
+
+    def gather(self, executables, kv_caches, block_ids: list[int]) -> list[tuple[jax.Array, int]]:
+        """Start copying blocks out of the cache: (device array, real count) per chunk."""
+        out = []
+        for ids, _, n in chunks(block_ids, self.buckets):
+            blocks = executables["kv_gather", len(ids)](kv_caches, ids)
+            blocks.copy_to_host_async()
+            out.append((blocks, n))
+        return out

@@ -12,7 +12,7 @@ from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import kv_block_io
-from jaxserve.worker.model_runner import num_compilations
+from jaxserve.worker.executables import num_compilations
 from tests.helpers import engines_in_process, make_tiny_hf
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,

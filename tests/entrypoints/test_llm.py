@@ -5,7 +5,7 @@ import torch
 
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from jaxserve.worker.model_runner import num_compilations
+from jaxserve.worker.executables import num_compilations
 from tests.helpers import drain_engine, engines_in_process, hf_default_model
 
 pytestmark = pytest.mark.slow

@@ -12,9 +12,9 @@ from flax import nnx
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.layers.attention import Attention
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.worker.model_runner import num_compilations
+from jaxserve.worker.executables import ExecutableRegistry, num_compilations
 from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
-from tests.helpers import make_tiny_hf
+from tests.helpers import drain_engine, engine_with_registry, make_tiny_hf
 
 # head_dim 16 (the kernel's smallest dot), GQA group 4.
 SHAPE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2)
@@ -55,28 +55,43 @@ def _runner(llm):
 
 # 1: the kernel called directly; 4: per device under shard_map, the 2 KV heads replicated, one
 # per device (tp 2, whole KV heads per device under the same shard_map, adds no path).
+class UsedExecutables(ExecutableRegistry):
+    """A registry that records the name of every executable serving looks up."""
+
+    def __init__(self):
+        super().__init__()
+        self.used: set[tuple] = set()
+
+    def __getitem__(self, name: tuple):
+        self.used.add(name)
+        return super().__getitem__(name)
+
+
 @pytest.mark.parametrize("tp", [1, 4])
 def test_pallas_backend_gives_the_reference_tokens(model_dir, reference, tp):
     if len(jax.devices()) < tp:
         pytest.skip(f"tensor_parallel_size={tp} needs {tp} devices")
-    llm = LLM(model_dir, attention_backend="pallas", tensor_parallel_size=tp, **ENGINE)
-    runner = _runner(llm)
+    registry = UsedExecutables()
+    engine = engine_with_registry(
+        model_dir, registry, attention_backend="pallas", tensor_parallel_size=tp, **ENGINE
+    )
+    runner = engine.engine_core.engine_core.runner
     modules = [m for _, m in nnx.iter_graph(runner.model)]
     assert {m.backend for m in modules if isinstance(m, Attention)} == {"pallas"}
     # Token buckets 1..16; a decode step has at most max_num_seqs = 4 tokens.
-    forwards = {key[1:]: c for key, c in runner._compiled.items() if key[0] == "forward"}
+    forwards = {key[1:]: c for key, c in registry.items() if key[0] == "forward"}
     assert sorted(forwards) == [(1, True), (2, False), (2, True), (4, False), (4, True),
                                 (8, False), (16, False)]  # fmt: skip
     for (t, decode_only), c in forwards.items():
         text = c.as_text()
         assert "ragged_paged_attention_decode" in text, t  # single-token sequences
         assert ("ragged_paged_attention_mixed" in text) != decode_only, t
-    used = set()
-    executable = runner._executable
-    runner._executable = lambda *key: used.add(key) or executable(*key)
     compiled = num_compilations()
-    got = llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)  # 2nd round: prefix-cache hits
-    assert {key[2] for key in used if key[0] == "forward"} == {True, False}
+    for i, prompt in enumerate(PROMPTS * 2):  # 2nd round: prefix-cache hits
+        engine.add_request(str(i), prompt, PARAMS)
+    finished = drain_engine(engine)
+    got = [finished[str(i)] for i in range(len(PROMPTS) * 2)]
+    assert {key[2] for key in registry.used if key[0] == "forward"} == {True, False}
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in reference]
     for g, w in zip(got, reference, strict=True):
         assert g.outputs[0].cumulative_logprob == pytest.approx(
@@ -97,7 +112,7 @@ def test_cpu_backend_gives_the_reference_tokens(model_dir, reference, tp):
     runner = _runner(llm)
     modules = [m for _, m in nnx.iter_graph(runner.model)]
     assert {m.backend for m in modules if isinstance(m, Attention)} == {"cpu"}
-    forwards = [c for key, c in runner._compiled.items() if key[0] == "forward"]
+    forwards = [c for key, c in runner.executables.items() if key[0] == "forward"]
     assert forwards and all("jaxserve_paged_attention_decode" in c.as_text() for c in forwards)
     compiled = num_compilations()
     got = llm.generate(PROMPTS * 2, PARAMS, use_tqdm=False)

@@ -16,11 +16,13 @@ import time
 import jax
 import pytest
 
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import executable_cache
-from jaxserve.worker.model_runner import num_compilations
-from tests.helpers import make_tiny_hf
+from jaxserve.worker.buckets import bucket
+from jaxserve.worker.executables import ExecutableRegistry, num_compilations
+from tests.helpers import engine_with_registry, generate_ids, make_tiny_hf
 
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8,
               num_gpu_blocks_override=16)  # fmt: skip
@@ -46,8 +48,13 @@ def first(model_dir, cache_dir):
     return start(model_dir)
 
 
-def generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
-    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 11, 3], [7, 7, 2, 30, 31, 4, 18, 2, 6])]
+PROMPTS = ([5, 9, 11, 3], [7, 7, 2, 30, 31, 4, 18, 2, 6])
+
+
+def generate(llm: LLM | LLMEngine, params: SamplingParams) -> list[list[int]]:
+    if isinstance(llm, LLMEngine):
+        return generate_ids(llm, list(PROMPTS), params)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -66,14 +73,14 @@ def test_a_second_start_loads_every_executable_and_gives_the_same_tokens(
     model_dir, cache_dir, first, caplog
 ):
     first, compiled = first
-    steps = len(runner(first)._compiled)
+    steps = len(runner(first).executables.names())
     assert compiled >= steps > 0  # + a few small start-up jits (KV cache, penalty state)
     assert len(list((cache_dir / "executables").glob("*.pkl"))) == 1
-    with caplog.at_level(logging.INFO, "jaxserve.worker.model_runner"):
+    with caplog.at_level(logging.INFO, "jaxserve.worker.executables"):
         second, compiled_again = start(model_dir)
     assert f"loaded {steps} step shapes" in caplog.text
     assert compiled_again <= compiled - steps  # no step executable compiled
-    assert set(runner(second)._compiled) == set(runner(first)._compiled)
+    assert set(runner(second).executables.names()) == set(runner(first).executables.names())
     serving = num_compilations()
     sampled = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, logprobs=2)
     for params in (SamplingParams(temperature=0, max_tokens=12), sampled):
@@ -86,30 +93,30 @@ def test_a_different_flag_model_file_jax_or_source_is_a_different_signature(
 ):
     runner_ = runner(first[0])
     config = runner_.engine_config
-    key = runner_._executables_key()
-    assert runner_._executables_key() == key  # deterministic
+    key = runner_.executables_key()
+    assert runner_.executables_key() == key  # deterministic
     runner_.engine_config = dataclasses.replace(
         runner_.engine_config, max_logprobs=runner_.engine_config.max_logprobs + 1
     )
-    assert runner_._executables_key() != key
+    assert runner_.executables_key() != key
     runner_.engine_config = config
     weights = next(model_dir.glob("*.safetensors"))
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # rewritten in place
     try:
-        assert runner_._executables_key() != key
+        assert runner_.executables_key() != key
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert runner_._executables_key() == key
+    assert runner_.executables_key() == key
     with monkeypatch.context() as m:
         m.setattr(jax, "__version__", "0.0.1")
-        assert runner_._executables_key() != key
+        assert runner_.executables_key() != key
     with monkeypatch.context() as m:
         m.setattr(executable_cache, "source_digest", lambda: "edited")
-        assert runner_._executables_key() != key
+        assert runner_.executables_key() != key
     with monkeypatch.context() as m:
         m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
-        assert runner_._executables_key() != key
+        assert runner_.executables_key() != key
 
 
 def test_an_unreadable_file_is_ignored_and_compiled_over(model_dir, cache_dir, first, caplog):
@@ -118,7 +125,7 @@ def test_an_unreadable_file_is_ignored_and_compiled_over(model_dir, cache_dir, f
     path.write_bytes(path.read_bytes()[:1000])  # truncated
     with caplog.at_level(logging.INFO):
         again, _ = start(model_dir)
-    assert f"compiled {len(runner(again)._compiled)} step shapes" in caplog.text
+    assert f"compiled {len(runner(again).executables.names())} step shapes" in caplog.text
     assert "ignoring the saved executables" in caplog.text
     params = SamplingParams(temperature=0, max_tokens=8)
     assert generate(again, params) == generate(llm, params)
@@ -179,31 +186,24 @@ def test_background_compile_serves_at_once_without_compiling_then_saves_all(
     variant, and nothing compiles on the serving path. The same tokens as a start that
     compiled everything. What is compiled is saved at once (a stopped start keeps it), every
     shape once all are in, and a second start loads them."""
-    from jaxserve.worker.model_runner import ModelRunner
-
     gate = threading.Event()
-    lowerings = ModelRunner._lowerings
 
-    def gated(self):  # the background thread lowers nothing until the gate opens
-        def hold(lower):
-            def wait_then_lower():
-                if threading.current_thread().name == "compile":
-                    assert gate.wait(120)
-                return lower()
+    def gated(name, lower):  # the background thread compiles nothing until the gate opens
+        if threading.current_thread().name == "compile":
+            assert gate.wait(120)
+        return lower().compile()
 
-            return wait_then_lower
-
-        return {name: hold(lower) for name, lower in lowerings(self).items()}
-
-    monkeypatch.setattr(ModelRunner, "_lowerings", gated)
     config = dict(max_num_seqs=8, max_num_batched_tokens=16, background_compile=True)
-    llm, _ = start(model_dir, **config)
-    r = runner(llm)
-    all_shapes = set(gated(r))
+    before = num_compilations()
+    engine = engine_with_registry(model_dir, ExecutableRegistry(gated), **{**ENGINE, **config})
+    assert num_compilations() > before
+    r = engine.engine_core.engine_core.runner
+    all_shapes = set(r.lowerings())
     # token buckets 1, 4 and max_num_seqs' 8 are in: a 2-token step pads to 4, 16 waits
-    assert r.compiling and r.max_step_tokens() == 8 and r._ready_token_bucket(2) == 4
+    assert r.executables.compiling and r.max_step_tokens() == 8
+    assert bucket(r.ready_token_buckets(), 2) == 4
     later = {("forward", 2, False), ("forward", 16, False), ("prompt_logprobs", 2)}
-    assert later.isdisjoint(r._compiled) and later < all_shapes
+    assert later.isdisjoint(r.executables.names()) and later < all_shapes
     steps = []
     dispatch = r.dispatch
     monkeypatch.setattr(
@@ -212,28 +212,28 @@ def test_background_compile_serves_at_once_without_compiling_then_saves_all(
     serving = num_compilations()
     sampled = SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, logprobs=2)
     for params in (SamplingParams(temperature=0, max_tokens=12), sampled):
-        assert generate(llm, params) == generate(first[0], params)
+        assert generate(engine, params) == generate(first[0], params)
     assert num_compilations() == serving and max(steps) == 8  # a 9-token prompt: 8 + 1
 
     for _ in range(600):  # what a start stopped now would keep: the shapes it has compiled
-        partial = executable_cache.read(str(cache_dir), r._executables_key())
+        partial = executable_cache.read(str(cache_dir), r.executables_key())
         if partial:
             break
         time.sleep(0.1)
-    assert partial is not None and set(partial) == set(r._compiled) != all_shapes
+    assert partial is not None and set(partial) == r.executables.names() != all_shapes
 
     gate.set()
-    assert r.wait_compiled(300) and set(r._compiled) == all_shapes
-    assert r.max_step_tokens() == 16 and r._ready_token_bucket(2) == 2
+    assert r.wait_compiled(300) and r.executables.names() == all_shapes
+    assert r.max_step_tokens() == 16 and bucket(r.ready_token_buckets(), 2) == 2
     steps.clear()
-    assert generate(llm, SamplingParams(temperature=0, max_tokens=4)) == [
+    assert generate(engine, SamplingParams(temperature=0, max_tokens=4)) == [
         t[:4] for t in generate(first[0], SamplingParams(temperature=0, max_tokens=4))
     ]
     assert max(steps) > 8
-    saved = executable_cache.read(str(cache_dir), r._executables_key())
+    saved = executable_cache.read(str(cache_dir), r.executables_key())
     assert saved is not None and set(saved) == all_shapes
 
     again, compiled = start(model_dir, **config)
-    assert runner(again).wait_compiled(300) and set(runner(again)._compiled) == all_shapes
+    assert runner(again).wait_compiled(300) and set(runner(again).executables.names()) == all_shapes
     assert compiled < len(all_shapes)  # loaded, not compiled
     assert generate(again, sampled) == generate(first[0], sampled)

@@ -116,8 +116,8 @@ def runner(request, tmp_path_factory):
 def test_forward_reads_weights_and_kv_cache_in_place(runner):
     table = runner.model.embed_tokens.embedding[...]
     lookup = f"params[{next(i for i, p in enumerate(runner.params) if p is table)}]"
-    forwards = {key: c for key, c in runner._compiled.items() if key[0] == "forward"}
-    assert sorted(forwards) == [("forward", t, False) for t in runner.token_buckets]
+    forwards = {key: c for key, c in runner.executables.items() if key[0] == "forward"}
+    assert sorted(forwards) == [("forward", t, False) for t in runner.buckets.tokens]
     for key, compiled in forwards.items():
         found = copies_of(
             compiled.as_text(), lambda name: name.startswith(("params[", "kv_caches[")),
@@ -127,6 +127,6 @@ def test_forward_reads_weights_and_kv_cache_in_place(runner):
 
 
 def test_sampling_reads_the_lm_head_in_place(runner):
-    for key, compiled in runner._compiled.items():
+    for key, compiled in runner.executables.items():
         if key[0] == "sample":
             assert copies_of(compiled.as_text(), lambda name: name == "head") == [], key

@@ -18,7 +18,8 @@ own over a draft vocabulary, mapped to target ids).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -31,31 +32,24 @@ from jaxserve.distributed.sharding import put
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models.eagle import Eagle3LlamaForCausalLM
 from jaxserve.models.loader import LoadedModel
-from jaxserve.spec_decode.draft_model import DraftModelProposer
+from jaxserve.worker.buckets import bucket
+from jaxserve.worker.spec_decode.draft_model import DraftModelProposer, shapes
 
 if TYPE_CHECKING:
     from jaxserve.worker.input_batch import InputBatch
-    from jaxserve.worker.model_runner import ForwardInputs
+    from jaxserve.worker.step_types import StepBatch
 
 
-class StepRows(NamedTuple):
-    """What a dispatched target forward leaves for drafting: its hidden states and, per
-    request, which sampling rows hold which positions."""
-
-    req_ids: list[str]
-    hidden: jax.Array  # [T, F] every token's feature (EAGLE-1: its final hidden state)
-    rows_hidden: jax.Array  # [R, F] the sampling rows' (the forward's last_hidden's rows)
-    first_row: np.ndarray  # i32[num_reqs] each request's first sampling row
-    first_row_pos: np.ndarray  # i32[num_reqs] the position that row's hidden state is at
-    num_rows: np.ndarray  # i32[num_reqs] its rows (1 + its drafts), consecutive positions
-
-    def rows_by_request(self) -> dict[str, tuple[int, int, int]]:
-        return {
-            r: (int(f), int(p), int(n))
-            for r, f, p, n in zip(
-                self.req_ids, self.first_row, self.first_row_pos, self.num_rows, strict=True
-            )  # fmt: skip
-        }
+def rows_by_request(batch: StepBatch) -> dict[str, tuple[int, int, int]]:
+    """Each request's (first sampling row, the position that row's hidden state is at,
+    number of rows: 1 + its drafts, at consecutive positions) in a step."""
+    first_pos = batch.start + batch.num_scheduled - batch.num_rows
+    return {
+        r: (int(f), int(p), int(n))
+        for r, f, p, n in zip(
+            batch.req_ids, batch.first_row, first_pos, batch.num_rows, strict=True
+        )
+    }
 
 
 class EagleProposer(DraftModelProposer):
@@ -123,30 +117,33 @@ class EagleProposer(DraftModelProposer):
         return drafts.T, kv_caches
 
     # ------------------------------------------------------------------ start-up
-    def lower_all(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
-        lowered = {}
+    def lowerings(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
+        out = {}
         d = self.feature_width
         dtype = self.embedding.dtype
         rep = self._replicated
         rows = jax.ShapeDtypeStruct((self.max_sample_rows, d), dtype, sharding=rep)
+        kv = shapes(self.kv_caches)
         for (t, decode_only), inputs in padding_forwards.items():
             hidden = jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)
-            lowered["draft_mirror", t, decode_only] = self._mirror.lower(
-                self.params, self.kv_caches, self.embedding, hidden, rows, inputs.input_ids,
-                inputs.positions, inputs.input_ids, inputs.attn,
+            out["draft_mirror", t, decode_only] = functools.partial(
+                self._mirror.lower, self.params, kv, self.embedding, hidden, rows,
+                inputs.input_ids, inputs.positions, inputs.input_ids, inputs.attn,
             )  # fmt: skip
         for s in seq_buckets:
             zeros = np.zeros(s, np.int32)
-            lowered["draft_propose", s] = self._propose.lower(
-                self.params, self.kv_caches, self.embedding, self.lm_head, rows, zeros, zeros,
-                zeros, np.zeros((s, max_blocks), np.int32), np.full((self.k, s), -1, np.int32),
-                np.zeros(1, np.int32),
+            out["draft_propose", s] = functools.partial(
+                self._propose.lower, self.params, kv, self.embedding, self.lm_head, rows, zeros,
+                zeros, zeros, np.zeros((s, max_blocks), np.int32),
+                np.full((self.k, s), -1, np.int32), np.zeros(1, np.int32),
             )  # fmt: skip
-        return lowered
+        return out
 
     # ------------------------------------------------------------------ a serving step
-    def mirror(self, t: int, inputs: ForwardInputs, step: StepRows) -> None:
-        """Write the head's entries for the target forward at token bucket t."""
+    def mirror(self, batch: StepBatch, features: jax.Array, feature_rows: jax.Array) -> None:
+        """Write the head's entries for a dispatched target forward (features [T, F]: every
+        token's; feature_rows [R, F]: the sampling rows')."""
+        t, inputs = batch.num_tokens, batch.forward
         md = inputs.attn
         num_seqs = int(md.num_seqs[0])
         qsl = np.asarray(md.query_start_loc)
@@ -162,7 +159,7 @@ class EagleProposer(DraftModelProposer):
         feature_idx = np.zeros(t, np.int32)
         feature_idx[1:n] = np.arange(n - 1)
         prev_hidden, prev = self._rows if self._rows is not None else (None, {})
-        for i, req_id in enumerate(step.req_ids):
+        for i, req_id in enumerate(batch.req_ids):
             q, pos = int(qsl[i]), int(positions[qsl[i]]) - 1
             entry_slots[q] = -1
             row = _row_at(prev.get(req_id), pos)
@@ -178,12 +175,12 @@ class EagleProposer(DraftModelProposer):
             slot_mapping=entry_slots,
             kv_lens=np.maximum(np.asarray(md.kv_lens) - 1, 0),
         )
-        self.kv_caches = self._compiled["draft_mirror", t, md.decode_only](
-            self.params, self.kv_caches, self.embedding, step.hidden, prev_hidden,
+        self.kv_caches = self._executables["draft_mirror", t, md.decode_only](
+            self.params, self.kv_caches, self.embedding, features, prev_hidden,
             np.asarray(inputs.input_ids).clip(0), np.maximum(positions - 1, 0), feature_idx,
             entry_md,
         )  # fmt: skip
-        self._rows = (step.rows_hidden, step.rows_by_request())
+        self._rows = (feature_rows, rows_by_request(batch))
 
     def propose_rows(
         self, ib: InputBatch, rows: np.ndarray, sample_rows: np.ndarray
@@ -193,7 +190,7 @@ class EagleProposer(DraftModelProposer):
         n = len(rows)
         if not n:
             return []
-        s = next(b for b in self.seq_buckets if b >= n)
+        s = bucket(self.seq_buckets, n)
         positions = ib.num_tokens[rows] - 2  # the kept token's entry: one before it
         tokens = ib.token_ids[rows, positions + 1]
         block_tables = ib.block_table[rows]
@@ -203,7 +200,7 @@ class EagleProposer(DraftModelProposer):
         ids = np.take_along_axis(block_tables.T, block, axis=0)
         slots = np.where(pos // bs < ib.num_blocks[rows][None, :], ids * bs + pos % bs, -1)
         pad = (0, s - n)
-        drafts, self.kv_caches = self._compiled["draft_propose", s](
+        drafts, self.kv_caches = self._executables["draft_propose", s](
             self.params, self.kv_caches, self.embedding, self.lm_head, self._rows[0],
             np.pad(tokens, pad), np.pad(positions, pad), np.pad(sample_rows, pad),
             np.pad(block_tables, (pad, (0, 0))), np.pad(slots, ((0, 0), pad), constant_values=-1),

@@ -5,7 +5,7 @@ import pytest
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.spec_decode import NgramProposer
+from jaxserve.worker.spec_decode.ngram_proposer import NgramProposer
 
 
 @pytest.mark.parametrize(

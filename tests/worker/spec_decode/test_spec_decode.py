@@ -6,7 +6,7 @@ import pytest
 
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxserve.worker.model_runner import num_compilations
+from jaxserve.worker.executables import num_compilations
 from tests.helpers import engines_in_process
 
 TEXT = (

@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from jaxserve.worker.spec_decode.proposer import Proposer
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     """Drafts up to k tokens from a request's own tokens, on the host (no device work).
 
     For n from max_n down to min_n: if the last n tokens occurred earlier, the draft is what
@@ -15,8 +17,7 @@ class NgramProposer:
 
     def __init__(self, k: int, min_n: int, max_n: int):
         self.k, self.min_n, self.max_n = k, min_n, max_n
-
-    needs_kv_cache = False
+        self.num_speculative_tokens = k
 
     def propose_rows(self, ib, rows: np.ndarray, sample_rows=None) -> list[list[int]]:
         """Drafts for the InputBatch's `rows`, each from its own tokens."""

@@ -10,7 +10,7 @@ from scipy.stats import chi2_contingency
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.helpers import make_tiny_hf
-from tests.spec_decode.test_spec_decode import AcceptCounter, core, token_ids
+from tests.worker.spec_decode.test_spec_decode import AcceptCounter, core, token_ids
 
 
 @pytest.fixture(autouse=True)

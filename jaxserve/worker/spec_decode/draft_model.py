@@ -12,6 +12,7 @@ Greedy drafts are single tokens, so the runner's acceptance rule stays exact.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -25,20 +26,27 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.layers.attention import AttentionMetadata, configure_attention
 from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.models.loader import LoadedModel
+from jaxserve.worker.buckets import bucket
+from jaxserve.worker.spec_decode.proposer import Proposer
 
 if TYPE_CHECKING:
     from jaxserve.worker.input_batch import InputBatch
-    from jaxserve.worker.model_runner import ForwardInputs
+    from jaxserve.worker.step_types import ForwardInputs, StepBatch
 
 
-class DraftModelProposer:
-    needs_kv_cache = True
+def shapes(tree: Any) -> Any:
+    """`tree`'s arrays as ShapeDtypeStructs with their shardings: what a lowering that may run
+    later (in compile_all's background thread) captures instead of arrays a step donates."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
+
+class DraftModelProposer(Proposer):
     def __init__(
         self, loaded: LoadedModel, k: int, attention_backend: str, kv_sharding,
         block_size: int, seq_buckets: list[int],
     ):  # fmt: skip
         self.k, self.block_size, self.seq_buckets = k, block_size, seq_buckets
+        self.num_speculative_tokens = k
         self.config = loaded.config
         self.mesh = loaded.mesh
         configure_attention(loaded.model, attention_backend, self.mesh)
@@ -53,7 +61,7 @@ class DraftModelProposer:
             self._propose_fn, donate_argnums=(1,), out_shardings=(rep, kv_sharding)
         )
         self.kv_caches: tuple[jax.Array, jax.Array] | None = None
-        self._compiled: dict[tuple, Any] = {}
+        self._executables: Any = {}  # the runner's ExecutableRegistry, once compiled
 
     def _model(self, params):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
@@ -87,10 +95,10 @@ class DraftModelProposer:
         return drafts.T, kv_caches
 
     # ------------------------------------------------------------------ start-up
-    def kv_bytes_per_block(self, block_size: int, kv_dtype: Any) -> int:
+    def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.config
         kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
-        return 2 * c.num_layers * block_size * kv_heads * c.head_dim * jnp.dtype(kv_dtype).itemsize
+        return 2 * c.num_layers * block_size * kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
@@ -98,30 +106,34 @@ class DraftModelProposer:
         zeros = jax.jit(lambda: jnp.zeros(shape, c.dtype), out_shardings=self._kv_sharding)
         self.kv_caches = (zeros(), zeros())
 
-    def lower_all(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
-        """Lowered mirrors (one per forward of the runner's: {(token bucket, decode_only):
-        its padding inputs}) and proposal loops (one per sequence bucket), for the runner to
-        compile with its own."""
-        lowered = {}
+    def lowerings(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
+        """Mirrors (one per forward of the runner's: {(token bucket, decode_only): its padding
+        inputs}) and proposal loops (one per sequence bucket), for the runner to compile with
+        its own."""
+        out = {}
+        kv = shapes(self.kv_caches)
         for (t, decode_only), inputs in padding_forwards.items():
-            lowered["draft_mirror", t, decode_only] = self._mirror.lower(
-                self.params, self.kv_caches, inputs
+            out["draft_mirror", t, decode_only] = functools.partial(
+                self._mirror.lower, self.params, kv, inputs
             )
         for s in seq_buckets:
             zeros = np.zeros(s, np.int32)
-            lowered["draft_propose", s] = self._propose.lower(
-                self.params, self.kv_caches, zeros, zeros, np.zeros((s, max_blocks), np.int32),
-                np.full((self.k, s), -1, np.int32), np.zeros(1, np.int32),
+            out["draft_propose", s] = functools.partial(
+                self._propose.lower, self.params, kv, zeros, zeros,
+                np.zeros((s, max_blocks), np.int32), np.full((self.k, s), -1, np.int32),
+                np.zeros(1, np.int32),
             )  # fmt: skip
-        return lowered
+        return out
 
-    def set_compiled(self, compiled: dict) -> None:
-        self._compiled = compiled
+    def set_executables(self, executables) -> None:
+        self._executables = executables
 
     # ------------------------------------------------------------------ a serving step
-    def mirror(self, t: int, inputs: ForwardInputs, step=None) -> None:
-        """The target's forward inputs at token bucket t (decode-only or not, as the target's)."""
-        mirror = self._compiled["draft_mirror", t, inputs.attn.decode_only]
+    def mirror(self, batch: StepBatch, features=None, feature_rows=None) -> None:
+        """The target's forward inputs through the draft (decode-only or not, as the
+        target's)."""
+        inputs = batch.forward
+        mirror = self._executables["draft_mirror", batch.num_tokens, inputs.attn.decode_only]
         self.kv_caches = mirror(self.params, self.kv_caches, inputs)
 
     def propose_rows(self, ib: InputBatch, rows: np.ndarray, sample_rows=None) -> list[list[int]]:
@@ -130,7 +142,7 @@ class DraftModelProposer:
         n = len(rows)
         if not n:
             return []
-        s = next(b for b in self.seq_buckets if b >= n)
+        s = bucket(self.seq_buckets, n)
         positions = ib.num_tokens[rows] - 1
         tokens = ib.token_ids[rows, positions]
         block_tables = ib.block_table[rows]
@@ -141,7 +153,7 @@ class DraftModelProposer:
         # Lookahead blocks were allocated up to max_model_len; past them nothing is written.
         slots = np.where(pos // bs < ib.num_blocks[rows][None, :], ids * bs + pos % bs, -1)
         pad = (0, s - n)
-        drafts, self.kv_caches = self._compiled["draft_propose", s](
+        drafts, self.kv_caches = self._executables["draft_propose", s](
             self.params, self.kv_caches, np.pad(tokens, pad), np.pad(positions, pad),
             np.pad(block_tables, (pad, (0, 0))), np.pad(slots, ((0, 0), pad), constant_values=-1),
             np.array([n], np.int32),

@@ -6,7 +6,7 @@ cannot hold (benchmarks/bench_dp_scale.py): each step takes the time a cost mode
 one step at a time as on a device, and samples random tokens; everything else (scheduler, KV
 block manager, engine core processes, ZeroMQ, the DP coordinator and load balancer, the
 frontend) is the real thing. The engine core builds it instead of the real runner when
-$JAXSERVE_SIMULATED_STEP is "BASE_MS,PER_TOKEN_MS" (engine/core.py::build_runner); the model
+$JAXSERVE_SIMULATED_STEP is "BASE_MS,PER_TOKEN_MS" (worker/build.py::build_runner); the model
 is only read for its configuration (e.g. `--load-format dummy` with a preset).
 """
 

@@ -14,7 +14,7 @@ from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.helpers import TINY, hf_model, make_tiny_hf
-from tests.spec_decode.test_spec_decode import AcceptCounter, core, token_ids
+from tests.worker.spec_decode.test_spec_decode import AcceptCounter, core, token_ids
 
 K = 3
 

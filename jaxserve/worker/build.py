@@ -1,0 +1,87 @@
+"""Start-up's first steps on the devices: load the weights (and a draft model's), make the
+proposer speculative decoding asks for, and build the model runner, without a KV cache. The
+engine core calls it (engine/core.py), and so does every multi-host follower rank
+(worker/multihost.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+from flax import nnx
+
+from jaxserve import envs
+from jaxserve.config import EngineConfig
+from jaxserve.distributed.sharding import kv_cache_sharding
+from jaxserve.models.loader import LoadedModel, load_model
+from jaxserve.startup import StartupTimeline
+from jaxserve.worker.buckets import BucketTable
+from jaxserve.worker.executables import ExecutableRegistry, enable_persistent_compilation_cache
+from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.simulated import SimulatedRunner
+from jaxserve.worker.spec_decode.draft_model import DraftModelProposer
+from jaxserve.worker.spec_decode.eagle import EagleProposer
+from jaxserve.worker.spec_decode.ngram_proposer import NgramProposer
+from jaxserve.worker.spec_decode.proposer import Proposer
+
+logger = logging.getLogger(__name__)
+
+# The draft architectures of the methods that load a model of their own.
+DRAFT_ARCHITECTURES = {"draft_model": None, "eagle": "EagleLlamaForCausalLM",
+                       "eagle3": "Eagle3LlamaForCausalLM"}  # fmt: skip
+
+
+def build_runner(
+    config: EngineConfig, timeline: StartupTimeline, *,
+    executables: ExecutableRegistry | None = None,
+) -> ModelRunner | SimulatedRunner:  # fmt: skip
+    """The model runner of `config`, its weights placed (executables: the registry it
+    compiles into, worker/executables.py; a new one by default). With $JAXSERVE_SIMULATED_STEP set, a runner that
+    only simulates a device's step time (worker/simulated.py)."""
+    if simulated := envs.JAXSERVE_SIMULATED_STEP:
+        return SimulatedRunner(config, simulated)
+    enable_persistent_compilation_cache()
+    with timeline.phase("load weights"):
+        loaded = load_model(
+            config.model_path,
+            dtype=config.model.dtype,
+            tensor_parallel_size=config.parallel.tensor_parallel_size,
+            load_tokenizer=False,
+            load_format=config.load_format,
+            quantization=config.model.quantization,
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
+        )
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
+    logger.info(
+        "weights: %.1f MiB%s", weight_bytes / 2**20,
+        f" ({config.model.quantization} linear kernels)" if config.model.quantization else "",
+    )  # fmt: skip
+    draft = None
+    spec = config.speculative
+    if spec is not None and spec.method in DRAFT_ARCHITECTURES:
+        with timeline.phase("load draft weights"):
+            draft = load_model(
+                spec.model, dtype=config.model.dtype, mesh=loaded.mesh, load_tokenizer=False,
+                architecture=DRAFT_ARCHITECTURES[spec.method],
+            )  # fmt: skip
+    with timeline.phase("model runner"):
+        proposer = make_proposer(config, loaded, draft)
+        return ModelRunner(loaded, config, proposer, executables=executables)
+
+
+def make_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None) -> Proposer:
+    """The proposer of config.speculative (the no-op Proposer without it); draft: the draft
+    model or EAGLE head, on the target's mesh."""
+    spec = config.speculative
+    if spec is None:
+        return Proposer()
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    sc = config.scheduler
+    buckets = BucketTable.build(sc.max_num_seqs, sc.max_num_batched_tokens, k)
+    args = (config.attention_backend, kv_cache_sharding(target.mesh), config.cache.block_size,
+            list(buckets.seqs))  # fmt: skip
+    if spec.method in ("eagle", "eagle3"):
+        return EagleProposer(draft, target.model, k, *args, buckets.max_sample_rows)
+    return DraftModelProposer(draft, k, *args)

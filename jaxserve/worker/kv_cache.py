@@ -1,0 +1,82 @@
+"""The paged KV cache's size and allocation: K and V, each [L * num_blocks, block_size, Hkv
+(x replicas), hd] (layer l's block b at row l * num_blocks + b), sized at start-up from what
+the weights left of the memory budget."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.distributed.sharding import kv_cache_sharding
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # host memory for the KV cache when no budget is given
+
+
+class KVCacheSpec:
+    def __init__(
+        self, config: ModelConfig, mesh, block_size: int, kv_dtype: Any, num_cache_kv_heads: int
+    ):
+        """num_cache_kv_heads: the KV heads the cache holds (each replicated when tp > Hkv)."""
+        self.config = config
+        self.mesh = mesh
+        self.block_size = block_size
+        self.dtype = kv_dtype
+        self.num_cache_kv_heads = num_cache_kv_heads
+        self.sharding = kv_cache_sharding(mesh)
+
+    def bytes_per_block(self) -> int:
+        """One block's K and V over all layers, on one device."""
+        c = self.config
+        kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
+        itemsize = jnp.dtype(self.dtype).itemsize
+        return 2 * c.num_layers * self.block_size * kv_heads * c.head_dim * itemsize
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's K and V over all layers, as KV connectors move it: [2, L, bs, H, hd]."""
+        c = self.config
+        return (2, c.num_layers, self.block_size, self.num_cache_kv_heads, c.head_dim)
+
+    def allocate(self, num_blocks: int) -> tuple[jax.Array, jax.Array]:
+        """K and V of num_blocks blocks, zeros, in the cache's sharding."""
+        c = self.config
+        shape = (c.num_layers * num_blocks, self.block_size, self.num_cache_kv_heads, c.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.sharding)
+        return zeros(), zeros()
+
+
+def determine_num_blocks(
+    cache_config: CacheConfig, device, bytes_per_block: int, min_blocks: int, max_model_len: int
+) -> int:
+    """Blocks that fit the budget on `device` after weights and compiled steps:
+    num_gpu_blocks_override, else kv_cache_memory_bytes, else gpu_memory_utilization of the
+    device's memory less what is in use, else CPU_DEFAULT_KV_BYTES. bytes_per_block: every
+    cache one block id covers (a draft model's too); min_blocks: what one request of
+    max_model_len needs, plus the null block."""
+    cc = cache_config
+    if cc.num_gpu_blocks_override is not None:
+        return cc.num_gpu_blocks_override
+    if cc.kv_cache_memory_bytes is not None:
+        budget = cc.kv_cache_memory_bytes
+    else:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            used = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
+            budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization) - used
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+    num_blocks = budget // bytes_per_block
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"KV cache budget of {budget / 2**20:.0f} MiB holds {num_blocks} blocks of "
+            f"{cc.block_size} tokens; max_model_len={max_model_len} needs "
+            f"{min_blocks}. Raise kv_cache_memory_bytes / "
+            "gpu_memory_utilization or lower max_model_len."
+        )
+    return int(num_blocks)

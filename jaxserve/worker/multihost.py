@@ -1,0 +1,86 @@
+"""The model runner over several hosts (distributed/multihost.py has the cluster and the call
+channel): rank 0's runner is a `BroadcastRunner`, which sends each call that runs on the
+devices to the follower ranks before making it, and each follower (`run_follower`, the process
+`jaxserve serve --headless` starts on the other hosts) makes the same call on its own runner,
+so every rank runs the same programs in the same order on the same host inputs and keeps the
+same input batch. Only rank 0's results leave.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from jaxserve.distributed.multihost import FollowerChannel, Leader, initialize, leave_cluster
+from jaxserve.startup import StartupTimeline
+from jaxserve.worker.build import build_runner
+from jaxserve.worker.step_types import PendingStep
+
+logger = logging.getLogger(__name__)
+
+# The runner calls that run programs on the devices (or decide what later ones run).
+BROADCAST_CALLS = frozenset(
+    {"initialize_kv_cache", "compile_all", "dispatch", "dispatch_sample", "fetch", "dummy_step"}
+)
+
+
+class _StepRef:
+    """A PendingStep in a call message: the follower's own PendingStep of that step."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+
+class BroadcastRunner:
+    """Rank 0's ModelRunner, seen through: every call in BROADCAST_CALLS goes to the followers
+    first (a PendingStep argument as the number of the step that made it), then runs here."""
+
+    def __init__(self, runner: Any, leader: Leader):
+        self._runner = runner
+        self._leader = leader
+        self._steps = itertools.count()
+        self._step_of: dict[int, int] = {}  # id(PendingStep) -> its step number
+        leader.wait_for_followers()
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._runner, name)
+        if name not in BROADCAST_CALLS:
+            return value
+
+        def call(*args, **kwargs):
+            refs = tuple(
+                _StepRef(self._step_of.pop(id(a))) if isinstance(a, PendingStep) else a
+                for a in args
+            )
+            step = next(self._steps) if name in ("dispatch", "dispatch_sample") else None
+            self._leader.send((name, refs, kwargs, step))
+            result = value(*args, **kwargs)
+            if step is not None and result is not None:
+                self._step_of[id(result)] = step
+            return result
+
+        return call
+
+
+def run_follower(args: Any) -> int:
+    """A follower rank (`jaxserve serve --headless --node-rank R`, R > 0): join the cluster,
+    load the same model, then make every call rank 0 sends on its own runner until rank 0
+    ends (0) or is lost (1: the channel exits the process)."""
+    rank = args.node_rank
+    initialize(args.nnodes, rank, args.master_addr, args.master_port)
+    config = args.create_engine_config()
+    runner = build_runner(config, StartupTimeline())
+    channel = FollowerChannel(rank, args.master_addr, args.master_port)
+    channel.ready()
+    pending: dict[int, Any] = {}
+    while True:
+        name, refs, kwargs, step = channel.recv()
+        if name == "shutdown":
+            logger.info("rank 0 ended: follower rank %d exits", rank)
+            leave_cluster()
+            return 0
+        call_args = [pending.pop(a.step) if isinstance(a, _StepRef) else a for a in refs]
+        result = getattr(runner, name)(*call_args, **kwargs)
+        if step is not None and result is not None:
+            pending[step] = result

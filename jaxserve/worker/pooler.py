@@ -1,0 +1,56 @@
+"""A pooling runner's (`runner="pooling"`, embeddings) share of a step: every step also pools
+its prompt tokens' final hidden states on the device (`step_functions.pool`: per request the
+sum, the first and the last), and the host accumulates them over a prompt's chunks until the
+step its prompt ends, which gives its vector: the last token's, the mean over the prompt, or
+the first token's (PoolerConfig.pooling_type: LAST, MEAN, CLS)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.worker.step_types import StepBatch
+
+
+class Pooler:
+    def __init__(self, pooling_type: str, max_num_seqs: int):
+        self.pooling_type = pooling_type
+        self.max_num_seqs = max_num_seqs
+        self._acc: dict[str, list] = {}  # req_id -> [sum f32[D], first f32[D]]
+
+    def inputs(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(seq_of_token i32[T], first i32[max_num_seqs], last i32[max_num_seqs]): each token's
+        request (max_num_seqs: padding, dropped), each request's first and last token."""
+        num_reqs = len(batch.req_ids)
+        seq_of_token = np.full(batch.num_tokens, self.max_num_seqs, np.int32)
+        n = int(batch.qsl[num_reqs])
+        seq_of_token[:n] = np.repeat(np.arange(num_reqs, dtype=np.int32), batch.num_scheduled)
+        first = np.zeros(self.max_num_seqs, np.int32)
+        first[:num_reqs] = batch.qsl[:num_reqs]
+        last = batch.forward.logits_indices[: self.max_num_seqs]  # one row each: no drafts
+        return seq_of_token, first, last
+
+    def forget(self, req_id: str) -> None:
+        self._acc.pop(req_id, None)
+
+    def outputs(
+        self, batch: StepBatch, num_prompt_tokens: np.ndarray, sums, firsts, lasts
+    ) -> dict[str, np.ndarray]:
+        """Accumulate a step's pooled hidden states ([max_num_seqs, D] each, in the step's
+        request order) and return the vector of each request whose prompt ended: its last
+        token's, the mean over its prompt, or its first token's (num_prompt_tokens:
+        i32[num_reqs], each request's prompt length)."""
+        out = {}
+        for i, req_id in enumerate(batch.req_ids):
+            if batch.start[i] == 0:  # the prompt's first chunk (again, after a preemption)
+                self._acc[req_id] = [np.zeros_like(sums[i]), firsts[i]]
+            acc = self._acc[req_id]
+            acc[0] = acc[0] + sums[i]
+            if batch.appends[i]:  # the prompt ended in this step
+                del self._acc[req_id]
+                if self.pooling_type == "LAST":
+                    out[req_id] = lasts[i]
+                elif self.pooling_type == "MEAN":
+                    out[req_id] = acc[0] / num_prompt_tokens[i]
+                else:
+                    out[req_id] = acc[1]
+        return out
