@@ -14,9 +14,8 @@ them at run time (that compiled both into every step).
   The GQA group's query heads (padded to 16 rows, the smallest `tl.dot`) share each K/V page
   load, so a page is read once per KV head. A small batch cuts each context into
   `num_kv_splits` page ranges run by separate programs, whose partial (max, sum, output) are
-  merged afterwards in XLA (split-K / flash-decoding); `plan_kv_splits` picks enough splits
-  to give every SM two programs, and one (the kernel writes the output itself) where the
-  batch alone does.
+  merged afterwards in XLA (split-K / flash-decoding); a batch that fills the SMs alone is
+  not split, and the kernel writes the output itself.
 - **mixed** (the multi-token sequences: prompts, prefill chunks): queries are tiled too. For
   each KV head the rows (token, head-in-group) of a sequence are laid out contiguously, so a
   tile of `q_block` rows is one slice; one program per (tile, KV head) streams the keys the
@@ -31,116 +30,30 @@ with log2(e) folded into the scale. K/V pages are gathered through the block tab
 the kernel (no copy of the cache); the cache layout is the engine's own
 `[num_blocks, block_size, Hkv, D]`, read for one KV head through a strided block spec.
 
-Shared memory: Triton keeps `num_stages` buffers of each inner step's K and V tiles (its
-software pipeline) and the query tile in shared memory, which is 227 KB per block on Hopper.
-`plan_tiles` shrinks the KV tokens per step, then the stages, until that estimate fits, and
-refuses (naming dtype, head_dim and bytes) shapes nothing fits.
+This module holds the kernels and their `pallas_call`s. How a call is tiled (KV tokens per
+step and stages within shared memory, KV splits, query tiles) is `tiling.py`'s arithmetic.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention.tiling import (
+    HOPPER_SMEM_BYTES,
+    assign_tiles,
+    decode_rows,
+    decode_seqs,
+    plan_attention,
+)
+
 _LOG2E = math.log2(math.e)
-_MIN_DOT = 16  # tl.dot needs every dimension >= 16
 _M_INIT = -1e30  # finite "minus infinity": empty rows merge to 0 without NaN
-# Shared memory a block may use on Hopper (H100, H200): 227 KB, what Triton reports as
-# "available" there. (Ampere A100: 166912; other Ampere / Ada parts: 101376.)
-HOPPER_SMEM_BYTES = 232448
-_DEFAULT_KV_TOKENS = {"decode": 128, "mixed": 64}  # per inner step, before fitting
-_DEFAULT_STAGES = 2
-HOPPER_NUM_SMS = 132  # H100 SXM and H200; the default where no GPU is attached
-_PROGRAMS_PER_SM = 2  # programs the KV splits aim for, per SM
-_MAX_KV_SPLITS = 64
-
-
-def smem_bytes(*, rows: int, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int) -> int:
-    """Estimated shared memory of one program of either kernel: `num_stages` buffers of an
-    inner step's K and V tiles ([kv_tokens, D] each; a single buffer without pipelining) and
-    the query tile [rows, D], all at `itemsize` bytes. Matches what Triton asked for on the
-    H100 (jax 0.11.2) for the fp32, head_dim 128 decode kernel with 16 rows, 128 tokens and 2
-    stages: 2 * 2 * 128 * 128 * 4 + 16 * 128 * 4 = 270336."""
-    return (max(1, num_stages) * 2 * kv_tokens + rows) * head_dim * itemsize
-
-
-class TilePlan(NamedTuple):
-    """One kernel's tiling: KV pages per inner step, Triton pipeline stages, and its
-    estimated shared memory (smem_bytes)."""
-
-    pages_per_step: int
-    num_stages: int
-    smem_bytes: int
-
-
-def plan_tiles(
-    kernel: str, *, dtype, head_dim: int, block_size: int, rows: int,
-    kv_tokens: int | None = None, num_stages: int | None = None,
-    smem_limit: int = HOPPER_SMEM_BYTES,
-) -> TilePlan:  # fmt: skip
-    """The tiling of `kernel` ("decode": rows = the GQA group padded to 16; "mixed": rows =
-    q_block) for queries of `dtype` (K/V tiles are held at its width: an fp8 cache is widened
-    to it) and head_dim, within smem_limit bytes of shared memory.
-
-    kv_tokens (whole pages, at least one) and num_stages given are kept and checked; left None
-    they start at the defaults (decode 128 tokens, mixed 64; 2 stages) and the tokens per
-    step are halved down to max(block_size, 16), then the stages lowered to 1, until the
-    estimate fits. Raises ValueError when it does not."""
-    itemsize = jnp.dtype(dtype).itemsize
-    name = jnp.dtype(dtype).name
-    smallest = max(block_size, _MIN_DOT)
-    tokens = _DEFAULT_KV_TOKENS[kernel] if kv_tokens is None else kv_tokens
-    tokens = max(block_size, tokens // block_size * block_size)
-    stages = _DEFAULT_STAGES if num_stages is None else num_stages
-
-    def need(tokens, stages):
-        return smem_bytes(rows=rows, head_dim=head_dim, kv_tokens=tokens, num_stages=stages,
-                          itemsize=itemsize)  # fmt: skip
-
-    while need(tokens, stages) > smem_limit:
-        if kv_tokens is None and tokens > smallest:
-            tokens = max(smallest, tokens // 2 // block_size * block_size)
-        elif num_stages is None and stages > 1:
-            stages -= 1
-        else:
-            raise ValueError(
-                f"ragged_paged_attention: the {kernel} kernel does not fit in shared memory for "
-                f"dtype {name}, head_dim {head_dim} (block_size {block_size}, {rows} query "
-                f"rows): {tokens} KV tokens per step in {stages} pipeline stage(s) need about "
-                f"{need(tokens, stages)} B, {smem_limit} B are available"
-            )
-    return TilePlan(tokens // block_size, stages, need(tokens, stages))
-
-
-def plan_kv_splits(*, num_seqs: int, num_kv_heads: int, max_steps: int, num_sms: int) -> int:
-    """How many programs a kernel splits each sequence's (decode) or query tile's (mixed;
-    num_seqs = tiles) keys across, their partial softmaxes merged after: enough that the
-    num_seqs x num_kv_heads x splits programs give every one of num_sms SMs _PROGRAMS_PER_SM,
-    so a small batch still streams from every SM; one where the batch alone fills them (no
-    partials, no merge). Never more than max_steps, the inner steps the block table holds (a
-    split past the longest possible context is always empty), nor _MAX_KV_SPLITS. A context
-    shorter than splits x a step leaves the trailing splits empty (each split takes at least
-    one step)."""
-    want = -(-_PROGRAMS_PER_SM * num_sms // max(1, num_seqs * num_kv_heads))
-    return max(1, min(want, max_steps, _MAX_KV_SPLITS))
-
-
-def default_num_sms() -> int:
-    """SMs of the default device when it is a GPU (its core_count), else Hopper's 132."""
-    device = jax.devices()[0]
-    if device.platform == "gpu":
-        return int(getattr(device, "core_count", 0) or HOPPER_NUM_SMS)
-    return HOPPER_NUM_SMS
-
-
-def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, 1 << max(0, x - 1).bit_length())
 
 
 def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
@@ -331,7 +244,7 @@ def _decode(
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_seqs, max_blocks = block_tables.shape
     group = num_q_heads // num_kv_heads
-    rows = _pow2_at_least(group, _MIN_DOT)
+    rows = decode_rows(group)
 
     # Each sequence's single query row, its GQA heads padded to a dot-sized row block.
     q_rows = q[jnp.minimum(query_start_loc[:max_seqs], num_tokens - 1)]
@@ -382,19 +295,12 @@ def _mixed(
     group = num_q_heads // num_kv_heads
     num_rows = num_tokens * group
 
-    # Tile assignment: sequence s gets ceil(q_len*G / q_block) tiles, in order; single-token
-    # sequences get none (the decode kernel takes them).
-    real = jnp.arange(max_seqs) < num_seqs[0]
-    q_lens = jnp.where(real, query_start_loc[1:] - query_start_loc[:-1], 0)
-    q_lens = jnp.where(q_lens > 1, q_lens, 0)
-    tiles = (q_lens * group + q_block - 1) // q_block
-    ends = jnp.cumsum(tiles)
-    max_tiles = pl.cdiv(num_rows, q_block) + min(max_seqs, num_tokens)
-    tile_ids = jnp.arange(max_tiles, dtype=jnp.int32)
-    tile_seq = jnp.searchsorted(ends, tile_ids, side="right").astype(jnp.int32)
-    tile_seq_c = jnp.minimum(tile_seq, max_seqs - 1)
-    tile_row = (tile_ids - (ends[tile_seq_c] - tiles[tile_seq_c])) * q_block
-    tile_seq = jnp.where(tile_ids < ends[-1], tile_seq, -1)
+    # Each multi-token sequence's query tiles (single-token ones have none): tile -> sequence
+    # (-1 past the last) and its first row in the sequence.
+    tile_seq, tile_row = assign_tiles(
+        query_start_loc, num_seqs, num_tokens=num_tokens, group=group, q_block=q_block
+    )
+    max_tiles = tile_seq.shape[0]
 
     # Per KV head, the rows (token, head-in-group) laid out contiguously, padded by one tile
     # so a tile's slice never runs past the end.
@@ -487,9 +393,8 @@ def ragged_paged_attention(
       sliding_window: each query sees only the latest this many keys (its own included);
         pages before a program's window are skipped.
       soft_cap: scores become soft_cap * tanh(score / soft_cap) (Gemma 2).
-      decode_only: the caller promises every real sequence has exactly one query token: only
-        the decode kernel runs. Otherwise both run: the decode kernel over the single-token
-        sequences, the mixed kernel over the others.
+      decode_only: the caller promises every real sequence has one query token: only the
+        decode kernel runs (otherwise the mixed kernel takes the multi-token sequences).
       decode_pages_per_step: KV pages per inner step of the decode kernel (default: 128
         tokens' worth, fewer where shared memory needs it: `plan_tiles`).
       num_kv_splits: programs a decode sequence's context is split across (merged after);
@@ -498,12 +403,9 @@ def ragged_paged_attention(
       prefill_kv_tokens_per_step: keys per inner step of the mixed kernel (default 64, fewer
         where shared memory needs it).
       mixed_kv_splits: programs each query tile's keys are split across (merged after);
-        default `plan_kv_splits` for the tiles T tokens fill: a few tokens over a long
-        context (speculative verification, a short prompt after a cached prefix) still
-        stream from every SM.
+        default `plan_kv_splits` for the fewest tiles T tokens fill.
       num_warps: Triton warps per program.
-      num_stages: Triton software-pipeline stages (default 2, fewer where shared memory
-        needs it).
+      num_stages: Triton software-pipeline stages (default 2, fewer if shared memory is short).
       smem_limit: shared memory per block in bytes (default Hopper's); tilings given
         explicitly are checked against it, defaults are fitted to it.
       num_sms: SMs the splits are planned for (default: the GPU's, else 132).
@@ -512,39 +414,13 @@ def ragged_paged_attention(
     Returns:
       [T, Hq, D] in q's dtype; padding rows are zero.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
-    for name, value in (("head_dim", head_dim), ("block_size", block_size), ("q_block", q_block)):
-        if value & (value - 1):
-            raise ValueError(f"{name}={value} must be a power of two for the Pallas kernel")
-    if q_block < _MIN_DOT:
-        raise ValueError(f"q_block={q_block} must be at least {_MIN_DOT}")
-    group = num_q_heads // num_kv_heads
-    # K/V tiles are held at the wider of q's and the cache's widths (fp8 pages are widened).
-    wide = max(q.dtype, k_cache.dtype, key=lambda d: d.itemsize)
-    plan = functools.partial(
-        plan_tiles, dtype=wide, head_dim=head_dim, block_size=block_size,
+    plan = plan_attention(  # K/V tiles at the wider of q's and the cache's widths (fp8 widened)
+        q.shape, k_cache.shape, block_tables.shape, decode_only=decode_only, q_block=q_block,
+        dtype=max(q.dtype, k_cache.dtype, key=lambda d: d.itemsize), num_sms=num_sms,
+        decode_pages_per_step=decode_pages_per_step, num_kv_splits=num_kv_splits,
+        prefill_kv_tokens_per_step=prefill_kv_tokens_per_step, mixed_kv_splits=mixed_kv_splits,
         num_stages=num_stages, smem_limit=smem_limit,
     )  # fmt: skip
-    decode_requested = None if decode_pages_per_step is None else decode_pages_per_step * block_size
-    decode_plan = plan("decode", rows=_pow2_at_least(group, _MIN_DOT), kv_tokens=decode_requested)
-    mixed_plan = None
-    if not decode_only:
-        mixed_plan = plan("mixed", rows=q_block, kv_tokens=prefill_kv_tokens_per_step)
-    max_seqs, max_blocks = block_tables.shape
-    num_sms = default_num_sms() if num_sms is None else num_sms
-    if num_kv_splits is None:
-        num_kv_splits = plan_kv_splits(
-            num_seqs=max_seqs, num_kv_heads=num_kv_heads,
-            max_steps=-(-max_blocks // decode_plan.pages_per_step), num_sms=num_sms,
-        )  # fmt: skip
-    if mixed_kv_splits is None and mixed_plan is not None:
-        mixed_kv_splits = plan_kv_splits(  # the fewest tiles T tokens can make
-            num_seqs=-(-num_tokens * group // q_block), num_kv_heads=num_kv_heads,
-            max_steps=-(-max_blocks // mixed_plan.pages_per_step), num_sms=num_sms,
-        )  # fmt: skip
     kv_lens = kv_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
@@ -552,24 +428,21 @@ def ragged_paged_attention(
     common = dict(scale=sm_scale * _LOG2E, exact=q.dtype == jnp.float32, num_warps=num_warps,
                   interpret=interpret, window=sliding_window, soft_cap=soft_cap)  # fmt: skip
 
-    real = jnp.arange(max_seqs) < num_seqs[0]
-    single = real & (query_start_loc[1:] - query_start_loc[:-1] == 1)
-    if decode_only:
-        single = real  # the caller's promise
+    single = decode_seqs(query_start_loc, num_seqs, decode_only=decode_only)
     rows, dest = _decode(  # sequences of no single-token row read nothing and write no row
         q, k_cache, v_cache, jnp.where(single, kv_lens, 0), block_tables, query_start_loc,
-        num_splits=num_kv_splits, num_stages=decode_plan.num_stages,
-        pages_per_step=decode_plan.pages_per_step, **common,
+        num_splits=plan.num_kv_splits, num_stages=plan.decode.num_stages,
+        pages_per_step=plan.decode.pages_per_step, **common,
     )  # fmt: skip
     if decode_only:  # rows of no sequence stay zero
         return jnp.zeros_like(q).at[dest].set(rows, mode="drop")
     mixed = _mixed(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, q_block=q_block,
-        num_splits=mixed_kv_splits, num_stages=mixed_plan.num_stages,
-        pages_per_step=mixed_plan.pages_per_step, **common,
+        num_splits=plan.mixed_kv_splits, num_stages=plan.mixed.num_stages,
+        pages_per_step=plan.mixed.pages_per_step, **common,
     )  # fmt: skip
     # The mixed kernel wrote the multi-token sequences' rows; the rest hold garbage: padding
     # rows become zero (as the reference gives), the decode rows are written over in place.
-    valid = jnp.arange(num_tokens) < query_start_loc[num_seqs[0]]
+    valid = jnp.arange(q.shape[0]) < query_start_loc[num_seqs[0]]
     out = jnp.where(valid[:, None, None], mixed, 0)
     return out.at[dest].set(rows, mode="drop")

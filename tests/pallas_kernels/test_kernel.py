@@ -4,8 +4,9 @@ On CPU the kernel runs in Pallas interpret mode (same kernel code, executed by X
 `gpu`-marked tests run the same sweep compiled by Triton on a real GPU. Lowering tests check,
 without a GPU, that every configuration of the sweep and every kernel variant (decode-only
 and mixed, fp32 and bf16, head_dim 64 to 256) passes Pallas' Triton lowering (block sizes,
-supported ops) for CUDA, each step holding the one kernel its layout asked for; the tilings
-are checked against the H100's shared memory on the host (`plan_tiles`).
+supported ops) for CUDA, each step holding the one kernel its layout asked for, with the
+pipeline stages its tiling plans chose. The tiling arithmetic alone (no kernel) is
+test_tiling.py's.
 """
 
 import functools
@@ -20,13 +21,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
-from pallas_kernels.paged_attention.kernel import (
-    HOPPER_SMEM_BYTES,
-    plan_kv_splits,
-    plan_tiles,
-    ragged_paged_attention,
-    smem_bytes,
-)
+from pallas_kernels.paged_attention.kernel import ragged_paged_attention
+from pallas_kernels.paged_attention.tiling import HOPPER_SMEM_BYTES, plan_tiles
 from tests.pallas_kernels.paged_cases import make_case, naive_attention
 
 # (q_len, kv_len): decodes at kv 1, at an exact block multiple and not, a long one (several
@@ -144,20 +140,6 @@ def test_decode_batches_run_through_either_variant():
         assert names == _KERNELS[layout]
 
 
-@pytest.mark.parametrize(
-    ("num_seqs", "max_steps", "want"),
-    [(1, 64, 33), (16, 64, 3), (64, 64, 1), (256, 64, 1), (1, 4, 4), (1, 1, 1), (0, 8, 8)],
-)
-def test_kv_splits_fill_the_sms_and_no_more(num_seqs, max_steps, want):
-    """Llama-3-8B's 8 KV heads on an H100's 132 SMs: a small batch is split until its
-    programs give every SM two (batch 1: 33 splits, batch 16: 3), a batch that fills them
-    alone is not split (batch 64 and up: no partials, no merge), and never into more splits
-    than the block table has steps."""
-    got = plan_kv_splits(num_seqs=num_seqs, num_kv_heads=8, max_steps=max_steps, num_sms=132)
-    assert got == want
-    assert plan_kv_splits(num_seqs=1, num_kv_heads=1, max_steps=1000, num_sms=132) == 64
-
-
 def _kernel_outputs(num_seqs: int, max_blocks: int, num_tokens=None, **kw) -> dict:
     """Output avals of each pallas_call, by kernel name, for a bf16 batch of num_seqs
     sequences of up to max_blocks 16-token blocks (Hq 32, Hkv 8, D 128) and num_tokens query
@@ -235,68 +217,17 @@ def test_rejects_shapes_the_kernel_cannot_tile():
         _kernel(case, interpret=True)
 
 
-def test_smem_estimate_rejects_the_decode_tiling_that_failed_on_the_h100():
-    """The H100 (jax 0.11.2) refused the fp32, head_dim 128 decode kernel with 128 KV tokens
-    per step in 2 stages: `Shared memory size limit exceeded: requested 270336, available:
-    232448`. The estimate gives that figure, and the plan refuses the tiling."""
-    assert smem_bytes(rows=16, head_dim=128, kv_tokens=128, num_stages=2, itemsize=4) == 270336
-    assert HOPPER_SMEM_BYTES == 232448
-    with pytest.raises(ValueError, match=r"float32, head_dim 128 .* 270336 B, 232448 B"):
-        plan_tiles("decode", dtype=jnp.float32, head_dim=128, block_size=16, rows=16,
-                   kv_tokens=128, num_stages=2)  # fmt: skip
-
-
-# (kernel, dtype, head_dim) -> (KV tokens per step, pipeline stages) the kernel picks, at
-# block_size 16, GQA groups up to 16 (decode) and q_block 64 (mixed).
-PICKS = {
-    ("decode", "float32", 64): (128, 2),
-    ("decode", "float32", 128): (64, 2),
-    ("decode", "float32", 256): (32, 2),
-    ("decode", "bfloat16", 64): (128, 2),
-    ("decode", "bfloat16", 128): (128, 2),
-    ("decode", "bfloat16", 256): (64, 2),
-    ("mixed", "float32", 64): (64, 2),
-    ("mixed", "float32", 128): (64, 2),
-    ("mixed", "float32", 256): (32, 2),
-    ("mixed", "bfloat16", 64): (64, 2),
-    ("mixed", "bfloat16", 128): (64, 2),
-    ("mixed", "bfloat16", 256): (64, 2),
-}
-
-
-@pytest.mark.parametrize(("kernel", "dtype", "head_dim"), list(PICKS))
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_picked_tilings_fit_hopper_shared_memory(kernel, dtype, head_dim, block_size):
-    """What the kernel picks fits 232448 B, with room left for a float32 score tile
-    [rows, KV tokens] should Triton stage one through shared memory too."""
-    rows = 16 if kernel == "decode" else 64
-    plan = plan_tiles(kernel, dtype=dtype, head_dim=head_dim, block_size=block_size, rows=rows)
-    tokens = plan.pages_per_step * block_size
-    if block_size == 16:
-        assert (tokens, plan.num_stages) == PICKS[kernel, dtype, head_dim]
-    itemsize = jnp.dtype(dtype).itemsize
-    assert plan.smem_bytes == smem_bytes(rows=rows, head_dim=head_dim, kv_tokens=tokens,
-                                         num_stages=plan.num_stages, itemsize=itemsize)  # fmt: skip
-    assert plan.smem_bytes + rows * tokens * 4 <= HOPPER_SMEM_BYTES
-
-
-def test_explicit_tilings_are_kept_and_checked():
-    plan = plan_tiles("decode", dtype=jnp.bfloat16, head_dim=128, block_size=16, rows=16,
-                      kv_tokens=64, num_stages=3)  # fmt: skip
-    assert plan[:2] == (4, 3)
-    # Tokens given, stages free: the stages drop until it fits.
-    plan = plan_tiles("decode", dtype=jnp.float32, head_dim=128, block_size=16, rows=16,
-                      kv_tokens=128)  # fmt: skip
-    assert plan[:2] == (8, 1)
+def test_the_kernel_refuses_an_explicit_tiling_that_does_not_fit():
+    """fp32 head_dim 128 with 128 KV tokens per step in 2 stages, given explicitly, is over
+    Hopper's shared memory: the kernel refuses it (test_tiling.py checks the plan)."""
     case = _case("decode", 128, (8, 2), 16)
     with pytest.raises(ValueError, match="float32, head_dim 128"):
         _kernel(case, layout="decode", decode_pages_per_step=8, num_stages=2, interpret=True)
 
 
-def test_rejects_shapes_no_tiling_fits():
-    """fp32 head_dim 256 in 256-token pages: one page of K and V alone is over the limit."""
-    with pytest.raises(ValueError, match=r"float32, head_dim 256 .* 540672 B, 232448 B"):
-        plan_tiles("decode", dtype=jnp.float32, head_dim=256, block_size=256, rows=16)
+def test_the_kernel_refuses_shapes_no_tiling_fits():
+    """fp32 head_dim 256 in 256-token pages: one page of K and V alone is over the limit, in
+    either variant (test_tiling.py checks the plan's message)."""
     spec = jax.ShapeDtypeStruct
     i32 = jnp.int32
     args = (
