@@ -30,7 +30,6 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.launch import EngineGroup, EngineGroupInfo, client_addresses, engine_identity
-from jaxserve.startup import StartupTimeline
 from jaxserve.ipc.messages import (
     ENGINE_CORE_DEAD,
     DPLoadState,
@@ -41,6 +40,7 @@ from jaxserve.ipc.messages import (
     UtilityRequest,
 )
 from jaxserve.ipc.serialization import MsgpackDecoder, MsgpackEncoder
+from jaxserve.startup import StartupTimeline
 
 PROC_POLL_S = 0.5  # how often the output reader checks that the core process lives
 

@@ -30,7 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.worker.executable_cache import file_stats, source_digest
+from jaxserve.cache_keys import file_stats, source_digest
 
 logger = logging.getLogger(__name__)
 

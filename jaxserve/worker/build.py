@@ -36,8 +36,9 @@ def build_runner(
     executables: ExecutableRegistry | None = None,
 ) -> ModelRunner | SimulatedRunner:  # fmt: skip
     """The model runner of `config`, its weights placed (executables: the registry it
-    compiles into, worker/executables.py; a new one by default). With $JAXSERVE_SIMULATED_STEP set, a runner that
-    only simulates a device's step time (worker/simulated.py)."""
+    compiles into, worker/executables.py; a new one by default). With
+    $JAXSERVE_SIMULATED_STEP set, a runner that only simulates a device's step time
+    (worker/simulated.py)."""
     if simulated := envs.JAXSERVE_SIMULATED_STEP:
         return SimulatedRunner(config, simulated)
     enable_persistent_compilation_cache()

@@ -19,7 +19,6 @@ held: on XLA:CPU, serializing an executable that was itself deserialized loses i
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import hashlib
 import io
@@ -37,25 +36,11 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
+from jaxserve import cache_keys
+
 logger = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the file layout changes
-
-
-@functools.cache
-def source_digest() -> str:
-    """sha256 over every .py and .cc file of jaxserve and pallas_kernels (their code is traced
-    into the executables, or called by them)."""
-    import jaxserve
-    import pallas_kernels
-
-    digest = hashlib.sha256()
-    for package in (jaxserve, pallas_kernels):
-        root = Path(package.__file__).parent
-        for path in sorted([*root.rglob("*.py"), *root.rglob("*.cc")]):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def environment() -> dict[str, str]:
@@ -71,7 +56,7 @@ def environment() -> dict[str, str]:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "x64": str(getattr(jax.config, "jax_enable_x64", None)),
         "matmul_precision": str(getattr(jax.config, "jax_default_matmul_precision", None)),
-        "sources": source_digest(),
+        "sources": cache_keys.source_digest(),
     }
 
 
@@ -80,15 +65,6 @@ def abstract(tree: Any) -> str:
     leaves, treedef = jax.tree.flatten(tree)
     described = [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]
     return f"{treedef}|{described}"
-
-
-def file_stats(path: str) -> str:
-    """Name, size and modification time of the file at `path`, or of every file under it:
-    a rewritten model file changes its executables' signature (a weight the trace reads as a
-    constant would otherwise be stale)."""
-    root = Path(path)
-    files = sorted(root.rglob("*")) if root.is_dir() else [root]
-    return repr([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()])
 
 
 def signature(**parts: Any) -> str:

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve import cache_keys
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from jaxserve.distributed.sharding import put
@@ -231,7 +232,7 @@ class ModelRunner:
         proposer = self.proposer
         return executable_cache.signature(
             engine=repr(self.engine_config),
-            model_files=executable_cache.file_stats(self.engine_config.model_path),
+            model_files=cache_keys.file_stats(self.engine_config.model_path),
             model=repr(self.config),
             params=executable_cache.abstract((self.params, self.head, self.kv_caches)),
             state=executable_cache.abstract((self.penalty_state, self.last_tokens)),

@@ -9,7 +9,7 @@ token); k, the draft tokens a request may run (0 without speculative decoding).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import numpy as np

@@ -16,6 +16,7 @@ import time
 import jax
 import pytest
 
+from jaxserve import cache_keys
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
@@ -112,7 +113,7 @@ def test_a_different_flag_model_file_jax_or_source_is_a_different_signature(
         m.setattr(jax, "__version__", "0.0.1")
         assert runner_.executables_key() != key
     with monkeypatch.context() as m:
-        m.setattr(executable_cache, "source_digest", lambda: "edited")
+        m.setattr(cache_keys, "source_digest", lambda: "edited")
         assert runner_.executables_key() != key
     with monkeypatch.context() as m:
         m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")

@@ -106,9 +106,9 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     socket."""
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.core_client import AsyncMPClient
-    from jaxserve.startup import StartupTimeline
     from jaxserve.entrypoints.openai.api_server import serve_http
     from jaxserve.models.loader import read_generation_config, read_tokenizer
+    from jaxserve.startup import StartupTimeline
 
     started = time.perf_counter()
     with open(os.path.join(run_dir, "api_server.pkl"), "rb") as f:
