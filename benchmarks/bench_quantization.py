@@ -67,7 +67,7 @@ def run(mode: str, iters: int, max_num_batched_tokens: int | None = None) -> dic
     )  # fmt: skip
     core = llm.llm_engine.engine_core.engine_core
     weights = sum(x.nbytes for x in jax.tree.leaves(core.runner.params))
-    kv_per_token = core.runner.kv_bytes_per_block() / core.runner.block_size
+    kv_per_token = core.runner.kv_bytes_per_block() / core.runner.kv.block_size
     tok = llm.get_tokenizer()
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,

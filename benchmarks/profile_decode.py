@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxserve.benchmarks.common import median_seconds
 from jaxserve.entrypoints.cli import add_engine_args, engine_args_from
+from jaxserve.worker.executables import ExecutableRegistry
 
 
 def median_ms(fn, *args, iters: int) -> float:
@@ -61,6 +62,27 @@ def attention_op_ms(runner, inputs, iters: int) -> float:
     )  # fmt: skip
 
 
+class CapturingRegistry(ExecutableRegistry):
+    """The runner's executables; while `capturing`, each call's (name, arguments) is kept
+    per executable kind (the last call of each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.capturing = False
+        self.captured: dict[str, tuple] = {}
+
+    def __getitem__(self, name: tuple):
+        executable = super().__getitem__(name)
+        if not self.capturing:
+            return executable
+
+        def call(*call_args):
+            self.captured[name[0]] = (name, call_args)
+            return executable(*call_args)
+
+        return call
+
+
 def profile_batch(core, batch: int, args, rng) -> dict:
     from jaxserve.ipc.messages import EngineCoreRequest
     from jaxserve.sampling_params import SamplingParams
@@ -78,19 +100,8 @@ def profile_batch(core, batch: int, args, rng) -> dict:
     for rid in ids:
         prompt = rng.integers(100 if vocab > 1000 else 0, min(vocab, 20000), args.input_len)
         core.add_request(EngineCoreRequest(rid, prompt.tolist(), params, None, time.time()))
-    captured = {}  # executable kind -> (key, arguments) of its last call
-    real_executable = runner._executable
-
-    def capturing(*key):
-        executable = real_executable(*key)
-
-        def call(*call_args):
-            captured[key[0]] = (key, call_args)
-            return executable(*call_args)
-
-        return call
-
-    runner._executable = capturing
+    registry = runner.executables
+    registry.capturing = True
     try:
         while core.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
@@ -104,10 +115,10 @@ def profile_batch(core, batch: int, args, rng) -> dict:
             core.step()
             walls.append(time.perf_counter() - start)
     finally:
-        runner._executable = real_executable
+        registry.capturing = False
     engine_ms = 1e3 * float(np.median(walls))
-    (forward_key, (weights, _, _, inputs)) = captured["forward"]
-    forward = runner._executable(*forward_key)
+    (forward_key, (weights, _, _, inputs)) = registry.captured["forward"]
+    forward = registry[forward_key]
 
     def run_forward(fn=forward, x=inputs):
         *out, runner.kv_caches = fn(weights, runner.kv_caches, runner.last_tokens, x)
@@ -116,7 +127,7 @@ def profile_batch(core, batch: int, args, rng) -> dict:
     forward_ms = median_ms(run_forward, iters=args.iters)
     general_ms = 0.0
     if args.decode_only_forwards and forward_key[1] > 1:  # the general forward, same inputs
-        general = runner._executable(*forward_key[:2], False)
+        general = registry[(*forward_key[:2], False)]
         x = inputs._replace(attn=inputs.attn._replace(decode_only=False))
         times = {forward: [], general: []}
         for fn in (forward, general) * args.iters:
@@ -125,8 +136,8 @@ def profile_batch(core, batch: int, args, rng) -> dict:
             times[fn].append(time.perf_counter() - start)
         forward_ms, general_ms = (1e3 * float(np.median(times[f])) for f in (forward, general))
     attention_ms = runner.config.num_layers * attention_op_ms(runner, inputs, args.iters)
-    sample_key, (head, last_hidden, _, _, sample_inputs) = captured["sample"]
-    sampler = runner._executable(*sample_key)
+    sample_key, (head, last_hidden, _, _, sample_inputs) = registry.captured["sample"]
+    sampler = registry[sample_key]
 
     def run_sampler():
         out, runner.penalty_state, runner.last_tokens = sampler(
@@ -172,13 +183,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.max_num_seqs is None:
         args.max_num_seqs = max(args.batch_sizes)
     from jaxserve.engine.core import EngineCore
+    from jaxserve.startup import StartupTimeline
+    from jaxserve.worker.build import build_runner
 
     if args.decode_only_forwards:
         from jaxserve.worker import model_runner
 
         for backend in model_runner.DECODE_ONLY_FORWARDS:
             model_runner.DECODE_ONLY_FORWARDS[backend] = True
-    core = EngineCore(engine_args_from(args).create_engine_config())
+    config = engine_args_from(args).create_engine_config()
+    runner = build_runner(config, StartupTimeline(), executables=CapturingRegistry())
+    core = EngineCore(config, runner=runner)
     rng = np.random.default_rng(args.seed)
     rows = [profile_batch(core, b, args, rng) for b in args.batch_sizes]
     cols = ["batch", "engine_ms", "host_ms", "forward_ms", "attention_ms", "sampler_ms"]

@@ -8,9 +8,10 @@ lowered and compiled in parallel threads (XLA compiles outside the GIL), then sa
 thread named `compile`, each usable as soon as it is ready.
 
 The seams for tests and tools: a runner takes its registry (ModelRunner(executables=...),
-build_runner(executables=...)); `compile_fn(name, lower) -> executable` replaces
-`lower().compile()` (to hold a compile back, or make no device program), and a subclass may
-watch lookups (`__getitem__`).
+build_runner(executables=...)); `compile_fn(name, lowered) -> executable` replaces
+`lowered.compile()` (to hold a compile back, or make no device program; it runs in worker
+threads, named BACKGROUND_THREADS + "_N" for the shapes compiled in the background), and a
+subclass may watch lookups (`__getitem__`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from jaxserve.worker import executable_cache
 logger = logging.getLogger(__name__)
 
 Lowering = Callable[[], Any]  # () -> jax.stages.Lowered
-CompileFn = Callable[[tuple, Lowering], Any]
+CompileFn = Callable[[tuple, Any], Any]  # (name, jax.stages.Lowered) -> executable
+BACKGROUND_THREADS = "compile-background"  # the name prefix of the background compile threads
 
 
-def compile_lowered(name: tuple, lower: Lowering) -> Any:
-    """The default compile_fn: lower, then compile with XLA."""
-    return lower().compile()
+def compile_lowered(name: tuple, lowered: Any) -> Any:
+    """The default compile_fn: compile with XLA."""
+    return lowered.compile()
 
 
 def compile_cache_dir() -> str:
@@ -148,7 +150,7 @@ class ExecutableRegistry:
         hits = contextlib.ExitStack()  # persistent-cache hits, for save; open until all are in
         hit_bytes = hits.enter_context(executable_cache.CacheHits())
 
-        def build(names: Iterable[tuple], workers: int) -> None:
+        def build(names: Iterable[tuple], workers: int, threads: str = "compile") -> None:
             nonlocal saved
             with executable_cache.no_gc():
                 try:
@@ -159,11 +161,11 @@ class ExecutableRegistry:
                 except Exception as e:  # a jax that loads differently: compile the rest
                     logger.warning("could not load saved executables (%r); compiling", e)
                     saved = {n: saved[n] for n in loaded}
-                with ThreadPoolExecutor(max_workers=workers) as pool:
+                with ThreadPoolExecutor(workers, thread_name_prefix=threads) as pool:
                     # Each compile starts as soon as its shape is lowered (here, holding the
                     # GIL), so lowering the next ones overlaps the compiles.
                     compiling = {
-                        n: pool.submit(self.compile_fn, n, lowerings[n])
+                        n: pool.submit(self.compile_fn, n, lowerings[n]())
                         for n in names
                         if n not in loaded
                     }
@@ -179,7 +181,7 @@ class ExecutableRegistry:
             try:
                 if later:  # what a stopped start compiled is kept
                     save()
-                    build(later, workers=1)  # a core left to the serving steps
+                    build(later, 1, BACKGROUND_THREADS)  # a core left to the serving steps
                 save()
                 if later:
                     logger.info(

@@ -22,7 +22,11 @@ from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import executable_cache
 from jaxserve.worker.buckets import bucket
-from jaxserve.worker.executables import ExecutableRegistry, num_compilations
+from jaxserve.worker.executables import (
+    BACKGROUND_THREADS,
+    ExecutableRegistry,
+    num_compilations,
+)
 from tests.helpers import engine_with_registry, generate_ids, make_tiny_hf
 
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8,
@@ -189,10 +193,10 @@ def test_background_compile_serves_at_once_without_compiling_then_saves_all(
     shape once all are in, and a second start loads them."""
     gate = threading.Event()
 
-    def gated(name, lower):  # the background thread compiles nothing until the gate opens
-        if threading.current_thread().name == "compile":
+    def gated(name, lowered):  # the background thread compiles nothing until the gate opens
+        if threading.current_thread().name.startswith(BACKGROUND_THREADS):
             assert gate.wait(120)
-        return lower().compile()
+        return lowered.compile()
 
     config = dict(max_num_seqs=8, max_num_batched_tokens=16, background_compile=True)
     before = num_compilations()
