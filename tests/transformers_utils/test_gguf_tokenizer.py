@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from tokenizers import SentencePieceBPETokenizer
 
-from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
-from jaxserve.models.loader import default_model_path, read_tokenizer
+from jaxserve.transformers_utils.gguf_tokenizer import read_gguf_tokenizer
+from jaxserve.transformers_utils.model_path import default_model_path
+from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.helpers import hf_model, make_tiny_hf, write_llama_gguf
 
 WORDS = [
