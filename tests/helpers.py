@@ -191,7 +191,7 @@ def hf_default_model():
     """HF transformers' own load of the bundled GGUF (its dequantisation), fp32: the reference."""
     from transformers import AutoModelForCausalLM
 
-    from jaxserve.models.loader import default_model_path
+    from jaxserve.transformers_utils.model_path import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(

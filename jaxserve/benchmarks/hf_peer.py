@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxserve.models.loader import resolve_model_path
+from jaxserve.transformers_utils.model_path import resolve_model_path
 
 _TORCH_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
                  "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}  # fmt: skip
@@ -23,7 +23,7 @@ def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = 
     path = resolve_model_path(model, load_format)
     if load_format == "dummy":
         if path.is_file():  # a GGUF: its config, from the file's metadata
-            from jaxserve.models.loader import read_model_config
+            from jaxserve.transformers_utils.config import read_model_config
 
             config = read_model_config(path).hf_config.to_transformers()
         else:

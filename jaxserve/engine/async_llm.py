@@ -27,9 +27,10 @@ from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import SchedulerStats
 from jaxserve.metrics import IterationStats
-from jaxserve.models.loader import read_generation_config, read_tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.transformers_utils.config import read_generation_config
+from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
 
 class RequestOutputCollector:

@@ -31,6 +31,7 @@ import time
 import msgspec
 import zmq
 
+from jaxserve import envs
 from jaxserve.ipc.messages import DPEngineState, DPLoadState, DPWave
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def run(run_dir: str, num_engines: int, parent_pid: int) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(
-        level=os.environ.get("JAXSERVE_LOG_LEVEL", "INFO"),
+        level=envs.JAXSERVE_LOG_LEVEL,
         format="%(asctime)s %(levelname)s [DPCoordinator] %(name)s: %(message)s",
     )
     run(sys.argv[1], int(sys.argv[2]), os.getppid())

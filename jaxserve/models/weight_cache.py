@@ -30,6 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import envs
 from jaxserve.cache_keys import file_stats, source_digest
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,8 @@ ALIGN = 64  # bytes: every array starts at a multiple
 
 def cache_dir() -> Path | None:
     """$JAXSERVE_WEIGHT_CACHE, or ~/.cache/jaxserve/weights; None when it is "0"."""
-    value = os.environ.get("JAXSERVE_WEIGHT_CACHE")
-    if value == "0":
-        return None
-    return Path(value) if value else Path.home() / ".cache" / "jaxserve" / "weights"
+    value = envs.JAXSERVE_WEIGHT_CACHE
+    return None if value is None else Path(value)
 
 
 def key(model_path: str | Path, config: Any, kv_replicas: int) -> str:

@@ -6,9 +6,7 @@ memory stays at about one (stacked) parameter beyond what has been placed on dev
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import re
 import struct
 from pathlib import Path
@@ -17,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.layers.linear import GGUF_BLOCK
-from jaxserve.models.gguf_file import GGUFFile
+from jaxserve.transformers_utils.gguf_file import gguf_reader
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -104,21 +102,6 @@ _GGUF_LAYER = {
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
-def gguf_reader(path: str | Path) -> GGUFFile:
-    """The GGUF file at `path` (`models/gguf_file.py`), parsed once per process while the file
-    is unchanged: the engine config, the weights and the tokenizer all read it."""
-    stat = os.stat(path)
-    return _gguf_reader(str(path), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=2)
-def _gguf_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    try:
-        return GGUFFile(path)
-    except Exception as e:  # struct errors, bad enum values, short files
-        raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e
-
-
 class GGUFSource:
     """Dequantised float32 tensors of a llama-architecture GGUF file, under their HF names.
 
@@ -127,7 +110,7 @@ class GGUFSource:
     """
 
     def __init__(self, path: Path):
-        self.reader = gguf_reader(path)
+        self.reader = gguf_reader(path)  # transformers_utils/gguf_file.py, parsed once
         self.path = path
         arch = self.field("general.architecture")
         if arch != "llama":

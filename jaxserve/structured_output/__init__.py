@@ -90,7 +90,7 @@ class StructuredOutputManager:
             self.reasoner = parser_cls(self._tokenizer())
 
     def _tokenizer(self):
-        from jaxserve.models.loader import read_tokenizer
+        from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
         tokenizer = read_tokenizer(self.config.tokenizer_path or self.config.model_path)
         if tokenizer is None:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import envs
 from pallas_kernels.paged_attention import reference
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trap
 
 
 def kernel_cache_dir() -> Path:
-    default = Path.home() / ".cache" / "jaxserve" / "kernels"
-    return Path(os.environ.get("JAXSERVE_KERNEL_CACHE", default))
+    """$JAXSERVE_KERNEL_CACHE, or ~/.cache/jaxserve/kernels."""
+    return Path(envs.JAXSERVE_KERNEL_CACHE)
 
 
 def _compiler() -> str | None:

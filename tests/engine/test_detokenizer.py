@@ -3,10 +3,10 @@
 import gguf
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.transformers_utils.gguf_tokenizer import read_gguf_tokenizer
 from tests.helpers import _gguf_value
-from tests.models.test_gguf_tokenizer import sentencepiece_metadata
+from tests.transformers_utils.test_gguf_tokenizer import sentencepiece_metadata
 
 
 def test_invalid_utf8_from_byte_fallback_tokens_does_not_break_the_stream(tmp_path):

@@ -12,14 +12,10 @@ from flax import nnx, traverse_util
 
 from jaxserve.benchmarks.roofline import param_counts
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.models.loader import (
-    PRESETS_DIR,
-    load_model,
-    model_presets,
-    read_model_config,
-    resolve_model_path,
-)
+from jaxserve.models.loader import load_model
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.transformers_utils.config import read_model_config
+from jaxserve.transformers_utils.model_path import PRESETS_DIR, model_presets, resolve_model_path
 from tests.helpers import TINY
 
 TINY_CONFIG = {**TINY, "architectures": ["LlamaForCausalLM"], "model_type": "llama",

@@ -151,7 +151,7 @@ def test_gguf_config_reads_as_transformers_llama_config(gguf_and_reference):
     """The GGUF's config is built without importing transformers; the model config it gives
     is the one transformers' LlamaConfig of the same fields gives (linear rope scaling too)."""
     from jaxserve.config import ModelConfig
-    from jaxserve.models.loader import GGUFConfig, read_model_config
+    from jaxserve.transformers_utils.config import GGUFConfig, read_model_config
 
     config = read_model_config(gguf_and_reference[0])
     assert isinstance(config.hf_config, GGUFConfig)

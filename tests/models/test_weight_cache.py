@@ -13,6 +13,7 @@ from flax import nnx, traverse_util
 
 from jaxserve.models import loader, weight_cache
 from jaxserve.models.loader import load_model
+from jaxserve.transformers_utils.config import read_model_config
 from tests.helpers import make_tiny_hf, write_llama_gguf
 
 
@@ -41,7 +42,7 @@ def params(loaded) -> dict:
 
 def targets(path) -> dict:
     """The model's parameters as ShapeDtypeStructs, by path."""
-    config = loader.read_model_config(path, "float32")
+    config = read_model_config(path, "float32")
     _, state = loader._abstract_model(loader.get_model_class(config.architecture), config, 1)
     return traverse_util.flatten_dict(nnx.to_pure_dict(state))
 
@@ -79,10 +80,10 @@ def test_a_second_load_reads_the_cached_weights_and_gives_the_same_parameters(
 
 
 def test_a_changed_file_dtype_or_source_is_another_entry(gguf_path, cache, monkeypatch):
-    config = loader.read_model_config(gguf_path, "float32")
+    config = read_model_config(gguf_path, "float32")
     key = weight_cache.key(gguf_path, config, 1)
     assert weight_cache.key(gguf_path, config, 1) == key  # deterministic
-    assert weight_cache.key(gguf_path, loader.read_model_config(gguf_path, "bfloat16"), 1) != key
+    assert weight_cache.key(gguf_path, read_model_config(gguf_path, "bfloat16"), 1) != key
     assert weight_cache.key(gguf_path, config, 2) != key  # KV heads replicated for tp
     stat = gguf_path.stat()
     os.utime(gguf_path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # rewritten in place

@@ -17,7 +17,8 @@ from tests.core.test_scheduler import make_scheduler, req, step
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from jaxserve.models.loader import default_model_path, read_tokenizer
+    from jaxserve.transformers_utils.model_path import default_model_path
+    from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
     return read_tokenizer(default_model_path())
 

@@ -1,29 +1,25 @@
 """KV transfer between instances and to host memory (vLLM V1's KV connectors): disaggregated
 prefill / decode and KV offloading. base.py has the API the scheduler and model runner call;
-`create_connector` builds the one `--kv-transfer-config` names."""
+`create_connector` builds the one `--kv-transfer-config` names, from the "module:Class" that
+config/kv_transfer.py's KV_CONNECTORS registers for it (vLLM's KVConnectorFactory)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
+
+from jaxserve.config.kv_transfer import KV_CONNECTORS
 
 if TYPE_CHECKING:
     from jaxserve.config import KVTransferConfig
     from jaxserve.distributed.kv_transfer.base import BlockLayout, KVConnectorBase
 
-# name -> "module:class" (imported on use); SharedStorageConnector is ExampleConnector's old name.
-CONNECTORS = {
-    "ExampleConnector": "example_connector:ExampleConnector",
-    "SharedStorageConnector": "example_connector:ExampleConnector",
-    "ZmqConnector": "zmq_connector:ZmqConnector",
-    "OffloadingConnector": "offloading_connector:OffloadingConnector",
-}
-
 
 def create_connector(
     config: KVTransferConfig, layout: BlockLayout, engine_index: int = 0
 ) -> KVConnectorBase:
-    import importlib
-
-    module, cls = CONNECTORS[config.kv_connector].split(":")
+    """The connector `config.kv_connector` names (KVTransferConfig checked the name), its
+    module imported now."""
+    module, cls = KV_CONNECTORS[config.kv_connector].split(":")
     mod = importlib.import_module(f"jaxserve.distributed.kv_transfer.{module}")
     return getattr(mod, cls)(config, layout, engine_index)

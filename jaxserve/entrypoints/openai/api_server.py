@@ -35,7 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve import __version__
+from jaxserve import __version__, envs
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -400,9 +400,9 @@ def serve_http(
 ) -> None:
     """Serve the app over `engine` on the bound socket until SIGTERM or the engine's death
     (then exit 1). log_prefix: before uvicorn's log lines (its access lines too)."""
-    from jaxserve.models.loader import DEFAULT_MODEL_NAME
+    from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME
 
-    api_key = args.api_key or os.environ.get("JAXSERVE_API_KEY")
+    api_key = args.api_key or envs.JAXSERVE_API_KEY
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(
         engine,
@@ -413,7 +413,7 @@ def serve_http(
         enable_auto_tools=args.enable_auto_tool_choice,
         tool_parser=args.tool_call_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        log_stats_interval=float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10"))
+        log_stats_interval=envs.JAXSERVE_LOG_STATS_INTERVAL
         if engine.engine_core.client_index == 0
         else None,
     )

@@ -107,8 +107,9 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.core_client import AsyncMPClient
     from jaxserve.entrypoints.openai.api_server import serve_http
-    from jaxserve.models.loader import read_generation_config, read_tokenizer
     from jaxserve.startup import StartupTimeline
+    from jaxserve.transformers_utils.config import read_generation_config
+    from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
     started = time.perf_counter()
     with open(os.path.join(run_dir, "api_server.pkl"), "rb") as f:

@@ -76,7 +76,7 @@ def test_logprobs_without_top_logprobs(client):
 def test_chat_stream_sends_every_tokens_logprobs(server):
     """Tokens whose text the detokenizer holds back (here: a lone UTF-8 lead byte, forced
     by logit_bias, which never completes a character) still get their logprobs entry."""
-    from jaxserve.models.loader import read_tokenizer
+    from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
     lead_byte = read_tokenizer(None).get_vocab()["\u00f0"]  # byte 0xF0, a 4-byte lead
     body = {"messages": CHAT, "max_tokens": 12, "logprobs": True, "top_logprobs": 2,

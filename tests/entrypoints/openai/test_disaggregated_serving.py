@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from jaxserve.models.loader import DEFAULT_MODEL_NAME
+from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME
 from tests.entrypoints.openai.test_api_server import Server, free_port, sse_events
 from tests.helpers import make_tiny_hf
 

@@ -13,7 +13,7 @@ import pytest
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from jaxserve.entrypoints.openai.serving import OpenAIServing
-from jaxserve.models.loader import read_tokenizer
+from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.engine.test_kv_transfer_params import PREFILL, FakeCore, config, handed_back
 
 CHAT = [{"role": "user", "content": "Hello"}]

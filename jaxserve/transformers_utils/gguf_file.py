@@ -13,6 +13,8 @@ tensor count u64, metadata count u64; metadata (key string, value type u32, valu
 
 from __future__ import annotations
 
+import functools
+import os
 import struct
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -135,3 +137,18 @@ class GGUFFile:
             data = np.frombuffer(self.mmap, np.uint8, n_bytes, at)
             data = data.reshape(quant_shape_to_byte_shape(np_dims, kind))
         return GGUFTensor(name, kind, dims, data)
+
+
+def gguf_reader(path: str | Path) -> GGUFFile:
+    """The GGUF file at `path`, parsed once per process while the file is unchanged: the
+    engine config, the weights and the tokenizer all read it."""
+    stat = os.stat(path)
+    return _gguf_reader(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    try:
+        return GGUFFile(path)
+    except Exception as e:  # struct errors, bad enum values, short files
+        raise ValueError(f"corrupt or unreadable GGUF file {path}: {e}") from e

@@ -1,13 +1,12 @@
-"""models/gguf_file.py reads what gguf-py's GGUFReader reads: every field's contents (value and
-Python type) and every tensor's name, type, dims and data."""
+"""transformers_utils/gguf_file.py reads what gguf-py's GGUFReader reads: every field's
+contents (value and Python type) and every tensor's name, type, dims and data."""
 
 import gguf
 import numpy as np
 import pytest
 
-from jaxserve.models.gguf_file import GGUFFile
-from jaxserve.models.loader import default_model_path
-from jaxserve.models.weight_sources import gguf_reader
+from jaxserve.transformers_utils.gguf_file import GGUFFile, gguf_reader
+from jaxserve.transformers_utils.model_path import default_model_path
 
 
 def assert_same_as_gguf_py(path):

@@ -22,6 +22,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from jaxserve.transformers_utils.gguf_file import gguf_reader
+
 # llama.cpp's token types (gguf.TokenType).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -39,8 +41,6 @@ def read_gguf_tokenizer(path: str | Path) -> Any:
 
     Raises ValueError when the file has no tokenizer or one of an unsupported type.
     """
-    from jaxserve.models.weight_sources import gguf_reader
-
     reader = gguf_reader(path)
 
     def field(key: str, default: Any = None) -> Any:

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from tokenizers import SentencePieceBPETokenizer
 
-from jaxserve.models.gguf_tokenizer import read_gguf_tokenizer
-from jaxserve.models.loader import default_model_path, read_tokenizer
+from jaxserve.transformers_utils.gguf_tokenizer import read_gguf_tokenizer
+from jaxserve.transformers_utils.model_path import default_model_path
+from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.helpers import hf_model, make_tiny_hf, write_llama_gguf
 
 WORDS = [
@@ -175,7 +176,9 @@ def test_serving_a_gguf_never_imports_transformers_gguf_integration(sentencepiec
         out = llm.generate(["Paris is the"], SamplingParams(temperature=0, max_tokens=4))
         print(json.dumps({{
             "text": out[0].outputs[0].text,
-            "gguf_modules": sorted(m for m in sys.modules if "gguf" in m and "transformers" in m),
+            "gguf_modules": sorted(  # transformers' own, not jaxserve.transformers_utils
+                m for m in sys.modules if "gguf" in m and m.startswith("transformers.")
+            ),
         }}))
         """
     )

@@ -1,0 +1,57 @@
+"""Frozen configuration dataclasses, by concern:
+
+  model.py        ModelConfig, RopeConfig (read from the HF config) and the dtype helpers
+  engine.py       CacheConfig, SchedulerConfig, ParallelConfig and EngineConfig, which holds them
+  pooler.py       PoolerConfig (a pooling runner: embeddings)
+  speculative.py  SpeculativeConfig (--speculative-config)
+  kv_transfer.py  KVTransferConfig (--kv-transfer-config) and the KV connectors' names
+
+The package imports nothing of jaxserve but `jaxserve.envs`: every layer may read a config.
+`from jaxserve.config import EngineConfig` etc. work for every public name below.
+"""
+
+from jaxserve.config.engine import (
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from jaxserve.config.kv_transfer import (
+    KV_CONNECTORS,
+    KV_LOAD_FAILURE_POLICIES,
+    KV_ROLES,
+    KVTransferConfig,
+)
+from jaxserve.config.model import (
+    ACTIVATIONS,
+    QUANTIZATIONS,
+    ModelConfig,
+    RopeConfig,
+    checkpoint_quantization,
+    resolve_dtype,
+)
+from jaxserve.config.pooler import POOLING_TYPES, PoolerConfig
+from jaxserve.config.speculative import SPEC_METHODS, SpeculativeConfig
+
+__all__ = [
+    "ACTIVATIONS",
+    "KV_CACHE_DTYPES",
+    "KV_CONNECTORS",
+    "KV_LOAD_FAILURE_POLICIES",
+    "KV_ROLES",
+    "POOLING_TYPES",
+    "QUANTIZATIONS",
+    "SPEC_METHODS",
+    "CacheConfig",
+    "EngineConfig",
+    "KVTransferConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "PoolerConfig",
+    "RopeConfig",
+    "SchedulerConfig",
+    "SpeculativeConfig",
+    "checkpoint_quantization",
+    "resolve_dtype",
+]

@@ -1,0 +1,300 @@
+"""The model's architecture (`ModelConfig`, `RopeConfig`) and the dtype helpers it uses.
+
+`ModelConfig` is the one place the HF config is read: everything downstream (layers, sharding,
+KV cache sizing) reads these typed fields instead of poking at the HF object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+QUANTIZATIONS = ("int8", "fp8", "gguf")  # gguf: a GGUF file's blocks kept (layers/linear.py)
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "float": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "half": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF `rope_parameters` / `rope_theta` + `rope_scaling`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192
+    # yarn: cos / sin scale (None: from factor, mscale, mscale_all_dim) and the ramp's bounds
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    SUPPORTED = ("default", "linear", "llama3", "yarn")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, layer_type: str | None = None) -> RopeConfig:
+        """layer_type: the entry of per-layer-type rope_parameters (Gemma 3's
+        full_attention / sliding_attention), when the config has them."""
+        # transformers >= 5 folds rope_theta into `rope_parameters`; 4.x has both separately.
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if params and all(isinstance(v, dict) for v in params.values()):
+            params = dict(params.get(layer_type or "full_attention", {}))
+        scaling = getattr(hf_config, "rope_scaling", None) or {}
+        params = {**scaling, **params}
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in cls.SUPPORTED:
+            raise ValueError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(cls.SUPPORTED)}"
+            )
+        # As transformers standardises it: the config's own field first (Phi-3 keeps it
+        # there), then the rope parameters, then max_position_embeddings.
+        original = getattr(hf_config, "original_max_position_embeddings", None) or params.get(
+            "original_max_position_embeddings", getattr(hf_config, "max_position_embeddings", 8192)
+        )
+        optional = lambda key: None if params.get(key) is None else float(params[key])  # noqa: E731
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor") or 1.0),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(original),
+            attention_factor=optional("attention_factor"),
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=optional("mscale"),
+            mscale_all_dim=optional("mscale_all_dim"),
+            truncate=bool(params.get("truncate", True)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a decoder-only transformer, plus the dtype its weights live in."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None  # each token attends to the latest this many keys
+    qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh
+    # Per layer "sliding_attention" (sliding_window applies) or "full_attention"; None: every
+    # layer alike (the window, if any, applies to all).
+    layer_types: tuple[str, ...] | None = None
+    sliding_rope: RopeConfig | None = None  # rotary of sliding layers, when it differs
+    attn_logit_softcapping: float | None = None  # scores: cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits likewise (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its ** -0.5, not head_dim's
+    # Weight-only quantization of the decoder layers' linear kernels: "int8" or "fp8" (e4m3),
+    # one float32 scale per output channel (layers/linear.py), computed at load, or read from
+    # a pre-quantized checkpoint (prequantized: compressed-tensors, `checkpoint_quantization`).
+    quantization: str | None = None
+    prequantized: bool = False
+    # Mixture of experts (Mixtral, Qwen3-MoE; layers/fused_moe.py): 0 experts = dense MLPs.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen3-MoE's)
+    expert_parallel: bool = False  # experts split over the devices (load_model sets it)
+    dtype: Any = jnp.float32
+    hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(
+        cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None
+    ) -> ModelConfig:
+        prequantized = checkpoint_quantization(hf_config)
+        if quantization not in (None, *QUANTIZATIONS, "compressed-tensors"):
+            raise ValueError(
+                f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}"
+            )
+        if prequantized and quantization not in (None, prequantized, "compressed-tensors"):
+            raise ValueError(
+                f"quantization {quantization!r} conflicts with the checkpoint's own "
+                f"compressed-tensors {prequantized} weights"
+            )
+        if quantization == "compressed-tensors" and not prequantized:
+            raise ValueError("quantization 'compressed-tensors': the checkpoint is not quantized")
+        archs = getattr(hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError("HF config has no `architectures` entry; cannot pick a model class")
+        if getattr(hf_config, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        rope_params = getattr(hf_config, "rope_parameters", None) or {}
+        partial = rope_params.get("partial_rotary_factor", None)
+        partial = getattr(hf_config, "partial_rotary_factor", None) if partial is None else partial
+        if partial not in (None, 1, 1.0):
+            raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+        hidden_act = (
+            getattr(hf_config, "hidden_activation", None)
+            or getattr(hf_config, "hidden_act", None)
+            or "silu"
+        )
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            )
+        num_heads = hf_config.num_attention_heads
+        # Qwen2 always has q/k/v biases; Llama-style configs say so with `attention_bias`.
+        attention_bias = bool(getattr(hf_config, "attention_bias", False)) or archs[0].startswith(
+            "Qwen2"
+        )
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if archs[0].startswith("Qwen") and not getattr(hf_config, "use_sliding_window", False):
+            sliding_window = None
+        layer_types = getattr(hf_config, "layer_types", None)
+        if layer_types and not sliding_window:
+            layer_types = None
+        num_experts = int(
+            getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0)
+            or 0
+        )  # fmt: skip
+        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+        only_mlp = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        dense_layers = tuple(
+            i for i in range(hf_config.num_hidden_layers)
+            if num_experts and (i in only_mlp or (i + 1) % step)
+        )  # fmt: skip
+        sliding_rope = RopeConfig.from_hf(hf_config, "sliding_attention")
+        if sliding_rope == RopeConfig.from_hf(hf_config):
+            sliding_rope = None
+        return cls(
+            architecture=archs[0],
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope=RopeConfig.from_hf(hf_config),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            sliding_window=sliding_window,
+            qk_norm=archs[0].startswith(("Qwen3", "Gemma3")),
+            hidden_act=hidden_act,
+            layer_types=tuple(layer_types) if layer_types else None,
+            sliding_rope=sliding_rope,
+            attn_logit_softcapping=getattr(hf_config, "attn_logit_softcapping", None),
+            final_logit_softcapping=getattr(hf_config, "final_logit_softcapping", None),
+            query_pre_attn_scalar=getattr(hf_config, "query_pre_attn_scalar", None),
+            num_experts=num_experts,
+            num_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(
+                getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+            ),
+            norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
+            dense_layers=dense_layers,
+            quantization=prequantized or quantization,
+            prequantized=prequantized is not None,
+            dtype=resolve_dtype(dtype, hf_config),
+            hf_config=hf_config,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence the model takes (a sliding window is honoured by the attention,
+        so it does not cap it)."""
+        return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (None: full attention)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        if self.sliding_rope is not None and self.layer_window(layer) is not None:
+            return self.sliding_rope
+        return self.rope
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The sliding window when every layer has it (Mistral); None when any layer attends
+        to the whole context (Gemma's global layers) or none has a window."""
+        windows = {self.layer_window(layer) for layer in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def checkpoint_quantization(hf_config: Any) -> str | None:
+    """The weights of a pre-quantized checkpoint (its config's quantization_config): "int8" or
+    "fp8" for compressed-tensors with 8-bit symmetric per-channel or per-tensor weights stored
+    unpacked (int-, naive- or float-quantized; W8A16, or W8A8 whose activations then stay in
+    the model dtype); None for a full-precision checkpoint; ValueError naming anything else."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"checkpoint quantization {method!r} is not supported (compressed-tensors 8-bit "
+            "weights are; or load a full-precision checkpoint with --quantization int8|fp8)"
+        )
+    if fmt not in ("int-quantized", "naive-quantized", "float-quantized"):
+        raise ValueError(f"compressed-tensors format {fmt!r} is not supported (unpacked 8-bit)")
+    modes = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        kind = (w.get("type"), w.get("num_bits"))
+        if kind not in (("int", 8), ("float", 8)) or w.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(
+                f"compressed-tensors group {name!r}: {w.get('type')} {w.get('num_bits')}-bit "
+                f"{w.get('strategy')} weights are not supported (8-bit, channel or tensor)"
+            )
+        if not w.get("symmetric", True):
+            raise ValueError(f"compressed-tensors group {name!r}: asymmetric weights")
+        modes.add("int8" if kind[0] == "int" else "fp8")
+    if len(modes) != 1:
+        raise ValueError(f"compressed-tensors weights of mixed kinds {sorted(modes)}")
+    return modes.pop()
+
+
+def resolve_dtype(dtype: str | Any, hf_config: Any = None) -> Any:
+    """'auto' -> the checkpoint's dtype (bfloat16 when it names none) on accelerators, and
+    float32 on CPU, where XLA's bf16 matmuls are slow and exact parity matters most."""
+    if dtype != "auto":
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+            return _DTYPES[dtype]
+        return jnp.dtype(dtype).type
+    if jax.default_backend() == "cpu":
+        return jnp.float32
+    name = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(name).removeprefix("torch.") if name is not None else "bfloat16"
+    return _DTYPES.get(name, jnp.bfloat16)

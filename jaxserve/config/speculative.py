@@ -1,0 +1,92 @@
+"""Speculative decoding's configuration (`--speculative-config`, vLLM's fields)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`--speculative-config`): a proposer drafts up to
+    num_speculative_tokens tokens per request and step, the target model scores them in the
+    next step and keeps the prefix its own sampling agrees with (spec_decode/).
+
+    ngram (prompt lookup): the longest suffix of a request's tokens, between prompt_lookup_min
+    and prompt_lookup_max tokens long, that occurred earlier in them; the tokens that followed
+    its latest occurrence are the draft. Both unset: 5 and 5; one set: the other copies it.
+
+    draft_model: `model` (an HF dir or .gguf of the target's vocabulary, resolved) drafts
+    greedily with its own KV cache in the target's blocks (spec_decode/draft_model.py).
+
+    eagle / eagle3: `model` is an EAGLE-1 / EAGLE-3 head (HF dir, models/eagle.py) for a
+    Llama-family target; it drafts greedily from the target's hidden states
+    (spec_decode/eagle.py)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model / eagle / eagle3: the draft's path
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config method {self.method!r} is not supported; jaxserve "
+                f"implements {', '.join(SPEC_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}"
+            )
+        if self.method in ("draft_model", "eagle", "eagle3"):
+            if not self.model:
+                raise ValueError(f"speculative_config method {self.method} needs a model")
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ValueError("speculative_config prompt_lookup_min/max are for method ngram")
+            return
+        if self.model is not None:
+            raise ValueError(f"speculative_config model {self.model!r}: method ngram takes none")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {n!r}")
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def parse(cls, config: dict | str) -> SpeculativeConfig:
+        """From `--speculative-config` JSON or its dict (vLLM's field names)."""
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config {config!r} is not JSON: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
+        config = dict(config)
+        method = config.pop("method", None)
+        if config.get("model") == "ngram":  # vLLM's older spelling of method ngram
+            del config["model"]
+            method = method or "ngram"
+        elif method is None and config.get("model"):
+            method = "draft_model"  # vLLM refines this to eagle etc. from the checkpoint
+        if method is None:
+            raise ValueError(
+                f"speculative_config {config!r} names no method; jaxserve implements "
+                f"{', '.join(SPEC_METHODS)}"
+            )
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        unknown = sorted(set(config) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown or unsupported fields {unknown}")
+        return cls(method=method, **config)
