@@ -111,30 +111,10 @@ class ModelRunner:
         head_def = step_functions.HeadDef(
             self.config.tie_word_embeddings, self.config.final_logit_softcapping
         )
-        outs = (rep, rep, self.kv.sharding) + (rep, rep) * bool(self.model_def.aux_layers)
-        self._jits = {
-            "forward": jax.jit(
-                functools.partial(step_functions.forward, self.model_def),
-                donate_argnums=(1,), out_shardings=outs,
-            ),
-            "sample": jax.jit(
-                functools.partial(
-                    step_functions.sample_rows, head_def, jax.random.PRNGKey(engine_config.seed),
-                    engine_config.max_logprobs,
-                ),
-                static_argnames=("variant",), donate_argnums=(2, 3), out_shardings=rep,
-            ),
-            "prompt_logprobs": jax.jit(
-                functools.partial(
-                    step_functions.prompt_logprobs, head_def, engine_config.max_logprobs
-                ),
-                out_shardings=rep,
-            ),
-            "pool": jax.jit(step_functions.pool, static_argnames=("num_seqs",), out_shardings=rep),
-            "init_penalty_row": jax.jit(
-                step_functions.init_penalty_row, donate_argnums=(0,), out_shardings=rep
-            ),
-        }  # fmt: skip
+        self._jits = step_functions.jit_steps(
+            self.model_def, head_def, jax.random.PRNGKey(engine_config.seed),
+            engine_config.max_logprobs, self.kv.sharding, rep,
+        )  # fmt: skip
         # A pooling runner (embeddings): every step also pools its prompt tokens.
         pooler = engine_config.pooler
         self.pooler = Pooler(pooler.pooling_type, self.max_num_seqs) if pooler else None

@@ -9,6 +9,7 @@ draft tokens, N input-batch rows (max_num_seqs).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -132,3 +133,26 @@ def init_penalty_row(penalty_state, row, token_ids, num_prompt, num_tokens):
     mask = jnp.zeros(vocab, bool).at[in_prompt].set(True, mode="drop")
     counts = jnp.zeros(vocab, jnp.int32).at[in_output].add(1, mode="drop")
     return prompt_mask.at[row].set(mask), output_counts.at[row].set(counts)
+
+
+def jit_steps(
+    model_def: ModelDef, head_def: HeadDef, base_key, num_logprobs: int, kv_sharding, replicated
+) -> dict[str, Any]:
+    """Each step function jitted for one runner: its static parts bound, the KV cache and the
+    state a step updates donated, outputs replicated (the KV cache in kv_sharding)."""
+    rep = replicated
+    outs = (rep, rep, kv_sharding) + (rep, rep) * bool(model_def.aux_layers)
+    return {
+        "forward": jax.jit(
+            functools.partial(forward, model_def), donate_argnums=(1,), out_shardings=outs
+        ),
+        "sample": jax.jit(
+            functools.partial(sample_rows, head_def, base_key, num_logprobs),
+            static_argnames=("variant",), donate_argnums=(2, 3), out_shardings=rep,
+        ),
+        "prompt_logprobs": jax.jit(
+            functools.partial(prompt_logprobs, head_def, num_logprobs), out_shardings=rep
+        ),
+        "pool": jax.jit(pool, static_argnames=("num_seqs",), out_shardings=rep),
+        "init_penalty_row": jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=rep),
+    }  # fmt: skip
