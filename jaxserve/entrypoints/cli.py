@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 
-from jaxserve import __version__
+from jaxserve.version import __version__
 
 _STARTED = time.perf_counter()  # `jaxserve serve` logs its start-up time from here
 

@@ -35,7 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve import __version__
+from jaxserve.version import __version__
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
