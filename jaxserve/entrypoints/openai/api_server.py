@@ -35,7 +35,6 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve.version import __version__
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -55,6 +54,7 @@ from jaxserve.entrypoints.openai.serving import (
     error_status,
 )
 from jaxserve.metrics import PrometheusStatLogger, make_log_stats
+from jaxserve.version import __version__
 
 logger = logging.getLogger("jaxserve.api_server")
 _json = msgspec.json.Encoder()
