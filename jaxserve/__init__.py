@@ -6,7 +6,7 @@
 
 import importlib
 
-__version__ = "0.1.0"
+from jaxserve.version import __version__
 
 _EXPORTS = {
     "LLM": "jaxserve.entrypoints.llm",

@@ -22,7 +22,8 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.engine.core_client import AsyncMPClient, EngineDeadError
+from jaxserve.engine.core_client import AsyncMPClient
+from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import SchedulerStats

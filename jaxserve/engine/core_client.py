@@ -3,6 +3,7 @@
 `EngineCoreClient` is the surface (add, abort, get the next outputs, utility calls);
 `InprocClient` holds the EngineCore in the caller's process and steps it on `get_output()`. It is
 kept for tests and debugging once the multi-process clients exist: same calls, no sockets.
+The data-parallel load balancer is `engine/load_balancer.py`, the errors `engine/exceptions.py`.
 """
 
 from __future__ import annotations
@@ -20,19 +21,18 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.engine.core import EngineCore
+from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.engine.launch import EngineGroup, EngineGroupInfo, client_addresses, engine_identity
+from jaxserve.engine.load_balancer import LoadBalancer
 from jaxserve.ipc.messages import (
     ENGINE_CORE_DEAD,
-    DPLoadState,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
@@ -41,6 +41,9 @@ from jaxserve.ipc.messages import (
 )
 from jaxserve.ipc.serialization import MsgpackDecoder, MsgpackEncoder
 from jaxserve.startup import StartupTimeline
+
+if TYPE_CHECKING:
+    from jaxserve.engine.core import EngineCore
 
 PROC_POLL_S = 0.5  # how often the output reader checks that the core process lives
 
@@ -74,8 +77,15 @@ class EngineCoreClient(abc.ABC):
 
 class InprocClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, engine_core: EngineCore | None = None):
-        """engine_core: one built already (e.g. over a runner with a compile_fn)."""
-        self.engine_core = engine_core if engine_core is not None else EngineCore(config)
+        """engine_core: one built already (e.g. over a runner with its own executable
+        registry); by default this client builds it."""
+        if engine_core is None:
+            # Imported here: the engine core brings the model runner, spec decode and the
+            # kernels, which a frontend whose core runs in another process must not import.
+            from jaxserve.engine.core import EngineCore
+
+            engine_core = EngineCore(config)
+        self.engine_core = engine_core
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -94,67 +104,6 @@ class InprocClient(EngineCoreClient):
         if method.startswith("_") or not callable(getattr(self.engine_core, method, None)):
             raise ValueError(f"EngineCore has no utility method {method!r}")
         return getattr(self.engine_core, method)(*args)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone: every pending and future call fails with this."""
-
-    def __init__(self, reason: str = "the engine core died"):
-        super().__init__(f"EngineCore is dead ({reason}); see its log for the cause")
-
-
-class LoadBalancer:
-    """Picks the data-parallel engine of each new request (vLLM's DPLBAsyncMPClient): the
-    lowest waiting * 4 + running, from the counts the DP coordinator publishes (a thread
-    reads its PUB socket), bumped here for every request sent until the next publication, so
-    a burst between two publications spreads instead of piling onto one engine. Ties go to
-    the first engine after this client's index, so API servers do not all pick engine 0."""
-
-    def __init__(self, address: str, num_engines: int, client_index: int, client_count: int):
-        self.counts = [[0, 0] for _ in range(num_engines)]
-        self.wave, self.engines_running = 0, False
-        self.client_index, self.client_count = client_index, client_count
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.received = threading.Event()  # a first DPLoadState has arrived
-        self._thread = threading.Thread(target=self._read, args=(address,), daemon=True,
-                                        name="dp-load")  # fmt: skip
-        self._thread.start()
-
-    def _read(self, address: str) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        decoder = msgspec.msgpack.Decoder(DPLoadState)
-        try:
-            while not self._stop.is_set():
-                if sock.poll(PROC_POLL_S * 1000):
-                    state = decoder.decode(sock.recv())
-                    with self._lock:
-                        self.counts = [list(c) for c in state.counts]
-                        self.wave, self.engines_running = state.wave, state.engines_running
-                    self.received.set()
-        finally:
-            sock.close()
-
-    def pick(self, num_requests: int = 1) -> int:
-        """The engine for the next request(s), counted as waiting there from now on."""
-        with self._lock:
-            n = len(self.counts)
-            order = [(self.client_index + i) % n for i in range(n)]
-            best = min(order, key=lambda i: self.counts[i][0] * 4 + self.counts[i][1])
-            self.counts[best][0] += num_requests * self.client_count
-            return best
-
-    def all_idle(self) -> bool:
-        """Whether the coordinator last saw every engine without work (and no wave running)."""
-        with self._lock:
-            return not self.engines_running and not any(w or r for w, r in self.counts)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 class SyncMPClient(EngineCoreClient):

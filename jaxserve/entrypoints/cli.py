@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 
-from jaxserve import __version__
+from jaxserve.version import __version__
 
 _STARTED = time.perf_counter()  # `jaxserve serve` logs its start-up time from here
 
@@ -30,6 +30,10 @@ def _serve(args: argparse.Namespace) -> int:
         from jaxserve.worker.multihost import run_follower
 
         return run_follower(engine_args_from(args))
+    if args.api_server_count > 1:  # this process launches the engines and the API servers
+        from jaxserve.entrypoints.openai.multi_server import run_multi_api_server
+
+        return run_multi_api_server(args, engine_args_from(args))
     from jaxserve.entrypoints.openai.api_server import run_server
 
     run_server(args, engine_args_from(args), started=_STARTED)

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from jaxserve.entrypoints.openai.protocol import DeltaMessage
+from jaxserve.chat_messages import DeltaMessage
 
 _LEADING_SPACE = re.compile(r"\s*")
 _TAG_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> tag ids

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from jaxserve.distributed.mesh import devices_per_process
-from jaxserve.engine.core_client import EngineDeadError
+from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.entrypoints.openai.test_api_server import free_ports

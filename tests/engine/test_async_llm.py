@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM, RequestOutputCollector
-from jaxserve.engine.core_client import EngineDeadError
+from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from tests.helpers import make_tiny_hf

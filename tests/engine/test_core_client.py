@@ -12,8 +12,9 @@ import time
 import pytest
 
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.engine.core_client import EngineDeadError, InprocClient, SyncMPClient
+from jaxserve.engine.core_client import InprocClient, SyncMPClient
 from jaxserve.engine.core_proc import FAULT_ENV, STEP_DELAY_ENV
+from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams

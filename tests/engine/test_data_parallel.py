@@ -11,8 +11,10 @@ import pytest
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.engine.coordinator import DPCoordinator
-from jaxserve.engine.core_client import EngineDeadError, LoadBalancer, combine_results
+from jaxserve.engine.core_client import combine_results
+from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.engine.launch import device_env
+from jaxserve.engine.load_balancer import LoadBalancer
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.ipc.messages import DPEngineState, DPWave
 from jaxserve.sampling_params import SamplingParams

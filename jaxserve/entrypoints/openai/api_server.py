@@ -35,7 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve import __version__, envs
+from jaxserve import envs
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,13 +48,17 @@ from jaxserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from jaxserve.entrypoints.openai.serving import (
+from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from jaxserve.entrypoints.openai.serving_engine import (
     DATA_PARALLEL_RANK,
     OpenAIServing,
     error_body,
     error_status,
 )
 from jaxserve.metrics import PrometheusStatLogger, make_log_stats
+from jaxserve.version import __version__
 
 logger = logging.getLogger("jaxserve.api_server")
 _json = msgspec.json.Encoder()
@@ -75,6 +79,7 @@ def error_response(e: BaseException) -> Response:
 
 
 def _serving(request: Request) -> OpenAIServing:
+    """What the non-generating routes use (models, tokenizer); each API has its own below."""
     return request.app.state.serving
 
 
@@ -149,19 +154,19 @@ def _data_parallel_rank(request: Request, serving: OpenAIServing) -> int | None:
 
 
 async def completions(request: Request) -> Response:
-    s = _serving(request)
+    s = request.app.state.serving_completion
     return await _generate(
         request, CompletionRequest, s.prepare_completion, s.completion, s.completion_stream
     )
 
 
 async def chat_completions(request: Request) -> Response:
-    s = _serving(request)
+    s = request.app.state.serving_chat
     return await _generate(request, ChatCompletionRequest, s.prepare_chat, s.chat, s.chat_stream)
 
 
 async def embeddings(request: Request) -> Response:
-    s = _serving(request)
+    s = request.app.state.serving_embedding
     return await _generate(request, EmbeddingRequest, s.prepare_embedding, s.embedding, None)
 
 
@@ -196,7 +201,7 @@ async def tokenize(request: Request) -> Response:
             chat = ChatCompletionRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt
             )
-            _, tokens = await _off_loop(request, s.chat_prompt, chat)
+            _, tokens = await _off_loop(request, request.app.state.serving_chat.chat_prompt, chat)
         elif body.prompt is not None:
             s.engine.input_processor.check_text_length(body.prompt)
             special = body.add_special_tokens
@@ -326,16 +331,16 @@ def build_app(
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers
     )
-    app.state.serving = OpenAIServing(
-        engine,
-        served_model_names,
-        chat_template=chat_template,
+    details = {"enable_prompt_tokens_details": enable_prompt_tokens_details}
+    app.state.serving_chat = OpenAIServingChat(
+        engine, served_model_names, chat_template=chat_template,
         chat_template_content_format=chat_template_content_format,
-        enable_auto_tools=enable_auto_tools,
-        tool_parser=tool_parser,
-        reasoning_parser=engine.config.reasoning_parser,
-        enable_prompt_tokens_details=enable_prompt_tokens_details,
-    )
+        enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
+        reasoning_parser=engine.config.reasoning_parser, **details,
+    )  # fmt: skip
+    app.state.serving_completion = OpenAIServingCompletion(engine, served_model_names, **details)
+    app.state.serving_embedding = OpenAIServingEmbedding(engine, served_model_names, **details)
+    app.state.serving = OpenAIServing(engine, served_model_names, **details)
     app.state.cpu = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize")
     app.state.engine_died = False
     app.state.on_engine_death = None  # run_server: stop uvicorn
@@ -381,15 +386,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(args, engine_args, started: float | None = None) -> None:
-    """started: time.perf_counter() when the process began (the start-up timeline's zero)."""
+    """One API server over its own engines (--api-server-count 1; more: multi_server.py).
+    started: time.perf_counter() when the process began (the start-up timeline's zero)."""
     started = time.perf_counter() if started is None else started
     imports = time.perf_counter() - started
     sock = bind_socket(args.host, args.port)
     check_server_args(args)
-    if args.api_server_count > 1:
-        from jaxserve.entrypoints.openai.multi_server import run_api_servers
-
-        sys.exit(run_api_servers(args, engine_args, sock))
     engine = AsyncLLM.from_engine_args(engine_args)
     engine.engine_core.timeline.phases.insert(0, ("frontend imports", imports))
     serve_http(args, engine, sock, started)

@@ -33,12 +33,21 @@ import time
 import zmq
 
 from jaxserve.engine.launch import EngineGroup, client_addresses, shutdown_procs
+from jaxserve.entrypoints.openai.api_server import bind_socket, check_server_args, serve_http
 from jaxserve.ipc.messages import ENGINE_CORE_DEAD
 
 logger = logging.getLogger("jaxserve.api_server")
 
 WATCH_S = 0.2
 LOG_PREFIX = "(APIServer{} pid=%(process)d) "  # every log line of API server i, uvicorn's too
+
+
+def run_multi_api_server(args, engine_args) -> int:
+    """`jaxserve serve --api-server-count N`, N > 1: bind the port and check the flags (as
+    api_server.run_server does), then run_api_servers; returns the exit status."""
+    sock = bind_socket(args.host, args.port)
+    check_server_args(args)
+    return run_api_servers(args, engine_args, sock)
 
 
 def run_api_servers(args, engine_args, sock: socket.socket) -> int:
@@ -106,7 +115,6 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     socket."""
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.core_client import AsyncMPClient
-    from jaxserve.entrypoints.openai.api_server import serve_http
     from jaxserve.startup import StartupTimeline
     from jaxserve.transformers_utils.config import read_generation_config
     from jaxserve.transformers_utils.tokenizer import read_tokenizer

@@ -14,6 +14,17 @@ from typing import Any
 
 import msgspec
 
+# The chat message bodies live under every layer (the reasoning parsers build them); they are
+# OpenAI bodies all the same, importable from here beside the others.
+from jaxserve.chat_messages import (  # noqa: F401
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    random_tool_call_id,
+)
 from jaxserve.sampling_params import (
     RequestOutputKind,
     SamplingParams,
@@ -140,51 +151,12 @@ class CompletionResponse(msgspec.Struct):  # also each streamed chunk
     kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
-class FunctionCall(msgspec.Struct):
-    name: str
-    arguments: str  # a JSON object, as text
-
-
-class ToolCall(msgspec.Struct):
-    function: FunctionCall
-    id: str = msgspec.field(default_factory=lambda: random_tool_call_id())
-    type: str = "function"
-
-
-class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None  # a fragment; the fragments of a call concatenate to JSON
-
-
-class DeltaToolCall(msgspec.Struct, omit_defaults=True):
-    """One streamed piece of tool call `index`: the first carries id, type and name; later
-    ones only argument fragments."""
-
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: DeltaFunctionCall | None = None
-
-
 class ExtractedToolCallInformation(msgspec.Struct):
     """A tool parser's reading of a whole completion: the calls, and any plain content."""
 
     tools_called: bool
     tool_calls: list[ToolCall]
     content: str | None = None
-
-
-class ChatMessage(msgspec.Struct, omit_defaults=True):
-    """A response message, or (every field optional) a streamed delta."""
-
-    role: str | None = None
-    content: str | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None  # the pre-Nov-2025 name of `reasoning`: both sent
-    tool_calls: list[ToolCall] | list[DeltaToolCall] = msgspec.field(default_factory=list)
-
-
-DeltaMessage = ChatMessage  # vLLM's name for a streamed delta
 
 
 class ChatChoice(msgspec.Struct):
@@ -250,10 +222,6 @@ class ErrorResponse(msgspec.Struct):
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def random_tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 UNSUPPORTED = {"suffix": "suffix"}

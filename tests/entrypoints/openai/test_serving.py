@@ -1,6 +1,7 @@
-"""OpenAIServing over AsyncLLM and a stand-in engine core (no server, no model): a request's
-kv_transfer_params reach the EngineCoreRequest and a finished output's reach the response's
-top level; --enable-prompt-tokens-details adds usage.prompt_tokens_details.cached_tokens."""
+"""OpenAIServingCompletion / OpenAIServingChat over AsyncLLM and a stand-in engine core (no
+server, no model): a request's kv_transfer_params reach the EngineCoreRequest and a finished
+output's reach the response's top level; --enable-prompt-tokens-details adds
+usage.prompt_tokens_details.cached_tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from jaxserve.entrypoints.openai.serving import OpenAIServing
+from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.engine.test_kv_transfer_params import PREFILL, FakeCore, config, handed_back
 
@@ -29,10 +31,10 @@ def call(tokenizer, body: dict, *, details: bool = False, cached: int = 0):
     cfg = config(max_model_len=256)
     cfg.model.vocab_size = len(tokenizer)
     core = FakeCore(cached)
-    serving = OpenAIServing(
+    chat = "messages" in body
+    serving = (OpenAIServingChat if chat else OpenAIServingCompletion)(
         AsyncLLM(cfg, core, tokenizer=tokenizer), ["m"], enable_prompt_tokens_details=details
     )
-    chat = "messages" in body
     request = msgspec.json.decode(
         json.dumps(body), type=ChatCompletionRequest if chat else CompletionRequest
     )

@@ -15,9 +15,11 @@ from jaxserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     StreamSnapshot,
     ToolParser,
     ToolParserManager,
+    no_tool_calls,
+)
+from jaxserve.entrypoints.openai.tool_parsers.utils import (
     call_from_object,
     content_before,
-    no_tool_calls,
     read_json,
     scan_call_object,
     skip_ws,

@@ -12,8 +12,10 @@ from jaxserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     StreamSnapshot,
     ToolParser,
     ToolParserManager,
-    call_from_object,
     no_tool_calls,
+)
+from jaxserve.entrypoints.openai.tool_parsers.utils import (
+    call_from_object,
     read_json,
     scan_call_object,
     scan_json_calls,

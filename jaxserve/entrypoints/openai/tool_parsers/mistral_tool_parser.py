@@ -19,11 +19,13 @@ from jaxserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     StreamSnapshot,
     ToolParser,
     ToolParserManager,
+    no_tool_calls,
+)
+from jaxserve.entrypoints.openai.tool_parsers.utils import (
     arguments_json,
     call_from_object,
     content_before,
     json_prefix,
-    no_tool_calls,
     read_json,
     scan_call_object,
     scan_json_calls,

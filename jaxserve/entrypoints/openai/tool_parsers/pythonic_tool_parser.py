@@ -16,13 +16,12 @@ from typing import Any
 
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ExtractedToolCallInformation
 from jaxserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
-    ScanMemo,
     StreamSnapshot,
     ToolParser,
     ToolParserManager,
-    dumps,
     no_tool_calls,
 )
+from jaxserve.entrypoints.openai.tool_parsers.utils import ScanMemo, dumps
 
 _START, _END = "<|python_start|>", "<|python_end|>"
 _IDENT = re.compile(r"[A-Za-z_]\w*")

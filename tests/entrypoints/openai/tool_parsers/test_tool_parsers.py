@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, DeltaToolCall
 from jaxserve.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
-from jaxserve.entrypoints.openai.tool_parsers.abstract_tool_parser import ScanMemo, json_prefix
+from jaxserve.entrypoints.openai.tool_parsers.utils import ScanMemo, json_prefix
 
 WEATHER_TOOL = {
     "type": "function",

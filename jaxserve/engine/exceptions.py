@@ -1,0 +1,14 @@
+"""The errors the engine's clients raise to their callers (vLLM's `v1/engine/exceptions.py`).
+
+Kept apart from the clients so that whoever maps them (the HTTP server's error responses,
+AsyncLLM, the tests) imports only this, not the client machinery.
+"""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone: every pending and future call fails with this."""
+
+    def __init__(self, reason: str = "the engine core died"):
+        super().__init__(f"EngineCore is dead ({reason}); see its log for the cause")

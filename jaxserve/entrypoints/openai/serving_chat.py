@@ -1,0 +1,255 @@
+"""/v1/chat/completions (vLLM's `serving_chat.py`): messages through the chat template, then
+one prompt with n choices, each parsed into reasoning, content and tool calls
+(`chat_utils.ChoiceParser`); whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.chat_utils import (
+    CONTENT_FORMATS,
+    ChoiceParser,
+    check_tools,
+    content_format,
+    template_messages,
+    tool_choice,
+    tool_choice_constraint,
+)
+from jaxserve.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    UsageInfo,
+    check_supported,
+    random_id,
+    to_sampling_params,
+)
+from jaxserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    error_body,
+    prompt_logprobs_json,
+    sse,
+    top_logprobs,
+    usage_options,
+)
+from jaxserve.outputs import CompletionOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat template and content format, and the tool and reasoning parsers (their
+    names are checked here, so a bad one fails when the server is built)."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        *,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        enable_auto_tools: bool = False,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
+        enable_prompt_tokens_details: bool = False,
+    ):
+        super().__init__(
+            engine, served_model_names, enable_prompt_tokens_details=enable_prompt_tokens_details
+        )
+        self.chat_template = chat_template
+        self.content_format = chat_template_content_format
+        if self.content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {CONTENT_FORMATS}, "
+                f"got {self.content_format!r}"
+            )
+        self.tool_parser_cls = None
+        if tool_parser is not None:
+            from jaxserve.entrypoints.openai.tool_parsers import ToolParserManager
+
+            self.tool_parser_cls = ToolParserManager.get_tool_parser(tool_parser)
+        self.auto_tools = enable_auto_tools and self.tool_parser_cls is not None
+        self.reasoning_parser_cls = None
+        if reasoning_parser is not None:
+            from jaxserve.reasoning import ReasoningParserManager
+
+            self.reasoning_parser_cls = ReasoningParserManager.get_reasoning_parser(
+                reasoning_parser
+            )
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        if not request.messages:
+            raise ValueError("messages must not be empty")
+        template = request.chat_template or self.chat_template
+        fmt = content_format(template or self.tokenizer.chat_template, self.content_format)
+        messages = template_messages(request.messages, fmt)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=request.tools,
+                chat_template=template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                tokenize=False,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as e:  # a malformed conversation or template
+            raise ValueError(f"cannot apply the chat template: {e}") from None
+        self.engine.input_processor.check_text_length(text)
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def prepare_chat(self, request: ChatCompletionRequest):
+        self.check_runner("Chat Completions")
+        self.check_model(request.model)
+        check_supported(request)
+        check_tools(request, auto_tools=self.auto_tools)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        if self.tool_parser_cls is not None and request.tools:
+            request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
+        prompt = self.chat_prompt(request)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_tokens
+        if request.max_completion_tokens is not None:
+            if request.max_completion_tokens < 1:
+                raise ValueError(
+                    f"max_completion_tokens must be at least 1, got {request.max_completion_tokens}"
+                )
+            max_tokens = request.max_completion_tokens
+        params = to_sampling_params(
+            request, self.defaults, max_tokens=max_tokens, logprobs=logprobs
+        )
+        constraint = tool_choice_constraint(request)
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise ValueError(
+                    f"tool_choice {tool_choice(request)!r:.100} cannot be combined with "
+                    "another output constraint (response_format, structured_outputs)"
+                )
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
+        request_id = random_id("chatcmpl")
+        return request_id, self._validate(request_id, [prompt], params), params
+
+    async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
+        request_id, prompts, params = prepared
+        (out,) = await self._gather(
+            request_id, prompts, params, request.priority, request.kv_transfer_params
+        )
+        choices = []
+        for c in out.outputs:
+            logprobs = self._chat_logprobs(c, request)
+            message, called = self._choice_parser(request).full(c.text)
+            if not request.include_reasoning:
+                message.reasoning = message.reasoning_content = None
+            finish_reason = (
+                "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+            )
+            choices.append(ChatChoice(c.index, message, logprobs, finish_reason, c.stop_reason))
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        usage = self._usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)
+        response = ChatCompletionResponse(
+            request_id, int(time.time()), self._name(request.model), choices, usage
+        )
+        if request.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs_json(out)
+        if out.kv_transfer_params is not None:
+            response.kv_transfer_params = out.kv_transfer_params
+        return response
+
+    async def chat_stream(self, request: ChatCompletionRequest, prepared) -> AsyncIterator[bytes]:
+        request_id, prompts, params = prepared
+        created, model = int(time.time()), self._name(request.model)
+        include_usage, continuous = usage_options(request)
+        prompt_tokens, completion_tokens = len(prompts[0]["prompt_token_ids"]), 0
+        cached = 0
+
+        def chunk(choices, usage=None):
+            if usage is None and continuous:
+                usage = UsageInfo.of(prompt_tokens, completion_tokens)
+            return sse(ChatCompletionChunk(request_id, created, model, choices, usage))
+
+        parsers = [self._choice_parser(request) for _ in range(params.n)]
+        try:
+            for i in range(params.n):  # the role first, once per choice
+                yield chunk([ChatStreamChoice(i, ChatMessage("assistant", ""))])
+            async for _, out in self._merged(
+                request_id, prompts, params, request.priority, request.kv_transfer_params
+            ):
+                cached = out.num_cached_tokens
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    parser = parsers[c.index]
+                    delta = parser.delta(c.text, c.token_ids) if c.text else None
+                    finish_reason = c.finish_reason
+                    if finish_reason is not None:
+                        delta = _joined(delta, parser.finish())
+                        if parser.tools_called and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    if delta is not None and not request.include_reasoning:
+                        delta.reasoning = delta.reasoning_content = None
+                    # Held-back text still sends its tokens' logprobs, when asked for.
+                    has_logprobs = bool(request.logprobs and c.token_ids)
+                    if delta is None and finish_reason is None and not has_logprobs:
+                        continue
+                    logprobs = self._chat_logprobs(c, request)
+                    delta = delta or ChatMessage(content="")
+                    yield chunk(
+                        [ChatStreamChoice(c.index, delta, logprobs, finish_reason, c.stop_reason)]
+                    )
+            if include_usage:
+                yield chunk([], self._usage(prompt_tokens, completion_tokens, cached))
+        except Exception as e:
+            yield sse(error_body(e))
+        yield SSE_DONE
+
+    def _choice_parser(self, request: ChatCompletionRequest) -> ChoiceParser:
+        return ChoiceParser(
+            request, self.tool_parser_cls, self.reasoning_parser_cls, self.tokenizer
+        )
+
+    def _chat_logprobs(self, c: CompletionOutput, request: ChatCompletionRequest) -> dict | None:
+        if not request.logprobs:
+            return None
+        k = request.top_logprobs or 0
+        content = []
+        for token_id, position in zip(c.token_ids, c.logprobs or [], strict=True):
+            chosen = position[token_id]
+            text = self._token_text(token_id, chosen)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": max(chosen.logprob, -9999.0),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (t_text := self._token_text(t, lp)),
+                            "logprob": max(lp.logprob, -9999.0),
+                            "bytes": list(t_text.encode()),
+                        }
+                        for t, lp in top_logprobs(position, k)
+                    ],
+                }
+            )
+        return {"content": content}
+
+
+def _joined(a: ChatMessage | None, b: ChatMessage | None) -> ChatMessage | None:
+    """Two deltas of one choice as one (a's text first)."""
+    if a is None or b is None:
+        return a or b
+    cat = lambda x, y: (x or "") + (y or "") or None  # noqa: E731
+    reasoning = cat(a.reasoning, b.reasoning)
+    return ChatMessage(
+        content=cat(a.content, b.content),
+        reasoning=reasoning,
+        reasoning_content=reasoning,
+        tool_calls=[*a.tool_calls, *b.tool_calls],
+    )

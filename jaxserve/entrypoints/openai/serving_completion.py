@@ -1,0 +1,152 @@
+"""/v1/completions (vLLM's `serving_completion.py`): prompts as text or token ids, several per
+request, n choices each; echo, legacy logprobs, prompt_logprobs; whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from jaxserve.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    check_supported,
+    random_id,
+    to_sampling_params,
+)
+from jaxserve.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    error_body,
+    prompt_logprobs_json,
+    sse,
+    top_logprobs,
+    usage_options,
+)
+from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def prepare_completion(self, request: CompletionRequest):
+        self.check_model(request.model)
+        self.check_runner("Completions")
+        check_supported(request)
+        prompts = self.completion_prompts(request.prompt)
+        params = to_sampling_params(
+            request, self.defaults, max_tokens=request.max_tokens, logprobs=request.logprobs
+        )
+        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+            params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
+        request_id = random_id("cmpl")
+        return request_id, self._validate(request_id, prompts, params), params
+
+    async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:
+        request_id, prompts, params = prepared
+        finals = await self._gather(
+            request_id, prompts, params, request.priority, request.kv_transfer_params
+        )
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for p, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text, logprobs = c.text, None
+                if request.echo:
+                    text = self._prompt_text(out) + text
+                if request.logprobs is not None:
+                    logprobs = self._completion_logprobs(out, c, request.echo, request.logprobs)
+                choice = CompletionChoice(
+                    p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
+                )
+                if request.prompt_logprobs is not None:
+                    choice.prompt_logprobs = prompt_logprobs_json(out)
+                choices.append(choice)
+        cached = sum(out.num_cached_tokens for out in finals)
+        usage = self._usage(prompt_tokens, completion_tokens, cached)
+        response = CompletionResponse(
+            request_id, int(time.time()), self._name(request.model), choices, usage
+        )
+        if finals[0].kv_transfer_params is not None:
+            response.kv_transfer_params = finals[0].kv_transfer_params
+        return response
+
+    async def completion_stream(self, request: CompletionRequest, prepared) -> AsyncIterator[bytes]:
+        request_id, prompts, params = prepared
+        created, model = int(time.time()), self._name(request.model)
+        include_usage, continuous = usage_options(request)
+        prompt_tokens, completion_tokens = 0, 0
+        echoed, cached = set(), {}
+        try:
+            async for p, out in self._merged(
+                request_id, prompts, params, request.priority, request.kv_transfer_params
+            ):
+                cached[p] = out.num_cached_tokens
+                if p not in echoed:
+                    echoed.add(p)
+                    prompt_tokens += len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    text = c.text
+                    if request.echo and (p, c.index) not in echoed:
+                        echoed.add((p, c.index))
+                        text = self._prompt_text(out) + text
+                    if not text and c.finish_reason is None and not c.token_ids:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self._completion_logprobs(out, c, False, request.logprobs)
+                    choice = CompletionChoice(
+                        p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
+                    )
+                    usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
+                    yield sse(CompletionResponse(request_id, created, model, [choice], usage))
+            if include_usage:
+                usage = self._usage(prompt_tokens, completion_tokens, sum(cached.values()))
+                yield sse(CompletionResponse(request_id, created, model, [], usage))
+        except Exception as e:
+            yield sse(error_body(e))
+        yield SSE_DONE
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def _completion_logprobs(
+        self, out: RequestOutput, c: CompletionOutput, echo: bool, k: int
+    ) -> dict:
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        ids: list[int] = []
+        positions: list[PositionLogprobs | None] = []
+        if echo:
+            ids += out.prompt_token_ids
+            positions += out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        ids += c.token_ids
+        positions += c.logprobs or []
+        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+        for token_id, position in zip(ids, positions, strict=True):
+            text = self._token_text(token_id, position.get(token_id) if position else None)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if position is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(position[token_id].logprob)
+            chosen = [(token_id, position[token_id])]  # always there, as in vLLM
+            top.append(
+                {
+                    self._token_text(t, lp): lp.logprob
+                    for t, lp in [*top_logprobs(position, k), *chosen]
+                }
+            )
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
