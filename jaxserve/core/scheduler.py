@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
+    """The engine core's request states (waiting, running, waiting for remote KV) and each
+    step's plan; see the module docstring for the order of things."""
+
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
