@@ -137,6 +137,13 @@ class Request:
             np.concatenate([c.ranks for c in chunks]),
         )
 
+    def take_scheduled_time(self) -> float | None:
+        """When the request was first scheduled, in its first output only (queue time)."""
+        if self.scheduled_time_sent:
+            return None
+        self.scheduled_time_sent = True
+        return self.first_scheduled_time
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

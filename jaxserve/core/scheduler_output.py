@@ -8,14 +8,11 @@ tokens are computed), so the runner keeps each request's state in its persistent
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxserve.core.kv_cache_utils import BlockHash
 from jaxserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from jaxserve.distributed.kv_transfer.base import KVConnectorMetadata
 
 
 @dataclasses.dataclass
@@ -37,6 +34,18 @@ class CachedRequestData:
 
 
 @dataclasses.dataclass
+class KVConnectorMetadata:
+    """One step's copies for a KV connector (distributed/kv_transfer): (block id, block
+    array) to load into the KV cache before the forward, (block id, hash) to save after it."""
+
+    loads: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
+    saves: list[tuple[int, BlockHash]] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)
+
+
+@dataclasses.dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -52,8 +61,7 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after each request's last token (they
     # are counted in num_scheduled_tokens and in num_computed_tokens until rejected).
     scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    # A KV connector's copies for the step (distributed/kv_transfer/base.py): blocks to load
-    # into the cache before the forward, blocks to save after it.
+    # A KV connector's copies for the step (built by its build_connector_meta).
     kv_connector_metadata: KVConnectorMetadata | None = None
 
 
@@ -93,3 +101,19 @@ class ModelRunnerOutput:
     # (they come before its sampled token), and the next drafts the proposer made.
     num_accepted_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def logprobs_of(
+        self, row: int, num_tokens: int, k: int
+    ) -> list[tuple[list[float], list[int], int]]:
+        """The first k logprob columns (the token, then the top k - 1) and the token's rank,
+        for req_ids[row]'s first num_tokens sampling rows (its accepted drafts', then its
+        sampled token's)."""
+        first = self.first_row[row]
+        return [
+            (
+                self.logprobs[r, :k].tolist(),
+                self.logprob_token_ids[r, :k].tolist(),
+                int(self.sampled_ranks[r]),
+            )
+            for r in range(first, first + num_tokens)
+        ]

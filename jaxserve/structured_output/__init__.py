@@ -19,11 +19,11 @@ import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.structured_output.backend_guidance import (
     GuidanceBackend,
     GuidanceGrammar,
@@ -32,11 +32,11 @@ from jaxserve.structured_output.backend_guidance import (
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
-    from jaxserve.core.request import Request
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ConstrainedRequest",
     "StructuredOutputManager",
     "StructuredOutputRequest",
     "bitmask_words",
@@ -67,6 +67,16 @@ class StructuredOutputRequest:
     @property
     def grammar(self) -> GuidanceGrammar:
         return self.future.result()  # raises the compile error, if any
+
+
+class ConstrainedRequest(Protocol):
+    """What the manager reads and sets on an engine request (core/request.py's Request, a
+    floor above this package, which it therefore does not import)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    output_token_ids: list[int]
+    structured_output_request: StructuredOutputRequest | None
 
 
 class StructuredOutputManager:
@@ -105,7 +115,7 @@ class StructuredOutputManager:
                 self._backend = GuidanceBackend(self._tokenizer(), self.vocab_size)
             return self._backend
 
-    def grammar_init(self, request: Request) -> None:
+    def grammar_init(self, request: ConstrainedRequest) -> None:
         params = request.sampling_params.structured_outputs
         future = self.pool.submit(lambda: self.backend.compile_grammar(params))
         self._compiling = [f for f in self._compiling if not f.done()] + [future]
@@ -113,7 +123,7 @@ class StructuredOutputManager:
         if self.reasoner is not None:
             request.structured_output_request.reasoning_ended = False
 
-    def should_advance(self, request: Request) -> bool:
+    def should_advance(self, request: ConstrainedRequest) -> bool:
         """Whether the request's new tokens go through its grammar: it is constrained and
         its reasoning (if a reasoning parser is set) has ended. Tracks the reasoning's end."""
         so = request.structured_output_request
@@ -127,10 +137,25 @@ class StructuredOutputManager:
             return False  # the token that ends the reasoning is not the grammar's
         return True
 
+    def advance(self, request: ConstrainedRequest, token: int) -> bool:
+        """Feed a kept token to the request's grammar (when should_advance); True when the
+        grammar is complete (or broken: a token it did not allow, e.g. min_tokens blocking the
+        EOS it demanded)."""
+        if not self.should_advance(request):
+            return False
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_tokens([token]):
+            logger.warning("request %s: token %d breaks its grammar", request.request_id, token)
+            return True
+        return grammar.is_terminated()
+
     def grammar_bitmask(
-        self, requests: list[Request | None], first_rows: list[int], drafts: list[list[int]],
+        self,
+        requests: list[ConstrainedRequest | None],
+        first_rows: list[int],
+        drafts: list[list[int]],
         num_rows: int,
-    ) -> np.ndarray | None:  # fmt: skip
+    ) -> np.ndarray | None:
         """i32[num_rows, ceil(V/32)]: requests[i]'s rows from first_rows[i] on, one before and
         one after each of its drafts[i] (speculative decoding), the allowed tokens there (all
         allowed for None, unconstrained or still-reasoning requests, and after a draft the
@@ -151,7 +176,7 @@ class StructuredOutputManager:
         self.bitmask_steps += 1
         return bitmask
 
-    def valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+    def valid_drafts(self, request: ConstrainedRequest, drafts: list[int]) -> list[int]:
         """The prefix of a request's next drafts its grammar accepts: all of them when it is
         unconstrained, none while its reasoning (before the grammar binds) goes on."""
         so = request.structured_output_request

@@ -2,12 +2,18 @@
 instead of recomputed (files, or straight over ZeroMQ), and the host-memory offloading tier.
 In-process engines on a tiny random-weight model; greedy output must equal a plain engine's."""
 
+import importlib
+import inspect
 import socket
 import time
 
 import numpy as np
 import pytest
 
+from jaxserve.config import KVTransferConfig
+from jaxserve.core.kv_connector import SchedulerKVConnector
+from jaxserve.distributed.kv_transfer import CONNECTORS, create_connector
+from jaxserve.distributed.kv_transfer.base import BlockLayout
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
@@ -99,6 +105,27 @@ def test_gather_then_scatter_moves_whole_blocks():
     assert kv_block_io.copy_buckets(1000)[-1] == kv_block_io.MAX_BLOCKS_PER_COPY
     (ids, start, n), *rest = kv_block_io.chunks([7, 8, 9], [1, 2, 4])
     assert list(ids) == [7, 8, 9, 0] and (start, n) == (0, 3) and not rest
+
+
+# ---------------------------------------------------------------------- the scheduler's view
+def test_every_connector_has_the_calls_the_scheduler_makes():
+    """core/ knows a connector only as core/kv_connector.py's protocol: every connector has
+    its calls, with the same parameters."""
+    calls = [
+        n for n, f in vars(SchedulerKVConnector).items() if inspect.isfunction(f) and n[0] != "_"
+    ]
+    assert "build_connector_meta" in calls and len(calls) == 7
+    for entry in set(CONNECTORS.values()):
+        module, name = entry.split(":")
+        cls = getattr(importlib.import_module(f"jaxserve.distributed.kv_transfer.{module}"), name)
+        for call in calls:
+            want = inspect.signature(getattr(SchedulerKVConnector, call)).parameters
+            assert list(inspect.signature(getattr(cls, call)).parameters) == list(want), call
+    config = KVTransferConfig(
+        "OffloadingConnector", kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20}
+    )
+    layout = BlockLayout((2, 1, 4, 1, 8), np.dtype(np.float32), "tiny")
+    assert isinstance(create_connector(config, layout), SchedulerKVConnector)
 
 
 # ---------------------------------------------------------------------- ExampleConnector

@@ -1,7 +1,8 @@
 """The KV connector API (vLLM V1's KVConnectorBase_V1, both halves in one object: jaxserve's
 scheduler and model runner share the engine-core process).
 
-Scheduler side, called by core/scheduler.py:
+Scheduler side, called by core/scheduler.py (which knows the connector only as
+core/kv_connector.py's SchedulerKVConnector protocol, so core does not import this package):
   get_num_new_matched_tokens(request, num_computed_tokens) -> (tokens, load_async)
       Tokens past the device prefix-cache hit that the connector can supply. Synchronous
       connectors read them now; an asynchronous one (a remote producer) only promises up to
@@ -11,8 +12,10 @@ Scheduler side, called by core/scheduler.py:
       The request's blocks exist now: remember where the loaded blocks go (or start fetching).
   get_finished_recving() -> {req_id: tokens loaded, or None if the load failed}
   build_connector_meta(requests, block_ids_of) -> KVConnectorMetadata
-      The step's copies: blocks to load before its forward, blocks to save after it.
+      The step's copies: blocks to load before its forward, blocks to save after it (the
+      plain data a SchedulerOutput carries, core/scheduler_output.py).
   request_finished(request) -> kv_transfer_params for the response (or None)
+  request_preempted(request); take_stats() -> the step's KVConnectorStats
 Worker side, called by worker/model_runner.py (one compiled gather / scatter program per
 block-count bucket, worker/kv_block_io.py): the step's loads are scattered into the KV cache
 before its forward; its saves are gathered after the forward and handed to save_blocks() once
@@ -39,6 +42,7 @@ import numpy as np
 from jaxserve.config import KVTransferConfig
 from jaxserve.core.kv_cache_utils import BlockHash
 from jaxserve.core.request import Request
+from jaxserve.core.scheduler_output import KVConnectorMetadata
 from jaxserve.ipc.messages import KVConnectorStats
 
 logger = logging.getLogger(__name__)
@@ -70,18 +74,6 @@ class BlockLayout:
 
     def from_bytes(self, data: bytes | memoryview) -> np.ndarray:
         return np.frombuffer(data, self.dtype).reshape(self.shape)
-
-
-@dataclasses.dataclass
-class KVConnectorMetadata:
-    """One step's copies: (block id, block array) to load before the forward, (block id,
-    hash) to save after it."""
-
-    loads: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
-    saves: list[tuple[int, BlockHash]] = dataclasses.field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
 
 
 class HostBlockStore:

@@ -1,0 +1,212 @@
+"""The scheduler's rules for one request (vLLM V1's `core/sched/utils.py`): how many tokens
+and drafts it may run in a step (and the StepPlan schedule() fills), and what a step's results
+do to it (accepted drafts, the stop conditions, its grammar, the output sent back).
+
+The limits are the request's max_tokens and the engine's max_model_len: a request never runs
+a token whose sampled successor would pass either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler_output import CachedRequestData, NewRequestData
+from jaxserve.ipc.messages import EngineCoreOutput
+
+if TYPE_CHECKING:
+    from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+    from jaxserve.ipc.messages import SpecDecodingStats
+    from jaxserve.structured_output import StructuredOutputManager
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one schedule() call has decided so far; its phases fill it in turn."""
+
+    budget: int  # tokens the step may still run
+    draft_room: int  # draft tokens it may still run (see Scheduler._draft_room)
+    num_scheduled: dict[str, int] = dataclasses.field(default_factory=dict)  # req_id -> tokens
+    new_reqs: list[NewRequestData] = dataclasses.field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = dataclasses.field(default_factory=list)
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def schedule_running(
+        self, request: Request, num_tokens: int, drafts: list[int], new_block_ids: list[int]
+    ) -> None:
+        """A running request's next num_tokens (its drafts the last of them), in its blocks
+        and new_block_ids (sent as a diff: CachedRequestData)."""
+        self._schedule(request.request_id, num_tokens)
+        if drafts:
+            self.spec_tokens[request.request_id] = drafts
+            self.draft_room -= len(drafts)
+        self.cached_reqs.append(
+            CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+        )
+
+    def schedule_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        """A request admitted from the waiting queue, sent in full (NewRequestData)."""
+        self._schedule(request.request_id, num_tokens)
+        self.new_reqs.append(
+            NewRequestData(
+                request.request_id,
+                request.prompt_token_ids,
+                list(request.output_token_ids),
+                request.sampling_params,
+                block_ids,
+                request.num_computed_tokens,
+                request.eos_token_id,
+            )
+        )
+
+    def _schedule(self, req_id: str, num_tokens: int) -> None:
+        self.num_scheduled[req_id] = num_tokens
+        self.budget -= num_tokens
+
+    def unschedule(self, victim: Request) -> None:
+        """A request preempted in this step: undo what the step gave it earlier, if anything."""
+        self.preempted.append(victim)
+        if victim.request_id in self.num_scheduled:
+            self.budget += self.num_scheduled.pop(victim.request_id)
+            self.spec_tokens.pop(victim.request_id, None)
+            self.cached_reqs = [c for c in self.cached_reqs if c.req_id != victim.request_id]
+
+
+def num_tokens_to_schedule(request: Request, max_model_len: int) -> int:
+    """Tokens a running request can run now: the rest of its prompt, or its last token
+    (known or a placeholder). Nothing when a placeholder may already be its last token."""
+    if request.num_output_placeholders:
+        max_tokens = request.sampling_params.max_tokens
+        n_out = request.num_output_tokens + request.num_output_placeholders
+        if (max_tokens is not None and n_out >= max_tokens) or (
+            request.num_tokens_with_placeholders >= max_model_len
+        ):
+            return 0
+    return request.num_tokens_with_placeholders - request.num_computed_tokens
+
+
+def drafts_to_schedule(
+    request: Request, num_new: int, budget: int, max_model_len: int
+) -> list[int]:
+    """The request's drafts that may run after its next token: only in a decode step
+    (num_new == 1), within the token budget, and short enough that the token sampled
+    after them stays within max_tokens and max_model_len."""
+    drafts = request.spec_token_ids
+    if not drafts or num_new != 1 or request.num_output_placeholders:
+        return []
+    limit = min(budget, max_model_len - request.num_tokens) - 1
+    if request.sampling_params.max_tokens is not None:
+        limit = min(limit, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+    return drafts[: max(limit, 0)]
+
+
+def update_request_from_step(
+    request: Request,
+    so: SchedulerOutput,
+    ro: ModelRunnerOutput,
+    row: int,
+    max_model_len: int,
+    grammars: StructuredOutputManager | None,
+    spec_stats: SpecDecodingStats | None,
+) -> EngineCoreOutput | None:
+    """Apply a step's results to the request ro.req_ids[row]: its prompt logprobs; then, if
+    the step kept its sampled token, its new tokens (through the stop conditions and its
+    grammar) and its next drafts. Returns its output for the frontend, None for a mid-prompt
+    chunk (nothing to send)."""
+    req_id = request.request_id
+    if req_id in ro.prompt_logprobs:
+        request.add_prompt_logprobs(ro.prompt_logprobs[req_id])
+    if req_id not in so.sampled_req_ids:
+        return None
+    request.num_output_placeholders -= 1
+    new_tokens = accepted_tokens(request, so, ro, row, spec_stats)
+    update_request_with_output(request, new_tokens, max_model_len, grammars)
+    if request.status == RequestStatus.RUNNING:
+        drafts = ro.spec_token_ids.get(req_id, [])
+        if grammars is not None:  # only what its grammar allows
+            drafts = grammars.valid_drafts(request, drafts)
+        request.spec_token_ids = drafts
+    return make_engine_core_output(request, new_tokens, ro, row)
+
+
+def accepted_tokens(
+    request: Request,
+    so: SchedulerOutput,
+    ro: ModelRunnerOutput,
+    row: int,
+    spec_stats: SpecDecodingStats | None,
+) -> list[int]:
+    """The step's new tokens for a request: its accepted drafts, then its sampled token;
+    the rejected drafts' positions are no longer computed (their KV slots are reused)."""
+    sampled = [int(ro.sampled_token_ids[row])]
+    drafts = so.scheduled_spec_decode_tokens.get(request.request_id)
+    if not drafts:
+        return sampled
+    accepted = ro.num_accepted_drafts[request.request_id]
+    request.num_computed_tokens -= len(drafts) - accepted
+    spec_stats.observe(len(drafts), accepted)
+    return drafts[:accepted] + sampled
+
+
+def update_request_with_output(
+    request: Request,
+    new_tokens: list[int],
+    max_model_len: int,
+    grammars: StructuredOutputManager | None,
+) -> None:
+    """Append a step's new tokens (accepted drafts, then the sampled one) to the request, each
+    through the stop conditions and its grammar; at the first that finishes it, the rest are
+    cut from new_tokens (drafts accepted past a stop are not output)."""
+    for i, token in enumerate(new_tokens):
+        request.append_output_token_ids(token)
+        check_stop(request, token, max_model_len)
+        if not request.is_finished and grammars is not None and grammars.advance(request, token):
+            request.status = RequestStatus.FINISHED_STOPPED
+        if request.is_finished:
+            del new_tokens[i + 1 :]
+            break
+
+
+def check_stop(request: Request, token: int, max_model_len: int) -> None:
+    """Finish the request if `token`, just appended, ends it: EOS or a stop token (once
+    min_tokens are out), max_tokens or max_model_len."""
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if token == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return
+        if params.stop_token_ids and token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+            return
+    if (
+        params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+    ) or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def make_engine_core_output(
+    request: Request, new_tokens: list[int], runner_output: ModelRunnerOutput, row: int
+) -> EngineCoreOutput:
+    """What the frontend gets for the request from one step: its new tokens, their logprobs
+    if asked for, its prompt's logprobs with its first token, and its finish reason."""
+    params = request.sampling_params
+    logprobs = None
+    if params.logprobs is not None:
+        logprobs = runner_output.logprobs_of(row, len(new_tokens), params.logprobs + 1)
+    prompt_logprobs = None
+    if params.prompt_logprobs is not None and request.num_output_tokens == 1:  # once
+        prompt_logprobs = request.take_prompt_logprobs()
+    return EngineCoreOutput(
+        request.request_id,
+        new_tokens,
+        finish_reason=request.status.finish_reason,
+        stop_reason=request.stop_reason,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=request.num_cached_tokens,
+        pooled=runner_output.pooled.get(request.request_id),
+        scheduled_time=request.take_scheduled_time(),
+    )
