@@ -218,7 +218,7 @@ def test_drafts_equal_pytorch_eagle_and_greedy_output_is_exact(
     llm = LLM(str(target), **ENGINE, speculative_config=spec)
     runner = core(llm).runner
     proposed = []  # (the request's tokens, its drafts), as the engine saw them
-    propose_rows = runner.drafter.propose_rows
+    propose_rows = runner.proposer.propose_rows
 
     def recording(ib, rows, *args):
         drafts = propose_rows(ib, rows, *args)
@@ -226,8 +226,8 @@ def test_drafts_equal_pytorch_eagle_and_greedy_output_is_exact(
             proposed.append((ib.token_ids[row, : ib.num_tokens[row]].tolist(), d))
         return drafts
 
-    runner.drafter.propose_rows = recording
-    runner.draft_backoff.should_draft = lambda req_id: True  # draft at every chance
+    runner.proposer.propose_rows = recording
+    runner.drafting.backoff.should_draft = lambda req_id: True  # draft at every chance
     counter = AcceptCounter(llm)
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
     assert 0 < counter.accepted < counter.drafted, vars(counter)  # both outcomes

@@ -64,7 +64,7 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_dir):
         },
     )
     core(spec).scheduler.draft_step_tokens = None  # drafts fill the token budget
-    core(spec).runner.draft_backoff.should_draft = lambda req_id: True
+    core(spec).runner.drafting.backoff.should_draft = lambda req_id: True
     counter = AcceptCounter(spec)
     positions = [1, 2, 3]  # token 0 comes from the prompt's last position: never drafted
     with_spec = token_counts(spec, prompt, params, 3000, positions)
@@ -136,7 +136,7 @@ def test_penalised_greedy_drafts_count_the_drafts_before_them(tiny_dir):
             "prompt_lookup_max": 2,
         },
     )
-    core(spec).runner.draft_backoff.should_draft = lambda req_id: True  # every chance
+    core(spec).runner.drafting.backoff.should_draft = lambda req_id: True  # every chance
     counter = AcceptCounter(spec)
     assert token_ids(spec.generate(prompts, params, use_tqdm=False)) == want
     assert counter.accepted > 10, vars(counter)
