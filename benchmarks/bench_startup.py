@@ -1,7 +1,7 @@
 """Start-up time of `jaxserve serve`: launch to a 200 from /health, cold and warm.
 
 Cold: the persistent XLA compilation cache ($JAXSERVE_COMPILE_CACHE, read by
-model_runner.enable_persistent_compilation_cache) and the converted-weight cache
+worker/executables.py::enable_persistent_compilation_cache) and the converted-weight cache
 ($JAXSERVE_WEIGHT_CACHE, models/weight_cache.py) point at fresh empty directories, so every
 step shape is compiled and a GGUF dequantized. Warm: the same directories again, now filled by
 the cold run (the step executables saved there load without tracing:

@@ -142,9 +142,20 @@ class DraftModelProposer(Proposer):
         n = len(rows)
         if not n:
             return []
-        s = bucket(self.seq_buckets, n)
         positions = ib.num_tokens[rows] - 1
         tokens = ib.token_ids[rows, positions]
+        s, pad, tables = self._proposal_layout(ib, rows, positions)
+        drafts, self.kv_caches = self._executables["draft_propose", s](
+            self.params, self.kv_caches, np.pad(tokens, pad), np.pad(positions, pad), *tables,
+        )  # fmt: skip
+        return np.asarray(drafts)[:n].tolist()
+
+    def _proposal_layout(self, ib: InputBatch, rows: np.ndarray, positions: np.ndarray):
+        """The proposal loop's sequence bucket s, the padding of its [n] arrays to s, and its
+        (block tables i32[s, max_blocks], slots i32[k, s], num_seqs i32[1]): where the K/V of
+        the token at positions + j goes (-1: nowhere)."""
+        n = len(rows)
+        s = bucket(self.seq_buckets, n)
         block_tables = ib.block_table[rows]
         pos = positions[None, :] + np.arange(self.k, dtype=np.int32)[:, None]  # [k, n]
         bs = self.block_size
@@ -153,9 +164,8 @@ class DraftModelProposer(Proposer):
         # Lookahead blocks were allocated up to max_model_len; past them nothing is written.
         slots = np.where(pos // bs < ib.num_blocks[rows][None, :], ids * bs + pos % bs, -1)
         pad = (0, s - n)
-        drafts, self.kv_caches = self._executables["draft_propose", s](
-            self.params, self.kv_caches, np.pad(tokens, pad), np.pad(positions, pad),
+        tables = (
             np.pad(block_tables, (pad, (0, 0))), np.pad(slots, ((0, 0), pad), constant_values=-1),
             np.array([n], np.int32),
         )  # fmt: skip
-        return np.asarray(drafts)[:n].tolist()
+        return s, pad, tables

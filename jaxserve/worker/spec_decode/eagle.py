@@ -32,7 +32,6 @@ from jaxserve.distributed.sharding import put
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models.eagle import Eagle3LlamaForCausalLM
 from jaxserve.models.loader import LoadedModel
-from jaxserve.worker.buckets import bucket
 from jaxserve.worker.spec_decode.draft_model import DraftModelProposer, shapes
 
 if TYPE_CHECKING:
@@ -190,21 +189,12 @@ class EagleProposer(DraftModelProposer):
         n = len(rows)
         if not n:
             return []
-        s = bucket(self.seq_buckets, n)
         positions = ib.num_tokens[rows] - 2  # the kept token's entry: one before it
         tokens = ib.token_ids[rows, positions + 1]
-        block_tables = ib.block_table[rows]
-        pos = positions[None, :] + np.arange(self.k, dtype=np.int32)[:, None]  # [k, n]
-        bs = self.block_size
-        block = np.minimum(pos // bs, block_tables.shape[1] - 1)
-        ids = np.take_along_axis(block_tables.T, block, axis=0)
-        slots = np.where(pos // bs < ib.num_blocks[rows][None, :], ids * bs + pos % bs, -1)
-        pad = (0, s - n)
+        s, pad, tables = self._proposal_layout(ib, rows, positions)
         drafts, self.kv_caches = self._executables["draft_propose", s](
             self.params, self.kv_caches, self.embedding, self.lm_head, self._rows[0],
-            np.pad(tokens, pad), np.pad(positions, pad), np.pad(sample_rows, pad),
-            np.pad(block_tables, (pad, (0, 0))), np.pad(slots, ((0, 0), pad), constant_values=-1),
-            np.array([n], np.int32),
+            np.pad(tokens, pad), np.pad(positions, pad), np.pad(sample_rows, pad), *tables,
         )  # fmt: skip
         return np.asarray(drafts)[:n].tolist()
 
