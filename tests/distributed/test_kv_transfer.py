@@ -2,7 +2,6 @@
 instead of recomputed (files, or straight over ZeroMQ), and the host-memory offloading tier.
 In-process engines on a tiny random-weight model; greedy output must equal a plain engine's."""
 
-import importlib
 import inspect
 import socket
 import time
@@ -10,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxserve.config import KVTransferConfig
+from jaxserve.config import KV_CONNECTORS, KVTransferConfig
 from jaxserve.core.kv_connector import SchedulerKVConnector
-from jaxserve.distributed.kv_transfer import CONNECTORS, create_connector
+from jaxserve.distributed.kv_transfer import connector_class, create_connector
 from jaxserve.distributed.kv_transfer.base import BlockLayout
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.entrypoints.llm import LLM
@@ -115,9 +114,8 @@ def test_every_connector_has_the_calls_the_scheduler_makes():
         n for n, f in vars(SchedulerKVConnector).items() if inspect.isfunction(f) and n[0] != "_"
     ]
     assert "build_connector_meta" in calls and len(calls) == 7
-    for entry in set(CONNECTORS.values()):
-        module, name = entry.split(":")
-        cls = getattr(importlib.import_module(f"jaxserve.distributed.kv_transfer.{module}"), name)
+    for name in KV_CONNECTORS:
+        cls = connector_class(name)
         for call in calls:
             want = inspect.signature(getattr(SchedulerKVConnector, call)).parameters
             assert list(inspect.signature(getattr(cls, call)).parameters) == list(want), call

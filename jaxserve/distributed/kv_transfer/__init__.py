@@ -15,11 +15,15 @@ if TYPE_CHECKING:
     from jaxserve.distributed.kv_transfer.base import BlockLayout, KVConnectorBase
 
 
+def connector_class(name: str) -> type[KVConnectorBase]:
+    """The class of the connector registered as `name` (a key of KV_CONNECTORS), its module
+    imported now."""
+    module, cls = KV_CONNECTORS[name].split(":")
+    return getattr(importlib.import_module(f"jaxserve.distributed.kv_transfer.{module}"), cls)
+
+
 def create_connector(
     config: KVTransferConfig, layout: BlockLayout, engine_index: int = 0
 ) -> KVConnectorBase:
-    """The connector `config.kv_connector` names (KVTransferConfig checked the name), its
-    module imported now."""
-    module, cls = KV_CONNECTORS[config.kv_connector].split(":")
-    mod = importlib.import_module(f"jaxserve.distributed.kv_transfer.{module}")
-    return getattr(mod, cls)(config, layout, engine_index)
+    """The connector `config.kv_connector` names (KVTransferConfig checked the name)."""
+    return connector_class(config.kv_connector)(config, layout, engine_index)
