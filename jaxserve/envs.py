@@ -68,7 +68,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Where the CPU attention kernel is built (pallas_kernels/paged_attention/cpu.py).
     "JAXSERVE_KERNEL_CACHE": lambda: os.environ.get("JAXSERVE_KERNEL_CACHE", _cache_dir("kernels")),
     # "BASE_MS,PER_TOKEN_MS": the engine core runs a runner that only simulates a device
-    # step's time (benchmarks/simulated.py), for benchmarks of the serving layers at scale.
+    # step's time (worker/simulated.py), for benchmarks of the serving layers at scale.
     "JAXSERVE_SIMULATED_STEP": lambda: os.environ.get("JAXSERVE_SIMULATED_STEP"),
     # The python of the vLLM venv the benchmarks' --backend vllm runs (benchmarks/runners.py).
     "JAXSERVE_VLLM_PYTHON": lambda: os.environ.get("JAXSERVE_VLLM_PYTHON", ".venv-vllm/bin/python"),
