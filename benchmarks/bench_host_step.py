@@ -96,10 +96,10 @@ def stub_runner(runner: ModelRunner, stubs: Stubs) -> None:
         runner._compiled = stubs
 
 
-def schedule(rows: int, step: int) -> SchedulerOutput:
-    """Step 0: every request new with its whole prompt; then one decode token each."""
+def schedule(rows: int, step: int, blocks_per_req: int) -> SchedulerOutput:
+    """Step 0: every request new with its whole prompt (and all its blocks); then one decode
+    token each."""
     ids = [f"r{i}" for i in range(rows)]
-    blocks_per_req = 8
     if step == 0:
         new = [
             NewRequestData(
@@ -121,18 +121,20 @@ def schedule(rows: int, step: int) -> SchedulerOutput:
 
 
 def time_rows(rows: int, iters: int, model_dir: Path) -> dict:
+    max_model_len = PROMPT + 2 * iters + 8  # every timed step of both phases fits
+    blocks = -(-max_model_len // BLOCK)
     args = EngineArgs(str(model_dir), load_format="dummy", dtype="float32", max_num_seqs=rows,
-                      max_num_batched_tokens=rows * PROMPT, max_model_len=PROMPT + 96,
-                      block_size=BLOCK, num_gpu_blocks_override=rows * 8 + 1)  # fmt: skip
+                      max_num_batched_tokens=rows * PROMPT, max_model_len=max_model_len,
+                      block_size=BLOCK, num_gpu_blocks_override=rows * blocks + 1)  # fmt: skip
     config = args.create_engine_config()
     loaded = load_model(model_dir, dtype="float32", load_format="dummy", load_tokenizer=False)
     runner = ModelRunner(loaded, config)
     stub_runner(runner, Stubs(runner, rows))
     runner.kv_caches = (jnp.zeros(1), jnp.zeros(1))
-    runner.fetch(runner.dispatch(schedule(rows, 0)))  # every request in, prefilled
+    runner.fetch(runner.dispatch(schedule(rows, 0, blocks)))  # every request in, prefilled
     steps, dispatch = [], []
     for i in range(1, iters + 1):
-        so = schedule(rows, i)
+        so = schedule(rows, i, blocks)
         start = time.perf_counter()
         pending = runner.dispatch(so)
         mid = time.perf_counter()
@@ -144,7 +146,7 @@ def time_rows(rows: int, iters: int, model_dir: Path) -> dict:
     if hasattr(runner, "builder"):  # the batch builder alone, on the same input batch
         ib, builder, builds = runner.input_batch, runner.builder, []
         for i in range(iters + 1, 2 * iters + 1):
-            so = schedule(rows, i)
+            so = schedule(rows, i, blocks)
             start = time.perf_counter()
             ib.update(so)
             builder.build(so, ib, builder.buckets.tokens, i)
