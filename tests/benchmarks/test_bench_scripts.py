@@ -280,3 +280,15 @@ def test_bench_cpu_attention(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 40), (4, 40)]
     assert all(r["cpu_ms"] > 0 and r["reference_ms"] > 0 and r["kv_bytes"] > 0 for r in rows)
+
+
+def test_bench_host_step(tmp_path, capsys):
+    """The runner's host work per step: dispatch + fetch over stubbed executables, and the
+    batch builder alone, a row per batch size."""
+    out = tmp_path / "host.json"
+    script("benchmarks/bench_host_step.py")(
+        ["--rows", "4", "8", "--iters", "3", "--output-json", str(out)]
+    )
+    rows = json.loads(out.read_text())
+    assert [r["rows"] for r in rows] == [4, 8]
+    assert all(r["step_ms"] >= r["dispatch_ms"] > 0 and r["build_ms"] > 0 for r in rows)
