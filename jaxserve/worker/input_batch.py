@@ -17,7 +17,6 @@ from jaxserve.worker.sampling_rows import SamplingRows
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
         self.max_num_reqs = max_num_reqs
-        self.max_model_len = max_model_len
         self.req_id_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 

@@ -74,7 +74,3 @@ class PendingStep(NamedTuple):
     pooled: tuple | None = None  # a pooling runner's (sums, firsts, lasts) on the device
     # A KV connector's saves: (block hashes, [(device blocks [n, 2, L, bs, H, hd], real n)])
     kv_saves: tuple[list, list[tuple[jax.Array, int]]] | None = None
-
-    @property
-    def req_ids(self) -> list[str]:
-        return self.batch.req_ids
