@@ -18,6 +18,7 @@ from jaxserve.config.engine import (
     SchedulerConfig,
 )
 from jaxserve.config.kv_transfer import (
+    DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
     KV_CONNECTORS,
     KV_LOAD_FAILURE_POLICIES,
     KV_ROLES,
@@ -36,6 +37,7 @@ from jaxserve.config.speculative import SPEC_METHODS, SpeculativeConfig
 
 __all__ = [
     "ACTIVATIONS",
+    "DEFAULT_KV_TRANSFER_ALLOWED_HOSTS",
     "KV_CACHE_DTYPES",
     "KV_CONNECTORS",
     "KV_LOAD_FAILURE_POLICIES",

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxserve.config.kv_transfer import KVTransferConfig
+from jaxserve.config.kv_transfer import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, KVTransferConfig
 from jaxserve.config.model import ModelConfig
 from jaxserve.config.pooler import PoolerConfig
 from jaxserve.config.speculative import SpeculativeConfig
@@ -136,6 +136,11 @@ class EngineConfig:
     background_compile: bool = dataclasses.field(default=False, compare=False, repr=False)
     # A KV connector (distributed/kv_transfer); its block copies are compiled beside the steps.
     kv_transfer: KVTransferConfig | None = dataclasses.field(default=None, repr=False)
+    # The hosts a request's kv_transfer_params may name as its KV's source (remote_host);
+    # checked by the frontend's InputProcessor (distributed/kv_transfer/params.py).
+    kv_transfer_allowed_hosts: tuple[str, ...] = dataclasses.field(
+        default=DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

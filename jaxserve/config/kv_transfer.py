@@ -21,6 +21,9 @@ KV_CONNECTORS = {
 }
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+# Where a request's kv_transfer_params may send a consumer for its KV (remote_host), unless
+# --kv-transfer-allowed-hosts says otherwise: this machine only.
+DEFAULT_KV_TRANSFER_ALLOWED_HOSTS = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 
 from jaxserve.config import (
+    DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
@@ -90,6 +91,9 @@ class EngineArgs:
     kv_transfer_config: dict | str | None = None
     # GiB of host memory for KV blocks evicted from the device (OffloadingConnector)
     kv_offloading_size: float | None = None
+    # The hosts a request's kv_transfer_params may name as its KV's source (remote_host):
+    # a consumer fetches from nowhere else. None: this machine only (127.0.0.1, ::1, localhost).
+    kv_transfer_allowed_hosts: tuple[str, ...] | list[str] | None = None
     # Ready as soon as the step shapes that can serve any step are (token buckets 1, 4, 16, ..
     # and max_num_seqs', the greedy and all-pass samplers); the rest load or compile in the
     # background and are used once ready. Default off (`LLM`); on for `jaxserve serve`.
@@ -173,6 +177,7 @@ class EngineArgs:
             # every rank must have every shape when rank 0 picks one
             background_compile=self.background_compile and self.nnodes == 1,
             kv_transfer=kv_transfer,
+            kv_transfer_allowed_hosts=self._kv_transfer_allowed_hosts(),
         )
 
     def _attention_backend(self) -> str:
@@ -232,6 +237,16 @@ class EngineArgs:
         if self.runner == "pooling" or self.task == "embed":
             raise ValueError(f"{what} needs a generating runner, not runner='pooling'")
         return config
+
+    def _kv_transfer_allowed_hosts(self) -> tuple[str, ...]:
+        hosts = self.kv_transfer_allowed_hosts
+        if hosts is None:
+            return DEFAULT_KV_TRANSFER_ALLOWED_HOSTS
+        if isinstance(hosts, str) or not all(isinstance(h, str) and h for h in hosts):
+            raise ValueError(
+                f"kv_transfer_allowed_hosts must be a list of host names, got {hosts!r}"
+            )
+        return tuple(hosts)
 
     def _check_nodes(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

@@ -9,7 +9,8 @@ from typing import Any
 
 import msgspec
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, EngineConfig
+from jaxserve.distributed.kv_transfer.params import validate_kv_transfer_params
 from jaxserve.ipc.messages import EngineCoreRequest
 from jaxserve.sampling_params import MAX_BIAS_TOKENS, SamplingParams
 from jaxserve.structured_output import validate_structured_outputs
@@ -17,8 +18,10 @@ from jaxserve.structured_output import validate_structured_outputs
 
 class InputProcessor:
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_id: int | None):  # fmt: skip
+                 eos_token_id: int | None, kv_transfer_allowed_hosts: tuple[str, ...] = (
+                     DEFAULT_KV_TRANSFER_ALLOWED_HOSTS)):  # fmt: skip
         self.tokenizer = tokenizer
+        self.kv_transfer_allowed_hosts = kv_transfer_allowed_hosts
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -37,6 +40,7 @@ class InputProcessor:
             max_model_len=config.scheduler.max_model_len,
             max_logprobs=config.max_logprobs,
             eos_token_id=eos,
+            kv_transfer_allowed_hosts=config.kv_transfer_allowed_hosts,
         )
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
@@ -76,7 +80,8 @@ class InputProcessor:
         *, priority: int = 0, arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> EngineCoreRequest:  # fmt: skip
-        """kv_transfer_params: for the engine's KV connector (disaggregated prefill)."""
+        """kv_transfer_params: for the engine's KV connector (disaggregated prefill), only in
+        the shape the proxy sends and naming only --kv-transfer-allowed-hosts."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -116,9 +121,9 @@ class InputProcessor:
             )
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
-        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
-            raise ValueError(
-                f"kv_transfer_params must be a dict, got {type(kv_transfer_params).__name__}"
+        if kv_transfer_params is not None:
+            kv_transfer_params = validate_kv_transfer_params(
+                kv_transfer_params, self.kv_transfer_allowed_hosts
             )
         return EngineCoreRequest(
             request_id=request_id,

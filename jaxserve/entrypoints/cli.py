@@ -117,6 +117,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--kv-offloading-size", type=float, default=None, metavar="GiB",
         help="host memory for KV blocks the device evicts (prefix-cache hits come back from it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-transfer-allowed-hosts", nargs="+", default=None, metavar="HOST",
+        help="hosts a request's kv_transfer_params may name as its KV's source (remote_host); "
+        "list the prefill instances' kv_ip for a cross-host disaggregated setup "
+        "(default: this machine only: 127.0.0.1 ::1 localhost)",
+    )  # fmt: skip
     for flag, kind, default, what in (
         ("--nnodes", int, 1, "hosts one model's -tp devices span (jax.distributed)"),
         ("--node-rank", int, 0, "this host's rank; 0 runs the scheduler and the API server"),
