@@ -13,6 +13,11 @@ Each step, `schedule()` (vLLM V1's) fills a StepPlan (core/scheduler_utils.py) i
 `update_from_output` applies each request's results (the sampled tokens and the stop conditions:
 scheduler_utils.update_request_from_step) and frees finished requests' blocks.
 
+Failure isolation: an exception in the work done for one request (its KV connector calls,
+its grammar, its results) finishes that request alone, FINISHED_ERROR ("error", the exception
+in its output's stop_reason, as vLLM), its blocks freed; the others go on. Only what is no one
+request's (the model runner's step) stays fatal to the engine.
+
 Speculative decoding: a running request in decode also runs the draft tokens the proposer made
 after its last step (`Request.spec_token_ids`) when they fit the budget and its limits; they
 count as computed until the step's output says how many were accepted, then the rest are
@@ -36,6 +41,7 @@ from jaxserve.core.kv_connector import SchedulerKVConnector
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.core.scheduler_remote import RemoteKVLoads
 from jaxserve.core.scheduler_utils import (
     StepPlan,
     drafts_to_schedule,
@@ -48,7 +54,7 @@ from jaxserve.structured_output import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(RemoteKVLoads):
     """The engine core's request states (waiting, running, waiting for remote KV) and each
     step's plan; see the module docstring for the order of things."""
 
@@ -93,13 +99,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
-        if request.sampling_params.structured_outputs is not None:
-            if self.structured_output_manager is None:
-                raise ValueError("this engine has no structured-output backend")
-            self.structured_output_manager.grammar_init(request)
-            request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            try:
+                if self.structured_output_manager is None:
+                    raise ValueError("this engine has no structured-output backend")
+                self.structured_output_manager.grammar_init(request)
+                request.status = RequestStatus.WAITING_FOR_FSM
+            except Exception as e:
+                self.pending_outputs.append(self._fail(request, e))
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
         """Abort (or otherwise finish) requests wherever they are; unknown ids are ignored."""
@@ -115,16 +124,40 @@ class Scheduler:
             else:
                 self.waiting.remove_request(request)
             request.status = status
-            self._free(request)
+            self._free_logged(request)
             finished.append(request)
         return finished
 
     def _free(self, request: Request) -> dict | None:
-        """Release a finished request; returns its KV connector's kv_transfer_params."""
+        """Release a finished request; returns its KV connector's kv_transfer_params. Its
+        blocks and state are gone before the connector is told (which may raise)."""
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         return self.connector.request_finished(request) if self.connector else None
+
+    def _free_logged(self, request: Request) -> None:
+        """_free for a request that ends without a response to carry kv_transfer_params: a
+        connector's error is logged (the request is finished either way)."""
+        try:
+            self._free(request)
+        except Exception:
+            logger.exception("request %s: the KV connector failed to let it go", request)
+
+    def _fail(self, request: Request, error: Exception) -> EngineCoreOutput:
+        """Finish a request whose own work raised `error` (FINISHED_ERROR), wherever it is,
+        its blocks freed; returns its output (finish_reason "error", the error as stop_reason)."""
+        logger.error("request %s failed: %r", request.request_id, error, exc_info=error)
+        if request in self.running:
+            self.running.remove(request)
+        elif self.waiting_for_remote.pop(request.request_id, None) is None and (
+            request in self.waiting
+        ):
+            self.waiting.remove_request(request)
+        request.status = RequestStatus.FINISHED_ERROR
+        if request.request_id in self.requests:
+            self._free_logged(request)
+        return EngineCoreOutput(request.request_id, [], "error", f"{type(error).__name__}: {error}")
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -202,7 +235,12 @@ class Scheduler:
                     continue
                 if not self._grammar_compiled(request):  # finished, off the queue
                     continue
-            if not self._admit(request, plan):
+            try:
+                admitted = self._admit(request, plan)
+            except Exception as e:  # its KV connector's calls: it alone fails
+                self.pending_outputs.append(self._fail(request, e))
+                continue
+            if not admitted:
                 break
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
@@ -281,54 +319,12 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
-    def _wait_for_remote(
-        self, request: Request, computed_blocks: list, num_computed: int, num_external: int
-    ) -> bool:
-        """Give a waiting request the blocks for its device hit and the KV another instance
-        will send, and park it until the KV arrives; False if the blocks do not fit."""
-        kv = self.kv_cache_manager
-        new_blocks = kv.allocate_slots(
-            request, num_external, computed_blocks, num_computed, delay_cache_blocks=True
-        )
-        if new_blocks is None:
-            return False
-        self.waiting.pop_request()
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        request.num_computed_tokens = num_computed
-        self.waiting_for_remote[request.request_id] = request
-        self.connector.update_state_after_alloc(
-            request, kv.get_block_ids(request.request_id), num_computed, num_external
-        )
-        return True
-
-    def _finish_remote_loads(self) -> None:
-        """Requests whose remote KV arrived rejoin the front of the waiting queue with it
-        counted as computed (a partial or failed load leaves the rest to compute); a failed
-        load under kv_load_failure_policy "fail" finishes the request (aborted)."""
-        for req_id, loaded in self.connector.get_finished_recving().items():
-            request = self.waiting_for_remote.pop(req_id, None)
-            if request is None:
-                continue
-            if loaded is None and self.connector.config.kv_load_failure_policy == "fail":
-                logger.error("request %s: its remote KV could not be loaded", req_id)
-                request.status = RequestStatus.FINISHED_ABORTED
-                self._free(request)
-                self.pending_outputs.append(EngineCoreOutput(req_id, [], "abort"))
-                continue
-            request.num_computed_tokens += loaded or 0
-            request.status = RequestStatus.WAITING
-            self.waiting.prepend_request(request)
-
     def _grammar_compiled(self, request: Request) -> bool:
         """A WAITING_FOR_FSM request whose compile is done: True if it may be scheduled; a
-        failed compile finishes it (aborted, reported with the next outputs)."""
+        failed compile finishes it (an error, reported with the next outputs)."""
         so = request.structured_output_request
         if so.future.exception() is not None:
-            logger.error("request %s: %s", request.request_id, so.future.exception())
-            self.waiting.remove_request(request)
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._free(request)
-            self.pending_outputs.append(EngineCoreOutput(request.request_id, [], "abort"))
+            self.pending_outputs.append(self._fail(request, so.future.exception()))
             return False
         request.status = RequestStatus.WAITING
         return True
@@ -378,7 +374,10 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         if self.connector is not None:
-            self.connector.request_preempted(request)
+            try:
+                self.connector.request_preempted(request)
+            except Exception:  # it recomputes from scratch: nothing of the connector's is used
+                logger.exception("request %s: the KV connector failed on its preemption", request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -397,10 +396,14 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:  # finished or aborted while the step ran
                 continue
-            output = update_request_from_step(
-                request, scheduler_output, runner_output, row, self.config.max_model_len,
-                self.structured_output_manager, self.spec_stats,
-            )  # fmt: skip
+            try:
+                output = update_request_from_step(
+                    request, scheduler_output, runner_output, row, self.config.max_model_len,
+                    self.structured_output_manager, self.spec_stats,
+                )  # fmt: skip
+            except Exception as e:  # its grammar, its logprobs, ...: it alone fails
+                outputs.append(self._fail(request, e))
+                continue
             if output is None:  # mid-prompt chunk
                 continue
             outputs.append(output)
@@ -409,8 +412,10 @@ class Scheduler:
                     self.running.remove(request)
                 else:  # preempted while its token was in flight
                     self.waiting.remove_request(request)
-                if kv_transfer_params := self._free(request):
-                    outputs[-1].kv_transfer_params = kv_transfer_params
+                try:
+                    output.kv_transfer_params = self._free(request)
+                except Exception as e:  # its response would lack the connector's params
+                    outputs[-1] = self._fail(request, e)
         return outputs
 
     def make_stats(self) -> SchedulerStats:

@@ -8,13 +8,16 @@ generate(prompt, params, request_id) -> async iterator of RequestOutput
      RequestOutput into its request's collector, and aborts stop-string matches in the core;
   4. the generator yields from the collector until the output is finished.
 A consumer that stops iterating (cancelled task, closed generator, client gone) aborts its
-request in the core at once. When the core dies, every waiting generator raises
-EngineDeadError and new calls fail at once.
+request in the core at once. A request that fails on its own (finish_reason "error": an
+exception in its work in the core or in the output processor) raises RequestFailedError from
+its generator alone. When the core dies, every waiting generator raises EngineDeadError and
+new calls fail at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +26,7 @@ from typing import Any
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core_client import AsyncMPClient
-from jaxserve.engine.exceptions import EngineDeadError
+from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import SchedulerStats
@@ -32,6 +35,8 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.transformers_utils.config import read_generation_config
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class RequestOutputCollector:
@@ -147,7 +152,8 @@ class AsyncLLM:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs (per sampling_params.output_kind) until it
-        finishes. Raises ValueError for bad input, EngineDeadError if the core dies.
+        finishes. Raises ValueError for bad input, RequestFailedError if it fails alone,
+        EngineDeadError if the core dies.
         data_parallel_rank: run it on that engine (default: the least loaded).
         kv_transfer_params: for the engine's KV connector (disaggregated prefill)."""
         if self.errored:
@@ -172,6 +178,9 @@ class AsyncLLM:
                 except _Aborted:
                     return
                 finished = output.finished
+                errors = [c.stop_reason for c in output.outputs if c.finish_reason == "error"]
+                if errors:
+                    raise RequestFailedError(f"request {request_id} failed: {errors[0]}")
                 yield output
         finally:  # cancelled, closed early or failed: nothing may stay in the core
             self.collectors.pop(request_id, None)
@@ -205,9 +214,12 @@ class AsyncLLM:
                     core_outputs.outputs, stats
                 )
                 for stat_logger in self.stat_loggers:
-                    stat_logger.record(
-                        core_outputs.scheduler_stats, stats, core_outputs.engine_index
-                    )
+                    try:
+                        stat_logger.record(
+                            core_outputs.scheduler_stats, stats, core_outputs.engine_index
+                        )
+                    except Exception:  # metrics are nobody's request: never fatal
+                        logger.exception("stat logger %r failed", stat_logger)
                 for output in outputs:
                     collector = self.collectors.get(output.request_id)
                     if collector is not None:
@@ -215,7 +227,7 @@ class AsyncLLM:
                 self.engine_core.abort_requests(to_abort)
         except EngineDeadError as e:
             self.dead = e
-        except Exception as e:  # a bug in output processing: fail loudly, never hang
+        except Exception as e:  # reaching the core failed: fail loudly, never hang
             self.dead = EngineDeadError(f"the output handler failed: {e!r}")
         for collector in self.collectors.values():
             collector.put(self.dead)

@@ -27,7 +27,7 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.distributed.kv_transfer import create_connector
 from jaxserve.distributed.kv_transfer.base import BlockLayout, KVConnectorBase
 from jaxserve.distributed.multihost import Leader
-from jaxserve.ipc.messages import EngineCoreOutputs, EngineCoreRequest
+from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxserve.startup import StartupTimeline
 from jaxserve.structured_output import StructuredOutputManager
 from jaxserve.worker.build import build_runner
@@ -117,9 +117,11 @@ class EngineCore:
         return self.runner.num_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; one that cannot be taken in finishes at once with an error (its
+        output comes with the next step's), never the engine."""
         self.num_requests_added += 1
-        self.scheduler.add_request(
-            Request(
+        try:
+            engine_request = Request(
                 request.request_id,
                 request.prompt_token_ids,
                 request.sampling_params,
@@ -130,7 +132,12 @@ class EngineCore:
                 cache_salt=request.cache_salt,
                 kv_transfer_params=request.kv_transfer_params,
             )
-        )
+        except Exception as e:
+            logger.exception("request %s could not be added", request.request_id)
+            error = EngineCoreOutput(request.request_id, [], "error", f"{type(e).__name__}: {e}")
+            self.scheduler.pending_outputs.append(error)
+            return
+        self.scheduler.add_request(engine_request)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Abort requests wherever they are (unknown ids are ignored); returns those aborted."""
@@ -138,7 +145,13 @@ class EngineCore:
         return [r.request_id for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
+        """Requests to step, steps in flight, or outputs of requests that finished without a
+        step (a failed grammar, a request that could not be added) still to send."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.in_flight)
+            or bool(self.scheduler.pending_outputs)
+        )
 
     def step(self) -> EngineCoreOutputs | None:
         """Dispatch the next step if there is work, then finish the oldest step once
@@ -174,7 +187,7 @@ class EngineCore:
             self.in_flight[0] = (so, self.runner.dispatch_sample(pending, bitmask))
 
     def _outputs_outside_steps(self, dispatched: bool) -> EngineCoreOutputs | None:
-        """Requests finished without a step (a grammar that failed to compile); with nothing
+        """Requests finished without a step (a failure of their own); with nothing
         to run but grammars compiling, wait a little for them instead of spinning."""
         outputs = self.scheduler.take_pending_outputs()
         if outputs:

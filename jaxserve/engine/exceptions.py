@@ -12,3 +12,9 @@ class EngineDeadError(RuntimeError):
 
     def __init__(self, reason: str = "the engine core died"):
         super().__init__(f"EngineCore is dead ({reason}); see its log for the cause")
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed while it was served (an exception in its own work in the engine
+    core or the output processor: finish_reason "error"); the engine and every other request
+    go on. A 500 over HTTP, with the error's message."""

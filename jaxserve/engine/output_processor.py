@@ -5,11 +5,16 @@ and tells the caller to abort it in the core), gather logprobs, and emit CUMULAT
 FINAL_ONLY outputs. A request with n > 1 runs as n child requests in the core
 ("{i}_{request_id}", sharing the prompt's cached blocks through prefix caching); the parent
 output gathers them, in index order.
+
+A request that failed (finish_reason "error" from the core, or an exception while its outputs
+were processed here) ends at once: its output is finished, every completion "error" with the
+error as stop_reason, and its children still in the core are aborted; the others go on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -27,6 +32,8 @@ from jaxserve.outputs import (
 )
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 def child_request_id(index: int, request_id: str) -> str:
     return f"{index}_{request_id}"
@@ -34,7 +41,7 @@ def child_request_id(index: int, request_id: str) -> str:
 
 def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedRequestStats:
     """A finished request for the metrics; with n children, abort if any was aborted, else
-    stop if any stopped, else length."""
+    stop if any stopped, else length (a failed request: error)."""
     m = state.metrics
     generated = sum(len(c.token_ids) for c in state.children.values())
     return FinishedRequestStats(
@@ -132,67 +139,44 @@ class OutputProcessor:
     def process_outputs(
         self, outputs: list[EngineCoreOutput], stats: IterationStats | None = None
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (RequestOutputs to deliver, core request ids to abort for stop strings);
-        counts tokens, TTFT, ITL and finished requests into `stats` when given."""
+        """Returns (RequestOutputs to deliver, core request ids to abort: stop strings and
+        failed requests); counts tokens, TTFT, ITL and finished requests into `stats` when
+        given. A request whose output raises here fails alone (see the module docstring)."""
         now = time.time()
         stats = stats if stats is not None else IterationStats()
         to_abort: list[str] = []
         touched: dict[str, RequestState] = {}
+        failed: dict[str, RequestState] = {}
         for out in outputs:
             parent_id = self.child_to_parent.get(out.request_id)
-            if parent_id is None:
-                continue  # aborted by the user meanwhile
+            if parent_id is None or parent_id in failed:
+                continue  # aborted by the user meanwhile, or failed in this very call
             state = self.requests[parent_id]
-            child = state.children[out.request_id]
-            if child.finish_reason is not None:
-                continue
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            if out.scheduled_time is not None and state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = out.scheduled_time
-            if out.new_token_ids:
-                stats.num_generation_tokens += len(out.new_token_ids)
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                    stats.num_prompt_tokens += len(state.prompt_token_ids)
-                    stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
-                elif state.metrics.last_token_time is not None:
-                    stats.inter_token_latencies.append(now - state.metrics.last_token_time)
-            state.metrics.last_token_time = now
-            child.token_ids += out.new_token_ids
-            if out.logprobs is not None and child.logprobs is not None:
-                for position in out.logprobs:
-                    child.logprobs.append(self._position(*position))
-                    child.cumulative_logprob += position[0][0]
-            if out.pooled is not None:
-                state.pooled = out.pooled
-            if out.kv_transfer_params is not None and child.index == 0:
-                state.kv_transfer_params = out.kv_transfer_params
-            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
-                values, token_ids, ranks = (a.tolist() for a in out.prompt_logprobs)
-                state.prompt_logprobs = [None] + [
-                    self._position(*position)
-                    for position in zip(values, token_ids, ranks, strict=True)
-                ]
-            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
-            if child.detokenizer is not None:
-                stop = child.detokenizer.update(out.new_token_ids)
-                unread = len(out.new_token_ids) - child.detokenizer.num_consumed
-                if unread:  # accepted drafts past a stop string are not output
-                    del child.token_ids[-unread:]
-                    if out.logprobs is not None and child.logprobs is not None:
-                        for position in child.logprobs[-unread:]:  # the chosen token first
-                            child.cumulative_logprob -= next(iter(position.values())).logprob
-                        del child.logprobs[-unread:]
-                if stop is not None and out.finish_reason is None:
-                    child.finish_reason, child.stop_reason = "stop", stop
-                    to_abort.append(out.request_id)
-                elif stop is not None:  # finished in the core this very step anyway
-                    child.finish_reason, child.stop_reason = "stop", stop
-            touched[parent_id] = state
+            try:
+                if self._process_one(state, out, stats, now, to_abort):
+                    touched[parent_id] = state
+                error = out.stop_reason if out.finish_reason == "error" else None
+            except Exception as e:  # its detokenizer, stop strings, logprobs: it alone fails
+                logger.exception("request %s: its outputs could not be processed", parent_id)
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                touched.pop(parent_id, None)
+                failed[parent_id] = state
+                to_abort += self._fail(state, error, now, stats)
 
-        results = []
+        results = [self._failed_output(state) for state in failed.values()]
         for parent_id, state in touched.items():
             finished = state.finished
+            kind = state.params.output_kind
+            output = None
+            try:
+                if finished or kind != RequestOutputKind.FINAL_ONLY:
+                    output = self._make_output(state, finished, kind == RequestOutputKind.DELTA)
+            except Exception as e:
+                logger.exception("request %s: its output could not be made", parent_id)
+                to_abort += self._fail(state, f"{type(e).__name__}: {e}", now, stats)
+                results.append(self._failed_output(state))
+                continue
             if finished:
                 state.metrics.finished_time = now
                 reasons = {c.finish_reason for c in state.children.values()}
@@ -201,11 +185,92 @@ class OutputProcessor:
                 del self.requests[parent_id]
                 for core_id in state.children:
                     self.child_to_parent.pop(core_id, None)
-            kind = state.params.output_kind
-            if kind == RequestOutputKind.FINAL_ONLY and not finished:
-                continue
-            results.append(self._make_output(state, finished, kind == RequestOutputKind.DELTA))
+            if output is not None:
+                results.append(output)
         return results, to_abort
+
+    def _process_one(
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        stats: IterationStats,
+        now: float,
+        to_abort: list[str],
+    ) -> bool:
+        """Apply one core output to its request's state; False if its child had finished
+        already (nothing new). A stop string found here adds the child to to_abort."""
+        child = state.children[out.request_id]
+        if child.finish_reason is not None:
+            return False
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.scheduled_time is not None and state.metrics.first_scheduled_time is None:
+            state.metrics.first_scheduled_time = out.scheduled_time
+        if out.new_token_ids:
+            stats.num_generation_tokens += len(out.new_token_ids)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+                stats.num_prompt_tokens += len(state.prompt_token_ids)
+                stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
+            elif state.metrics.last_token_time is not None:
+                stats.inter_token_latencies.append(now - state.metrics.last_token_time)
+        state.metrics.last_token_time = now
+        child.token_ids += out.new_token_ids
+        if out.logprobs is not None and child.logprobs is not None:
+            for position in out.logprobs:
+                child.logprobs.append(self._position(*position))
+                child.cumulative_logprob += position[0][0]
+        if out.pooled is not None:
+            state.pooled = out.pooled
+        if out.kv_transfer_params is not None and child.index == 0:
+            state.kv_transfer_params = out.kv_transfer_params
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+            values, token_ids, ranks = (a.tolist() for a in out.prompt_logprobs)
+            state.prompt_logprobs = [None] + [
+                self._position(*position) for position in zip(values, token_ids, ranks, strict=True)
+            ]
+        child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+        if child.detokenizer is not None:
+            stop = child.detokenizer.update(out.new_token_ids)
+            unread = len(out.new_token_ids) - child.detokenizer.num_consumed
+            if unread:  # accepted drafts past a stop string are not output
+                del child.token_ids[-unread:]
+                if out.logprobs is not None and child.logprobs is not None:
+                    for position in child.logprobs[-unread:]:  # the chosen token first
+                        child.cumulative_logprob -= next(iter(position.values())).logprob
+                    del child.logprobs[-unread:]
+            if stop is not None and out.finish_reason is None:
+                child.finish_reason, child.stop_reason = "stop", stop
+                to_abort.append(out.request_id)
+            elif stop is not None:  # finished in the core this very step anyway
+                child.finish_reason, child.stop_reason = "stop", stop
+        return True
+
+    def _fail(
+        self, state: RequestState, message: str, now: float, stats: IterationStats
+    ) -> list[str]:
+        """End a failed request (counted in stats): every completion "error", the message its
+        stop_reason; returns its core ids, to abort those still running."""
+        for child in state.children.values():
+            child.finish_reason, child.stop_reason = "error", message
+        state.metrics.finished_time = now
+        stats.finished.append(_finished_stats(state, "error", now))
+        del self.requests[state.request_id]
+        for core_id in state.children:
+            self.child_to_parent.pop(core_id, None)
+        return list(state.children)
+
+    @staticmethod
+    def _failed_output(state: RequestState) -> RequestOutput:
+        """A failed request's final output, built without its detokenizer (which may be
+        what failed): no text, no tokens, each completion's error as its stop_reason."""
+        completions = [
+            CompletionOutput(c.index, "", [], None, None, c.finish_reason, c.stop_reason)
+            for c in sorted(state.children.values(), key=lambda c: c.index)
+        ]
+        return RequestOutput(
+            state.request_id, state.prompt, state.prompt_token_ids, None, completions,
+            finished=True, num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
+        )  # fmt: skip
 
     def _position(self, values: list[float], token_ids: list[int], rank: int) -> PositionLogprobs:
         """{token id: Logprob} of one position: the chosen (or prompt) token, then the top-K."""

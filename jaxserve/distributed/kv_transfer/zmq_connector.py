@@ -169,8 +169,10 @@ class ZmqConnector(KVConnectorBase):
         first = num_computed_tokens // self.block_size
         n = num_external_tokens // self.block_size
         self._fetching[request.request_id] = block_ids[first : first + n]
-        params = request.kv_transfer_params
-        address = f"tcp://{params['remote_host']}:{int(params['remote_port'])}"
+        params = request.kv_transfer_params  # checked by the frontend (kv_transfer/params.py)
+        host = params["remote_host"]
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address
+        address = f"tcp://{host}:{params['remote_port']}"
         hashes = request.block_hashes[first : first + n]
         self._fetch_pool.submit(self._fetch, request.request_id, address, hashes)
 
@@ -178,6 +180,7 @@ class ZmqConnector(KVConnectorBase):
         blocks = None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
         try:
             sock.connect(address)
             sock.send(msgspec.msgpack.encode(BlockQuery(self.layout.fingerprint, hashes)))
