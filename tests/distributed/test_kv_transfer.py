@@ -233,7 +233,7 @@ def test_load_failure_policy_fail_ends_the_request(model_dir):
     })  # fmt: skip
     params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": dead_port}
     out = run(llm, "r", PROMPTS[0], GREEDY, params)
-    assert out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
+    assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
     assert core(llm).get_state()["num_free_blocks"] == ENGINE["num_gpu_blocks_override"] - 1
 
 

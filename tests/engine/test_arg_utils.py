@@ -28,6 +28,9 @@ def test_defaults_are_vllms_with_cpu_limits(model_dir):
     on = EngineArgs(model=model_dir, async_scheduling=True).create_engine_config()
     assert on.scheduler.async_scheduling
     assert config.parallel.tensor_parallel_size == 1 and config.seed == 0
+    assert config.kv_transfer_allowed_hosts == ("127.0.0.1", "::1", "localhost")
+    hosts = EngineArgs(model=model_dir, kv_transfer_allowed_hosts=["10.0.0.5", "prefill-0"])
+    assert hosts.create_engine_config().kv_transfer_allowed_hosts == ("10.0.0.5", "prefill-0")
     assert pickle.loads(pickle.dumps(config)).scheduler == config.scheduler  # for spawn
     with pytest.raises(AttributeError):
         config.seed = 3  # frozen
@@ -59,6 +62,7 @@ def test_default_model_by_name_or_none():
         ({"max_logprobs": -1}, "max_logprobs must be non-negative, got -1"),
         ({"dtype": "int8"}, "dtype 'int8' is not one of auto"),
         ({"load_format": "pt"}, "load_format 'pt' is not one of auto, dummy"),
+        ({"kv_transfer_allowed_hosts": "10.0.0.5"}, "kv_transfer_allowed_hosts must be a list"),
     ],
 )
 def test_bad_arguments_name_the_field(model_dir, args, message):

@@ -1,6 +1,7 @@
 """kv_transfer_params through the frontend, over a stand-in engine core: a request's reach its
-EngineCoreRequest (every child of n > 1), a finished output's reach the RequestOutput (the
-first child's), offline (LLMEngine, LLM.generate) and in AsyncLLM."""
+EngineCoreRequest (every child of n > 1) only in the proxy's shape and naming an allowed host,
+a finished output's reach the RequestOutput (the first child's), offline (LLMEngine,
+LLM.generate) and in AsyncLLM."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.llm_engine import LLMEngine
@@ -32,6 +34,7 @@ def config(max_model_len: int = 64):
         pooler=None,
         reasoning_parser=None,
         model_path="fake",
+        kv_transfer_allowed_hosts=DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
     )
 
 
@@ -91,8 +94,60 @@ def test_input_processor_puts_them_on_the_request_and_children_keep_them():
     children = OutputProcessor(None).add_request(None, request)
     assert [c.kv_transfer_params for c in children] == [PREFILL] * 3
     assert processor.process("s", [1], SamplingParams()).kv_transfer_params is None
-    with pytest.raises(ValueError, match="kv_transfer_params must be a dict"):
+    with pytest.raises(ValueError, match="kv_transfer_params must be an object"):
         processor.process("t", [1], SamplingParams(), kv_transfer_params=[1])  # type: ignore[arg-type]
+
+
+# What the proxy sends a prefill instance, and what a producer's response hands on to a decoder.
+PROXY_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+PRODUCER_ANSWER = {"do_remote_prefill": True, "do_remote_decode": False,
+                   "remote_engine_id": "e1", "remote_block_ids": None,
+                   "remote_host": "127.0.0.1", "remote_port": 14579}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        # the issue's: a port that is no number (reached int() on the scheduler's thread)
+        ({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "abc"},
+         r"Expected `int \| null`, got `str` - at `\$.remote_port`"),
+        ({**PRODUCER_ANSWER, "remote_port": 2**64}, r"<= 65535 - at `\$.remote_port`"),
+        ({**PRODUCER_ANSWER, "remote_port": 0}, r">= 1 - at `\$.remote_port`"),
+        ({**PRODUCER_ANSWER, "remote_port": 14579.0}, "got `float`"),
+        ({**PRODUCER_ANSWER, "remote_host": ""}, "length >= 1"),
+        ({**PRODUCER_ANSWER, "remote_host": {"a": [1]}}, "got `object`"),
+        ({**PRODUCER_ANSWER, "remote_block_ids": [1, 2]}, r"\$.remote_block_ids"),
+        ({"do_remote_decode": 1}, "Expected `bool`"),
+        ({"do_remote_decode": True, "extra": 1}, "unknown field `extra`"),
+        ({"do_remote_prefill": True, "remote_host": "127.0.0.1"}, "needs remote_host and"),
+        ({**PRODUCER_ANSWER, "do_remote_decode": True}, "exclusive"),
+        # any host but this machine: refused, naming the flag that allows it
+        ({**PRODUCER_ANSWER, "remote_host": "x"},
+         r"remote_host 'x' is not allowed: .* --kv-transfer-allowed-hosts \(127.0.0.1, ::1, "),
+        ({**PRODUCER_ANSWER, "remote_host": "10.0.0.5"}, "--kv-transfer-allowed-hosts"),
+    ],
+)  # fmt: skip
+def test_input_processor_refuses_any_other_shape_and_other_hosts(params, message):
+    processor = InputProcessor.from_config(config(), None)
+    with pytest.raises(ValueError, match=message):
+        processor.process("r", [1, 2, 3], SamplingParams(), kv_transfer_params=params)
+
+
+def test_input_processor_takes_the_proxys_shape_and_listed_hosts():
+    processor = InputProcessor.from_config(config(), None)
+    for params in (PROXY_PREFILL, PRODUCER_ANSWER, {"do_remote_decode": True},
+                   {**PRODUCER_ANSWER, "remote_host": "LocalHost"},
+                   {**PRODUCER_ANSWER, "remote_host": "::1"}):  # fmt: skip
+        request = processor.process("r", [1], SamplingParams(), kv_transfer_params=params)
+        assert request.kv_transfer_params == params
+    cross_host = InputProcessor.from_config(
+        SimpleNamespace(**{**vars(config()), "kv_transfer_allowed_hosts": ("10.0.0.5",)}), None
+    )
+    remote = {**PRODUCER_ANSWER, "remote_host": "10.0.0.5"}
+    assert cross_host.process("r", [1], SamplingParams(), kv_transfer_params=remote)
+    with pytest.raises(ValueError, match="not allowed"):  # the list replaces the default
+        cross_host.process("r", [1], SamplingParams(), kv_transfer_params=PRODUCER_ANSWER)
 
 
 def test_output_processor_hands_on_the_first_childs_when_finished():
