@@ -220,12 +220,12 @@ def drain_outputs(sched, next_token, *, pipelined, aborts=None, max_steps=1000):
     """Step until drained, as EngineCore does: pipelined = async scheduling (step N+1 is
     scheduled before step N's tokens come back). next_token(request_id, index of the output
     token) plays the model. aborts: {step number: request ids}. Returns ({request id: tokens},
-    {request id: finish reason}, every SchedulerOutput)."""
+    {request id: finish reason}, every SchedulerOutput), once every output is delivered."""
     from collections import defaultdict, deque
 
     tokens, reasons, scheduled, in_flight = defaultdict(list), {}, [], deque()
     for n in range(max_steps):
-        if not (sched.has_unfinished_requests() or in_flight):
+        if not (sched.has_unfinished_requests() or in_flight or sched.pending_outputs):
             return tokens, reasons, scheduled
         if aborts and n in aborts:
             for r in sched.finish_requests(aborts[n], RequestStatus.FINISHED_ABORTED):
@@ -237,17 +237,23 @@ def drain_outputs(sched, next_token, *, pipelined, aborts=None, max_steps=1000):
                 in_flight.append(out)
                 scheduled.append(out)
                 dispatched = True
-        if not in_flight or (dispatched and pipelined and len(in_flight) < 2):
+        if not in_flight:  # requests that failed outside a step (EngineCore sends them too)
+            outputs = sched.take_pending_outputs()
+        elif dispatched and pipelined and len(in_flight) < 2:
             continue
-        out = in_flight.popleft()
-        ids = list(out.num_scheduled_tokens)
-        # The token a request samples in `out` is its output number len(outputs so far).
-        index = {r: sched.requests[r].num_output_tokens if r in sched.requests else -1 for r in ids}
-        sampled = np.array([next_token(r, index[r]) for r in ids], np.int32)
-        for o in sched.update_from_output(out, ModelRunnerOutput(ids, sampled)):
+        else:
+            out = in_flight.popleft()
+            ids = list(out.num_scheduled_tokens)
+            # The token a request samples in `out` is its output number len(outputs so far).
+            index = {r: sched.requests[r].num_output_tokens if r in sched.requests else -1
+                     for r in ids}  # fmt: skip
+            sampled = np.array([next_token(r, index[r]) for r in ids], np.int32)
+            outputs = sched.update_from_output(out, ModelRunnerOutput(ids, sampled))
+        for o in outputs:
             tokens[o.request_id] += o.new_token_ids
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
+            if o.finished:  # a failed request's: "error: <the exception>"
+                error = o.finish_reason == "error"
+                reasons[o.request_id] = f"error: {o.stop_reason}" if error else o.finish_reason
     raise AssertionError("did not drain")
 
 
