@@ -192,6 +192,62 @@ def test_zmq_connector_moves_the_prompt_kv_between_engines(zmq_pair, reference):
         assert state["num_requests"] == 0
 
 
+def test_a_request_failing_in_the_scheduler_fails_alone(zmq_pair, reference, monkeypatch):
+    """On the consumer engine: the issue's kv_transfer_params are a ValueError before the
+    engine; requests whose connector calls or grammar raise (injected) finish with "error"
+    while the others beside them give the reference output; no block leaks; it goes on."""
+    _, consumer, _ = zmq_pair
+    engine, sched = consumer.llm_engine, core(consumer).scheduler
+    issue = {"do_remote_prefill": True, "remote_host": "x", "remote_port": "abc"}
+    with pytest.raises(ValueError, match="remote_port"):
+        engine.add_request("issue", {"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                           kv_transfer_params=issue)  # fmt: skip
+    (dead_port,) = free_ports(1)
+    remote = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": dead_port}
+
+    def failing(obj, name, bad_id):
+        call = getattr(obj, name)
+
+        def wrapper(request, *args):
+            result = call(request, *args)  # its own bookkeeping first: then it raises
+            if request.request_id == bad_id and (
+                name != "advance" or len(request.output_token_ids) == 3
+            ):
+                raise RuntimeError(f"injected in {name}")
+            return result
+
+        monkeypatch.setattr(obj, name, wrapper)
+
+    calls = {"bad-match": (sched.connector, "get_num_new_matched_tokens"),
+             "bad-alloc": (sched.connector, "update_state_after_alloc"),
+             "bad-finished": (sched.connector, "request_finished"),
+             "bad-grammar": (sched.structured_output_manager, "advance")}  # fmt: skip
+    for bad_id, (obj, name) in calls.items():
+        failing(obj, name, bad_id)
+    # the failing requests first, so the healthy ones run beside them (max_num_seqs 4)
+    for bad_id in calls:  # only bad-alloc's KV comes from another instance
+        params = remote if bad_id == "bad-alloc" else None
+        prompt = {"prompt_token_ids": [p + 3 for p in PROMPTS[1]]}
+        engine.add_request(bad_id, prompt, GREEDY, kv_transfer_params=params)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"ok{i}", {"prompt_token_ids": prompt}, GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    for bad_id, (_, name) in calls.items():
+        out = finished.pop(bad_id)
+        assert (out.finish_reason, out.stop_reason) == (
+            "error",
+            f"RuntimeError: injected in {name}",
+        )
+    assert [finished[f"ok{i}"].token_ids for i in range(len(PROMPTS))] == reference
+    state = core(consumer).get_state()  # runs check_no_leaks()
+    assert state["num_requests"] == 0
+    assert state["num_free_blocks"] == ENGINE["num_gpu_blocks_override"] - 1
+    monkeypatch.undo()
+    assert run(consumer, "after", PROMPTS[2], GREEDY).outputs[0].token_ids == reference[2]
+
+
 def test_a_consumer_recomputes_when_the_producer_does_not_answer(model_dir, zmq_pair, reference):
     _, consumer, _ = zmq_pair
     (dead_port,) = free_ports(1)  # nothing listens there
