@@ -77,7 +77,7 @@ def test_a_request_waits_for_its_grammar_and_steps_follow_it(tokenizer):
     assert constrained.status == RequestStatus.FINISHED_STOPPED  # the grammar is complete
 
 
-def test_a_grammar_that_fails_to_compile_aborts_its_request_alone():
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone():
     som = manager()
     som.backend.compile_grammar = lambda params: (_ for _ in ()).throw(ValueError("boom"))
     sched = make_scheduler()
@@ -88,7 +88,8 @@ def test_a_grammar_that_fails_to_compile_aborts_its_request_alone():
     sched.add_request(req("ok"))
     out, outputs = step(sched)
     assert list(out.num_scheduled_tokens) == ["ok"]
-    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "abort"), ("ok", None)]
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "error"), ("ok", None)]
+    assert outputs[0].stop_reason == "ValueError: boom"
     sched.kv_cache_manager.check_no_leaks()
 
 
