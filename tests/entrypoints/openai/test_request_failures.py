@@ -92,3 +92,17 @@ def test_a_failing_request_gets_a_500_and_the_others_their_answers(
     assert not core.live
     (again,) = asyncio.run(post_all(app, [body(0)]))
     assert again.status_code == 200 and not app.state.serving.engine.errored
+
+
+def test_the_issues_kv_transfer_params_are_a_400_before_the_engine(app):
+    app, core = app
+    issue = {"do_remote_prefill": True, "remote_host": "x", "remote_port": "abc"}
+    other_host = {"do_remote_prefill": True, "remote_host": "10.1.2.3", "remote_port": 14579}
+    bad, elsewhere, ok = asyncio.run(post_all(app, [
+        body(0, kv_transfer_params=issue), body(1, kv_transfer_params=other_host), body(2),
+    ]))  # fmt: skip
+    assert (bad.status_code, bad.json()["error"]["type"]) == (400, "BadRequestError")
+    assert "at `$.remote_port`" in bad.json()["error"]["message"]
+    assert elsewhere.status_code == 400
+    assert "--kv-transfer-allowed-hosts" in elsewhere.json()["error"]["message"]
+    assert ok.status_code == 200 and core.added == 1  # nothing else reached the core
