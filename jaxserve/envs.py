@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
     JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
     JAXSERVE_TEST_STEP_DELAY_S: float = 0.0
+    JAXSERVE_MINIMAL_COMPILE: bool = False
 
 
 def _cache_dir(name: str) -> str:
@@ -79,6 +80,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     ),
     # Tests: seconds an engine core process sleeps after each step, to make requests slow.
     "JAXSERVE_TEST_STEP_DELAY_S": lambda: float(os.environ.get("JAXSERVE_TEST_STEP_DELAY_S", "0")),
+    # Compile only the step shapes that can serve any step (all-greedy and all-pass sampling,
+    # token buckets 1, 4, 16, .., max_num_seqs' and the largest), never the others: a start
+    # several times faster, slower steps where a skipped shape would have served. The test
+    # suite's engines run so (tests/conftest.py), but for the tests of compilation.
+    "JAXSERVE_MINIMAL_COMPILE": lambda: os.environ.get("JAXSERVE_MINIMAL_COMPILE", "0") == "1",
 }
 
 
