@@ -214,7 +214,7 @@ def _add_serve_parser(sub) -> None:
         help="larger request bodies get a 413 (default 32 MiB)",
     )  # fmt: skip
     for flag, what in (
-        ("--allowed-origins", 'origins allowed cross-origin requests, e.g. \'["https://a.b"]\''),
+        ("--allowed-origins", "origins allowed cross-origin requests, e.g. '[\"https://a.b\"]'"),
         ("--allowed-methods", "their methods (default with --allowed-origins: all)"),
         ("--allowed-headers", "their request headers (default with --allowed-origins: all)"),
     ):

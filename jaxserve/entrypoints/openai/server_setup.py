@@ -28,7 +28,9 @@ def check_server_args(args) -> None:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     if args.max_request_body_bytes < 1:
-        raise SystemExit(f"--max-request-body-bytes must be positive: {args.max_request_body_bytes}")
+        raise SystemExit(
+            f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}"
+        )
     for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
         value = getattr(args, flag)
         if value is not None and not (
