@@ -48,7 +48,9 @@ from jaxserve.entrypoints.openai.protocol import (
 from jaxserve.entrypoints.openai.request_body import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     RequestTooLarge,
-    read_json,
+    check_content_type,
+    decode_json,
+    read_body,
 )
 from jaxserve.entrypoints.openai.server_setup import (  # noqa: F401 (multi_server's too)
     bind_socket,
@@ -104,8 +106,10 @@ async def _off_loop(request: Request, fn, *args) -> Any:
 
 async def _decode(request: Request, cls: type):
     """The body as `cls`: JSON only, at most --max-request-body-bytes, depth and integer
-    width checked (request_body.py)."""
-    return await read_json(request, cls, request.app.state.max_request_body_bytes)
+    width checked (request_body.py); decoded on the tokenizer thread, off the event loop."""
+    check_content_type(request)
+    body = await read_body(request, request.app.state.max_request_body_bytes)
+    return await _off_loop(request, decode_json, body, cls)
 
 
 async def run_until_disconnected(request: Request, coro) -> Any:
