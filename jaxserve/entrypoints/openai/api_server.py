@@ -396,7 +396,7 @@ def serve_http(
     )
     timeline = engine.engine_core.timeline
     logger.info("start-up: ready in %.1f s (%s)", time.perf_counter() - started, timeline.summary())
-    logger.info("%s", ready_message(args, names[0], keyed=api_key is not None))
+    logger.info("%s", ready_message(args, names[0], keyed=bool(api_key)))
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     for formatter in log_config["formatters"].values():
         formatter["fmt"] = log_prefix + formatter["fmt"]

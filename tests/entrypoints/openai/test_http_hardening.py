@@ -18,6 +18,7 @@ import pytest
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.cli import build_parser
 from jaxserve.entrypoints.openai.api_server import build_app, cors_settings, ready_message
+from jaxserve.entrypoints.openai.server_setup import check_server_args
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.engine.test_kv_transfer_params import FakeCore, config
 
@@ -172,6 +173,8 @@ def test_cors_flags_parse_as_json_lists_and_are_off_by_default():
         "allow_origins": ["https://a.example"], "allow_methods": ["POST"],
         "allow_headers": None, "allow_credentials": True,
     }  # fmt: skip
+    with pytest.raises(SystemExit, match="--allowed-origins must be a JSON list of strings"):
+        check_server_args(parse(["serve", "--allowed-origins", '"*"']))
 
 
 @pytest.mark.parametrize("from_env", [False, True])
