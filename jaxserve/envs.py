@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_SHUTDOWN_TIMEOUT: float = 30.0
     JAXSERVE_API_KEY: str | None = None
     JAXSERVE_LOG_STATS_INTERVAL: float = 10.0
+    JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S: float = 5.0
     JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
     JAXSERVE_WEIGHT_CACHE: str | None = "~/.cache/jaxserve/weights"
     JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
@@ -59,6 +60,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds between the HTTP server's throughput log lines.
     "JAXSERVE_LOG_STATS_INTERVAL": lambda: float(
         os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10")
+    ),
+    # Seconds a chat template may take to render before its request fails (a 400) and the
+    # renderer process is replaced (entrypoints/openai/template_worker.py).
+    "JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S": lambda: float(
+        os.environ.get("JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S", "5")
     ),
     # jax's persistent compilation cache, and the runner's saved executables under its
     # executables/ (worker/).

@@ -15,6 +15,7 @@ from jaxserve.entrypoints.openai.chat_utils import (
     ChoiceParser,
     check_tools,
     content_format,
+    render_chat,
     template_messages,
     tool_choice,
     tool_choice_constraint,
@@ -58,11 +59,13 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         enable_prompt_tokens_details: bool = False,
+        trust_request_chat_template: bool = False,
     ):
         super().__init__(
             engine, served_model_names, enable_prompt_tokens_details=enable_prompt_tokens_details
         )
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         self.content_format = chat_template_content_format
         if self.content_format not in CONTENT_FORMATS:
             raise ValueError(
@@ -84,25 +87,29 @@ class OpenAIServingChat(OpenAIServing):
             )
 
     def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt text and its token ids: the messages through the chat template (a
+        request's own only with --trust-request-chat-template), rendered bounded in time
+        and memory (chat_utils.render_chat)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if not request.messages:
             raise ValueError("messages must not be empty")
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise ValueError(
+                "Chat template is passed with request, but --trust-request-chat-template is "
+                "not set. Refused request with untrusted chat template."
+            )
         template = request.chat_template or self.chat_template
         fmt = content_format(template or self.tokenizer.chat_template, self.content_format)
-        messages = template_messages(request.messages, fmt)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=request.tools,
-                chat_template=template,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tokenize=False,
-                **(request.chat_template_kwargs or {}),
-            )
-        except Exception as e:  # a malformed conversation or template
-            raise ValueError(f"cannot apply the chat template: {e}") from None
+        text = render_chat(
+            self.tokenizer,
+            template_messages(request.messages, fmt),
+            template=template,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            kwargs=request.chat_template_kwargs,
+        )
         self.engine.input_processor.check_text_length(text)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
