@@ -136,7 +136,10 @@ class OpenAIServingChat(OpenAIServing):
                 )
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         request_id = random_id("chatcmpl")
-        return request_id, self._validate(request_id, [prompt], params), params
+        validated = self._validate(
+            request_id, [prompt], params, priority=request.priority, cache_salt=request.cache_salt
+        )
+        return request_id, validated, params
 
     async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
         request_id, prompts, params = prepared
@@ -218,11 +221,11 @@ class OpenAIServingChat(OpenAIServing):
     def _chat_logprobs(self, c: CompletionOutput, request: ChatCompletionRequest) -> dict | None:
         if not request.logprobs:
             return None
-        k = request.top_logprobs or 0
+        k, as_id = request.top_logprobs or 0, request.return_tokens_as_token_ids
         content = []
         for token_id, position in zip(c.token_ids, c.logprobs or [], strict=True):
             chosen = position[token_id]
-            text = self._token_text(token_id, chosen)
+            text = self._token_text(token_id, chosen, as_id)
             content.append(
                 {
                     "token": text,
@@ -230,7 +233,7 @@ class OpenAIServingChat(OpenAIServing):
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": (t_text := self._token_text(t, lp)),
+                            "token": (t_text := self._token_text(t, lp, as_id)),
                             "logprob": max(lp.logprob, -9999.0),
                             "bytes": list(t_text.encode()),
                         }
