@@ -96,9 +96,10 @@ class InputProcessor:
         if params.max_tokens is None:
             params = msgspec.structs.replace(params, max_tokens=self.max_model_len - n)
         elif n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} is too large: prompt ({n} tokens) + max_tokens "
-                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            raise ValueError(  # vLLM's words
+                f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. "
+                f"This model's maximum context length is {self.max_model_len} tokens and your "
+                f"request has {n} input tokens ({params.max_tokens} > {self.max_model_len} - {n})."
             )
         if params.min_tokens > params.max_tokens:
             raise ValueError(

@@ -113,6 +113,12 @@ class OpenAIServingChat(OpenAIServing):
         check_tools(request, auto_tools=self.auto_tools)
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        max_logprobs = self.engine.input_processor.max_logprobs
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= max_logprobs:
+            raise ValueError(
+                f"top_logprobs must be in [0, max_logprobs={max_logprobs}], "
+                f"got {request.top_logprobs}"
+            )
         if self.tool_parser_cls is not None and request.tools:
             request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
         prompt = self.chat_prompt(request)
