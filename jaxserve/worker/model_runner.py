@@ -336,21 +336,24 @@ class ModelRunner:
             pooled = self.executables["pool", batch.num_tokens](hidden, *self.pooler.inputs(batch))
         self.step_count += 1
         pending = PendingStep(batch, None, last_hidden, hidden, pooled, kv_saves)
-        if so.structured_output_req_ids:
-            return pending  # sampled once the grammars have seen every earlier token
+        if so.structured_output_req_ids or ib.sampling.has_bad_words[batch.rows].any():
+            return pending  # sampled once every earlier token is known (grammars, bad words)
         return self.dispatch_sample(pending, None)
 
     def dispatch_sample(self, pending: PendingStep, bitmask: np.ndarray | None) -> PendingStep:
         """Start a dispatched step's sampling; bitmask: i32[num_reqs, ceil(V/32)] (or None),
         the allowed tokens of each row (structured outputs)."""
-        batch = pending.batch
+        batch, ib = pending.batch, self.input_batch
         sample_inputs, needed = batch.sample, batch.needed
         s = sample_inputs.rows.shape[0]
+        if bitmask is not None or ib.sampling.has_bad_words[batch.rows].any():
+            bitmask = ib.sampling.blocked_bitmask(
+                sample_inputs.sampling, sample_inputs.rows, int(batch.num_rows.sum()), bitmask,
+                ib.token_ids, ib.num_prompt_tokens,
+            )  # fmt: skip
         if bitmask is not None:
-            padded = np.full((s, bitmask.shape[1]), -1, np.int32)
-            padded[: bitmask.shape[0]] = bitmask  # every sampling row's, drafts' too
             sample_inputs = sample_inputs._replace(
-                sampling=sample_inputs.sampling._replace(token_bitmask=padded)
+                sampling=sample_inputs.sampling._replace(token_bitmask=bitmask)
             )
             needed = needed._replace(structured=True)
         variant = pick_variant(needed, ready=lambda v: ("sample", s, v) in self.executables)

@@ -219,10 +219,12 @@ async def tokenize(request: Request) -> Response:
             chat = ChatCompletionRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt
             )
-            _, tokens = await _off_loop(request, request.app.state.serving_chat.chat_prompt, chat)
+            txt, tokens = await _off_loop(request, request.app.state.serving_chat.chat_prompt, chat)
+            if body.add_special_tokens:  # vLLM's default for messages: false
+                tokens = (await _off_loop(request, lambda: s.tokenizer(txt))).input_ids
         elif body.prompt is not None:
             s.engine.input_processor.check_text_length(body.prompt)
-            special = body.add_special_tokens
+            special = body.add_special_tokens is not False
             encoded = await _off_loop(
                 request, lambda: s.tokenizer(body.prompt, add_special_tokens=special)
             )

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
+
+from jaxserve.entrypoints.openai.protocol import decode_request
 
 MAX_JSON_DEPTH = 64  # levels of arrays and objects, the body itself being level 1
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024  # long prompts (1M token ids) fit
@@ -65,7 +66,7 @@ def _too_large(size: int, limit: int, at_least: bool = False) -> RequestTooLarge
 def decode_json(body: bytes, cls: type) -> Any:
     """body -> an instance of the msgspec Struct `cls`, checked by check_json_value."""
     try:
-        value = msgspec.json.decode(body, type=cls)
+        value = decode_request(body, cls)  # unknown fields logged
     except RecursionError:
         raise ValueError(
             f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"

@@ -120,6 +120,12 @@ class OpenAIServingChat(OpenAIServing):
         check_tools(request, auto_tools=self.auto_tools)
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        max_logprobs = self.engine.input_processor.max_logprobs
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= max_logprobs:
+            raise ValueError(
+                f"top_logprobs must be in [0, max_logprobs={max_logprobs}], "
+                f"got {request.top_logprobs}"
+            )
         if self.tool_parser_cls is not None and request.tools:
             request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
         prompt = self.chat_prompt(request)
@@ -143,7 +149,10 @@ class OpenAIServingChat(OpenAIServing):
                 )
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         request_id = random_id("chatcmpl")
-        return request_id, self._validate(request_id, [prompt], params), params
+        validated = self._validate(
+            request_id, [prompt], params, priority=request.priority, cache_salt=request.cache_salt
+        )
+        return request_id, validated, params
 
     async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
         request_id, prompts, params = prepared
@@ -225,11 +234,11 @@ class OpenAIServingChat(OpenAIServing):
     def _chat_logprobs(self, c: CompletionOutput, request: ChatCompletionRequest) -> dict | None:
         if not request.logprobs:
             return None
-        k = request.top_logprobs or 0
+        k, as_id = request.top_logprobs or 0, request.return_tokens_as_token_ids
         content = []
         for token_id, position in zip(c.token_ids, c.logprobs or [], strict=True):
             chosen = position[token_id]
-            text = self._token_text(token_id, chosen)
+            text = self._token_text(token_id, chosen, as_id)
             content.append(
                 {
                     "token": text,
@@ -237,7 +246,7 @@ class OpenAIServingChat(OpenAIServing):
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": (t_text := self._token_text(t, lp)),
+                            "token": (t_text := self._token_text(t, lp, as_id)),
                             "logprob": max(lp.logprob, -9999.0),
                             "bytes": list(t_text.encode()),
                         }
