@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_SHUTDOWN_TIMEOUT: float = 30.0
     JAXSERVE_API_KEY: str | None = None
     JAXSERVE_LOG_STATS_INTERVAL: float = 10.0
+    JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S: float = 5.0
     JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
     JAXSERVE_WEIGHT_CACHE: str | None = "~/.cache/jaxserve/weights"
     JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
     JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
     JAXSERVE_TEST_STEP_DELAY_S: float = 0.0
+    JAXSERVE_MINIMAL_COMPILE: bool = False
 
 
 def _cache_dir(name: str) -> str:
@@ -59,6 +61,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "JAXSERVE_LOG_STATS_INTERVAL": lambda: float(
         os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10")
     ),
+    # Seconds a chat template may take to render before its request fails (a 400) and the
+    # renderer process is replaced (entrypoints/openai/template_worker.py).
+    "JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S": lambda: float(
+        os.environ.get("JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S", "5")
+    ),
     # jax's persistent compilation cache, and the runner's saved executables under its
     # executables/ (worker/).
     "JAXSERVE_COMPILE_CACHE": lambda: os.environ.get("JAXSERVE_COMPILE_CACHE", _cache_dir("xla")),
@@ -79,6 +86,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     ),
     # Tests: seconds an engine core process sleeps after each step, to make requests slow.
     "JAXSERVE_TEST_STEP_DELAY_S": lambda: float(os.environ.get("JAXSERVE_TEST_STEP_DELAY_S", "0")),
+    # Compile only the step shapes that can serve any step (all-greedy and all-pass sampling,
+    # token buckets 1, 4, 16, .., max_num_seqs' and the largest), never the others: a start
+    # several times faster, slower steps where a skipped shape would have served. The test
+    # suite's engines run so (tests/conftest.py), but for the tests of compilation.
+    "JAXSERVE_MINIMAL_COMPILE": lambda: os.environ.get("JAXSERVE_MINIMAL_COMPILE", "0") == "1",
 }
 
 

@@ -20,6 +20,10 @@ MAX_N = 128  # completions per request
 # is unmet, its EOS and stop_token_ids (blocked with -inf) must fit.
 MAX_BIAS_TOKENS = 64
 _INT64 = (-(2**63), 2**63 - 1)
+# Integer fields bounded only by msgpack's 64 bits here; the InputProcessor bounds them further
+# against the model (vocabulary, max_model_len) before anything reaches a device array.
+_INT64_FIELDS = ("seed", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                 "truncate_prompt_tokens")  # fmt: skip
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -82,7 +86,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # with skip_special_tokens false (vLLM's)
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Words never generated (vLLM's): each tokenized with and without a leading space; the
+    # InputProcessor fills bad_words_token_ids from them (the engine reads only those).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: max_model_len
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -91,10 +102,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        for name in _INT64_FIELDS:  # JSON ints are unbounded; msgpack's are not
+            value = getattr(self, name)
+            if isinstance(value, int):
+                _check(_INT64[0] <= value <= _INT64[1], name, value, "a 64-bit signed integer")
         _check(1 <= self.n <= MAX_N, "n", self.n, f"in [1, {MAX_N}]")
-        if self.seed is not None:
-            _check(_INT64[0] <= self.seed <= _INT64[1], "seed", self.seed,
-                   "a 64-bit signed integer")  # fmt: skip
         _check(self.temperature >= 0.0, "temperature", self.temperature, "non-negative")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "-1, 0 (off) or at least 1")
@@ -116,6 +128,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.stop is not None:
             _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                    "non-empty strings")  # fmt: skip
+        if self.truncate_prompt_tokens is not None:
+            _check(self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
+                   "truncate_prompt_tokens", self.truncate_prompt_tokens,
+                   "an integer >= 1 or -1")  # fmt: skip
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
+                   "a non-empty list of token ids")  # fmt: skip
+        if self.bad_words is not None:
+            _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+                   self.bad_words, "non-blank strings")  # fmt: skip
         for token_id, bias in (self.logit_bias or {}).items():
             _check(math.isfinite(bias) and -100.0 <= bias <= 100.0, "logit_bias", bias,
                    f"in [-100, 100] (token {token_id})")  # fmt: skip

@@ -6,6 +6,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
 
+# Engines compile only the step shapes that serve any step (envs.JAXSERVE_MINIMAL_COMPILE): the
+# suite starts ~100 engines, most on a cold compile cache in CI. The tests of compilation set
+# it back to "0" (tests/worker/test_executable_cache.py); subprocess servers inherit it.
+os.environ.setdefault("JAXSERVE_MINIMAL_COMPILE", "1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -155,7 +155,8 @@ class AsyncLLM:
         finishes. Raises ValueError for bad input, RequestFailedError if it fails alone,
         EngineDeadError if the core dies.
         data_parallel_rank: run it on that engine (default: the least loaded).
-        kv_transfer_params: for the engine's KV connector (disaggregated prefill)."""
+        kv_transfer_params: for the engine's KV connector (disaggregated prefill). A prompt
+        dict's "cache_salt" keeps its prefix-cache entries apart from other salts' (vLLM's)."""
         if self.errored:
             raise self.dead or self.engine_core.dead
         if request_id in self.collectors:
@@ -165,6 +166,7 @@ class AsyncLLM:
         request = self.input_processor.process(
             request_id, ids, sampling_params, priority=priority,
             kv_transfer_params=kv_transfer_params,
+            cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
         )  # fmt: skip
         request.data_parallel_rank = data_parallel_rank
         collector = RequestOutputCollector(request.sampling_params.output_kind)

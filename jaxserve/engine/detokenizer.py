@@ -5,6 +5,9 @@ character is complete, so no U+FFFD is ever emitted. Stop strings are searched i
 that could contain a new match; until a request finishes, the last (longest stop - 1)
 characters are held back from what `get_next_output_text` returns, since they may turn out to
 be the start of a stop string that the next tokens complete.
+
+With skip_special_tokens and spaces_between_special_tokens both false, an added token that
+follows another is its bare content, with no space before it (vLLM's fast detokenizer).
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ class IncrementalDetokenizer:
         self.backend = tokenizer.backend_tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        # {token id: content} of the added tokens, when spaces between them are suppressed
+        self._added = None
+        if not (params.skip_special_tokens or params.spaces_between_special_tokens):
+            self._added = _added_tokens(tokenizer) or None
+        self._last_added = False
         self._context: list[int] = []  # the last tokens that produced text
         self._pending: list[int] = []  # tokens since, held back (an incomplete character)
         # Prime the stream with the prompt's tail so the first output token is decoded in
@@ -39,7 +47,13 @@ class IncrementalDetokenizer:
         and `num_consumed` says how many of new_token_ids were read up to the match)."""
         for i, token_id in enumerate(new_token_ids):
             old_len = len(self.output_text)
-            self.output_text += self._step(token_id)
+            text = self._step(token_id)
+            if self._added is not None:
+                added = self._added.get(token_id)
+                if added is not None and self._last_added:
+                    text = added
+                self._last_added = added is not None
+            self.output_text += text
             stop = self._find_stop(old_len)
             if stop is not None:
                 self.num_consumed = i + 1
@@ -95,3 +109,12 @@ class IncrementalDetokenizer:
         text = self.output_text[self._sent : end] if delta else self.output_text[:end]
         self._sent = end
         return text
+
+
+def _added_tokens(tokenizer) -> dict[int, str]:
+    """{token id: content} of the tokenizer's added tokens (cached on the tokenizer)."""
+    added = getattr(tokenizer, "_jaxserve_added_tokens", None)
+    if added is None:
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
+        tokenizer._jaxserve_added_tokens = added
+    return added

@@ -78,10 +78,15 @@ class InputProcessor:
     def process(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         *, priority: int = 0, arrival_time: float | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None, cache_salt: str | None = None,
     ) -> EngineCoreRequest:  # fmt: skip
         """kv_transfer_params: for the engine's KV connector (disaggregated prefill), only in
-        the shape the proxy sends and naming only --kv-transfer-allowed-hosts."""
+        the shape the proxy sends and naming only --kv-transfer-allowed-hosts;
+        cache_salt: isolates the request's prefix-cache entries from other salts'.
+        Every integer that reaches a fixed-width array is bounded here (or capped, as vLLM
+        does: top_k at the vocabulary)."""
+        if params.truncate_prompt_tokens is not None:
+            prompt_token_ids = self._truncate(prompt_token_ids, params.truncate_prompt_tokens)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -96,16 +101,34 @@ class InputProcessor:
         if params.max_tokens is None:
             params = msgspec.structs.replace(params, max_tokens=self.max_model_len - n)
         elif n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} is too large: prompt ({n} tokens) + max_tokens "
-                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            raise ValueError(  # vLLM's words
+                f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. "
+                f"This model's maximum context length is {self.max_model_len} tokens and your "
+                f"request has {n} input tokens ({params.max_tokens} > {self.max_model_len} - {n})."
             )
+        if params.min_tokens > params.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={params.max_tokens}, "
+                f"got {params.min_tokens}"
+            )
+        if params.top_k >= self.vocab_size:  # vLLM: a top_k past the vocabulary is no filter
+            params = msgspec.structs.replace(params, top_k=0)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}={value} exceeds max_logprobs={self.max_logprobs}")
-        for name in ("stop_token_ids", "logit_bias"):  # a list / the keys of a dict
-            bad = [t for t in getattr(params, name) or () if not 0 <= int(t) < self.vocab_size]
+        if params.bad_words:
+            params = msgspec.structs.replace(
+                params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words)
+            )
+        token_lists = {
+            "stop_token_ids": params.stop_token_ids or (),
+            "logit_bias": params.logit_bias or (),  # its keys
+            "allowed_token_ids": params.allowed_token_ids or (),
+            "bad_words": [t for word in params.bad_words_token_ids or () for t in word],
+        }
+        for name, ids in token_lists.items():
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise ValueError(
                     f"{name}: token id {bad[0]} is out of vocabulary (size {self.vocab_size})"
@@ -125,6 +148,10 @@ class InputProcessor:
             kv_transfer_params = validate_kv_transfer_params(
                 kv_transfer_params, self.kv_transfer_allowed_hosts
             )
+        if not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit signed integer, got {priority}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -132,5 +159,30 @@ class InputProcessor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
+            cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
         )
+
+    def _truncate(self, prompt_token_ids: list[int], k: int) -> list[int]:
+        """The last k tokens (vLLM's truncate_prompt_tokens; -1: max_model_len)."""
+        if k == -1:
+            k = self.max_model_len
+        if k > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                f"({self.max_model_len}). Please, select a smaller truncation size."
+            )
+        return prompt_token_ids[-k:]
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each word's tokens without and with a leading space (vLLM: so that the word is
+        blocked at the start of the text and after a space), duplicates once."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer; this model has none")
+        out: list[list[int]] = []
+        for word in bad_words:
+            for prefix in ("", " "):
+                ids = self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out

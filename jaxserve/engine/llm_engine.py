@@ -77,10 +77,16 @@ class LLMEngine:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:  # fmt: skip
         """Tokenize and validate (ValueError naming the bad value); queues nothing.
-        kv_transfer_params: for the engine's KV connector (disaggregated prefill)."""
+        kv_transfer_params: for the engine's KV connector (disaggregated prefill); a prompt
+        dict's "cache_salt": its prefix-cache entries apart from other salts'."""
         text, ids = self.input_processor.tokenize(prompt)
         return text, self.input_processor.process(
-            request_id, ids, params, priority=priority, kv_transfer_params=kv_transfer_params
+            request_id,
+            ids,
+            params,
+            priority=priority,
+            kv_transfer_params=kv_transfer_params,
+            cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
         )
 
     def add_processed_request(self, text: str | None, request: EngineCoreRequest) -> None:

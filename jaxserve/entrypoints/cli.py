@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import time
 
@@ -209,6 +210,27 @@ def _add_serve_parser(sub) -> None:
         help="require 'Authorization: Bearer KEY' on /v1 (or $JAXSERVE_API_KEY)",
     )
     serve.add_argument("--chat-template", default=None, help="a Jinja template or a file")
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request's own chat_template be rendered (off: such requests get a 400)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
+        help="larger request bodies get a 413 (default 32 MiB)",
+    )  # fmt: skip
+    for flag, what in (
+        ("--allowed-origins", "origins allowed cross-origin requests, e.g. '[\"https://a.b\"]'"),
+        ("--allowed-methods", "their methods (default with --allowed-origins: all)"),
+        ("--allowed-headers", "their request headers (default with --allowed-origins: all)"),
+    ):
+        serve.add_argument(
+            flag, type=json.loads, default=None,
+            help=f"CORS, a JSON list: {what}; no CORS headers without --allowed-origins",
+        )  # fmt: skip
+    serve.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)"
+    )
     serve.add_argument(
         "--chat-template-content-format",
         default="auto",

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import cache_keys
+from jaxserve import cache_keys, envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from jaxserve.distributed.sharding import put
@@ -106,6 +106,8 @@ class ModelRunner:
         self.num_blocks = 0
         self.step_count = 0
         self.executables = executables if executables is not None else ExecutableRegistry()
+        self.minimal_compile = envs.JAXSERVE_MINIMAL_COMPILE
+        self._skipped: set[tuple] = set()  # step shapes the minimal compile set leaves out
         self.proposer.set_executables(self.executables)
         rep = self._replicated = NamedSharding(self.mesh, P())
         head_def = step_functions.HeadDef(
@@ -174,11 +176,21 @@ class ModelRunner:
         as it is ready (a step pads to the next ready token bucket, `max_step_tokens` grows
         with the larger buckets, `pick_variant` takes the cheapest ready sampler)."""
         top = self.buckets.tokens[-1] + 1
+        lowerings = self.lowerings()
+        if self.minimal_compile:  # only what serves any step, and the largest token bucket
+            self._skipped = {n for n in lowerings if not self._in_minimal_set(n)}
+            lowerings = {n: f for n, f in lowerings.items() if n not in self._skipped}
         self.executables.compile_all(
-            self.lowerings(), self.executables_key(), list(self.mesh.devices.flat),
+            lowerings, self.executables_key(), list(self.mesh.devices.flat),
             urgent=self._serves_any_step if background else None,
             order=lambda n: n[1] if n[0] in TOKEN_BUCKET_STEPS else top,
         )  # fmt: skip
+
+    def _in_minimal_set(self, name: tuple) -> bool:
+        """Whether JAXSERVE_MINIMAL_COMPILE compiles step shape `name`: those that serve any
+        step, plus the largest token bucket's (so a step holds as many tokens as without)."""
+        largest = name[0] in TOKEN_BUCKET_STEPS and name[1] == self.buckets.tokens[-1]
+        return largest or self._serves_any_step(name)
 
     def _serves_any_step(self, name: tuple) -> bool:
         """Whether step shape `name` is among those compile_all(background=True) waits for."""
@@ -197,9 +209,10 @@ class ModelRunner:
 
     def ready_token_buckets(self) -> list[int]:
         """The token buckets whose steps are all ready (all once compile_all is done)."""
-        if not self.executables.compiling:
+        if not self.executables.compiling and not self._skipped:
             return list(self.buckets.tokens)
-        missing = {n[1] for n in self.executables.missing() if n[0] in TOKEN_BUCKET_STEPS}
+        absent = self.executables.missing() | self._skipped
+        missing = {n[1] for n in absent if n[0] in TOKEN_BUCKET_STEPS}
         return [t for t in self.buckets.tokens if t not in missing]
 
     def max_step_tokens(self) -> int:
@@ -222,6 +235,7 @@ class ModelRunner:
             ),
             draft_model=repr(getattr(proposer, "config", None)),
             mesh=repr(self.mesh),
+            **({"compile_set": "minimal"} if self.minimal_compile else {}),
             # a connector's block copies (their own file: a start without one stays warm)
             **({"kv_copies": repr(self.kv_copier.buckets)} if self.kv_copier else {}),
         )
@@ -322,21 +336,24 @@ class ModelRunner:
             pooled = self.executables["pool", batch.num_tokens](hidden, *self.pooler.inputs(batch))
         self.step_count += 1
         pending = PendingStep(batch, None, last_hidden, hidden, pooled, kv_saves)
-        if so.structured_output_req_ids:
-            return pending  # sampled once the grammars have seen every earlier token
+        if so.structured_output_req_ids or ib.sampling.has_bad_words[batch.rows].any():
+            return pending  # sampled once every earlier token is known (grammars, bad words)
         return self.dispatch_sample(pending, None)
 
     def dispatch_sample(self, pending: PendingStep, bitmask: np.ndarray | None) -> PendingStep:
         """Start a dispatched step's sampling; bitmask: i32[num_reqs, ceil(V/32)] (or None),
         the allowed tokens of each row (structured outputs)."""
-        batch = pending.batch
+        batch, ib = pending.batch, self.input_batch
         sample_inputs, needed = batch.sample, batch.needed
         s = sample_inputs.rows.shape[0]
+        if bitmask is not None or ib.sampling.has_bad_words[batch.rows].any():
+            bitmask = ib.sampling.blocked_bitmask(
+                sample_inputs.sampling, sample_inputs.rows, int(batch.num_rows.sum()), bitmask,
+                ib.token_ids, ib.num_prompt_tokens,
+            )  # fmt: skip
         if bitmask is not None:
-            padded = np.full((s, bitmask.shape[1]), -1, np.int32)
-            padded[: bitmask.shape[0]] = bitmask  # every sampling row's, drafts' too
             sample_inputs = sample_inputs._replace(
-                sampling=sample_inputs.sampling._replace(token_bitmask=padded)
+                sampling=sample_inputs.sampling._replace(token_bitmask=bitmask)
             )
             needed = needed._replace(structured=True)
         variant = pick_variant(needed, ready=lambda v: ("sample", s, v) in self.executables)

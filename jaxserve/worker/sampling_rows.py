@@ -1,6 +1,13 @@
 """Each input-batch row's sampling parameters as arrays, written once when its request is added
 (vLLM V1 keeps them in its InputBatch the same way), so a step's sampling inputs are a gather
-of its rows, never a loop over their SamplingParams."""
+of its rows, never a loop over their SamplingParams.
+
+allowed_token_ids and bad_words end in the step's token bitmask (the structured-output mask,
+i32[S, ceil(V/32)]): a row's allowed tokens less its one-token bad words are a fixed mask; a
+longer bad word blocks its last token only where the outputs before end with its other tokens,
+which the host knows only once every earlier step is processed: a step with such a row samples
+late, as a grammar's does (`blocked_bitmask`). vLLM applies both after the raw logprobs; here the
+logprobs, as with a grammar, see them."""
 
 from __future__ import annotations
 
@@ -40,10 +47,17 @@ class SamplingRows:
         self.bias_values = np.zeros((r, b), np.float32)
         self.blocked_ids = np.full((r, b), -1, np.int32)
         self.blocked_values = np.zeros((r, b), np.float32)
+        # allowed_token_ids / bad_words: which rows have a fixed mask, which longer bad words
+        self.masked = np.zeros(r, bool)
+        self.has_bad_words = np.zeros(r, bool)
+        self._mask_ids: dict[int, tuple[list[int] | None, list[int]]] = {}  # (allowed, blocked)
+        self._masks: dict[int, np.ndarray] = {}  # built on first use: u32[ceil(V/32)]
+        self._bad_words: dict[int, list[tuple[list[int], int]]] = {}  # [(prefix, last)]
 
     def add(self, row: int, p: SamplingParams, eos_token_id: int | None) -> None:
         c = self.columns
-        c["temperature"][row], c["top_k"][row] = p.temperature, p.top_k
+        # A top_k at or past the vocabulary is no filter (the InputProcessor sets 0 for it).
+        c["temperature"][row], c["top_k"][row] = p.temperature, min(p.top_k, 2**31 - 1)
         c["top_p"][row], c["min_p"][row] = p.top_p, p.min_p
         c["presence_penalty"][row] = p.presence_penalty
         c["frequency_penalty"][row] = p.frequency_penalty
@@ -64,6 +78,57 @@ class SamplingRows:
             ]
             bias.update(dict.fromkeys(stops, -np.inf))
         _write_bias(self.blocked_ids[row], self.blocked_values[row], bias)
+        self._add_masks(row, p)
+
+    def _add_masks(self, row: int, p: SamplingParams) -> None:
+        self._masks.pop(row, None)
+        words = p.bad_words_token_ids or []
+        single = [w[0] for w in words if len(w) == 1]
+        self.masked[row] = p.allowed_token_ids is not None or bool(single)
+        if self.masked[row]:
+            self._mask_ids[row] = (p.allowed_token_ids, single)
+        longer = [(w[:-1], w[-1]) for w in words if len(w) > 1]
+        self.has_bad_words[row] = bool(longer)
+        self._bad_words[row] = longer
+
+    def _mask(self, row: int, num_words: int) -> np.ndarray:
+        """The row's fixed mask, i32[num_words]: its allowed tokens less its blocked ones."""
+        if row not in self._masks:
+            allowed, blocked = self._mask_ids[row]
+            bits = np.full(num_words * 32, allowed is None)
+            if allowed is not None:
+                bits[allowed] = True
+            bits[blocked] = False
+            packed = np.packbits(bits, bitorder="little")  # bit t % 8 of byte t // 8
+            self._masks[row] = packed.view("<i4").astype(np.int32)  # bit t % 32 of word t // 32
+        return self._masks[row]
+
+    def blocked_bitmask(
+        self, md: SamplingMetadata, rows: np.ndarray, n: int, grammar: np.ndarray | None,
+        token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
+    ) -> np.ndarray | None:  # fmt: skip
+        """A late-sampled step's token bitmask, i32[s, ceil(V/32)]: the fixed masks (md's),
+        the grammars' rows (grammar: i32[<= n, ceil(V/32)] or None) and each longer bad word's
+        last token where the outputs before end with its other tokens (token_ids: i32[R, L],
+        every earlier step's tokens known; rows: i32[s] input-batch rows, the first n real).
+        None when neither a grammar nor a bad word applies."""
+        blocks = []
+        positions = md.output_positions
+        for i in np.flatnonzero(self.has_bad_words[rows[:n]]):
+            row, p = int(rows[i]), int(positions[i])
+            outputs = token_ids[row, num_prompt_tokens[row] : num_prompt_tokens[row] + p]
+            for prefix, last in self._bad_words[row]:
+                if len(prefix) <= p and outputs[p - len(prefix) :].tolist() == prefix:
+                    blocks.append((i, last))
+        if grammar is None and not blocks:
+            return None
+        bitmask = md.token_bitmask.copy()
+        if grammar is not None:
+            bitmask[: grammar.shape[0]] &= grammar
+        words = bitmask.view(np.uint32)
+        for i, token in blocks:
+            words[i, token // 32] &= np.uint32(0xFFFFFFFF ^ (1 << (token % 32)))
+        return bitmask
 
     def metadata(
         self, rows: np.ndarray, output_positions: np.ndarray, s: int, token_bitmask: np.ndarray
@@ -86,6 +151,11 @@ class SamplingRows:
         bias_values = np.zeros((s, MAX_BIAS_TOKENS), np.float32)
         bias_ids[:n] = np.where(blocked, self.blocked_ids[rows], self.bias_ids[rows])
         bias_values[:n] = np.where(blocked, self.blocked_values[rows], self.bias_values[rows])
+        masked = np.flatnonzero(self.masked[rows])
+        if masked.size:  # allowed_token_ids, one-token bad words
+            token_bitmask = token_bitmask.copy()
+            for i in masked:
+                token_bitmask[i] &= self._mask(int(rows[i]), token_bitmask.shape[1])
         md = SamplingMetadata(
             **padded, prompt_mask=None, output_counts=None, bias_token_ids=bias_ids,
             bias_values=bias_values, output_positions=out_pos, token_bitmask=token_bitmask,
@@ -95,7 +165,7 @@ class SamplingRows:
             padded["min_p"][:n], penalties=self.penalised[rows],
             bias=(bias_ids[:n] >= 0).any(axis=1), logprobs=self.logprobs[rows],
         )  # fmt: skip
-        return md, variant
+        return md, variant._replace(structured=bool(masked.size))
 
 
 def _write_bias(ids: np.ndarray, values: np.ndarray, bias: dict[int, float]) -> None:

@@ -182,7 +182,7 @@ def test_no_compilation_after_warmup(llm):
         ({"prompt_token_ids": []}, GREEDY, "prompt must not be empty"),
         ({"prompt_token_ids": [1, 10**6]}, GREEDY, "token id 1000000 is out of vocabulary"),
         ({"prompt_token_ids": [5] * 600}, GREEDY, "maximum context length is 512 tokens"),
-        ("hi", SamplingParams(max_tokens=600), "max_tokens=600 is too large"),
+        ("hi", SamplingParams(max_tokens=600), "max_completion_tokens' is too large: 600"),
         ("hi", SamplingParams(logprobs=21), "logprobs=21 exceeds max_logprobs=20"),
         ("hi", SamplingParams(prompt_logprobs=21), "prompt_logprobs=21 exceeds max_logprobs=20"),
         ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias: token id 1000000"),

@@ -44,6 +44,7 @@ def cache_dir(tmp_path_factory):
         path = tmp_path_factory.mktemp("compile-cache")
         mp.setenv("JAXSERVE_COMPILE_CACHE", str(path))
         mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+        mp.setenv("JAXSERVE_MINIMAL_COMPILE", "0")  # every shape, as a server compiles
         yield path
 
 

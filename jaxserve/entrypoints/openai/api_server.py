@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import hmac
 import logging
-import os
 import signal
 import socket
 import sys
@@ -29,14 +27,13 @@ import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve import envs
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.middleware import app_middleware
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +45,20 @@ from jaxserve.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from jaxserve.entrypoints.openai.request_body import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    RequestTooLarge,
+    check_content_type,
+    decode_json,
+    read_body,
+)
+from jaxserve.entrypoints.openai.server_setup import (  # noqa: F401 (multi_server's too)
+    bind_socket,
+    check_server_args,
+    cors_settings,
+    load_chat_template,
+    ready_message,
+)
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -57,6 +68,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     error_body,
     error_status,
 )
+from jaxserve.entrypoints.openai.template_worker import shared_renderer
 from jaxserve.metrics import PrometheusStatLogger, make_log_stats
 from jaxserve.version import __version__
 
@@ -72,6 +84,9 @@ class MsgspecJSONResponse(Response):
 
 
 def error_response(e: BaseException) -> Response:
+    if isinstance(e, RequestTooLarge):
+        info = ErrorInfo(str(e), "RequestEntityTooLarge", 413)
+        return MsgspecJSONResponse(ErrorResponse(info), status_code=413)
     status, _ = error_status(e)
     if status == 500:
         logger.exception("internal error", exc_info=e)
@@ -90,8 +105,11 @@ async def _off_loop(request: Request, fn, *args) -> Any:
 
 
 async def _decode(request: Request, cls: type):
-    body = await request.body()
-    return msgspec.json.decode(body, type=cls)
+    """The body as `cls`: JSON only, at most --max-request-body-bytes, depth and integer
+    width checked (request_body.py); decoded on the tokenizer thread, off the event loop."""
+    check_content_type(request)
+    body = await read_body(request, request.app.state.max_request_body_bytes)
+    return await _off_loop(request, decode_json, body, cls)
 
 
 async def run_until_disconnected(request: Request, coro) -> Any:
@@ -201,10 +219,12 @@ async def tokenize(request: Request) -> Response:
             chat = ChatCompletionRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt
             )
-            _, tokens = await _off_loop(request, request.app.state.serving_chat.chat_prompt, chat)
+            txt, tokens = await _off_loop(request, request.app.state.serving_chat.chat_prompt, chat)
+            if body.add_special_tokens:  # vLLM's default for messages: false
+                tokens = (await _off_loop(request, lambda: s.tokenizer(txt))).input_ids
         elif body.prompt is not None:
             s.engine.input_processor.check_text_length(body.prompt)
-            special = body.add_special_tokens
+            special = body.add_special_tokens is not False
             encoded = await _off_loop(
                 request, lambda: s.tokenizer(body.prompt, add_special_tokens=special)
             )
@@ -229,30 +249,10 @@ async def detokenize(request: Request) -> Response:
             raise ValueError(f"token id {bad[0]} is out of vocabulary (size {vocab})")
         if s.tokenizer is None:
             raise ValueError("this model has no tokenizer")
+        text = await _off_loop(request, s.tokenizer.decode, body.tokens)
     except Exception as e:
         return error_response(e)
-    return MsgspecJSONResponse({"prompt": s.tokenizer.decode(body.tokens)})
-
-
-class APIKeyMiddleware:
-    """Bearer-token check on /v1 paths (pure ASGI, so streaming passes through untouched)."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    def authorized(self, scope: Scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self.expected)  # constant time
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["path"].startswith("/v1")
-        if guarded and not self.authorized(scope):
-            message = "Unauthorized: a valid API key is required"
-            body = ErrorResponse(ErrorInfo(message, "AuthenticationError", 401))
-            await MsgspecJSONResponse(body, status_code=401)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+    return MsgspecJSONResponse({"prompt": text})
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -291,7 +291,12 @@ def build_app(
     tool_parser: str | None = None,
     enable_prompt_tokens_details: bool = False,
     log_stats_interval: float | None = 10.0,
+    trust_request_chat_template: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    cors: dict[str, Any] | None = None,
 ) -> Starlette:
+    """The app over `engine`. cors: middleware.cors_middleware's settings (None: no CORS
+    headers at all)."""
     num_engines = engine.config.parallel.data_parallel_size
     prometheus = PrometheusStatLogger(served_model_names[0], num_engines)
     log_stats = make_log_stats(num_engines)
@@ -304,6 +309,8 @@ def build_app(
                 await asyncio.sleep(log_stats_interval)
                 log_stats.log()
 
+        if engine.tokenizer is not None:
+            shared_renderer().start()  # the chat template process imports meanwhile
         tasks = [asyncio.create_task(watch_engine(app))]
         if log_stats_interval is not None:  # (API servers after the first: see their loads)
             tasks.append(asyncio.create_task(periodic_log()))
@@ -314,6 +321,7 @@ def build_app(
                 task.cancel()
             engine.shutdown()
             app.state.cpu.shutdown(wait=False, cancel_futures=True)
+            shared_renderer().close()
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -326,7 +334,7 @@ def build_app(
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
-    middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
+    middleware = app_middleware(api_key, cors)
     handlers = {HTTPException: http_error}
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers
@@ -336,53 +344,19 @@ def build_app(
         engine, served_model_names, chat_template=chat_template,
         chat_template_content_format=chat_template_content_format,
         enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
-        reasoning_parser=engine.config.reasoning_parser, **details,
+        reasoning_parser=engine.config.reasoning_parser,
+        trust_request_chat_template=trust_request_chat_template, **details,
     )  # fmt: skip
     app.state.serving_completion = OpenAIServingCompletion(engine, served_model_names, **details)
     app.state.serving_embedding = OpenAIServingEmbedding(engine, served_model_names, **details)
     app.state.serving = OpenAIServing(engine, served_model_names, **details)
     app.state.cpu = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize")
     app.state.engine_died = False
+    app.state.max_request_body_bytes = max_request_body_bytes
     app.state.on_engine_death = None  # run_server: stop uvicorn
     app.state.prometheus = prometheus
     app.state.log_stats = log_stats
     return app
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """--chat-template is a file path or the template itself."""
-    if value is not None and os.path.isfile(value):
-        with open(value) as f:
-            return f.read()
-    return value
-
-
-def check_server_args(args) -> None:
-    """Flag errors before minutes of loading: parser names, auto tools without a parser."""
-    if args.api_server_count < 1:
-        raise SystemExit(f"--api-server-count must be at least 1, got {args.api_server_count}")
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
-    try:
-        if args.tool_call_parser:
-            from jaxserve.entrypoints.openai.tool_parsers import ToolParserManager
-
-            ToolParserManager.get_tool_parser(args.tool_call_parser)
-        if args.reasoning_parser:
-            from jaxserve.reasoning import ReasoningParserManager
-
-            ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
-    except (KeyError, ValueError) as e:
-        raise SystemExit(str(e)) from None
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before minutes of loading and compiling (a taken port fails
-    now); several API-server processes share it (--api-server-count)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
 
 
 def run_server(args, engine_args, started: float | None = None) -> None:
@@ -418,18 +392,13 @@ def serve_http(
         log_stats_interval=envs.JAXSERVE_LOG_STATS_INTERVAL
         if engine.engine_core.client_index == 0
         else None,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+        cors=cors_settings(args),
     )
     timeline = engine.engine_core.timeline
     logger.info("start-up: ready in %.1f s (%s)", time.perf_counter() - started, timeline.summary())
-    host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
-    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
-    body = _json.encode({"model": names[0], "temperature": 0, "messages": [
-        {"role": "user", "content": "What is the capital of France?"}]}).decode()  # fmt: skip
-    logger.info(
-        "serving %s on http://%s:%d; try:\n  curl http://%s:%d/v1/chat/completions "
-        "-H 'Content-Type: application/json'%s -d '%s'",
-        names[0], args.host, args.port, host, args.port, auth, body,
-    )  # fmt: skip
+    logger.info("%s", ready_message(args, names[0], keyed=bool(api_key)))
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     for formatter in log_config["formatters"].values():
         formatter["fmt"] = log_prefix + formatter["fmt"]

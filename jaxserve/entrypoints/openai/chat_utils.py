@@ -7,6 +7,8 @@
   array of calls, or the function's parameters), so the output always parses.
 - `template_messages`: messages as chat templates take them (assistant tool_calls with
   their arguments as dicts, content strings or lists of parts per the content format).
+- `render_chat`: the chat template over them, in template_worker's bounded child process,
+  with the request's chat_template_kwargs checked (`check_template_kwargs`).
 - `ChoiceParser`: one choice's text -> reasoning, content and tool calls, whole or as
   streamed deltas (the reasoning parser first, then the tool parser on the content).
 """
@@ -17,6 +19,7 @@ import json
 import re
 from typing import Any
 
+from jaxserve import envs
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -27,6 +30,7 @@ from jaxserve.entrypoints.openai.protocol import (
     ToolCall,
     random_tool_call_id,
 )
+from jaxserve.entrypoints.openai.template_worker import shared_renderer
 from jaxserve.sampling_params import StructuredOutputsParams
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -131,6 +135,74 @@ def content_format(template: str | None, requested: str) -> str:
         return requested
     loops = re.search(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)", template or "")
     return "openai" if loops else "string"
+
+
+# Names the template machinery sets or reads itself (apply_chat_template's and the renderer's
+# arguments, the template's globals): a request's chat_template_kwargs may not set them.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens", "raise_exception", "strftime_now", "dict",
+    "namespace", "range", "cycler", "joiner", "lipsum",
+})  # fmt: skip
+_SCALARS = (str, bool, int, float, type(None))
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None, special_tokens: list[str]) -> None:
+    """ValueError unless every chat_template_kwargs entry is plain data a template reads as a
+    variable: a key that is not one of the machinery's own names (chat_template and tokenize
+    with vLLM's message; the tokenizer's special tokens such as bos_token: the template's
+    markup is not the client's to change), a value that is a JSON scalar or a list of them."""
+    if not kwargs:
+        return
+    unexpected = {"chat_template", "tokenize"} & kwargs.keys()
+    if unexpected:
+        raise ValueError(f"Found unexpected chat template kwargs from request: {unexpected}")
+    for key, value in kwargs.items():
+        if key in _RESERVED_KWARGS or key in special_tokens:
+            raise ValueError(
+                f"chat_template_kwargs may not set {key!r}: the chat template machinery sets it"
+            )
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, _SCALARS) for v in items):
+            raise ValueError(
+                f"chat_template_kwargs[{key!r}] must be a string, number, boolean, null or a "
+                f"list of them, got {value!r:.100}"
+            )
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    template: str | None,
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    kwargs: dict[str, Any] | None,
+) -> str:
+    """What tokenizer.apply_chat_template(..., tokenize=False) gives (template None: the
+    tokenizer's), rendered in the bounded child process: ValueError if the template fails,
+    runs past $JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S or outgrows the child's memory."""
+    special = tokenizer.special_tokens_map
+    check_template_kwargs(kwargs, list(special))
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+    try:
+        template = tokenizer.get_chat_template(template, tools)
+    except ValueError as e:
+        raise ValueError(f"cannot apply the chat template: {e}") from None
+    job = {
+        "template": template,
+        # As apply_chat_template: a key whose value is None is left out.
+        "messages": [{k: v for k, v in m.items() if v is not None} for m in messages],
+        "tools": tools,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "kwargs": {**special, **(kwargs or {})},
+    }
+    return shared_renderer().render(job, envs.JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S)
 
 
 def template_messages(messages: list[Any], fmt: str) -> list[dict[str, Any]]:

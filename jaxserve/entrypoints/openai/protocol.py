@@ -1,13 +1,16 @@
 """OpenAI request and response bodies as msgspec Structs (vLLM's fields and defaults).
 
-Requests decode with `msgspec.json.decode(body, type=...)`: a wrong type is a ValidationError
-that names the field (`Expected int, got str - at $.max_tokens`); unknown fields are ignored.
-`to_sampling_params` turns a request into SamplingParams, whose own checks name bad values.
+Requests decode with `decode_request(body, type)`: a wrong type is a ValidationError that
+names the field (`Expected int, got str - at $.max_tokens`); unknown fields are ignored and
+logged (vLLM's words). `to_sampling_params` turns a request into SamplingParams, whose own
+checks name bad values.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -30,6 +33,12 @@ from jaxserve.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+
+logger = logging.getLogger(__name__)
+# Per request (a completion may carry many prompts, each with n choices): far above normal
+# use, low enough that one request cannot queue an unbounded amount of work.
+MAX_PROMPTS_PER_REQUEST = 2048
+MAX_SEQUENCES_PER_REQUEST = 4096  # prompts x n
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -59,10 +68,19 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     priority: int = 0
+    cache_salt: str | None = None  # prefix-cache entries shared only within one salt
     user: str | None = None  # accepted, ignored
+    # Refused with a 400 (vLLM removed best_of; no beam search yet)
+    best_of: int | None = None
+    use_beam_search: bool = False
     # Structured outputs (structured_outputs_params below); the guided_* fields are vLLM's
     # names before 0.12, still sent by many clients, so still honoured.
     response_format: dict[str, Any] | None = None
@@ -71,6 +89,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # -> structured_outputs.whitespace_pattern
     # Disaggregated prefill (vLLM's field): handed to the engine's KV connector, e.g. the P/D
     # proxy's {"do_remote_decode": true, ...} for a prefill instance.
     kv_transfer_params: dict[str, Any] | None = None
@@ -98,13 +117,16 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's deprecated forms of tools / tool_choice: refused with a 400 naming those
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages
     add_generation_prompt: bool = True
 
 
@@ -224,15 +246,26 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-UNSUPPORTED = {"suffix": "suffix"}
+UNSUPPORTED = {
+    "suffix": "suffix is not supported by jaxserve yet",
+    "use_beam_search": "use_beam_search is not supported by jaxserve yet (no beam search)",
+    "functions": "functions is deprecated by OpenAI and not supported: use tools",
+    "function_call": "function_call is deprecated by OpenAI and not supported: use tool_choice",
+}
 
 
 def check_supported(request: _SamplingFields) -> None:
-    """ValueError for fields this engine cannot honour yet (rather than ignoring them) and
-    for values no SamplingParams field checks."""
-    for field, what in UNSUPPORTED.items():
-        if getattr(request, field, None) is not None:
-            raise ValueError(f"{what} is not supported by jaxserve yet")
+    """ValueError for fields this engine cannot honour (rather than ignoring them) and for
+    values no SamplingParams field checks."""
+    for field, message in UNSUPPORTED.items():
+        if getattr(request, field, None) not in (None, False):
+            raise ValueError(message)
+    if request.best_of is not None and request.best_of != request.n:
+        raise ValueError(
+            f"best_of is not supported (vLLM removed it): use n, got best_of={request.best_of}"
+        )
+    if request.cache_salt is not None and not request.cache_salt:
+        raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
     for field in request.__struct_fields__:  # JSON ints are unbounded; msgpack's are not
         value = getattr(request, field)
         if isinstance(value, int) and not -(2**63) <= value < 2**63:
@@ -279,6 +312,8 @@ def structured_outputs_params(request: _SamplingFields) -> StructuredOutputsPara
     if not found:
         return None
     field, value = found[0]
+    if request.guided_whitespace_pattern is not None:
+        value = {**value, "whitespace_pattern": request.guided_whitespace_pattern}
     try:
         return msgspec.convert(value, StructuredOutputsParams)
     except msgspec.ValidationError as e:
@@ -327,10 +362,34 @@ def to_sampling_params(
         logprobs=logprobs,
         prompt_logprobs=request.prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
         logit_bias=logit_bias,
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
         structured_outputs=structured_outputs_params(request),
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
     )
+
+
+def decode_request(body: bytes, cls: type[msgspec.Struct]) -> Any:
+    """The body as a cls; fields cls lacks are ignored, and logged once per request as vLLM
+    does (one decode when there are none)."""
+    try:
+        return msgspec.json.decode(body, type=_strict(cls))
+    except msgspec.ValidationError:
+        request = msgspec.json.decode(body, type=cls)  # a real error raises here
+    fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    ignored = set(fields) - set(cls.__struct_fields__)
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
+    return request
+
+
+@functools.cache
+def _strict(cls: type[msgspec.Struct]) -> type[msgspec.Struct]:
+    """cls refusing unknown fields (a subclass: what it decodes is still a cls)."""
+    return type(cls.__name__, (cls,), {}, forbid_unknown_fields=True)
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):

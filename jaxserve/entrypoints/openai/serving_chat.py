@@ -15,6 +15,7 @@ from jaxserve.entrypoints.openai.chat_utils import (
     ChoiceParser,
     check_tools,
     content_format,
+    render_chat,
     template_messages,
     tool_choice,
     tool_choice_constraint,
@@ -58,11 +59,13 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: str | None = None,
         reasoning_parser: str | None = None,
         enable_prompt_tokens_details: bool = False,
+        trust_request_chat_template: bool = False,
     ):
         super().__init__(
             engine, served_model_names, enable_prompt_tokens_details=enable_prompt_tokens_details
         )
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         self.content_format = chat_template_content_format
         if self.content_format not in CONTENT_FORMATS:
             raise ValueError(
@@ -84,25 +87,29 @@ class OpenAIServingChat(OpenAIServing):
             )
 
     def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt text and its token ids: the messages through the chat template (a
+        request's own only with --trust-request-chat-template), rendered bounded in time
+        and memory (chat_utils.render_chat)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if not request.messages:
             raise ValueError("messages must not be empty")
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise ValueError(
+                "Chat template is passed with request, but --trust-request-chat-template is "
+                "not set. Refused request with untrusted chat template."
+            )
         template = request.chat_template or self.chat_template
         fmt = content_format(template or self.tokenizer.chat_template, self.content_format)
-        messages = template_messages(request.messages, fmt)
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=request.tools,
-                chat_template=template,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tokenize=False,
-                **(request.chat_template_kwargs or {}),
-            )
-        except Exception as e:  # a malformed conversation or template
-            raise ValueError(f"cannot apply the chat template: {e}") from None
+        text = render_chat(
+            self.tokenizer,
+            template_messages(request.messages, fmt),
+            template=template,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            kwargs=request.chat_template_kwargs,
+        )
         self.engine.input_processor.check_text_length(text)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
@@ -113,6 +120,12 @@ class OpenAIServingChat(OpenAIServing):
         check_tools(request, auto_tools=self.auto_tools)
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        max_logprobs = self.engine.input_processor.max_logprobs
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= max_logprobs:
+            raise ValueError(
+                f"top_logprobs must be in [0, max_logprobs={max_logprobs}], "
+                f"got {request.top_logprobs}"
+            )
         if self.tool_parser_cls is not None and request.tools:
             request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
         prompt = self.chat_prompt(request)
@@ -136,7 +149,10 @@ class OpenAIServingChat(OpenAIServing):
                 )
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         request_id = random_id("chatcmpl")
-        return request_id, self._validate(request_id, [prompt], params), params
+        validated = self._validate(
+            request_id, [prompt], params, priority=request.priority, cache_salt=request.cache_salt
+        )
+        return request_id, validated, params
 
     async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
         request_id, prompts, params = prepared
@@ -218,11 +234,11 @@ class OpenAIServingChat(OpenAIServing):
     def _chat_logprobs(self, c: CompletionOutput, request: ChatCompletionRequest) -> dict | None:
         if not request.logprobs:
             return None
-        k = request.top_logprobs or 0
+        k, as_id = request.top_logprobs or 0, request.return_tokens_as_token_ids
         content = []
         for token_id, position in zip(c.token_ids, c.logprobs or [], strict=True):
             chosen = position[token_id]
-            text = self._token_text(token_id, chosen)
+            text = self._token_text(token_id, chosen, as_id)
             content.append(
                 {
                     "token": text,
@@ -230,7 +246,7 @@ class OpenAIServingChat(OpenAIServing):
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": (t_text := self._token_text(t, lp)),
+                            "token": (t_text := self._token_text(t, lp, as_id)),
                             "logprob": max(lp.logprob, -9999.0),
                             "bytes": list(t_text.encode()),
                         }

@@ -41,7 +41,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
         request_id = random_id("cmpl")
-        return request_id, self._validate(request_id, prompts, params), params
+        validated = self._validate(
+            request_id, prompts, params, priority=request.priority, cache_salt=request.cache_salt
+        )
+        return request_id, validated, params
 
     async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:
         request_id, prompts, params = prepared
@@ -57,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.echo:
                     text = self._prompt_text(out) + text
                 if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(out, c, request.echo, request.logprobs)
+                    logprobs = self._completion_logprobs(out, c, request.echo, request)
                 choice = CompletionChoice(
                     p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
                 )
@@ -97,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     logprobs = None
                     if request.logprobs is not None:
-                        logprobs = self._completion_logprobs(out, c, False, request.logprobs)
+                        logprobs = self._completion_logprobs(out, c, False, request)
                     choice = CompletionChoice(
                         p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
                     )
@@ -116,9 +119,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
     def _completion_logprobs(
-        self, out: RequestOutput, c: CompletionOutput, echo: bool, k: int
+        self, out: RequestOutput, c: CompletionOutput, echo: bool, request: CompletionRequest
     ) -> dict:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        k, as_id = request.logprobs, request.return_tokens_as_token_ids
         ids: list[int] = []
         positions: list[PositionLogprobs | None] = []
         if echo:
@@ -128,7 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
         positions += c.logprobs or []
         tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
         for token_id, position in zip(ids, positions, strict=True):
-            text = self._token_text(token_id, position.get(token_id) if position else None)
+            text = self._token_text(token_id, position.get(token_id) if position else None, as_id)
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
@@ -140,7 +144,7 @@ class OpenAIServingCompletion(OpenAIServing):
             chosen = [(token_id, position[token_id])]  # always there, as in vLLM
             top.append(
                 {
-                    self._token_text(t, lp): lp.logprob
+                    self._token_text(t, lp, as_id): lp.logprob
                     for t, lp in [*top_logprobs(position, k), *chosen]
                 }
             )

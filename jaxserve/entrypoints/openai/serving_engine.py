@@ -22,6 +22,8 @@ import msgspec
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.entrypoints.openai.protocol import (
+    MAX_PROMPTS_PER_REQUEST,
+    MAX_SEQUENCES_PER_REQUEST,
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
@@ -107,11 +109,28 @@ class OpenAIServing:
                 )
         return out
 
-    def _validate(self, request_id: str, prompts, params: SamplingParams) -> list[dict]:
-        """Every prompt through the InputProcessor's checks before anything is queued."""
+    def _validate(
+        self, request_id: str, prompts, params: SamplingParams, *, priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[dict]:  # fmt: skip
+        """Every prompt through the InputProcessor's checks before anything is queued; the
+        prompts as AsyncLLM.generate takes them (with the request's cache_salt)."""
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(
+                f"a request may carry at most {MAX_PROMPTS_PER_REQUEST} prompts "
+                f"(MAX_PROMPTS_PER_REQUEST), got {len(prompts)}"
+            )
+        if len(prompts) * params.n > MAX_SEQUENCES_PER_REQUEST:
+            raise ValueError(
+                f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences "
+                f"(MAX_SEQUENCES_PER_REQUEST: prompts x n), got {len(prompts)} x {params.n}"
+            )
         for i, (_, ids) in enumerate(prompts):
-            self.engine.input_processor.process(f"{request_id}-{i}", ids, params)
-        return [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
+            self.engine.input_processor.process(
+                f"{request_id}-{i}", ids, params, priority=priority, cache_salt=cache_salt
+            )
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        return [{"prompt": text, "prompt_token_ids": ids, **salt} for text, ids in prompts]
 
     # ------------------------------------------------------------------ running
     async def _gather(
@@ -171,7 +190,10 @@ class OpenAIServing:
             usage.prompt_tokens_details = PromptTokensDetails(cached_tokens)
         return usage
 
-    def _token_text(self, token_id: int, lp) -> str:
+    def _token_text(self, token_id: int, lp, as_id: bool = False) -> str:
+        """A logprob's token as text, or "token_id:N" (return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)

@@ -249,7 +249,8 @@ def test_fuzzed_bodies_get_no_500_and_the_engine_drains(server):
         for name in rng.sample(fields, rng.randint(1, 4)):
             body[name] = value()
         raw = json.dumps(body).encode()  # Infinity / NaN included: not valid JSON
-        with httpx.stream("POST", f"{server.url}/v1/{path}", content=raw, headers=auth(),
+        headers = {**auth(), "content-type": "application/json"}
+        with httpx.stream("POST", f"{server.url}/v1/{path}", content=raw, headers=headers,
                           timeout=120) as r:  # fmt: skip
             text = r.read().decode()
         statuses[r.status_code] += 1

@@ -284,7 +284,8 @@ def test_bad_requests_fail_alone_with_openai_errors(client, server):
         client.completions.create(model="no-such-model", prompt="hi")
     r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
-    r = httpx.post(f"{server.url}/v1/completions", headers=auth(), content=b"{not json")
+    json_headers = {**auth(), "content-type": "application/json"}
+    r = httpx.post(f"{server.url}/v1/completions", headers=json_headers, content=b"{not json")
     assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "code"}
     # Still serving, and unknown fields are ignored.
     ok = client.completions.create(

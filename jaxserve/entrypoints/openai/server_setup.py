@@ -1,0 +1,87 @@
+"""`jaxserve serve`'s start-up around the app: checking the flags before minutes of loading,
+binding the socket, the settings the flags give the app, and the "try: curl ..." log line."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import msgspec
+
+_json = msgspec.json.Encoder()
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template is a file path or the template itself."""
+    if value is not None and os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    return value
+
+
+def check_server_args(args) -> None:
+    """Flag errors before minutes of loading: parser names, auto tools without a parser, the
+    body limit, CORS lists."""
+    if args.api_server_count < 1:
+        raise SystemExit(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.max_request_body_bytes < 1:
+        raise SystemExit(
+            f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}"
+        )
+    for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, flag)
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(v, str) for v in value)
+        ):
+            name = "--" + flag.replace("_", "-")
+            raise SystemExit(f'{name} must be a JSON list of strings, e.g. ["x"]: got {value!r}')
+    try:
+        if args.tool_call_parser:
+            from jaxserve.entrypoints.openai.tool_parsers import ToolParserManager
+
+            ToolParserManager.get_tool_parser(args.tool_call_parser)
+        if args.reasoning_parser:
+            from jaxserve.reasoning import ReasoningParserManager
+
+            ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
+    except (KeyError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before minutes of loading and compiling (a taken port fails
+    now); several API-server processes share it (--api-server-count)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def cors_settings(args) -> dict[str, Any] | None:
+    """--allowed-origins & co. for middleware.cors_middleware; None unless origins are given."""
+    if not args.allowed_origins:
+        return None
+    return {
+        "allow_origins": args.allowed_origins,
+        "allow_methods": args.allowed_methods,
+        "allow_headers": args.allowed_headers,
+        "allow_credentials": args.allow_credentials,
+    }
+
+
+def ready_message(args, model: str, *, keyed: bool) -> str:
+    """The start-up log's "serving ... try: curl ..." line. With an API key the example
+    carries a placeholder, never the key (logs are read by more people than hold it)."""
+    host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
+    key = "$JAXSERVE_API_KEY" if args.api_key is None else "<your --api-key>"
+    auth = f' -H "Authorization: Bearer {key}"' if keyed else ""
+    body = _json.encode({"model": model, "temperature": 0, "messages": [
+        {"role": "user", "content": "What is the capital of France?"}]}).decode()  # fmt: skip
+    return (
+        f"serving {model} on http://{args.host}:{args.port}; try:\n  curl "
+        f"http://{host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'"
+        f"{auth} -d '{body}'"
+    )
