@@ -104,11 +104,15 @@ def test_a_body_over_the_limit_is_refused_while_it_streams_in(tokenizer):
 @pytest.mark.parametrize("depth", [65, 10_000])
 def test_json_nested_too_deep_is_a_400(tokenizer, depth):
     deep = "[" * depth + "]" * depth
-    body = '{"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"a": ' + deep + "}}"
+    body = (
+        '{"prompt": "hi", "max_tokens": 1, "response_format": {"type": "text", "a": ' + deep + "}}"
+    )
     (r,) = serve(tokenizer, [post("/v1/completions", body)])
     assert r.status_code == 400 and "nested more than 64 levels" in message(r)
     fine = "[" * 60 + "]" * 60
-    body = '{"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"a": ' + fine + "}}"
+    body = (
+        '{"prompt": "hi", "max_tokens": 1, "response_format": {"type": "text", "a": ' + fine + "}}"
+    )
     assert serve(tokenizer, [post("/v1/completions", body)])[0].status_code == 200
 
 
