@@ -19,6 +19,7 @@ import pytest
 from jaxserve.benchmarks.common import decode_step_seconds
 from tests.entrypoints.openai.test_api_server import Server
 from tests.helpers import TINY, make_tiny_hf
+from tests.require import require_or_skip
 
 ROOT = Path(__file__).parents[2]
 # Fits the server tests' flags (max_model_len 512); no tokenizer files: token ids only.
@@ -269,8 +270,7 @@ def test_bench_cpu_attention(tmp_path, capsys):
     """The CPU kernel's benchmark: a row per (batch, context), both ops timed, JSON written."""
     from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
 
-    if (reason := cpu_kernel_unavailable_message()) is not None:
-        pytest.skip(reason)
+    require_or_skip(cpu_kernel_unavailable_message())
     out = tmp_path / "cpu_attention.json"
     argv = ["--batch-sizes", "1", "4", "--contexts", "40", "--iters", "2",
             "--output-json", str(out)]  # fmt: skip

@@ -20,12 +20,20 @@ from pallas_kernels.paged_attention.cpu import (
 )
 from tests.pallas_kernels.paged_cases import make_case, naive_attention
 from tests.pallas_kernels.test_reference import DECODE, LONG, MIXED
+from tests.require import require_or_skip
 
-# A machine without a C++ compiler cannot build the kernel: the engine then falls back to the
-# reference (tested below); everything else here needs the kernel.
-needs_compiler = pytest.mark.skipif(
-    cpu._compiler() is None, reason="no C++ compiler (g++/c++/$CXX) to build the kernel"
-)
+
+@pytest.fixture
+def compiler():
+    """A machine without a C++ compiler cannot build the kernel: the engine then falls back to
+    the reference (tested below); everything else here needs the kernel, and skips (fails
+    under JAXSERVE_TEST_REQUIRE_ALL=1, as in CI) without one."""
+    require_or_skip(
+        None if cpu._compiler() else "no C++ compiler (g++/c++/$CXX) to build the kernel"
+    )
+
+
+needs_compiler = pytest.mark.usefixtures("compiler")
 
 # head_dim 64/128/256 take the kernel's fixed-width code, 32 and 80 its generic one.
 SWEEP = list(itertools.product([32, 64, 80, 128, 256], [(1, 1), (3, 1), (9, 3), (8, 2)], [16]))

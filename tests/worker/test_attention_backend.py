@@ -15,6 +15,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.executables import ExecutableRegistry, num_compilations
 from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
 from tests.helpers import drain_engine, engine_with_registry, make_tiny_hf
+from tests.require import require_or_skip
 
 # head_dim 16 (the kernel's smallest dot), GQA group 4.
 SHAPE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2)
@@ -106,8 +107,7 @@ def test_cpu_backend_gives_the_reference_tokens(model_dir, reference, tp):
     tokens and logprobs, and no compilation while serving."""
     if len(jax.devices()) < tp:
         pytest.skip(f"tensor_parallel_size={tp} needs {tp} devices")
-    if (reason := cpu_kernel_unavailable_message()) is not None:
-        pytest.skip(reason)
+    require_or_skip(cpu_kernel_unavailable_message())
     llm = LLM(model_dir, attention_backend="cpu", tensor_parallel_size=tp, **ENGINE)
     runner = _runner(llm)
     modules = [m for _, m in nnx.iter_graph(runner.model)]

@@ -23,8 +23,9 @@ from tests.entrypoints.openai.test_api_server import (
     free_ports,
     sse_events,
 )
+from tests.require import import_or_skip
 
-pytest.importorskip("openai")  # the shared dp=1 server's client; absent on the GPU machine
+import_or_skip("openai")  # the shared dp=1 server's client; absent on the GPU machine
 pytestmark = pytest.mark.slow
 
 PROMPTS = [f"Write a sentence about the number {i}." for i in range(64)]

@@ -7,9 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-# Absent on the GPU machine: skip, collect cleanly.
-openai = pytest.importorskip("openai")
-jsonschema = pytest.importorskip("jsonschema")
+from tests.require import import_or_skip
+
+# Absent on the GPU machine: skip, collect cleanly (CI fails instead: tests/require.py).
+openai = import_or_skip("openai")
+jsonschema = import_or_skip("jsonschema")
 
 from tests.entrypoints.openai.test_api_server import MODEL  # noqa: E402
 from tests.entrypoints.test_llm import PERSON  # noqa: E402
