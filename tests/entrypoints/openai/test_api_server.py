@@ -370,10 +370,31 @@ def test_metrics_count_tokens_and_latencies(server, client):
         assert f"jaxserve:{name}" in text
 
 
-def test_dead_engine_ends_streams_and_the_server_exits_1():
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> list[str]:
+    """Flags serving a 2-layer random model with the default model's vocabulary and tokenizer,
+    for behaviours of the processes that any model shows (engine death, SIGTERM drain), at a
+    fraction of the default model's start-up. Steps are slowed to ~20 ms (the default
+    model's pace on CPU) so that streams last long enough to be interrupted."""
+    from jaxserve.transformers_utils.model_path import default_model_path
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": 1,
+              "eos_token_id": 2, "tie_word_embeddings": True}  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny-dummy") / "config.json"
+    path.write_text(json.dumps(config))
+    return [str(path), "--load-format", "dummy", "--tokenizer", str(default_model_path())]
+
+
+TINY_ENV = {"JAXSERVE_TEST_STEP_DELAY_S": "0.02"}
+
+
+def test_dead_engine_ends_streams_and_the_server_exits_1(tiny_model):
     """vLLM's behaviour: in-flight requests get the error at once, then the server exits
     non-zero so a supervisor restarts it."""
-    server = Server()
+    server = Server(*tiny_model, env=TINY_ENV)
     try:
         body = LONG_STREAM
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
@@ -391,12 +412,12 @@ def test_dead_engine_ends_streams_and_the_server_exits_1():
         server.stop()
 
 
-def test_sigterm_drains_every_accepted_stream_refuses_new_and_exits_0():
+def test_sigterm_drains_every_accepted_stream_refuses_new_and_exits_0(tiny_model):
     """Streams accepted just before SIGTERM (some still queued behind --max-num-seqs 8,
     waiting for their first token) all run to their end; new connections are refused."""
     import concurrent.futures
 
-    server = Server()
+    server = Server(*tiny_model, env=TINY_ENV)
     body = {**LONG_STREAM, "max_tokens": 24}
     started = []
 
