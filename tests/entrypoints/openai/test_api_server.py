@@ -30,16 +30,12 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # A request that streams long enough to be interrupted.
 LONG_STREAM = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
                "ignore_eos": True, "stream": True}  # fmt: skip
-SERVER_FLAGS = [
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "128",
-    "--max-model-len",
-    "512",
-    "--served-model-name",
-    MODEL,
-]
+# Steps of ~20 ms (the default model's pace on CPU) on the tiny model (conftest's
+# `tiny_model`): streams last long enough to be interrupted.
+TINY_ENV = {"JAXSERVE_TEST_STEP_DELAY_S": "0.02"}
+# (--served-model-name takes several names: not last, or a model path after it is one)
+SERVER_FLAGS = ["--served-model-name", MODEL, "--max-num-seqs", "8",
+                "--max-num-batched-tokens", "128", "--max-model-len", "512"]  # fmt: skip
 
 
 def free_port() -> int:
@@ -368,27 +364,6 @@ def test_metrics_count_tokens_and_latencies(server, client):
         "num_requests_waiting",
     ):
         assert f"jaxserve:{name}" in text
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> list[str]:
-    """Flags serving a 2-layer random model with the default model's vocabulary and tokenizer,
-    for behaviours of the processes that any model shows (engine death, SIGTERM drain), at a
-    fraction of the default model's start-up. Steps are slowed to ~20 ms (the default
-    model's pace on CPU) so that streams last long enough to be interrupted."""
-    from jaxserve.transformers_utils.model_path import default_model_path
-
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": 1,
-              "eos_token_id": 2, "tie_word_embeddings": True}  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny-dummy") / "config.json"
-    path.write_text(json.dumps(config))
-    return [str(path), "--load-format", "dummy", "--tokenizer", str(default_model_path())]
-
-
-TINY_ENV = {"JAXSERVE_TEST_STEP_DELAY_S": "0.02"}
 
 
 def test_dead_engine_ends_streams_and_the_server_exits_1(tiny_model):

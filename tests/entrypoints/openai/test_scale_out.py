@@ -1,6 +1,7 @@
-"""Scaling out on the default model: `jaxserve serve -dp 2 --api-server-count 2` (two engine
-cores, one XLA CPU device each, behind a DP coordinator; two HTTP servers sharing the port) and
-one model over two jax.distributed processes (--nnodes 2, a --headless follower)."""
+"""Scaling out: `jaxserve serve -dp 2 --api-server-count 2` (two engine cores, one XLA CPU
+device each, behind a DP coordinator; two HTTP servers sharing the port) on a tiny model with
+the default model's tokenizer, and the default model over two jax.distributed processes
+(--nnodes 2, a --headless follower)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.sampling_params import SamplingParams
 from tests.entrypoints.openai.test_api_server import (
     LONG_STREAM,
     MODEL,
+    TINY_ENV,
     Server,
     auth,
     free_ports,
@@ -32,10 +36,21 @@ PROMPTS = [f"Write a sentence about the number {i}." for i in range(64)]
 
 
 @pytest.fixture(scope="module")
-def scaled():
-    s = Server("-dp", "2", "--api-server-count", "2")
+def scaled(tiny_model):
+    s = Server(*tiny_model, "-dp", "2", "--api-server-count", "2", env=TINY_ENV)
     yield s
     s.stop()
+
+
+def one_engine_texts(tiny_model: list[str], prompts: list[str], max_tokens: int) -> list[str]:
+    """The greedy texts of one engine (in this process) on the tiny model."""
+    model, _, tokenizer = tiny_model
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(model, tokenizer=tokenizer, max_model_len=512, max_num_seqs=8,
+                  max_num_batched_tokens=128)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return [out.outputs[0].text for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def engine_pids(server: Server) -> dict[int, int]:
@@ -65,7 +80,7 @@ def completed(server: Server, engine: int) -> float:
                for r in ("stop", "length", "abort"))  # fmt: skip
 
 
-def test_streaming_load_spreads_over_both_engines_and_servers_with_dp1_tokens(scaled, server):
+def test_streaming_load_spreads_over_both_engines_and_servers_with_dp1_tokens(scaled, tiny_model):
     before = [completed(scaled, e) for e in (0, 1)]
 
     def stream(prompt: str) -> str:
@@ -81,11 +96,7 @@ def test_streaming_load_spreads_over_both_engines_and_servers_with_dp1_tokens(sc
         texts = list(pool.map(stream, PROMPTS))  # any failure raises here: 0 failed
     done = [completed(scaled, e) - b for e, b in zip((0, 1), before, strict=True)]
     assert sum(done) == 64 and all(0.4 * 64 <= n <= 0.6 * 64 for n in done), done
-    # the same greedy text as one engine (the shared dp=1 server of this package)
-    for prompt, text in list(zip(PROMPTS, texts, strict=True))[:6]:
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
-        one = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(), timeout=120)
-        assert one.json()["choices"][0]["text"] == text
+    assert texts[:6] == one_engine_texts(tiny_model, PROMPTS[:6], 12)  # the same greedy text
     log = scaled.tail(2000)
     for i in (0, 1):  # both API servers took connections
         assert len(re.findall(rf"\(APIServer{i} pid=\d+\) .*POST /v1/completions", log)) >= 5
