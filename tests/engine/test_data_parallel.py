@@ -144,66 +144,69 @@ async def wait_for_state(llm, check, within: float = 10.0) -> dict:
         await asyncio.sleep(0.05)
 
 
-def test_an_abort_frees_the_blocks_of_the_engine_that_holds_the_request(model_dir, monkeypatch):
+def test_an_abort_frees_its_engines_blocks_and_a_killed_engine_fails_every_request(
+    model_dir, monkeypatch
+):
+    """One dp=2 AsyncLLM: an abort frees the blocks of the engine holding the request only;
+    then one engine is killed, and every request (on either engine) fails at once."""
+
     async def main():
         llm = start_async(model_dir, monkeypatch)
         try:
-            a = llm.generate(PROMPTS[0], LONG, "a", data_parallel_rank=0)
-            b = llm.generate(PROMPTS[1], LONG, "b", data_parallel_rank=1)
-            await first_output(a)
-            await first_output(b)
-            state = await llm.call_utility("get_state")
-            assert [s["num_requests"] for s in engine_states(state)] == [1, 1]
-            await a.aclose()  # the consumer goes away: "a" is aborted in engine 0 only
-            state = await wait_for_state(llm, lambda e: e[0]["num_requests"] == 0)
-            e0, e1 = engine_states(state)
-            assert e0["num_requests"] == 0 and e0["num_free_blocks"] == e0["num_blocks"] - 1
-            assert e1["num_requests"] == 1 and e1["num_free_blocks"] < e1["num_blocks"] - 1
-            outs = [out async for out in b]
-            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 100
-            state = await wait_for_state(llm, lambda e: e[1]["num_requests"] == 0)
-            assert state["num_free_blocks"] == 2 * 63  # and check_no_leaks() ran in each core
-            lb = llm.engine_core.load_balancer
-            deadline = time.monotonic() + 5
-            while not lb.all_idle() and time.monotonic() < deadline:  # the coordinator knows
-                await asyncio.sleep(0.05)
-            assert lb.all_idle() and lb.wave >= 1
-        finally:
-            llm.shutdown()
-
-    asyncio.run(main())
-
-
-def test_a_killed_engine_fails_every_request_fast(model_dir, monkeypatch):
-    async def main():
-        llm = start_async(model_dir, monkeypatch)
-        try:
-            gens = [llm.generate(PROMPTS[i], LONG, f"r{i}") for i in range(6)]
-            for gen in gens:
-                await first_output(gen)
-            state = await llm.call_utility("get_state")
-            assert all(s["num_requests"] > 0 for s in engine_states(state))  # both serve
-            os.kill(llm.engine_core.group.procs[1].pid, signal.SIGKILL)
-            start = time.monotonic()
-
-            async def drain(gen):
-                async for _ in gen:
-                    pass
-
-            results = await asyncio.wait_for(
-                asyncio.gather(*(drain(g) for g in gens), return_exceptions=True), 10
-            )
-            assert all(isinstance(r, EngineDeadError) for r in results), results
-            assert time.monotonic() - start < 3
-            assert "engine 1's process exited with code -9" in str(results[0])
-            with pytest.raises(EngineDeadError):
-                await first_output(llm.generate(PROMPTS[0], GREEDY, "late"))
+            await abort_frees_the_blocks_of_its_engine(llm)
+            await a_killed_engine_fails_every_request_fast(llm)
         finally:
             llm.shutdown()
         for proc in llm.engine_core.group.procs:  # the other engine is stopped too
             assert proc.poll() is not None
 
     asyncio.run(main())
+
+
+async def abort_frees_the_blocks_of_its_engine(llm: AsyncLLM) -> None:
+    a = llm.generate(PROMPTS[0], LONG, "a", data_parallel_rank=0)
+    b = llm.generate(PROMPTS[1], LONG, "b", data_parallel_rank=1)
+    await first_output(a)
+    await first_output(b)
+    state = await llm.call_utility("get_state")
+    assert [s["num_requests"] for s in engine_states(state)] == [1, 1]
+    await a.aclose()  # the consumer goes away: "a" is aborted in engine 0 only
+    state = await wait_for_state(llm, lambda e: e[0]["num_requests"] == 0)
+    e0, e1 = engine_states(state)
+    assert e0["num_requests"] == 0 and e0["num_free_blocks"] == e0["num_blocks"] - 1
+    assert e1["num_requests"] == 1 and e1["num_free_blocks"] < e1["num_blocks"] - 1
+    outs = [out async for out in b]
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 100
+    state = await wait_for_state(llm, lambda e: e[1]["num_requests"] == 0)
+    assert state["num_free_blocks"] == 2 * 63  # and check_no_leaks() ran in each core
+    lb = llm.engine_core.load_balancer
+    deadline = time.monotonic() + 5
+    while not lb.all_idle() and time.monotonic() < deadline:  # the coordinator knows
+        await asyncio.sleep(0.05)
+    assert lb.all_idle() and lb.wave >= 1
+
+
+async def a_killed_engine_fails_every_request_fast(llm: AsyncLLM) -> None:
+    gens = [llm.generate(PROMPTS[i], LONG, f"r{i}") for i in range(6)]
+    for gen in gens:
+        await first_output(gen)
+    state = await llm.call_utility("get_state")
+    assert all(s["num_requests"] > 0 for s in engine_states(state))  # both serve
+    os.kill(llm.engine_core.group.procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+
+    async def drain(gen):
+        async for _ in gen:
+            pass
+
+    results = await asyncio.wait_for(
+        asyncio.gather(*(drain(g) for g in gens), return_exceptions=True), 10
+    )
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert time.monotonic() - start < 3
+    assert "engine 1's process exited with code -9" in str(results[0])
+    with pytest.raises(EngineDeadError):
+        await first_output(llm.generate(PROMPTS[0], GREEDY, "late"))
 
 
 def test_moe_engines_step_together_while_any_has_work(tmp_path, monkeypatch):
