@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import json
 import os
+import random
 from typing import Any
 
 import httpx
@@ -195,28 +196,79 @@ CONSTRAINTS = st.one_of(  # structured outputs: one per request
 )  # fmt: skip
 REQUIRED = {"completions": "prompt", "chat": "messages", "tokenize": None, "detokenize": "tokens"}
 
-deep = st.sampled_from([10, 100, 1000, 10_000, 100_000]).flatmap(
-    lambda n: st.sampled_from([Raw("[" * n + "]" * n), Raw('{"a":' * n + "1" + "}" * n)])
+
+# Uniform choices: Hypothesis leans to the first of a list and to small numbers, and repeats
+# what it drew before; a random.Random seeded by several drawn numbers does neither, and is
+# as reproducible.
+SEEDS = st.lists(st.integers(0, 2**64 - 1), min_size=3, max_size=3).map(
+    lambda seed: random.Random(repr(seed))
 )
-HOSTILE = st.one_of(
-    st.sampled_from([2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 2**64 + 1, 10**30,
-                     -1, -2, -(2**31), -(2**31) - 1, -(2**63), -(2**63) - 1, -(2**64), 0]),
-    st.sampled_from([1e308, -1e308, 5e-324, -0.0, 0.5, 1.5, 100.5]),
-    st.sampled_from([Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e400"),
-                     Raw("-1e400"), Raw('"\\ud800"'), Raw("01"), Raw("1.")]),
-    st.sampled_from([True, False, None, "", "0", "1", "-1", "null", "<|im_start|>",
-                     "\x00", "\U0001f600" * 3, [], {}, [None], [[]], [""], [-1],
-                     [2**31], [2**63], [2**64], [[2**64]], {"a": 2**64}, {"a": {"b": [2**63]}},
-                     {"2147483648": 1.0}, {"-1": 1.0}, {"0": 1e308}, {"x": "y"},
-                     [{"role": "user", "content": 2**64}], [{"role": 1}], [{}]]),
-    st.sampled_from([10**3, 10**5, 10**6]).map(lambda n: "a" * n),  # huge strings, <= 1 MB
-    st.sampled_from([10**4, 10**5]).map(lambda n: list(range(n))),  # huge arrays
-    deep,
-    st.integers(),
-    st.floats(),
-    st.text(max_size=8),
+
+
+def pick(values: list) -> st.SearchStrategy:
+    """One of values, uniformly (st.sampled_from leans to the first)."""
+    return SEEDS.map(lambda r: r.choice(values))
+
+
+def either(*strategies: st.SearchStrategy) -> st.SearchStrategy:
+    """A draw from one of strategies, chosen uniformly."""
+    return SEEDS.flatmap(lambda r: r.choice(strategies))
+
+
+WIDE_INTS = pick([2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64,
+                  10**30, -1, -2, -(2**31), -(2**31) - 1, -(2**63), -(2**63) - 1,
+                  -(2**64)])  # fmt: skip
+ODD_FLOATS = pick([1e308, -1e308, 5e-324, -0.0, 0.5, 1.5, 100.5, 1e-30])
+ODD_NUMBERS = pick([Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e400"), Raw("-1e400"),
+                    Raw("1e-400"), Raw("01"), Raw("1.")])  # fmt: skip
+ODD_STRINGS = either(
+    pick(["", "0", "-1", "null", "<|im_start|>", "<|endoftext|>", "\x00", "\n" * 50,
+          "\U0001f600" * 3, "{{ 7 * 7 }}", "%s%n", Raw('"\\ud800"'), Raw('"\\u0000"')]),
+    pick([10**3, 10**5, 10**6]).map(lambda n: "a" * n),  # huge strings, <= 1 MB
 )  # fmt: skip
-UNKNOWN_FIELDS = st.sampled_from(["best_of", "use_beam_search", "functions", "function_call",
+SCALARS = either(WIDE_INTS, WIDE_INTS, WIDE_INTS, ODD_FLOATS, ODD_NUMBERS, ODD_STRINGS,
+                 st.booleans(), st.none(), st.integers(), st.floats())  # fmt: skip
+DEEP = pick([10, 100, 1000, 10_000, 100_000]).flatmap(
+    lambda n: pick([Raw("[" * n + "]" * n), Raw('{"a":' * n + "1" + "}" * n)])
+)
+OBJECTS = either(
+    st.dictionaries(st.text(max_size=4), SCALARS, min_size=1, max_size=2),
+    SCALARS.map(lambda v: {"a": {"b": [v]}}),
+    pick([{"2147483648": 1.0}, {"-1": 1.0}, {"0": 1e308}, {"1": Raw("NaN")}, {}]),
+)
+ARRAYS = either(
+    st.lists(SCALARS, min_size=1, max_size=3),
+    st.lists(OBJECTS, min_size=1, max_size=2),
+    pick([[], [[]], [None], [{}], [[2**64]], [{"role": "user", "content": 2**64}]]),
+    pick([10**4, 10**5]).map(lambda n: list(range(n))),  # huge arrays
+)
+BY_TYPE = {"integer": either(WIDE_INTS, WIDE_INTS, ODD_NUMBERS),
+           "number": either(ODD_FLOATS, ODD_NUMBERS),
+           "string": ODD_STRINGS, "object": OBJECTS, "array": ARRAYS}  # fmt: skip
+ANY_HOSTILE = either(SCALARS, OBJECTS, ARRAYS, DEEP)
+
+
+def hostile(types: set[str]) -> st.SearchStrategy:
+    """A value hostile to a field of these JSON types: mostly of its own type (edge widths,
+    odd numbers, huge or odd strings, nested oddities), else of any type, or nested deep."""
+    own = [BY_TYPE[t] for t in sorted(types) if t in BY_TYPE]
+    return either(*own, *own, ANY_HOSTILE) if own else ANY_HOSTILE
+
+
+def field_types(cls: type) -> dict[str, set[str]]:
+    """Each field of struct cls -> the JSON types its schema accepts."""
+    schema = msgspec.json.schema(cls)
+    props = schema["$defs"][cls.__name__]["properties"]
+    return {
+        name: {
+            "object" if "$ref" in option else option.get("type", "object")
+            for option in prop.get("anyOf", [prop])
+        }
+        for name, prop in props.items()
+    }
+
+
+UNKNOWN_FIELDS = pick(["best_of", "use_beam_search", "functions", "function_call",
                                   "truncate_prompt_tokens", "cache_salt", ""])  # fmt: skip
 
 
@@ -238,57 +290,48 @@ class Case:
 
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
-    route = draw(st.sampled_from(["completions"] * 3 + ["chat"] * 3 + ["tokenize", "detokenize"]))
-    notes = []
-    mode = draw(st.sampled_from(["schema", "schema+plausible"] + ["plausible"] * 3))
-    notes.append(mode)
+    rnd = draw(SEEDS)
+    route = rnd.choice(["completions"] * 3 + ["chat"] * 3 + ["tokenize", "detokenize"])
+    mode = rnd.choice(["schema", "schema+plausible", "plausible", "plausible+edge"] + ["+edge"])
+    mode = "plausible+edge" if mode == "+edge" else mode
+    notes = [mode]
     body = draw(SCHEMAS[route]) if mode.startswith("schema") else {}
     if "plausible" in mode:
-        fields = draw(st.fixed_dictionaries({}, optional=PLAUSIBLE[route]))
-        body.update(fields)
+        body.update(draw(st.fixed_dictionaries({}, optional=PLAUSIBLE[route])))
         if not body.get("stream"):
             body.pop("stream_options", None)
-        if route in ("completions", "chat") and draw(st.integers(0, 3)) == 0:
+        if route in ("completions", "chat") and rnd.random() < 0.25:
             body.update(draw(CONSTRAINTS))
         required = REQUIRED[route]
         if required and required not in body:
             body[required] = draw(PLAUSIBLE[route][required])
-    fields = list(ROUTES[route][1].__struct_fields__)
-    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 1, 2]))):
-        kind = draw(st.sampled_from(["set", "set", "unknown", "delete"]))
+    fields = FIELD_TYPES[route]
+    mutations = ["set"] if mode.endswith("edge") else []  # one hostile field in a valid body
+    if rnd.random() < 0.3:
+        mutations.append(rnd.choice(["set", "unknown", "delete"]))
+    for kind in mutations:
         if kind == "delete":
             if body:
-                key = draw(st.sampled_from(sorted(body)))
+                key = rnd.choice(sorted(body))
                 del body[key]
                 notes.append(f"-{key}")
             continue
-        key = draw(st.sampled_from(fields) if kind == "set" else UNKNOWN_FIELDS)
-        body[key] = draw(HOSTILE)
+        key = rnd.choice(sorted(fields)) if kind == "set" else draw(UNKNOWN_FIELDS)
+        body[key] = draw(hostile(fields.get(key, set())))
         notes.append(f"{key}=hostile")
     text = encode(body).encode("utf-8", "surrogatepass")
-    whole = draw(
-        st.sampled_from(
-            [None] * 56
-            + [
-                "truncated",
-                "not json",
-                "empty",
-                "not object",
-                "bytes",
-                "bom",
-                "trailing",
-                "bad utf-8",
-            ]
-        )
-    )
+    whole = None
+    if rnd.random() < 0.12:  # a body that is not one JSON object
+        whole = rnd.choice(["truncated", "not json", "empty", "not object", "bytes", "bom",
+                            "trailing", "bad utf-8"])  # fmt: skip
     if whole == "truncated":
         text = text[: draw(st.integers(0, max(0, len(text) - 1)))]
     elif whole == "not json":
-        text = draw(st.sampled_from([b"not json", b"{", b"prompt=hi&max_tokens=1", b"{'a': 1}"]))
+        text = rnd.choice([b"not json", b"{", b"prompt=hi&max_tokens=1", b"{'a': 1}"])
     elif whole == "empty":
         text = b""
     elif whole == "not object":
-        text = draw(st.sampled_from([b"[]", b"null", b"1", b'"x"', b"true", b"[{}]"]))
+        text = rnd.choice([b"[]", b"null", b"1", b'"x"', b"true", b"[{}]"])
     elif whole == "bytes":
         text = draw(st.binary(max_size=64))
     elif whole == "bom":
@@ -299,14 +342,15 @@ def cases(draw: st.DrawFn) -> Case:
         text = text[:1] + b'"\xff\xfe":1,' + text[1:] if text.startswith(b"{") else b"\xff"
     if whole:
         notes.append(whole)
-    content_type = draw(
-        st.sampled_from(["application/json"] * 40 + ["application/json; charset=utf-8",
-                        None, "application/xml", *SIMPLE_TYPES])
-    )  # fmt: skip
+    content_type = "application/json"
+    if rnd.random() < 0.1:
+        content_type = rnd.choice(["application/json; charset=utf-8", None, "application/xml",
+                                   *SIMPLE_TYPES])  # fmt: skip
     return Case(route, text, content_type, " ".join(notes))
 
 
 SCHEMAS = {route: from_schema(closed_schema(cls)) for route, (_, cls) in ROUTES.items()}
+FIELD_TYPES = {route: field_types(cls) for route, (_, cls) in ROUTES.items()}
 
 
 # ---------------------------------------------------------------------- the server
@@ -384,10 +428,13 @@ def check_response(case: Case, r: Result) -> str | None:
                     return f"a stream error event {event[:300]}"
         return None
     try:
-        json.loads(r.body)
+        answer = json.loads(r.body)
     except ValueError:
         return "a 200 whose body is not JSON"
-    return None
+    key = {"completions": "choices", "chat": "choices", "tokenize": "tokens"}.get(
+        case.route, "prompt"
+    )
+    return None if isinstance(answer, dict) and key in answer else f"a 200 without {key}"
 
 
 def check_error(body: bytes, status: int) -> str | None:
