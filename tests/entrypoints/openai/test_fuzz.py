@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 from starlette.testclient import TestClient
@@ -53,7 +53,7 @@ ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_token
 BATCH = 8  # bodies sent at once per example
 LOCAL_EXAMPLES = os.environ.get("JAXSERVE_FUZZ_EXAMPLES")
 EXAMPLES = int(LOCAL_EXAMPLES or 256)  # CI: 256 x 8 = 2,048 bodies
-TIMEOUT_S = 120.0  # per request: far above any honest request on the tiny model
+TIMEOUT_S = 60.0  # per request: far above any honest request on the tiny model
 ROUTES = {
     "completions": ("/v1/completions", CompletionRequest),
     "chat": ("/v1/chat/completions", ChatCompletionRequest),
@@ -390,7 +390,12 @@ class Server:
         return self.client.get("/health").status_code
 
     def state(self) -> dict:
-        return self.client.portal.call(self.engine.call_utility, "get_state")
+        """The engine core's get_state (TimeoutError: the core no longer answers)."""
+
+        async def get_state() -> dict:
+            return await asyncio.wait_for(self.engine.call_utility("get_state"), TIMEOUT_S)
+
+        return self.client.portal.call(get_state)
 
 
 @pytest.fixture(scope="module")
@@ -447,14 +452,18 @@ def check_error(body: bytes, status: int) -> str | None:
     return None if ok else f"status {status} without an OpenAI error body"
 
 
+# ---------------------------------------------------------------------- TEMPORARY
+# KNOWN_BUGS and its two helpers: delete all three once issue 40's fixes are merged.
 def json_depth(raw: bytes) -> int:
     """How deep the arrays and objects of a JSON text nest (strings skipped)."""
     depth = deepest = 0
     in_string = escaped = False
     for byte in raw:
-        if in_string:
-            escaped = not escaped and byte == 0x5C  # backslash
-            in_string = escaped or byte != 0x22  # quote
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped = byte == 0x5C  # backslash
+            in_string = byte != 0x22  # quote
         elif byte == 0x22:
             in_string = True
         elif byte in b"[{":
@@ -505,6 +514,7 @@ def KNOWN_BUGS(case: Case) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------- the test
 class EngineBroken(BaseException):
     """The engine died, leaked or hung: ends the run at once (Hypothesis shrinks only
     Exceptions, and a broken engine would fail every smaller example too)."""
@@ -515,7 +525,6 @@ class EngineBroken(BaseException):
     derandomize=LOCAL_EXAMPLES is None,
     database=None,
     deadline=None,
-    phases=[Phase.explicit, Phase.generate, Phase.shrink],
     suppress_health_check=list(HealthCheck),
     print_blob=True,
 )
@@ -529,7 +538,7 @@ def test_fuzz_http_api(server, batch):
     try:
         assert server.health() == 200, "/health is not 200"
         state = server.state()
-    except (AssertionError, EngineDeadError) as e:
+    except (AssertionError, EngineDeadError, TimeoutError) as e:
         raise EngineBroken(f"the engine died ({e}) in the batch {batch}") from e
     for key in ("num_requests", "num_free_blocks"):
         if state[key] != server.idle[key]:
