@@ -75,6 +75,34 @@ def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     return out_dir
 
 
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_tokenizer(out_dir: Path) -> int:
+    """Save a byte-level tokenizer (one token per byte, no merges; <|endoftext|> as EOS,
+    <|im_start|> / <|im_end|> and a ChatML chat template) to out_dir, e.g. a make_tiny_hf
+    directory: a tokenizer that costs nothing to read. Returns its size (the model's vocab)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxserve.transformers_utils.gguf_tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|endoftext|>", chat_template=CHATML,
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        clean_up_tokenization_spaces=False,
+    )  # fmt: skip
+    fast.save_pretrained(out_dir)
+    return len(fast)
+
+
 _GGUF_NAMES = {  # HF name (layer suffix) -> llama.cpp GGUF name
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
