@@ -178,11 +178,28 @@ class EngineCoreProc(EngineCore):
         while True:
             for sock, _ in poller.poll():
                 frames = sock.recv_multipart(copy=False)
-                request_type = EngineCoreRequestType(bytes(frames[0].buffer))
-                payload = decoders[request_type].decode(frames[1:])
+                try:
+                    request_type = EngineCoreRequestType(bytes(frames[0].buffer))
+                    payload = decoders[request_type].decode(frames[1:])
+                except Exception as e:  # a frontend's bug: its request fails, not this thread
+                    self._refuse_undecodable(frames, e, sockets[sock])
+                    continue
                 if request_type == EngineCoreRequestType.ABORT:
                     self.aborts_queue.put_nowait(payload)
                 self.input_queue.put_nowait((request_type, payload, sockets[sock]))
+
+    def _refuse_undecodable(self, frames: list, error: Exception, client_index: int) -> None:
+        """Fail the request a message that does not decode was adding (its id read loosely),
+        or log it: the input thread goes on either way."""
+        logger.error("an undecodable message from frontend %d: %r", client_index, error)
+        try:
+            fields = msgspec.msgpack.decode(frames[1].buffer)
+            request_id = fields[0] if bytes(frames[0].buffer) == EngineCoreRequestType.ADD else None
+        except Exception:
+            request_id = None
+        if isinstance(request_id, str):
+            failed = EngineCoreOutput(request_id, [], "error", f"{type(error).__name__}: {error}")
+            self.output_queue.put_nowait((client_index, EngineCoreOutputs([failed])))
 
     def _process_waves(self, address: str) -> None:
         sock = self.ctx.socket(zmq.SUB)

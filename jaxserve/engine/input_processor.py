@@ -90,7 +90,9 @@ class InputProcessor:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_token_ids if type(t) is not int or not 0 <= t < self.vocab_size]
+        if bad and type(bad[0]) is not int:  # a bool is an int to Python, not a token id
+            raise ValueError(f"token ids must be integers, got {bad[0]!r}")
         if bad:
             raise ValueError(f"token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
         if n >= self.max_model_len:

@@ -50,6 +50,11 @@ def sse(payload: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def _is_token_id(value: Any) -> bool:
+    """An int that is not a bool (JSON true is no token id)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class OpenAIServing:
     """The engine, the served model names and what every API's handlers share: model and
     runner checks, prompt validation, running prompts on the engine, usage and token text."""
@@ -90,7 +95,7 @@ class OpenAIServing:
         """str | list[str] | list[int] | list[list[int]] -> [(text or None, token ids)]."""
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
+        elif prompt and all(_is_token_id(t) for t in prompt):
             prompts = [prompt]
         else:
             prompts = prompt
@@ -100,7 +105,7 @@ class OpenAIServing:
         for p in prompts:
             if isinstance(p, str):
                 out.append(self.engine.input_processor.tokenize(p))
-            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+            elif isinstance(p, list) and all(_is_token_id(t) for t in p):
                 out.append((None, list(p)))
             else:
                 raise ValueError(
