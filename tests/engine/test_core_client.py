@@ -17,6 +17,7 @@ from jaxserve.engine.core_proc import FAULT_ENV, STEP_DELAY_ENV
 from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints.llm import LLM
+from jaxserve.ipc.messages import EngineCoreRequest
 from jaxserve.sampling_params import SamplingParams
 from tests.helpers import drain_engine, make_tiny_hf
 
@@ -82,6 +83,14 @@ def test_aborts_utilities_and_bad_requests_leave_the_core_serving(mp_llm):
     assert all(len(o.outputs[0].token_ids) == 100 for o in finished.values())
     state = engine.engine_core.call_utility("get_state")  # also runs check_no_leaks()
     assert state["num_requests"] == 0 and state["num_free_blocks"] == state["num_blocks"] - 1
+    # A message the core cannot decode (a frontend's bug: a bool token id past every check)
+    # fails its request alone; the core's input thread goes on.
+    client = engine.engine_core
+    client.add_request(EngineCoreRequest("undecodable", [1, True], GREEDY, None, time.time()))
+    outputs = []
+    while not outputs:
+        outputs = [o for o in client.get_output().outputs if o.request_id == "undecodable"]
+    assert outputs[0].finish_reason == "error" and "ValidationError" in outputs[0].stop_reason
     with pytest.raises(RuntimeError, match="no utility 'shutdown'"):
         engine.engine_core.call_utility("shutdown")
     with pytest.raises(ValueError, match="token id 999 is out of vocabulary"):
@@ -161,6 +170,7 @@ def test_core_exits_when_its_frontend_is_killed(model_dir, tmp_path):
         import sys, time
         from jaxserve.engine.arg_utils import EngineArgs
         from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.ipc.messages import EngineCoreRequest
         engine = LLMEngine.from_engine_args(EngineArgs(model={model_dir!r}, **{ENGINE!r}),
                                             multiprocess=True)
         print(engine.engine_core.proc.pid, flush=True)
