@@ -170,7 +170,6 @@ def test_core_exits_when_its_frontend_is_killed(model_dir, tmp_path):
         import sys, time
         from jaxserve.engine.arg_utils import EngineArgs
         from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.ipc.messages import EngineCoreRequest
         engine = LLMEngine.from_engine_args(EngineArgs(model={model_dir!r}, **{ENGINE!r}),
                                             multiprocess=True)
         print(engine.engine_core.proc.pid, flush=True)
