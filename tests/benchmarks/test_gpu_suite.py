@@ -18,6 +18,7 @@ STEPS = ["env", "pytest_gpu", "kernel_bench", "tune_kernel", "kv_transfer", "lat
 def test_dry_run_runs_every_step_and_reports_each(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "OUT")}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=1"  # one device; conftest's -O1
     proc = subprocess.run(
         ["bash", "scripts/gpu_suite.sh", "--dry-run", "--out", str(out), "--work", str(work),
          "--budget", "600"],
