@@ -69,9 +69,10 @@ class UsedExecutables(ExecutableRegistry):
 
 
 @pytest.mark.parametrize("tp", [1, 4])
-def test_pallas_backend_gives_the_reference_tokens(model_dir, reference, tp):
+def test_pallas_backend_gives_the_reference_tokens(model_dir, reference, tp, monkeypatch):
     if len(jax.devices()) < tp:
         pytest.skip(f"tensor_parallel_size={tp} needs {tp} devices")
+    monkeypatch.setenv("JAXSERVE_MINIMAL_COMPILE", "0")  # every forward: their kernels checked
     registry = UsedExecutables()
     engine = engine_with_registry(
         model_dir, registry, attention_backend="pallas", tensor_parallel_size=tp, **ENGINE
