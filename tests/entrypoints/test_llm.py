@@ -33,17 +33,21 @@ def llm():
     return LLM(**SMALL)
 
 
+# The second engine: every prompt split into 16-token chunks, no prefix caching, and 39
+# usable KV blocks of 16 tokens (long generations preempt each other), with async scheduling
+# (off by default on CPU): one default-model engine for chunking, preemption and aborts.
+CHUNKED = {**SMALL, "max_num_batched_tokens": 16, "enable_prefix_caching": False,
+           "num_gpu_blocks_override": 40}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def chunked():
-    """Every prompt split into 16-token chunks; no prefix caching."""
-    return LLM(**{**SMALL, "max_num_batched_tokens": 16, "enable_prefix_caching": False})
+    return LLM(**CHUNKED, async_scheduling=True)
 
 
 @pytest.fixture(scope="module")
-def tiny_pool():
-    """39 usable KV blocks of 16 tokens: long generations preempt each other. Async
-    scheduling (off by default on CPU) is on, so it runs through preemption and aborts."""
-    return LLM(**{**SMALL, "num_gpu_blocks_override": 40, "async_scheduling": True})
+def tiny_pool(chunked):
+    return chunked
 
 
 @pytest.fixture(scope="module")
@@ -319,7 +323,7 @@ def test_async_scheduling_gives_what_synchronous_scheduling_gives(tiny_pool):
     """Scheduling step N+1 while step N runs (the default) changes no request's tokens or
     logprobs: greedy, seeded sampling, penalties, stop tokens, min_tokens, max_tokens=1,
     through preemption; and it compiles nothing new."""
-    sync = LLM(**{**SMALL, "num_gpu_blocks_override": 40, "async_scheduling": False})
+    sync = LLM(**CHUNKED, async_scheduling=False)
     assert core(tiny_pool).max_in_flight == 2 and core(sync).max_in_flight == 1
     eos = tiny_pool.get_tokenizer().eos_token_id
     mixes = [

@@ -107,7 +107,9 @@ def runner(request, tmp_path_factory):
     args = EngineArgs(str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=8,
                       max_num_batched_tokens=32, num_gpu_blocks_override=64)  # fmt: skip
     config = args.create_engine_config()
-    runner = ModelRunner(load_model(model_dir, dtype="float32"), config)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXSERVE_MINIMAL_COMPILE", "0")  # every step shape's HLO is read
+        runner = ModelRunner(load_model(model_dir, dtype="float32"), config)
     runner.initialize_kv_cache(64)
     runner.compile_all()
     return runner
