@@ -44,7 +44,6 @@ def cache_dir(tmp_path_factory):
         path = tmp_path_factory.mktemp("compile-cache")
         mp.setenv("JAXSERVE_COMPILE_CACHE", str(path))
         mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
-        mp.setenv("JAXSERVE_MINIMAL_COMPILE", "0")  # every shape, as a server compiles
         yield path
 
 
@@ -192,6 +191,7 @@ def test_background_compile_serves_at_once_without_compiling_then_saves_all(
     variant, and nothing compiles on the serving path. The same tokens as a start that
     compiled everything. What is compiled is saved at once (a stopped start keeps it), every
     shape once all are in, and a second start loads them."""
+    monkeypatch.setenv("JAXSERVE_MINIMAL_COMPILE", "0")  # every shape, as a server compiles
     gate = threading.Event()
 
     def gated(name, lowered):  # the background thread compiles nothing until the gate opens
