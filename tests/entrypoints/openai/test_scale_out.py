@@ -150,7 +150,7 @@ def test_a_model_over_two_processes_gives_one_processs_text(tmp_path, tiny_model
     serves, rank 1 follows."""
     model = make_tiny_hf("llama", tmp_path / "tp3", vocab_size=49152, num_hidden_layers=2,
                          hidden_size=96, intermediate_size=192, num_attention_heads=6,
-                         num_key_value_heads=3)  # fmt: skip
+                         num_key_value_heads=3, max_position_embeddings=2048)  # fmt: skip
     tokenizer = tiny_model[-1]
     port = free_ports(3)
     flags = [str(model), "--tokenizer", tokenizer, "--nnodes", "2", "--master-port", str(port),
