@@ -56,8 +56,8 @@ class SamplingRows:
 
     def add(self, row: int, p: SamplingParams, eos_token_id: int | None) -> None:
         c = self.columns
-        # A top_k at or past the vocabulary is no filter (the InputProcessor sets 0 for it).
-        c["temperature"][row], c["top_k"][row] = p.temperature, min(p.top_k, 2**31 - 1)
+        # (a top_k at or past the vocabulary arrives as 0, no filter: the InputProcessor's)
+        c["temperature"][row], c["top_k"][row] = p.temperature, p.top_k
         c["top_p"][row], c["min_p"][row] = p.top_p, p.min_p
         c["presence_penalty"][row] = p.presence_penalty
         c["frequency_penalty"][row] = p.frequency_penalty

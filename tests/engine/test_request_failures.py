@@ -18,20 +18,17 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
-from tests.engine.test_kv_transfer_params import config
+from tests.engine.test_kv_transfer_params import FakeCore, config
 
 POISON = 99  # a token the injected detokenizer fault chokes on
 CORE_ERROR = "RuntimeError: injected in the engine core"
 
 
-class StepCore:
+class StepCore(FakeCore):
     """An engine core stand-in: every get_output gives each live request its next token
     (request i's k-th token: 300 + 10 i + k) until max_tokens ("length"). A request whose
     prompt starts with POISON gets POISON as its second token; one whose prompt starts with
     POISON + 1 fails in the core at its second step (finish_reason "error")."""
-
-    client_index = 0
-    dead = None
 
     def __init__(self):
         self.live: dict[str, tuple[EngineCoreRequest, int]] = {}  # id -> (request, tokens)
@@ -75,15 +72,6 @@ class StepCore:
         self.aborted += request_ids
         for r in request_ids:
             self.live.pop(r, None)
-
-    def poll_dead(self) -> None:
-        return None
-
-    def engine_of(self, request_id: str) -> int:
-        return 0
-
-    def shutdown(self) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
