@@ -10,11 +10,12 @@
 #   pytest_gpu    python -m pytest -m "gpu or cuda_lowering" (GPU tests; every kernel variant
 #                 lowered for CUDA by this jax)
 #   kernel_bench  benchmarks/kernels/bench_paged_attention.py (HBM fraction of peak per case)
-#   tune_kernel   benchmarks/kernels/tune_paged_attention.py (tile, split and mixed sweeps,
-#                 most important first; stops cleanly 30 s before its limit)
 #   kv_transfer   benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
 #   latency_bN    scripts/bench_latency.py, Llama-3-8B shape, dummy bf16 weights, batch 1 8 32
 #   throughput_N  benchmarks/bench_throughput.py, the same model, 64 and 256 prompts
+#                 (order: latency_b1, throughput_256, latency_b8, latency_b32, throughput_64)
+#   tune_kernel   benchmarks/kernels/tune_paged_attention.py (tile, split and mixed sweeps,
+#                 most important first; last, in the time left; stops 30 s before its limit)
 # All model runs share one engine configuration, so the first compiles and the rest read the
 # persistent compilation cache.
 #
@@ -207,24 +208,34 @@ run_step pytest_gpu "$LIMIT_PYTEST" "$PYTHON" -m pytest -p no:cacheprovider -q -
     "${PYTEST_ARGS[@]}"
 run_step kernel_bench "$LIMIT_KERNEL" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
     "${KERNEL_ARGS[@]}" --output-json "$WORK/kernel_bench.json"
+run_step kv_transfer "$LIMIT_KV" "$PYTHON" benchmarks/bench_kv_transfer.py \
+    "${KV_TRANSFER_ARGS[@]}" --output-json "$WORK/kv_transfer.json"
+# Model runs, the headline figures first: one latency (it compiles; the others read the
+# cache), the most prompts, then the rest. A run that ends early leaves the top ones.
+limit=$LIMIT_FIRST_MODEL
+model_run() { # NAME SCRIPT ARGS...
+    local name=$1
+    run_step "$name" "$limit" "$PYTHON" "${@:2}" "${MODEL_ARGS[@]}" \
+        --output-json "$WORK/$name.json"
+    if selected "$name"; then limit=$LIMIT_MODEL; fi
+}
+last=$((${#THROUGHPUT_PROMPTS[@]} - 1))
+model_run "latency_b${LATENCY_BATCHES[0]}" scripts/bench_latency.py \
+    --batch-size "${LATENCY_BATCHES[0]}" "${LATENCY_ITERS[@]}"
+model_run "throughput_${THROUGHPUT_PROMPTS[$last]}" benchmarks/bench_throughput.py \
+    --num-prompts "${THROUGHPUT_PROMPTS[$last]}" --quiet
+for b in "${LATENCY_BATCHES[@]:1}"; do
+    model_run "latency_b$b" scripts/bench_latency.py --batch-size "$b" "${LATENCY_ITERS[@]}"
+done
+for n in "${THROUGHPUT_PROMPTS[@]:0:$last}"; do
+    model_run "throughput_$n" benchmarks/bench_throughput.py --num-prompts "$n" --quiet
+done
+# The tuning sweep last: it stops cleanly inside whatever time is left.
 left=$((DEADLINE - $(date +%s) - RESERVE))
 [ "$LIMIT_TUNE" -gt "$left" ] && LIMIT_TUNE=$left
 run_step tune_kernel "$LIMIT_TUNE" "$PYTHON" benchmarks/kernels/tune_paged_attention.py \
     "${TUNE_ARGS[@]}" --max-seconds $((LIMIT_TUNE > 60 ? LIMIT_TUNE - 30 : LIMIT_TUNE / 2)) \
     --output-json "$WORK/tune_kernel.json"
-run_step kv_transfer "$LIMIT_KV" "$PYTHON" benchmarks/bench_kv_transfer.py \
-    "${KV_TRANSFER_ARGS[@]}" --output-json "$WORK/kv_transfer.json"
-limit=$LIMIT_FIRST_MODEL # the first model run compiles; the others read the cache
-for b in "${LATENCY_BATCHES[@]}"; do
-    run_step "latency_b$b" "$limit" "$PYTHON" scripts/bench_latency.py "${MODEL_ARGS[@]}" \
-        --batch-size "$b" "${LATENCY_ITERS[@]}" --output-json "$WORK/latency_b$b.json"
-    selected "latency_b$b" && limit=$LIMIT_MODEL
-done
-for n in "${THROUGHPUT_PROMPTS[@]}"; do
-    run_step "throughput_$n" "$limit" "$PYTHON" benchmarks/bench_throughput.py \
-        "${MODEL_ARGS[@]}" --num-prompts "$n" --quiet --output-json "$WORK/throughput_$n.json"
-    selected "throughput_$n" && limit=$LIMIT_MODEL
-done
 
 # --------------------------------------------------------------------------------- report
 if [ $DRY_RUN = 1 ]; then report; else report "$ROOT/benchmarks/results"; fi

@@ -118,7 +118,8 @@ class ZmqConnector(KVConnectorBase):
                 )
                 sock.send_multipart([ident, encoder.encode(BlockReply(0, error))])
                 continue
-            blocks = self.store.get_prefix(query.hashes)
+            # As bytes: bfloat16 (an ml_dtypes type) has no buffer-protocol format.
+            blocks = [b.view(np.uint8) for b in self.store.get_prefix(query.hashes)]
             sock.send_multipart(
                 [ident, encoder.encode(BlockReply(len(blocks))), *blocks], copy=False
             )
