@@ -87,10 +87,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     ),
     # Tests: seconds an engine core process sleeps after each step, to make requests slow.
     "JAXSERVE_TEST_STEP_DELAY_S": lambda: float(os.environ.get("JAXSERVE_TEST_STEP_DELAY_S", "0")),
-    # Compile only the step shapes that can serve any step (all-greedy and all-pass sampling,
-    # token buckets 1, 4, 16, .., max_num_seqs' and the largest), never the others: a start
-    # several times faster, slower steps where a skipped shape would have served. The test
-    # suite's engines run so (tests/conftest.py), but for the tests of compilation.
+    # Compile few step shapes: token buckets max_num_seqs' and the largest (and 1 + k with k
+    # draft tokens), the largest sample bucket, all-greedy and all-pass sampling; every step
+    # is padded up to them. A start several times faster, slower steps. The test suite's
+    # engines run so (tests/conftest.py), but for the tests of compilation.
     "JAXSERVE_MINIMAL_COMPILE": lambda: os.environ.get("JAXSERVE_MINIMAL_COMPILE", "0") == "1",
     # Tests: the skips a broken install would cause (no C++ compiler, `openai` missing) fail
     # instead (tests/require.py); CI (.ci/run) sets it.

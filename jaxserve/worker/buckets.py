@@ -48,9 +48,16 @@ class BucketTable:
 
     @classmethod
     def build(
-        cls, max_num_seqs: int, max_num_batched_tokens: int, num_spec_tokens: int = 0
+        cls,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_spec_tokens: int = 0,
+        coarse: bool = False,
     ) -> BucketTable:
-        """num_spec_tokens: k, the draft tokens a request may run after its last token."""
+        """num_spec_tokens: k, the draft tokens a request may run after its last token.
+        coarse: only the buckets a step cannot do without (envs.JAXSERVE_MINIMAL_COMPILE):
+        tokens max_num_seqs' bucket and the largest, samples the largest (and 1 + k with
+        drafts), each step padded up to them."""
         max_sample_rows = max_num_seqs  # one per request, plus one per draft token
         if num_spec_tokens:
             max_sample_rows = min(
@@ -64,13 +71,15 @@ class BucketTable:
                 tokens = sorted({*tokens, width})
             if width < samples[-1]:
                 samples = sorted({*samples, width})
-        return cls(
-            tuple(tokens),
-            tuple(power_of_two_buckets(MIN_BUCKET, max_num_seqs)),
-            tuple(samples),
-            max_num_seqs,
-            max_sample_rows,
-        )
+        seqs = power_of_two_buckets(MIN_BUCKET, max_num_seqs)
+        if coarse:
+            keep = {bucket(tokens, min(max_num_seqs, tokens[-1])), tokens[-1]}
+            if num_spec_tokens:
+                keep.add(1 + num_spec_tokens)
+            tokens = sorted(t for t in tokens if t in keep)
+            samples = [s for s in samples if s == samples[-1] or s == 1 + num_spec_tokens > 1]
+            seqs = sorted({bucket(seqs, min(t, max_num_seqs)) for t in tokens})
+        return cls(tuple(tokens), tuple(seqs), tuple(samples), max_num_seqs, max_sample_rows)
 
     def token(self, num_tokens: int) -> int:
         return bucket(self.tokens, num_tokens)

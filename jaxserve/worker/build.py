@@ -80,7 +80,9 @@ def make_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel 
     if spec.method == "ngram":
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
     sc = config.scheduler
-    buckets = BucketTable.build(sc.max_num_seqs, sc.max_num_batched_tokens, k)
+    buckets = BucketTable.build(
+        sc.max_num_seqs, sc.max_num_batched_tokens, k, coarse=envs.JAXSERVE_MINIMAL_COMPILE
+    )
     args = (config.attention_backend, kv_cache_sharding(target.mesh), config.cache.block_size,
             list(buckets.seqs))  # fmt: skip
     if spec.method in ("eagle", "eagle3"):

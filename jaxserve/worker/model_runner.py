@@ -81,7 +81,9 @@ class ModelRunner:
         self.max_num_seqs = sc.max_num_seqs
         self.proposer = proposer or Proposer()
         k = self.proposer.num_speculative_tokens
-        self.buckets = BucketTable.build(sc.max_num_seqs, sc.max_num_batched_tokens, k)
+        self.buckets = BucketTable.build(
+            sc.max_num_seqs, sc.max_num_batched_tokens, k, coarse=envs.JAXSERVE_MINIMAL_COMPILE
+        )
         self.decode_only_forwards = DECODE_ONLY_FORWARDS[engine_config.attention_backend]
         self.drafting = Drafting(self.proposer, self.max_model_len)
         self.input_batch = InputBatch(
@@ -177,7 +179,7 @@ class ModelRunner:
         with the larger buckets, `pick_variant` takes the cheapest ready sampler)."""
         top = self.buckets.tokens[-1] + 1
         lowerings = self.lowerings()
-        if self.minimal_compile:  # only what serves any step, and the largest token bucket
+        if self.minimal_compile:  # coarse buckets (self.buckets) and two samplers
             self._skipped = {n for n in lowerings if not self._in_minimal_set(n)}
             lowerings = {n: f for n, f in lowerings.items() if n not in self._skipped}
         self.executables.compile_all(
@@ -187,10 +189,9 @@ class ModelRunner:
         )  # fmt: skip
 
     def _in_minimal_set(self, name: tuple) -> bool:
-        """Whether JAXSERVE_MINIMAL_COMPILE compiles step shape `name`: those that serve any
-        step, plus the largest token bucket's (so a step holds as many tokens as without)."""
-        largest = name[0] in TOKEN_BUCKET_STEPS and name[1] == self.buckets.tokens[-1]
-        return largest or self._serves_any_step(name)
+        """Whether JAXSERVE_MINIMAL_COMPILE compiles step shape `name`: every shape of its
+        coarse buckets (BucketTable.build), but of the samplers only all-greedy and all-pass."""
+        return name[0] != "sample" or self._serves_any_step(name)
 
     def _serves_any_step(self, name: tuple) -> bool:
         """Whether step shape `name` is among those compile_all(background=True) waits for."""

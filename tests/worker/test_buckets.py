@@ -34,3 +34,17 @@ def test_drafts_add_sampling_rows_and_their_width_as_a_bucket():
     assert t.tokens == (1, 2, 3, 4, 8, 16) and t.samples == (1, 2, 3, 4, 8, 12)
     capped = BucketTable.build(max_num_seqs=4, max_num_batched_tokens=6, num_spec_tokens=4)
     assert capped.max_sample_rows == 6  # never more rows than the step has tokens
+
+
+def test_coarse_tables_keep_the_decode_and_largest_buckets():
+    """JAXSERVE_MINIMAL_COMPILE's table: a decode of every sequence and the fullest step still
+    have their own bucket, every smaller step pads up, and no forward's sequence rows exceed
+    its tokens."""
+    t = BucketTable.build(max_num_seqs=8, max_num_batched_tokens=64, coarse=True)
+    assert (t.tokens, t.seqs, t.samples) == ((8, 64), (8,), (8,))
+    assert t.decode_top == 8 and t.token(1) == 8 and t.sample(1) == 8
+    spec = BucketTable.build(max_num_seqs=8, max_num_batched_tokens=64, num_spec_tokens=3,
+                             coarse=True)  # fmt: skip
+    assert (spec.tokens, spec.seqs, spec.samples) == ((4, 8, 64), (4, 8), (4, 32))
+    for table in (t, spec, BucketTable.build(16, 16, coarse=True)):
+        assert all(table.forward_seqs(n) <= n for n in table.tokens)
