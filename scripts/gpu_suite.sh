@@ -206,7 +206,7 @@ if [ $DRY_RUN = 0 ] && selected wheels; then
 fi
 
 run_step env 90 "$PYTHON" scripts/gpu_suite_report.py env "$WORK"
-run_step pytest_gpu "$LIMIT_PYTEST" "$PYTHON" -m pytest -p no:cacheprovider -q -rfEs \
+run_step pytest_gpu "$LIMIT_PYTEST" "$PYTHON" -m pytest -o addopts= -p no:cacheprovider -q -rfEs \
     "${PYTEST_ARGS[@]}"
 run_step kernel_bench "$LIMIT_KERNEL" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
     "${KERNEL_ARGS[@]}" --output-json "$WORK/kernel_bench.json"
