@@ -480,10 +480,11 @@ def test_each_compiled_variant_samples_what_the_full_sampler_samples(name):
     assert variant in COMPILED_VARIANTS
     md = make_md(4, **overrides)
     logits = jax.random.normal(jax.random.PRNGKey(1), (4, V)) * 3
+    jitted = jax.jit(sample, static_argnames=("num_logprobs", "variant"))  # as the runner runs it
     for step in range(20):
         key = jax.random.PRNGKey(step)
-        fast = sample(logits, md, key, num_logprobs=2, variant=variant)
-        full = sample(logits, md, key, num_logprobs=2, variant=FULL_VARIANT)
+        fast = jitted(logits, md, key, num_logprobs=2, variant=variant)
+        full = jitted(logits, md, key, num_logprobs=2, variant=FULL_VARIANT)
         np.testing.assert_array_equal(fast.token_ids, full.token_ids)
         if variant.logprobs:
             np.testing.assert_allclose(fast.logprobs, full.logprobs, rtol=1e-6)

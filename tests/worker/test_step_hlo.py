@@ -108,7 +108,8 @@ def runner(request, tmp_path_factory):
                       max_num_batched_tokens=32, num_gpu_blocks_override=64)  # fmt: skip
     config = args.create_engine_config()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JAXSERVE_MINIMAL_COMPILE", "0")  # every step shape's HLO is read
+        # tied: every step shape's HLO is read; untied, the coarse buckets' (envs.py)
+        mp.setenv("JAXSERVE_MINIMAL_COMPILE", "0" if request.param == "tied" else "1")
         runner = ModelRunner(load_model(model_dir, dtype="float32"), config)
     runner.initialize_kv_cache(64)
     runner.compile_all()
