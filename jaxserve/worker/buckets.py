@@ -73,11 +73,10 @@ class BucketTable:
                 samples = sorted({*samples, width})
         seqs = power_of_two_buckets(MIN_BUCKET, max_num_seqs)
         if coarse:
-            keep = {bucket(tokens, min(max_num_seqs, tokens[-1])), tokens[-1]}
-            if num_spec_tokens:
-                keep.add(1 + num_spec_tokens)
-            tokens = sorted(t for t in tokens if t in keep)
-            samples = [s for s in samples if s == samples[-1] or s == 1 + num_spec_tokens > 1]
+            drafts = {1 + num_spec_tokens} if num_spec_tokens else set()
+            decode = bucket(tokens, min(max_num_seqs, tokens[-1]))
+            tokens = [t for t in tokens if t in {decode, tokens[-1], *drafts}]
+            samples = [s for s in samples if s in {samples[-1], *drafts}]
             seqs = sorted({bucket(seqs, min(t, max_num_seqs)) for t in tokens})
         return cls(tuple(tokens), tuple(seqs), tuple(samples), max_num_seqs, max_sample_rows)
 

@@ -109,7 +109,6 @@ class ModelRunner:
         self.step_count = 0
         self.executables = executables if executables is not None else ExecutableRegistry()
         self.minimal_compile = envs.JAXSERVE_MINIMAL_COMPILE
-        self._skipped: set[tuple] = set()  # step shapes the minimal compile set leaves out
         self.proposer.set_executables(self.executables)
         rep = self._replicated = NamedSharding(self.mesh, P())
         head_def = step_functions.HeadDef(
@@ -179,19 +178,15 @@ class ModelRunner:
         with the larger buckets, `pick_variant` takes the cheapest ready sampler)."""
         top = self.buckets.tokens[-1] + 1
         lowerings = self.lowerings()
-        if self.minimal_compile:  # coarse buckets (self.buckets) and two samplers
-            self._skipped = {n for n in lowerings if not self._in_minimal_set(n)}
-            lowerings = {n: f for n, f in lowerings.items() if n not in self._skipped}
+        if self.minimal_compile:  # coarse buckets (self.buckets); of the samplers, two
+            lowerings = {
+                n: f for n, f in lowerings.items() if n[0] != "sample" or self._serves_any_step(n)
+            }
         self.executables.compile_all(
             lowerings, self.executables_key(), list(self.mesh.devices.flat),
             urgent=self._serves_any_step if background else None,
             order=lambda n: n[1] if n[0] in TOKEN_BUCKET_STEPS else top,
         )  # fmt: skip
-
-    def _in_minimal_set(self, name: tuple) -> bool:
-        """Whether JAXSERVE_MINIMAL_COMPILE compiles step shape `name`: every shape of its
-        coarse buckets (BucketTable.build), but of the samplers only all-greedy and all-pass."""
-        return name[0] != "sample" or self._serves_any_step(name)
 
     def _serves_any_step(self, name: tuple) -> bool:
         """Whether step shape `name` is among those compile_all(background=True) waits for."""
@@ -210,10 +205,9 @@ class ModelRunner:
 
     def ready_token_buckets(self) -> list[int]:
         """The token buckets whose steps are all ready (all once compile_all is done)."""
-        if not self.executables.compiling and not self._skipped:
+        if not self.executables.compiling:
             return list(self.buckets.tokens)
-        absent = self.executables.missing() | self._skipped
-        missing = {n[1] for n in absent if n[0] in TOKEN_BUCKET_STEPS}
+        missing = {n[1] for n in self.executables.missing() if n[0] in TOKEN_BUCKET_STEPS}
         return [t for t in self.buckets.tokens if t not in missing]
 
     def max_step_tokens(self) -> int:
