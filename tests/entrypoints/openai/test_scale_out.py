@@ -1,7 +1,7 @@
 """Scaling out, on tiny models with the default model's tokenizer: `jaxserve serve -dp 2
 --api-server-count 2` (two engine cores, one XLA CPU device each, behind a DP coordinator; two
-HTTP servers sharing the port), and one model over two jax.distributed processes (--nnodes 2,
-a --headless follower)."""
+HTTP servers sharing the port). One model over two jax.distributed processes is
+tests/distributed/test_multihost.py's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,10 +22,8 @@ from tests.entrypoints.openai.test_api_server import (
     MODEL,
     TINY_ENV,
     Server,
-    free_ports,
     sse_events,
 )
-from tests.helpers import make_tiny_hf
 
 pytestmark = pytest.mark.slow
 
@@ -142,52 +139,3 @@ def test_a_killed_engine_fails_the_streams_and_the_server_exits_1(scaled):
     while os.path.exists(f"/proc/{pids[0]}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pids[0]}")
-
-
-def test_a_model_over_two_processes_gives_one_processs_text(tmp_path, tiny_model):
-    """tp 3 (a tiny model's 6 query and 3 KV heads: one KV head per device) over two
-    jax.distributed processes, 2 + 1 CPU devices, collectives between them over gloo: rank 0
-    serves, rank 1 follows."""
-    model = make_tiny_hf("llama", tmp_path / "tp3", vocab_size=49152, num_hidden_layers=2,
-                         hidden_size=96, intermediate_size=192, num_attention_heads=6,
-                         num_key_value_heads=3, max_position_embeddings=2048)  # fmt: skip
-    tokenizer = tiny_model[-1]
-    port = free_ports(3)
-    flags = [str(model), "--tokenizer", tokenizer, "--nnodes", "2", "--master-port", str(port),
-             "-tp", "3", "--max-num-seqs", "1", "--max-num-batched-tokens", "8",
-             "--max-model-len", "512"]  # fmt: skip
-    o1 = "--xla_backend_optimization_level=1"  # as conftest's
-    env = {**TINY_ENV, "XLA_FLAGS": f"--xla_force_host_platform_device_count=1 {o1}"}
-    log = open(tmp_path / "follower.log", "w")  # noqa: SIM115 (closed below)
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--headless",
-         "--node-rank", "1", *flags],
-        env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    leader = None
-    try:
-        two_devices = f"--xla_force_host_platform_device_count=2 {o1}"
-        leader = Server(*flags, "--served-model-name", MODEL, defaults=[],
-                        env={**env, "XLA_FLAGS": two_devices})  # fmt: skip
-        want = one_engine_texts([str(model), "--tokenizer", tokenizer], PROMPTS[:4], 12)
-        for prompt, text in zip(PROMPTS[:4], want, strict=True):
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0}
-            two = httpx.post(f"{leader.url}/v1/completions", json=body, timeout=120)
-            assert two.status_code == 200, two.text
-            assert two.json()["choices"][0]["text"] == text
-        with httpx.stream("POST", f"{leader.url}/v1/completions", json=LONG_STREAM,
-                          timeout=60) as r:  # fmt: skip
-            lines = r.iter_lines()
-            next_event(lines)
-            follower.kill()  # rank 1's host goes: rank 0's steps would wait on it forever
-            start = time.monotonic()
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert time.monotonic() - start < 10
-        assert "EngineCore is dead" in rest[-2], rest[-3:]
-        assert leader.proc.wait(30) == 1
-    finally:
-        follower.kill()
-        follower.wait()
-        log.close()
-        if leader is not None:
-            leader.stop()
