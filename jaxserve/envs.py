@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
     JAXSERVE_WEIGHT_CACHE: str | None = "~/.cache/jaxserve/weights"
     JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
+    JAXSERVE_CONFIG_CACHE: str | None = "~/.cache/jaxserve/configs"
     JAXSERVE_SIMULATED_STEP: str | None = None
     JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
     JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
@@ -39,11 +40,16 @@ def _cache_dir(name: str) -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", name)
 
 
-def _weight_cache() -> str | None:
-    value = os.environ.get("JAXSERVE_WEIGHT_CACHE")
-    if value == "0":
-        return None
-    return value or _cache_dir("weights")
+def _optional_cache(variable: str, name: str) -> Callable[[], str | None]:
+    """`variable`'s directory; "0": no cache (None); unset or empty: ~/.cache/jaxserve/<name>."""
+
+    def read() -> str | None:
+        value = os.environ.get(variable)
+        if value == "0":
+            return None
+        return value or _cache_dir(name)
+
+    return read
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
@@ -72,7 +78,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "JAXSERVE_COMPILE_CACHE": lambda: os.environ.get("JAXSERVE_COMPILE_CACHE", _cache_dir("xla")),
     # Where a GGUF's dequantized weights are cached (models/weight_cache.py); "0": no cache
     # (None); unset or empty: ~/.cache/jaxserve/weights.
-    "JAXSERVE_WEIGHT_CACHE": _weight_cache,
+    "JAXSERVE_WEIGHT_CACHE": _optional_cache("JAXSERVE_WEIGHT_CACHE", "weights"),
+    # Where the model configs transformers resolved are kept as plain JSON, so a start-up
+    # whose config.json was read before imports no transformers (transformers_utils/config.py);
+    # "0": no cache; unset or empty: ~/.cache/jaxserve/configs.
+    "JAXSERVE_CONFIG_CACHE": _optional_cache("JAXSERVE_CONFIG_CACHE", "configs"),
     # Where the CPU attention kernel is built (pallas_kernels/paged_attention/cpu.py).
     "JAXSERVE_KERNEL_CACHE": lambda: os.environ.get("JAXSERVE_KERNEL_CACHE", _cache_dir("kernels")),
     # "BASE_MS,PER_TOKEN_MS": the engine core runs a runner that only simulates a device

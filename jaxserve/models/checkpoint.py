@@ -14,7 +14,6 @@ from flax import nnx
 
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.models.loader import CHECKPOINT_MARKER, LoadedModel, load_model
-from jaxserve.transformers_utils.config import GGUFConfig
 
 
 def save_checkpoint(loaded: LoadedModel, dst: str | Path) -> Path:
@@ -32,9 +31,10 @@ def save_checkpoint(loaded: LoadedModel, dst: str | Path) -> Path:
         raise FileExistsError(f"{dst / 'params'} already exists; choose an empty destination")
     dst.mkdir(parents=True, exist_ok=True)
     hf_config = loaded.config.hf_config
-    if isinstance(hf_config, GGUFConfig):
+    if hasattr(hf_config, "to_transformers"):  # HFConfig, GGUFConfig: plain attributes
         hf_config = hf_config.to_transformers()
-    hf_config = copy.deepcopy(hf_config)
+    else:
+        hf_config = copy.deepcopy(hf_config)
     hf_config.dtype = np.dtype(loaded.config.dtype).name  # what `dtype="auto"` restores as
     hf_config.save_pretrained(dst)
     if loaded.tokenizer is not None:

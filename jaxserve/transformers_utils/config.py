@@ -3,11 +3,17 @@ config (`read_model_config`) and the frontend need only these."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import importlib.metadata
+import json
+import os
 import types
 from pathlib import Path
 from typing import Any
 
+from jaxserve import envs
 from jaxserve.config import ModelConfig
 from jaxserve.transformers_utils.gguf_file import gguf_reader
 from jaxserve.transformers_utils.model_path import resolve_model_path
@@ -26,14 +32,57 @@ def read_model_config(
     return ModelConfig.from_hf(hf_config, dtype, quantization)
 
 
-def read_hf_config(model_dir: Path):
-    """The transformers config of a HF (or jaxserve checkpoint) directory."""
+def read_hf_config(model_dir: Path) -> HFConfig:
+    """The config transformers resolves from a HF (or jaxserve checkpoint) directory, class
+    defaults filled in, as a plain `HFConfig`. Kept as JSON under JAXSERVE_CONFIG_CACHE, keyed
+    by config.json's bytes and transformers' version: a later start reads that instead of
+    importing transformers (2-4 s of every engine start where torch is installed)."""
+    config_json = model_dir / "config.json"
+    key = None
+    cache = envs.JAXSERVE_CONFIG_CACHE
+    if cache and config_json.is_file():
+        digest = hashlib.sha256(config_json.read_bytes())
+        digest.update(f"{_CACHE_FORMAT} {importlib.metadata.version('transformers')}".encode())
+        key = Path(cache).expanduser() / f"{digest.hexdigest()}.json"
+        with contextlib.suppress(OSError, ValueError):
+            return HFConfig(**json.loads(key.read_text()))
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(model_dir)
+        resolved = AutoConfig.from_pretrained(model_dir)
     except (ValueError, OSError) as e:
-        raise ValueError(f"cannot read {model_dir / 'config.json'}: {e}") from e
+        raise ValueError(f"cannot read {config_json}: {e}") from e
+    fields = resolved.to_dict()
+    for alias, name in resolved.attribute_map.items():  # e.g. Qwen3-MoE's num_experts
+        if name in fields:
+            fields.setdefault(alias, fields[name])
+    fields = json.loads(json.dumps(fields, default=str))  # what a cache read gives
+    if key is not None:
+        with contextlib.suppress(OSError):
+            key.parent.mkdir(parents=True, exist_ok=True)
+            tmp = key.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(fields))
+            os.replace(tmp, key)
+    return HFConfig(**fields)
+
+
+_CACHE_FORMAT = 1  # bump when what is stored changes
+
+
+class HFConfig(types.SimpleNamespace):
+    """A transformers model config as plain attributes (`to_dict()`'s fields and the class's
+    attribute aliases): what `ModelConfig.from_hf` and the models read, without transformers.
+    `to_transformers()` gives the transformers config where one is needed (saving a
+    checkpoint)."""
+
+    def to_transformers(self) -> Any:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        fields = dict(vars(self))
+        config_cls = CONFIG_MAPPING[fields.pop("model_type")]
+        for alias in config_cls.attribute_map:
+            fields.pop(alias, None)
+        return config_cls.from_dict(fields)
 
 
 class GGUFConfig(types.SimpleNamespace):

@@ -1,6 +1,7 @@
 """transformers_utils: a model's config, generation config and tokenizer read without any
 model code; a GGUF's config from its metadata."""
 
+import os
 import subprocess
 import sys
 
@@ -58,3 +59,67 @@ def test_imports_no_model_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
+            "qwen3_moe"]  # fmt: skip
+
+
+def _tiny_config_dir(family: str, path):
+    import transformers
+
+    from tests.helpers import TINY
+
+    name = {"qwen3_moe": "Qwen3Moe", "phi3": "Phi3"}.get(family, family.capitalize())
+    config_cls = "Gemma3TextConfig" if family == "gemma3" else f"{name}Config"
+    config = getattr(transformers, config_cls)(**TINY)
+    config.architectures = [f"{name}ForCausalLM"]
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_cached_config_reads_as_transformers_resolves_it(family, tmp_path, monkeypatch):
+    """The plain copy kept under JAXSERVE_CONFIG_CACHE gives the ModelConfig transformers'
+    own config gives, class defaults and attribute aliases included."""
+    from transformers import AutoConfig
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.transformers_utils.config import read_hf_config
+
+    monkeypatch.setenv("JAXSERVE_CONFIG_CACHE", str(tmp_path / "cache"))
+    model_dir = _tiny_config_dir(family, tmp_path / "model")
+    resolved = AutoConfig.from_pretrained(model_dir)
+    first, again = read_hf_config(model_dir), read_hf_config(model_dir)  # written, then read
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+    assert vars(first) == vars(again)
+    want = ModelConfig.from_hf(resolved)
+    assert ModelConfig.from_hf(again) == want
+    for alias, name in resolved.attribute_map.items():
+        assert getattr(again, alias) == getattr(resolved, name)
+    assert again.to_transformers().to_dict() == resolved.to_dict()
+
+
+def test_a_second_start_reads_the_config_without_transformers(tmp_path):
+    model_dir = _tiny_config_dir("llama", tmp_path / "model")
+    code = (
+        "import sys; from jaxserve.transformers_utils.config import read_model_config;"
+        f" c = read_model_config({str(model_dir)!r});"
+        " print(c.num_layers, 'transformers' in sys.modules)"
+    )
+    env = {**os.environ, "JAXSERVE_CONFIG_CACHE": str(tmp_path / "cache")}
+
+    def run():
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True, env=env).stdout.split()  # fmt: skip
+
+    assert run() == ["3", "True"]  # transformers resolves it once
+    assert run() == ["3", "False"]
+    (model_dir / "config.json").write_text(
+        (model_dir / "config.json")
+        .read_text()
+        .replace('"num_hidden_layers": 3', '"num_hidden_layers": 2')
+    )  # an edited config.json is another entry
+    assert run() == ["2", "True"]
+    env["JAXSERVE_CONFIG_CACHE"] = "0"  # no cache
+    assert run() == ["2", "True"]
