@@ -1,9 +1,10 @@
 """Start-up time of `jaxserve serve`: launch to a 200 from /health, cold and warm.
 
 Cold: the persistent XLA compilation cache ($JAXSERVE_COMPILE_CACHE, read by
-worker/executables.py::enable_persistent_compilation_cache) and the converted-weight cache
-($JAXSERVE_WEIGHT_CACHE, models/weight_cache.py) point at fresh empty directories, so every
-step shape is compiled and a GGUF dequantized. Warm: the same directories again, now filled by
+worker/executables.py::enable_persistent_compilation_cache), the converted-weight cache
+($JAXSERVE_WEIGHT_CACHE, models/weight_cache.py) and the model-config cache
+($JAXSERVE_CONFIG_CACHE) point at fresh empty directories, so every step shape is compiled, a
+GGUF dequantized and a config.json resolved by transformers. Warm: the same directories again, now filled by
 the cold run (the step executables saved there load without tracing:
 worker/executable_cache.py). Either way
 the OS page cache may already hold the model file and Python's bytecode (this is a cold
@@ -51,7 +52,8 @@ def time_startup(serve_args: list[str], cache_dir: str, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), *serve_args]  # fmt: skip
     env = {**os.environ, "JAXSERVE_COMPILE_CACHE": os.path.join(cache_dir, "xla"),
-           "JAXSERVE_WEIGHT_CACHE": os.path.join(cache_dir, "weights")}  # fmt: skip
+           "JAXSERVE_WEIGHT_CACHE": os.path.join(cache_dir, "weights"),
+           "JAXSERVE_CONFIG_CACHE": os.path.join(cache_dir, "configs")}  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
