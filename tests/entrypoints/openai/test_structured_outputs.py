@@ -51,7 +51,7 @@ TIME = {
 TOOL_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def test_json_schema_always_validates_over_20_sampled_requests(client):
+def test_json_schema_always_validates_over_8_concurrent_sampled_requests(client):
     def one(i):
         r = client.chat.completions.create(
             model=MODEL, messages=ASK, temperature=1.0, max_tokens=200, seed=i,
@@ -62,11 +62,11 @@ def test_json_schema_always_validates_over_20_sampled_requests(client):
         )  # fmt: skip
         return r.choices[0].message.content
 
-    with ThreadPoolExecutor(20) as pool:
-        texts = list(pool.map(one, range(20)))
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(one, range(8)))
     for text in texts:
         jsonschema.validate(json.loads(text), PERSON)
-    assert len(set(texts)) > 10
+    assert len(set(texts)) > 4
 
 
 def test_regex_choice_json_object_and_legacy_fields_match(client):
@@ -95,7 +95,7 @@ def test_regex_choice_json_object_and_legacy_fields_match(client):
 
 def test_named_and_required_tool_calls_always_have_valid_arguments(client):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    for i in range(3):
+    for i in range(2):
         named = client.chat.completions.create(
             model=MODEL, messages=TOOL_ASK, tools=[WEATHER, TIME], temperature=1.0, seed=i,
             max_tokens=100, tool_choice={"type": "function", "function": {"name": "get_weather"}},
