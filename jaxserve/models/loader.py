@@ -67,6 +67,8 @@ def load_model(
 ) -> LoadedModel:
     """Load `model` (a name or path transformers_utils/model_path.py resolves) onto `mesh`
     (default: tp over local devices);
+    load_tokenizer: also read the tokenizer and generation config (False: the engine core,
+    which needs neither);
     load_format "dummy": random weights generated on the devices instead of read ones;
     quantization "int8" / "fp8": the decoder layers' linear kernels quantized as they load;
     enable_expert_parallel: a mixture of experts' experts split over the mesh;
@@ -142,7 +144,7 @@ def load_model(
         config=config,
         mesh=mesh,
         tokenizer=read_tokenizer(path) if load_tokenizer else None,
-        generation_config=read_generation_config(path),
+        generation_config=read_generation_config(path) if load_tokenizer else None,
     )
 
 

@@ -159,8 +159,8 @@ def gguf_hf_config(path: Path) -> GGUFConfig:
 def read_generation_config(model: str | Path | None):
     """The model's transformers GenerationConfig, or None."""
     path = resolve_model_path(model)
+    if not (path.is_dir() and (path / "generation_config.json").exists()):
+        return None
     from transformers import GenerationConfig
 
-    if path.is_dir() and (path / "generation_config.json").exists():
-        return GenerationConfig.from_pretrained(path)
-    return None
+    return GenerationConfig.from_pretrained(path)
