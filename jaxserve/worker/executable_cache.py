@@ -140,15 +140,19 @@ def deserialize(
         yield from zip(names, pool.map(load, names), strict=True)
 
 
-_NOT_A_HIT = object()
+_NOT_SEEN = object()
+_FRESH = object()  # a window's entry for an executable XLA compiled (not read from the cache)
 _read_lock = threading.Lock()
-# The open CacheHits' maps: id(executable) -> (executable, the bytes it was read from | None).
+# The open CacheHits' maps: id(executable) -> (executable, the bytes it was read from, _FRESH,
+# or None where the bytes could not be taken).
 _recording: list[dict[int, Any]] = []
+_compiles_watched = False  # fresh compiles are recorded too (jax's internals allowed it)
 
 
 class CacheHits:
-    """While open, maps every persistent-cache hit: id(executable) -> (executable, the
-    serialized bytes it was read from, or None where they could not be taken)."""
+    """While open, maps every executable XLA hands this process: id(executable) ->
+    (executable, the serialized bytes a persistent-cache hit was read from, _FRESH for one
+    compiled, or None where a hit's bytes could not be taken)."""
 
     def __enter__(self) -> dict[int, Any]:
         self.hits: dict[int, Any] = {}
@@ -165,8 +169,11 @@ def watch_cache_reads() -> None:
     """Wrap jax's persistent-cache read so that hits are deserialized one at a time (compile_all
     compiles in threads, and CI once died, SIGSEGV, with two threads inside XLA:CPU's
     deserialize_executable at once) and their bytes are kept for `save` while a CacheHits is
-    open. A no-op where jax's internals differ (then any hit keeps `save` from writing)."""
+    open; and XLA's compile, so that `save` knows which executables it may serialize itself.
+    A no-op where jax's internals differ (then any hit keeps `save` from writing)."""
+    global _compiles_watched
     from jax._src import compilation_cache as cc
+    from jax._src import compiler
 
     read = getattr(cc, "get_executable_and_time", None)
     if read is None or getattr(read, "_jaxserve_watched", False):
@@ -189,23 +196,46 @@ def watch_cache_reads() -> None:
     watched_read._jaxserve_watched = True
     cc.get_executable_and_time = watched_read
 
+    compile_and_load = getattr(compiler, "backend_compile_and_load", None)
+    if compile_and_load is not None:
+
+        def watched_compile(*args, **kwargs):
+            executable = compile_and_load(*args, **kwargs)
+            with _read_lock:
+                for hits in _recording:
+                    hits[id(executable)] = (executable, _FRESH)
+            return executable
+
+        compiler.backend_compile_and_load = watched_compile
+        _compiles_watched = True
+
 
 def _serialize(compiled: Any, hits: dict[int, Any]) -> tuple[bytes, Any, Any]:
     """serialize_executable.serialize, writing a persistent-cache hit as the bytes it was read
-    from (jax's own pickler otherwise; a jax without it raises, and save writes nothing)."""
+    from (jax's own pickler otherwise; a jax without it raises, and save writes nothing).
+    Raises for an executable this start neither compiled nor read (one jax's in-memory caches
+    share with another engine in this process, which may have read it from the persistent
+    cache): re-serializing a deserialized XLA:CPU executable writes one whose kernels are
+    missing ("Function ... not found" in the process that loads it)."""
     # jax's serialize checks what its pickler cannot carry (const args, mutable refs); with hits
     # its bytes are discarded and the executable pickled again below (start-up only).
     blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-    if not hits:
+    if not hits and not _compiles_watched:
         return blob, in_tree, out_tree
 
     class HitBytesPickler(serialize_executable._JaxPjrtPickler):
         def persistent_id(self, obj):
-            executable, raw = hits.get(id(obj), (_NOT_A_HIT, None))
-            if executable is obj:
+            executable, raw = hits.get(id(obj), (_NOT_SEEN, None))
+            if executable is obj and raw is not _FRESH:
                 if raw is None:
                     raise ValueError("a persistent-cache hit whose bytes were not seen")
                 return ("exec", raw)
+            if (
+                executable is not obj
+                and _compiles_watched
+                and isinstance(obj, serialize_executable.xc.LoadedExecutable)
+            ):
+                raise ValueError("an executable this start neither compiled nor read")
             return super().persistent_id(obj)
 
     unloaded = compiled._executable._unloaded_executable
@@ -228,8 +258,13 @@ def save(
     executable that cannot be serialized leaves no file and returns {} (the next start
     compiles, through jax's persistent cache)."""
     path = _path(cache_dir, key)
+    written = {}
+    for name, c in compiled.items():
+        try:
+            written[name] = _serialize(c, hits or {})
+        except ValueError as e:  # left out: the next start compiles it (a cache hit)
+            logger.info("not saving step %s: %s", name, e)
     try:
-        written = {name: _serialize(c, hits or {}) for name, c in compiled.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
             pickle.dump({**(serialized or {}), **written}, f, protocol=pickle.HIGHEST_PROTOCOL)

@@ -142,17 +142,22 @@ import json, logging, sys
 logging.basicConfig(level=logging.INFO)  # the engine core runs in this process: its log here
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
+# Two engines whose executables differ only in their saved file's key: jax's in-memory caches
+# hand the second some of the first one's executables.
+engines = [LLM(sys.argv[1], **json.loads(sys.argv[2]), async_scheduling=bool(i)) for i in range(2)]
 prompts = [{"prompt_token_ids": [5, 9, 11, 3]}, {"prompt_token_ids": [7, 7, 2, 30, 31, 4]}]
 for params in (SamplingParams(temperature=0, max_tokens=10),
-               SamplingParams(temperature=0.9, seed=1, max_tokens=10, logprobs=1)):
-    print([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+               SamplingParams(temperature=0.9, seed=1, max_tokens=10, logprobs=1,
+                              presence_penalty=0.5)):
+    print([o.outputs[0].token_ids for o in engines[-1].generate(prompts, params, use_tqdm=False)])
 """
 
 
 def test_executables_saved_from_persistent_cache_hits_run_in_a_new_process(model_dir, tmp_path):
     """jax's persistent cache hits are saved as the bytes it read (re-serializing a deserialized
-    XLA:CPU executable loses its kernels: "Function ... not found" in the next process)."""
+    XLA:CPU executable loses its kernels: "Function ... not found" in the next process), also
+    where a second engine in the process is handed the first one's hit by jax's in-memory
+    caches (it is left out of the file, not re-serialized)."""
 
     def run() -> tuple[str, str]:
         env = {**os.environ, "JAXSERVE_COMPILE_CACHE": str(tmp_path),
