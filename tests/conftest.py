@@ -8,6 +8,10 @@ for _flag, _value in _FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
+# torch (the HF references) on one thread: its second thread only spins beside the other
+# xdist worker (HF generate of the default model: the same wall time, half the CPU).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Engines compile only the step shapes that serve any step (envs.JAXSERVE_MINIMAL_COMPILE): the
 # suite starts ~100 engines, most on a cold compile cache in CI. The tests of compilation set
 # it back to "0" (tests/worker/test_executable_cache.py); subprocess servers inherit it.
