@@ -105,7 +105,9 @@ def test_same_tokens_whatever_the_batch_chunking_and_prefix_cache(llm, chunked, 
     assert token_ids(again) == batched
     assert all(o.num_cached_tokens > 0 for o in again[:3])
     assert token_ids(chunked.generate(prompts, GREEDY)) == batched
-    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    # preempted and resumed: a resumed row's penalty state is rebuilt from prompt + output
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, repetition_penalty=1.2,
+                          frequency_penalty=0.5, presence_penalty=0.5)  # fmt: skip
     out = tiny_pool.generate(prompts, long)
     assert core(tiny_pool).scheduler.total_preemptions > 0
     assert token_ids(out) == token_ids(llm.generate(prompts, long))
@@ -284,10 +286,10 @@ def test_mixed_workload_with_aborts_drains_to_an_empty_pool(tiny_pool):
     kv.check_no_leaks()
 
 
-def test_repetition_penalty_matches_hf_through_chunking_and_preemption(llm, chunked, tiny_pool, hf):
+def test_repetition_penalty_matches_hf_chunked_or_not(llm, chunked, hf):
     """The device-resident penalty state (prompt mask + output counts per row) against HF's
-    RepetitionPenaltyLogitsProcessor, greedy, with prompts chunked or not; then unchanged by
-    preemption (a resumed request rebuilds its row from prompt + output so far)."""
+    RepetitionPenaltyLogitsProcessor, greedy, with prompts chunked or not (through preemption:
+    test_same_tokens_whatever_the_batch_chunking_and_prefix_cache)."""
     prompts = prompt_ids(llm)[:3]
     params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.5)
     eos = llm.get_tokenizer().eos_token_id
@@ -304,19 +306,6 @@ def test_repetition_penalty_matches_hf_through_chunking_and_preemption(llm, chun
     for engine in (llm, chunked):
         got = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert token_ids(got) == refs
-    long = SamplingParams(
-        temperature=0.0,
-        max_tokens=48,
-        ignore_eos=True,
-        repetition_penalty=1.2,
-        frequency_penalty=0.5,
-        presence_penalty=0.5,
-    )
-    preemptions = core(tiny_pool).scheduler.total_preemptions
-    batch = [{"prompt_token_ids": p} for p in prompt_ids(llm)]
-    out = token_ids(tiny_pool.generate(batch, long))
-    assert core(tiny_pool).scheduler.total_preemptions > preemptions
-    assert out == token_ids(llm.generate(batch, long))
 
 
 def test_async_scheduling_gives_what_synchronous_scheduling_gives(tiny_pool):
