@@ -71,9 +71,9 @@ def token_ids(outputs):
 def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(plain, ngram):
     counter = AcceptCounter(ngram)
     for params in [
-        SamplingParams(temperature=0.0, max_tokens=80),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=80, seed=7),
-        SamplingParams(temperature=0.0, max_tokens=80, stop=["farm"], min_tokens=3),
+        SamplingParams(temperature=0.0, max_tokens=48),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=48, seed=7),
+        SamplingParams(temperature=0.0, max_tokens=48, stop=["farm"], min_tokens=3),
     ]:
         want = plain.chat(CHATS, params, use_tqdm=False)
         got = ngram.chat(CHATS, params, use_tqdm=False)
