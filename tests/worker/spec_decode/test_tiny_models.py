@@ -44,11 +44,11 @@ def token_counts(llm, prompt, params, n, position):
 
 def test_sampled_tokens_keep_the_target_distribution(tiny_dir):
     """Unseeded sampling (temperature, top-k) with and without ngram drafts: per output
-    position, the token frequencies over 3000 samples agree (chi-square, p > 0.001). Every
+    position, the token frequencies over 2000 samples agree (chi-square, p > 0.001). Every
     token occurs in the prompt and every step has room for drafts (the CPU's draft-room rule
     and the backoff are off), so nearly every decode is drafted; a fair share of the drafts are
     accepted, so both branches of the rejection rule are exercised. (Keeping the sample of the
-    row after a rejected draft instead gives p < 1e-11 at positions 1 and 2.)"""
+    row after a rejected draft instead gives p < 1e-11 at positions 1 and 2 over 3000.)"""
     prompt = [*range(1, 16), *range(15, 0, -1), 3, 7, 1, 9]
     params = SamplingParams(temperature=0.8, top_k=10, max_tokens=4, ignore_eos=True)
     engine = dict(model=str(tiny_dir), max_num_seqs=16, max_num_batched_tokens=64,
@@ -67,9 +67,9 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_dir):
     core(spec).runner.drafting.backoff.should_draft = lambda req_id: True
     counter = AcceptCounter(spec)
     positions = [1, 2, 3]  # token 0 comes from the prompt's last position: never drafted
-    with_spec = token_counts(spec, prompt, params, 3000, positions)
-    assert counter.drafted > 3000 and 0.05 < counter.accepted / counter.drafted < 0.9, vars(counter)
-    without = token_counts(plain, prompt, params, 3000, positions)
+    with_spec = token_counts(spec, prompt, params, 2000, positions)
+    assert counter.drafted > 2000 and 0.05 < counter.accepted / counter.drafted < 0.9, vars(counter)
+    without = token_counts(plain, prompt, params, 2000, positions)
     for row in range(len(positions)):
         table = np.stack([with_spec[row], without[row]])
         table = table[:, table.sum(axis=0) > 0]
