@@ -4,6 +4,7 @@ pipeline is proven here so the one device call that runs it for real does not fa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -42,6 +43,17 @@ def test_dry_run_runs_every_step_and_reports_each(tmp_path):
     assert re.search(r"zmq fetch .*: [\d.]+ GB/s; save: .*; load: .* GB/s", rows["kv_transfer"])
     kernel = report[report.index("## Paged-attention kernel") : report.index("## Kernel tuning")]
     assert len(re.findall(r"^\| (?:decode|mixed) .* \|$", kernel, re.M)) == 3
+    # the kernel benchmark: every implementation timed over rotated cache copies, jax's own
+    # decode kernel included (interpreted), each checked against the reference
+    results = json.loads((work / "kernel_bench.json").read_text())["results"]
+    assert [r["case"] for r in results] == ["decode b=1 ctx=40", "decode b=4 ctx=40",
+                                            "mixed 1x40-chunk + 3 decodes ctx=40"]  # fmt: skip
+    for r in results:
+        assert r["kernel_us"] > 0 and r["reference_us"] > 0
+        assert r["max_abs_err"] < 2e-2  # bf16 kernel vs bf16 reference
+        assert r["cache_copies"] == 2  # calls rotate over two copies of the cache
+        if r["case"].startswith("decode"):
+            assert r["jax_pallas_us"] > 0 and r["jax_pallas_max_abs_err"] < 2e-2
     for name in ("latency_b1", "latency_b2"):
         assert re.search(r"avg latency [0-9.]+ s; decode step [0-9.]+ ms", rows[name]), name
         assert "of the HBM bound" in rows[name], name

@@ -104,8 +104,8 @@ def runner(request, tmp_path_factory):
     model_dir = make_tiny_hf(
         "llama", tmp_path_factory.mktemp("hf"), tie_word_embeddings=request.param == "tied"
     )
-    args = EngineArgs(str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=8,
-                      max_num_batched_tokens=32, num_gpu_blocks_override=64)  # fmt: skip
+    args = EngineArgs(str(model_dir), dtype="float32", max_model_len=128, max_num_seqs=4,
+                      max_num_batched_tokens=16, num_gpu_blocks_override=64)  # fmt: skip
     config = args.create_engine_config()
     with pytest.MonkeyPatch.context() as mp:
         # tied: every step shape's HLO is read; untied, the coarse buckets' (envs.py)
