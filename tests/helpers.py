@@ -216,15 +216,44 @@ def hf_model(model_dir: str):
 
 @functools.cache
 def hf_default_model():
-    """HF transformers' own load of the bundled GGUF (its dequantisation), fp32: the reference."""
+    """HF transformers' own load of the bundled GGUF (its dequantisation), fp32: the reference.
+    The weights it dequantised are kept as safetensors (the same bits) under
+    ~/.cache/jaxserve/test-references, keyed by the GGUF file and the transformers version:
+    the GGUF load takes ~19 s of CPU in each test process that needs it, the copy 0.1 s."""
+    import copy
+    import os
+    import shutil
+    import tempfile
+
+    import transformers
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from jaxserve.transformers_utils.model_path import default_model_path
 
     path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
+    stat = path.stat()
+    key = f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
+    kept = Path(os.path.expanduser("~/.cache/jaxserve/test-references")) / key
+    if (kept / "model.safetensors").exists():
+        return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
+    config = copy.deepcopy(model.config)
+    del config.quantization_config  # a plain fp32 checkpoint now
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight")
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=kept.parent))
+    config.save_pretrained(tmp)
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    try:
+        os.replace(tmp, kept)
+    except OSError:  # another process kept it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model
 
 
 def hf_logits(model, token_ids: list[int]) -> np.ndarray:
