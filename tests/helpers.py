@@ -221,6 +221,7 @@ def hf_default_model():
     ~/.cache/jaxserve/test-references, keyed by the GGUF file and the transformers version:
     the GGUF load takes ~19 s of CPU in each test process that needs it, the copy 0.1 s."""
     import copy
+    import fcntl
     import os
     import shutil
     import tempfile
@@ -235,24 +236,27 @@ def hf_default_model():
     stat = path.stat()
     key = f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
     kept = Path(os.path.expanduser("~/.cache/jaxserve/test-references")) / key
-    if (kept / "model.safetensors").exists():
-        return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    config = copy.deepcopy(model.config)
-    del config.quantization_config  # a plain fp32 checkpoint now
-    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight")
     kept.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=kept.parent))
-    config.save_pretrained(tmp)
-    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    try:
-        os.replace(tmp, kept)
-    except OSError:  # another process kept it first
-        shutil.rmtree(tmp, ignore_errors=True)
+    # One process dequantises; another that needs it meanwhile waits (idle) and reads the copy.
+    with open(kept.parent / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (kept / "model.safetensors").exists():
+            return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        config = copy.deepcopy(model.config)
+        del config.quantization_config  # a plain fp32 checkpoint now
+        weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            weights.pop("lm_head.weight")
+        tmp = Path(tempfile.mkdtemp(dir=kept.parent))
+        config.save_pretrained(tmp)
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        try:
+            os.replace(tmp, kept)
+        except OSError:  # kept by a process that held no lock (an older helper)
+            shutil.rmtree(tmp, ignore_errors=True)
     return model
 
 
