@@ -255,8 +255,9 @@ def save(
     """Write `compiled` under `key`, with `serialized` (entries of `read`'s dict, for the
     executables that were loaded: one loaded on XLA:CPU cannot be serialized again); hits: a
     CacheHits map open while they were compiled. Returns `compiled`'s entries as written. An
-    executable that cannot be serialized leaves no file and returns {} (the next start
-    compiles, through jax's persistent cache)."""
+    executable this start neither compiled nor read is left out of the file; one jax cannot
+    serialize at all leaves no file and returns {} (the next start compiles them, through
+    jax's persistent cache)."""
     path = _path(cache_dir, key)
     written = {}
     for name, c in compiled.items():
