@@ -153,22 +153,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.temperature < _GREEDY_EPS
 
 
-def generation_defaults(generation_config) -> dict:
-    """SamplingParams fields the model's HF generation_config sets (vLLM: they fill what the
-    user leaves unset)."""
-    if generation_config is None:
-        return {}
-    names = {"max_new_tokens": "max_tokens"} | {
-        f: f for f in ("temperature", "top_p", "top_k", "repetition_penalty")
-    }
-    set_fields = generation_config.to_diff_dict()
-    return {
-        ours: getattr(generation_config, theirs)
-        for theirs, ours in names.items()
-        if getattr(generation_config, theirs, None) is not None and theirs in set_fields
-    }
-
-
 def _check(ok: bool, field: str, value, expected: str) -> None:
     if not ok:
         raise ValueError(f"{field} must be {expected}, got {value!r}")

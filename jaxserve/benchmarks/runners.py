@@ -49,12 +49,12 @@ class HFRunner:
     def __init__(self, engine_args: EngineArgs):
         from jaxserve.benchmarks.hf_peer import load_hf_model
         from jaxserve.transformers_utils.config import read_model_config
-        from jaxserve.transformers_utils.model_path import resolve_model_path
 
         a = engine_args
-        self.model = load_hf_model(a.model, dtype=a.dtype, load_format=a.load_format)
+        path = a.model_path()
+        self.model = load_hf_model(str(path), dtype=a.dtype, load_format=a.load_format)
         dtype = "float32" if a.dtype == "auto" else a.dtype  # what load_hf_model used
-        self.config = read_model_config(resolve_model_path(a.model, a.load_format), dtype)
+        self.config = read_model_config(path, dtype)
         self.max_num_seqs = None  # one generate batch, whatever its size
 
     def generate(self, prompts: list[list[int]], output_len: int, n: int = 1, *,
@@ -78,10 +78,9 @@ class VLLMRunner:
 
     def __init__(self, engine_args: EngineArgs):
         from jaxserve.transformers_utils.config import read_model_config
-        from jaxserve.transformers_utils.model_path import resolve_model_path
 
         a = engine_args
-        path = resolve_model_path(a.model, a.load_format)
+        path = a.model_path()
         if not path.is_dir() or a.load_format != "auto":
             raise ValueError(f"--backend vllm needs an HF model directory, not {a.model!r}")
         dtype = "float32" if a.dtype == "auto" else a.dtype

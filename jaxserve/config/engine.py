@@ -141,6 +141,12 @@ class EngineConfig:
     kv_transfer_allowed_hosts: tuple[str, ...] = dataclasses.field(
         default=DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, compare=False, repr=False
     )
+    # The frontend's default sampling parameters (transformers_utils/config.py::
+    # generation_defaults): "auto" | "vllm" | a directory, and the override's fields.
+    generation_config: str = dataclasses.field(default="auto", compare=False, repr=False)
+    override_generation_config: dict = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:

@@ -27,7 +27,7 @@ from jaxserve.config import (
     SpeculativeConfig,
 )
 from jaxserve.distributed.mesh import check_local_devices
-from jaxserve.transformers_utils.config import read_model_config
+from jaxserve.transformers_utils.config import check_generation_config, read_model_config
 from jaxserve.transformers_utils.model_path import resolve_model_path
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
@@ -38,8 +38,13 @@ MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 8192
 
 @dataclasses.dataclass
 class EngineArgs:
-    model: str | None = None  # None or "HuggingFaceTB/SmolLM2-135M-Instruct": bundled default
-    tokenizer: str | None = None  # a HF tokenizer directory; default: the model's own
+    # A path, a hub id (ORG/NAME: the hub cache, downloaded when online; HF_HUB_OFFLINE=1:
+    # the cache only), or None / "HuggingFaceTB/SmolLM2-135M-Instruct": the bundled default
+    model: str | None = None
+    tokenizer: str | None = None  # a HF tokenizer directory or hub id; default: the model's own
+    revision: str | None = None  # the hub id's branch, tag or commit (default: main)
+    tokenizer_revision: str | None = None  # the tokenizer's, when it is a hub id
+    download_dir: str | None = None  # the hub cache to read and download into (default: HF's)
     load_format: str = "auto"  # "dummy": random weights (model: also a config.json or preset)
     tensor_parallel_size: int = 1
     # Engine core processes, each with its own devices, scheduler and KV cache; new requests
@@ -98,16 +103,33 @@ class EngineArgs:
     # and max_num_seqs', the greedy and all-pass samplers); the rest load or compile in the
     # background and are used once ready. Default off (`LLM`); on for `jaxserve serve`.
     background_compile: bool = False
+    # Default sampling parameters (vLLM's): "auto", the model's generation_config.json; "vllm",
+    # none; or a directory holding one. Its max_new_tokens caps every request's output.
+    generation_config: str = "auto"
+    # {"temperature": .., "top_p": .., "top_k": .., "min_p": .., "repetition_penalty": ..,
+    # "max_new_tokens": ..} (or its JSON) over what generation_config gives
+    override_generation_config: dict | str | None = None
 
     def tokenizer_source(self) -> str:
         """Where the frontend reads the tokenizer: --tokenizer, else the model (as the engine
         config's tokenizer_path / model_path resolve them)."""
-        return self.tokenizer or str(resolve_model_path(self.model, self.load_format))
+        return str(self._tokenizer_path() or self.model_path())
+
+    def model_path(self) -> Path:
+        """The model's local path (a hub id's snapshot, downloaded if need be)."""
+        return resolve_model_path(self.model, self.load_format, self.revision, self.download_dir)
+
+    def _tokenizer_path(self) -> Path | None:
+        if self.tokenizer is None:
+            return None
+        return resolve_model_path(
+            self.tokenizer, "auto", self.tokenizer_revision, self.download_dir
+        )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
         self._check_nodes()
-        path = resolve_model_path(self.model, self.load_format)
+        path = self.model_path()
         model_config = read_model_config(path, self.dtype, self.quantization)
         on_cpu = jax.default_backend() == "cpu"
         if self.enable_expert_parallel and not model_config.num_experts:
@@ -170,7 +192,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             attention_backend=attention_backend,
             load_format=self.load_format,
-            tokenizer_path=self.tokenizer,
+            tokenizer_path=None if self.tokenizer is None else str(self._tokenizer_path()),
             reasoning_parser=self.reasoning_parser,
             pooler=pooler,
             speculative=speculative,
@@ -178,6 +200,10 @@ class EngineArgs:
             background_compile=self.background_compile and self.nnodes == 1,
             kv_transfer=kv_transfer,
             kv_transfer_allowed_hosts=self._kv_transfer_allowed_hosts(),
+            generation_config=self.generation_config,
+            override_generation_config=check_generation_config(
+                self.generation_config, self.override_generation_config
+            ),
         )
 
     def _attention_backend(self) -> str:
@@ -265,7 +291,7 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec.method == "ngram":
             return spec
-        path = resolve_model_path(spec.model, "auto")
+        path = resolve_model_path(spec.model, "auto", download_dir=self.download_dir)
         draft = read_model_config(path, self.dtype, None)
         if draft.vocab_size != target.vocab_size:
             raise ValueError(

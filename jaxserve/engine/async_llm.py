@@ -33,7 +33,7 @@ from jaxserve.ipc.messages import SchedulerStats
 from jaxserve.metrics import IterationStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from jaxserve.transformers_utils.config import read_generation_config
+from jaxserve.transformers_utils.config import log_generation_defaults
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -100,12 +100,18 @@ class AsyncLLM:
         client: AsyncMPClient,
         *,
         tokenizer: Any = None,
-        generation_config: Any = None,
+        default_sampling: dict | None = None,
     ):
+        """default_sampling: what a request leaves unset (default: config's generation
+        config's; transformers_utils/config.py::generation_defaults)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.generation_config = generation_config
-        self.input_processor = InputProcessor.from_config(config, tokenizer)
+        if default_sampling is None:
+            default_sampling = log_generation_defaults(config)
+        self.default_sampling = default_sampling
+        self.input_processor = InputProcessor.from_config(
+            config, tokenizer, max_tokens_cap=default_sampling.get("max_tokens")
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = client
         self.collectors: dict[str, RequestOutputCollector] = {}
@@ -123,10 +129,7 @@ class AsyncLLM:
             tokenizer = pool.submit(read_tokenizer, args.tokenizer_source())
             client = AsyncMPClient(args)
             start = time.perf_counter()
-            engine = cls(
-                client.config, client, tokenizer=tokenizer.result(),
-                generation_config=read_generation_config(client.config.model_path),
-            )  # fmt: skip
+            engine = cls(client.config, client, tokenizer=tokenizer.result())
         client.timeline.add("frontend set-up (after the engine core)", time.perf_counter() - start)
         return engine
 

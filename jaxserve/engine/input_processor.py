@@ -17,10 +17,21 @@ from jaxserve.structured_output import validate_structured_outputs
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_id: int | None, kv_transfer_allowed_hosts: tuple[str, ...] = (
-                     DEFAULT_KV_TRANSFER_ALLOWED_HOSTS)):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_logprobs: int,
+        eos_token_id: int | None,
+        kv_transfer_allowed_hosts: tuple[str, ...] = DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
+        max_tokens_cap: int | None = None,
+    ):
+        """max_tokens_cap: the generation config's max_new_tokens, a cap on every request's
+        output tokens (vLLM's)."""
         self.tokenizer = tokenizer
+        self.max_tokens_cap = max_tokens_cap
         self.kv_transfer_allowed_hosts = kv_transfer_allowed_hosts
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -28,7 +39,9 @@ class InputProcessor:
         self.eos_token_id = eos_token_id
 
     @classmethod
-    def from_config(cls, config: EngineConfig, tokenizer: Any) -> InputProcessor:
+    def from_config(
+        cls, config: EngineConfig, tokenizer: Any, max_tokens_cap: int | None = None
+    ) -> InputProcessor:
         """EOS: the tokenizer's, else the model config's (its first, when it lists several)."""
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         if eos is None:
@@ -41,6 +54,7 @@ class InputProcessor:
             max_logprobs=config.max_logprobs,
             eos_token_id=eos,
             kv_transfer_allowed_hosts=config.kv_transfer_allowed_hosts,
+            max_tokens_cap=max_tokens_cap,
         )
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
@@ -100,9 +114,15 @@ class InputProcessor:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your request has {n} input tokens. Please reduce the length of the input."
             )
+        cap = self.max_tokens_cap
         if params.max_tokens is None:
-            params = msgspec.structs.replace(params, max_tokens=self.max_model_len - n)
-        elif n + params.max_tokens > self.max_model_len:
+            room = self.max_model_len - n
+            params = msgspec.structs.replace(
+                params, max_tokens=room if cap is None else min(room, cap)
+            )
+        elif cap is not None and params.max_tokens > cap:
+            params = msgspec.structs.replace(params, max_tokens=cap)
+        if n + params.max_tokens > self.max_model_len:
             raise ValueError(  # vLLM's words
                 f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. "
                 f"This model's maximum context length is {self.max_model_len} tokens and your "

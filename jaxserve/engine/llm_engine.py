@@ -22,7 +22,7 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.transformers_utils.config import read_generation_config
+from jaxserve.transformers_utils.config import log_generation_defaults
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
 
@@ -32,13 +32,19 @@ class LLMEngine:
         config: EngineConfig,
         *,
         tokenizer: Any = None,
-        generation_config: Any = None,
+        default_sampling: dict | None = None,
         client: EngineCoreClient | None = None,
     ):
+        """default_sampling: what a request leaves unset (default: config's generation
+        config's; transformers_utils/config.py::generation_defaults)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.generation_config = generation_config
-        self.input_processor = InputProcessor.from_config(config, tokenizer)
+        if default_sampling is None:
+            default_sampling = log_generation_defaults(config)
+        self.default_sampling = default_sampling
+        self.input_processor = InputProcessor.from_config(
+            config, tokenizer, max_tokens_cap=default_sampling.get("max_tokens")
+        )
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = client if client is not None else InprocClient(config)
         self.scheduler_stats = SchedulerStats()
@@ -60,13 +66,8 @@ class LLMEngine:
         else:
             config = args.create_engine_config()
             client = InprocClient(config)
-            tokenizer = read_tokenizer(args.tokenizer or config.model_path)
-        return cls(
-            config,
-            tokenizer=tokenizer,
-            generation_config=read_generation_config(config.model_path),
-            client=client,
-        )
+            tokenizer = read_tokenizer(config.tokenizer_path or config.model_path)
+        return cls(config, tokenizer=tokenizer, client=client)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -66,7 +66,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The engine flags, vLLM's names; each dest is the EngineArgs field of the same name
     (`engine_args_from`). The model is not among them: serve takes it as a positional
     argument, the benchmark scripts as --model."""
-    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer directory or hub id")
+    parser.add_argument(
+        "--revision", default=None, help="the hub model's branch, tag or commit (default: main)"
+    )
+    parser.add_argument("--tokenizer-revision", default=None, help="the hub tokenizer's revision")
+    parser.add_argument(
+        "--download-dir", default=None,
+        help="the Hugging Face hub cache to read models from and download them into "
+        "(default: $HF_HUB_CACHE, else ~/.cache/huggingface/hub)",
+    )  # fmt: skip
     parser.add_argument(
         "--load-format",
         default="auto",
@@ -168,6 +177,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "compile in the background (smaller prefill chunks until then; default on for serve)",
     )  # fmt: skip
     parser.add_argument(
+        "--generation-config", default="auto",
+        help="default sampling parameters: auto (the model's generation_config.json), vllm "
+        "(none) or a directory with a generation_config.json; its max_new_tokens caps every "
+        "request's output",
+    )  # fmt: skip
+    parser.add_argument(
+        "--override-generation-config", default=None,
+        help='JSON over --generation-config\'s, e.g. {"temperature": 0.5, "max_new_tokens": 256}',
+    )  # fmt: skip
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         help="split <think> reasoning into the reasoning field (deepseek_r1, qwen3); "
@@ -190,8 +209,8 @@ def _add_serve_parser(sub) -> None:
         "model",
         nargs="?",
         default=None,
-        help="HF directory, .gguf file or jaxserve checkpoint (default: the "
-        "bundled SmolLM2-135M-Instruct)",
+        help="a hub id (ORG/NAME), HF directory, .gguf file or jaxserve checkpoint (default: "
+        "the bundled SmolLM2-135M-Instruct)",
     )
     serve.add_argument(
         "--model", dest="model_option", default=None, help="the model, as a flag (vLLM's too)"

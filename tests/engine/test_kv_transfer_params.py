@@ -35,6 +35,8 @@ def config(max_model_len: int = 64):
         reasoning_parser=None,
         model_path="fake",
         kv_transfer_allowed_hosts=DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
+        generation_config="vllm",  # no default sampling parameters
+        override_generation_config={},
     )
 
 

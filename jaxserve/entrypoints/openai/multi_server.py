@@ -116,7 +116,6 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.core_client import AsyncMPClient
     from jaxserve.startup import StartupTimeline
-    from jaxserve.transformers_utils.config import read_generation_config
     from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
     started = time.perf_counter()
@@ -127,9 +126,8 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     client.timeline.extend("", core_phases)
     config = info.config
     engine = AsyncLLM(
-        config, client, tokenizer=read_tokenizer(config.tokenizer_path or config.model_path),
-        generation_config=read_generation_config(config.model_path),
-    )  # fmt: skip
+        config, client, tokenizer=read_tokenizer(config.tokenizer_path or config.model_path)
+    )
     client.timeline.add(f"API server {index} set-up", time.perf_counter() - started)
     serve_http(args, engine, socket.socket(fileno=fd), started, log_prefix=LOG_PREFIX.format(index))
 

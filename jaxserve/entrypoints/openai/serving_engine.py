@@ -30,7 +30,7 @@ from jaxserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from jaxserve.outputs import PositionLogprobs, RequestOutput
-from jaxserve.sampling_params import SamplingParams, generation_defaults
+from jaxserve.sampling_params import SamplingParams
 
 _json = msgspec.json.Encoder()
 # The engine a request runs on, from its X-data-parallel-rank header (vLLM's); None: any.
@@ -70,7 +70,7 @@ class OpenAIServing:
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.model_names = served_model_names
         self.tokenizer = engine.get_tokenizer()
-        self.defaults = generation_defaults(engine.generation_config)
+        self.defaults = engine.default_sampling
         self.max_model_len = engine.config.scheduler.max_model_len
 
     @property

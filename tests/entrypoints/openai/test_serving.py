@@ -26,14 +26,17 @@ def tokenizer():
     return read_tokenizer(None)  # the bundled default model's
 
 
-def call(tokenizer, body: dict, *, details: bool = False, cached: int = 0):
-    """(the JSON body, or the SSE events, the server would send; the stand-in core)."""
+def call(tokenizer, body: dict, *, details: bool = False, cached: int = 0, defaults=None):
+    """(the JSON body, or the SSE events, the server would send; the stand-in core).
+    defaults: the generation config's default sampling parameters."""
     cfg = config(max_model_len=256)
     cfg.model.vocab_size = len(tokenizer)
     core = FakeCore(cached)
     chat = "messages" in body
     serving = (OpenAIServingChat if chat else OpenAIServingCompletion)(
-        AsyncLLM(cfg, core, tokenizer=tokenizer), ["m"], enable_prompt_tokens_details=details
+        AsyncLLM(cfg, core, tokenizer=tokenizer, default_sampling=defaults),
+        ["m"],
+        enable_prompt_tokens_details=details,
     )
     request = msgspec.json.decode(
         json.dumps(body), type=ChatCompletionRequest if chat else CompletionRequest
@@ -85,3 +88,21 @@ def test_prompt_tokens_details_only_when_enabled(tokenizer, details, stream):
         else:
             assert "prompt_tokens_details" not in usage
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_generation_config_defaults_fill_unset_fields_and_cap_max_tokens(tokenizer, kind):
+    """vLLM's: the generation config's values stand in for the fields a request leaves unset;
+    its max_tokens (max_new_tokens) caps what any request asks for."""
+    defaults = {"temperature": 0.6, "top_p": 0.9, "min_p": 0.05, "max_tokens": 5}
+    body = {"messages": CHAT} if kind == "chat" else {"prompt": [[1, 2, 3]]}
+    for asked, expected in (
+        ({}, (0.6, 0.9, 0.05, 5)),
+        ({"temperature": 0.2, "max_tokens": 3}, (0.2, 0.9, 0.05, 3)),
+        ({"top_p": 0.5, "min_p": 0.0, "max_tokens": 50}, (0.6, 0.5, 0.0, 5)),
+    ):
+        _, core = call(tokenizer, {**body, **asked}, defaults=defaults)
+        (params,) = [r.sampling_params for r in core.requests]
+        assert (params.temperature, params.top_p, params.min_p, params.max_tokens) == expected
+    _, core = call(tokenizer, {**body, "max_tokens": 50})  # no generation config: no cap
+    assert core.requests[0].sampling_params.max_tokens == 50
