@@ -14,6 +14,10 @@ for _flag, _value in _FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 
+# No model hub is reachable from the suite's machines: hub ids resolve from caches the tests
+# build (tests/transformers_utils/test_hub.py), and nothing waits on a network timeout.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 # torch (the HF references) on one thread: its second thread only spins beside the other
 # xdist worker (HF generate of the default model: the same wall time, half the CPU).
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -112,8 +112,11 @@ class ModelConfig:
     # Weight-only quantization of the decoder layers' linear kernels: "int8" or "fp8" (e4m3),
     # one float32 scale per output channel (layers/linear.py), computed at load, or read from
     # a pre-quantized checkpoint (prequantized: compressed-tensors, `checkpoint_quantization`).
+    # "fp8_block": a checkpoint's e4m3 weights with 2-D block scales, one scale per
+    # quant_group input rows of each output channel.
     quantization: str | None = None
     prequantized: bool = False
+    quant_group: int = 0
     # Mixture of experts (Mixtral, Qwen3-MoE; layers/fused_moe.py): 0 experts = dense MLPs.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -128,7 +131,9 @@ class ModelConfig:
     def from_hf(
         cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None
     ) -> ModelConfig:
-        prequantized = checkpoint_quantization(hf_config)
+        prequantized, quant_group = checkpoint_quantization(hf_config) or (None, 0)
+        if prequantized == "fp8_block" and quantization == "fp8":
+            quantization = None  # vLLM's --quantization fp8 names these checkpoints too
         if quantization not in (None, *QUANTIZATIONS, "compressed-tensors"):
             raise ValueError(
                 f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}"
@@ -136,7 +141,7 @@ class ModelConfig:
         if prequantized and quantization not in (None, prequantized, "compressed-tensors"):
             raise ValueError(
                 f"quantization {quantization!r} conflicts with the checkpoint's own "
-                f"compressed-tensors {prequantized} weights"
+                f"{prequantized} weights"
             )
         if quantization == "compressed-tensors" and not prequantized:
             raise ValueError("quantization 'compressed-tensors': the checkpoint is not quantized")
@@ -214,6 +219,7 @@ class ModelConfig:
             dense_layers=dense_layers,
             quantization=prequantized or quantization,
             prequantized=prequantized is not None,
+            quant_group=quant_group,
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )
@@ -250,38 +256,80 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
-def checkpoint_quantization(hf_config: Any) -> str | None:
-    """The weights of a pre-quantized checkpoint (its config's quantization_config): "int8" or
-    "fp8" for compressed-tensors with 8-bit symmetric per-channel or per-tensor weights stored
-    unpacked (int-, naive- or float-quantized; W8A16, or W8A8 whose activations then stay in
-    the model dtype); None for a full-precision checkpoint; ValueError naming anything else."""
+def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
+    """The weights of a pre-quantized checkpoint (its config's quantization_config), as
+    (mode, group): ("int8" | "fp8", 0) for 8-bit symmetric per-channel or per-tensor weights
+    stored unpacked (compressed-tensors int-, naive- or float-quantized; HF `fp8` without
+    blocks); ("fp8_block", input rows per block) for e4m3 weights with 2-D block scales (HF
+    `quant_method: fp8` with weight_block_size, compressed-tensors' block strategy). W8A8
+    checkpoints' activations stay in the model dtype (as transformers runs them on CPU).
+    None for a full-precision checkpoint; ValueError naming anything else."""
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method, fmt = qc.get("quant_method"), qc.get("format")
+    if method == "fp8":
+        return _hf_fp8(qc)
     if method != "compressed-tensors":
         raise ValueError(
             f"checkpoint quantization {method!r} is not supported (compressed-tensors 8-bit "
-            "weights are; or load a full-precision checkpoint with --quantization int8|fp8)"
+            "and block fp8, HF fp8 are; or load a full-precision checkpoint with "
+            "--quantization int8|fp8)"
         )
     if fmt not in ("int-quantized", "naive-quantized", "float-quantized"):
         raise ValueError(f"compressed-tensors format {fmt!r} is not supported (unpacked 8-bit)")
     modes = set()
     for name, group in (qc.get("config_groups") or {}).items():
         w = group.get("weights") or {}
-        kind = (w.get("type"), w.get("num_bits"))
-        if kind not in (("int", 8), ("float", 8)) or w.get("strategy") not in ("channel", "tensor"):
+        kind, strategy = (w.get("type"), w.get("num_bits")), w.get("strategy")
+        if kind == ("float", 8) and strategy == "block":
+            modes.add(("fp8_block", _block_rows(w.get("block_structure"), f"group {name!r}")))
+        elif kind in (("int", 8), ("float", 8)) and strategy in ("channel", "tensor"):
+            modes.add(("int8" if kind[0] == "int" else "fp8", 0))
+        else:
             raise ValueError(
                 f"compressed-tensors group {name!r}: {w.get('type')} {w.get('num_bits')}-bit "
-                f"{w.get('strategy')} weights are not supported (8-bit, channel or tensor)"
+                f"{strategy} weights are not supported (8-bit channel or tensor, fp8 block)"
             )
         if not w.get("symmetric", True):
             raise ValueError(f"compressed-tensors group {name!r}: asymmetric weights")
-        modes.add("int8" if kind[0] == "int" else "fp8")
     if len(modes) != 1:
         raise ValueError(f"compressed-tensors weights of mixed kinds {sorted(modes)}")
     return modes.pop()
+
+
+# Module names a checkpoint may keep unquantized: jaxserve keeps them in full precision anyway.
+_FULL_PRECISION_MODULES = ("lm_head", "embed_tokens", "norm", "gate", "router")
+
+
+def _hf_fp8(qc: dict) -> tuple[str, int]:
+    """transformers' FineGrainedFP8 checkpoints: e4m3 `weight` and `weight_scale_inv`."""
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(
+            f"fp8 checkpoint activation_scheme {qc.get('activation_scheme')!r} is not "
+            "supported (dynamic)"
+        )
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"fp8 checkpoint fmt {qc.get('fmt')!r} is not supported (e4m3)")
+    for module in qc.get("modules_to_not_convert") or ():
+        if not str(module).split(".")[-1].startswith(_FULL_PRECISION_MODULES):
+            raise ValueError(
+                f"fp8 checkpoint modules_to_not_convert {module!r}: decoder layers left in "
+                "full precision are not supported"
+            )
+    if qc.get("weight_block_size") is None:
+        return ("fp8", 0)  # one scale per tensor
+    return ("fp8_block", _block_rows(qc["weight_block_size"], "weight_block_size"))
+
+
+def _block_rows(block: Any, field: str) -> int:
+    """[output rows, input columns] of a block -> the input columns (the kernel's group)."""
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(
+        isinstance(b, int) and b > 0 for b in block
+    )):  # fmt: skip
+        raise ValueError(f"fp8 {field} {block!r} is not [rows, columns] of a 2-D block")
+    return block[1]
 
 
 def resolve_dtype(dtype: str | Any, hf_config: Any = None) -> Any:

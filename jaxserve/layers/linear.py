@@ -19,6 +19,11 @@ class Linear(nnx.Module):
     scale per output channel (`quantize_kernel`); the product is (x @ kernel) * scale, the
     kernel converted to x's dtype inside the matmul's fusion.
 
+    quant "fp8_block": float8_e4m3 values and `scale` f32[in / group, out], one scale per
+    `group` input rows of each output channel (a checkpoint's 2-D block scales, each block's
+    scale repeated over its output channels: models/loader.py); the weight is q * scale
+    groupwise, rebuilt in x's dtype for the matmul.
+
     quant "gguf": a GGUF file's blocks kept quantized (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q6_K;
     models/weight_sources.py::gguf_blocks): kernel holds int8 q [in, out], `scale` d and
     `offset` m f32[in / 16, out], one per 16 input rows; the weight is d * q + m blockwise,
@@ -26,17 +31,25 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
-                 quant: str | None = None):  # fmt: skip
+                 quant: str | None = None, group: int = 0):  # fmt: skip
+        """group: input rows per scale of an "fp8_block" kernel."""
         init = nnx.initializers.lecun_normal()
+        self.group = {"gguf": GGUF_BLOCK, "fp8_block": group}.get(quant, 0)
         if quant is None:
             self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
             self.scale = self.offset = None
-        elif quant == "gguf":
-            if d_in % GGUF_BLOCK:
-                raise ValueError(f"a gguf kernel's input size {d_in} is not a multiple of 16")
-            self.kernel = nnx.Param(jnp.zeros((d_in, d_out), jnp.int8))
-            self.scale = nnx.Param(jnp.ones((d_in // GGUF_BLOCK, d_out), jnp.float32))
-            self.offset = nnx.Param(jnp.zeros((d_in // GGUF_BLOCK, d_out), jnp.float32))
+        elif quant in ("gguf", "fp8_block"):
+            if self.group < 1 or d_in % self.group:
+                raise ValueError(
+                    f"a {quant} kernel's input size {d_in} is not a multiple of its group "
+                    f"{self.group}"
+                )
+            kind = jnp.int8 if quant == "gguf" else jnp.float8_e4m3fn
+            self.kernel = nnx.Param(jnp.zeros((d_in, d_out), kind))
+            self.scale = nnx.Param(jnp.ones((d_in // self.group, d_out), jnp.float32))
+            self.offset = None
+            if quant == "gguf":
+                self.offset = nnx.Param(jnp.zeros((d_in // self.group, d_out), jnp.float32))
         else:
             self.kernel = nnx.Param(jnp.zeros((d_in, d_out), QUANT_DTYPES[quant][0]))
             self.scale = nnx.Param(jnp.ones((d_out,), jnp.float32))
@@ -47,11 +60,13 @@ class Linear(nnx.Module):
         """x: [T, in] -> [T, out]."""
         if self.scale is None:
             y = x @ self.kernel[...]
-        elif self.offset is not None:
+        elif self.group:  # grouped scales: gguf, fp8_block
             d_in, d_out = self.kernel.shape
-            q = self.kernel[...].astype(x.dtype).reshape(-1, GGUF_BLOCK, d_out)
-            scale, offset = (v[...].astype(x.dtype)[:, None] for v in (self.scale, self.offset))
-            y = x @ (q * scale + offset).reshape(d_in, d_out)
+            w = self.kernel[...].astype(x.dtype).reshape(-1, self.group, d_out)
+            w = w * self.scale[...].astype(x.dtype)[:, None]
+            if self.offset is not None:
+                w = w + self.offset[...].astype(x.dtype)[:, None]
+            y = x @ w.reshape(d_in, d_out)
         else:
             y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]

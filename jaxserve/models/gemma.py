@@ -44,7 +44,8 @@ class GemmaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
         self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
         self.mlp = GatedMLP(d, config.intermediate_size, dtype=dt, rngs=rngs,
-                            act=config.hidden_act, quant=config.quantization)  # fmt: skip
+                            act=config.hidden_act, quant=config.quantization,
+                            group=config.quant_group)  # fmt: skip
         self.post_feedforward_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):

@@ -30,6 +30,7 @@ from jaxserve.models import weight_cache
 from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
+from jaxserve.transformers_utils import hub
 from jaxserve.transformers_utils.config import (
     gguf_hf_config,
     read_generation_config,
@@ -127,7 +128,9 @@ def load_model(
                 for p, host in cached.items():
                     place(p, host)
             else:
-                _read_params(source, model_cls, config, replicas, targets, place, path.name)
+                _read_params(
+                    source, model_cls, config, replicas, targets, place, hub.display_name(path)
+                )
             if writer is not None:
                 writer.commit()
         finally:
@@ -164,9 +167,10 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
                 place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
                                                 ", ".join(weight.names)))  # fmt: skip
         elif _quantized(targets[p]) and config.prequantized:
-            kernel, scale = _read_prequantized(source, weight, targets[p])
+            kernel, scale = _read_prequantized(source, weight, targets[p], config.quant_group)
             place(p, kernel)
-            place((*p[:-1], "scale"), scale)
+            place((*p[:-1], "scale"), _checked(scale, targets[(*p[:-1], "scale")].shape,
+                                               ", ".join(weight.names)))  # fmt: skip
         elif _quantized(targets[p]):  # read in float32, quantized per output channel
             kernel, scale = quantize_kernel(
                 _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),
@@ -175,6 +179,12 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
             place(p, kernel)
             place((*p[:-1], "scale"), scale)
         else:
+            if config.prequantized and any(_scale_name(source, n) for n in weight.names):
+                raise ValueError(
+                    f"{weight.names[0]} is quantized in the checkpoint, but jaxserve keeps "
+                    f"{'/'.join(map(str, p))} in full precision (mixture-of-experts experts): "
+                    "not supported"
+                )
             place(p, _read_param(source, weight, targets[p]))
 
 
@@ -240,25 +250,50 @@ def _read_param(source, weight: HFWeight, target) -> np.ndarray:
     return _checked(host.astype(target.dtype, copy=False), target.shape, ", ".join(weight.names))
 
 
-def _read_prequantized(source, weight: HFWeight, target) -> tuple[np.ndarray, np.ndarray]:
-    """A compressed-tensors kernel: each HF `*.weight` (int8 or fp8 values [out, in]) and its
-    `*.weight_scale` (per channel [out, 1], or one per tensor), fused and transposed like the
-    float weights -> (kernel [in, out] in the target dtype, float32 scale [out])."""
+# Where pre-quantized checkpoints keep a weight's scales: compressed-tensors' `weight_scale`,
+# transformers' FineGrainedFP8 `weight_scale_inv` (multiplied, despite its name).
+_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
+
+
+def _scale_name(source, name: str) -> str | None:
+    names = (name.removesuffix("weight") + suffix for suffix in _SCALE_SUFFIXES)
+    return next((n for n in names if n in source), None)
+
+
+def _read_prequantized(
+    source, weight: HFWeight, target, group: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A pre-quantized kernel: each HF `*.weight` (int8 or fp8 values [out, in]) and its scales
+    (per channel [out, 1], one per tensor, or, with group > 0, 2-D blocks [out / rows,
+    in / group]), fused and transposed like the float weights -> (kernel [in, out] in the
+    target dtype, float32 scale [out], or [in / group, out]: each block's scale repeated over
+    its output rows, so fusing and splitting output channels never cuts a block)."""
     values, scales = [], []
     for name in weight.names:
-        scale_name = name.removesuffix("weight") + "weight_scale"
-        if scale_name not in source:
+        scale_name = _scale_name(source, name)
+        if scale_name is None:
             raise ValueError(
-                f"{scale_name} is missing: a compressed-tensors checkpoint must quantize every "
-                "decoder linear layer (none may be in its ignore list)"
+                f"{name.removesuffix('weight')}weight_scale is missing: a pre-quantized "
+                "checkpoint must quantize every decoder linear layer (none may be in its "
+                "ignore list)"
             )
         w = np.asarray(source.get(name))
         values.append(w)
-        s = np.asarray(source.get(scale_name), np.float32).reshape(-1)
-        scales.append(np.broadcast_to(s, (w.shape[0],))[:, None])  # [out, 1]
+        s = np.asarray(source.get(scale_name), np.float32)
+        if group:
+            out, d_in = w.shape
+            if s.ndim != 2 or out % s.shape[0] or d_in != s.shape[1] * group:
+                raise ValueError(
+                    f"{scale_name} has shape {s.shape}: not the [rows, columns] blocks of "
+                    f"{group} input columns of a {list(w.shape)} weight"
+                )
+            scales.append(np.repeat(s, out // s.shape[0], axis=0))  # [out, in / group]
+        else:
+            scales.append(np.broadcast_to(s.reshape(-1), (w.shape[0],))[:, None])  # [out, 1]
     build = weight.build or (lambda x: x)
     kernel = _checked(build(*values).astype(target.dtype), target.shape, ", ".join(weight.names))
-    return kernel, build(*scales).reshape(-1).astype(np.float32)
+    scale = build(*scales).astype(np.float32)
+    return kernel, scale if group else scale.reshape(-1)
 
 
 def _abstract_model(model_cls, config: ModelConfig, kv_replicas: int):

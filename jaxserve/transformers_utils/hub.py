@@ -109,3 +109,11 @@ def _snapshot(repo_id: str, revision: str | None, cache: str, is_offline: bool) 
     except HfHubHTTPError as e:
         raise FileNotFoundError(f"{what}: the hub answered {e}") from None
     return Path(path)
+
+
+def display_name(path: Path) -> str:
+    """A model path as users named it: ORG/NAME for a hub cache snapshot, else its name."""
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return path.name

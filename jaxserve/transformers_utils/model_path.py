@@ -69,7 +69,15 @@ def resolve_model_path(
             f"model path {path} does not exist (a preset: use load_format='dummy')"
         )
     if not path.exists() and hub.looks_like_repo_id(str(model)):
-        path = hub.snapshot(str(model), revision, download_dir)
+        try:
+            path = hub.snapshot(str(model), revision, download_dir)
+        except FileNotFoundError as e:
+            if load_format != "dummy":
+                raise
+            presets = ", ".join(model_presets())
+            raise FileNotFoundError(
+                f"model {model!r} is neither a path nor a preset ({presets}); as a hub id: {e}"
+            ) from None
     if not path.exists():
         if load_format == "dummy":
             presets = ", ".join(model_presets())
