@@ -47,9 +47,11 @@ class Linear(nnx.Module):
             kind = jnp.int8 if quant == "gguf" else jnp.float8_e4m3fn
             self.kernel = nnx.Param(jnp.zeros((d_in, d_out), kind))
             self.scale = nnx.Param(jnp.ones((d_in // self.group, d_out), jnp.float32))
-            self.offset = None
-            if quant == "gguf":
-                self.offset = nnx.Param(jnp.zeros((d_in // self.group, d_out), jnp.float32))
+            self.offset = (
+                nnx.Param(jnp.zeros((d_in // self.group, d_out), jnp.float32))
+                if quant == "gguf"
+                else None
+            )
         else:
             self.kernel = nnx.Param(jnp.zeros((d_in, d_out), QUANT_DTYPES[quant][0]))
             self.scale = nnx.Param(jnp.ones((d_out,), jnp.float32))

@@ -16,6 +16,7 @@ import torch
 from flax import nnx
 
 from jaxserve.distributed.mesh import make_mesh
+from jaxserve.distributed.sharding import validate_tp
 from jaxserve.models.loader import load_model
 from tests.helpers import hf_logits, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
@@ -118,6 +119,8 @@ def test_tp2_equals_tp1(checkpoints, cpu_devices):
         results.append(run_mixed_schedule(loaded, PROMPTS)[1])
     for seq in results[0]:
         np.testing.assert_allclose(results[1][seq], results[0][seq], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="head_dim=128 into whole fp8_block groups of 32"):
+        validate_tp(loaded.config, 8)  # o_proj's 128 input rows: 4 blocks for 8 devices
 
 
 @pytest.mark.parametrize(

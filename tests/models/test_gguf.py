@@ -143,7 +143,9 @@ def test_gguf_blocks_need_a_supported_format_and_whole_runs(gguf_and_reference, 
         load_model(kept_gguf[0], quantization="gguf", load_tokenizer=False).config,
         num_heads=6, head_dim=8,
     )  # fmt: skip
-    with pytest.raises(ValueError, match="num_attention_heads \\* head_dim=48 into whole GGUF"):
+    with pytest.raises(
+        ValueError, match="num_attention_heads \\* head_dim=48 into whole gguf groups of 16"
+    ):
         validate_tp(config, 2)  # 24 rows a device: one run and a half
 
 
