@@ -113,7 +113,8 @@ class ModelConfig:
     # one float32 scale per output channel (layers/linear.py), computed at load, or read from
     # a pre-quantized checkpoint (prequantized: compressed-tensors, `checkpoint_quantization`).
     # "fp8_block": a checkpoint's e4m3 weights with 2-D block scales, one scale per
-    # quant_group input rows of each output channel.
+    # quant_group input rows of each output channel; "int4": 4-bit weights packed two a byte,
+    # a scale and zero point per quant_group input rows (compressed-tensors pack-quantized).
     quantization: str | None = None
     prequantized: bool = False
     quant_group: int = 0
@@ -258,7 +259,8 @@ class ModelConfig:
 
 def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     """The weights of a pre-quantized checkpoint (its config's quantization_config), as
-    (mode, group): ("int8" | "fp8", 0) for 8-bit symmetric per-channel or per-tensor weights
+    (mode, group): ("int4", group size) for compressed-tensors pack-quantized 4-bit weights;
+    ("int8" | "fp8", 0) for 8-bit symmetric per-channel or per-tensor weights
     stored unpacked (compressed-tensors int-, naive- or float-quantized; HF `fp8` without
     blocks); ("fp8_block", input rows per block) for e4m3 weights with 2-D block scales (HF
     `quant_method: fp8` with weight_block_size, compressed-tensors' block strategy). W8A8
@@ -277,12 +279,18 @@ def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
             "and block fp8, HF fp8 are; or load a full-precision checkpoint with "
             "--quantization int8|fp8)"
         )
-    if fmt not in ("int-quantized", "naive-quantized", "float-quantized"):
-        raise ValueError(f"compressed-tensors format {fmt!r} is not supported (unpacked 8-bit)")
+    formats = ("int-quantized", "naive-quantized", "float-quantized", "pack-quantized")
+    if fmt not in formats:
+        raise ValueError(
+            f"compressed-tensors format {fmt!r} is not supported ({', '.join(formats)})"
+        )
     modes = set()
     for name, group in (qc.get("config_groups") or {}).items():
         w = group.get("weights") or {}
         kind, strategy = (w.get("type"), w.get("num_bits")), w.get("strategy")
+        if group.get("format", fmt) == "pack-quantized":
+            modes.add(("int4", _int4_group(w, name)))
+            continue
         if kind == ("float", 8) and strategy == "block":
             modes.add(("fp8_block", _block_rows(w.get("block_structure"), f"group {name!r}")))
         elif kind in (("int", 8), ("float", 8)) and strategy in ("channel", "tensor"):
@@ -321,6 +329,26 @@ def _hf_fp8(qc: dict) -> tuple[str, int]:
     if qc.get("weight_block_size") is None:
         return ("fp8", 0)  # one scale per tensor
     return ("fp8_block", _block_rows(qc["weight_block_size"], "weight_block_size"))
+
+
+def _int4_group(w: dict, name: str) -> int:
+    """compressed-tensors pack-quantized weights (llm-compressor's W4A16 / W4A16_ASYM): int
+    4-bit, grouped along the input; the group size."""
+    what = f"compressed-tensors group {name!r}"
+    if (w.get("type"), w.get("num_bits")) != ("int", 4):
+        raise ValueError(
+            f"{what}: {w.get('type')} {w.get('num_bits')}-bit packed weights are not supported "
+            "(int 4-bit)"
+        )
+    if w.get("strategy") != "group" or not isinstance(w.get("group_size"), int):
+        raise ValueError(
+            f"{what}: strategy {w.get('strategy')!r} is not supported for 4-bit weights (group)"
+        )
+    if w.get("actorder") not in (None, "static", "weight"):  # "group" needs g_idx
+        raise ValueError(
+            f"{what}: actorder {w.get('actorder')!r} is not supported (static or none)"
+        )
+    return w["group_size"]
 
 
 def _block_rows(block: Any, field: str) -> int:

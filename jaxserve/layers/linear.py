@@ -24,6 +24,11 @@ class Linear(nnx.Module):
     scale repeated over its output channels: models/loader.py); the weight is q * scale
     groupwise, rebuilt in x's dtype for the matmul.
 
+    quant "int4": 4-bit weights packed two a byte, kernel uint8 [in / 2, out] (row 2i in the
+    low nibble, 2i + 1 in the high one), `scale` and `offset` f32[in / group, out]; the
+    weight is u * scale + offset groupwise (u the unsigned nibble: offset = -zero_point *
+    scale), unpacked in x's dtype for the matmul. compressed-tensors' pack-quantized W4A16.
+
     quant "gguf": a GGUF file's blocks kept quantized (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q6_K;
     models/weight_sources.py::gguf_blocks): kernel holds int8 q [in, out], `scale` d and
     `offset` m f32[in / 16, out], one per 16 input rows; the weight is d * q + m blockwise,
@@ -34,22 +39,23 @@ class Linear(nnx.Module):
                  quant: str | None = None, group: int = 0):  # fmt: skip
         """group: input rows per scale of an "fp8_block" kernel."""
         init = nnx.initializers.lecun_normal()
-        self.group = {"gguf": GGUF_BLOCK, "fp8_block": group}.get(quant, 0)
+        self.group = {"gguf": GGUF_BLOCK, "fp8_block": group, "int4": group}.get(quant, 0)
         if quant is None:
             self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
             self.scale = self.offset = None
-        elif quant in ("gguf", "fp8_block"):
+        elif quant in ("gguf", "fp8_block", "int4"):
             if self.group < 1 or d_in % self.group:
                 raise ValueError(
                     f"a {quant} kernel's input size {d_in} is not a multiple of its group "
                     f"{self.group}"
                 )
-            kind = jnp.int8 if quant == "gguf" else jnp.float8_e4m3fn
-            self.kernel = nnx.Param(jnp.zeros((d_in, d_out), kind))
+            kind = {"gguf": jnp.int8, "fp8_block": jnp.float8_e4m3fn, "int4": jnp.uint8}[quant]
+            rows = d_in // 2 if quant == "int4" else d_in  # two 4-bit values a byte
+            self.kernel = nnx.Param(jnp.zeros((rows, d_out), kind))
             self.scale = nnx.Param(jnp.ones((d_in // self.group, d_out), jnp.float32))
             self.offset = (
                 nnx.Param(jnp.zeros((d_in // self.group, d_out), jnp.float32))
-                if quant == "gguf"
+                if quant in ("gguf", "int4")
                 else None
             )
         else:
@@ -63,8 +69,11 @@ class Linear(nnx.Module):
         if self.scale is None:
             y = x @ self.kernel[...]
         elif self.group:  # grouped scales: gguf, fp8_block
-            d_in, d_out = self.kernel.shape
-            w = self.kernel[...].astype(x.dtype).reshape(-1, self.group, d_out)
+            k = self.kernel[...]
+            if k.dtype == jnp.uint8:  # int4: the low nibble is the even row
+                k = jnp.stack([k & 0xF, k >> 4], axis=1).reshape(-1, k.shape[1])
+            d_in, d_out = k.shape
+            w = k.astype(x.dtype).reshape(-1, self.group, d_out)
             w = w * self.scale[...].astype(x.dtype)[:, None]
             if self.offset is not None:
                 w = w + self.offset[...].astype(x.dtype)[:, None]

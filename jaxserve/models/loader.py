@@ -166,6 +166,14 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
                 host = build(*(b[i] for b in blocks))
                 place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
                                                 ", ".join(weight.names)))  # fmt: skip
+        elif _quantized(targets[p]) and config.quantization == "int4":
+            for leaf, host in zip(
+                ("kernel", "scale", "offset"),
+                _read_int4(source, weight, config.quant_group),
+                strict=True,
+            ):
+                place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
+                                                ", ".join(weight.names)))  # fmt: skip
         elif _quantized(targets[p]) and config.prequantized:
             kernel, scale = _read_prequantized(source, weight, targets[p], config.quant_group)
             place(p, kernel)
@@ -227,6 +235,8 @@ def _dummy_params(
                 out.append(jnp.full(shape, DUMMY_STD / 32, dtype))
             elif p[-1] == "offset":  # of a gguf kernel
                 out.append(jnp.zeros(shape, dtype))
+            elif jnp.dtype(dtype) == jnp.dtype(jnp.uint8):  # int4: two random nibbles a byte
+                out.append(jax.random.bits(jax.random.fold_in(key, i), shape, dtype))
             elif _quantized(targets[p]):
                 w = jax.random.normal(jax.random.fold_in(key, i), shape) * 32
                 out.append(jnp.clip(jnp.round(w), -127, 127).astype(dtype))
@@ -240,7 +250,9 @@ def _dummy_params(
 
 
 def _quantized(target) -> bool:
-    return jnp.dtype(target.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+    return jnp.dtype(target.dtype) in (
+        jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8)
+    )  # fmt: skip
 
 
 def _read_param(source, weight: HFWeight, target) -> np.ndarray:
@@ -294,6 +306,48 @@ def _read_prequantized(
     kernel = _checked(build(*values).astype(target.dtype), target.shape, ", ".join(weight.names))
     scale = build(*scales).astype(np.float32)
     return kernel, scale if group else scale.reshape(-1)
+
+
+def _unpack_int32(packed: np.ndarray, n: int) -> np.ndarray:
+    """compressed-tensors' dense 4-bit packing: value i of a row at bits 4i of the row's int32
+    words (low bits first) -> uint8 [rows, n], the unsigned nibbles (signed value + 8)."""
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    nibbles = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    return nibbles.reshape(words.shape[0], -1)[:, :n].astype(np.uint8)
+
+
+def _read_int4(source, weight: HFWeight, group: int) -> tuple[np.ndarray, ...]:
+    """A pack-quantized kernel: each HF layer's `weight_packed` (int32 [out, in / 8]),
+    `weight_scale` [out, in / group] and, when asymmetric, `weight_zero_point` (int32
+    [out / 8, in / group], packed along the output) -> (kernel uint8 [in / 2, out], two
+    nibbles a byte; scale, offset f32 [in / group, out]), fused and transposed like the float
+    weights; w = (u - zero) * scale = u * scale + offset."""
+    values, scales, offsets = [], [], []
+    for name in weight.names:
+        base = name.removesuffix("weight")
+        if base + "weight_packed" not in source:
+            raise ValueError(
+                f"{base}weight_packed is missing: a pack-quantized checkpoint must quantize "
+                "every decoder linear layer (none may be in its ignore list)"
+            )
+        out, d_in = (int(v) for v in np.asarray(source.get(base + "weight_shape")))
+        u = _unpack_int32(np.asarray(source.get(base + "weight_packed")), d_in)  # [out, in]
+        scale = np.asarray(source.get(base + "weight_scale"), np.float32)  # [out, in / group]
+        if scale.shape != (out, d_in // group):
+            raise ValueError(
+                f"{base}weight_scale has shape {scale.shape}, not {(out, d_in // group)}"
+            )
+        zero = np.float32(8.0)  # symmetric: the signed value's zero, stored as 8
+        if base + "weight_zero_point" in source:
+            packed = np.asarray(source.get(base + "weight_zero_point"))
+            zero = _unpack_int32(packed.T, out).T.astype(np.float32)  # [out, in / group]
+        values.append(u)
+        scales.append(scale)
+        offsets.append(-zero * scale)
+    build = weight.build or (lambda x: x)
+    u = build(*values)  # [in, out]
+    kernel = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)  # [in / 2, out]
+    return kernel, build(*scales).astype(np.float32), build(*offsets).astype(np.float32)
 
 
 def _abstract_model(model_cls, config: ModelConfig, kv_replicas: int):

@@ -1,0 +1,82 @@
+"""4-bit weights kept packed (two a byte) and unpacked inside the step's matmul: compressed-
+tensors pack-quantized W4A16, symmetric (group 32) and asymmetric (group 64), as
+llm-compressor's GPTQ writes them (tests/data/quantized, made by
+scripts/make_quantized_checkpoints.py in llm-compressor's own venv). The reference is
+transformers' float32 logits of each checkpoint as compressed-tensors decompresses it, saved
+beside it by the same script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxserve.distributed.mesh import make_mesh
+from jaxserve.models.loader import load_model
+from tests.models.test_llama_parity import run_mixed_schedule
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "quantized"
+CHECKPOINTS = {"ct-w4a16-g32": 32, "ct-w4a16-asym-g64": 64}
+
+
+def prompts_and_reference(checkpoint: Path) -> tuple[list[list[int]], list[np.ndarray]]:
+    prompts = json.loads((checkpoint / "reference_prompts.json").read_text())
+    logits = np.load(checkpoint / "reference_logits.npz")
+    return prompts, [logits[f"prompt_{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_logits_match_transformers_and_weights_stay_packed(name):
+    loaded = load_model(DATA / name, dtype="float32")
+    group = CHECKPOINTS[name]
+    assert (loaded.config.quantization, loaded.config.quant_group) == ("int4", group)
+    down = loaded.model.layers[0].mlp.down_proj  # 256 inputs -> 128 outputs
+    assert down.kernel[...].dtype == jnp.uint8 and down.kernel[...].shape == (128, 128)
+    assert down.scale[...].shape == down.offset[...].shape == (256 // group, 128)
+    kernels = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    linears = [v.get_value() for p, v in nnx.to_flat_state(nnx.state(loaded.model))
+               if p[-2] in kernels]  # fmt: skip
+    as_fp32 = sum(8 * a.size for a in linears if a.dtype == jnp.uint8)  # 2 values a byte
+    assert sum(a.nbytes for a in linears) < as_fp32 / 5  # half a byte a value, + groups' 8
+    prompts, want = prompts_and_reference(DATA / name)
+    fed, got = run_mixed_schedule(loaded, prompts, decode_steps=0)
+    for i, ref in enumerate(want):
+        mine = got[i][: len(prompts[i])]  # the prompt's rows (a decode token follows some)
+        np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
+        assert (mine.argmax(-1) == ref.argmax(-1)).all()  # greedy: the same tokens
+
+
+def test_tp2_equals_tp1(cpu_devices):
+    results = []
+    for tp in (1, 2):
+        mesh = make_mesh(tp, cpu_devices)
+        loaded = load_model(DATA / "ct-w4a16-asym-g64", dtype="float32", mesh=mesh)
+        kernel = loaded.model.layers[0].self_attn.o_proj.kernel[...]  # row-parallel, packed
+        assert kernel.sharding.shard_shape(kernel.shape) == (64 // tp, 128)
+        prompts, _ = prompts_and_reference(DATA / "ct-w4a16-asym-g64")
+        results.append(run_mixed_schedule(loaded, prompts)[1])
+    for seq in results[0]:
+        np.testing.assert_allclose(results[1][seq], results[0][seq], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_bits": 3}, "int 3-bit packed weights are not supported"),
+        ({"actorder": "group"}, "actorder 'group' is not supported"),
+        ({"strategy": "channel"}, "strategy 'channel' is not supported for 4-bit weights"),
+    ],
+)
+def test_unsupported_variants_are_named(tmp_path, change, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(DATA / "ct-w4a16-g32", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model(bad, dtype="float32")
