@@ -4,8 +4,8 @@ Cold: the persistent XLA compilation cache ($JAXSERVE_COMPILE_CACHE, read by
 worker/executables.py::enable_persistent_compilation_cache), the converted-weight cache
 ($JAXSERVE_WEIGHT_CACHE, models/weight_cache.py) and the model-config cache
 ($JAXSERVE_CONFIG_CACHE) point at fresh empty directories, so every step shape is compiled, a
-GGUF dequantized and a config.json resolved by transformers. Warm: the same directories again, now filled by
-the cold run (the step executables saved there load without tracing:
+GGUF dequantized and a config.json resolved by transformers. Warm: the same directories
+again, now filled by the cold run (the step executables saved there load without tracing:
 worker/executable_cache.py). Either way
 the OS page cache may already hold the model file and Python's bytecode (this is a cold
 compile, not a cold machine). Each run is stopped with SIGTERM once healthy, and once the

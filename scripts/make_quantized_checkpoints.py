@@ -5,7 +5,8 @@ formats' own tools, once: never run by the suite.
     .venv/bin/python scripts/make_quantized_checkpoints.py base /tmp/qbase
     # 2. quantized by llm-compressor, in a venv of its own (it pins its own transformers)
     python3 -m venv /tmp/lcvenv && /tmp/lcvenv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
-    /tmp/lcvenv/bin/python scripts/make_quantized_checkpoints.py quantize /tmp/qbase tests/data/quantized
+    /tmp/lcvenv/bin/python scripts/make_quantized_checkpoints.py quantize /tmp/qbase \
+        tests/data/quantized
 
 Each checkpoint directory also holds `reference_logits.npz`: transformers' float32 logits of
 the checkpoint as its own library (compressed-tensors) decompresses it, for fixed prompts, so
