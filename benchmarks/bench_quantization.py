@@ -1,14 +1,19 @@
 """Weight-only quantization and the fp8 KV cache on the default model: memory, agreement,
 quality and speed against full precision, each mode in its own engine in this process.
-Modes: none, int8, fp8 (weights), kv-fp8 (full-precision weights, `kv_cache_dtype="fp8"`).
+Modes: none, int8, fp8 (weights), kv-fp8 (full-precision weights, `kv_cache_dtype="fp8"`),
+and two checkpoint formats kept as stored, written from the model's HF weights (transformers'
+dequantization of the GGUF) into --work first: fp8_block (transformers' `quant_method: fp8`,
+64 x 64 blocks: the default model's 576-wide layers hold no 128 x 128 ones) and int4
+(compressed-tensors pack-quantized W4A16, symmetric, group 64, round-to-nearest).
 
   - weights: bytes of the model's parameters on the device; KV cache bytes per token;
   - greedy agreement: 64 greedy tokens on each of 4 chat prompts, tokens equal to full
     precision's at the same position (counted up to the first difference, and in total);
   - mean logprob of a fixed ~330-token text (its prompt logprobs: a perplexity-style check),
     and its change against full precision;
-  - decode speed: output tokens/s of a batch of 8 generating 64 tokens (ignore_eos), median of
-    --iters runs after a warm-up (--iters 0: quality only).
+  - decode speed: output tokens/s of a batch of --batches prompts (default 1 and 8) each
+    generating 64 tokens (ignore_eos), median of --iters runs after a warm-up (--iters 0:
+    quality only).
 
     .venv/bin/python benchmarks/bench_quantization.py --output-json \\
         benchmarks/results/quantization-cpu-2026-11-23.json
@@ -58,11 +63,19 @@ TEXT = (  # ~330 tokens of plain English on several subjects: the quality check'
 )
 
 
-def run(mode: str, iters: int, max_num_batched_tokens: int | None = None) -> dict:
-    quantization = None if mode in ("none", "kv-fp8") else mode
+def run(
+    mode: str,
+    iters: int,
+    max_num_batched_tokens: int | None = None,
+    batches: tuple[int, ...] = (1, 8),
+    work: str = "/tmp/bench-quantization",
+) -> dict:
+    model, quantization = None, None if mode in ("none", "kv-fp8") else mode
+    if mode in CHECKPOINT_FORMATS:
+        model, quantization = write_checkpoint(mode, work), None
     kv_cache_dtype = "fp8" if mode == "kv-fp8" else "auto"
     llm = LLM(
-        max_num_seqs=8, max_model_len=512, quantization=quantization,
+        model, max_num_seqs=max(8, *batches), max_model_len=512, quantization=quantization,
         kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip
     core = llm.llm_engine.engine_core.engine_core
@@ -79,33 +92,102 @@ def run(mode: str, iters: int, max_num_batched_tokens: int | None = None) -> dic
     scored = llm.generate(TEXT, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     logprobs = [next(iter(p.values())).logprob for p in scored[0].prompt_logprobs[1:]]
     batch = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    if iters:
-        llm.generate(prompts * 2, batch, use_tqdm=False)  # warm-up
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        llm.generate(prompts * 2, batch, use_tqdm=False)
-        times.append(time.perf_counter() - start)
+    speeds = {}
+    for size in batches if iters else ():
+        batch_prompts = (prompts * size)[:size]
+        llm.generate(batch_prompts, batch, use_tqdm=False)  # warm-up
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            llm.generate(batch_prompts, batch, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        speeds[size] = size * 64 / statistics.median(times)
     result = {
         "mode": mode,
         "weight_mib": weights / 2**20,
         "kv_bytes_per_token": kv_per_token,
         "tokens": [o.outputs[0].token_ids for o in greedy],
         "mean_logprob": float(np.mean(logprobs)),
-        "decode_tok_s": 8 * 64 / statistics.median(times) if times else None,
+        **{f"decode_tok_s_b{size}": speed for size, speed in speeds.items()},
     }
     del llm, core
     return result
+
+
+CHECKPOINT_FORMATS = ("fp8_block", "int4")
+GROUP = 64  # the default model's widths (576, 1536, 192) are multiples of 64, not of 128
+
+
+def write_checkpoint(mode: str, work: str) -> str:
+    """The default model's HF weights (transformers' dequantization of the GGUF) saved in
+    `mode`'s checkpoint layout under work/mode (once)."""
+    from pathlib import Path
+
+    import ml_dtypes
+    import torch
+    from safetensors.numpy import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxserve.transformers_utils.model_path import default_model_path
+
+    dst = Path(work) / mode
+    if (dst / "config.json").exists():
+        return str(dst)
+    gguf = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)  # fmt: skip
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dst)
+    config = model.config.to_dict()  # a GGUF-loaded model does not save_pretrained itself
+    config.pop("quantization_config", None)
+    tensors = {k: v.numpy() for k, v in model.state_dict().items()}
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in linears]:
+        w = tensors.pop(name)
+        out, d_in = w.shape
+        base = name.removesuffix("weight")
+        if mode == "fp8_block":
+            blocks = w.reshape(out // GROUP, GROUP, d_in // GROUP, GROUP)
+            scale = np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12) / 448.0
+            q = (blocks / scale[:, None, :, None]).reshape(out, d_in)
+            tensors[name] = q.astype(ml_dtypes.float8_e4m3fn)
+            tensors[base + "weight_scale_inv"] = scale.astype(np.float32)
+        else:  # int4: q in [-8, 7] stored as q + 8, eight nibbles an int32, low bits first
+            groups = w.reshape(out, d_in // GROUP, GROUP)
+            scale = np.maximum(np.abs(groups).max(axis=2), 1e-12) / 7.0  # [out, in / group]
+            q = np.clip(np.rint(groups / scale[..., None]), -8, 7).reshape(out, d_in)
+            u = (q + 8).astype(np.uint32).reshape(out, d_in // 8, 8)
+            words = (u << (4 * np.arange(8, dtype=np.uint32))).sum(axis=2, dtype=np.uint32)
+            tensors[base + "weight_packed"] = words.view(np.int32)
+            tensors[base + "weight_scale"] = scale.astype(np.float32)
+            tensors[base + "weight_shape"] = np.array([out, d_in], np.int64)
+    if "lm_head.weight" in tensors and model.config.tie_word_embeddings:
+        del tensors["lm_head.weight"]
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, dst / "model.safetensors")
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": GROUP}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [GROUP, GROUP],
+    } if mode == "fp8_block" else {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
 
 
 def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="none,int8,fp8,kv-fp8")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--batches", default="1,8", help="decode batch sizes, comma-separated")
+    parser.add_argument("--work", default="/tmp/bench-quantization",
+                        help="where the fp8_block / int4 checkpoints are written")  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    rows = [run(m, args.iters, args.max_num_batched_tokens) for m in args.modes.split(",")]
+    batches = tuple(int(b) for b in args.batches.split(","))
+    rows = [run(m, args.iters, args.max_num_batched_tokens, batches, args.work)
+            for m in args.modes.split(",")]  # fmt: skip
     base = rows[0]
     for r in rows:
         same, prefix = 0, 0
@@ -116,8 +198,9 @@ def main() -> dict:
         r["greedy_tokens_equal"] = f"{same}/{64 * len(CHATS)}"
         r["greedy_prefix_equal"] = f"{prefix}/{64 * len(CHATS)}"
         r["mean_logprob_change"] = r["mean_logprob"] / base["mean_logprob"] - 1
-        if r["decode_tok_s"] is not None:
-            r["speed_vs_full"] = r["decode_tok_s"] / base["decode_tok_s"]
+        for size in batches if args.iters else ():
+            key = f"decode_tok_s_b{size}"
+            r[f"speed_vs_full_b{size}"] = r[key] / base[key]
     for r in rows:
         del r["tokens"]
     result = {
