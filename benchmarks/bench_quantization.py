@@ -139,6 +139,7 @@ def write_checkpoint(mode: str, work: str) -> str:
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dst)
     config = model.config.to_dict()  # a GGUF-loaded model does not save_pretrained itself
     config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
     tensors = {k: v.numpy() for k, v in model.state_dict().items()}
     linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in linears]:

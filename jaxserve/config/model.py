@@ -133,8 +133,8 @@ class ModelConfig:
         cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None
     ) -> ModelConfig:
         prequantized, quant_group = checkpoint_quantization(hf_config) or (None, 0)
-        if prequantized == "fp8_block" and quantization == "fp8":
-            quantization = None  # vLLM's --quantization fp8 names these checkpoints too
+        if quantization == prequantized or (prequantized == "fp8_block" and quantization == "fp8"):
+            quantization = None  # the checkpoint's own (vLLM's -q fp8 names block fp8 too)
         if quantization not in (None, *QUANTIZATIONS, "compressed-tensors"):
             raise ValueError(
                 f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}"

@@ -51,6 +51,23 @@ def test_logits_match_transformers_and_weights_stay_packed(name):
         assert (mine.argmax(-1) == ref.argmax(-1)).all()  # greedy: the same tokens
 
 
+def test_the_engine_serves_it_with_transformers_greedy_tokens():
+    """Through LLM (the engine core process, its config rebuilt there): greedy tokens of the
+    prompts' next position are transformers'."""
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    prompts, want = prompts_and_reference(DATA / "ct-w4a16-asym-g64")
+    llm = LLM(str(DATA / "ct-w4a16-asym-g64"), max_num_seqs=4, max_num_batched_tokens=64,
+              max_model_len=128)  # fmt: skip
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids[0] for o in outs] == [int(r[-1].argmax()) for r in want]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_tp2_equals_tp1(cpu_devices):
     results = []
     for tp in (1, 2):
