@@ -37,7 +37,7 @@ class Linear(nnx.Module):
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
                  quant: str | None = None, group: int = 0):  # fmt: skip
-        """group: input rows per scale of an "fp8_block" kernel."""
+        """group: input rows per scale of an "fp8_block" or "int4" kernel."""
         init = nnx.initializers.lecun_normal()
         self.group = {"gguf": GGUF_BLOCK, "fp8_block": group, "int4": group}.get(quant, 0)
         if quant is None:
@@ -68,7 +68,7 @@ class Linear(nnx.Module):
         """x: [T, in] -> [T, out]."""
         if self.scale is None:
             y = x @ self.kernel[...]
-        elif self.group:  # grouped scales: gguf, fp8_block
+        elif self.group:  # grouped scales: gguf, fp8_block, int4
             k = self.kernel[...]
             if k.dtype == jnp.uint8:  # int4: the low nibble is the even row
                 k = jnp.stack([k & 0xF, k >> 4], axis=1).reshape(-1, k.shape[1])

@@ -159,19 +159,14 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
         if p[-1] in ("scale", "offset"):
             continue  # placed with its quantized kernel
         weight = model_cls.hf_weight(config, p, replicas)
-        if _quantized(targets[p]) and config.quantization == "gguf":
-            blocks = [source.get_blocks(name) for name in weight.names]  # (q, d, m) each
-            build = weight.build or (lambda x: x)
-            for i, leaf in enumerate(("kernel", "scale", "offset")):
-                host = build(*(b[i] for b in blocks))
-                place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
-                                                ", ".join(weight.names)))  # fmt: skip
-        elif _quantized(targets[p]) and config.quantization == "int4":
-            for leaf, host in zip(
-                ("kernel", "scale", "offset"),
-                _read_int4(source, weight, config.quant_group),
-                strict=True,
-            ):
+        if _quantized(targets[p]) and config.quantization in ("gguf", "int4"):
+            if config.quantization == "gguf":
+                blocks = [source.get_blocks(name) for name in weight.names]  # (q, d, m) each
+                build = weight.build or (lambda x: x)
+                hosts = [build(*(b[i] for b in blocks)) for i in range(3)]
+            else:
+                hosts = _read_int4(source, weight, config.quant_group)
+            for leaf, host in zip(("kernel", "scale", "offset"), hosts, strict=True):
                 place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
                                                 ", ".join(weight.names)))  # fmt: skip
         elif _quantized(targets[p]) and config.prequantized:
@@ -233,7 +228,7 @@ def _dummy_params(
                 out.append(jnp.ones(shape, dtype))
             elif p[-1] == "scale":  # of a quantized kernel holding ~N(0, 32) values
                 out.append(jnp.full(shape, DUMMY_STD / 32, dtype))
-            elif p[-1] == "offset":  # of a gguf kernel
+            elif p[-1] == "offset":  # of a gguf or int4 kernel
                 out.append(jnp.zeros(shape, dtype))
             elif jnp.dtype(dtype) == jnp.dtype(jnp.uint8):  # int4: two random nibbles a byte
                 out.append(jax.random.bits(jax.random.fold_in(key, i), shape, dtype))

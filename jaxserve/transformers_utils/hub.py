@@ -2,19 +2,19 @@
 cache layout and rules, so a model downloaded by `hf download`, vLLM or transformers is found
 where they put it.
 
-- The hub cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub; `download_dir` / vLLM's
-  `--download-dir` instead) is read first: a snapshot already there is used as it is.
+- The hub cache (huggingface_hub's: $HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub;
+  `download_dir` / vLLM's `--download-dir` instead) is read first: a snapshot already there
+  is used as it is.
 - Online, only what loading reads is downloaded (`ALLOW_PATTERNS`): configs, tokenizer files,
   chat templates and safetensors shards; never `*.bin` / `*.pth` copies or `original/`.
-- `HF_HUB_OFFLINE=1` (read at each call, not at import): the cache only, and a missing model is
-  an error naming the id, the revision and the cache directory. `HF_TOKEN` (read by
-  huggingface_hub) opens gated repos.
+- `HF_HUB_OFFLINE=1` (as huggingface_hub reads it, at its import): the cache only, and a
+  missing model is an error naming the id, the revision and the cache directory. `HF_TOKEN`
+  (read by huggingface_hub) opens gated repos.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 # What loading a model reads: config.json, generation_config.json, the safetensors index and
@@ -23,11 +23,6 @@ from pathlib import Path
 # and pooling configs (1_Pooling/config.json).
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken"]
 IGNORE_PATTERNS = ["original/*", "*.pth", "*.bin", "*.pt"]
-
-
-def offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub reads it ("1", "true", "yes", "on")."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def looks_like_repo_id(name: str) -> bool:
@@ -44,28 +39,16 @@ def looks_like_repo_id(name: str) -> bool:
     return True
 
 
-def cache_dir(download_dir: str | Path | None = None) -> Path:
-    """Where snapshots are looked for and downloaded: `download_dir`, else huggingface_hub's
-    cache as its environment variables name it now."""
-    if download_dir is not None:
-        return Path(download_dir).expanduser()
-    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(variable):
-            return Path(os.environ[variable]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "huggingface",
-    )
-    return Path(home).expanduser() / "hub"
-
-
 def snapshot(
     repo_id: str, revision: str | None = None, download_dir: str | Path | None = None
 ) -> Path:
     """The local directory of `repo_id` at `revision` (a branch, tag or commit; default main),
     from the cache or downloaded into it. Raises FileNotFoundError naming the id, the revision
     and the cache directory when the model cannot be had."""
-    return _snapshot(repo_id, revision, str(cache_dir(download_dir)), offline())
+    from huggingface_hub import constants
+
+    cache = str(Path(download_dir).expanduser()) if download_dir else constants.HF_HUB_CACHE
+    return _snapshot(repo_id, revision, cache, constants.HF_HUB_OFFLINE)
 
 
 @functools.lru_cache(maxsize=64)

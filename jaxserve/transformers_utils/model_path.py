@@ -68,20 +68,20 @@ def resolve_model_path(
         raise FileNotFoundError(
             f"model path {path} does not exist (a preset: use load_format='dummy')"
         )
+    hub_error = ""
     if not path.exists() and hub.looks_like_repo_id(str(model)):
         try:
             path = hub.snapshot(str(model), revision, download_dir)
         except FileNotFoundError as e:
             if load_format != "dummy":
                 raise
-            presets = ", ".join(model_presets())
-            raise FileNotFoundError(
-                f"model {model!r} is neither a path nor a preset ({presets}); as a hub id: {e}"
-            ) from None
+            hub_error = f"; as a hub id: {e}"
     if not path.exists():
         if load_format == "dummy":
             presets = ", ".join(model_presets())
-            raise FileNotFoundError(f"model {model!r} is neither a path nor a preset ({presets})")
+            raise FileNotFoundError(
+                f"model {model!r} is neither a path nor a preset ({presets}){hub_error}"
+            )
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"model file {path} is not a .gguf file")

@@ -71,8 +71,12 @@ def hub(tmp_path_factory) -> dict:
 
 @pytest.fixture
 def offline(hub, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(hub["cache"]))
+    """huggingface_hub offline, on `hub`'s cache: its settings as it read them from
+    HF_HUB_OFFLINE / HF_HUB_CACHE at import (the servers below get the variables)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub["cache"]))
     return hub
 
 
