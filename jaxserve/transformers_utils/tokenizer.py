@@ -15,8 +15,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def read_tokenizer(model: str | Path | None):
-    """The model's transformers tokenizer, or None when it ships none (token-id prompts only)."""
-    path = resolve_model_path(model)
+    """The model's transformers tokenizer, or None when it ships none (token-id prompts only).
+    A directory is read as it is: --tokenizer may name one of tokenizer files alone."""
+    path = Path(model) if model is not None and Path(model).is_dir() else resolve_model_path(model)
     from transformers import AutoTokenizer
 
     if path.is_dir() and not any((path / f).exists() for f in _TOKENIZER_FILES):

@@ -19,6 +19,7 @@ from huggingface_hub import scan_cache_dir
 
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.transformers_utils.model_path import resolve_model_path
+from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.entrypoints.openai.test_api_server import Server
 from tests.helpers import make_tiny_hf, make_tiny_tokenizer
 
@@ -65,7 +66,11 @@ def hub(tmp_path_factory) -> dict:
     config = json.loads((model / "config.json").read_text())
     (v1 / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     tagged = populate_hub_cache(cache, REPO, v1, revision="v1")
-    tokenizer = populate_hub_cache(cache, "tiny-org/tokenizer", model, revision="v1")
+    tokenizer_files = root / "tokenizer"  # a tokenizer-only repo: no config.json
+    tokenizer_files.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tokenizer_files / name).write_bytes((model / name).read_bytes())
+    tokenizer = populate_hub_cache(cache, "tiny-org/tokenizer", tokenizer_files, revision="v1")
     return {"cache": cache, "main": main, "v1": tagged, "tokenizer": tokenizer}
 
 
@@ -96,6 +101,9 @@ def test_ids_resolve_to_their_snapshot_at_the_revision_asked(offline):
     args = EngineArgs(model=REPO, tokenizer="tiny-org/tokenizer", tokenizer_revision="v1")
     assert args.model_path() == offline["main"]
     assert args.tokenizer_source() == str(offline["tokenizer"])
+    assert len(read_tokenizer(args.tokenizer_source())) == len(read_tokenizer(offline["main"]))
+    local = EngineArgs(model=REPO, tokenizer=str(offline["tokenizer"]))  # a directory as is
+    assert local.tokenizer_source() == str(offline["tokenizer"])
     config = EngineArgs(model=REPO, revision="v1", load_format="dummy").create_engine_config()
     assert config.model_path == str(offline["v1"]) and config.model.num_layers == 2
 
