@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import time
 
@@ -35,6 +36,18 @@ def build(quant: str | None, group: int) -> Linear:
     return layer
 
 
+def weight_sized_temporary(hlo: str) -> bool:
+    """Whether a non-library fusion writes an array of the weight's size (in x out elements,
+    any shape): the dequantized (or upcast) weight written to memory and read back by the
+    matmul, instead of converted inside the matmul's own fusion."""
+    for dims in re.findall(
+        r"= (?:bf16|f32|f16)\[([\d,]+)\]\S* fusion\(.*kind=k(?:Loop|Input)", hlo
+    ):
+        if math.prod(int(d) for d in dims.split(",")) == D_IN * D_OUT:
+            return True
+    return False
+
+
 def measure(quant: str | None, group: int, tokens: int, iters: int, hlo_dir=None) -> dict:
     layer = build(quant, group)
     graph, state = nnx.split(layer)
@@ -52,7 +65,7 @@ def measure(quant: str | None, group: int, tokens: int, iters: int, hlo_dir=None
     calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
     fusions = len(re.findall(r"^\s*\S+ = \S+ fusion\(", hlo, re.M))
     # an [in, out] array written between two kernels (a dequantized or upcast weight)?
-    materialized = bool(re.search(rf"= (bf16|f32)\[{D_IN},{D_OUT}\]\S* fusion\(", hlo))
+    materialized = weight_sized_temporary(hlo)
     if hlo_dir:
         with open(f"{hlo_dir}/{quant or 'bf16'}-t{tokens}.hlo.txt", "w") as f:
             f.write(hlo)
