@@ -27,9 +27,8 @@ from jaxserve.config import (
     SpeculativeConfig,
 )
 from jaxserve.distributed.mesh import check_local_devices
-from jaxserve.transformers_utils import hub
 from jaxserve.transformers_utils.config import check_generation_config, read_model_config
-from jaxserve.transformers_utils.model_path import resolve_model_path
+from jaxserve.transformers_utils.model_path import resolve_model_path, resolve_tokenizer_path
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
 # smaller limits keep start-up short.
@@ -121,14 +120,9 @@ class EngineArgs:
         return resolve_model_path(self.model, self.load_format, self.revision, self.download_dir)
 
     def _tokenizer_path(self) -> Path | None:
-        """--tokenizer: a directory of tokenizer files (no config.json needed), or a hub id's
-        snapshot."""
         if self.tokenizer is None:
             return None
-        path = Path(self.tokenizer)
-        if path.exists() or not hub.looks_like_repo_id(self.tokenizer):
-            return path
-        return hub.snapshot(self.tokenizer, self.tokenizer_revision, self.download_dir)
+        return resolve_tokenizer_path(self.tokenizer, self.tokenizer_revision, self.download_dir)
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every argument (ValueError naming it) and build the frozen configs."""

@@ -90,3 +90,16 @@ def resolve_model_path(
             f"{path / 'config.json'} is missing: {path} is not a model directory"
         )
     return path
+
+
+def resolve_tokenizer_path(
+    tokenizer: str | Path, revision: str | None = None, download_dir: str | Path | None = None
+) -> Path:
+    """--tokenizer: the bundled default model's name (with no revision), a path as it is (a
+    directory of tokenizer files needs no config.json), or a hub id's snapshot."""
+    if str(tokenizer) == DEFAULT_MODEL_NAME and revision is None:
+        return default_model_path()
+    path = Path(tokenizer)
+    if path.exists() or not hub.looks_like_repo_id(str(tokenizer)):
+        return path
+    return hub.snapshot(str(tokenizer), revision, download_dir)

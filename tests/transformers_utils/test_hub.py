@@ -18,7 +18,7 @@ import pytest
 from huggingface_hub import scan_cache_dir
 
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.transformers_utils.model_path import resolve_model_path
+from jaxserve.transformers_utils.model_path import default_model_path, resolve_model_path
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.entrypoints.openai.test_api_server import Server
 from tests.helpers import make_tiny_hf, make_tiny_tokenizer
@@ -104,6 +104,8 @@ def test_ids_resolve_to_their_snapshot_at_the_revision_asked(offline):
     assert len(read_tokenizer(args.tokenizer_source())) == len(read_tokenizer(offline["main"]))
     local = EngineArgs(model=REPO, tokenizer=str(offline["tokenizer"]))  # a directory as is
     assert local.tokenizer_source() == str(offline["tokenizer"])
+    bundled = EngineArgs(model=REPO, tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert bundled.tokenizer_source() == str(default_model_path())  # no hub needed
     config = EngineArgs(model=REPO, revision="v1", load_format="dummy").create_engine_config()
     assert config.model_path == str(offline["v1"]) and config.model.num_layers == 2
 
