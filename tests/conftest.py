@@ -1,15 +1,26 @@
 import os
+import pkgutil
 
 # Four host "devices" for the tensor-parallel tests, and XLA:CPU's cheapest code generation:
 # LLVM -O0 and the classic (not the MLIR "fusion") emitters compile the suite's steps 35%
 # faster than -O1 (tests/models/test_family_generate.py, test_tiny_models.py and
 # test_llama_parity.py from a cold cache: 137 -> 90 s) with the same results: XLA:CPU allows
 # no fast-math reassociation at any level; the suite measures no speed. Before jax's import.
-_FLAGS = {
-    "xla_force_host_platform_device_count": "4",
-    "xla_backend_optimization_level": "0",
-    "xla_cpu_use_fusion_emitters": "false",
-}
+# The CUDA plugin parses XLA_FLAGS with its own flag set, which lacks XLA:CPU's: on a machine
+# with the plugin (the GPU suite) only the device count is set.
+
+
+def _cuda_plugin() -> bool:
+    try:
+        import jax_plugins
+    except ImportError:
+        return False
+    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+_FLAGS = {"xla_force_host_platform_device_count": "4"}
+if not _cuda_plugin():
+    _FLAGS |= {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
 for _flag, _value in _FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
