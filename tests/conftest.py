@@ -5,7 +5,11 @@ import pkgutil
 # LLVM -O0 and the classic (not the MLIR "fusion") emitters compile the suite's steps 35%
 # faster than -O1 (tests/models/test_family_generate.py, test_tiny_models.py and
 # test_llama_parity.py from a cold cache: 137 -> 90 s) with the same results: XLA:CPU allows
-# no fast-math reassociation at any level; the suite measures no speed. Before jax's import.
+# no fast-math reassociation at any level; the suite measures no speed. And Eigen's matrix
+# products on one thread: two xdist workers (and their engine subprocesses) share CI's two
+# cores, and each process's second Eigen thread only contends with the other (the default
+# model's decode beside a second one: 13.9 -> 10.9 s for 128 steps of 4 rows; alone 8.8 ->
+# 7.9 s). Before jax's import.
 # The CUDA plugin parses XLA_FLAGS with its own flag set, which lacks XLA:CPU's: on a machine
 # with the plugin (the GPU suite) only the device count is set.
 
@@ -20,7 +24,11 @@ def _cuda_plugin() -> bool:
 
 _FLAGS = {"xla_force_host_platform_device_count": "4"}
 if not _cuda_plugin():
-    _FLAGS |= {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
+    _FLAGS |= {
+        "xla_backend_optimization_level": "0",
+        "xla_cpu_use_fusion_emitters": "false",
+        "xla_cpu_multi_thread_eigen": "false",
+    }
 for _flag, _value in _FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
