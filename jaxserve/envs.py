@@ -62,6 +62,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Seconds an engine core asked to shut down lets in-flight requests finish before it
     # aborts them (engine/core_proc.py).
     "JAXSERVE_SHUTDOWN_TIMEOUT": lambda: float(os.environ.get("JAXSERVE_SHUTDOWN_TIMEOUT", "30")),
+    # GiB of host memory for the KV cache on CPU when no --kv-cache-memory-bytes or
+    # --num-gpu-blocks-override is given (vLLM's VLLM_CPU_KVCACHE_SPACE).
+    "JAXSERVE_CPU_KVCACHE_SPACE": lambda: float(os.environ.get("JAXSERVE_CPU_KVCACHE_SPACE", "1")),
     # The API key the HTTP server requires on /v1 when --api-key is not given; unset: none.
     "JAXSERVE_API_KEY": lambda: os.environ.get("JAXSERVE_API_KEY"),
     # Seconds between the HTTP server's throughput log lines.

@@ -46,6 +46,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # it back to "0" (tests/worker/test_executable_cache.py); subprocess servers inherit it.
 os.environ.setdefault("JAXSERVE_MINIMAL_COMPILE", "1")
 
+# Half a GiB of KV cache for engines given no budget (1 GiB by default): each of the ~40
+# default-model engines of a run zero-fills it, and CI's 24 GiB hold both workers' engines and
+# their servers. The default model's 8192-token context still fits (513 of 711 blocks).
+os.environ.setdefault("JAXSERVE_CPU_KVCACHE_SPACE", "0.5")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

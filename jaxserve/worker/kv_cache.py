@@ -10,12 +10,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve import envs
 from jaxserve.config import CacheConfig, ModelConfig
 from jaxserve.distributed.sharding import kv_cache_sharding
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_BYTES = 1 << 30  # host memory for the KV cache when no budget is given
 
 
 class KVCacheSpec:
@@ -56,7 +55,7 @@ def determine_num_blocks(
 ) -> int:
     """Blocks that fit the budget on `device` after weights and compiled steps:
     num_gpu_blocks_override, else kv_cache_memory_bytes, else gpu_memory_utilization of the
-    device's memory less what is in use, else CPU_DEFAULT_KV_BYTES. bytes_per_block: every
+    device's memory less what is in use, else JAXSERVE_CPU_KVCACHE_SPACE GiB. bytes_per_block: every
     cache one block id covers (a draft model's too); min_blocks: what one request of
     max_model_len needs, plus the null block."""
     cc = cache_config
@@ -70,7 +69,7 @@ def determine_num_blocks(
             used = stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))
             budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization) - used
         else:
-            budget = CPU_DEFAULT_KV_BYTES
+            budget = int(envs.JAXSERVE_CPU_KVCACHE_SPACE * 2**30)
     num_blocks = budget // bytes_per_block
     if num_blocks < min_blocks:
         raise ValueError(

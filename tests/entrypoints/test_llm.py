@@ -238,8 +238,9 @@ def test_prompt_logprobs_match_hf_across_chunks(llm, chunked, hf):
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0], -1).numpy()  # [n, V]
     asks = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    two = SamplingParams(temperature=0, max_tokens=2)
     for engine in (llm, chunked):
-        out, other = engine.generate([{"prompt_token_ids": ids}, "another prompt"], [asks, GREEDY])
+        out, other = engine.generate([{"prompt_token_ids": ids}, "another prompt"], [asks, two])
         assert other.prompt_logprobs is None
         positions = out.prompt_logprobs
         assert len(positions) == len(ids) and positions[0] is None
@@ -252,7 +253,7 @@ def test_prompt_logprobs_match_hf_across_chunks(llm, chunked, hf):
             assert [entry[t].rank for t in top3] == [1, 2, 3]
             assert entry[target].rank == 1 + int((scores > scores[target]).sum())
         assert out.outputs[0].token_ids == token_ids(engine.generate([{"prompt_token_ids": ids}],
-                                                                     GREEDY))[0][:2]  # fmt: skip
+                                                                     two))[0]  # fmt: skip
     core(chunked).scheduler.kv_cache_manager.check_no_leaks()
 
 
@@ -410,10 +411,10 @@ def test_json_schema_valid_when_sampled_with_async_scheduling_and_preemption(tin
     from jaxserve.sampling_params import StructuredOutputsParams as SO
 
     params = SamplingParams(temperature=1.0, max_tokens=200, structured_outputs=SO(json=PERSON))
-    outs = tiny_pool.chat([[{"role": "user", "content": "A person, as JSON."}]] * 8, params)
+    outs = tiny_pool.chat([[{"role": "user", "content": "A person, as JSON."}]] * 4, params)
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
-    assert len({o.outputs[0].text for o in outs}) > 4  # sampled, not one answer
+    assert len({o.outputs[0].text for o in outs}) > 2  # sampled, not one answer
     core(tiny_pool).scheduler.kv_cache_manager.check_no_leaks()
 
 
