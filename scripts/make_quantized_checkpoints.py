@@ -8,9 +8,20 @@ formats' own tools, once: never run by the suite.
     /tmp/lcvenv/bin/python scripts/make_quantized_checkpoints.py quantize /tmp/qbase \
         tests/data/quantized
 
+    # 3. native GPTQ (v1) and AWQ (gemm) checkpoints by GPTQModel, in a venv of its own, CPU
+    #    only: 7.x is pure Python (CUDA kernels are JIT-built on first GPU use, never here);
+    #    7.7.0 wants torch>=2.14.1 and transformers>=5.20.2; 7.5.0 imports requests undeclared
+    python3 -m venv /tmp/gqvenv && /tmp/gqvenv/bin/pip install torch==2.13.0
+    /tmp/gqvenv/bin/pip install gptqmodel==7.5.0 transformers==5.17.0 requests
+    /tmp/gqvenv/bin/python scripts/make_quantized_checkpoints.py gptqmodel /tmp/qbase \
+        tests/data/quantized
+
 Each checkpoint directory also holds `reference_logits.npz`: transformers' float32 logits of
 the checkpoint as its own library (compressed-tensors) decompresses it, for fixed prompts, so
-the suite compares against the format's maintained code without installing it.
+the suite compares against the format's maintained code without installing it. For GPTQModel's
+checkpoints those logits come from the checkpoint loaded back by GPTQModel (its CPU torch
+kernels), each quantized linear dequantized by the library in float32 and the model run in
+float32; `reference_dequant.npz` holds that dequantized weight of `DEQUANT_LAYER`, [out, in].
 """
 
 from __future__ import annotations
@@ -25,6 +36,13 @@ SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
 PROMPTS = [list(range(3, 14)), list(range(40, 57)), [7, 100, 200, 33, 45, 46, 47]]
 # name -> (symmetric, group size): llm-compressor's W4A16 and W4A16_ASYM with these groups
 SCHEMES = {"ct-w4a16-g32": (True, 32), "ct-w4a16-asym-g64": (False, 64)}
+# name -> (method, symmetric, group size, desc_act): GPTQModel's native GPTQ (v1) and AWQ gemm
+GPTQMODEL_SCHEMES = {
+    "gptq-w4-g32": ("gptq", True, 32, False),
+    "gptq-w4-asym-g64-actorder": ("gptq", False, 64, True),
+    "awq-w4-g64": ("awq", False, 64, False),
+}
+DEQUANT_LAYER = "model.layers.0.self_attn.q_proj"  # the layer reference_dequant.npz holds
 CALIBRATION = [
     f"Sentence {i}: the {w} {v} over the {o} while it {t}."
     for i, (w, v, o, t) in enumerate(
@@ -77,5 +95,81 @@ def quantize(base_dir: str, out: str) -> None:
         print(name, "->", dst)
 
 
+def gptqmodel(base_dir: str, out: str) -> None:
+    import os
+
+    # its CPU thread pool wants 2 workers but defaults to cores // 2 (1 on a 2-core machine)
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+    import numpy as np
+    import torch
+    from gptqmodel import BACKEND, AWQConfig, GPTQConfig, GPTQModel
+    from gptqmodel.nn_modules.qlinear import AWQuantLinear, BaseQuantLinear
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    for name, (method, symmetric, group, desc_act) in GPTQMODEL_SCHEMES.items():
+        dst = Path(out) / name
+        if method == "gptq":
+            # act_group_aware off: desc_act=False then keeps g_idx = i // group
+            config = GPTQConfig(bits=4, group_size=group, sym=symmetric, desc_act=desc_act,
+                                act_group_aware=False, offload_to_disk=False)  # fmt: skip
+            # quantized from float32; the saved checkpoint is v1 ("gptq", zeros minus one)
+            dtype, backend = torch.float32, BACKEND.GPTQ_TORCH
+        else:
+            # its AWQ packer (the CPU torch kernel) takes float16 or bfloat16 only
+            config = AWQConfig(bits=4, group_size=group, sym=symmetric, offload_to_disk=False)
+            dtype, backend = torch.float16, BACKEND.AWQ_TORCH
+        model = GPTQModel.load(base_dir, config, device="cpu", dtype=dtype)
+        model.quantize(CALIBRATION, batch_size=1, backend=backend)
+        model.save(str(dst))
+        tokenizer.save_pretrained(dst)
+        (dst / "quant_log.csv").unlink(missing_ok=True)  # per-run timings, not the checkpoint
+
+        # Loaded back by the library on CPU (its torch kernels run float16/bfloat16 only)
+        ref = GPTQModel.load(str(dst), device="cpu", backend=backend, dtype=torch.float16)
+        hf = ref.model.eval()
+        with torch.no_grad():
+            kernel = [hf(torch.tensor([p])).logits[0].float() for p in PROMPTS]
+        # ...then each quantized linear replaced by the library's own dequantization done in
+        # float32 (its float16 scales upcast before the multiply), the rest of the model set
+        # to the float tensors the checkpoint stores, and run in float32
+        dequant = {}
+        for mod_name, mod in list(hf.named_modules()):
+            if not isinstance(mod, BaseQuantLinear):
+                continue
+            with torch.no_grad():
+                if isinstance(mod, AWQuantLinear):
+                    w = dequantize_gemm(mod.qweight, mod.qzeros, mod.scales.float(), mod.bits,
+                                        mod.group_size)  # fmt: skip
+                else:
+                    mod.scales = mod.scales.float()
+                    w = mod.dequantize_weight()
+            w = w.float().T.contiguous()  # [in, out] -> HF [out, in]
+            linear = torch.nn.Linear(mod.in_features, mod.out_features, bias=False)
+            linear.weight = torch.nn.Parameter(w, requires_grad=False)
+            parent, _, child = mod_name.rpartition(".")
+            setattr(hf.get_submodule(parent), child, linear)
+            if mod_name == DEQUANT_LAYER:
+                dequant[f"{mod_name}.weight"] = w.numpy()
+                print(name, f"{mod_name}.weight", tuple(w.shape), w[:2, :6])
+        hf.float()
+        stored = load_file(dst / "model.safetensors")
+        floats = {k: v.float() for k, v in stored.items() if v.is_floating_point()}
+        floats = {k: v for k, v in floats.items() if not k.endswith(".scales")}
+        assert floats.keys() <= hf.state_dict().keys(), floats.keys() - hf.state_dict().keys()
+        hf.load_state_dict(floats, strict=False)
+        with torch.no_grad():
+            logits = [hf(torch.tensor([p])).logits[0] for p in PROMPTS]
+        gap = max((a - b).abs().max().item() for a, b in zip(logits, kernel, strict=True))
+        print(name, "max |float32 dequant - library float16 kernel| logits:", gap)
+        np.savez_compressed(dst / "reference_logits.npz",
+                            **{f"prompt_{i}": x.numpy() for i, x in enumerate(logits)})  # fmt: skip
+        np.savez_compressed(dst / "reference_dequant.npz", **dequant)
+        (dst / "reference_prompts.json").write_text(json.dumps(PROMPTS))
+        print(name, "->", dst)
+
+
 if __name__ == "__main__":
-    {"base": base, "quantize": quantize}[sys.argv[1]](*sys.argv[2:])
+    {"base": base, "quantize": quantize, "gptqmodel": gptqmodel}[sys.argv[1]](*sys.argv[2:])

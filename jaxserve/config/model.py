@@ -13,6 +13,10 @@ import jax
 import jax.numpy as jnp
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# --quantization names that select a pre-quantized checkpoint's own method (vLLM's; the
+# marlin ones are its GPU kernels for the same checkpoints) -> the config's quant_method.
+CHECKPOINT_METHODS = {"compressed-tensors": "compressed-tensors", "gptq": "gptq",
+                      "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq"}  # fmt: skip
 QUANTIZATIONS = ("int8", "fp8", "gguf")  # gguf: a GGUF file's blocks kept (layers/linear.py)
 
 _DTYPES = {
@@ -133,19 +137,26 @@ class ModelConfig:
         cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None
     ) -> ModelConfig:
         prequantized, quant_group = checkpoint_quantization(hf_config) or (None, 0)
+        if quantization in CHECKPOINT_METHODS:  # vLLM's names of a checkpoint's own method
+            method = _quant_method(hf_config)
+            if method != CHECKPOINT_METHODS[quantization]:
+                raise ValueError(
+                    f"quantization {quantization!r}: the checkpoint's quantization_config "
+                    + (f"names {method!r}" if method else "is absent (not quantized)")
+                )
+            quantization = None
         if quantization == prequantized or (prequantized == "fp8_block" and quantization == "fp8"):
             quantization = None  # the checkpoint's own (vLLM's -q fp8 names block fp8 too)
-        if quantization not in (None, *QUANTIZATIONS, "compressed-tensors"):
+        if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(
-                f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}"
+                f"quantization {quantization!r} is not supported; choose from "
+                f"{(*QUANTIZATIONS, *CHECKPOINT_METHODS)}"
             )
-        if prequantized and quantization not in (None, prequantized, "compressed-tensors"):
+        if prequantized and quantization is not None:
             raise ValueError(
                 f"quantization {quantization!r} conflicts with the checkpoint's own "
                 f"{prequantized} weights"
             )
-        if quantization == "compressed-tensors" and not prequantized:
-            raise ValueError("quantization 'compressed-tensors': the checkpoint is not quantized")
         archs = getattr(hf_config, "architectures", None) or []
         if not archs:
             raise ValueError("HF config has no `architectures` entry; cannot pick a model class")
@@ -259,7 +270,8 @@ class ModelConfig:
 
 def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     """The weights of a pre-quantized checkpoint (its config's quantization_config), as
-    (mode, group): ("int4", group size) for compressed-tensors pack-quantized 4-bit weights;
+    (mode, group): ("int4", group size) for 4-bit weights: compressed-tensors pack-quantized,
+    GPTQ, AWQ (the layouts: models/int4_checkpoints.py);
     ("int8" | "fp8", 0) for 8-bit symmetric per-channel or per-tensor weights
     stored unpacked (compressed-tensors int-, naive- or float-quantized; HF `fp8` without
     blocks); ("fp8_block", input rows per block) for e4m3 weights with 2-D block scales (HF
@@ -273,10 +285,12 @@ def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     method, fmt = qc.get("quant_method"), qc.get("format")
     if method == "fp8":
         return _hf_fp8(qc)
+    if method in ("gptq", "awq"):
+        return ("int4", _gptq_awq_group(qc, method))
     if method != "compressed-tensors":
         raise ValueError(
-            f"checkpoint quantization {method!r} is not supported (compressed-tensors 8-bit "
-            "and block fp8, HF fp8 are; or load a full-precision checkpoint with "
+            f"checkpoint quantization {method!r} is not supported (compressed-tensors, GPTQ "
+            "and AWQ 4-bit, HF fp8 are; or load a full-precision checkpoint with "
             "--quantization int8|fp8)"
         )
     formats = ("int-quantized", "naive-quantized", "float-quantized", "pack-quantized")
@@ -349,6 +363,41 @@ def _int4_group(w: dict, name: str) -> int:
             f"{what}: actorder {w.get('actorder')!r} is not supported (static or none)"
         )
     return w["group_size"]
+
+
+def _quant_method(hf_config: Any) -> str | None:
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    return (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
+
+
+def _gptq_awq_group(qc: dict, method: str) -> int:
+    """GPTQ (AutoGPTQ / GPTQModel) and AWQ ("gemm") 4-bit checkpoints; the group size."""
+    what = f"{method} checkpoint"
+    if qc.get("bits") != 4:
+        raise ValueError(f"{what}: bits {qc.get('bits')!r} are not supported (4)")
+    group = qc.get("group_size")
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(
+            f"{what}: group_size {group!r} is not supported (a positive group size; -1, one "
+            "group per channel, is not)"
+        )
+    if qc.get("lm_head"):
+        raise ValueError(f"{what}: a quantized lm_head is not supported")
+    if qc.get("dynamic"):
+        raise ValueError(f"{what}: per-module `dynamic` overrides are not supported")
+    if method == "gptq":
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"{what}: checkpoint_format {fmt!r} is not supported (gptq)")
+    else:
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"{what}: version {version!r} is not supported (gemm)")
+        if qc.get("zero_point") is False:
+            raise ValueError(f"{what}: zero_point false is not supported")
+    return group
 
 
 def _block_rows(block: Any, field: str) -> int:

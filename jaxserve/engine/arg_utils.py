@@ -79,7 +79,7 @@ class EngineArgs:
     # op; default elsewhere, where the kernel only runs interpreted).
     attention_backend: str | None = None
     reasoning_parser: str | None = None  # e.g. deepseek_r1, qwen3 (jaxserve/reasoning)
-    quantization: str | None = None  # int8 | fp8 (at load) | gguf | compressed-tensors
+    quantization: str | None = None  # int8 | fp8 (at load) | gguf | the checkpoint's method
     # "pooling": an embedding model (LLM.embed, /v1/embeddings), no generation; "auto" and
     # "generate": text generation. `task="embed"` is vLLM's older name for runner="pooling".
     runner: str = "auto"

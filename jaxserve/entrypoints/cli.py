@@ -167,9 +167,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "-q",
         "--quantization",
         default=None,
-        choices=["int8", "fp8", "gguf", "compressed-tensors"],
+        choices=[
+            "int8",
+            "fp8",
+            "gguf",
+            "compressed-tensors",
+            "gptq",
+            "gptq_marlin",
+            "awq",
+            "awq_marlin",
+        ],  # fmt: skip
         help="weight-only quantization of the linear layers: int8 / fp8 computed at load, gguf "
-        "(a GGUF file's blocks kept), compressed-tensors (read from the checkpoint; automatic)",
+        "(a GGUF file's blocks kept); compressed-tensors, gptq, awq (and vLLM's gptq_marlin, "
+        "awq_marlin): the checkpoint's own, read from it (automatic; named, it must match)",
     )
     parser.add_argument(
         "--background-compile", action=argparse.BooleanOptionalAction, default=False,

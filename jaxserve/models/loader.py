@@ -27,6 +27,7 @@ from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.layers.linear import quantize_kernel
 from jaxserve.models import weight_cache
+from jaxserve.models.int4_checkpoints import int4_layout, read_int4
 from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
@@ -155,6 +156,7 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
                  place, label: str) -> None:  # fmt: skip
     """Read (and convert, quantize) every parameter of `targets` from `source`, handing each
     host array to `place(path, array)`."""
+    layout = int4_layout(config.hf_config) if config.quantization == "int4" else None
     for p in tqdm(targets, desc=f"Loading {label}", unit="param", leave=False):
         if p[-1] in ("scale", "offset"):
             continue  # placed with its quantized kernel
@@ -165,7 +167,7 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
                 build = weight.build or (lambda x: x)
                 hosts = [build(*(b[i] for b in blocks)) for i in range(3)]
             else:
-                hosts = _read_int4(source, weight, config.quant_group)
+                hosts = read_int4(source, weight, config.quant_group, layout)
             for leaf, host in zip(("kernel", "scale", "offset"), hosts, strict=True):
                 place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
                                                 ", ".join(weight.names)))  # fmt: skip
@@ -301,48 +303,6 @@ def _read_prequantized(
     kernel = _checked(build(*values).astype(target.dtype), target.shape, ", ".join(weight.names))
     scale = build(*scales).astype(np.float32)
     return kernel, scale if group else scale.reshape(-1)
-
-
-def _unpack_int32(packed: np.ndarray, n: int) -> np.ndarray:
-    """compressed-tensors' dense 4-bit packing: value i of a row at bits 4i of the row's int32
-    words (low bits first) -> uint8 [rows, n], the unsigned nibbles (signed value + 8)."""
-    words = np.ascontiguousarray(packed).view(np.uint32)
-    nibbles = (words[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
-    return nibbles.reshape(words.shape[0], -1)[:, :n].astype(np.uint8)
-
-
-def _read_int4(source, weight: HFWeight, group: int) -> tuple[np.ndarray, ...]:
-    """A pack-quantized kernel: each HF layer's `weight_packed` (int32 [out, in / 8]),
-    `weight_scale` [out, in / group] and, when asymmetric, `weight_zero_point` (int32
-    [out / 8, in / group], packed along the output) -> (kernel uint8 [in / 2, out], two
-    nibbles a byte; scale, offset f32 [in / group, out]), fused and transposed like the float
-    weights; w = (u - zero) * scale = u * scale + offset."""
-    values, scales, offsets = [], [], []
-    for name in weight.names:
-        base = name.removesuffix("weight")
-        if base + "weight_packed" not in source:
-            raise ValueError(
-                f"{base}weight_packed is missing: a pack-quantized checkpoint must quantize "
-                "every decoder linear layer (none may be in its ignore list)"
-            )
-        out, d_in = (int(v) for v in np.asarray(source.get(base + "weight_shape")))
-        u = _unpack_int32(np.asarray(source.get(base + "weight_packed")), d_in)  # [out, in]
-        scale = np.asarray(source.get(base + "weight_scale"), np.float32)  # [out, in / group]
-        if scale.shape != (out, d_in // group):
-            raise ValueError(
-                f"{base}weight_scale has shape {scale.shape}, not {(out, d_in // group)}"
-            )
-        zero = np.float32(8.0)  # symmetric: the signed value's zero, stored as 8
-        if base + "weight_zero_point" in source:
-            packed = np.asarray(source.get(base + "weight_zero_point"))
-            zero = _unpack_int32(packed.T, out).T.astype(np.float32)  # [out, in / group]
-        values.append(u)
-        scales.append(scale)
-        offsets.append(-zero * scale)
-    build = weight.build or (lambda x: x)
-    u = build(*values)  # [in, out]
-    kernel = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)  # [in / 2, out]
-    return kernel, build(*scales).astype(np.float32), build(*offsets).astype(np.float32)
 
 
 def _abstract_model(model_cls, config: ModelConfig, kv_replicas: int):

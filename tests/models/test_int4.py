@@ -1,9 +1,11 @@
-"""4-bit weights kept packed (two a byte) and unpacked inside the step's matmul: compressed-
-tensors pack-quantized W4A16, symmetric (group 32) and asymmetric (group 64), as
-llm-compressor's GPTQ writes them (tests/data/quantized, made by
-scripts/make_quantized_checkpoints.py in llm-compressor's own venv). The reference is
-transformers' float32 logits of each checkpoint as compressed-tensors decompresses it, saved
-beside it by the same script."""
+"""4-bit weights kept packed (two a byte) and unpacked inside the step's matmul, from three
+layouts, each checkpoint made by its own library (tests/data/quantized, by
+scripts/make_quantized_checkpoints.py in the libraries' own venvs): compressed-tensors
+pack-quantized W4A16, symmetric (group 32) and asymmetric (group 64), written by
+llm-compressor; GPTQ (group 32, symmetric) and AWQ gemm (group 64, zero points) written by
+GPTQModel. The reference of each is its library's own dequantization: transformers' float32
+logits of the checkpoint as compressed-tensors decompresses it, or GPTQModel's (each
+QuantLinear's dequantized weight in a float32 model), saved beside it by the same script."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from jaxserve.models.loader import load_model
 from tests.models.test_llama_parity import run_mixed_schedule
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "quantized"
-CHECKPOINTS = {"ct-w4a16-g32": 32, "ct-w4a16-asym-g64": 64}
+CHECKPOINTS = {"ct-w4a16-g32": 32, "ct-w4a16-asym-g64": 64, "gptq-w4-g32": 32, "awq-w4-g64": 64}
 
 
 def prompts_and_reference(checkpoint: Path) -> tuple[list[list[int]], list[np.ndarray]]:
@@ -49,6 +51,25 @@ def test_logits_match_transformers_and_weights_stay_packed(name):
         mine = got[i][: len(prompts[i])]  # the prompt's rows (a decode token follows some)
         np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
         assert (mine.argmax(-1) == ref.argmax(-1)).all()  # greedy: the same tokens
+
+
+@pytest.mark.parametrize("name", ["gptq-w4-g32", "awq-w4-g64"])
+def test_unpacked_weights_equal_gptqmodels_dequantization(name):
+    """Layer 0's q_proj, unpacked from the fused qkv kernel: GPTQModel's own dequantized
+    weight (its QuantLinear's, saved as reference_dequant.npz [out, in])."""
+    want = np.load(DATA / name / "reference_dequant.npz")["model.layers.0.self_attn.q_proj.weight"]
+    loaded = load_model(DATA / name, dtype="float32")
+    qkv = loaded.model.layers[0].self_attn.qkv_proj
+    k = np.asarray(qkv.kernel[...])
+    u = np.stack([k & 0xF, k >> 4], axis=1).reshape(-1, k.shape[1]).astype(np.float32)
+    group = CHECKPOINTS[name]
+    rows = lambda a: np.repeat(np.asarray(a), group, axis=0)  # noqa: E731
+    w = u * rows(qkv.scale[...]) + rows(qkv.offset[...])  # [in, per KV head: its q heads, k, v]
+    c = loaded.config
+    per_kv = w.shape[1] // c.num_kv_heads
+    q_cols = c.num_heads // c.num_kv_heads * c.head_dim
+    q = np.concatenate([w[:, h * per_kv :][:, :q_cols] for h in range(c.num_kv_heads)], axis=1)
+    np.testing.assert_allclose(q.T, want, atol=1e-6, rtol=1e-6)
 
 
 def test_the_engine_serves_it_with_transformers_greedy_tokens():
@@ -97,3 +118,39 @@ def test_unsupported_variants_are_named(tmp_path, change, message):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         load_model(bad, dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("gptq-w4-g32", {"bits": 8}, "gptq checkpoint: bits 8 are not supported"),
+        ("gptq-w4-g32", {"group_size": -1}, "group_size -1 is not supported"),
+        ("gptq-w4-g32", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+        ("awq-w4-g64", {"version": "gemv"}, "version 'gemv' is not supported"),
+        ("awq-w4-g64", {"zero_point": False}, "zero_point false is not supported"),
+    ],
+)
+def test_unsupported_gptq_and_awq_variants_are_named(tmp_path, name, change, message):
+    bad = tmp_path / "bad"
+    shutil.copytree(DATA / name, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model(bad, dtype="float32")
+
+
+def test_act_order_gptq_is_refused_naming_the_layer():
+    with pytest.raises(ValueError, match=r"layers\.0\..*g_idx is not input row // group_size"):
+        load_model(DATA / "gptq-w4-asym-g64-actorder", dtype="float32")
+
+
+def test_quantization_flag_names_the_checkpoints_own_method():
+    """vLLM's --quantization gptq / gptq_marlin / awq / awq_marlin / compressed-tensors select
+    the checkpoint's own method, and name a mismatch."""
+    for flag in ("gptq", "gptq_marlin"):
+        assert load_model(DATA / "gptq-w4-g32", quantization=flag).config.quantization == "int4"
+    with pytest.raises(ValueError, match="quantization 'awq': .* names 'gptq'"):
+        load_model(DATA / "gptq-w4-g32", quantization="awq")
+    with pytest.raises(ValueError, match="quantization 'gptq': .* names 'compressed-tensors'"):
+        load_model(DATA / "ct-w4a16-g32", quantization="gptq")

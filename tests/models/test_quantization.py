@@ -168,7 +168,7 @@ def test_unsupported_checkpoint_quantization_is_named(model_dir, tmp_path):
     (ct / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="int 8-bit group weights are not supported"):
         load_model(ct, dtype="float32")
-    config["quantization_config"]["quant_method"] = "gptq"
+    config["quantization_config"]["quant_method"] = "bitsandbytes"
     (ct / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="'gptq' is not supported"):
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
         load_model(ct, dtype="float32")

@@ -1,0 +1,127 @@
+"""4-bit checkpoints' packed weights -> the "int4" kernel of layers/linear.py (uint8 [in / 2,
+out], two nibbles a byte; scale and offset f32 [in / group, out]: w = u * scale + offset).
+
+Three layouts, each as its own library writes it (tests/data/quantized/ holds one of each,
+made by it):
+- compressed-tensors pack-quantized (llm-compressor's W4A16): `weight_packed` int32 [out,
+  in / 8] (packed along the input), `weight_scale` [out, in / group], `weight_zero_point` int32
+  [out / 8, in / group] (packed along the output) when asymmetric, else 8;
+- GPTQ (AutoGPTQ / GPTQModel, quant_method "gptq"): `qweight` int32 [in / 8, out] (packed
+  along the input), `qzeros` int32 [in / group, out / 8] (packed along the output; the "gptq"
+  format stores zero - 1 in each nibble, "gptq_v2" the zero), `scales` [in / group, out] and
+  `g_idx` [in];
+- AWQ (AutoAWQ / GPTQModel, quant_method "awq", version "gemm"): `qweight` int32 [in, out / 8]
+  and `qzeros` int32 [in / group, out / 8], both packed along the output with columns
+  0 2 4 6 1 3 5 7 of each 8 in nibbles 0..7, `scales` [in / group, out].
+In every layout nibble i of a 32-bit word is bits 4i..4i+3 and w = (u - zero) * scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxserve.models.llama import HFWeight
+
+_AWQ_COLUMNS = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # the output column of nibble i in a word
+
+
+def int4_layout(hf_config: Any) -> str:
+    """The packed layout of an "int4" checkpoint: "compressed-tensors", "gptq", "gptq_v2" or
+    "awq" (config/model.py's checkpoint_quantization has validated the config)."""
+    qc = hf_config.quantization_config
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if method == "gptq" and qc.get("checkpoint_format") == "gptq_v2":
+        return "gptq_v2"
+    return method
+
+
+def _nibbles(packed: np.ndarray, axis: int) -> np.ndarray:
+    """int32 words -> uint8 nibbles, each word's 8 in place of it along `axis` (low first)."""
+    words = np.ascontiguousarray(packed).view(np.uint32)
+    shape = [1] * (words.ndim + 1)
+    shape[axis + 1] = 8
+    shifts = (4 * np.arange(8, dtype=np.uint32)).reshape(shape)
+    u = (np.expand_dims(words, axis + 1) >> shifts) & 0xF
+    shape = list(words.shape)
+    shape[axis] *= 8
+    return u.reshape(shape).astype(np.uint8)
+
+
+def _compressed_tensors(source, base: str, group: int):
+    """-> (u [out, in] uint8, scale [out, in / group] f32, zero: [out, in / group] or 8)."""
+    if base + "weight_packed" not in source:
+        raise ValueError(
+            f"{base}weight_packed is missing: a pack-quantized checkpoint must quantize "
+            "every decoder linear layer (none may be in its ignore list)"
+        )
+    out, d_in = (int(v) for v in np.asarray(source.get(base + "weight_shape")))
+    u = _nibbles(np.asarray(source.get(base + "weight_packed")), 1)[:, :d_in]
+    scale = np.asarray(source.get(base + "weight_scale"), np.float32)
+    zero = np.float32(8.0)  # symmetric: the signed value's zero, stored as 8
+    if base + "weight_zero_point" in source:
+        zero = _nibbles(np.asarray(source.get(base + "weight_zero_point")), 0)[:out]
+        zero = zero.astype(np.float32)
+    return u, scale, zero
+
+
+def _gptq_or_awq(source, base: str, group: int, layout: str):
+    if base + "qweight" not in source:
+        raise ValueError(
+            f"{base}qweight is missing: a {layout} checkpoint must quantize every decoder "
+            "linear layer (modules_to_not_convert / dynamic exclusions are not supported)"
+        )
+    qweight = np.asarray(source.get(base + "qweight"))
+    scale = np.asarray(source.get(base + "scales"), np.float32)  # [in / group, out]
+    if layout == "awq":
+        u = _nibbles(qweight, 1)  # [in, out], columns in AWQ's order within each word
+        zero = _nibbles(np.asarray(source.get(base + "qzeros")), 1)
+        order = (np.arange(u.shape[1]) // 8 * 8).reshape(-1, 8) + _AWQ_COLUMNS
+        natural = np.argsort(order.reshape(-1))
+        u, zero = u[:, natural], zero[:, natural]
+    else:
+        u = _nibbles(qweight, 0)  # [in, out]
+        zeros = np.ascontiguousarray(np.asarray(source.get(base + "qzeros"))).view(np.uint32)
+        if layout == "gptq":  # zero - 1 in each nibble, subtracted from the whole word
+            zeros = zeros + np.uint32(0x11111111)
+        zero = _nibbles(zeros, 1)
+        d_in = u.shape[0]
+        if base + "g_idx" in source:
+            g_idx = np.asarray(source.get(base + "g_idx"))
+            if not np.array_equal(g_idx, np.arange(d_in) // group):
+                raise ValueError(
+                    f"{base}g_idx is not input row // group_size ({group}): act-order "
+                    "(desc_act) GPTQ checkpoints are not supported yet; quantize with "
+                    "desc_act=False"
+                )
+    if scale.shape != (u.shape[0] // group, u.shape[1]) or zero.shape != scale.shape:
+        raise ValueError(
+            f"{base}scales / qzeros have shapes {scale.shape} / {zero.shape}, not "
+            f"{(u.shape[0] // group, u.shape[1])} for a [{u.shape[0]}, {u.shape[1]}] weight "
+            f"in groups of {group}"
+        )
+    return u.T, scale.T, zero.T.astype(np.float32)
+
+
+def read_int4(source, weight: HFWeight, group: int, layout: str) -> tuple[np.ndarray, ...]:
+    """Each HF layer of `weight` in `layout` -> (kernel uint8 [in / 2, out], scale, offset f32
+    [in / group, out]), fused and transposed like the float weights."""
+    values, scales, offsets = [], [], []
+    for name in weight.names:
+        base = name.removesuffix("weight")
+        if layout == "compressed-tensors":
+            u, scale, zero = _compressed_tensors(source, base, group)
+        else:
+            u, scale, zero = _gptq_or_awq(source, base, group, layout)
+        out, d_in = u.shape
+        if scale.shape != (out, d_in // group):
+            raise ValueError(f"{base} scales have shape {scale.shape}, not {(out, d_in // group)}")
+        values.append(u)
+        scales.append(scale)
+        offsets.append(-zero * scale)
+    build = weight.build or (lambda x: x)
+    u = build(*values)  # [in, out]
+    kernel = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)  # [in / 2, out]
+    return kernel, build(*scales).astype(np.float32), build(*offsets).astype(np.float32)
