@@ -122,6 +122,9 @@ class ModelConfig:
     quantization: str | None = None
     prequantized: bool = False
     quant_group: int = 0
+    # "int4" from an act-order GPTQ checkpoint (desc_act): each linear layer's input rows
+    # are stored sorted by group, and the layer gathers its input by `perm` first.
+    quant_act_order: bool = False
     # Mixture of experts (Mixtral, Qwen3-MoE; layers/fused_moe.py): 0 experts = dense MLPs.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -232,6 +235,7 @@ class ModelConfig:
             quantization=prequantized or quantization,
             prequantized=prequantized is not None,
             quant_group=quant_group,
+            quant_act_order=prequantized == "int4" and _gptq_act_order(hf_config),
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )
@@ -370,6 +374,12 @@ def _quant_method(hf_config: Any) -> str | None:
     if not qc:
         return None
     return (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
+
+
+def _gptq_act_order(hf_config: Any) -> bool:
+    qc = hf_config.quantization_config
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return qc.get("quant_method") == "gptq" and bool(qc.get("desc_act"))
 
 
 def _gptq_awq_group(qc: dict, method: str) -> int:

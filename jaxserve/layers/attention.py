@@ -172,10 +172,11 @@ class Attention(nnx.Module):
         self.num_kv_heads = config.num_kv_heads * kv_replicas  # as the cache holds them
         self.group = hq // self.num_kv_heads
         width = self.num_kv_heads * (self.group + 2) * hd
-        quant, group = config.quantization, config.quant_group
+        quant = dict(quant=config.quantization, group=config.quant_group,
+                     act_order=config.quant_act_order)  # fmt: skip
         self.qkv_proj = Linear(d, width, bias=config.attention_bias, dtype=config.dtype,
-                               rngs=rngs, quant=quant, group=group)  # fmt: skip
-        self.o_proj = Linear(hq * hd, d, dtype=config.dtype, rngs=rngs, quant=quant, group=group)
+                               rngs=rngs, **quant)  # fmt: skip
+        self.o_proj = Linear(hq * hd, d, dtype=config.dtype, rngs=rngs, **quant)
         if config.qk_norm:
             self.q_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)
             self.k_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)

@@ -27,7 +27,9 @@ class Linear(nnx.Module):
     quant "int4": 4-bit weights packed two a byte, kernel uint8 [in / 2, out] (row 2i in the
     low nibble, 2i + 1 in the high one), `scale` and `offset` f32[in / group, out]; the
     weight is u * scale + offset groupwise (u the unsigned nibble: offset = -zero_point *
-    scale), unpacked in x's dtype for the matmul. compressed-tensors' pack-quantized W4A16.
+    scale), unpacked in x's dtype for the matmul. compressed-tensors' pack-quantized W4A16,
+    GPTQ and AWQ (models/int4_checkpoints.py). Act-order GPTQ adds `perm` int32 [in]: the
+    kernel's row r is input perm[r] (rows sorted by group), so x is gathered by it first.
 
     quant "gguf": a GGUF file's blocks kept quantized (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q6_K;
     models/weight_sources.py::gguf_blocks): kernel holds int8 q [in, out], `scale` d and
@@ -36,8 +38,9 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
-                 quant: str | None = None, group: int = 0):  # fmt: skip
-        """group: input rows per scale of an "fp8_block" or "int4" kernel."""
+                 quant: str | None = None, group: int = 0, act_order: bool = False):  # fmt: skip
+        """group: input rows per scale of an "fp8_block" or "int4" kernel; act_order: an
+        "int4" kernel whose input rows are stored in `perm` order (act-order GPTQ)."""
         init = nnx.initializers.lecun_normal()
         self.group = {"gguf": GGUF_BLOCK, "fp8_block": group, "int4": group}.get(quant, 0)
         if quant is None:
@@ -63,9 +66,13 @@ class Linear(nnx.Module):
             self.scale = nnx.Param(jnp.ones((d_out,), jnp.float32))
             self.offset = None
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        act_order = act_order and quant == "int4"
+        self.perm = nnx.Param(jnp.arange(d_in, dtype=jnp.int32)) if act_order else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, in] -> [T, out]."""
+        if self.perm is not None:  # the kernel's rows are the inputs in perm's order
+            x = jnp.take(x, self.perm[...], axis=-1)
         if self.scale is None:
             y = x @ self.kernel[...]
         elif self.group:  # grouped scales: gguf, fp8_block, int4

@@ -67,7 +67,9 @@ def _compressed_tensors(source, base: str, group: int):
     return u, scale, zero
 
 
-def _gptq_or_awq(source, base: str, group: int, layout: str):
+def _gptq_or_awq(source, base: str, group: int, layout: str, act_order: bool):
+    """-> (u [out, in] uint8, scale, zero [out, in / group] f32, perm int32 [in] or None):
+    with act_order the input rows sorted by group (perm: the input row of each)."""
     if base + "qweight" not in source:
         raise ValueError(
             f"{base}qweight is missing: a {layout} checkpoint must quantize every decoder "
@@ -88,33 +90,47 @@ def _gptq_or_awq(source, base: str, group: int, layout: str):
             zeros = zeros + np.uint32(0x11111111)
         zero = _nibbles(zeros, 1)
         d_in = u.shape[0]
-        if base + "g_idx" in source:
-            g_idx = np.asarray(source.get(base + "g_idx"))
-            if not np.array_equal(g_idx, np.arange(d_in) // group):
+        g_idx = np.asarray(source.get(base + "g_idx")) if base + "g_idx" in source else None
+        if act_order:
+            if g_idx is None or not (np.bincount(g_idx, minlength=d_in // group) == group).all():
                 raise ValueError(
-                    f"{base}g_idx is not input row // group_size ({group}): act-order "
-                    "(desc_act) GPTQ checkpoints are not supported yet; quantize with "
-                    "desc_act=False"
+                    f"{base}g_idx does not put {group} input rows (group_size) in each group"
                 )
+            perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+            u = u[perm]  # the rows of group g are now rows g * group ...
+        elif g_idx is not None and not np.array_equal(g_idx, np.arange(d_in) // group):
+            raise ValueError(
+                f"{base}g_idx is not input row // group_size ({group}), and the config's "
+                "desc_act is not true"
+            )
     if scale.shape != (u.shape[0] // group, u.shape[1]) or zero.shape != scale.shape:
         raise ValueError(
             f"{base}scales / qzeros have shapes {scale.shape} / {zero.shape}, not "
             f"{(u.shape[0] // group, u.shape[1])} for a [{u.shape[0]}, {u.shape[1]}] weight "
             f"in groups of {group}"
         )
-    return u.T, scale.T, zero.T.astype(np.float32)
+    return u.T, scale.T, zero.T.astype(np.float32), perm if act_order else None
 
 
-def read_int4(source, weight: HFWeight, group: int, layout: str) -> tuple[np.ndarray, ...]:
+def read_int4(source, weight: HFWeight, group: int, layout: str,
+              act_order: bool = False) -> tuple[np.ndarray, ...]:  # fmt: skip
     """Each HF layer of `weight` in `layout` -> (kernel uint8 [in / 2, out], scale, offset f32
-    [in / group, out]), fused and transposed like the float weights."""
-    values, scales, offsets = [], [], []
+    [in / group, out]), fused and transposed like the float weights; with act_order (GPTQ
+    desc_act) also perm int32 [in], the input row of each kernel row, which the layers fused
+    into one kernel (q, k, v; gate, up: one input, so one activation order) must share."""
+    values, scales, offsets, perms = [], [], [], []
     for name in weight.names:
         base = name.removesuffix("weight")
         if layout == "compressed-tensors":
             u, scale, zero = _compressed_tensors(source, base, group)
         else:
-            u, scale, zero = _gptq_or_awq(source, base, group, layout)
+            u, scale, zero, perm = _gptq_or_awq(source, base, group, layout, act_order)
+            if act_order and perms and not np.array_equal(perm, perms[0]):
+                raise ValueError(
+                    f"{base}g_idx differs from {weight.names[0].removesuffix('weight')}g_idx: "
+                    "layers fused into one kernel need one activation order"
+                )
+            perms.append(perm)
         out, d_in = u.shape
         if scale.shape != (out, d_in // group):
             raise ValueError(f"{base} scales have shape {scale.shape}, not {(out, d_in // group)}")
@@ -124,4 +140,9 @@ def read_int4(source, weight: HFWeight, group: int, layout: str) -> tuple[np.nda
     build = weight.build or (lambda x: x)
     u = build(*values)  # [in, out]
     kernel = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)  # [in / 2, out]
-    return kernel, build(*scales).astype(np.float32), build(*offsets).astype(np.float32)
+    out = (kernel, build(*scales).astype(np.float32), build(*offsets).astype(np.float32))
+    if act_order:
+        if layout not in ("gptq", "gptq_v2"):
+            raise ValueError(f"act-order is a GPTQ checkpoint's (desc_act), not {layout}'s")
+        out += (perms[0],)
+    return out

@@ -45,6 +45,7 @@ class DecoderLayer(nnx.Module):
             self.mlp = GatedMLP(
                 config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs,
                 act=config.hidden_act, quant=config.quantization, group=config.quant_group,
+                act_order=config.quant_act_order,
             )  # fmt: skip
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):

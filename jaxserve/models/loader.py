@@ -158,7 +158,7 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
     host array to `place(path, array)`."""
     layout = int4_layout(config.hf_config) if config.quantization == "int4" else None
     for p in tqdm(targets, desc=f"Loading {label}", unit="param", leave=False):
-        if p[-1] in ("scale", "offset"):
+        if p[-1] in ("scale", "offset", "perm"):
             continue  # placed with its quantized kernel
         weight = model_cls.hf_weight(config, p, replicas)
         if _quantized(targets[p]) and config.quantization in ("gguf", "int4"):
@@ -167,8 +167,9 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
                 build = weight.build or (lambda x: x)
                 hosts = [build(*(b[i] for b in blocks)) for i in range(3)]
             else:
-                hosts = read_int4(source, weight, config.quant_group, layout)
-            for leaf, host in zip(("kernel", "scale", "offset"), hosts, strict=True):
+                hosts = read_int4(source, weight, config.quant_group, layout,
+                                  act_order=(*p[:-1], "perm") in targets)  # fmt: skip
+            for leaf, host in zip(("kernel", "scale", "offset", "perm"), hosts, strict=False):
                 place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
                                                 ", ".join(weight.names)))  # fmt: skip
         elif _quantized(targets[p]) and config.prequantized:
@@ -232,6 +233,8 @@ def _dummy_params(
                 out.append(jnp.full(shape, DUMMY_STD / 32, dtype))
             elif p[-1] == "offset":  # of a gguf or int4 kernel
                 out.append(jnp.zeros(shape, dtype))
+            elif p[-1] == "perm":  # of an act-order int4 kernel: the identity
+                out.append(jnp.arange(shape[0], dtype=dtype))
             elif jnp.dtype(dtype) == jnp.dtype(jnp.uint8):  # int4: two random nibbles a byte
                 out.append(jax.random.bits(jax.random.fold_in(key, i), shape, dtype))
             elif _quantized(targets[p]):

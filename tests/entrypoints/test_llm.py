@@ -106,7 +106,7 @@ def test_same_tokens_whatever_the_batch_chunking_and_prefix_cache(llm, chunked, 
     assert all(o.num_cached_tokens > 0 for o in again[:3])
     assert token_ids(chunked.generate(prompts, GREEDY)) == batched
     # preempted and resumed: a resumed row's penalty state is rebuilt from prompt + output
-    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, repetition_penalty=1.2,
+    long = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, repetition_penalty=1.2,
                           frequency_penalty=0.5, presence_penalty=0.5)  # fmt: skip
     out = tiny_pool.generate(prompts, long)
     assert core(tiny_pool).scheduler.total_preemptions > 0
@@ -317,10 +317,10 @@ def test_async_scheduling_gives_what_synchronous_scheduling_gives(tiny_pool):
     assert core(tiny_pool).max_in_flight == 2 and core(sync).max_in_flight == 1
     eos = tiny_pool.get_tokenizer().eos_token_id
     mixes = [
-        SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=1.0, seed=7, max_tokens=40, logprobs=1),
-        SamplingParams(temperature=0.8, seed=8, max_tokens=32, repetition_penalty=1.3,
-                       frequency_penalty=0.4, min_tokens=20, stop_token_ids=[eos]),
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=28, logprobs=1),
+        SamplingParams(temperature=0.8, seed=8, max_tokens=24, repetition_penalty=1.3,
+                       frequency_penalty=0.4, min_tokens=16, stop_token_ids=[eos]),
         SamplingParams(temperature=0.0, max_tokens=1),
     ]  # fmt: skip
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(tiny_pool)] * 2

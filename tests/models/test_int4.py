@@ -23,7 +23,8 @@ from jaxserve.models.loader import load_model
 from tests.models.test_llama_parity import run_mixed_schedule
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "quantized"
-CHECKPOINTS = {"ct-w4a16-g32": 32, "ct-w4a16-asym-g64": 64, "gptq-w4-g32": 32, "awq-w4-g64": 64}
+CHECKPOINTS = {"ct-w4a16-g32": 32, "ct-w4a16-asym-g64": 64, "gptq-w4-g32": 32,
+               "gptq-w4-asym-g64-actorder": 64, "awq-w4-g64": 64}  # fmt: skip
 
 
 def prompts_and_reference(checkpoint: Path) -> tuple[list[list[int]], list[np.ndarray]]:
@@ -89,14 +90,17 @@ def test_the_engine_serves_it_with_transformers_greedy_tokens():
         llm.llm_engine.shutdown()
 
 
-def test_tp2_equals_tp1(cpu_devices):
+@pytest.mark.parametrize("name", ["ct-w4a16-asym-g64", "gptq-w4-asym-g64-actorder"])
+def test_tp2_equals_tp1(cpu_devices, name):
+    """Row-parallel layers split whole groups; an act-order layer's input gather (its perm,
+    over the whole input) is the same under tensor parallelism."""
     results = []
     for tp in (1, 2):
         mesh = make_mesh(tp, cpu_devices)
-        loaded = load_model(DATA / "ct-w4a16-asym-g64", dtype="float32", mesh=mesh)
+        loaded = load_model(DATA / name, dtype="float32", mesh=mesh)
         kernel = loaded.model.layers[0].self_attn.o_proj.kernel[...]  # row-parallel, packed
         assert kernel.sharding.shard_shape(kernel.shape) == (64 // tp, 128)
-        prompts, _ = prompts_and_reference(DATA / "ct-w4a16-asym-g64")
+        prompts, _ = prompts_and_reference(DATA / name)
         results.append(run_mixed_schedule(loaded, prompts)[1])
     for seq in results[0]:
         np.testing.assert_allclose(results[1][seq], results[0][seq], atol=1e-5, rtol=0)
@@ -140,9 +144,23 @@ def test_unsupported_gptq_and_awq_variants_are_named(tmp_path, name, change, mes
         load_model(bad, dtype="float32")
 
 
-def test_act_order_gptq_is_refused_naming_the_layer():
+def test_act_order_layers_gather_their_input_by_group(tmp_path):
+    """desc_act: each layer's rows sorted by g_idx, its input gathered by the same order (q,
+    k and v share one, as they share one input); a permuted g_idx without desc_act is
+    refused, naming the tensor."""
+    loaded = load_model(DATA / "gptq-w4-asym-g64-actorder", dtype="float32")
+    assert loaded.config.quant_act_order
+    perm = np.asarray(loaded.model.layers[0].self_attn.qkv_proj.perm[...])
+    assert sorted(perm) == list(range(128)) and (perm != np.arange(128)).any()
+    plain = load_model(DATA / "gptq-w4-g32", dtype="float32")
+    assert plain.model.layers[0].mlp.down_proj.perm is None
+    bad = tmp_path / "bad"
+    shutil.copytree(DATA / "gptq-w4-asym-g64-actorder", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["desc_act"] = False
+    (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"layers\.0\..*g_idx is not input row // group_size"):
-        load_model(DATA / "gptq-w4-asym-g64-actorder", dtype="float32")
+        load_model(bad, dtype="float32")
 
 
 def test_quantization_flag_names_the_checkpoints_own_method():
