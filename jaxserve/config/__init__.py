@@ -29,10 +29,10 @@ from jaxserve.config.model import (
     QUANTIZATIONS,
     ModelConfig,
     RopeConfig,
-    checkpoint_quantization,
     resolve_dtype,
 )
 from jaxserve.config.pooler import POOLING_TYPES, PoolerConfig
+from jaxserve.config.quantization import checkpoint_quantization
 from jaxserve.config.speculative import SPEC_METHODS, SpeculativeConfig
 
 __all__ = [

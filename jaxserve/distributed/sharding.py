@@ -20,6 +20,9 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS
 
+# Quantization modes whose kernels carry a scale (and offset) per group of input rows.
+GROUPED_QUANT = ("gguf", "fp8_block", "int4", "mxfp4")
+
 
 def validate_tp(config: ModelConfig, tp: int) -> None:
     """Raise ValueError unless tp splits the query heads, KV heads and MLP evenly."""
@@ -34,7 +37,7 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         problems.append(f"num_experts={config.num_experts} (expert parallel)")
     if config.num_experts and not config.expert_parallel and config.moe_intermediate_size % tp:
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
-    if config.quantization in ("gguf", "fp8_block", "int4"):  # row-parallel: whole groups
+    if config.quantization in GROUPED_QUANT:  # row-parallel: whole groups
         group = 16 if config.quantization == "gguf" else config.quant_group
         for name, rows in (("num_attention_heads * head_dim", config.num_heads * config.head_dim),
                            ("intermediate_size", config.intermediate_size)):  # fmt: skip
@@ -56,7 +59,7 @@ def kv_head_replicas(config: ModelConfig, tp: int) -> int:
 def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
     """The PartitionSpec of the parameter at `path`, e.g. ('layers', 3, 'mlp', 'down_proj',
     'kernel')."""
-    if config.quantization in ("gguf", "fp8_block", "int4") and path[-1] in ("scale", "offset"):
+    if config.quantization in GROUPED_QUANT and path[-1] in ("scale", "offset"):
         return param_spec((*path[:-1], "kernel"), config, tp)  # [in / group, out]: as the kernel
     name = "/".join(str(p) for p in path)
     vocab = TP_AXIS if config.vocab_size % tp == 0 else None

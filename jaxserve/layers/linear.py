@@ -9,6 +9,8 @@ from flax import nnx
 # Quantized kernel dtypes and the largest value each holds.
 QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
 GGUF_BLOCK = 16  # input rows per scale and min of a "gguf" kernel (Q6_K's sub-blocks)
+# OCP FP4 (e2m1): the value of each 4-bit code, the sign in bit 3
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class Linear(nnx.Module):
@@ -31,6 +33,10 @@ class Linear(nnx.Module):
     GPTQ and AWQ (models/int4_checkpoints.py). Act-order GPTQ adds `perm` int32 [in]: the
     kernel's row r is input perm[r] (rows sorted by group), so x is gathered by it first.
 
+    quant "mxfp4": OCP MX FP4, kernel uint8 [in / 2, out] of e2m1 codes packed as int4's,
+    `scale` uint8 [in / group, out] of e8m0 exponents (2 ** (e - 127)), group 32;
+    compressed-tensors' mxfp4-pack-quantized (llm-compressor's MXFP4A16).
+
     quant "gguf": a GGUF file's blocks kept quantized (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q6_K;
     models/weight_sources.py::gguf_blocks): kernel holds int8 q [in, out], `scale` d and
     `offset` m f32[in / 16, out], one per 16 input rows; the weight is d * q + m blockwise,
@@ -42,20 +48,25 @@ class Linear(nnx.Module):
         """group: input rows per scale of an "fp8_block" or "int4" kernel; act_order: an
         "int4" kernel whose input rows are stored in `perm` order (act-order GPTQ)."""
         init = nnx.initializers.lecun_normal()
-        self.group = {"gguf": GGUF_BLOCK, "fp8_block": group, "int4": group}.get(quant, 0)
+        self.group = {"gguf": GGUF_BLOCK, "fp8_block": group, "int4": group,
+                      "mxfp4": group}.get(quant, 0)  # fmt: skip
         if quant is None:
             self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
             self.scale = self.offset = None
-        elif quant in ("gguf", "fp8_block", "int4"):
+        elif quant in ("gguf", "fp8_block", "int4", "mxfp4"):
             if self.group < 1 or d_in % self.group:
                 raise ValueError(
                     f"a {quant} kernel's input size {d_in} is not a multiple of its group "
                     f"{self.group}"
                 )
-            kind = {"gguf": jnp.int8, "fp8_block": jnp.float8_e4m3fn, "int4": jnp.uint8}[quant]
-            rows = d_in // 2 if quant == "int4" else d_in  # two 4-bit values a byte
+            kind = {"gguf": jnp.int8, "fp8_block": jnp.float8_e4m3fn}.get(quant, jnp.uint8)
+            rows = d_in // 2 if quant in ("int4", "mxfp4") else d_in  # two 4-bit values a byte
             self.kernel = nnx.Param(jnp.zeros((rows, d_out), kind))
-            self.scale = nnx.Param(jnp.ones((d_in // self.group, d_out), jnp.float32))
+            self.scale = nnx.Param(
+                jnp.full((d_in // self.group, d_out), 127, jnp.uint8)  # e8m0: 2 ** (e - 127)
+                if quant == "mxfp4"
+                else jnp.ones((d_in // self.group, d_out), jnp.float32)
+            )
             self.offset = (
                 nnx.Param(jnp.zeros((d_in // self.group, d_out), jnp.float32))
                 if quant in ("gguf", "int4")
@@ -75,13 +86,17 @@ class Linear(nnx.Module):
             x = jnp.take(x, self.perm[...], axis=-1)
         if self.scale is None:
             y = x @ self.kernel[...]
-        elif self.group:  # grouped scales: gguf, fp8_block, int4
-            k = self.kernel[...]
-            if k.dtype == jnp.uint8:  # int4: the low nibble is the even row
+        elif self.group:  # grouped scales: gguf, fp8_block, int4, mxfp4
+            k, s = self.kernel[...], self.scale[...]
+            if k.dtype == jnp.uint8:  # int4, mxfp4: the low nibble is the even row
                 k = jnp.stack([k & 0xF, k >> 4], axis=1).reshape(-1, k.shape[1])
             d_in, d_out = k.shape
-            w = k.astype(x.dtype).reshape(-1, self.group, d_out)
-            w = w * self.scale[...].astype(x.dtype)[:, None]
+            if s.dtype == jnp.uint8:  # mxfp4: e2m1 codes; e8m0 exponents -> f32 2 ** (e - 127)
+                w = jnp.asarray(E2M1, x.dtype)[k]
+                s = jax.lax.bitcast_convert_type(s.astype(jnp.uint32) << 23, jnp.float32)
+            else:
+                w = k.astype(x.dtype)
+            w = w.reshape(-1, self.group, d_out) * s.astype(x.dtype)[:, None]
             if self.offset is not None:
                 w = w + self.offset[...].astype(x.dtype)[:, None]
             y = x @ w.reshape(d_in, d_out)

@@ -1,5 +1,6 @@
 """4-bit checkpoints' packed weights -> the "int4" kernel of layers/linear.py (uint8 [in / 2,
-out], two nibbles a byte; scale and offset f32 [in / group, out]: w = u * scale + offset).
+out], two nibbles a byte; scale and offset f32 [in / group, out]: w = u * scale + offset), and
+MXFP4's -> its "mxfp4" kernel (e2m1 codes packed the same way, e8m0 exponents per group).
 
 Three layouts, each as its own library writes it (tests/data/quantized/ holds one of each,
 made by it):
@@ -29,7 +30,7 @@ _AWQ_COLUMNS = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # the output column of nibble
 
 def int4_layout(hf_config: Any) -> str:
     """The packed layout of an "int4" checkpoint: "compressed-tensors", "gptq", "gptq_v2" or
-    "awq" (config/model.py's checkpoint_quantization has validated the config)."""
+    "awq" (config/quantization.py has validated the config)."""
     qc = hf_config.quantization_config
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
@@ -110,6 +111,38 @@ def _gptq_or_awq(source, base: str, group: int, layout: str, act_order: bool):
             f"in groups of {group}"
         )
     return u.T, scale.T, zero.T.astype(np.float32), perm if act_order else None
+
+
+def read_mxfp4(source, weight: HFWeight, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """compressed-tensors mxfp4-pack-quantized: each HF layer's `weight_packed` uint8 [out,
+    in / 2] (two e2m1 codes a byte, the even input column in the low nibble) and
+    `weight_scale` uint8 [out, in / group] (e8m0 exponents) -> (kernel uint8 [in / 2, out],
+    packed as int4's; scale uint8 [in / group, out]), fused and transposed."""
+    codes, scales = [], []
+    for name in weight.names:
+        base = name.removesuffix("weight")
+        if base + "weight_packed" not in source:
+            raise ValueError(
+                f"{base}weight_packed is missing: an MXFP4 checkpoint must quantize every "
+                "decoder linear layer (none may be in its ignore list)"
+            )
+        packed = np.asarray(source.get(base + "weight_packed"))
+        scale = np.asarray(source.get(base + "weight_scale"))
+        if packed.dtype != np.uint8 or scale.dtype != np.uint8:
+            raise ValueError(
+                f"{base}weight_packed / weight_scale are {packed.dtype} / {scale.dtype}, not "
+                "uint8 (e2m1 pairs, e8m0 exponents)"
+            )
+        out, d_in = packed.shape[0], packed.shape[1] * 2
+        if scale.shape != (out, d_in // group):
+            raise ValueError(
+                f"{base}weight_scale has shape {scale.shape}, not {(out, d_in // group)}"
+            )
+        codes.append(np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, d_in))
+        scales.append(scale)
+    build = weight.build or (lambda x: x)
+    u = build(*codes)  # [in, out]
+    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8), build(*scales).astype(np.uint8)
 
 
 def read_int4(source, weight: HFWeight, group: int, layout: str,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.layers.linear import quantize_kernel
 from jaxserve.models import weight_cache
-from jaxserve.models.int4_checkpoints import int4_layout, read_int4
+from jaxserve.models.int4_checkpoints import int4_layout, read_int4, read_mxfp4
 from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
@@ -161,8 +162,10 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
         if p[-1] in ("scale", "offset", "perm"):
             continue  # placed with its quantized kernel
         weight = model_cls.hf_weight(config, p, replicas)
-        if _quantized(targets[p]) and config.quantization in ("gguf", "int4"):
-            if config.quantization == "gguf":
+        if _quantized(targets[p]) and config.quantization in ("gguf", "int4", "mxfp4"):
+            if config.quantization == "mxfp4":
+                hosts = read_mxfp4(source, weight, config.quant_group)
+            elif config.quantization == "gguf":
                 blocks = [source.get_blocks(name) for name in weight.names]  # (q, d, m) each
                 build = weight.build or (lambda x: x)
                 hosts = [build(*(b[i] for b in blocks)) for i in range(3)]
@@ -229,6 +232,8 @@ def _dummy_params(
             shape, dtype = targets[p].shape, targets[p].dtype
             if "norm" in "/".join(map(str, p)):  # RMSNorm weights: 1, activations stay O(1)
                 out.append(jnp.ones(shape, dtype))
+            elif p[-1] == "scale" and jnp.dtype(dtype) == jnp.dtype(jnp.uint8):  # mxfp4's e8m0
+                out.append(jnp.full(shape, 127 + round(math.log2(DUMMY_STD / 3)), dtype))
             elif p[-1] == "scale":  # of a quantized kernel holding ~N(0, 32) values
                 out.append(jnp.full(shape, DUMMY_STD / 32, dtype))
             elif p[-1] == "offset":  # of a gguf or int4 kernel

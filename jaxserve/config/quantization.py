@@ -1,0 +1,170 @@
+"""What a pre-quantized checkpoint's `quantization_config` holds, as jaxserve's quantization
+modes (layers/linear.py): compressed-tensors, transformers' fp8, GPTQ and AWQ; every variant
+that is not supported is a ValueError naming the field and its value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# --quantization names that select a pre-quantized checkpoint's own method (vLLM's; the
+# marlin ones are its GPU kernels for the same checkpoints) -> the config's quant_method.
+CHECKPOINT_METHODS = {"compressed-tensors": "compressed-tensors", "gptq": "gptq",
+                      "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq"}  # fmt: skip
+
+
+def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
+    """The weights of a pre-quantized checkpoint (its config's quantization_config), as
+    (mode, group): ("int4", group size) for 4-bit weights: compressed-tensors pack-quantized,
+    GPTQ, AWQ (the layouts: models/int4_checkpoints.py); ("mxfp4", 32) for compressed-tensors
+    mxfp4-pack-quantized (OCP MX FP4: e2m1 values, an e8m0 scale per 32);
+    ("int8" | "fp8", 0) for 8-bit symmetric per-channel or per-tensor weights
+    stored unpacked (compressed-tensors int-, naive- or float-quantized; HF `fp8` without
+    blocks); ("fp8_block", input rows per block) for e4m3 weights with 2-D block scales (HF
+    `quant_method: fp8` with weight_block_size, compressed-tensors' block strategy). W8A8
+    checkpoints' activations stay in the model dtype (as transformers runs them on CPU).
+    None for a full-precision checkpoint; ValueError naming anything else."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if method == "fp8":
+        return _hf_fp8(qc)
+    if method in ("gptq", "awq"):
+        return ("int4", _gptq_awq_group(qc, method))
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"checkpoint quantization {method!r} is not supported (compressed-tensors, GPTQ "
+            "and AWQ 4-bit, HF fp8 are; or load a full-precision checkpoint with "
+            "--quantization int8|fp8)"
+        )
+    formats = ("int-quantized", "naive-quantized", "float-quantized", "pack-quantized",
+               "mxfp4-pack-quantized")  # fmt: skip
+    if fmt not in formats:
+        raise ValueError(
+            f"compressed-tensors format {fmt!r} is not supported ({', '.join(formats)})"
+        )
+    modes = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        kind, strategy = (w.get("type"), w.get("num_bits")), w.get("strategy")
+        if group.get("format", fmt) == "pack-quantized":
+            modes.add(("int4", _int4_group(w, name)))
+            continue
+        if group.get("format", fmt) == "mxfp4-pack-quantized":
+            if (w.get("type"), w.get("num_bits"), w.get("group_size")) != ("float", 4, 32):
+                raise ValueError(
+                    f"compressed-tensors group {name!r}: mxfp4-pack-quantized weights must be "
+                    f"float 4-bit in groups of 32, not {w.get('type')} {w.get('num_bits')}-bit "
+                    f"in groups of {w.get('group_size')}"
+                )
+            modes.add(("mxfp4", 32))
+            continue
+        if kind == ("float", 8) and strategy == "block":
+            modes.add(("fp8_block", _block_rows(w.get("block_structure"), f"group {name!r}")))
+        elif kind in (("int", 8), ("float", 8)) and strategy in ("channel", "tensor"):
+            modes.add(("int8" if kind[0] == "int" else "fp8", 0))
+        else:
+            raise ValueError(
+                f"compressed-tensors group {name!r}: {w.get('type')} {w.get('num_bits')}-bit "
+                f"{strategy} weights are not supported (8-bit channel or tensor, fp8 block)"
+            )
+        if not w.get("symmetric", True):
+            raise ValueError(f"compressed-tensors group {name!r}: asymmetric weights")
+    if len(modes) != 1:
+        raise ValueError(f"compressed-tensors weights of mixed kinds {sorted(modes)}")
+    return modes.pop()
+
+
+# Module names a checkpoint may keep unquantized: jaxserve keeps them in full precision anyway.
+_FULL_PRECISION_MODULES = ("lm_head", "embed_tokens", "norm", "gate", "router")
+
+
+def _hf_fp8(qc: dict) -> tuple[str, int]:
+    """transformers' FineGrainedFP8 checkpoints: e4m3 `weight` and `weight_scale_inv`."""
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(
+            f"fp8 checkpoint activation_scheme {qc.get('activation_scheme')!r} is not "
+            "supported (dynamic)"
+        )
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"fp8 checkpoint fmt {qc.get('fmt')!r} is not supported (e4m3)")
+    for module in qc.get("modules_to_not_convert") or ():
+        if not str(module).split(".")[-1].startswith(_FULL_PRECISION_MODULES):
+            raise ValueError(
+                f"fp8 checkpoint modules_to_not_convert {module!r}: decoder layers left in "
+                "full precision are not supported"
+            )
+    if qc.get("weight_block_size") is None:
+        return ("fp8", 0)  # one scale per tensor
+    return ("fp8_block", _block_rows(qc["weight_block_size"], "weight_block_size"))
+
+
+def _int4_group(w: dict, name: str) -> int:
+    """compressed-tensors pack-quantized weights (llm-compressor's W4A16 / W4A16_ASYM): int
+    4-bit, grouped along the input; the group size."""
+    what = f"compressed-tensors group {name!r}"
+    if (w.get("type"), w.get("num_bits")) != ("int", 4):
+        raise ValueError(
+            f"{what}: {w.get('type')} {w.get('num_bits')}-bit packed weights are not supported "
+            "(int 4-bit)"
+        )
+    if w.get("strategy") != "group" or not isinstance(w.get("group_size"), int):
+        raise ValueError(
+            f"{what}: strategy {w.get('strategy')!r} is not supported for 4-bit weights (group)"
+        )
+    if w.get("actorder") not in (None, "static", "weight"):  # "group" needs g_idx
+        raise ValueError(
+            f"{what}: actorder {w.get('actorder')!r} is not supported (static or none)"
+        )
+    return w["group_size"]
+
+
+def quant_method(hf_config: Any) -> str | None:
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return None
+    return (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
+
+
+def gptq_act_order(hf_config: Any) -> bool:
+    qc = hf_config.quantization_config
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return qc.get("quant_method") == "gptq" and bool(qc.get("desc_act"))
+
+
+def _gptq_awq_group(qc: dict, method: str) -> int:
+    """GPTQ (AutoGPTQ / GPTQModel) and AWQ ("gemm") 4-bit checkpoints; the group size."""
+    what = f"{method} checkpoint"
+    if qc.get("bits") != 4:
+        raise ValueError(f"{what}: bits {qc.get('bits')!r} are not supported (4)")
+    group = qc.get("group_size")
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(
+            f"{what}: group_size {group!r} is not supported (a positive group size; -1, one "
+            "group per channel, is not)"
+        )
+    if qc.get("lm_head"):
+        raise ValueError(f"{what}: a quantized lm_head is not supported")
+    if qc.get("dynamic"):
+        raise ValueError(f"{what}: per-module `dynamic` overrides are not supported")
+    if method == "gptq":
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"{what}: checkpoint_format {fmt!r} is not supported (gptq)")
+    else:
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"{what}: version {version!r} is not supported (gemm)")
+        if qc.get("zero_point") is False:
+            raise ValueError(f"{what}: zero_point false is not supported")
+    return group
+
+
+def _block_rows(block: Any, field: str) -> int:
+    """[output rows, input columns] of a block -> the input columns (the kernel's group)."""
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(
+        isinstance(b, int) and b > 0 for b in block
+    )):  # fmt: skip
+        raise ValueError(f"fp8 {field} {block!r} is not [rows, columns] of a 2-D block")
+    return block[1]
