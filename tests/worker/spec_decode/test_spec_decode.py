@@ -71,9 +71,9 @@ def token_ids(outputs):
 def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(plain, ngram):
     counter = AcceptCounter(ngram)
     for params in [
-        SamplingParams(temperature=0.0, max_tokens=48),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=48, seed=7),
-        SamplingParams(temperature=0.0, max_tokens=48, stop=["farm"], min_tokens=3),
+        SamplingParams(temperature=0.0, max_tokens=32),
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=32, seed=7),
+        SamplingParams(temperature=0.0, max_tokens=32, stop=["farm"], min_tokens=3),
     ]:
         want = plain.chat(CHATS, params, use_tqdm=False)
         got = ngram.chat(CHATS, params, use_tqdm=False)
@@ -83,7 +83,7 @@ def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(plain, ngr
             o.outputs[0].finish_reason for o in want
         ]
     # The rewrite and the repetition are mostly drafts, accepted.
-    assert counter.accepted > 100 and counter.accepted / counter.drafted > 0.4
+    assert counter.accepted > 60 and counter.accepted / counter.drafted > 0.4  # 106 / 154
     core(ngram).scheduler.kv_cache_manager.check_no_leaks()
     assert core(ngram).get_state()["num_free_blocks"] == core(ngram).num_blocks - 1
 
