@@ -7,6 +7,7 @@ formats' own tools, once: never run by the suite.
     python3 -m venv /tmp/lcvenv && /tmp/lcvenv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     /tmp/lcvenv/bin/python scripts/make_quantized_checkpoints.py quantize /tmp/qbase \
         tests/data/quantized
+    #    (scheme names after the folder make only those, e.g. ct-fp8-block ct-mxfp4a16)
 
     # 3. native GPTQ (v1) and AWQ (gemm) checkpoints by GPTQModel, in a venv of its own, CPU
     #    only: 7.x is pure Python (CUDA kernels are JIT-built on first GPU use, never here);
@@ -22,6 +23,9 @@ the suite compares against the format's maintained code without installing it. F
 checkpoints those logits come from the checkpoint loaded back by GPTQModel (its CPU torch
 kernels), each quantized linear dequantized by the library in float32 and the model run in
 float32; `reference_dequant.npz` holds that dequantized weight of `DEQUANT_LAYER`, [out, in].
+The llm-compressor preset checkpoints (PRESET_SCHEMES) hold it too, as compressed-tensors
+decompresses it, and where the scheme also quantizes activations (FP8_BLOCK)
+`reference_logits_weight_only.npz` holds the logits with that switched off.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
 PROMPTS = [list(range(3, 14)), list(range(40, 57)), [7, 100, 200, 33, 45, 46, 47]]
 # name -> (symmetric, group size): llm-compressor's W4A16 and W4A16_ASYM with these groups
 SCHEMES = {"ct-w4a16-g32": (True, 32), "ct-w4a16-asym-g64": (False, 64)}
+# name -> llm-compressor preset scheme, data-free (QuantizationModifier: round to nearest from
+# the weights alone): FP8_BLOCK (e4m3 weights, a float32 scale per 128 x 128 block; its dynamic
+# per-token fp8 activations, groups of 128, are part of the scheme) and MXFP4A16 (weight-only
+# e2m1, an e8m0 exponent per 32 inputs). These also write reference_dequant.npz.
+PRESET_SCHEMES = {"ct-fp8-block": "FP8_BLOCK", "ct-mxfp4a16": "MXFP4A16"}
 # name -> (method, symmetric, group size, desc_act): GPTQModel's native GPTQ (v1) and AWQ gemm
 GPTQMODEL_SCHEMES = {
     "gptq-w4-g32": ("gptq", True, 32, False),
@@ -61,36 +70,80 @@ def base(out: str) -> None:
     make_tiny_hf("llama", out_dir, vocab_size=make_tiny_tokenizer(out_dir), **SHAPES)
 
 
-def quantize(base_dir: str, out: str) -> None:
+def quantize(base_dir: str, out: str, *names: str) -> None:
+    """Every scheme of SCHEMES and PRESET_SCHEMES, or only those named after `out`."""
     import numpy as np
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
+    names = names or (*SCHEMES, *PRESET_SCHEMES)
+    unknown = set(names) - SCHEMES.keys() - PRESET_SCHEMES.keys()
+    assert not unknown, f"unknown schemes {sorted(unknown)}"
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     data = Dataset.from_dict({"text": CALIBRATION}).map(
         lambda row: tokenizer(row["text"], truncation=True, max_length=64),
         remove_columns=["text"],
     )
-    for name, (symmetric, group) in SCHEMES.items():
+    for name in names:
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
-                   "group_size": group}  # fmt: skip
-        recipe = GPTQModifier(
-            ignore=["lm_head"],
-            config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
-        )
-        oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=len(data))
+        if name in SCHEMES:
+            symmetric, group = SCHEMES[name]
+            weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
+                       "group_size": group}  # fmt: skip
+            recipe = GPTQModifier(
+                ignore=["lm_head"],
+                config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+            )
+            oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=len(data))
+        else:
+            # data-free: round-to-nearest from the weights alone, no calibration
+            recipe = QuantizationModifier(
+                targets="Linear", scheme=PRESET_SCHEMES[name], ignore=["lm_head"]
+            )
+            oneshot(model=model, recipe=recipe)
         dst = Path(out) / name
         model.save_pretrained(dst, save_compressed=True)
         tokenizer.save_pretrained(dst)
-        ref = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+        if name in SCHEMES:
+            # decompressed by compressed-tensors' hook on the first forward
+            ref = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+        else:
+            # Decompressed at load (dequantize=True), then .float(): compressed-tensors
+            # decompresses MXFP4 in bfloat16 whatever the load dtype (e2m1 value times 2^k,
+            # exact in bfloat16, so .float() loses nothing), and with the default route (the
+            # decompress hook) the float32 forward fails (float != BFloat16) and transformers
+            # refuses .float(). FP8_BLOCK decompresses in its float32 scales' dtype: the same
+            # logits by either route, .float() a no-op.
+            ref = AutoModelForCausalLM.from_pretrained(
+                dst, dtype=torch.float32,
+                quantization_config=CompressedTensorsConfig(dequantize=True),
+            ).eval().float()  # fmt: skip
+            weight = ref.get_submodule(DEQUANT_LAYER).weight.detach().float()
+            np.savez_compressed(dst / "reference_dequant.npz",
+                                **{f"{DEQUANT_LAYER}.weight": weight.numpy()})  # fmt: skip
         with torch.no_grad():
             logits = {f"prompt_{i}": ref(torch.tensor([p])).logits[0].numpy()
                       for i, p in enumerate(PROMPTS)}  # fmt: skip
         np.savez_compressed(dst / "reference_logits.npz", **logits)
+        if name in PRESET_SCHEMES and any(
+            getattr(getattr(m, "quantization_scheme", None), "input_activations", None)
+            for m in ref.modules()
+        ):
+            # the library's forward also fake-quantizes each linear's input (FP8_BLOCK:
+            # dynamic fp8 per token and 128 inputs); these logits are the same model with
+            # that switched off, the decompressed weights alone
+            for m in ref.modules():
+                if hasattr(m, "quantization_scheme"):
+                    m.quantization_enabled = False
+            with torch.no_grad():
+                weight_only = {f"prompt_{i}": ref(torch.tensor([p])).logits[0].numpy()
+                               for i, p in enumerate(PROMPTS)}  # fmt: skip
+            gap = max(np.abs(logits[k] - weight_only[k]).max() for k in logits)
+            print(name, "max |logits - weight-only logits|:", gap)
+            np.savez_compressed(dst / "reference_logits_weight_only.npz", **weight_only)
         (dst / "reference_prompts.json").write_text(json.dumps(PROMPTS))
         print(name, "->", dst)
 
