@@ -16,6 +16,7 @@ from jaxserve.config.quantization import (
     CHECKPOINT_METHODS,
     checkpoint_quantization,
     gptq_act_order,
+    input_quantization,
     quant_method,
 )
 
@@ -128,6 +129,11 @@ class ModelConfig:
     # "int4" from an act-order GPTQ checkpoint (desc_act): each linear layer's input rows
     # are stored sorted by group, and the layer gathers its input by `perm` first.
     quant_act_order: bool = False
+    # A W8A8 checkpoint's dynamic input quantization, emulated in the model dtype (as
+    # compressed-tensors runs it on CPU): "fp8" (e4m3) or "int8", symmetric, one scale per
+    # token (input_group 0) or per input_group inputs of each token.
+    input_quant: str | None = None
+    input_group: int = 0
     # Mixture of experts (Mixtral, Qwen3-MoE; layers/fused_moe.py): 0 experts = dense MLPs.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -143,6 +149,7 @@ class ModelConfig:
         cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None
     ) -> ModelConfig:
         prequantized, quant_group = checkpoint_quantization(hf_config) or (None, 0)
+        input_quant, input_group = input_quantization(hf_config) or (None, 0)
         if quantization in CHECKPOINT_METHODS:  # vLLM's names of a checkpoint's own method
             method = quant_method(hf_config)
             if method != CHECKPOINT_METHODS[quantization]:
@@ -239,9 +246,17 @@ class ModelConfig:
             prequantized=prequantized is not None,
             quant_group=quant_group,
             quant_act_order=prequantized == "int4" and gptq_act_order(hf_config),
+            input_quant=input_quant,
+            input_group=input_group,
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )
+
+    def linear_kwargs(self) -> dict:
+        """How the decoder layers' linear projections are quantized (layers/linear.py)."""
+        return dict(quant=self.quantization, group=self.quant_group,
+                    act_order=self.quant_act_order, input_quant=self.input_quant,
+                    input_group=self.input_group)  # fmt: skip
 
     @property
     def max_model_len(self) -> int:

@@ -20,8 +20,8 @@ def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     ("int8" | "fp8", 0) for 8-bit symmetric per-channel or per-tensor weights
     stored unpacked (compressed-tensors int-, naive- or float-quantized; HF `fp8` without
     blocks); ("fp8_block", input rows per block) for e4m3 weights with 2-D block scales (HF
-    `quant_method: fp8` with weight_block_size, compressed-tensors' block strategy). W8A8
-    checkpoints' activations stay in the model dtype (as transformers runs them on CPU).
+    `quant_method: fp8` with weight_block_size, compressed-tensors' block strategy). A
+    compressed-tensors W8A8 checkpoint's dynamic inputs: `input_quantization`.
     None for a full-precision checkpoint; ValueError naming anything else."""
     qc = getattr(hf_config, "quantization_config", None)
     if not qc:
@@ -168,3 +168,41 @@ def _block_rows(block: Any, field: str) -> int:
     )):  # fmt: skip
         raise ValueError(f"fp8 {field} {block!r} is not [rows, columns] of a 2-D block")
     return block[1]
+
+
+def input_quantization(hf_config: Any) -> tuple[str, int] | None:
+    """A compressed-tensors W8A8 checkpoint's `input_activations`, as (kind, group): "fp8" or
+    "int8", dynamic and symmetric, one scale per token (group 0, strategy "token") or per
+    group_size inputs of a token (strategy "group"); None when its inputs stay unquantized."""
+    qc = getattr(hf_config, "quantization_config", None)
+    qc = (qc if isinstance(qc, dict) else qc.to_dict()) if qc else {}
+    if qc.get("quant_method") != "compressed-tensors":
+        return None
+    found = set()
+    for name, group in (qc.get("config_groups") or {}).items():
+        a = group.get("input_activations")
+        if not a:
+            found.add(None)
+            continue
+        what = f"compressed-tensors group {name!r} input_activations"
+        kind = {("float", 8): "fp8", ("int", 8): "int8"}.get((a.get("type"), a.get("num_bits")))
+        if kind is None:
+            raise ValueError(
+                f"{what}: {a.get('type')} {a.get('num_bits')}-bit inputs are not supported "
+                "(8-bit float or int)"
+            )
+        if not a.get("dynamic") or not a.get("symmetric", True):
+            raise ValueError(
+                f"{what}: dynamic={a.get('dynamic')!r} symmetric={a.get('symmetric', True)!r} "
+                "is not supported (dynamic, symmetric)"
+            )
+        strategy = a.get("strategy")
+        if strategy == "token":
+            found.add((kind, 0))
+        elif strategy == "group" and isinstance(a.get("group_size"), int):
+            found.add((kind, a["group_size"]))
+        else:
+            raise ValueError(f"{what}: strategy {strategy!r} is not supported (token, group)")
+    if len(found) > 1:
+        raise ValueError(f"compressed-tensors input_activations of mixed kinds {found}")
+    return found.pop() if found else None

@@ -172,8 +172,7 @@ class Attention(nnx.Module):
         self.num_kv_heads = config.num_kv_heads * kv_replicas  # as the cache holds them
         self.group = hq // self.num_kv_heads
         width = self.num_kv_heads * (self.group + 2) * hd
-        quant = dict(quant=config.quantization, group=config.quant_group,
-                     act_order=config.quant_act_order)  # fmt: skip
+        quant = config.linear_kwargs()
         self.qkv_proj = Linear(d, width, bias=config.attention_bias, dtype=config.dtype,
                                rngs=rngs, **quant)  # fmt: skip
         self.o_proj = Linear(hq * hd, d, dtype=config.dtype, rngs=rngs, **quant)

@@ -44,9 +44,12 @@ class Linear(nnx.Module):
     """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
-                 quant: str | None = None, group: int = 0, act_order: bool = False):  # fmt: skip
+                 quant: str | None = None, group: int = 0, act_order: bool = False,
+                 input_quant: str | None = None, input_group: int = 0):  # fmt: skip
         """group: input rows per scale of an "fp8_block" or "int4" kernel; act_order: an
-        "int4" kernel whose input rows are stored in `perm` order (act-order GPTQ)."""
+        "int4" kernel whose input rows are stored in `perm` order (act-order GPTQ);
+        input_quant, input_group: x quantized and dequantized first (`fake_quantize_input`)."""
+        self.input_quant, self.input_group = input_quant, input_group
         init = nnx.initializers.lecun_normal()
         self.group = {"gguf": GGUF_BLOCK, "fp8_block": group, "int4": group,
                       "mxfp4": group}.get(quant, 0)  # fmt: skip
@@ -84,6 +87,8 @@ class Linear(nnx.Module):
         """x: [T, in] -> [T, out]."""
         if self.perm is not None:  # the kernel's rows are the inputs in perm's order
             x = jnp.take(x, self.perm[...], axis=-1)
+        if self.input_quant is not None:
+            x = fake_quantize_input(x, self.input_quant, self.input_group)
         if self.scale is None:
             y = x @ self.kernel[...]
         elif self.group:  # grouped scales: gguf, fp8_block, int4, mxfp4
@@ -103,6 +108,21 @@ class Linear(nnx.Module):
         else:
             y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]
+
+
+def fake_quantize_input(x: jax.Array, kind: str, group: int) -> jax.Array:
+    """Dynamic symmetric quantization of x [T, in] and back, in x's dtype, as
+    compressed-tensors applies a W8A8 checkpoint's input_activations: per token (group 0) or
+    per `group` inputs of each token, scale = max |x| / (the format's range / 2), x / scale
+    clamped to the range and rounded (to e4m3 for "fp8", to an integer for "int8")."""
+    t, d_in = x.shape
+    g = x.reshape(t, -1, group or d_in)
+    lo, hi = (-448.0, 448.0) if kind == "fp8" else (-128.0, 127.0)
+    scale = jnp.max(jnp.abs(g), axis=-1, keepdims=True) / ((hi - lo) / 2)
+    scale = jnp.where(scale == 0, jnp.finfo(x.dtype).eps, scale)
+    q = jnp.clip(g / scale, lo, hi)
+    q = q.astype(jnp.float8_e4m3fn).astype(x.dtype) if kind == "fp8" else jnp.round(q)
+    return (q * scale).reshape(t, d_in)
 
 
 def quantize_kernel(w: np.ndarray, quant: str) -> tuple[np.ndarray, np.ndarray]:

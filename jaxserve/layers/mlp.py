@@ -12,12 +12,12 @@ class GatedMLP(nnx.Module):
     so under tensor parallelism each device's contiguous share holds both halves of its f."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
-                 act: str = "silu", quant: str | None = None, group: int = 0,
-                 act_order: bool = False):  # fmt: skip
+                 act: str = "silu", linear: dict | None = None):  # fmt: skip
+        """linear: the projections' quantization (ModelConfig.linear_kwargs)."""
+        linear = linear or {}
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, rngs=rngs,
-                                   quant=quant, group=group, act_order=act_order)  # fmt: skip
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs,
-                                quant=quant, group=group, act_order=act_order)  # fmt: skip
+                                   **linear)  # fmt: skip
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs, **linear)
         self.act = act
 
     def __call__(self, x: jax.Array) -> jax.Array:

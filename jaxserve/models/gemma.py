@@ -44,8 +44,7 @@ class GemmaDecoderLayer(nnx.Module):
         self.post_attention_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
         self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
         self.mlp = GatedMLP(d, config.intermediate_size, dtype=dt, rngs=rngs,
-                            act=config.hidden_act, quant=config.quantization,
-                            group=config.quant_group, act_order=config.quant_act_order)  # fmt: skip
+                            act=config.hidden_act, linear=config.linear_kwargs())  # fmt: skip
         self.post_feedforward_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):

@@ -44,8 +44,7 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = GatedMLP(
                 config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs,
-                act=config.hidden_act, quant=config.quantization, group=config.quant_group,
-                act_order=config.quant_act_order,
+                act=config.hidden_act, linear=config.linear_kwargs(),
             )  # fmt: skip
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):

@@ -1,8 +1,11 @@
 """FP8 checkpoints with 2-D block scales, kept in fp8 and scaled per block in the matmul:
 transformers' FineGrainedFP8 layout (`quant_method: fp8`, `weight_block_size`, e4m3 `weight`
-and `weight_scale_inv`, written here from the published layout, as the issue allows) and
-compressed-tensors' block strategy (`weight_scale`). The reference is transformers loading
-the fp8 checkpoint itself (on CPU it dequantizes it with its own code), in float32."""
+and `weight_scale_inv`, written here from the published layout, as the issue allows; the
+reference is transformers loading it, in float32) and compressed-tensors' block strategy as
+llm-compressor's FP8_BLOCK writes it (`weight_scale`, 128 x 128 blocks, and fp8 inputs
+quantized per 128 dynamically: tests/data/quantized/ct-fp8-block, made by
+scripts/make_quantized_checkpoints.py; the reference is transformers' float32 logits of it
+through compressed-tensors, saved beside it)."""
 
 from __future__ import annotations
 
@@ -38,34 +41,19 @@ def quantize_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale.astype(np.float32)
 
 
-def write_fp8(src, dst, layout: str) -> None:
-    """src's decoder linear weights in block fp8: layout "hf" (transformers' FineGrainedFP8)
-    or "compressed-tensors" (llm-compressor's FP8_BLOCK); the same values either way."""
+def write_fp8(src, dst) -> None:
+    """src's decoder linear weights in transformers' FineGrainedFP8 block layout."""
     from safetensors.numpy import load_file, save_file
 
     tensors = load_file(src / "model.safetensors")
-    suffix = "_scale_inv" if layout == "hf" else "_scale"
     for name in list(tensors):
         if name.endswith(".weight") and any(f".{n}." in name for n in LINEARS):
-            tensors[name], tensors[name + suffix] = quantize_blocks(tensors[name])
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(tensors[name])
     config = json.loads((src / "config.json").read_text())
-    if layout == "hf":
-        config["quantization_config"] = {
-            "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-            "weight_block_size": BLOCK, "modules_to_not_convert": ["lm_head"],
-        }  # fmt: skip
-    else:
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "float-quantized",
-            "config_groups": {"group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": "block",
-                            "block_structure": BLOCK, "symmetric": True, "dynamic": False},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
-                                      "group_size": BLOCK[1], "dynamic": True},
-            }},
-            "ignore": ["lm_head"],
-        }  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+        "weight_block_size": BLOCK, "modules_to_not_convert": ["lm_head"],
+    }  # fmt: skip
     dst.mkdir()
     save_file(tensors, dst / "model.safetensors")
     (dst / "config.json").write_text(json.dumps(config))
@@ -75,8 +63,7 @@ def write_fp8(src, dst, layout: str) -> None:
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8-block")
     src = make_tiny_hf("llama", root / "src", **SHAPES)
-    write_fp8(src, root / "hf", "hf")
-    write_fp8(src, root / "ct", "compressed-tensors")
+    write_fp8(src, root / "hf")
     return root
 
 
@@ -91,9 +78,8 @@ def reference(checkpoints):
     return model
 
 
-@pytest.mark.parametrize("layout", ["hf", "ct"])
-def test_logits_match_transformers_and_kernels_stay_fp8(checkpoints, reference, layout):
-    loaded = load_model(checkpoints / layout, dtype="float32")
+def test_logits_match_transformers_and_kernels_stay_fp8(checkpoints, reference):
+    loaded = load_model(checkpoints / "hf", dtype="float32")
     assert (loaded.config.quantization, loaded.config.quant_group) == ("fp8_block", 32)
     down = loaded.model.layers[0].mlp.down_proj
     assert down.kernel[...].dtype == jnp.float8_e4m3fn
@@ -108,6 +94,27 @@ def test_logits_match_transformers_and_kernels_stay_fp8(checkpoints, reference, 
         want = hf_logits(reference, ids)
         np.testing.assert_allclose(got[seq], want, atol=1e-3 * np.abs(want).max(), rtol=0)
         assert (got[seq].argmax(-1) == want.argmax(-1)).all()  # greedy: the same tokens
+
+
+def test_llm_compressor_fp8_block_with_dynamic_fp8_inputs_matches_transformers():
+    """llm-compressor's FP8_BLOCK: 128 x 128 weight blocks, and each linear's input quantized
+    to e4m3 per 128 values of a token (dynamic), as compressed-tensors runs it: the logits
+    match its (and not the weights-only model's: the inputs' rounding moves them ~0.4)."""
+    from tests.models.test_int4 import DATA, prompts_and_reference
+
+    loaded = load_model(DATA / "ct-fp8-block", dtype="float32")
+    c = loaded.config
+    assert (c.quantization, c.quant_group) == ("fp8_block", 128)
+    assert (c.input_quant, c.input_group) == ("fp8", 128)
+    assert loaded.model.layers[0].mlp.down_proj.kernel[...].dtype == jnp.float8_e4m3fn
+    prompts, want = prompts_and_reference(DATA / "ct-fp8-block")
+    weights_only = np.load(DATA / "ct-fp8-block" / "reference_logits_weight_only.npz")
+    _, got = run_mixed_schedule(loaded, prompts, decode_steps=0)
+    for i, ref in enumerate(want):
+        mine = got[i][: len(prompts[i])]
+        np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
+        assert (mine.argmax(-1) == ref.argmax(-1)).all()
+        assert np.abs(mine - weights_only[f"prompt_{i}"]).max() > 0.05
 
 
 def test_tp2_equals_tp1(checkpoints, cpu_devices):
@@ -140,4 +147,26 @@ def test_unsupported_fp8_variants_are_named(checkpoints, tmp_path, change, messa
     config["quantization_config"].update(change)
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
+        load_model(bad, dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dynamic": False}, "dynamic=False symmetric=True is not supported"),
+        ({"strategy": "tensor"}, "strategy 'tensor' is not supported"),
+        ({"num_bits": 4}, "float 4-bit inputs are not supported"),
+    ],
+)
+def test_unsupported_input_quantization_is_named(tmp_path, change, message):
+    import shutil
+
+    from tests.models.test_int4 import DATA
+
+    bad = tmp_path / "bad"
+    shutil.copytree(DATA / "ct-fp8-block", bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(change)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"group 'group_0' input_activations: {message}"):
         load_model(bad, dtype="float32")
