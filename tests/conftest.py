@@ -54,22 +54,6 @@ os.environ.setdefault("JAXSERVE_CPU_KVCACHE_SPACE", "0.5")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# The slowest files (seconds of a cold CI run, measured: benchmarks/results/suite-time-*.json)
-# run first, longest first: xdist hands each worker a file at a time in collection order, and a
-# long file started last leaves the other core idle until it ends.
-SLOW_FILES = (
-    "tests/entrypoints/test_llm.py",  # 181 s
-    "tests/worker/spec_decode/test_spec_decode.py",  # 129 s
-    "tests/test_serve_install.py",  # 80 s
-    "tests/benchmarks/test_bench_scripts.py",  # 66 s
-    "tests/entrypoints/openai/test_structured_outputs.py",  # 60 s
-    "tests/benchmarks/test_gpu_suite.py",  # 58 s
-    "tests/models/test_family_generate.py",  # 49 s
-    "tests/worker/test_executable_cache.py",  # 48 s
-    "tests/entrypoints/openai/test_api_correctness.py",  # 46 s
-    "tests/entrypoints/openai/test_fuzz.py",  # 42 s
-)
-
 
 def pytest_collection_modifyitems(config, items):
     has_gpu = any(d.platform == "gpu" for d in jax.devices()) if _backend_ok("gpu") else False
@@ -77,8 +61,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(SLOW_FILES)))
 
 
 def _backend_ok(name: str) -> bool:
