@@ -32,10 +32,12 @@ from jaxserve.config.model import (
     resolve_dtype,
 )
 from jaxserve.config.pooler import POOLING_TYPES, PoolerConfig
-from jaxserve.config.quantization import checkpoint_quantization
+from jaxserve.config.quantization import GROUPED_QUANT, checkpoint_quantization, int4_layout
 from jaxserve.config.speculative import SPEC_METHODS, SpeculativeConfig
 
 __all__ = [
+    "GROUPED_QUANT",
+    "int4_layout",
     "ACTIVATIONS",
     "DEFAULT_KV_TRANSFER_ALLOWED_HOSTS",
     "KV_CACHE_DTYPES",

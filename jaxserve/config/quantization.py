@@ -10,6 +10,14 @@ from typing import Any
 # marlin ones are its GPU kernels for the same checkpoints) -> the config's quant_method.
 CHECKPOINT_METHODS = {"compressed-tensors": "compressed-tensors", "gptq": "gptq",
                       "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq"}  # fmt: skip
+# Modes whose kernels carry a scale (and offset) per group of input rows (layers/linear.py).
+GROUPED_QUANT = ("gguf", "fp8_block", "int4", "mxfp4")
+
+
+def _config(hf_config: Any) -> dict:
+    """The checkpoint's quantization_config as a dict; {} for a full-precision checkpoint."""
+    qc = getattr(hf_config, "quantization_config", None)
+    return (qc if isinstance(qc, dict) else qc.to_dict()) if qc else {}
 
 
 def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
@@ -23,10 +31,9 @@ def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     `quant_method: fp8` with weight_block_size, compressed-tensors' block strategy). A
     compressed-tensors W8A8 checkpoint's dynamic inputs: `input_quantization`.
     None for a full-precision checkpoint; ValueError naming anything else."""
-    qc = getattr(hf_config, "quantization_config", None)
+    qc = _config(hf_config)
     if not qc:
         return None
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
     method, fmt = qc.get("quant_method"), qc.get("format")
     if method == "fp8":
         return _hf_fp8(qc)
@@ -121,16 +128,21 @@ def _int4_group(w: dict, name: str) -> int:
 
 
 def quant_method(hf_config: Any) -> str | None:
-    qc = getattr(hf_config, "quantization_config", None)
-    if not qc:
-        return None
-    return (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
+    return _config(hf_config).get("quant_method")
 
 
 def gptq_act_order(hf_config: Any) -> bool:
-    qc = hf_config.quantization_config
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    qc = _config(hf_config)
     return qc.get("quant_method") == "gptq" and bool(qc.get("desc_act"))
+
+
+def int4_layout(hf_config: Any) -> str:
+    """The packed layout of an "int4" checkpoint (models/int4_checkpoints.py):
+    "compressed-tensors", "gptq", "gptq_v2" or "awq"."""
+    qc = _config(hf_config)
+    if qc.get("quant_method") == "gptq" and qc.get("checkpoint_format") == "gptq_v2":
+        return "gptq_v2"
+    return qc.get("quant_method")
 
 
 def _gptq_awq_group(qc: dict, method: str) -> int:
@@ -174,8 +186,7 @@ def input_quantization(hf_config: Any) -> tuple[str, int] | None:
     """A compressed-tensors W8A8 checkpoint's `input_activations`, as (kind, group): "fp8" or
     "int8", dynamic and symmetric, one scale per token (group 0, strategy "token") or per
     group_size inputs of a token (strategy "group"); None when its inputs stay unquantized."""
-    qc = getattr(hf_config, "quantization_config", None)
-    qc = (qc if isinstance(qc, dict) else qc.to_dict()) if qc else {}
+    qc = _config(hf_config)
     if qc.get("quant_method") != "compressed-tensors":
         return None
     found = set()

@@ -17,11 +17,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import GROUPED_QUANT, ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS
-
-# Quantization modes whose kernels carry a scale (and offset) per group of input rows.
-GROUPED_QUANT = ("gguf", "fp8_block", "int4", "mxfp4")
 
 
 def validate_tp(config: ModelConfig, tp: int) -> None:

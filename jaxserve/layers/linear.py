@@ -6,6 +6,8 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxserve.config import GROUPED_QUANT
+
 # Quantized kernel dtypes and the largest value each holds.
 QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
 GGUF_BLOCK = 16  # input rows per scale and min of a "gguf" kernel (Q6_K's sub-blocks)
@@ -51,12 +53,11 @@ class Linear(nnx.Module):
         input_quant, input_group: x quantized and dequantized first (`fake_quantize_input`)."""
         self.input_quant, self.input_group = input_quant, input_group
         init = nnx.initializers.lecun_normal()
-        self.group = {"gguf": GGUF_BLOCK, "fp8_block": group, "int4": group,
-                      "mxfp4": group}.get(quant, 0)  # fmt: skip
+        self.group = 0 if quant not in GROUPED_QUANT else GGUF_BLOCK if quant == "gguf" else group
         if quant is None:
             self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
             self.scale = self.offset = None
-        elif quant in ("gguf", "fp8_block", "int4", "mxfp4"):
+        elif quant in GROUPED_QUANT:
             if self.group < 1 or d_in % self.group:
                 raise ValueError(
                     f"a {quant} kernel's input size {d_in} is not a multiple of its group "

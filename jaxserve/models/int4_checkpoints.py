@@ -19,8 +19,6 @@ In every layout nibble i of a 32-bit word is bits 4i..4i+3 and w = (u - zero) * 
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from jaxserve.models.llama import HFWeight
@@ -28,15 +26,9 @@ from jaxserve.models.llama import HFWeight
 _AWQ_COLUMNS = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # the output column of nibble i in a word
 
 
-def int4_layout(hf_config: Any) -> str:
-    """The packed layout of an "int4" checkpoint: "compressed-tensors", "gptq", "gptq_v2" or
-    "awq" (config/quantization.py has validated the config)."""
-    qc = hf_config.quantization_config
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    method = qc.get("quant_method")
-    if method == "gptq" and qc.get("checkpoint_format") == "gptq_v2":
-        return "gptq_v2"
-    return method
+def _pack_rows(u: np.ndarray) -> np.ndarray:
+    """4-bit values [in, out] -> uint8 [in / 2, out]: row 2i in the low nibble, 2i + 1 high."""
+    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
 
 
 def _nibbles(packed: np.ndarray, axis: int) -> np.ndarray:
@@ -141,8 +133,7 @@ def read_mxfp4(source, weight: HFWeight, group: int) -> tuple[np.ndarray, np.nda
         codes.append(np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(out, d_in))
         scales.append(scale)
     build = weight.build or (lambda x: x)
-    u = build(*codes)  # [in, out]
-    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8), build(*scales).astype(np.uint8)
+    return _pack_rows(build(*codes)), build(*scales).astype(np.uint8)
 
 
 def read_int4(source, weight: HFWeight, group: int, layout: str,
@@ -171,11 +162,6 @@ def read_int4(source, weight: HFWeight, group: int, layout: str,
         scales.append(scale)
         offsets.append(-zero * scale)
     build = weight.build or (lambda x: x)
-    u = build(*values)  # [in, out]
-    kernel = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)  # [in / 2, out]
-    out = (kernel, build(*scales).astype(np.float32), build(*offsets).astype(np.float32))
-    if act_order:
-        if layout not in ("gptq", "gptq_v2"):
-            raise ValueError(f"act-order is a GPTQ checkpoint's (desc_act), not {layout}'s")
-        out += (perms[0],)
-    return out
+    out = (_pack_rows(build(*values)), build(*scales).astype(np.float32),
+           build(*offsets).astype(np.float32))  # fmt: skip
+    return (*out, perms[0]) if act_order else out

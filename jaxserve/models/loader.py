@@ -23,12 +23,12 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, int4_layout
 from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.layers.linear import quantize_kernel
 from jaxserve.models import weight_cache
-from jaxserve.models.int4_checkpoints import int4_layout, read_int4, read_mxfp4
+from jaxserve.models.int4_checkpoints import read_int4, read_mxfp4
 from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource

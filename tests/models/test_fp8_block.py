@@ -159,14 +159,10 @@ def test_unsupported_fp8_variants_are_named(checkpoints, tmp_path, change, messa
     ],
 )
 def test_unsupported_input_quantization_is_named(tmp_path, change, message):
-    import shutil
+    from tests.models.test_int4 import DATA, edited
 
-    from tests.models.test_int4 import DATA
-
-    bad = tmp_path / "bad"
-    shutil.copytree(DATA / "ct-fp8-block", bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(change)
-    (bad / "config.json").write_text(json.dumps(config))
+    group = lambda qc: qc["config_groups"]["group_0"]  # noqa: E731
+    bad = edited(DATA / "ct-fp8-block", tmp_path,
+                 lambda qc: group(qc)["input_activations"].update(change))  # fmt: skip
     with pytest.raises(ValueError, match=f"group 'group_0' input_activations: {message}"):
         load_model(bad, dtype="float32")

@@ -33,6 +33,25 @@ def prompts_and_reference(checkpoint: Path) -> tuple[list[list[int]], list[np.nd
     return prompts, [logits[f"prompt_{i}"] for i in range(len(prompts))]
 
 
+def edited(checkpoint: Path, tmp_path: Path, edit) -> Path:
+    """A copy of `checkpoint` whose quantization_config `edit(qc)` changes in place."""
+    copy = tmp_path / f"edited-{checkpoint.name}"
+    shutil.copytree(checkpoint, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config["quantization_config"])
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def q_proj_columns(loaded, w: np.ndarray) -> np.ndarray:
+    """Layer 0's q_proj [in, q] out of a weight [in, fused out] laid out as the qkv kernel:
+    per KV head, its query heads, then its key and value (models/llama.py::fuse_qkv)."""
+    c = loaded.config
+    per_kv = w.shape[1] // c.num_kv_heads
+    q_cols = c.num_heads // c.num_kv_heads * c.head_dim
+    return np.concatenate([w[:, h * per_kv :][:, :q_cols] for h in range(c.num_kv_heads)], 1)
+
+
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_logits_match_transformers_and_weights_stay_packed(name):
     loaded = load_model(DATA / name, dtype="float32")
@@ -65,12 +84,8 @@ def test_unpacked_weights_equal_gptqmodels_dequantization(name):
     u = np.stack([k & 0xF, k >> 4], axis=1).reshape(-1, k.shape[1]).astype(np.float32)
     group = CHECKPOINTS[name]
     rows = lambda a: np.repeat(np.asarray(a), group, axis=0)  # noqa: E731
-    w = u * rows(qkv.scale[...]) + rows(qkv.offset[...])  # [in, per KV head: its q heads, k, v]
-    c = loaded.config
-    per_kv = w.shape[1] // c.num_kv_heads
-    q_cols = c.num_heads // c.num_kv_heads * c.head_dim
-    q = np.concatenate([w[:, h * per_kv :][:, :q_cols] for h in range(c.num_kv_heads)], axis=1)
-    np.testing.assert_allclose(q.T, want, atol=1e-6, rtol=1e-6)
+    w = u * rows(qkv.scale[...]) + rows(qkv.offset[...])  # [in, fused out]
+    np.testing.assert_allclose(q_proj_columns(loaded, w).T, want, atol=1e-6, rtol=1e-6)
 
 
 def test_the_engine_serves_it_with_transformers_greedy_tokens():
@@ -115,11 +130,8 @@ def test_tp2_equals_tp1(cpu_devices, name):
     ],
 )
 def test_unsupported_variants_are_named(tmp_path, change, message):
-    bad = tmp_path / "bad"
-    shutil.copytree(DATA / "ct-w4a16-g32", bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = edited(DATA / "ct-w4a16-g32", tmp_path,
+                 lambda qc: qc["config_groups"]["group_0"]["weights"].update(change))  # fmt: skip
     with pytest.raises(ValueError, match=message):
         load_model(bad, dtype="float32")
 
@@ -135,11 +147,7 @@ def test_unsupported_variants_are_named(tmp_path, change, message):
     ],
 )
 def test_unsupported_gptq_and_awq_variants_are_named(tmp_path, name, change, message):
-    bad = tmp_path / "bad"
-    shutil.copytree(DATA / name, bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"].update(change)
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = edited(DATA / name, tmp_path, lambda qc: qc.update(change))
     with pytest.raises(ValueError, match=message):
         load_model(bad, dtype="float32")
 
@@ -154,11 +162,8 @@ def test_act_order_layers_gather_their_input_by_group(tmp_path):
     assert sorted(perm) == list(range(128)) and (perm != np.arange(128)).any()
     plain = load_model(DATA / "gptq-w4-g32", dtype="float32")
     assert plain.model.layers[0].mlp.down_proj.perm is None
-    bad = tmp_path / "bad"
-    shutil.copytree(DATA / "gptq-w4-asym-g64-actorder", bad)
-    config = json.loads((bad / "config.json").read_text())
-    config["quantization_config"]["desc_act"] = False
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = edited(DATA / "gptq-w4-asym-g64-actorder", tmp_path,
+                 lambda qc: qc.update(desc_act=False))  # fmt: skip
     with pytest.raises(ValueError, match=r"layers\.0\..*g_idx is not input row // group_size"):
         load_model(bad, dtype="float32")
 

@@ -7,8 +7,6 @@ decompressed q_proj weight, saved beside it by the same script."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ import pytest
 from jaxserve.distributed.mesh import make_mesh
 from jaxserve.layers.linear import E2M1
 from jaxserve.models.loader import load_model
-from tests.models.test_int4 import prompts_and_reference
+from tests.models.test_int4 import edited, prompts_and_reference, q_proj_columns
 from tests.models.test_llama_parity import run_mixed_schedule
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "data" / "quantized" / "ct-mxfp4a16"
@@ -49,11 +47,7 @@ def test_decoded_weights_equal_compressed_tensors_decompression():
     codes = np.stack([k & 0xF, k >> 4], axis=1).reshape(-1, k.shape[1])
     scale = np.exp2(np.asarray(qkv.scale[...], np.float32) - 127)
     w = np.asarray(E2M1, np.float32)[codes] * np.repeat(scale, 32, axis=0)  # [in, fused out]
-    c = loaded.config
-    per_kv = w.shape[1] // c.num_kv_heads
-    q_cols = c.num_heads // c.num_kv_heads * c.head_dim
-    q = np.concatenate([w[:, h * per_kv :][:, :q_cols] for h in range(c.num_kv_heads)], axis=1)
-    np.testing.assert_array_equal(q.T, want)
+    np.testing.assert_array_equal(q_proj_columns(loaded, w).T, want)
 
 
 def test_tp2_equals_tp1(cpu_devices):
@@ -75,11 +69,7 @@ def test_tp2_equals_tp1(cpu_devices):
     ],
 )
 def test_unsupported_variants_are_named(tmp_path, change, message):
-    bad = tmp_path / "bad"
-    shutil.copytree(CHECKPOINT, bad)
-    config = json.loads((bad / "config.json").read_text())
-    for group in config["quantization_config"]["config_groups"].values():
-        group["weights"].update(change)
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = edited(CHECKPOINT, tmp_path,
+                 lambda qc: qc["config_groups"]["group_0"]["weights"].update(change))  # fmt: skip
     with pytest.raises(ValueError, match=message):
         load_model(bad, dtype="float32")
