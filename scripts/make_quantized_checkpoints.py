@@ -7,7 +7,8 @@ formats' own tools, once: never run by the suite.
     python3 -m venv /tmp/lcvenv && /tmp/lcvenv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     /tmp/lcvenv/bin/python scripts/make_quantized_checkpoints.py quantize /tmp/qbase \
         tests/data/quantized
-    #    (scheme names after the folder make only those, e.g. ct-fp8-block ct-mxfp4a16)
+    #    (scheme names after the folder make only those, e.g. ct-fp8-block ct-mxfp4a16;
+    #    the same for gptqmodel below)
 
     # 3. native GPTQ (v1) and AWQ (gemm) checkpoints by GPTQModel, in a venv of its own, CPU
     #    only: 7.x is pure Python (CUDA kernels are JIT-built on first GPU use, never here);
@@ -38,8 +39,11 @@ from pathlib import Path
 SHAPES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
               num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=256)  # fmt: skip
 PROMPTS = [list(range(3, 14)), list(range(40, 57)), [7, 100, 200, 33, 45, 46, 47]]
-# name -> (symmetric, group size): llm-compressor's W4A16 and W4A16_ASYM with these groups
-SCHEMES = {"ct-w4a16-g32": (True, 32), "ct-w4a16-asym-g64": (False, 64)}
+# name -> (symmetric, group size or None: one scale per channel): llm-compressor's GPTQ
+# W4A16 and W4A16_ASYM with these groups (its actorder "group", a stored weight_g_idx, is
+# gone: compressed-tensors 0.19 refuses it)
+SCHEMES = {"ct-w4a16-g32": (True, 32), "ct-w4a16-asym-g64": (False, 64),
+           "ct-w4a16-channel": (True, None)}  # fmt: skip
 # name -> llm-compressor preset scheme, data-free (QuantizationModifier: round to nearest from
 # the weights alone): FP8_BLOCK (e4m3 weights, a float32 scale per 128 x 128 block; its dynamic
 # per-token fp8 activations, groups of 128, are part of the scheme) and MXFP4A16 (weight-only
@@ -50,6 +54,7 @@ GPTQMODEL_SCHEMES = {
     "gptq-w4-g32": ("gptq", True, 32, False),
     "gptq-w4-asym-g64-actorder": ("gptq", False, 64, True),
     "awq-w4-g64": ("awq", False, 64, False),
+    "gptq-w4-channel-actorder": ("gptq", True, -1, True),  # group_size -1: g_idx all 0
 }
 DEQUANT_LAYER = "model.layers.0.self_attn.q_proj"  # the layer reference_dequant.npz holds
 CALIBRATION = [
@@ -91,8 +96,10 @@ def quantize(base_dir: str, out: str, *names: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         if name in SCHEMES:
             symmetric, group = SCHEMES[name]
-            weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
-                       "group_size": group}  # fmt: skip
+            weights = {"num_bits": 4, "type": "int", "symmetric": symmetric,
+                       "strategy": "channel" if group is None else "group"}  # fmt: skip
+            if group is not None:
+                weights["group_size"] = group
             recipe = GPTQModifier(
                 ignore=["lm_head"],
                 config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
@@ -148,7 +155,8 @@ def quantize(base_dir: str, out: str, *names: str) -> None:
         print(name, "->", dst)
 
 
-def gptqmodel(base_dir: str, out: str) -> None:
+def gptqmodel(base_dir: str, out: str, *names: str) -> None:
+    """Every scheme of GPTQMODEL_SCHEMES, or only those named after `out`."""
     import os
 
     # its CPU thread pool wants 2 workers but defaults to cores // 2 (1 on a 2-core machine)
@@ -162,7 +170,10 @@ def gptqmodel(base_dir: str, out: str) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    for name, (method, symmetric, group, desc_act) in GPTQMODEL_SCHEMES.items():
+    names = names or tuple(GPTQMODEL_SCHEMES)
+    assert set(names) <= GPTQMODEL_SCHEMES.keys(), f"unknown schemes {names}"
+    for name in names:
+        method, symmetric, group, desc_act = GPTQMODEL_SCHEMES[name]
         dst = Path(out) / name
         if method == "gptq":
             # act_group_aware off: desc_act=False then keeps g_idx = i // group

@@ -74,3 +74,20 @@ def _backend_ok(name: str) -> bool:
 @pytest.fixture(scope="session")
 def cpu_devices():
     return jax.devices("cpu")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under --dist loadfile, the longest files first (tests/schedule.py)."""
+    if config.getvalue("dist") == "loadfile":
+        from tests.schedule import LongestFileFirst
+
+        return LongestFileFirst(config, log)
+    return None
+
+
+def pytest_configure(config):
+    if os.environ.get("JAXSERVE_RECORD_DURATIONS") and not hasattr(config, "workerinput"):
+        from tests.schedule import DurationRecorder
+
+        config.pluginmanager.register(DurationRecorder(os.environ["JAXSERVE_RECORD_DURATIONS"]))

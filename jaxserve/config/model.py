@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from jaxserve.config.quantization import (
     CHECKPOINT_METHODS,
     checkpoint_quantization,
-    gptq_act_order,
     input_quantization,
+    int4_act_order,
+    per_channel_group,
     quant_method,
 )
 
@@ -126,8 +127,12 @@ class ModelConfig:
     quantization: str | None = None
     prequantized: bool = False
     quant_group: int = 0
-    # "int4" from an act-order GPTQ checkpoint (desc_act): each linear layer's input rows
-    # are stored sorted by group, and the layer gathers its input by `perm` first.
+    # "int4" with one scale and zero point per output channel in the checkpoint (group_size
+    # -1): repeated over groups of quant_group rows at load (config.per_channel_group).
+    quant_per_channel: bool = False
+    # "int4" from an act-order checkpoint (GPTQ desc_act, compressed-tensors actorder group):
+    # each linear layer's input rows are stored sorted by group, and the layer gathers its
+    # input by `perm` first.
     quant_act_order: bool = False
     # A W8A8 checkpoint's dynamic input quantization, emulated in the model dtype (as
     # compressed-tensors runs it on CPU): "fp8" (e4m3) or "int8", symmetric, one scale per
@@ -210,6 +215,18 @@ class ModelConfig:
             i for i in range(hf_config.num_hidden_layers)
             if num_experts and (i in only_mlp or (i + 1) % step)
         )  # fmt: skip
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        moe_intermediate = int(
+            getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+        )
+        per_channel = prequantized == "int4" and quant_group == -1
+        if per_channel:
+            quant_group = per_channel_group(
+                hf_config.hidden_size,
+                num_heads * head_dim,
+                hf_config.intermediate_size,
+                moe_intermediate,
+            )
         sliding_rope = RopeConfig.from_hf(hf_config, "sliding_attention")
         if sliding_rope == RopeConfig.from_hf(hf_config):
             sliding_rope = None
@@ -221,7 +238,7 @@ class ModelConfig:
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(hf_config.rms_norm_eps),
             rope=RopeConfig.from_hf(hf_config),
             max_position_embeddings=hf_config.max_position_embeddings,
@@ -237,15 +254,14 @@ class ModelConfig:
             query_pre_attn_scalar=getattr(hf_config, "query_pre_attn_scalar", None),
             num_experts=num_experts,
             num_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
-            moe_intermediate_size=int(
-                getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
-            ),
+            moe_intermediate_size=moe_intermediate,
             norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
             dense_layers=dense_layers,
             quantization=prequantized or quantization,
             prequantized=prequantized is not None,
             quant_group=quant_group,
-            quant_act_order=prequantized == "int4" and gptq_act_order(hf_config),
+            quant_per_channel=per_channel,
+            quant_act_order=prequantized == "int4" and int4_act_order(hf_config),
             input_quant=input_quant,
             input_group=input_group,
             dtype=resolve_dtype(dtype, hf_config),

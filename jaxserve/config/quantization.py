@@ -22,8 +22,9 @@ def _config(hf_config: Any) -> dict:
 
 def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     """The weights of a pre-quantized checkpoint (its config's quantization_config), as
-    (mode, group): ("int4", group size) for 4-bit weights: compressed-tensors pack-quantized,
-    GPTQ, AWQ (the layouts: models/int4_checkpoints.py); ("mxfp4", 32) for compressed-tensors
+    (mode, group): ("int4", group size, -1 for one group per output channel) for 4-bit
+    weights: compressed-tensors pack-quantized, GPTQ, AWQ (the layouts:
+    models/int4_checkpoints.py); ("mxfp4", 32) for compressed-tensors
     mxfp4-pack-quantized (OCP MX FP4: e2m1 values, an e8m0 scale per 32);
     ("int8" | "fp8", 0) for 8-bit symmetric per-channel or per-tensor weights
     stored unpacked (compressed-tensors int-, naive- or float-quantized; HF `fp8` without
@@ -116,13 +117,17 @@ def _int4_group(w: dict, name: str) -> int:
             f"{what}: {w.get('type')} {w.get('num_bits')}-bit packed weights are not supported "
             "(int 4-bit)"
         )
+    if w.get("strategy") == "channel":
+        return -1  # one scale per output channel
     if w.get("strategy") != "group" or not isinstance(w.get("group_size"), int):
         raise ValueError(
-            f"{what}: strategy {w.get('strategy')!r} is not supported for 4-bit weights (group)"
+            f"{what}: strategy {w.get('strategy')!r} is not supported for 4-bit weights "
+            "(group, channel)"
         )
-    if w.get("actorder") not in (None, "static", "weight"):  # "group" needs g_idx
-        raise ValueError(
-            f"{what}: actorder {w.get('actorder')!r} is not supported (static or none)"
+    if w.get("actorder") not in (None, "static", "weight"):  # compressed-tensors 0.19
+        raise ValueError(  # itself refuses "group" and "dynamic" (a stored weight_g_idx)
+            f"{what}: actorder {w.get('actorder')!r} is not supported (weight, static or "
+            "none; compressed-tensors itself no longer loads 'group')"
         )
     return w["group_size"]
 
@@ -131,9 +136,24 @@ def quant_method(hf_config: Any) -> str | None:
     return _config(hf_config).get("quant_method")
 
 
-def gptq_act_order(hf_config: Any) -> bool:
+def int4_act_order(hf_config: Any) -> bool:
+    """Whether a 4-bit checkpoint's input rows are grouped by a stored g_idx (GPTQ
+    `desc_act`) rather than contiguously; never with one group per channel, where the order
+    changes nothing."""
     qc = _config(hf_config)
-    return qc.get("quant_method") == "gptq" and bool(qc.get("desc_act"))
+    return qc.get("quant_method") == "gptq" and bool(qc.get("desc_act")) and (
+        qc.get("group_size") != -1)  # fmt: skip
+
+
+def per_channel_group(*input_sizes: int) -> int:
+    """The kernel group that stands for one scale per output channel (group_size -1,
+    strategy "channel"): the largest power of two up to 128 that divides every linear input
+    size by 8, so that tensor parallelism up to 8 splits whole groups; each channel's scale
+    and zero point are repeated over its groups at load."""
+    group = 128
+    while any((size // 8) % group for size in input_sizes if size) and group > 1:
+        group //= 2
+    return group
 
 
 def int4_layout(hf_config: Any) -> str:
@@ -151,10 +171,10 @@ def _gptq_awq_group(qc: dict, method: str) -> int:
     if qc.get("bits") != 4:
         raise ValueError(f"{what}: bits {qc.get('bits')!r} are not supported (4)")
     group = qc.get("group_size")
-    if not isinstance(group, int) or group < 1:
+    if not isinstance(group, int) or not (group > 0 or group == -1):
         raise ValueError(
-            f"{what}: group_size {group!r} is not supported (a positive group size; -1, one "
-            "group per channel, is not)"
+            f"{what}: group_size {group!r} is not supported (a positive group size, or -1: one "
+            "group per channel)"
         )
     if qc.get("lm_head"):
         raise ValueError(f"{what}: a quantized lm_head is not supported")

@@ -171,7 +171,8 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
                 hosts = [build(*(b[i] for b in blocks)) for i in range(3)]
             else:
                 hosts = read_int4(source, weight, config.quant_group, layout,
-                                  act_order=(*p[:-1], "perm") in targets)  # fmt: skip
+                                  act_order=(*p[:-1], "perm") in targets,
+                                  per_channel=config.quant_per_channel)  # fmt: skip
             for leaf, host in zip(("kernel", "scale", "offset", "perm"), hosts, strict=False):
                 place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
                                                 ", ".join(weight.names)))  # fmt: skip

@@ -1,11 +1,12 @@
 """4-bit weights kept packed (two a byte) and unpacked inside the step's matmul, from three
 layouts, each checkpoint made by its own library (tests/data/quantized, by
 scripts/make_quantized_checkpoints.py in the libraries' own venvs): compressed-tensors
-pack-quantized W4A16, symmetric (group 32) and asymmetric (group 64), written by
-llm-compressor; GPTQ (group 32, symmetric) and AWQ gemm (group 64, zero points) written by
-GPTQModel. The reference of each is its library's own dequantization: transformers' float32
-logits of the checkpoint as compressed-tensors decompresses it, or GPTQModel's (each
-QuantLinear's dequantized weight in a float32 model), saved beside it by the same script."""
+pack-quantized W4A16, symmetric (group 32), asymmetric (group 64) and per channel, written by
+llm-compressor; GPTQ (group 32, symmetric; group 64 asymmetric with desc_act; per channel with
+desc_act) and AWQ gemm (group 64, zero points) written by GPTQModel. The reference of each is
+its library's own dequantization: transformers' float32 logits of the checkpoint as
+compressed-tensors decompresses it, or GPTQModel's (each QuantLinear's dequantized weight in a
+float32 model), saved beside it by the same script."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ from jaxserve.models.loader import load_model
 from tests.models.test_llama_parity import run_mixed_schedule
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "quantized"
-CHECKPOINTS = {"ct-w4a16-g32": 32, "ct-w4a16-asym-g64": 64, "gptq-w4-g32": 32,
-               "gptq-w4-asym-g64-actorder": 64, "awq-w4-g64": 64}  # fmt: skip
+# name -> the kernel's group: one scale per channel (group_size -1, strategy "channel") is
+# kept in groups of 16 here (config.per_channel_group: inputs of 128 and 256, tp up to 8)
+CHECKPOINTS = {"ct-w4a16-g32": 32, "ct-w4a16-asym-g64": 64, "ct-w4a16-channel": 16,
+               "gptq-w4-g32": 32, "gptq-w4-asym-g64-actorder": 64,
+               "gptq-w4-channel-actorder": 16, "awq-w4-g64": 64}  # fmt: skip
 
 
 def prompts_and_reference(checkpoint: Path) -> tuple[list[list[int]], list[np.ndarray]]:
@@ -64,7 +68,9 @@ def test_logits_match_transformers_and_weights_stay_packed(name):
     linears = [v.get_value() for p, v in nnx.to_flat_state(nnx.state(loaded.model))
                if p[-2] in kernels]  # fmt: skip
     as_fp32 = sum(8 * a.size for a in linears if a.dtype == jnp.uint8)  # 2 values a byte
-    assert sum(a.nbytes for a in linears) < as_fp32 / 5  # half a byte a value, + groups' 8
+    # half a byte a value, and a float32 scale and offset a group (act order: + perm)
+    packed = sum(a.nbytes for a in linears if a.dtype != jnp.int32)
+    assert packed == as_fp32 * (1 / 8 + 2 / group)
     prompts, want = prompts_and_reference(DATA / name)
     fed, got = run_mixed_schedule(loaded, prompts, decode_steps=0)
     for i, ref in enumerate(want):
@@ -73,7 +79,7 @@ def test_logits_match_transformers_and_weights_stay_packed(name):
         assert (mine.argmax(-1) == ref.argmax(-1)).all()  # greedy: the same tokens
 
 
-@pytest.mark.parametrize("name", ["gptq-w4-g32", "awq-w4-g64"])
+@pytest.mark.parametrize("name", ["gptq-w4-g32", "gptq-w4-channel-actorder", "awq-w4-g64"])
 def test_unpacked_weights_equal_gptqmodels_dequantization(name):
     """Layer 0's q_proj, unpacked from the fused qkv kernel: GPTQModel's own dequantized
     weight (its QuantLinear's, saved as reference_dequant.npz [out, in])."""
@@ -85,6 +91,8 @@ def test_unpacked_weights_equal_gptqmodels_dequantization(name):
     group = CHECKPOINTS[name]
     rows = lambda a: np.repeat(np.asarray(a), group, axis=0)  # noqa: E731
     w = u * rows(qkv.scale[...]) + rows(qkv.offset[...])  # [in, fused out]
+    if qkv.perm is not None:  # act order: kernel row r is input perm[r]
+        w = w[np.argsort(np.asarray(qkv.perm[...]))]
     np.testing.assert_allclose(q_proj_columns(loaded, w).T, want, atol=1e-6, rtol=1e-6)
 
 
@@ -105,10 +113,13 @@ def test_the_engine_serves_it_with_transformers_greedy_tokens():
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("name", ["ct-w4a16-asym-g64", "gptq-w4-asym-g64-actorder"])
+@pytest.mark.parametrize(
+    "name", ["ct-w4a16-asym-g64", "gptq-w4-asym-g64-actorder", "ct-w4a16-channel"]
+)
 def test_tp2_equals_tp1(cpu_devices, name):
     """Row-parallel layers split whole groups; an act-order layer's input gather (its perm,
-    over the whole input) is the same under tensor parallelism."""
+    over the whole input) is the same under tensor parallelism; so is a per-channel scale
+    repeated over groups."""
     results = []
     for tp in (1, 2):
         mesh = make_mesh(tp, cpu_devices)
@@ -126,7 +137,7 @@ def test_tp2_equals_tp1(cpu_devices, name):
     [
         ({"num_bits": 3}, "int 3-bit packed weights are not supported"),
         ({"actorder": "group"}, "actorder 'group' is not supported"),
-        ({"strategy": "channel"}, "strategy 'channel' is not supported for 4-bit weights"),
+        ({"strategy": "tensor"}, "strategy 'tensor' is not supported for 4-bit weights"),
     ],
 )
 def test_unsupported_variants_are_named(tmp_path, change, message):
@@ -140,7 +151,7 @@ def test_unsupported_variants_are_named(tmp_path, change, message):
     ("name", "change", "message"),
     [
         ("gptq-w4-g32", {"bits": 8}, "gptq checkpoint: bits 8 are not supported"),
-        ("gptq-w4-g32", {"group_size": -1}, "group_size -1 is not supported"),
+        ("gptq-w4-g32", {"group_size": 0}, "group_size 0 is not supported"),
         ("gptq-w4-g32", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         ("awq-w4-g64", {"version": "gemv"}, "version 'gemv' is not supported"),
         ("awq-w4-g64", {"zero_point": False}, "zero_point false is not supported"),
@@ -154,14 +165,16 @@ def test_unsupported_gptq_and_awq_variants_are_named(tmp_path, name, change, mes
 
 def test_act_order_layers_gather_their_input_by_group(tmp_path):
     """desc_act: each layer's rows sorted by g_idx, its input gathered by the same order (q,
-    k and v share one, as they share one input); a permuted g_idx without desc_act is
-    refused, naming the tensor."""
+    k and v share one, as they share one input); with one group per channel the order
+    changes nothing and no gather is kept; a permuted g_idx without desc_act is refused,
+    naming the tensor."""
     loaded = load_model(DATA / "gptq-w4-asym-g64-actorder", dtype="float32")
     assert loaded.config.quant_act_order
     perm = np.asarray(loaded.model.layers[0].self_attn.qkv_proj.perm[...])
     assert sorted(perm) == list(range(128)) and (perm != np.arange(128)).any()
-    plain = load_model(DATA / "gptq-w4-g32", dtype="float32")
-    assert plain.model.layers[0].mlp.down_proj.perm is None
+    for name in ("gptq-w4-g32", "gptq-w4-channel-actorder"):
+        plain = load_model(DATA / name, dtype="float32")
+        assert plain.model.layers[0].mlp.down_proj.perm is None
     bad = edited(DATA / "gptq-w4-asym-g64-actorder", tmp_path,
                  lambda qc: qc.update(desc_act=False))  # fmt: skip
     with pytest.raises(ValueError, match=r"layers\.0\..*g_idx is not input row // group_size"):

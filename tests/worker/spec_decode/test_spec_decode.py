@@ -70,11 +70,11 @@ def token_ids(outputs):
 @pytest.mark.slow
 def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(plain, ngram):
     counter = AcceptCounter(ngram)
-    for params in [
-        SamplingParams(temperature=0.0, max_tokens=32),
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=32, seed=7),
-        SamplingParams(temperature=0.0, max_tokens=32, stop=["farm"], min_tokens=3),
-    ]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    stop = SamplingParams(temperature=0.0, max_tokens=32, stop=["farm"], min_tokens=3)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=32, seed=7)
+    # the rewrite stops at "farm", inside a run of accepted drafts; the rest run to 32
+    for params in [[stop, greedy, greedy, greedy], sampled]:
         want = plain.chat(CHATS, params, use_tqdm=False)
         got = ngram.chat(CHATS, params, use_tqdm=False)
         assert token_ids(got) == token_ids(want)
@@ -82,8 +82,10 @@ def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(plain, ngr
         assert [o.outputs[0].finish_reason for o in got] == [
             o.outputs[0].finish_reason for o in want
         ]
+        if params is not sampled:
+            assert got[0].outputs[0].stop_reason == "farm"
     # The rewrite and the repetition are mostly drafts, accepted.
-    assert counter.accepted > 60 and counter.accepted / counter.drafted > 0.4  # 106 / 154
+    assert counter.accepted > 45 and counter.accepted / counter.drafted > 0.4  # 71 / 107
     core(ngram).scheduler.kv_cache_manager.check_no_leaks()
     assert core(ngram).get_state()["num_free_blocks"] == core(ngram).num_blocks - 1
 
