@@ -53,12 +53,12 @@ TINY = dict(
 
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
-    gemma2 | gemma3 | mixtral | qwen3_moe) to out_dir, fp32."""
+    gemma2 | gemma3 | mixtral | qwen3_moe | glm4_moe) to out_dir, fp32."""
     import transformers
 
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
              "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral",
-             "qwen3_moe": "Qwen3Moe"}  # fmt: skip
+             "qwen3_moe": "Qwen3Moe", "glm4_moe": "Glm4Moe"}  # fmt: skip
     cls_name = names[family]
     config_cls = "Gemma3TextConfig" if family == "gemma3" else f"{cls_name}Config"
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})
@@ -71,6 +71,9 @@ def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():  # noaux_tc routers' score correction bias
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.2, 0.2)
     model.save_pretrained(out_dir)
     return out_dir
 

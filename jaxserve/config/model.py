@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config.moe import MoeRouting, first_dense_layers, moe_routing
 from jaxserve.config.quantization import (
     CHECKPOINT_METHODS,
     checkpoint_quantization,
@@ -145,6 +146,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen3-MoE's)
+    moe_routing: MoeRouting = MoeRouting()  # how the router picks experts (config/moe.py)
+    rotary_dim: int = 0  # the leading dims of each head that rotary turns (0: all of them)
     expert_parallel: bool = False  # experts split over the devices (load_model sets it)
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -181,10 +184,16 @@ class ModelConfig:
         if getattr(hf_config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         rope_params = getattr(hf_config, "rope_parameters", None) or {}
+        num_heads = hf_config.num_attention_heads
         partial = rope_params.get("partial_rotary_factor", None)
         partial = getattr(hf_config, "partial_rotary_factor", None) if partial is None else partial
-        if partial not in (None, 1, 1.0):
-            raise ValueError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        rotary_dim = 0 if partial in (None, 1, 1.0) else int(head_dim * partial)
+        if rotary_dim % 2 or not 0 <= rotary_dim <= head_dim:
+            raise ValueError(
+                f"partial_rotary_factor={partial} of head_dim {head_dim} is not an even number "
+                "of rotated dims"
+            )
         hidden_act = (
             getattr(hf_config, "hidden_activation", None)
             or getattr(hf_config, "hidden_act", None)
@@ -194,7 +203,6 @@ class ModelConfig:
             raise ValueError(
                 f"hidden_act {hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})"
             )
-        num_heads = hf_config.num_attention_heads
         # Qwen2 always has q/k/v biases; Llama-style configs say so with `attention_bias`.
         attention_bias = bool(getattr(hf_config, "attention_bias", False)) or archs[0].startswith(
             "Qwen2"
@@ -211,11 +219,11 @@ class ModelConfig:
         )  # fmt: skip
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         only_mlp = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        first_dense = first_dense_layers(hf_config, archs[0])
         dense_layers = tuple(
             i for i in range(hf_config.num_hidden_layers)
-            if num_experts and (i in only_mlp or (i + 1) % step)
+            if num_experts and (i in only_mlp or (i + 1) % step or i in first_dense)
         )  # fmt: skip
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         moe_intermediate = int(
             getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
         )
@@ -245,7 +253,8 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
             sliding_window=sliding_window,
-            qk_norm=archs[0].startswith(("Qwen3", "Gemma3")),
+            qk_norm=archs[0].startswith(("Qwen3", "Gemma3"))
+            or bool(getattr(hf_config, "use_qk_norm", False)),
             hidden_act=hidden_act,
             layer_types=tuple(layer_types) if layer_types else None,
             sliding_rope=sliding_rope,
@@ -257,6 +266,8 @@ class ModelConfig:
             moe_intermediate_size=moe_intermediate,
             norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
             dense_layers=dense_layers,
+            moe_routing=moe_routing(hf_config, archs[0]) if num_experts else MoeRouting(),
+            rotary_dim=rotary_dim,
             quantization=prequantized or quantization,
             prequantized=prequantized is not None,
             quant_group=quant_group,

@@ -34,6 +34,8 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         problems.append(f"num_experts={config.num_experts} (expert parallel)")
     if config.num_experts and not config.expert_parallel and config.moe_intermediate_size % tp:
         problems.append(f"moe_intermediate_size={config.moe_intermediate_size}")
+    if config.moe_routing.shared_intermediate % tp:
+        problems.append(f"the shared experts' {config.moe_routing.shared_intermediate} columns")
     if config.quantization in GROUPED_QUANT:  # row-parallel: whole groups
         group = 16 if config.quantization == "gguf" else config.quant_group
         for name, rows in (("num_attention_heads * head_dim", config.num_heads * config.head_dim),
@@ -68,6 +70,8 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         "self_attn/o_proj/kernel": P(TP_AXIS, None),  # [Hq * hd, D]
         "mlp/gate_up_proj/kernel": P(None, TP_AXIS),  # [D, F * 2]
         "mlp/down_proj/kernel": P(TP_AXIS, None),  # [F, D]
+        "shared_experts/gate_up_proj/kernel": P(None, TP_AXIS),  # a GatedMLP beside experts
+        "shared_experts/down_proj/kernel": P(TP_AXIS, None),
         # experts [E, D, 2F] and [E, F, D]: whole experts per device (expert parallel), or
         # every expert's slice of F (tensor parallel); the router is replicated
         "mlp/w13": P(TP_AXIS) if config.expert_parallel else P(None, None, TP_AXIS),
@@ -75,6 +79,7 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         # per-output-channel scales of quantized kernels: split as their kernel's columns
         "self_attn/qkv_proj/scale": P(TP_AXIS),
         "mlp/gate_up_proj/scale": P(TP_AXIS),
+        "shared_experts/gate_up_proj/scale": P(TP_AXIS),
     }
     for suffix, spec in rules.items():
         if name.endswith(suffix):

@@ -185,6 +185,7 @@ class Attention(nnx.Module):
         self.sm_scale = (config.query_pre_attn_scalar or hd) ** -0.5
         self.soft_cap = config.attn_logit_softcapping
         self.head_dim = hd
+        self.rotary_dim = config.rotary_dim or hd  # partial rotary: the leading dims only
         self.backend, self.mesh = "reference", None  # configure_attention sets these
         # An fp8 cache holds K / k_scale and V / v_scale (the checkpoint's, when it has them:
         # loader.load_kv_scales); a wider cache ignores them.
@@ -204,7 +205,7 @@ class Attention(nnx.Module):
         """
         t, hd, g = x.shape[0], self.head_dim, self.group
         qkv = self.qkv_proj(x).reshape(t, self.num_kv_heads, g + 2, hd)  # [T, Hkv, G + 2, hd]
-        inv_freq = rope_inv_freq(hd, self.rope)  # a trace-time constant
+        inv_freq = rope_inv_freq(self.rotary_dim, self.rope)  # a trace-time constant
         q, k = qkv[:, :, :g].reshape(t, -1, hd), qkv[:, :, g]  # [T, Hq, hd], [T, Hkv, hd]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -1,8 +1,9 @@
 """Mixture-of-experts MLP (vLLM's FusedMoE): a router picks each token's top-k experts, the
 token's rows are sorted by expert and run through grouped matmuls (`jax.lax.ragged_dot`).
 
-Weights: router `gate` [D, E]; `w13` [E, D, 2F] (each expert's gate and up interleaved, as
-GatedMLP's gate_up: column 2f is gate f, 2f + 1 is up f); `w2` [E, F, D].
+Weights: router `gate` [D, E] (and `e_score_correction_bias` [E] for noaux_tc routing);
+`w13` [E, D, 2F] (each expert's gate and up interleaved, as GatedMLP's gate_up: column 2f is
+gate f, 2f + 1 is up f); `w2` [E, F, D]; `shared_experts` a GatedMLP when the model has them.
 
 Parallelism over the `tp` mesh axis, inside `jax.shard_map` (a grouped matmul is not
 auto-partitioned), each device's partial output summed with a psum:
@@ -20,8 +21,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.config.moe import MoeRouting
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
+from jaxserve.layers.mlp import GatedMLP
 
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -32,6 +35,26 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
     if renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return ids.astype(jnp.int32), weights
+
+
+def route_noaux_tc(logits: jax.Array, bias: jax.Array, top_k: int, renormalize: bool,
+                   routing: MoeRouting) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """DeepSeek-V3's and GLM-4.5's routing (config/moe.py::MoeRouting): router logits
+    f32[T, E] and the correction bias f32[E] -> (expert ids i32[T, k], weights f32[T, k])."""
+    t, e = logits.shape
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    biased = scores + bias
+    if routing.n_group > 1:  # only the experts of the topk_group best groups compete
+        grouped = biased.reshape(t, routing.n_group, e // routing.n_group)
+        merit = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)  # [T, n_group]
+        best = jax.lax.top_k(merit, routing.topk_group)[1]
+        keep = jnp.zeros((t, routing.n_group), bool).at[jnp.arange(t)[:, None], best].set(True)
+        biased = jnp.where(jnp.repeat(keep, e // routing.n_group, axis=1), biased, -jnp.inf)
+    ids = jax.lax.top_k(biased, top_k)[1]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * routing.routed_scaling_factor
 
 
 def expert_mlp(
@@ -62,10 +85,26 @@ def expert_mlp(
 
 
 class FusedMoE(nnx.Module):
+    """The routed experts, and the shared experts every token also goes through (DeepSeek,
+    GLM-4.5: `shared_experts`, a GatedMLP) when the config has them."""
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, e, f, dt = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
                        config.dtype)  # fmt: skip
         self.gate = Linear(d, e, dtype=dt, rngs=rngs)  # the router, never quantized
+        self.routing = config.moe_routing
+        # noaux_tc's per-expert bias on the scores that pick the experts (not their weights)
+        self.e_score_correction_bias = (
+            nnx.Param(jnp.zeros((e,), jnp.float32)) if self.routing.score_bias else None
+        )
+        shared = self.routing.shared_intermediate
+        self.shared_experts = (
+            GatedMLP(
+                d, shared, dtype=dt, rngs=rngs, act=config.hidden_act, linear=config.linear_kwargs()
+            )  # fmt: skip
+            if shared
+            else None
+        )
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
         self.w13 = nnx.Param(init(rngs.params(), (e, d, 2 * f), dt))
         self.w2 = nnx.Param(init(rngs.params(), (e, f, d), dt))
@@ -77,7 +116,21 @@ class FusedMoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] -> [T, D]."""
-        ids, weights = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.routed(x)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x: [T, D] -> (expert ids i32[T, k], weights f32[T, k])."""
+        if self.e_score_correction_bias is None:
+            return route(self.gate(x), self.top_k, self.renormalize)
+        # noaux_tc routers score in float32 whatever the model dtype (as HF computes them)
+        logits = x.astype(jnp.float32) @ self.gate.kernel[...].astype(jnp.float32)
+        bias = self.e_score_correction_bias[...]
+        return route_noaux_tc(logits, bias, self.top_k, self.renormalize, self.routing)
+
+    def routed(self, x: jax.Array) -> jax.Array:
+        """The routed experts' weighted sum: x [T, D] -> [T, D]."""
+        ids, weights = self.route(x)
         w13, w2 = self.w13[...], self.w2[...]
         if self.mesh is None or self.mesh.shape[TP_AXIS] == 1:
             return expert_mlp(x, ids, weights, w13, w2, act=self.act)

@@ -71,8 +71,13 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> np.ndarray:
 def apply_rotary(
     x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0
 ) -> jax.Array:
-    """Rotate x: [T, H, D] by angles positions [T] x inv_freq [D // 2], cos and sin times
-    scale (YaRN's attention factor); float32 math."""
+    """Rotate x: [T, H, D] by angles positions [T] x inv_freq [R // 2], cos and sin times
+    scale (YaRN's attention factor); float32 math. With R < D (partial rotary) only the
+    leading R dims of each head turn, the rest pass through."""
+    rotary_dim = 2 * len(inv_freq)
+    if rotary_dim < x.shape[-1]:
+        turned = apply_rotary(x[..., :rotary_dim], positions, inv_freq, scale)
+        return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
     cos, sin = jnp.cos(emb), jnp.sin(emb)

@@ -22,6 +22,7 @@ GENERATE = {  # one configuration per family, the parity test's
     "gemma3": DENSE["gemma3"],
     "mixtral": ("mixtral", MOE["mixtral"]),
     "qwen3_moe": ("qwen3_moe", MOE["qwen3_moe"]),
+    "glm4_moe": ("glm4_moe", MOE["glm4_moe"]),
 }
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtype="float32")
 # tp 2 through the whole engine for llama (the dense families split alike: sliding windows,
@@ -29,7 +30,7 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtyp
 # are the same MoE layer, split alike); the dense families' own splits (qwen2's qkv bias,
 # phi3's fused checkpoint, qwen3, gemma3) are compared at tp 1, 2 and 4 in
 # tests/distributed/test_tensor_parallel.py.
-TP2 = ("llama", "qwen3_moe")
+TP2 = ("llama", "qwen3_moe", "glm4_moe")  # GLM: its shared experts split as a dense MLP
 CASES = [(family, 1) for family in sorted(GENERATE)] + [(family, 2) for family in TP2]
 
 

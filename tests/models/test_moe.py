@@ -1,6 +1,6 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE): routing as HF routes, logits as HF computes them,
-the same output with the experts split over devices (expert parallel) or their F split (tensor
-parallel), and greedy generate through the whole engine equal to HF's."""
+"""Mixture of experts (Mixtral, Qwen3-MoE, GLM-4.5): routing as HF routes, logits as HF
+computes them, the same output with the experts split over devices (expert parallel) or their
+F split (tensor parallel), and greedy generate through the whole engine equal to HF's."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.layers.fused_moe import configure_moe, expert_mlp, route
+from jaxserve.layers.fused_moe import configure_moe, expert_mlp
 from jaxserve.models.loader import load_model
 from tests.helpers import assert_generate_matches_hf, hf_logits, hf_model, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
@@ -19,6 +19,13 @@ FAMILIES = {
     # layer 1 dense, norm_topk_prob off: both code paths of the family
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
                       mlp_only_layers=[1], norm_topk_prob=False, head_dim=16),
+    # GLM-4.5's shape scaled down: layer 0 dense, sigmoid routing with a score bias among 4
+    # groups of 4 experts (the best 2 groups compete), scaled, a shared expert; partial rotary
+    # (half of each 16-wide head), q/k/v biases, q/k norms
+    "glm4_moe": dict(n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=32,
+                     n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+                     head_dim=16),
 }  # fmt: skip
 
 
@@ -31,14 +38,18 @@ def moe_dir(request, tmp_path_factory):
 def test_routing_and_logits_match_hf(moe_dir):
     loaded = load_model(moe_dir, dtype="float32")
     ref = hf_model(str(moe_dir))
-    layer = 0
+    layer = min(i for i in range(loaded.config.num_layers) if loaded.config.is_moe_layer(i))
     hidden = torch.randn(11, ref.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, hf_weights, hf_ids = ref.model.layers[layer].mlp.gate(hidden)
     moe = loaded.model.layers[layer].mlp
-    ids, weights = route(moe.gate(jnp.asarray(hidden.numpy())), moe.top_k, moe.renormalize)
-    np.testing.assert_array_equal(np.asarray(ids), hf_ids.numpy())
-    np.testing.assert_allclose(np.asarray(weights), hf_weights.numpy(), atol=1e-6)
+    ids, weights = moe.route(jnp.asarray(hidden.numpy()))
+    # the same experts at the same weights (GLM's router lists them in no set order)
+    order, hf_order = np.argsort(np.asarray(ids), -1), np.argsort(hf_ids.numpy(), -1)
+    sort = lambda a, o: np.take_along_axis(np.asarray(a), o, -1)  # noqa: E731
+    np.testing.assert_array_equal(sort(ids, order), sort(hf_ids.numpy(), hf_order))
+    np.testing.assert_allclose(sort(weights, order), sort(hf_weights.numpy(), hf_order),
+                               atol=1e-6)  # fmt: skip
     with torch.no_grad():
         hf_out = ref.model.layers[layer].mlp(hidden[None])[0].numpy()
     np.testing.assert_allclose(np.asarray(moe(jnp.asarray(hidden.numpy()))), hf_out, atol=1e-5)

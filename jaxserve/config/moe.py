@@ -1,0 +1,61 @@
+"""How a mixture-of-experts model routes its tokens and which layers keep a dense MLP, read
+from the HF config of each MoE family (layers/fused_moe.py runs it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeRouting:
+    """scoring "softmax": the top-k of a softmax over the router logits (Mixtral, Qwen3-MoE);
+    "sigmoid": DeepSeek-V3's and GLM-4.5's `noaux_tc`: sigmoid scores, the experts picked by
+    score + `e_score_correction_bias` among the `topk_group` best of `n_group` expert groups (a
+    group's merit: its two best biased scores), weighted by their unbiased scores
+    (renormalised when norm_topk_prob) times routed_scaling_factor. shared_intermediate: the
+    width of the shared experts' MLP, which every token goes through too (0: none)."""
+
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate: int = 0
+
+    @property
+    def score_bias(self) -> bool:
+        return self.scoring == "sigmoid"
+
+
+# Architectures routed as DeepSeek-V3 routes (sigmoid, bias, groups, shared experts).
+NOAUX_TC = ("Glm4MoeForCausalLM",)
+
+
+def moe_routing(hf_config: Any, architecture: str) -> MoeRouting:
+    if architecture not in NOAUX_TC:
+        return MoeRouting()
+    n_group = int(getattr(hf_config, "n_group", 1) or 1)
+    topk_group = int(getattr(hf_config, "topk_group", 1) or 1)
+    experts = int(hf_config.num_local_experts)
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(
+            f"n_group={n_group}, topk_group={topk_group} do not split {experts} routed experts "
+            "into groups"
+        )
+    if n_group > 1 and experts // n_group < 2:
+        raise ValueError(f"n_group={n_group}: a group's merit needs 2 experts in each group")
+    shared = int(getattr(hf_config, "n_shared_experts", 0) or 0)
+    return MoeRouting(
+        scoring="sigmoid",
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
+        shared_intermediate=shared * int(hf_config.moe_intermediate_size),
+    )
+
+
+def first_dense_layers(hf_config: Any, architecture: str) -> tuple[int, ...]:
+    """Leading layers with a dense MLP (`first_k_dense_replace`: DeepSeek, GLM-4.5)."""
+    if architecture not in NOAUX_TC:
+        return ()
+    return tuple(range(int(getattr(hf_config, "first_k_dense_replace", 0) or 0)))
