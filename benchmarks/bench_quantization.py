@@ -1,10 +1,13 @@
 """Weight-only quantization and the fp8 KV cache on the default model: memory, agreement,
 quality and speed against full precision, each mode in its own engine in this process.
 Modes: none, int8, fp8 (weights), kv-fp8 (full-precision weights, `kv_cache_dtype="fp8"`),
-and two checkpoint formats kept as stored, written from the model's HF weights (transformers'
+and three checkpoint formats kept as stored, written from the model's HF weights (transformers'
 dequantization of the GGUF) into --work first: fp8_block (transformers' `quant_method: fp8`,
-64 x 64 blocks: the default model's 576-wide layers hold no 128 x 128 ones) and int4
-(compressed-tensors pack-quantized W4A16, symmetric, group 64, round-to-nearest).
+64 x 64 blocks: the default model's 576-wide layers hold no 128 x 128 ones), int4
+(compressed-tensors pack-quantized W4A16, symmetric, group 64, round-to-nearest; GPTQ and
+AWQ checkpoints load into the same kernel) and mxfp4 (compressed-tensors mxfp4-pack-quantized,
+OCP MX rounding to nearest; these three are written here, not by their libraries: for speed
+and memory, and quality as this rounding gives it).
 
   - weights: bytes of the model's parameters on the device; KV cache bytes per token;
   - greedy agreement: 64 greedy tokens on each of 4 chat prompts, tokens equal to full
@@ -114,8 +117,23 @@ def run(
     return result
 
 
-CHECKPOINT_FORMATS = ("fp8_block", "int4")
+CHECKPOINT_FORMATS = ("fp8_block", "int4", "mxfp4")
 GROUP = 64  # the default model's widths (576, 1536, 192) are multiples of 64, not of 128
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # OCP FP4 magnitudes, codes 0-7
+
+
+def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] -> (e2m1 codes uint8 [out, in / 2], the even input in the low nibble;
+    e8m0 exponents uint8 [out, in / 32]): OCP MX's shared exponent floor(log2 amax) - 2
+    (e2m1's largest exponent), each value rounded to the nearest code, saturated at 6."""
+    out, d_in = w.shape
+    groups = w.reshape(out, d_in // 32, 32)
+    amax = np.maximum(np.abs(groups).max(axis=2), 2.0**-126)
+    exp = np.clip(np.floor(np.log2(amax)) - 2, -127, 127)  # [out, in / 32]
+    x = np.abs(groups) / 2.0 ** exp[..., None]
+    code = np.abs(x[..., None] - E2M1).argmin(axis=-1)  # nearest magnitude
+    code = (code | ((groups < 0) << 3)).reshape(out, d_in).astype(np.uint8)
+    return code[:, 0::2] | (code[:, 1::2] << 4), (exp + 127).astype(np.uint8)
 
 
 def write_checkpoint(mode: str, work: str) -> str:
@@ -152,6 +170,8 @@ def write_checkpoint(mode: str, work: str) -> str:
             q = (blocks / scale[:, None, :, None]).reshape(out, d_in)
             tensors[name] = q.astype(ml_dtypes.float8_e4m3fn)
             tensors[base + "weight_scale_inv"] = scale.astype(np.float32)
+        elif mode == "mxfp4":
+            tensors[base + "weight_packed"], tensors[base + "weight_scale"] = mxfp4(w)
         else:  # int4: q in [-8, 7] stored as q + 8, eight nibbles an int32, low bits first
             groups = w.reshape(out, d_in // GROUP, GROUP)
             scale = np.maximum(np.abs(groups).max(axis=2), 1e-12) / 7.0  # [out, in / group]
@@ -166,10 +186,13 @@ def write_checkpoint(mode: str, work: str) -> str:
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, dst / "model.safetensors")
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                "group_size": GROUP}  # fmt: skip
+    if mode == "mxfp4":
+        weights = {**weights, "type": "float", "group_size": 32}
     config["quantization_config"] = {
         "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [GROUP, GROUP],
     } if mode == "fp8_block" else {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "quant_method": "compressed-tensors", "ignore": ["lm_head"],
+        "format": "mxfp4-pack-quantized" if mode == "mxfp4" else "pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
     }  # fmt: skip
     (dst / "config.json").write_text(json.dumps(config))

@@ -110,8 +110,9 @@ class Roofline:
         )
 
 
-def param_counts(config: ModelConfig) -> tuple[int, int]:
-    """(all parameters, matmul weights) of the model, from its abstract shapes."""
+def param_counts(config: ModelConfig) -> tuple[int, int, int]:
+    """(all parameters, matmul weights, routed experts' weights) of the model, from its
+    abstract shapes."""
     from flax import nnx, traverse_util
 
     from jaxserve.models.registry import get_model_class
@@ -119,7 +120,7 @@ def param_counts(config: ModelConfig) -> tuple[int, int]:
     model_cls = get_model_class(config.architecture)
     abstract = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
     shapes = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
-    total = matmul = 0
+    total = matmul = experts = 0
     for path, s in shapes.items():
         name = "/".join(map(str, path))
         size = int(np.prod(s.shape))
@@ -127,18 +128,27 @@ def param_counts(config: ModelConfig) -> tuple[int, int]:
         lookup_only = "embed_tokens" in name and not config.tie_word_embeddings
         if not lookup_only and "norm" not in name and not name.endswith("bias"):
             matmul += size
-    return total, matmul
+        if name.endswith(("mlp/w13", "mlp/w2")):
+            experts += size
+    return total, matmul, experts
 
 
 def decode_step_cost(config: ModelConfig, context_lens: Sequence[float]) -> StepCost:
     """The least a decode step of len(context_lens) sequences reads and computes; each
-    context length counts the cached tokens the step's query attends to (its own included)."""
-    total, matmul = param_counts(config)
+    context length counts the cached tokens the step's query attends to (its own included).
+    A mixture of experts reads only the experts its B * k routed rows pick: with routing
+    uniform, E * (1 - (1 - k / E) ** B) of E per layer; each row multiplies through k."""
+    total, matmul, experts = param_counts(config)
     itemsize = jnp.dtype(config.dtype).itemsize
-    ctx = float(sum(context_lens))
+    b, ctx = len(context_lens), float(sum(context_lens))
+    read, per_row = total, matmul
+    if experts:
+        e, k = config.num_experts, config.num_experts_per_tok
+        read = total - experts + experts * (1 - (1 - k / e) ** b)
+        per_row = matmul - experts + experts * k / e
     kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize * ctx
     attn_flops = 4 * config.num_layers * config.num_heads * config.head_dim * ctx
-    return StepCost(total * itemsize, kv_bytes, 2.0 * matmul * len(context_lens) + attn_flops)
+    return StepCost(int(read * itemsize), kv_bytes, 2.0 * per_row * b + attn_flops)
 
 
 def device_peaks(dtype) -> DevicePeaks:

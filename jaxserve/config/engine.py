@@ -127,6 +127,8 @@ class EngineConfig:
     max_logprobs: int = 20
     attention_backend: str = "reference"  # "pallas" (the kernel) or "reference" (jnp)
     load_format: str = "auto"  # "dummy": random weights of the model's shapes
+    # HF config fields set over the checkpoint's (--hf-overrides); `model` already has them
+    hf_overrides: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     tokenizer_path: str | None = None  # default: model_path (structured outputs read it)
     reasoning_parser: str | None = None  # structured outputs bind after the reasoning ends
     pooler: PoolerConfig | None = None  # set: a pooling runner (embeddings), no generation

@@ -27,7 +27,11 @@ from jaxserve.config import (
     SpeculativeConfig,
 )
 from jaxserve.distributed.mesh import check_local_devices
-from jaxserve.transformers_utils.config import check_generation_config, read_model_config
+from jaxserve.transformers_utils.config import (
+    check_generation_config,
+    check_hf_overrides,
+    read_model_config,
+)
 from jaxserve.transformers_utils.model_path import resolve_model_path, resolve_tokenizer_path
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
@@ -46,6 +50,9 @@ class EngineArgs:
     tokenizer_revision: str | None = None  # the tokenizer's, when it is a hub id
     download_dir: str | None = None  # the hub cache to read and download into (default: HF's)
     load_format: str = "auto"  # "dummy": random weights (model: also a config.json or preset)
+    # HF config fields set over the model's config.json (vLLM's --hf-overrides), e.g. fewer
+    # layers or experts of a real model's shapes for a benchmark
+    hf_overrides: dict | str | None = None
     tensor_parallel_size: int = 1
     # Engine core processes, each with its own devices, scheduler and KV cache; new requests
     # go to the least loaded (engine/core_client.py::LoadBalancer)
@@ -128,7 +135,8 @@ class EngineArgs:
         """Validate every argument (ValueError naming it) and build the frozen configs."""
         self._check_nodes()
         path = self.model_path()
-        model_config = read_model_config(path, self.dtype, self.quantization)
+        hf_overrides = check_hf_overrides(self.hf_overrides)
+        model_config = read_model_config(path, self.dtype, self.quantization, hf_overrides)
         on_cpu = jax.default_backend() == "cpu"
         if self.enable_expert_parallel and not model_config.num_experts:
             raise ValueError(
@@ -190,6 +198,7 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             attention_backend=attention_backend,
             load_format=self.load_format,
+            hf_overrides=hf_overrides,
             tokenizer_path=None if self.tokenizer is None else str(self._tokenizer_path()),
             reasoning_parser=self.reasoning_parser,
             pooler=pooler,

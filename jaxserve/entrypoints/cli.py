@@ -83,6 +83,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="dummy: random weights of the model's shapes (the model may then also be a "
         "config.json or a preset such as llama-3-8b)",
     )
+    parser.add_argument(
+        "--hf-overrides", default=None,
+        help='JSON of HF config fields set over the model\'s, e.g. {"num_hidden_layers": 2}',
+    )  # fmt: skip
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument(
         "-dp", "--data-parallel-size", type=int, default=1,

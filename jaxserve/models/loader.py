@@ -33,11 +33,7 @@ from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
 from jaxserve.models.weight_sources import GGUFSource, SafetensorsSource
 from jaxserve.transformers_utils import hub
-from jaxserve.transformers_utils.config import (
-    gguf_hf_config,
-    read_generation_config,
-    read_hf_config,
-)
+from jaxserve.transformers_utils.config import read_any_hf_config, read_generation_config
 from jaxserve.transformers_utils.model_path import resolve_model_path
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
@@ -67,6 +63,7 @@ def load_model(
     quantization: str | None = None,
     enable_expert_parallel: bool = False,
     architecture: str | None = None,
+    hf_overrides: dict | None = None,
 ) -> LoadedModel:
     """Load `model` (a name or path transformers_utils/model_path.py resolves) onto `mesh`
     (default: tp over local devices);
@@ -76,14 +73,13 @@ def load_model(
     quantization "int8" / "fp8": the decoder layers' linear kernels quantized as they load;
     enable_expert_parallel: a mixture of experts' experts split over the mesh;
     architecture: the model class to build instead of the config's (an EAGLE head's config
-    names a plain Llama)."""
+    names a plain Llama); hf_overrides: fields set over the HF config's (--hf-overrides)."""
     path = resolve_model_path(model, load_format)
     dummy = load_format == "dummy"
+    hf_config = read_any_hf_config(path, hf_overrides)
     if path.is_file():
         source: Any = GGUFSource(path)
-        hf_config = gguf_hf_config(path)
     else:
-        hf_config = read_hf_config(path)
         is_checkpoint = (path / CHECKPOINT_MARKER).exists()
         source = None if is_checkpoint or dummy else SafetensorsSource(path)
 
@@ -99,6 +95,9 @@ def load_model(
     if quantization == "gguf" and not isinstance(source, GGUFSource) and not dummy:
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not one")
     model_cls = get_model_class(config.architecture)
+    if mtp := getattr(hf_config, "num_nextn_predict_layers", 0):  # DeepSeek, GLM-4.5
+        logger.info("%s: its %d multi-token-prediction layer(s) are not loaded (no MTP "
+                    "speculative decoding yet)", config.architecture, mtp)  # fmt: skip
     mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
     tp = mesh.shape[TP_AXIS]
     validate_tp(config, tp)

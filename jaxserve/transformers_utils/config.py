@@ -4,6 +4,7 @@ config (`read_model_config`) and the frontend need only these."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.metadata
@@ -25,35 +26,69 @@ _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=8)
 def read_model_config(
-    model: str | Path | None, dtype: str = "auto", quantization: str | None = None
-) -> ModelConfig:
-    """The model's architecture without loading its weights (the frontend needs only this)."""
+    model: str | Path | None, dtype: str = "auto", quantization: str | None = None,
+    hf_overrides: dict | None = None,
+) -> ModelConfig:  # fmt: skip
+    """The model's architecture without loading its weights (the frontend needs only this);
+    hf_overrides: fields set over the HF config's (vLLM's --hf-overrides)."""
+    return _read_model_config(model, dtype, quantization, json.dumps(hf_overrides or {}))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_model_config(model, dtype: str, quantization: str | None, overrides: str):
     path = resolve_model_path(model)
-    hf_config = gguf_hf_config(path) if path.is_file() else read_hf_config(path)
-    return ModelConfig.from_hf(hf_config, dtype, quantization)
+    return ModelConfig.from_hf(read_any_hf_config(path, json.loads(overrides)), dtype, quantization)
 
 
-def read_hf_config(model_dir: Path) -> HFConfig:
+def read_any_hf_config(path: Path, hf_overrides: dict | None = None) -> Any:
+    """The HF config of a directory or a GGUF file, with hf_overrides set over it."""
+    if not path.is_file():
+        return read_hf_config(path, hf_overrides)
+    hf_config = copy.copy(gguf_hf_config(path))
+    for name, value in (hf_overrides or {}).items():
+        setattr(hf_config, name, value)
+    return hf_config
+
+
+def check_hf_overrides(overrides: dict | str | None) -> dict:
+    """--hf-overrides parsed (a JSON object of HF config fields); ValueError names the bad
+    value."""
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides {overrides!r} is not JSON: {e}") from None
+    overrides = {} if overrides is None else overrides
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {overrides!r}")
+    return overrides
+
+
+def read_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> HFConfig:
     """The config transformers resolves from a HF (or jaxserve checkpoint) directory, class
-    defaults filled in, as a plain `HFConfig`. Kept as JSON under JAXSERVE_CONFIG_CACHE, keyed
-    by config.json's bytes and transformers' version: a later start reads that instead of
-    importing transformers (2-4 s of every engine start where torch is installed)."""
+    defaults filled in, hf_overrides set over config.json's fields (before transformers
+    resolves aliases: `n_routed_experts` also sets `num_local_experts`), as a plain
+    `HFConfig`. Kept as JSON under JAXSERVE_CONFIG_CACHE, keyed by config.json's bytes, the
+    overrides and transformers' version: a later start reads that instead of importing
+    transformers (2-4 s of every engine start where torch is installed)."""
     config_json = model_dir / "config.json"
+    overrides = hf_overrides or {}
     key = None
     cache = envs.JAXSERVE_CONFIG_CACHE
     if cache and config_json.is_file():
         digest = hashlib.sha256(config_json.read_bytes())
         digest.update(f"{_CACHE_FORMAT} {importlib.metadata.version('transformers')}".encode())
+        if overrides:
+            digest.update(json.dumps(overrides, sort_keys=True).encode())
         key = Path(cache).expanduser() / f"{digest.hexdigest()}.json"
         with contextlib.suppress(OSError, ValueError):
             return HFConfig(**json.loads(key.read_text()))
     from transformers import AutoConfig
 
     try:
-        resolved = AutoConfig.from_pretrained(model_dir)
-    except (ValueError, OSError) as e:
+        resolved = AutoConfig.from_pretrained(model_dir, **overrides)
+    except (ValueError, OSError, TypeError) as e:
         raise ValueError(f"cannot read {config_json}: {e}") from e
     fields = resolved.to_dict()
     for alias, name in resolved.attribute_map.items():  # e.g. Qwen3-MoE's num_experts

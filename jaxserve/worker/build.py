@@ -51,6 +51,7 @@ def build_runner(
             load_format=config.load_format,
             quantization=config.model.quantization,
             enable_expert_parallel=config.parallel.enable_expert_parallel,
+            hf_overrides=config.hf_overrides,
         )
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
     logger.info(

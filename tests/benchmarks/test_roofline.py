@@ -30,7 +30,7 @@ def test_param_counts_and_step_cost(tie):
     per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16 + 2 * 8  # q, k+v, o, mlp, two norms
     embed = 100 * 8
     total = embed + 2 * per_layer + 8 + (0 if tie else embed)
-    assert param_counts(c) == (total, total - 2 * 2 * 8 - 8 - (0 if tie else embed))
+    assert param_counts(c) == (total, total - 2 * 2 * 8 - 8 - (0 if tie else embed), 0)
     cost = decode_step_cost(c, [10, 20, 30])  # 3 sequences, 60 cached tokens in all
     assert cost.weight_bytes == 4 * total
     assert cost.kv_bytes == 2 * 2 * 2 * 2 * 4 * 60  # K and V, L, Hkv, hd, fp32 bytes, tokens
@@ -38,6 +38,21 @@ def test_param_counts_and_step_cost(tie):
     assert cost.flops == 2 * matmul * 3 + 4 * 2 * 4 * 2 * 60
     half = decode_step_cost(tiny_config(tie, jnp.bfloat16), [10, 20, 30])
     assert half.weight_bytes * 2 == cost.weight_bytes and half.kv_bytes * 2 == cost.kv_bytes
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_rows_pick():
+    """E = 8 experts, k = 2 per row: one row reads 2 of each layer's 8, four rows an
+    expected 8 * (1 - (3/4) ** 4); each row multiplies through 2."""
+    import dataclasses
+
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    c = dataclasses.replace(tiny_config(True), architecture="MixtralForCausalLM", **moe)
+    total, matmul, experts = param_counts(c)
+    assert experts == 2 * 8 * 3 * 8 * 16  # layers, experts, gate + up + down, D x F
+    one, four = decode_step_cost(c, [1]), decode_step_cost(c, [1] * 4)
+    assert one.weight_bytes == int(4 * (total - experts + experts * 2 / 8))
+    assert four.weight_bytes == int(4 * (total - experts + experts * (1 - 0.75**4)))
+    assert one.flops == pytest.approx(2 * (matmul - experts + experts / 4) + 4 * 2 * 4 * 2)
 
 
 def test_roofline_line_gives_each_bound_as_a_fraction_of_the_step():

@@ -63,11 +63,27 @@ def test_default_model_by_name_or_none():
         ({"dtype": "int8"}, "dtype 'int8' is not one of auto"),
         ({"load_format": "pt"}, "load_format 'pt' is not one of auto, dummy"),
         ({"kv_transfer_allowed_hosts": "10.0.0.5"}, "kv_transfer_allowed_hosts must be a list"),
+        ({"hf_overrides": "{layers: 1}"}, "hf_overrides '{layers: 1}' is not JSON"),
+        ({"hf_overrides": "[1]"}, r"hf_overrides must be a JSON object, got \[1\]"),
     ],
 )
 def test_bad_arguments_name_the_field(model_dir, args, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=model_dir, **args).create_engine_config()
+
+
+def test_hf_overrides_reach_the_engine_core(model_dir, monkeypatch):
+    """vLLM's --hf-overrides: config fields set over the checkpoint's, in the frontend's
+    config and in the engine core's model (here one of the three layers, read from the
+    checkpoint); the GGUF default model's config takes them too."""
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    config = EngineArgs(model=model_dir, hf_overrides='{"num_hidden_layers": 1}')
+    assert config.create_engine_config().model.num_layers == 1
+    llm = LLM(model_dir, hf_overrides={"num_hidden_layers": 1}, max_model_len=64)
+    assert len(llm.llm_engine.engine_core.engine_core.runner.model.layers) == 1
+    assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)[0].outputs[0].token_ids
+    gguf = EngineArgs(hf_overrides={"num_hidden_layers": 2}).create_engine_config()
+    assert gguf.model.num_layers == 2
 
 
 def test_bad_model_paths_and_unknown_arguments(tmp_path, model_dir):
