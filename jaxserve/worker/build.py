@@ -51,7 +51,7 @@ def build_runner(
             load_format=config.load_format,
             quantization=config.model.quantization,
             enable_expert_parallel=config.parallel.enable_expert_parallel,
-            hf_overrides=config.hf_overrides,
+            hf_overrides=config.hf_overrides or None,  # None: hashable (tests cache loads)
         )
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
     logger.info(
