@@ -5,8 +5,9 @@ its next file while it still has two tests to run. The suite's slowest files hav
 tests (a server, a venv, the GPU suite's dry run: one or two each), so they came last, queued
 behind each other on one worker while the other sat idle: 80 s of a 750 s run. Here files go
 longest first, by the seconds each took in a recorded run (tests/durations.json; a file not
-in it counts as `NEW_FILE_S`), and a worker gets its next file only when it is on the last
-test of its current one (the test xdist holds back until it knows what follows it).
+in it counts as `NEW_FILE_S`), the files of `APART` never side by side, and a worker gets its
+next file only when it is on the last test of its current one (the test xdist holds back
+until it knows what follows it).
 
 Refresh the durations after a change that moves them much:
     JAXSERVE_RECORD_DURATIONS=tests/durations.json .venv/bin/python -m pytest
@@ -22,6 +23,10 @@ from xdist.scheduler import LoadScopeScheduling
 
 DURATIONS = Path(__file__).with_name("durations.json")
 NEW_FILE_S = 10.0
+# Files whose long default-model decodes each take the memory bandwidth of a core's share:
+# never two at once (side by side at the start, test_llm ran 188 -> 226 s, test_spec_decode
+# 90 -> 127 s).
+APART = {"tests/entrypoints/test_llm.py", "tests/worker/spec_decode/test_spec_decode.py"}
 
 
 def _file(nodeid: str) -> str:
@@ -41,8 +46,17 @@ class LongestFileFirst(LoadScopeScheduling):
     def _seconds(self, scope: str) -> float:
         return float(self.seconds.get(scope, NEW_FILE_S))
 
+    def _running(self, node) -> set[str]:
+        """The files `node` has tests of still to run."""
+        work = self.assigned_work.get(node, {})
+        return {scope for scope, tests in work.items() if not all(tests.values())}
+
     def _assign_work_unit(self, node) -> None:
-        longest = max(self.workqueue, key=self._seconds)  # the first of equals
+        others = set().union(*(self._running(n) for n in self.assigned_work if n is not node))
+        choices = list(self.workqueue)
+        if others & APART:
+            choices = [scope for scope in choices if scope not in APART] or choices
+        longest = max(choices, key=self._seconds)  # the first of equals
         self.workqueue.move_to_end(longest, last=False)
         super()._assign_work_unit(node)  # sends the queue's first
 

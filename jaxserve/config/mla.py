@@ -1,0 +1,50 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2), read from the HF config: the
+paged cache holds each token's compressed latent and its decoupled rotary key, one "head" of
+kv_lora_rank + qk_rope_head_dim values shared by every query head (models/deepseek.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+# Architectures whose attention is MLA.
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    q_lora_rank: int | None  # None: one q_proj (DeepSeek-V2-Lite), else q_a -> norm -> q_b
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rotary dims in interleaved pairs (HF's rope_interleave)
+    sm_scale: float  # (nope + rope) ** -0.5, times YaRN's mscale(mscale_all_dim) ** 2
+
+    @property
+    def latent_dim(self) -> int:
+        """Values a token keeps per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def mla_config(hf_config: Any, architecture: str, rope_params: dict) -> MlaConfig | None:
+    if architecture not in MLA_ARCHITECTURES:
+        return None
+    nope, rope = int(hf_config.qk_nope_head_dim), int(hf_config.qk_rope_head_dim)
+    scale = (nope + rope) ** -0.5
+    if rope_params.get("rope_type", "default") != "default":
+        factor, all_dim = float(rope_params.get("factor") or 1.0), rope_params.get("mscale_all_dim")
+        if all_dim and factor > 1:
+            mscale = 0.1 * float(all_dim) * math.log(factor) + 1.0
+            scale *= mscale * mscale
+    q_lora = getattr(hf_config, "q_lora_rank", None)
+    return MlaConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(hf_config.kv_lora_rank),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(hf_config.v_head_dim),
+        rope_interleave=bool(getattr(hf_config, "rope_interleave", True)),
+        sm_scale=scale,
+    )

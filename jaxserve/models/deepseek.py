@@ -1,0 +1,124 @@
+"""DeepSeek-V3 / R1 and Kimi K2 (DeepseekV3ForCausalLM): multi-head latent attention (MLA)
+over a latent paged cache, and GLM-4.5's mixture of experts (noaux_tc routing, shared experts,
+dense first layers: models/glm4_moe.py).
+
+MLA, as vLLM's MLA backends run it, in the absorbed form for every token: each token's KV is
+kept as the compressed latent c = kv_a_layernorm(kv_a(x))[:r] and the rotary key k_pe, one
+cache "head" of r + rope values (config/mla.py), replicated on every tensor-parallel rank.
+kv_b_proj's key half W_UK [H, nope, r] is folded into the query (q_nope W_UK: [T, H, r]) and
+its value half W_UV [H, v, r] applied after the attention, so the attention is GQA with one KV
+head over [latent; rotary key] whose values are the latent (the V cache stays empty: K is
+passed as V and the rotary part of the output dropped). HF's expanded form (keys and values
+per head from kv_b_proj) gives the same scores and outputs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.layers.attention import Attention, AttentionMetadata, paged_attention, write_kv
+from jaxserve.layers.linear import Linear
+from jaxserve.layers.norm import RMSNorm
+from jaxserve.layers.rotary import apply_rotary, rope_attention_factor, rope_inv_freq
+from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
+from jaxserve.models.llama import DecoderLayer, HFWeight
+
+LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm and kv_a_layernorm (not rms_norm_eps)
+
+
+class MLAAttention(Attention):
+    """Weights: q_a_proj [D, q_lora], q_a_layernorm, q_b_proj [q_lora, H * (nope + rope)] (or
+    q_proj [D, H * (nope + rope)]); kv_a_proj_with_mqa [D, r + rope], kv_a_layernorm [r];
+    w_uk [H, nope, r] and w_uv [H, v, r] (kv_b_proj split per head); o_proj [H * v, D].
+    Caches: K [blocks, block_size, R, r + rope] (R = the tensor-parallel replicas), V empty."""
+
+    def __init__(self, config: ModelConfig, *, layer: int = 0, kv_replicas: int = 1,
+                 rngs: nnx.Rngs):  # fmt: skip
+        m, d, h, dt = config.mla, config.hidden_size, config.num_heads, config.dtype
+        init = nnx.initializers.lecun_normal()
+        bias = config.attention_bias
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            self.q_proj = Linear(d, h * qk, dtype=dt, rngs=rngs)
+        else:
+            self.q_a_proj = Linear(d, m.q_lora_rank, bias=bias, dtype=dt, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, dtype=dt)
+            self.q_b_proj = Linear(m.q_lora_rank, h * qk, dtype=dt, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(d, m.latent_dim, bias=bias, dtype=dt, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, dtype=dt)
+        self.w_uk = nnx.Param(init(rngs.params(), (h, m.qk_nope_head_dim, m.kv_lora_rank), dt))
+        self.w_uv = nnx.Param(init(rngs.params(), (h, m.v_head_dim, m.kv_lora_rank), dt))
+        self.o_proj = Linear(h * m.v_head_dim, d, bias=bias, dtype=dt, rngs=rngs)
+        self.mla = m
+        self.num_heads = h
+        self.num_kv_heads = kv_replicas  # the latent, once per tensor-parallel rank
+        self.rope = config.layer_rope(layer)
+        self.sliding_window, self.soft_cap = None, None
+        self.backend, self.mesh = "reference", None  # configure_attention sets these
+        self.k_scale, self.v_scale = 1.0, 1.0
+
+    def _rotary(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """The rotary part [T, H, rope]; interleaved pairs (DeepSeek's layout) are first laid
+        out as rotate-half's halves, the same permutation for q and k."""
+        if self.mla.rope_interleave:
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        inv_freq = rope_inv_freq(self.mla.qk_rope_head_dim, self.rope)
+        return apply_rotary(x, positions, inv_freq, rope_attention_factor(self.rope))
+
+    def __call__(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
+                 v_cache: jax.Array, md: AttentionMetadata):  # fmt: skip
+        """x: [T, D] -> ([T, D], k_cache, v_cache) with this step's latents written."""
+        m, t, h = self.mla, x.shape[0], self.num_heads
+        if m.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(t, h, m.qk_nope_head_dim + m.qk_rope_head_dim)
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
+        kv = self.kv_a_proj_with_mqa(x)  # [T, r + rope]
+        latent = self.kv_a_layernorm(kv[:, : m.kv_lora_rank])
+        k_pe = self._rotary(kv[:, None, m.kv_lora_rank :], positions)  # [T, 1, rope]
+        q_latent = jnp.einsum("thn,hnr->thr", q_nope, self.w_uk[...])
+        query = jnp.concatenate([q_latent, self._rotary(q_pe, positions)], axis=-1)
+        entry = jnp.concatenate([latent[:, None], k_pe.astype(latent.dtype)], axis=-1)
+        entry = jnp.broadcast_to(entry, (t, self.num_kv_heads, m.latent_dim))
+        k_cache = write_kv(k_cache, entry, md.slot_mapping)
+        out = paged_attention(
+            query, k_cache, k_cache, md, sm_scale=m.sm_scale, backend=self.backend,
+            mesh=self.mesh,
+        )  # fmt: skip
+        out = jnp.einsum("thr,hvr->thv", out[..., : m.kv_lora_rank], self.w_uv[...])
+        return self.o_proj(out.reshape(t, -1)), k_cache, v_cache
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    attention_cls = MLAAttention
+
+
+class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
+    layer_cls = DeepseekDecoderLayer
+
+    @classmethod
+    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
+        names = [str(p) for p in path]
+        if names[0] == "layers" and names[2] == "self_attn":
+            prefix = f"model.layers.{names[1]}.self_attn"
+            m, h = config.mla, config.num_heads
+            if names[3] in ("w_uk", "w_uv"):  # kv_b_proj [H * (nope + v), r], per head
+                nope = m.qk_nope_head_dim
+
+                def split(w: np.ndarray, key: bool = names[3] == "w_uk") -> np.ndarray:
+                    w = w.reshape(h, nope + m.v_head_dim, m.kv_lora_rank)
+                    return w[:, :nope] if key else w[:, nope:]
+
+                return HFWeight((f"{prefix}.kv_b_proj.weight",), split)
+            suffix = "bias" if names[-1] == "bias" else "weight"
+            name = f"{prefix}.{names[3]}.{suffix}"
+            if names[-1] == "kernel":
+                return HFWeight((name,), np.transpose)
+            return HFWeight((name,))
+        return super().hf_weight(config, path, kv_replicas)
