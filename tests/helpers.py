@@ -53,12 +53,13 @@ TINY = dict(
 
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
-    gemma2 | gemma3 | mixtral | qwen3_moe | glm4_moe) to out_dir, fp32."""
+    gemma2 | gemma3 | mixtral | qwen3_moe | glm4_moe | deepseek_v3) to out_dir, fp32."""
     import transformers
 
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
              "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral",
-             "qwen3_moe": "Qwen3Moe", "glm4_moe": "Glm4Moe"}  # fmt: skip
+             "qwen3_moe": "Qwen3Moe", "glm4_moe": "Glm4Moe",
+             "deepseek_v3": "DeepseekV3"}  # fmt: skip
     cls_name = names[family]
     config_cls = "Gemma3TextConfig" if family == "gemma3" else f"{cls_name}Config"
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})
@@ -287,10 +288,11 @@ class PagedSequences:
         self.lens: dict[int, int] = {}
         cfg = self.config
         heads = loaded.model.num_cache_kv_heads
-        shape = (cfg.num_layers * num_blocks, block_size, heads, cfg.head_dim)
+        rows = (cfg.num_layers * num_blocks, block_size, heads)
         sharding = kv_cache_sharding(loaded.mesh)
         kv_dtype = kv_dtype or cfg.dtype
-        self.kv = tuple(jax.device_put(jnp.zeros(shape, kv_dtype), sharding) for _ in range(2))
+        self.kv = tuple(jax.device_put(jnp.zeros((*rows, dim), kv_dtype), sharding)
+                        for dim in cfg.cache_dims)  # fmt: skip
         self._forward = _make_forward(self.model, NamedSharding(loaded.mesh, jax.P()))
 
     def step(self, chunks: dict[int, list[int]]) -> dict[int, np.ndarray]:

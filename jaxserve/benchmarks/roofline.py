@@ -146,8 +146,10 @@ def decode_step_cost(config: ModelConfig, context_lens: Sequence[float]) -> Step
         e, k = config.num_experts, config.num_experts_per_tok
         read = total - experts + experts * (1 - (1 - k / e) ** b)
         per_row = matmul - experts + experts * k / e
-    kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize * ctx
-    attn_flops = 4 * config.num_layers * config.num_heads * config.head_dim * ctx
+    k_dim, v_dim = config.cache_dims  # MLA: the latent and rotary key, no V
+    kv_bytes = config.num_layers * config.num_kv_heads * (k_dim + v_dim) * itemsize * ctx
+    v_read = config.mla.kv_lora_rank if config.mla else v_dim  # values: MLA's latent
+    attn_flops = 2 * config.num_layers * config.num_heads * (k_dim + v_read) * ctx
     return StepCost(int(read * itemsize), kv_bytes, 2.0 * per_row * b + attn_flops)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config.mla import MlaConfig, mla_config
 from jaxserve.config.moe import MoeRouting, first_dense_layers, moe_routing
 from jaxserve.config.quantization import (
     CHECKPOINT_METHODS,
@@ -148,6 +149,9 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP (Qwen3-MoE's)
     moe_routing: MoeRouting = MoeRouting()  # how the router picks experts (config/moe.py)
     rotary_dim: int = 0  # the leading dims of each head that rotary turns (0: all of them)
+    # Multi-head latent attention (DeepSeek-V3): num_kv_heads is then 1 (the latent the cache
+    # holds) and head_dim the rotary part's (config/mla.py)
+    mla: MlaConfig | None = None
     expert_parallel: bool = False  # experts split over the devices (load_model sets it)
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -235,6 +239,8 @@ class ModelConfig:
                 hf_config.intermediate_size,
                 moe_intermediate,
             )
+        scaling = getattr(hf_config, "rope_scaling", None) or {}
+        mla = mla_config(hf_config, archs[0], {**scaling, **rope_params})
         sliding_rope = RopeConfig.from_hf(hf_config, "sliding_attention")
         if sliding_rope == RopeConfig.from_hf(hf_config):
             sliding_rope = None
@@ -245,7 +251,7 @@ class ModelConfig:
             intermediate_size=hf_config.intermediate_size,
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=1 if mla else getattr(hf_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf_config.rms_norm_eps),
             rope=RopeConfig.from_hf(hf_config),
@@ -268,6 +274,7 @@ class ModelConfig:
             dense_layers=dense_layers,
             moe_routing=moe_routing(hf_config, archs[0]) if num_experts else MoeRouting(),
             rotary_dim=rotary_dim,
+            mla=mla,
             quantization=prequantized or quantization,
             prequantized=prequantized is not None,
             quant_group=quant_group,
@@ -301,6 +308,12 @@ class ModelConfig:
         if self.sliding_rope is not None and self.layer_window(layer) is not None:
             return self.sliding_rope
         return self.rope
+
+    @property
+    def cache_dims(self) -> tuple[int, int]:
+        """Values per token and cache head in the K and V caches: (head_dim, head_dim), or
+        for MLA (the latent and rotary key, 0): its V is read from K."""
+        return (self.mla.latent_dim, 0) if self.mla else (self.head_dim, self.head_dim)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers

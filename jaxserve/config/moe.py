@@ -28,12 +28,18 @@ class MoeRouting:
 
 
 # Architectures routed as DeepSeek-V3 routes (sigmoid, bias, groups, shared experts).
-NOAUX_TC = ("Glm4MoeForCausalLM",)
+NOAUX_TC = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def moe_routing(hf_config: Any, architecture: str) -> MoeRouting:
     if architecture not in NOAUX_TC:
         return MoeRouting()
+    for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        if getattr(hf_config, field, want) != want:  # DeepSeek's own configs name them
+            raise ValueError(
+                f"{field} {getattr(hf_config, field)!r} is not supported for {architecture} "
+                f"({want!r})"
+            )
     n_group = int(getattr(hf_config, "n_group", 1) or 1)
     topk_group = int(getattr(hf_config, "topk_group", 1) or 1)
     experts = int(hf_config.num_local_experts)

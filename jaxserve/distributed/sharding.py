@@ -68,6 +68,12 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         "self_attn/qkv_proj/kernel": P(None, TP_AXIS),  # [D, Hkv * (G + 2) * hd]
         "self_attn/qkv_proj/bias": P(TP_AXIS),  # [Hkv * (G + 2) * hd]
         "self_attn/o_proj/kernel": P(TP_AXIS, None),  # [Hq * hd, D]
+        # MLA (models/deepseek.py): the query's heads and kv_b_proj's per-head halves split,
+        # the latent projections replicated (every rank keeps the whole latent)
+        "self_attn/q_b_proj/kernel": P(None, TP_AXIS),  # [q_lora, H * (nope + rope)]
+        "self_attn/q_proj/kernel": P(None, TP_AXIS),
+        "self_attn/w_uk": P(TP_AXIS),  # [H, nope, r]
+        "self_attn/w_uv": P(TP_AXIS),  # [H, v, r]
         "mlp/gate_up_proj/kernel": P(None, TP_AXIS),  # [D, F * 2]
         "mlp/down_proj/kernel": P(TP_AXIS, None),  # [F, D]
         "shared_experts/gate_up_proj/kernel": P(None, TP_AXIS),  # a GatedMLP beside experts

@@ -34,10 +34,13 @@ KVCaches = tuple[jax.Array, jax.Array]  # K, V: [L * num_blocks, block_size, Hkv
 
 
 class DecoderLayer(nnx.Module):
+    attention_cls: type = Attention  # MLA's for DeepSeek (models/deepseek.py)
+
     def __init__(self, config: ModelConfig, layer: int, *, kv_replicas: int, rngs: nnx.Rngs):
         dt = config.dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
-        self.self_attn = Attention(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs)
+        self.self_attn = self.attention_cls(config, layer=layer, kv_replicas=kv_replicas,
+                                            rngs=rngs)  # fmt: skip
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
         if config.is_moe_layer(layer):  # Mixtral, Qwen3-MoE
             self.mlp = FusedMoE(config, rngs=rngs)

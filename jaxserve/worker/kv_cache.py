@@ -34,20 +34,38 @@ class KVCacheSpec:
         c = self.config
         kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
         itemsize = jnp.dtype(self.dtype).itemsize
-        return 2 * c.num_layers * self.block_size * kv_heads * c.head_dim * itemsize
+        return c.num_layers * self.block_size * kv_heads * sum(c.cache_dims) * itemsize
 
     @property
     def block_shape(self) -> tuple[int, ...]:
         """One block's K and V over all layers, as KV connectors move it: [2, L, bs, H, hd]."""
         c = self.config
+        if c.mla is not None:
+            raise ValueError(
+                f"{c.architecture}: KV transfer and offloading of a latent (MLA) cache are not "
+                "supported yet"
+            )
         return (2, c.num_layers, self.block_size, self.num_cache_kv_heads, c.head_dim)
 
     def allocate(self, num_blocks: int) -> tuple[jax.Array, jax.Array]:
-        """K and V of num_blocks blocks, zeros, in the cache's sharding."""
+        """K and V of num_blocks blocks, zeros, in the cache's sharding (an MLA model's V
+        holds nothing: its attention reads the values from K)."""
         c = self.config
-        shape = (c.num_layers * num_blocks, self.block_size, self.num_cache_kv_heads, c.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=self.sharding)
-        return zeros(), zeros()
+        rows = (c.num_layers * num_blocks, self.block_size, self.num_cache_kv_heads)
+
+        def zeros(dim):
+            return jax.jit(
+                lambda: jnp.zeros((*rows, dim), self.dtype), out_shardings=self.sharding
+            )()
+
+        k_dim, v_dim = c.cache_dims
+        if c.mla is not None:
+            logger.info(
+                "MLA KV cache: %d values per token per layer (latent %d + rotary key %d), "
+                "%d bytes per block of %d tokens on each device", k_dim, c.mla.kv_lora_rank,
+                c.mla.qk_rope_head_dim, self.bytes_per_block(), self.block_size,
+            )  # fmt: skip
+        return zeros(k_dim), zeros(v_dim)
 
 
 def determine_num_blocks(

@@ -24,6 +24,7 @@ GENERATE = {  # one configuration per family, the parity test's
     "mixtral": ("mixtral", MOE["mixtral"]),
     "qwen3_moe": ("qwen3_moe", MOE["qwen3_moe"]),
     "glm4_moe": ("glm4_moe", MOE["glm4_moe"]),
+    "deepseek_v3": ("deepseek_v3", MOE["deepseek_v3"]),
 }
 # 7 usable KV blocks of 16 for prompts of 9, 23 and 14 tokens and 32 new tokens each (10
 # blocks at once): requests are preempted and recomputed, prefix caching on
@@ -34,7 +35,9 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtyp
 # are the same MoE layer, split alike); the dense families' own splits (qwen2's qkv bias,
 # phi3's fused checkpoint, qwen3, gemma3) are compared at tp 1, 2 and 4 in
 # tests/distributed/test_tensor_parallel.py.
-TP2 = ("llama", "qwen3_moe", "glm4_moe")  # GLM: its shared experts split as a dense MLP
+# GLM: its shared experts split as a dense MLP; DeepSeek: MLA's heads split, its latent
+# cache replicated on each rank
+TP2 = ("llama", "qwen3_moe", "glm4_moe", "deepseek_v3")
 CASES = [(family, 1) for family in sorted(GENERATE)] + [(family, 2) for family in TP2]
 
 

@@ -1,6 +1,7 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE, GLM-4.5): routing as HF routes, logits as HF
-computes them, the same output with the experts split over devices (expert parallel) or their
-F split (tensor parallel), and greedy generate through the whole engine equal to HF's."""
+"""Mixture of experts (Mixtral, Qwen3-MoE, GLM-4.5, DeepSeek-V3): routing as HF routes,
+logits as HF computes them, the same output with the experts split over devices (expert
+parallel) or their F split (tensor parallel), and greedy generate through the whole engine
+equal to HF's."""
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,17 @@ FAMILIES = {
                      n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
                      head_dim=16),
+    # DeepSeek-V3's shape scaled down: MLA (q and kv low-rank, 16 + 8 query/key dims, the
+    # rotary 8 interleaved, values of 16, a 32-wide latent; YaRN with mscale_all_dim, which
+    # scales the scores by mscale ** 2) with GLM's experts in 2 groups
+    "deepseek_v3": dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                         "original_max_position_embeddings": 64,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0}),
 }  # fmt: skip
 
 
@@ -129,3 +141,15 @@ def test_expert_parallel_generate_matches_hf(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, n).tolist() for n in (9, 23, 14)]  # 23: chunked (16)
     assert_generate_matches_hf(llm, model_dir, prompts)
+
+
+def test_mla_cache_is_one_latent_head_and_refuses_kv_transfer(tmp_path):
+    """DeepSeek's cache holds kv_lora_rank + qk_rope_head_dim values a token a layer in one
+    head (V empty), replicated per tensor-parallel rank; its KV connectors are refused."""
+    from jaxserve.engine.arg_utils import EngineArgs
+
+    model_dir = make_tiny_hf("deepseek_v3", tmp_path, **FAMILIES["deepseek_v3"])
+    config = EngineArgs(model=str(model_dir), tensor_parallel_size=2).create_engine_config()
+    assert (config.model.num_kv_heads, config.model.cache_dims) == (1, (32 + 8, 0))
+    with pytest.raises(ValueError, match="latent \\(MLA\\) KV cache cannot be transferred"):
+        EngineArgs(model=str(model_dir), kv_offloading_size=1).create_engine_config()
