@@ -34,7 +34,8 @@ NOAUX_TC = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 def moe_routing(hf_config: Any, architecture: str) -> MoeRouting:
     if architecture not in NOAUX_TC:
         return MoeRouting()
-    for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+    for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"),
+                        ("moe_layer_freq", 1)):  # fmt: skip
         if getattr(hf_config, field, want) != want:  # DeepSeek's own configs name them
             raise ValueError(
                 f"{field} {getattr(hf_config, field)!r} is not supported for {architecture} "

@@ -153,3 +153,19 @@ def test_mla_cache_is_one_latent_head_and_refuses_kv_transfer(tmp_path):
     assert (config.model.num_kv_heads, config.model.cache_dims) == (1, (32 + 8, 0))
     with pytest.raises(ValueError, match="latent \\(MLA\\) KV cache cannot be transferred"):
         EngineArgs(model=str(model_dir), kv_offloading_size=1).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("topk_method", "group_limited_greedy"), ("scoring_func", "softmax"),
+                         ("moe_layer_freq", 2)],
+)  # fmt: skip
+def test_routing_fields_deepseek_does_not_honour_are_named(tmp_path, field, value):
+    """A DeepSeek config that asks for another router (V2's), or experts on every other
+    layer, is refused, naming the field: never served as V3's routing."""
+    import json
+
+    model_dir = make_tiny_hf("deepseek_v3", tmp_path, **FAMILIES["deepseek_v3"])
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=f"{field} {value!r} is not supported"):
+        load_model(model_dir, dtype="float32")
