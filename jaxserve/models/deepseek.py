@@ -112,12 +112,11 @@ class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
             m, h = config.mla, config.num_heads
             if names[3] in ("w_uk", "w_uv"):  # kv_b_proj [H * (nope + v), r], per head
                 nope = m.qk_nope_head_dim
-
-                def split(w: np.ndarray, key: bool = names[3] == "w_uk") -> np.ndarray:
-                    w = w.reshape(h, nope + m.v_head_dim, m.kv_lora_rank)
-                    return w[:, :nope] if key else w[:, nope:]
-
-                return HFWeight((f"{prefix}.kv_b_proj.weight",), split)
+                part = slice(None, nope) if names[3] == "w_uk" else slice(nope, None)
+                return HFWeight(
+                    (f"{prefix}.kv_b_proj.weight",),
+                    lambda w: w.reshape(h, nope + m.v_head_dim, m.kv_lora_rank)[:, part],
+                )
             suffix = "bias" if names[-1] == "bias" else "weight"
             name = f"{prefix}.{names[3]}.{suffix}"
             if names[-1] == "kernel":

@@ -51,18 +51,23 @@ def read_any_hf_config(path: Path, hf_overrides: dict | None = None) -> Any:
     return hf_config
 
 
-def check_hf_overrides(overrides: dict | str | None) -> dict:
-    """--hf-overrides parsed (a JSON object of HF config fields); ValueError names the bad
-    value."""
-    if isinstance(overrides, str):
+def json_object(value: dict | str | None, name: str) -> dict:
+    """A flag's JSON object (a dict, its JSON text, or None: {}); ValueError names `name` and
+    the bad value."""
+    if isinstance(value, str):
         try:
-            overrides = json.loads(overrides)
+            value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides {overrides!r} is not JSON: {e}") from None
-    overrides = {} if overrides is None else overrides
-    if not isinstance(overrides, dict):
-        raise ValueError(f"hf_overrides must be a JSON object, got {overrides!r}")
-    return overrides
+            raise ValueError(f"{name} {value!r} is not JSON: {e}") from None
+    value = {} if value is None else value
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return value
+
+
+def check_hf_overrides(overrides: dict | str | None) -> dict:
+    """--hf-overrides parsed (a JSON object of HF config fields)."""
+    return json_object(overrides, "hf_overrides")
 
 
 def read_hf_config(model_dir: Path, hf_overrides: dict | None = None) -> HFConfig:
@@ -228,14 +233,7 @@ def check_generation_config(source: str, override: dict | str | None) -> dict[st
                 f"generation_config {source!r} is neither 'auto', 'vllm' nor a directory with "
                 "a generation_config.json"
             )
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config {override!r} is not JSON: {e}") from None
-    override = {} if override is None else override
-    if not isinstance(override, dict):
-        raise ValueError(f"override_generation_config must be a JSON object, got {override!r}")
+    override = json_object(override, "override_generation_config")
     unknown = sorted(set(override) - set(GENERATION_FIELDS))
     if unknown:
         raise ValueError(
