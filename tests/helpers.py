@@ -59,7 +59,7 @@ def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
              "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral",
              "qwen3_moe": "Qwen3Moe", "glm4_moe": "Glm4Moe",
-             "deepseek_v3": "DeepseekV3"}  # fmt: skip
+             "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss"}  # fmt: skip
     cls_name = names[family]
     config_cls = "Gemma3TextConfig" if family == "gemma3" else f"{cls_name}Config"
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})

@@ -24,7 +24,12 @@ from jaxserve.config.quantization import (
 )
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-QUANTIZATIONS = ("int8", "fp8", "gguf")  # gguf: a GGUF file's blocks kept (layers/linear.py)
+QUANTIZATIONS = ("int8", "fp8", "gguf")
+# Architectures whose `attention_bias` gives the output projection a bias too (HF's).
+O_PROJ_BIAS = (
+    "LlamaForCausalLM",
+    "GptOssForCausalLM",
+)  # gguf: a GGUF file's blocks kept (layers/linear.py)
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -109,7 +114,10 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections have biases
+    o_proj_bias: bool = False  # and the output projection (Llama's, gpt-oss's attention_bias)
+    # A learned logit per query head in each softmax's denominator (gpt-oss's `sinks`)
+    attention_sinks: bool = False
     sliding_window: int | None = None  # each token attends to the latest this many keys
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
     hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh
@@ -162,7 +170,8 @@ class ModelConfig:
     ) -> ModelConfig:
         prequantized, quant_group = checkpoint_quantization(hf_config) or (None, 0)
         input_quant, input_group = input_quantization(hf_config) or (None, 0)
-        if quantization in CHECKPOINT_METHODS:  # vLLM's names of a checkpoint's own method
+        # vLLM's names of a checkpoint's own method ("mxfp4" also names compressed-tensors')
+        if quantization in CHECKPOINT_METHODS and quantization != prequantized:
             method = quant_method(hf_config)
             if method != CHECKPOINT_METHODS[quantization]:
                 raise ValueError(
@@ -258,6 +267,8 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=attention_bias,
+            o_proj_bias=attention_bias and archs[0] in O_PROJ_BIAS,
+            attention_sinks=archs[0] == "GptOssForCausalLM",
             sliding_window=sliding_window,
             qk_norm=archs[0].startswith(("Qwen3", "Gemma3"))
             or bool(getattr(hf_config, "use_qk_norm", False)),

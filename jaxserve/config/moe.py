@@ -14,13 +14,22 @@ class MoeRouting:
     score + `e_score_correction_bias` among the `topk_group` best of `n_group` expert groups (a
     group's merit: its two best biased scores), weighted by their unbiased scores
     (renormalised when norm_topk_prob) times routed_scaling_factor. shared_intermediate: the
-    width of the shared experts' MLP, which every token goes through too (0: none)."""
+    width of the shared experts' MLP, which every token goes through too (0: none).
+
+    gpt-oss's experts: `biases` (the router's logits and each expert's gate/up and down
+    projections have biases) and `swiglu_limit` (not None: the gate is clamped above at the
+    limit, up to [-limit, limit], and an expert computes (up + 1) * gate * sigmoid(alpha *
+    gate), alpha = swiglu_alpha). Its routing is the softmax's: a softmax over the top-k
+    logits equals the top-k of the softmax over all, renormalised."""
 
     scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate: int = 0
+    biases: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     @property
     def score_bias(self) -> bool:
@@ -32,6 +41,12 @@ NOAUX_TC = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def moe_routing(hf_config: Any, architecture: str) -> MoeRouting:
+    if architecture == "GptOssForCausalLM":
+        return MoeRouting(
+            biases=True,
+            swiglu_limit=float(hf_config.swiglu_limit),
+            swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+        )
     if architecture not in NOAUX_TC:
         return MoeRouting()
     for field, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid"),

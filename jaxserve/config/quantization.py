@@ -9,7 +9,8 @@ from typing import Any
 # --quantization names that select a pre-quantized checkpoint's own method (vLLM's; the
 # marlin ones are its GPU kernels for the same checkpoints) -> the config's quant_method.
 CHECKPOINT_METHODS = {"compressed-tensors": "compressed-tensors", "gptq": "gptq",
-                      "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq"}  # fmt: skip
+                      "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
+                      "mxfp4": "mxfp4"}  # fmt: skip
 # Modes whose kernels carry a scale (and offset) per group of input rows (layers/linear.py).
 GROUPED_QUANT = ("gguf", "fp8_block", "int4", "mxfp4")
 
@@ -36,6 +37,8 @@ def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     if not qc:
         return None
     method, fmt = qc.get("quant_method"), qc.get("format")
+    if method == "mxfp4":  # gpt-oss's: only the experts, dequantized as they load
+        return _gpt_oss_mxfp4(hf_config, qc)
     if method == "fp8":
         return _hf_fp8(qc)
     if method in ("gptq", "awq"):
@@ -82,6 +85,22 @@ def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     if len(modes) != 1:
         raise ValueError(f"compressed-tensors weights of mixed kinds {sorted(modes)}")
     return modes.pop()
+
+
+def _gpt_oss_mxfp4(hf_config: Any, qc: dict) -> None:
+    """gpt-oss's `quant_method: mxfp4`: its experts' `*_blocks` / `*_scales`
+    (models/gpt_oss.py), everything else unquantized."""
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs[:1] != ["GptOssForCausalLM"]:
+        raise ValueError(
+            f"quant_method 'mxfp4' is supported for GptOssForCausalLM's experts, not {archs}"
+        )
+    for module in qc.get("modules_to_not_convert") or ():
+        if "experts" in str(module):
+            raise ValueError(
+                f"mxfp4 checkpoint modules_to_not_convert {module!r}: unquantized experts in "
+                "an MXFP4 gpt-oss checkpoint are not supported"
+            )
 
 
 # Module names a checkpoint may keep unquantized: jaxserve keeps them in full precision anyway.

@@ -82,6 +82,8 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         # every expert's slice of F (tensor parallel); the router is replicated
         "mlp/w13": P(TP_AXIS) if config.expert_parallel else P(None, None, TP_AXIS),
         "mlp/w2": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),
+        "mlp/w13_bias": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),  # [E, 2F]
+        "self_attn/sinks": P(TP_AXIS),  # [Hq], as the query heads
         # per-output-channel scales of quantized kernels: split as their kernel's columns
         "self_attn/qkv_proj/scale": P(TP_AXIS),
         "mlp/gate_up_proj/scale": P(TP_AXIS),

@@ -111,8 +111,10 @@ def paged_attention(
     soft_cap: float | None = None,
     backend: str = "reference",
     mesh: Mesh | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D].
+    """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]; sinks [Hq]:
+    each head's attention-sink logit (gpt-oss), or None.
 
     backend "reference" is the jnp op (XLA partitions it over `mesh` by itself); "pallas" is
     the kernel, compiled for a GPU and interpreted elsewhere; "cpu" has its decode rows
@@ -120,7 +122,8 @@ def paged_attention(
     the mesh splits them (shard_map: a custom call cannot be auto-partitioned). Each runs its
     decode path alone when md.decode_only says the batch is all decodes.
     """
-    args = (q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs)
+    args = (q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
+            sinks)  # fmt: skip
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **scores, decode_only=md.decode_only)
@@ -138,7 +141,7 @@ def paged_attention(
     return jax.shard_map(
         kernel,
         mesh=mesh,
-        in_specs=(heads, cache, cache, P(), P(), P(), P()),
+        in_specs=(heads, cache, cache, P(), P(), P(), P(), P(TP_AXIS)),
         out_specs=heads,
         check_vma=False,
     )(*args)
@@ -175,7 +178,10 @@ class Attention(nnx.Module):
         quant = config.linear_kwargs()
         self.qkv_proj = Linear(d, width, bias=config.attention_bias, dtype=config.dtype,
                                rngs=rngs, **quant)  # fmt: skip
-        self.o_proj = Linear(hq * hd, d, dtype=config.dtype, rngs=rngs, **quant)
+        self.o_proj = Linear(hq * hd, d, bias=config.o_proj_bias, dtype=config.dtype, rngs=rngs,
+                             **quant)  # fmt: skip
+        # gpt-oss: a logit per query head that every softmax's denominator also sums
+        self.sinks = nnx.Param(jnp.zeros((hq,), config.dtype)) if config.attention_sinks else None
         if config.qk_norm:
             self.q_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)
             self.k_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)
@@ -221,7 +227,7 @@ class Attention(nnx.Module):
         out = paged_attention(
             q, k_cache, v_cache, md, sm_scale=self.sm_scale * k_scale,
             sliding_window=self.sliding_window, soft_cap=self.soft_cap, backend=self.backend,
-            mesh=self.mesh,
+            mesh=self.mesh, sinks=None if self.sinks is None else self.sinks[...],
         )  # fmt: skip
         if v_scale != 1.0:
             out = out * jnp.asarray(v_scale, out.dtype)

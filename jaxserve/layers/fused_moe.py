@@ -3,7 +3,8 @@ token's rows are sorted by expert and run through grouped matmuls (`jax.lax.ragg
 
 Weights: router `gate` [D, E] (and `e_score_correction_bias` [E] for noaux_tc routing);
 `w13` [E, D, 2F] (each expert's gate and up interleaved, as GatedMLP's gate_up: column 2f is
-gate f, 2f + 1 is up f); `w2` [E, F, D]; `shared_experts` a GatedMLP when the model has them.
+gate f, 2f + 1 is up f); `w2` [E, F, D]; `shared_experts` a GatedMLP when the model has them;
+gpt-oss's biases `w13_bias` [E, 2F] and `w2_bias` [E, D] (and the router's).
 
 Parallelism over the `tp` mesh axis, inside `jax.shard_map` (a grouped matmul is not
 auto-partitioned), each device's partial output summed with a psum:
@@ -13,6 +14,9 @@ auto-partitioned), each device's partial output summed with a psum:
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,13 +61,32 @@ def route_noaux_tc(logits: jax.Array, bias: jax.Array, top_k: int, renormalize: 
     return ids.astype(jnp.int32), weights * routing.routed_scaling_factor
 
 
+def glu(act: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The gated unit of an expert, (gate, up) -> hidden: act(gate) * up, act silu or
+    gelu_pytorch_tanh."""
+    if act == "gelu_pytorch_tanh":
+        return lambda gate, up: jax.nn.gelu(gate, approximate=True) * up
+    return lambda gate, up: jax.nn.silu(gate) * up
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's gated unit (config/moe.py::MoeRouting.swiglu_limit)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+
+
 def expert_mlp(
     x: jax.Array, ids: jax.Array, weights: jax.Array, w13: jax.Array, w2: jax.Array,
-    first_expert: jax.Array | int = 0, act: str = "silu",
+    first_expert: jax.Array | int = 0, act: Callable | None = None,
+    b13: jax.Array | None = None,
 ) -> jax.Array:  # fmt: skip
     """The experts first_expert .. first_expert + E_local - 1 (w13 [E_local, D, 2F'],
-    w2 [E_local, F', D]) applied to the rows routed to them: x [T, D], ids / weights [T, k]
-    -> [T, D], the routing-weighted sum (rows routed elsewhere contribute nothing)."""
+    w2 [E_local, F', D], the gate/up biases b13 [E_local, 2F'] when given) applied to the
+    rows routed to them: x [T, D], ids / weights [T, k] -> [T, D], the routing-weighted sum
+    (rows routed elsewhere contribute nothing). act(gate, up) is the gated unit (default
+    `glu("silu")`)."""
+    act = act or glu("silu")
     t, k = ids.shape
     num_local = w13.shape[0]
     flat = ids.reshape(-1)  # [T*k]
@@ -75,10 +98,12 @@ def expert_mlp(
     # whose groups ragged_dot then reads from row 0; rows past the groups come back zero.
     start = jnp.sum(local < 0)
     rows = jnp.roll(x[order // k], -start, axis=0)  # [T*k, D]
-    gate_up = jax.lax.ragged_dot(rows, w13, group_sizes[:num_local]).reshape(t * k, -1, 2)
-    gate = gate_up[..., 0]
-    gate = jax.nn.gelu(gate, approximate=True) if act == "gelu_pytorch_tanh" else jax.nn.silu(gate)
-    out = jax.lax.ragged_dot(gate * gate_up[..., 1], w2, group_sizes[:num_local])
+    gate_up = jax.lax.ragged_dot(rows, w13, group_sizes[:num_local])  # [T*k, 2F']
+    if b13 is not None:  # each row's expert's bias (rows past the groups: scaled by 0 below)
+        gate_up = gate_up + b13[jnp.roll(jnp.clip(local, 0, num_local - 1), -start)]
+    gate_up = gate_up.reshape(t * k, -1, 2)
+    hidden = act(gate_up[..., 0], gate_up[..., 1])
+    out = jax.lax.ragged_dot(hidden, w2, group_sizes[:num_local])
     out = jnp.roll(out, start, axis=0)  # [T*k, D] in expert order
     scale = jnp.where(is_local, weights.reshape(-1)[order], 0).astype(out.dtype)
     return jnp.zeros_like(x).at[order // k].add(out * scale[:, None])
@@ -91,8 +116,9 @@ class FusedMoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, e, f, dt = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
                        config.dtype)  # fmt: skip
-        self.gate = Linear(d, e, dtype=dt, rngs=rngs)  # the router, never quantized
         self.routing = config.moe_routing
+        # the router, never quantized
+        self.gate = Linear(d, e, bias=self.routing.biases, dtype=dt, rngs=rngs)
         # noaux_tc's per-expert bias on the scores that pick the experts (not their weights)
         self.e_score_correction_bias = (
             nnx.Param(jnp.zeros((e,), jnp.float32)) if self.routing.score_bias else None
@@ -108,9 +134,17 @@ class FusedMoE(nnx.Module):
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
         self.w13 = nnx.Param(init(rngs.params(), (e, d, 2 * f), dt))
         self.w2 = nnx.Param(init(rngs.params(), (e, f, d), dt))
+        biases = self.routing.biases
+        self.w13_bias = nnx.Param(jnp.zeros((e, 2 * f), dt)) if biases else None
+        self.w2_bias = nnx.Param(jnp.zeros((e, d), dt)) if biases else None
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
-        self.act = config.hidden_act
+        limit = self.routing.swiglu_limit
+        self.act = (
+            glu(config.hidden_act)
+            if limit is None
+            else functools.partial(clamped_swiglu, alpha=self.routing.swiglu_alpha, limit=limit)
+        )
         self.expert_parallel = config.expert_parallel
         self.mesh: Mesh | None = None  # configure_moe sets it
 
@@ -132,22 +166,34 @@ class FusedMoE(nnx.Module):
         """The routed experts' weighted sum: x [T, D] -> [T, D]."""
         ids, weights = self.route(x)
         w13, w2 = self.w13[...], self.w2[...]
+        b13 = None if self.w13_bias is None else self.w13_bias[...]
         if self.mesh is None or self.mesh.shape[TP_AXIS] == 1:
-            return expert_mlp(x, ids, weights, w13, w2, act=self.act)
+            out = expert_mlp(x, ids, weights, w13, w2, act=self.act, b13=b13)
+        else:
+            out = self._sharded(x, ids, weights, w13, w2, b13)
+        if self.w2_bias is not None:  # sum_k weight_k * bias of expert k, once (not per shard)
+            bias = self.w2_bias[...][ids].astype(jnp.float32)  # [T, k, D]
+            out = out + jnp.einsum("tk,tkd->td", weights, bias).astype(out.dtype)
+        return out
+
+    def _sharded(self, x, ids, weights, w13, w2, b13):
+        """`expert_mlp` over the mesh: each device's experts (expert parallel) or slice of
+        every expert's F, the partial outputs summed."""
         ep = self.expert_parallel
 
-        def shard(x, ids, weights, w13, w2):
+        def shard(x, ids, weights, w13, w2, b13):
             first = jax.lax.axis_index(TP_AXIS) * w13.shape[0] if ep else 0
-            out = expert_mlp(x, ids, weights, w13, w2, first, act=self.act)
+            out = expert_mlp(x, ids, weights, w13, w2, first, act=self.act, b13=b13)
             return jax.lax.psum(out, TP_AXIS)
 
         spec13, spec2 = (
             (P(TP_AXIS), P(TP_AXIS)) if ep else (P(None, None, TP_AXIS), P(None, TP_AXIS))
         )
+        spec_b13 = P(TP_AXIS) if ep else P(None, TP_AXIS)
         return jax.shard_map(
-            shard, mesh=self.mesh, in_specs=(P(), P(), P(), spec13, spec2), out_specs=P(),
-            check_vma=False,
-        )(x, ids, weights, w13, w2)  # fmt: skip
+            shard, mesh=self.mesh, in_specs=(P(), P(), P(), spec13, spec2, spec_b13),
+            out_specs=P(), check_vma=False,
+        )(x, ids, weights, w13, w2, b13)  # fmt: skip
 
 
 def configure_moe(model: nnx.Module, mesh: Mesh | None) -> None:

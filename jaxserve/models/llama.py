@@ -162,6 +162,8 @@ class LlamaForCausalLM(nnx.Module):
             names = (f"{prefix}.mlp.gate_proj.weight", f"{prefix}.mlp.up_proj.weight")
             return HFWeight(names, lambda gate, up: fuse_gate_up(gate, up).T)
         if name in ("self_attn.o_proj", "mlp.down_proj"):
+            if leaf == "bias":  # ModelConfig.o_proj_bias
+                return HFWeight((f"{prefix}.{name}.bias",))
             return HFWeight((f"{prefix}.{name}.weight",), np.transpose)
         return HFWeight((f"{prefix}.{name}.{suffix}",))
 

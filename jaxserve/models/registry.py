@@ -4,6 +4,7 @@ from jaxserve.models.deepseek import DeepseekV3ForCausalLM
 from jaxserve.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
+from jaxserve.models.gpt_oss import GptOssForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
@@ -21,6 +22,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # + q/k norms, some dense layers
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # partial rotary, noaux_tc routing, shared
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # MLA + GLM-4.5's experts (Kimi K2 too)
+    "GptOssForCausalLM": GptOssForCausalLM,  # sinks, alternating windows, MXFP4 experts
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # an EAGLE-3 draft head
 }

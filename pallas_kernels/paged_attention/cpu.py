@@ -125,6 +125,7 @@ def ragged_paged_attention_cpu(
     block_tables: jax.Array,
     query_start_loc: jax.Array,
     num_seqs: jax.Array,
+    sinks: jax.Array | None = None,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -132,12 +133,14 @@ def ragged_paged_attention_cpu(
     decode_only: bool = False,
 ) -> jax.Array:
     """`ragged_paged_attention_reference` (same arguments, same result) with its decode rows
-    computed by the C++ kernel. Other dtypes than f32 (bf16, fp8 caches) take the reference
-    whole."""
+    computed by the C++ kernel. Other dtypes than f32 (bf16, fp8 caches) and attention sinks
+    take the reference whole."""
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == jnp.float32):
-        return reference.ragged_paged_attention_reference(*args, **kw, decode_only=decode_only)
+    if sinks is not None or not (q.dtype == k_cache.dtype == v_cache.dtype == jnp.float32):
+        return reference.ragged_paged_attention_reference(
+            *args, sinks, **kw, decode_only=decode_only
+        )
     if (reason := cpu_kernel_unavailable_message()) is not None:
         raise RuntimeError(reason)
     # The decode rows (one query token per sequence), every other row zero: the reference's

@@ -108,14 +108,23 @@ def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visib
     return jax.lax.fori_loop(0, num_steps, body, init)
 
 
+def _with_sink(m, l, acc, sink):
+    """A softmax's (m, l, acc) (log2 units) with one more logit, sink f32[R] (log2 units),
+    in its denominator: an attention sink, a key without a value."""
+    m_all = jnp.maximum(m, sink)
+    alpha = jnp.exp2(m - m_all)
+    return m_all, alpha * l + jnp.exp2(sink - m_all), alpha[:, None] * acc
+
+
 def _decode_kernel(
-    kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref=None, l_ref=None,
-    *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float, exact: bool,
-    window: int | None, soft_cap: float | None,
+    kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_ref=None,
+    l_ref=None, *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float,
+    exact: bool, window: int | None, soft_cap: float | None, sinks: bool,
 ):  # fmt: skip
     """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D] and m_ref/l_ref [BH]
     (this split's partial softmax); with one split, o_ref [BH, D] is the output and m_ref /
-    l_ref are absent."""
+    l_ref are absent. sinks_ref [BH]: the rows' sink logits (log2 units), read when `sinks`
+    (with several splits the merge adds them)."""
     seq, split = pl.program_id(0), pl.program_id(2)
     block_size = k_ref.shape[1]
     kv_len = kv_lens_ref[seq]
@@ -140,6 +149,8 @@ def _decode_kernel(
         soft_cap=soft_cap,
     )  # fmt: skip
     if num_splits == 1:  # the whole context was this program's: the output itself
+        if sinks:
+            m, l, acc = _with_sink(m, l, acc, sinks_ref[...])
         o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
         return
     o_ref[...] = acc
@@ -149,14 +160,15 @@ def _decode_kernel(
 
 def _mixed_kernel(
     tile_seq_ref, tile_row_ref, kv_lens_ref, query_start_loc_ref, block_tables_ref,
-    q_ref, k_ref, v_ref, o_ref, m_ref=None, l_ref=None,
+    q_ref, k_ref, v_ref, sinks_ref, o_ref, m_ref=None, l_ref=None,
     *, group: int, q_block: int, max_blocks: int, pages_per_step: int, num_splits: int,
-    scale: float, exact: bool, window: int | None, soft_cap: float | None,
+    scale: float, exact: bool, window: int | None, soft_cap: float | None, sinks: bool,
 ):  # fmt: skip
     """Program (tile, kv_head, split): q_ref/o_ref [T*G + q_block, D] rows of this KV head;
     with several splits, o_ref holds this split's unnormalised float32 output and m_ref /
     l_ref [T*G + q_block] its softmax statistics, for the rows of the tile's keys this split
-    covers."""
+    covers. sinks_ref [BH]: the sink logit (log2 units) of head-in-group g at g, read when
+    `sinks` (with several splits the merge adds them)."""
     tile, split = pl.program_id(0), pl.program_id(2)
     seq = tile_seq_ref[tile]
 
@@ -202,6 +214,8 @@ def _mixed_kernel(
         )  # fmt: skip
         rows_here = pl.ds(base, q_block)
         if num_splits == 1:
+            if sinks:
+                m, l, acc = _with_sink(m, l, acc, sinks_ref[rows % group])
             out = acc / jnp.maximum(l, 1e-30)[:, None]
             plgpu.store(o_ref.at[rows_here, :], out.astype(o_ref.dtype), mask=mask)
         else:
@@ -210,13 +224,17 @@ def _mixed_kernel(
             plgpu.store(l_ref.at[rows_here], l, mask=row_ok)
 
 
-def _merge_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+def _merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, sink=None) -> jax.Array:
     """Partial softmaxes of the same rows over disjoint key ranges -> their attention:
     o f32[K, ..., D] unnormalised outputs, m and l f32[K, ...] their maxima (log2 units)
-    and sums -> f32[..., D]."""
+    and sums -> f32[..., D]; sink (f32[...], log2 units; broadcast) joins the denominator."""
     m_all = jnp.max(m, axis=0)
+    if sink is not None:
+        m_all = jnp.maximum(m_all, sink)
     w = jnp.exp2(m - m_all[None])
     denom = jnp.sum(w * l, axis=0)
+    if sink is not None:
+        denom = denom + jnp.exp2(sink - m_all)
     return jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]
 
 
@@ -234,8 +252,17 @@ def _partial_outputs(part: tuple[int, ...], index, head_dim: int):
     return specs, [f32((*part, head_dim)), f32(part), f32(part)]
 
 
+def _sink_rows(sinks: jax.Array | None, num_kv_heads: int, rows: int) -> jax.Array:
+    """Sinks [Hq] (or None: zeros) -> f32[Hkv, rows] in log2 units, each KV head's group of
+    query heads padded to `rows`."""
+    if sinks is None:
+        return jnp.zeros((num_kv_heads, rows), jnp.float32)
+    per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, -1) * _LOG2E
+    return jnp.pad(per_head, ((0, 0), (0, rows - per_head.shape[1])))
+
+
 def _decode(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, *, scale, exact,
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sinks, *, scale, exact,
     pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
 ):  # fmt: skip
     """The decode kernel over each sequence's first query row -> (rows [S, Hq, D] in q's
@@ -254,7 +281,9 @@ def _decode(
     kernel = functools.partial(
         _decode_kernel, max_blocks=max_blocks, pages_per_step=pages_per_step,
         num_splits=num_splits, scale=scale, exact=exact, window=window, soft_cap=soft_cap,
+        sinks=sinks is not None,
     )  # fmt: skip
+    sink_rows = _sink_rows(sinks, num_kv_heads, rows)
     if num_splits == 1:  # the kernel writes the output rows in q's dtype: nothing to merge
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0))
         out_shape = jax.ShapeDtypeStruct((max_seqs, num_kv_heads, rows, head_dim), q.dtype)
@@ -271,22 +300,25 @@ def _decode(
             pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
             _kv_head_spec(k_cache.shape, 1),
             _kv_head_spec(v_cache.shape, 1),
+            pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_decode",
-    )(kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache)
+    )(kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache, sink_rows)
 
-    out = result if num_splits == 1 else _merge_splits(*result)  # [S, Hkv, rows, D]
+    merge_sink = None if sinks is None else sink_rows[None, :, :]  # [1, Hkv, rows]
+    out = result if num_splits == 1 else _merge_splits(*result, merge_sink)  # [S, Hkv, rows, D]
     out = out[:, :, :group].reshape(max_seqs, num_q_heads, head_dim).astype(q.dtype)
     # Each sequence's row goes back to its token; sequences that read nothing go nowhere.
     return out, jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
 
 
 def _mixed(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, *, scale, exact,
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sinks, *, scale,
+    exact,
     q_block, pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
@@ -313,8 +345,10 @@ def _mixed(
     kernel = functools.partial(
         _mixed_kernel, group=group, q_block=q_block, max_blocks=max_blocks,
         pages_per_step=pages_per_step, num_splits=num_splits, scale=scale, exact=exact,
-        window=window, soft_cap=soft_cap,
+        window=window, soft_cap=soft_cap, sinks=sinks is not None,
     )  # fmt: skip
+    sink_width = decode_rows(group)  # a power of two >= group
+    sink_rows = _sink_rows(sinks, num_kv_heads, sink_width)
     if num_splits == 1:
         out_specs, out_shape = rows_spec, jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
     else:  # per split: the unnormalised output rows and their softmax statistics
@@ -333,6 +367,7 @@ def _mixed(
             rows_spec,
             _kv_head_spec(k_cache.shape, 1),
             _kv_head_spec(v_cache.shape, 1),
+            pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -340,8 +375,12 @@ def _mixed(
         interpret=interpret,
         name="ragged_paged_attention_mixed",
     )(tile_seq, tile_row, kv_lens, query_start_loc, block_tables.reshape(-1), q_rows,
-      k_cache, v_cache)  # fmt: skip
-    out = result if num_splits == 1 else _merge_splits(*result).astype(q.dtype)
+      k_cache, v_cache, sink_rows)  # fmt: skip
+    merge_sink = None  # each row's (token, head-in-group) sink: [1, Hkv, padded]
+    if sinks is not None:
+        merge_sink = jnp.tile(sink_rows[:, :group], (1, num_tokens + -(-q_block // group)))
+        merge_sink = merge_sink[None, :, :padded]
+    out = result if num_splits == 1 else _merge_splits(*result, merge_sink).astype(q.dtype)
 
     out = out[:, :num_rows].reshape(num_kv_heads, num_tokens, group, head_dim)
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
@@ -363,6 +402,7 @@ def ragged_paged_attention(
     block_tables: jax.Array,
     query_start_loc: jax.Array,
     num_seqs: jax.Array,
+    sinks: jax.Array | None = None,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -389,6 +429,8 @@ def ragged_paged_attention(
       block_tables: i32[S, max_blocks] block ids of each sequence, in order.
       query_start_loc: i32[S+1] row offsets of each sequence's queries in q.
       num_seqs: i32[1] number of real sequences; later entries are padding.
+      sinks: [Hq] or None: attention sinks (gpt-oss), a logit per query head in each row's
+        softmax denominator.
       sm_scale: softmax scale, usually head_dim ** -0.5.
       sliding_window: each query sees only the latest this many keys (its own included);
         pages before a program's window are skipped.
@@ -431,13 +473,14 @@ def ragged_paged_attention(
     single = decode_seqs(query_start_loc, num_seqs, decode_only=decode_only)
     rows, dest = _decode(  # sequences of no single-token row read nothing and write no row
         q, k_cache, v_cache, jnp.where(single, kv_lens, 0), block_tables, query_start_loc,
-        num_splits=plan.num_kv_splits, num_stages=plan.decode.num_stages,
+        sinks, num_splits=plan.num_kv_splits, num_stages=plan.decode.num_stages,
         pages_per_step=plan.decode.pages_per_step, **common,
     )  # fmt: skip
     if decode_only:  # rows of no sequence stay zero
         return jnp.zeros_like(q).at[dest].set(rows, mode="drop")
     mixed = _mixed(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, q_block=q_block,
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sinks,
+        q_block=q_block,
         num_splits=plan.mixed_kv_splits, num_stages=plan.mixed.num_stages,
         pages_per_step=plan.mixed.pages_per_step, **common,
     )  # fmt: skip

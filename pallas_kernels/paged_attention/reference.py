@@ -44,6 +44,7 @@ def ragged_paged_attention_reference(
     block_tables: jax.Array,
     query_start_loc: jax.Array,
     num_seqs: jax.Array,
+    sinks: jax.Array | None = None,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -59,6 +60,9 @@ def ragged_paged_attention_reference(
       block_tables: i32[S, max_blocks] block ids of each sequence, in order.
       query_start_loc: i32[S+1] row offsets of each sequence's queries in q.
       num_seqs: i32[1] number of real sequences; later entries are padding.
+      sinks: [Hq] or None: attention sinks (gpt-oss), a logit per query head that each
+        row's softmax denominator also sums (a key with no value): the weights of the real
+        keys sum to less than 1.
       sm_scale: softmax scale, usually head_dim ** -0.5.
       sliding_window: each query sees only the latest this many keys (its own included), as
         HF's sliding-window mask; the keys before every row's window are not read.
@@ -72,10 +76,10 @@ def ragged_paged_attention_reference(
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     single = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs) == 1
-    out = _decode(*args[:6], _Scores(**scores), single)
+    out = _decode(*args[:6], _Scores(**scores), single, sinks)
     if decode_only or q.shape[0] == 1:
         return out
-    return multi_token_rows(*args, out, **scores)
+    return multi_token_rows(*args, out, sinks, **scores)
 
 
 def multi_token_rows(
@@ -87,6 +91,7 @@ def multi_token_rows(
     query_start_loc: jax.Array,
     num_seqs: jax.Array,
     out: jax.Array,
+    sinks: jax.Array | None = None,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -98,7 +103,7 @@ def multi_token_rows(
     q_lens = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs)
     scores = _Scores(sm_scale, sliding_window, soft_cap)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores)
-    return _tiled(*args, jnp.where(q_lens == 1, 0, q_lens), out)
+    return _tiled(*args, jnp.where(q_lens == 1, 0, q_lens), out, sinks)
 
 
 def _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs):
@@ -118,18 +123,20 @@ class _Scores(NamedTuple):
     soft_cap: float | None
 
 
-def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, single):
+def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, single, sinks):
     """The sequences with one query token (single: bool[S]), one row each. -> [T, Hq, D], the
     other rows zero."""
     num_tokens = q.shape[0]
     row = jnp.where(single, query_start_loc[:-1], num_tokens)  # [S]; T: dropped
     q_pos = jnp.where(single, kv_lens - 1, -1)[:, None]  # [S, 1]: others see no keys
     q_rows = q[jnp.minimum(row, num_tokens - 1), None]  # [S, 1, Hq, D]
-    res = _attend(q_rows, q_pos, block_tables, k_cache, v_cache, scores, _DECODE_CHUNK_TOKENS)
+    res = _attend(q_rows, q_pos, block_tables, k_cache, v_cache, scores, _DECODE_CHUNK_TOKENS,
+                  sinks)  # fmt: skip
     return jnp.zeros_like(q).at[row].set(res[:, 0], mode="drop")
 
 
-def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, q_lens, out):
+def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, q_lens, out,
+           sinks):  # fmt: skip
     """The sequences with q_lens [S] > 0 (several query tokens): sequence s gets
     ceil(q_len / _Q_TILE) tiles of its consecutive rows, in order; a tile attends with its
     sequence's blocks, gathered once per chunk for all its rows. Writes their rows of out."""
@@ -159,20 +166,20 @@ def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, 
         pos = jax.lax.dynamic_slice_in_dim(q_pos, at, _TILE_GROUP)
         blk = jax.lax.dynamic_slice_in_dim(blocks, at, _TILE_GROUP)
         q_rows = q[jnp.minimum(tok, num_tokens - 1)]
-        res = _attend(q_rows, pos, blk, k_cache, v_cache, scores, _TILED_CHUNK_TOKENS)
+        res = _attend(q_rows, pos, blk, k_cache, v_cache, scores, _TILED_CHUNK_TOKENS, sinks)
         return out.at[tok.reshape(-1)].set(res.reshape(-1, num_q_heads, head_dim), mode="drop")
 
     used_groups = (ends[-1] + _TILE_GROUP - 1) // _TILE_GROUP
     return jax.lax.fori_loop(0, used_groups, group, out)
 
 
-def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens):
+def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens, sinks=None):
     """Online-softmax attention of R groups of rows, each group over one sequence's blocks.
 
     q: [R, Q, Hq, D]; q_pos: i32[R, Q] each row's position (-1: padding, sees no keys);
     blocks: i32[R, max_blocks] the group's block table; keys are streamed chunk_tokens (rounded
-    to whole blocks) at a time, from the first chunk any row's window reaches. Returns
-    [R, Q, Hq, D] in q's dtype.
+    to whole blocks) at a time, from the first chunk any row's window reaches; sinks [Hq] (or
+    None) join each row's softmax as keys without values. Returns [R, Q, Hq, D] in q's dtype.
     """
     num_groups, group_rows, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -218,7 +225,12 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens):
         jnp.zeros(shape, jnp.float32),
         jnp.zeros((*shape, head_dim), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(first_chunk, num_chunks, body, init)
+    m, l, acc = jax.lax.fori_loop(first_chunk, num_chunks, body, init)
+    if sinks is not None:  # one more logit per head in the denominator
+        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, 1, g)
+        m_all = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_all)
+        l, acc = alpha * l + jnp.exp(sink - m_all), alpha[..., None] * acc
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows with no keys: acc = 0 -> 0
     out = out.transpose(0, 2, 1, 3, 4).reshape(num_groups, group_rows, num_q_heads, head_dim)
     return out.astype(q.dtype)

@@ -32,12 +32,13 @@ FAMILIES = {  # fmt: skip
     # prompts of 11 and 17 tokens and their decodes run past the 6-token window
     "mistral-sliding-window": ("mistral", dict(sliding_window=6)),
     "qwen2-bias": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "llama-yarn": (
+    "llama-yarn": (  # and attention_bias: q/k/v and o_proj biases
         "llama",
         dict(
+            attention_bias=True,
             rope_parameters=dict(
                 rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8
-            )
+            ),
         ),
     ),  # fmt: skip
     "phi3-fused": ("phi3", dict(pad_token_id=0)),  # HF's qkv_proj and gate_up_proj

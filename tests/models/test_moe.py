@@ -1,4 +1,4 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE, GLM-4.5, DeepSeek-V3): routing as HF routes,
+"""Mixture of experts (Mixtral, Qwen3-MoE, GLM-4.5, DeepSeek-V3, gpt-oss): routing as HF routes,
 logits as HF computes them, the same output with the experts split over devices (expert
 parallel) or their F split (tensor parallel), and greedy generate through the whole engine
 equal to HF's."""
@@ -38,6 +38,15 @@ FAMILIES = {
                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                          "original_max_position_embeddings": 64,
                                          "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # gpt-oss's shape scaled down: q/k/v/o biases, attention sinks, 6-token windows on
+    # alternate layers, YaRN without truncation; 8 experts, top 4, router and expert biases,
+    # a clamped SwiGLU whose limit bites
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=4, head_dim=16, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    swiglu_limit=0.3,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 64}),
 }  # fmt: skip
 
 
@@ -52,8 +61,9 @@ def test_routing_and_logits_match_hf(moe_dir):
     ref = hf_model(str(moe_dir))
     layer = min(i for i in range(loaded.config.num_layers) if loaded.config.is_moe_layer(i))
     hidden = torch.randn(11, ref.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        _, hf_weights, hf_ids = ref.model.layers[layer].mlp.gate(hidden)
+    hf_moe = ref.model.layers[layer].mlp
+    with torch.no_grad():  # gpt-oss's router is `router`, the others' `gate`
+        _, hf_weights, hf_ids = (getattr(hf_moe, "router", None) or hf_moe.gate)(hidden)
     moe = loaded.model.layers[layer].mlp
     ids, weights = moe.route(jnp.asarray(hidden.numpy()))
     # the same experts at the same weights (GLM's router lists them in no set order)
@@ -63,7 +73,8 @@ def test_routing_and_logits_match_hf(moe_dir):
     np.testing.assert_allclose(sort(weights, order), sort(hf_weights.numpy(), hf_order),
                                atol=1e-6)  # fmt: skip
     with torch.no_grad():
-        hf_out = ref.model.layers[layer].mlp(hidden[None])[0].numpy()
+        hf_out = hf_moe(hidden[None])
+    hf_out = (hf_out[0] if isinstance(hf_out, tuple) else hf_out)[0].numpy()  # gpt-oss: a pair
     np.testing.assert_allclose(np.asarray(moe(jnp.asarray(hidden.numpy()))), hf_out, atol=1e-5)
 
     rng = np.random.default_rng(1)
@@ -97,16 +108,30 @@ def test_expert_mlp_skips_rows_of_other_devices_experts():
 PROMPTS = [list(range(7, 16)), list(range(90, 104))]
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    """A Qwen3-MoE (a dense layer among the sparse ones) and its one-device logits."""
-    path = make_tiny_hf("qwen3_moe", tmp_path_factory.mktemp("qm"), **FAMILIES["qwen3_moe"])
+def one_device(family, tmp_path_factory):
+    """A tiny model of `family` and its one-device logits."""
+    path = make_tiny_hf(family, tmp_path_factory.mktemp(family), **FAMILIES[family])
     return path, run_mixed_schedule(load_model(path, dtype="float32"), PROMPTS)[1]
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(2, False), (4, True)])
-def test_expert_and_tensor_parallel_equal_one_device(qwen3_moe, tp, ep):
-    path, want = qwen3_moe
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    """A Qwen3-MoE (a dense layer among the sparse ones) and its one-device logits."""
+    return one_device("qwen3_moe", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """gpt-oss (sinks split with the query heads, expert biases) and its one-device logits."""
+    return one_device("gpt_oss", tmp_path_factory)
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "ep"),
+    [("qwen3_moe", 2, False), ("qwen3_moe", 4, True), ("gpt_oss", 2, False), ("gpt_oss", 2, True)],
+)
+def test_expert_and_tensor_parallel_equal_one_device(request, family, tp, ep):
+    path, want = request.getfixturevalue(family)
     split = load_model(path, dtype="float32", tensor_parallel_size=tp,
                        enable_expert_parallel=ep)  # fmt: skip
     configure_moe(split.model, split.mesh)  # as the runner does: per device, under shard_map

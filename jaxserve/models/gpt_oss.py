@@ -1,0 +1,71 @@
+"""gpt-oss (GptOssForCausalLM): Llama-style GQA attention with biases on q/k/v and the output
+projection, a learned attention sink per query head (layers/attention.py) and sliding windows
+of 128 tokens on alternate layers (`layer_types`); a mixture of experts on every layer whose
+router and experts have biases and whose experts compute a clamped SwiGLU (config/moe.py).
+
+The checkpoints OpenAI ships keep the experts in MXFP4 (`quantization_config.quant_method:
+mxfp4`): each expert projection as `*_blocks` uint8 [E, out, in / 32, 16] (two e2m1 codes a
+byte, the low nibble first) and `*_scales` uint8 [E, out, in / 32] (e8m0 exponents, 2 ** (s -
+127)); they are dequantized to the model's dtype as they load (no MXFP4 expert kernel yet), as
+transformers dequantizes them on a CPU. Everything else is stored unquantized.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from jaxserve.config.quantization import quant_method
+from jaxserve.models.llama import HFWeight, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# OCP MX FP4 (e2m1): code -> value; bit 3 is the sign
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)  # fmt: skip
+
+
+def dequantize_mxfp4_experts(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """blocks u8[E, out, G, 16] and scales u8[E, out, G] -> f32[E, in = G * 32, out] (the
+    FusedMoE layout, [in, out] per expert)."""
+    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match "
+            "([E, out, G, 16] and [E, out, G])"
+        )
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [E, out, G, 16, 2]
+    values = E2M1[codes].reshape(*scales.shape, 32)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*scales.shape[:2], -1).transpose(0, 2, 1)
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
+        names = [str(p) for p in path]
+        if names[0] != "layers" or names[2:] == ["self_attn", "qkv_proj", "kernel"]:
+            return LlamaForCausalLM.hf_weight(config, path, kv_replicas)
+        prefix = f"model.layers.{names[1]}"
+        if names[2:] == ["self_attn", "sinks"]:
+            return HFWeight((f"{prefix}.self_attn.sinks",))
+        if names[2] != "mlp":
+            return LlamaForCausalLM.hf_weight(config, path, kv_replicas)
+        leaf = names[3]
+        if leaf == "gate":  # the router: weight [E, D] -> [D, E], and its bias
+            if names[4] == "bias":
+                return HFWeight((f"{prefix}.mlp.router.bias",))
+            return HFWeight((f"{prefix}.mlp.router.weight",), np.transpose)
+        proj = {"w13": "gate_up_proj", "w2": "down_proj"}[leaf.removesuffix("_bias")]
+        experts = f"{prefix}.mlp.experts"
+        if leaf.endswith("_bias"):  # [E, 2F] (gate and up interleaved, as w13), [E, D]
+            return HFWeight((f"{experts}.{proj}_bias",))
+        if quant_method(config.hf_config) == "mxfp4":
+            if names[1] == "0" and leaf == "w13":
+                logger.info("gpt-oss: MXFP4 experts dequantized to %s as they load",
+                            np.dtype(config.dtype).name)  # fmt: skip
+            return HFWeight((f"{experts}.{proj}_blocks", f"{experts}.{proj}_scales"),
+                            dequantize_mxfp4_experts)  # fmt: skip
+        return HFWeight((f"{experts}.{proj}",))  # [E, D, 2F] / [E, F, D], as FusedMoE's
