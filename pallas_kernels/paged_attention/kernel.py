@@ -309,7 +309,7 @@ def _decode(
         name="ragged_paged_attention_decode",
     )(kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache, sink_rows)
 
-    merge_sink = None if sinks is None else sink_rows[None, :, :]  # [1, Hkv, rows]
+    merge_sink = None if sinks is None else sink_rows  # [Hkv, rows]
     out = result if num_splits == 1 else _merge_splits(*result, merge_sink)  # [S, Hkv, rows, D]
     out = out[:, :, :group].reshape(max_seqs, num_q_heads, head_dim).astype(q.dtype)
     # Each sequence's row goes back to its token; sequences that read nothing go nowhere.
@@ -376,10 +376,10 @@ def _mixed(
         name="ragged_paged_attention_mixed",
     )(tile_seq, tile_row, kv_lens, query_start_loc, block_tables.reshape(-1), q_rows,
       k_cache, v_cache, sink_rows)  # fmt: skip
-    merge_sink = None  # each row's (token, head-in-group) sink: [1, Hkv, padded]
+    merge_sink = None  # each row's (token, head-in-group) sink: [Hkv, padded]
     if sinks is not None:
         merge_sink = jnp.tile(sink_rows[:, :group], (1, num_tokens + -(-q_block // group)))
-        merge_sink = merge_sink[None, :, :padded]
+        merge_sink = merge_sink[:, :padded]
     out = result if num_splits == 1 else _merge_splits(*result, merge_sink).astype(q.dtype)
 
     out = out[:, :num_rows].reshape(num_kv_heads, num_tokens, group, head_dim)

@@ -96,3 +96,23 @@ def test_engine_runs_token_ids_without_a_tokenizer(config_dir, monkeypatch):
     with pytest.raises(ValueError, match="this model has no tokenizer: pass"):
         llm.generate("hello", params)
     jax.clear_caches()
+
+
+def test_gpt_oss_20b_preset_has_transformers_parameter_count():
+    """The preset's shapes as transformers' own GptOssForCausalLM builds them (on the meta
+    device: nothing allocated), the experts counted unquantized."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path("gpt-oss-20b", "dummy")
+    c = read_model_config(path, "bfloat16")
+    assert (c.num_layers, c.num_experts, c.num_experts_per_tok, c.sliding_window) == (
+        24,
+        32,
+        4,
+        128,
+    )
+    assert c.attention_sinks and c.o_proj_bias and c.moe_routing.swiglu_limit == 7.0
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    assert param_counts(c)[0] == sum(p.numel() for p in hf.parameters())

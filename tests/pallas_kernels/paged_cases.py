@@ -68,11 +68,16 @@ def make_case(
 
 
 def naive_attention(
-    case: PagedCase, sm_scale: float, window: int | None = None, soft_cap: float | None = None
+    case: PagedCase,
+    sm_scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Dense causal attention per sequence in float64 (each query sees the `window` latest
-    keys up to its own when a window is given; scores soft-capped when asked); padding rows
-    zero."""
+    keys up to its own when a window is given; scores soft-capped when asked; sinks [Hq]: a
+    logit per head in the softmax whose value is zero, as HF's gpt-oss appends it); padding
+    rows zero."""  # fmt: skip
     q = case.q.astype(np.float64)
     k_all, v_all = case.k_cache.astype(np.float64), case.v_cache.astype(np.float64)
     _, block_size, hkv, d = k_all.shape
@@ -94,7 +99,10 @@ def naive_attention(
         if window is not None:
             seen &= k_pos > q_pos[None, :, None] - window
         s = np.where(seen, s, -np.inf)
+        if sinks is not None:  # one more column, dropped after the softmax
+            column = np.broadcast_to(sinks.astype(np.float64)[:, None, None], (*s.shape[:2], 1))
+            s = np.concatenate([s, column], axis=-1)
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
-        out[start:end] = np.einsum("hqk,khd->qhd", p, v)
+        out[start:end] = np.einsum("hqk,khd->qhd", p[..., :kv_len], v)
     return out

@@ -304,11 +304,37 @@ def test_sliding_window_and_soft_cap_match_the_oracle(layout, window, soft_cap, 
     np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_sinks_match_the_oracle(layout, splits):
+    """gpt-oss's sinks with its window, in the kernels that normalise their own output (one
+    split) and in the merge of split partials: as the oracle and the reference."""
+    case = _case(layout, 64, (8, 2), 16, seed=17)
+    sinks = np.linspace(-2.0, 6.0, 8).astype(np.float32)
+    kw = dict(sliding_window=37, sinks=jnp.asarray(sinks))
+    out = _kernel(case, layout=layout, interpret=True, num_kv_splits=splits,
+                  mixed_kv_splits=splits, **kw)  # fmt: skip
+    np.testing.assert_allclose(out, naive_attention(case, 0.125, 37, sinks=sinks), atol=1e-5)
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, **kw)
+    np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5)
+
+
 @pytest.mark.cuda_lowering
 def test_window_and_soft_cap_lower_to_triton_for_cuda():
     case = _case("mixed", 64, (8, 2), 16)
     for decode_only in (True, False):
         text = _lowered_for_cuda(case, sliding_window=20, soft_cap=50.0, decode_only=decode_only)
+        assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode" if decode_only else "mixed"]
+
+
+@pytest.mark.cuda_lowering
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_sinks_lower_to_triton_for_cuda(splits):
+    case = _case("mixed", 64, (8, 2), 16)
+    sinks = jnp.zeros((8,), jnp.bfloat16)
+    for decode_only in (True, False):
+        text = _lowered_for_cuda(case, sinks=sinks, sliding_window=128, decode_only=decode_only,
+                                 num_kv_splits=splits, mixed_kv_splits=splits)  # fmt: skip
         assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode" if decode_only else "mixed"]
 
 

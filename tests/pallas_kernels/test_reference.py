@@ -103,3 +103,21 @@ def test_sliding_window_matches_the_oracle(layout, window):
     out = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.125, sliding_window=window))
     np.testing.assert_allclose(out, naive_attention(case, 0.125, window), atol=1e-5, rtol=0)
     assert not out[-3:].any()
+
+
+@pytest.mark.parametrize("layout", [MIXED, DECODE, LONG])
+def test_attention_sinks_match_the_oracle(layout):
+    """gpt-oss's sinks (a logit per query head, large enough to take most of the weight on
+    some heads), with and without a window, in both paths (decode rows, prefill tiles)."""
+    case = make_case(
+        layout, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, pad_tokens=3,
+        pad_seqs=2, seed=5,
+    )  # fmt: skip
+    sinks = np.array([-2.0, 0.0, 0.5, 1.0, 3.0, 8.0], np.float32)
+    for window in (None, 29):
+        out = ragged_paged_attention_reference(
+            *case.args(), jnp.asarray(sinks), sm_scale=0.125, sliding_window=window
+        )
+        want = naive_attention(case, 0.125, window, sinks=sinks)
+        np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=0)
+        assert not np.asarray(out)[-3:].any()
