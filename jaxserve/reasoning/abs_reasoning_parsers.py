@@ -72,6 +72,10 @@ class ReasoningParser:
             cached[key] = (vocab.get(self.start_token), vocab.get(self.end_token))
         return cached[key]
 
+    def adjust_request(self, request: Any) -> Any:
+        """Change a chat request before generation (e.g. keep special tokens); default: as is."""
+        return request
+
     def _implicit_reasoning(self, request: Any = None) -> bool:
         """Whether text not opened by `<think>` is reasoning (True: the prompt opened it)."""
         return True

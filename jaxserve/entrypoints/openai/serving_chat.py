@@ -128,6 +128,8 @@ class OpenAIServingChat(OpenAIServing):
             )
         if self.tool_parser_cls is not None and request.tools:
             request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
+        if self.reasoning_parser_cls is not None:
+            request = self.reasoning_parser_cls(self.tokenizer).adjust_request(request)
         prompt = self.chat_prompt(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_tokens
