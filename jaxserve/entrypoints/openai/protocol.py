@@ -13,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -117,6 +117,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; given to the chat template as `reasoning_effort` (gpt-oss's reads it)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # OpenAI's deprecated forms of tools / tool_choice: refused with a 400 naming those
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None

@@ -44,6 +44,13 @@ from jaxserve.entrypoints.openai.serving_engine import (
 from jaxserve.outputs import CompletionOutput
 
 
+def template_kwargs(request: ChatCompletionRequest) -> dict | None:
+    """The chat template's extra variables: chat_template_kwargs, over reasoning_effort."""
+    if request.reasoning_effort is None:
+        return request.chat_template_kwargs
+    return {"reasoning_effort": request.reasoning_effort, **(request.chat_template_kwargs or {})}
+
+
 class OpenAIServingChat(OpenAIServing):
     """The chat template and content format, and the tool and reasoning parsers (their
     names are checked here, so a bad one fails when the server is built)."""
@@ -108,7 +115,7 @@ class OpenAIServingChat(OpenAIServing):
             tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            kwargs=request.chat_template_kwargs,
+            kwargs=template_kwargs(request),
         )
         self.engine.input_processor.check_text_length(text)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids

@@ -126,3 +126,17 @@ def test_tool_rules_and_history_for_the_template():
     assert template_messages(history, "openai")[1]["content"] == [{"type": "text", "text": "Sunny"}]
     assert content_format("{% for part in message['content'] %}", "auto") == "openai"
     assert content_format("{{ message['content'] }}", "auto") == "string"
+
+
+def test_reasoning_effort_reaches_the_template_and_is_checked():
+    """OpenAI's reasoning_effort is the template's `reasoning_effort` (gpt-oss's template
+    writes it into the system message); chat_template_kwargs may override it; another value
+    is refused, naming the field."""
+    from jaxserve.entrypoints.openai.serving_chat import template_kwargs
+
+    assert template_kwargs(request()) is None
+    assert template_kwargs(request(reasoning_effort="high")) == {"reasoning_effort": "high"}
+    both = request(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "medium"})
+    assert template_kwargs(both) == {"reasoning_effort": "medium"}
+    with pytest.raises(msgspec.ValidationError, match="reasoning_effort"):
+        request(reasoning_effort="extreme")
