@@ -242,6 +242,13 @@ CHAT_ONLY = {
         {"chat_template": "{{ messages[0]['content'] }}!"},
         lambda a, r, b: r[0].prompt_token_ids == TOKENS["Hello!"],
     ),
+    "reasoning_effort": (  # the template's variable, as gpt-oss's template reads it
+        {
+            "chat_template": "{{ reasoning_effort }}{{ messages[0]['content'] }}!",
+            "reasoning_effort": "high",
+        },
+        lambda a, r, b: r[0].prompt_token_ids == TOKENS["highHello!"],
+    ),
     "chat_template_kwargs": (
         {
             "chat_template": "{{ x }}{{ messages[0]['content'] }}!",
@@ -268,7 +275,7 @@ def test_every_protocol_field_has_a_row():
     + [("chat", f) for f in [*COMMON, *CHAT_ONLY]],
 )
 def test_each_field_reaches_the_engine_request_or_is_refused(tokenizer, kind, field):
-    for text in ("Hello!", "HelloHello!"):
+    for text in ("Hello!", "HelloHello!", "highHello!"):
         TOKENS[text] = tokenizer(text, add_special_tokens=False).input_ids
     table = COMMON | (COMPLETION if kind == "completion" else CHAT_ONLY)
     extra, check = table[field]
