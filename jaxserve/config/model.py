@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config.llama4 import LLAMA4, llama4_fields
 from jaxserve.config.mla import MlaConfig, mla_config
 from jaxserve.config.moe import MoeRouting, first_dense_layers, moe_routing
 from jaxserve.config.quantization import (
@@ -120,6 +121,14 @@ class ModelConfig:
     attention_sinks: bool = False
     sliding_window: int | None = None  # each token attends to the latest this many keys
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    qk_l2_norm: bool = False  # a weightless one, on the layers with rotary (Llama 4)
+    # Llama 4 (config/llama4.py): "chunked_attention" layers attend within chunks of this
+    # many tokens; layers without rotary; their queries' temperature (floor_scale,
+    # attn_scale); rotary over interleaved pairs (permuted into rotate-half's at load)
+    attention_chunk_size: int | None = None
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature: tuple[float, float] | None = None
+    rope_interleave: bool = False
     hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh
     # Per layer "sliding_attention" (sliding_window applies) or "full_attention"; None: every
     # layer alike (the window, if any, applies to all).
@@ -253,7 +262,7 @@ class ModelConfig:
         sliding_rope = RopeConfig.from_hf(hf_config, "sliding_attention")
         if sliding_rope == RopeConfig.from_hf(hf_config):
             sliding_rope = None
-        return cls(
+        config = cls(
             architecture=archs[0],
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -296,6 +305,9 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )
+        if archs[0] in LLAMA4:
+            config = dataclasses.replace(config, **llama4_fields(hf_config))
+        return config
 
     def linear_kwargs(self) -> dict:
         """How the decoder layers' linear projections are quantized (layers/linear.py)."""
@@ -314,6 +326,12 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of decoder layer `layer` (Llama 4's; None: none)."""
+        if self.layer_types is not None and self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk_size
+        return None
 
     def layer_rope(self, layer: int) -> RopeConfig:
         if self.sliding_rope is not None and self.layer_window(layer) is not None:

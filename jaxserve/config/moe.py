@@ -20,7 +20,10 @@ class MoeRouting:
     projections have biases) and `swiglu_limit` (not None: the gate is clamped above at the
     limit, up to [-limit, limit], and an expert computes (up + 1) * gate * sigmoid(alpha *
     gate), alpha = swiglu_alpha). Its routing is the softmax's: a softmax over the top-k
-    logits equals the top-k of the softmax over all, renormalised."""
+    logits equals the top-k of the softmax over all, renormalised.
+
+    scoring "sigmoid_topk" (Llama 4): the top-k router logits, each weighted by its sigmoid;
+    `scale_inputs`: the weight multiplies the expert's input instead of its output."""
 
     scoring: str = "softmax"
     n_group: int = 1
@@ -30,6 +33,7 @@ class MoeRouting:
     biases: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    scale_inputs: bool = False
 
     @property
     def score_bias(self) -> bool:

@@ -112,9 +112,11 @@ def paged_attention(
     backend: str = "reference",
     mesh: Mesh | None = None,
     sinks: jax.Array | None = None,
+    attention_chunk: int | None = None,
 ) -> jax.Array:
     """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]; sinks [Hq]:
-    each head's attention-sink logit (gpt-oss), or None.
+    each head's attention-sink logit (gpt-oss), or None; attention_chunk: each query sees
+    only the keys of its own chunk of that many positions (Llama 4), or None.
 
     backend "reference" is the jnp op (XLA partitions it over `mesh` by itself); "pallas" is
     the kernel, compiled for a GPU and interpreted elsewhere; "cpu" has its decode rows
@@ -124,7 +126,8 @@ def paged_attention(
     """
     args = (q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
             sinks)  # fmt: skip
-    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  attention_chunk=attention_chunk)  # fmt: skip
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **scores, decode_only=md.decode_only)
     if backend == "cpu":
@@ -145,6 +148,12 @@ def paged_attention(
         out_specs=heads,
         check_vma=False,
     )(*args)
+
+
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis, in float32, back in x's dtype (Llama 4's q/k norm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def configure_attention(model: nnx.Module, backend: str, mesh: Mesh | None) -> None:
@@ -187,7 +196,12 @@ class Attention(nnx.Module):
             self.k_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)
         self.qk_norm = config.qk_norm
         self.rope = config.layer_rope(layer)
+        self.use_rope = layer not in config.nope_layers
+        self.qk_l2_norm = config.qk_l2_norm and self.use_rope
+        self.l2_eps = config.rms_norm_eps
+        self.temperature = None if self.use_rope else config.attn_temperature
         self.sliding_window = config.layer_window(layer)
+        self.chunk = config.layer_chunk(layer)
         self.sm_scale = (config.query_pre_attn_scalar or hd) ** -0.5
         self.soft_cap = config.attn_logit_softcapping
         self.head_dim = hd
@@ -215,9 +229,17 @@ class Attention(nnx.Module):
         q, k = qkv[:, :, :g].reshape(t, -1, hd), qkv[:, :, g]  # [T, Hq, hd], [T, Hkv, hd]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        scale = rope_attention_factor(self.rope)
-        q = apply_rotary(q, positions, inv_freq, scale)
-        k = apply_rotary(k, positions, inv_freq, scale)
+        if self.qk_l2_norm:  # weightless: commutes with the rotation, so before it
+            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
+        if self.use_rope:
+            scale = rope_attention_factor(self.rope)
+            q = apply_rotary(q, positions, inv_freq, scale)
+            k = apply_rotary(k, positions, inv_freq, scale)
+        if self.temperature is not None:  # Llama 4's layers without rotary
+            floor_scale, attn_scale = self.temperature
+            pos = positions.astype(jnp.float32)
+            tune = jnp.log1p(jnp.floor((pos + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q * tune[:, None, None]).astype(q.dtype)
         v = qkv[:, :, g + 1]  # [T, Hkv, hd]
         k_scale, v_scale = (self.k_scale, self.v_scale) if is_fp8(k_cache.dtype) else (1.0, 1.0)
         k_cache = write_kv(k_cache, k, md.slot_mapping, k_scale)
@@ -228,6 +250,7 @@ class Attention(nnx.Module):
             q, k_cache, v_cache, md, sm_scale=self.sm_scale * k_scale,
             sliding_window=self.sliding_window, soft_cap=self.soft_cap, backend=self.backend,
             mesh=self.mesh, sinks=None if self.sinks is None else self.sinks[...],
+            attention_chunk=self.chunk,
         )  # fmt: skip
         if v_scale != 1.0:
             out = out * jnp.asarray(v_scale, out.dtype)

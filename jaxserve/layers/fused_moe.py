@@ -79,13 +79,14 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float
 def expert_mlp(
     x: jax.Array, ids: jax.Array, weights: jax.Array, w13: jax.Array, w2: jax.Array,
     first_expert: jax.Array | int = 0, act: Callable | None = None,
-    b13: jax.Array | None = None,
+    b13: jax.Array | None = None, scale_inputs: bool = False,
 ) -> jax.Array:  # fmt: skip
     """The experts first_expert .. first_expert + E_local - 1 (w13 [E_local, D, 2F'],
     w2 [E_local, F', D], the gate/up biases b13 [E_local, 2F'] when given) applied to the
     rows routed to them: x [T, D], ids / weights [T, k] -> [T, D], the routing-weighted sum
     (rows routed elsewhere contribute nothing). act(gate, up) is the gated unit (default
-    `glu("silu")`)."""
+    `glu("silu")`). scale_inputs: each row's weight multiplies its input, not its output
+    (Llama 4)."""
     act = act or glu("silu")
     t, k = ids.shape
     num_local = w13.shape[0]
@@ -97,7 +98,11 @@ def expert_mlp(
     # Rows of earlier (other devices') experts come first: rotate them past the local ones,
     # whose groups ragged_dot then reads from row 0; rows past the groups come back zero.
     start = jnp.sum(local < 0)
-    rows = jnp.roll(x[order // k], -start, axis=0)  # [T*k, D]
+    weight = jnp.where(is_local, weights.reshape(-1)[order], 0)  # [T*k], in expert order
+    rows = x[order // k]
+    if scale_inputs:
+        rows, weight = rows * weight[:, None].astype(x.dtype), is_local
+    rows = jnp.roll(rows, -start, axis=0)  # [T*k, D]
     gate_up = jax.lax.ragged_dot(rows, w13, group_sizes[:num_local])  # [T*k, 2F']
     if b13 is not None:  # each row's expert's bias (rows past the groups: scaled by 0 below)
         gate_up = gate_up + b13[jnp.roll(jnp.clip(local, 0, num_local - 1), -start)]
@@ -105,8 +110,7 @@ def expert_mlp(
     hidden = act(gate_up[..., 0], gate_up[..., 1])
     out = jax.lax.ragged_dot(hidden, w2, group_sizes[:num_local])
     out = jnp.roll(out, start, axis=0)  # [T*k, D] in expert order
-    scale = jnp.where(is_local, weights.reshape(-1)[order], 0).astype(out.dtype)
-    return jnp.zeros_like(x).at[order // k].add(out * scale[:, None])
+    return jnp.zeros_like(x).at[order // k].add(out * weight[:, None].astype(out.dtype))
 
 
 class FusedMoE(nnx.Module):
@@ -155,6 +159,9 @@ class FusedMoE(nnx.Module):
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [T, D] -> (expert ids i32[T, k], weights f32[T, k])."""
+        if self.routing.scoring == "sigmoid_topk":  # Llama 4
+            top, ids = jax.lax.top_k(self.gate(x).astype(jnp.float32), self.top_k)
+            return ids.astype(jnp.int32), jax.nn.sigmoid(top)
         if self.e_score_correction_bias is None:
             return route(self.gate(x), self.top_k, self.renormalize)
         # noaux_tc routers score in float32 whatever the model dtype (as HF computes them)
@@ -168,7 +175,8 @@ class FusedMoE(nnx.Module):
         w13, w2 = self.w13[...], self.w2[...]
         b13 = None if self.w13_bias is None else self.w13_bias[...]
         if self.mesh is None or self.mesh.shape[TP_AXIS] == 1:
-            out = expert_mlp(x, ids, weights, w13, w2, act=self.act, b13=b13)
+            out = expert_mlp(x, ids, weights, w13, w2, act=self.act, b13=b13,
+                             scale_inputs=self.routing.scale_inputs)  # fmt: skip
         else:
             out = self._sharded(x, ids, weights, w13, w2, b13)
         if self.w2_bias is not None:  # sum_k weight_k * bias of expert k, once (not per shard)
@@ -183,7 +191,8 @@ class FusedMoE(nnx.Module):
 
         def shard(x, ids, weights, w13, w2, b13):
             first = jax.lax.axis_index(TP_AXIS) * w13.shape[0] if ep else 0
-            out = expert_mlp(x, ids, weights, w13, w2, first, act=self.act, b13=b13)
+            out = expert_mlp(x, ids, weights, w13, w2, first, act=self.act, b13=b13,
+                             scale_inputs=self.routing.scale_inputs)  # fmt: skip
             return jax.lax.psum(out, TP_AXIS)
 
         spec13, spec2 = (

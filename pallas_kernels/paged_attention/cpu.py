@@ -115,7 +115,8 @@ def cpu_kernel_unavailable_message() -> str | None:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only")
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only", "attention_chunk"),
 )
 def ragged_paged_attention_cpu(
     q: jax.Array,
@@ -131,15 +132,17 @@ def ragged_paged_attention_cpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     decode_only: bool = False,
+    attention_chunk: int | None = None,
 ) -> jax.Array:
     """`ragged_paged_attention_reference` (same arguments, same result) with its decode rows
-    computed by the C++ kernel. Other dtypes than f32 (bf16, fp8 caches) and attention sinks
-    take the reference whole."""
+    computed by the C++ kernel. Other dtypes than f32 (bf16, fp8 caches), attention sinks and
+    chunked attention take the reference whole."""
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if sinks is not None or not (q.dtype == k_cache.dtype == v_cache.dtype == jnp.float32):
+    uncommon = sinks is not None or attention_chunk is not None
+    if uncommon or not (q.dtype == k_cache.dtype == v_cache.dtype == jnp.float32):
         return reference.ragged_paged_attention_reference(
-            *args, sinks, **kw, decode_only=decode_only
+            *args, sinks, **kw, decode_only=decode_only, attention_chunk=attention_chunk
         )
     if (reason := cpu_kernel_unavailable_message()) is not None:
         raise RuntimeError(reason)

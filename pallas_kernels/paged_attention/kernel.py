@@ -119,7 +119,7 @@ def _with_sink(m, l, acc, sink):
 def _decode_kernel(
     kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_ref=None,
     l_ref=None, *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float,
-    exact: bool, window: int | None, soft_cap: float | None, sinks: bool,
+    exact: bool, window: int | None, soft_cap: float | None, sinks: bool, chunk: int | None,
 ):  # fmt: skip
     """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D] and m_ref/l_ref [BH]
     (this split's partial softmax); with one split, o_ref [BH, D] is the output and m_ref /
@@ -130,6 +130,8 @@ def _decode_kernel(
     kv_len = kv_lens_ref[seq]
     num_pages = pl.cdiv(kv_len, block_size)
     lowest_key = 0 if window is None else jnp.maximum(kv_len - window, 0)
+    if chunk is not None:  # the row (position kv_len - 1) sees only its own chunk
+        lowest_key = jnp.maximum(lowest_key, (kv_len - 1) - (kv_len - 1) % chunk)
     start_page = lowest_key // block_size  # pages before the window are not read
     per_split = pl.cdiv(pl.cdiv(num_pages - start_page, num_splits), pages_per_step)
     per_split *= pages_per_step
@@ -163,6 +165,7 @@ def _mixed_kernel(
     q_ref, k_ref, v_ref, sinks_ref, o_ref, m_ref=None, l_ref=None,
     *, group: int, q_block: int, max_blocks: int, pages_per_step: int, num_splits: int,
     scale: float, exact: bool, window: int | None, soft_cap: float | None, sinks: bool,
+    chunk: int | None,
 ):  # fmt: skip
     """Program (tile, kv_head, split): q_ref/o_ref [T*G + q_block, D] rows of this KV head;
     with several splits, o_ref holds this split's unnormalised float32 output and m_ref /
@@ -191,8 +194,11 @@ def _mixed_kernel(
         last_tok = jnp.minimum((row0 + q_block - 1) // group, q_len - 1)
         num_keys = kv_len - q_len + last_tok + 1  # keys visible to the tile's last row
         first_page = 0
-        if window is not None:  # the tile's first row sees nothing before its window
-            first_key = jnp.maximum(kv_len - q_len + row0 // group - window + 1, 0)
+        first_pos = kv_len - q_len + row0 // group  # the tile's first row's position
+        if window is not None or chunk is not None:  # nothing before the first row's
+            first_key = 0 if window is None else jnp.maximum(first_pos - window + 1, 0)
+            if chunk is not None:  # window, nor before its chunk
+                first_key = jnp.maximum(first_key, first_pos - first_pos % chunk)
             first_page = first_key // block_size
         step_tokens = pages_per_step * block_size
         num_steps = pl.cdiv(jnp.maximum(num_keys - first_page * block_size, 0), step_tokens)
@@ -205,6 +211,8 @@ def _mixed_kernel(
             seen = key_pos[None, :] <= q_pos[:, None]
             if window is not None:
                 seen &= key_pos[None, :] > q_pos[:, None] - window
+            if chunk is not None:
+                seen &= key_pos[None, :] >= (q_pos - q_pos % chunk)[:, None]
             return seen
 
         m, l, acc = _attend(
@@ -263,7 +271,7 @@ def _sink_rows(sinks: jax.Array | None, num_kv_heads: int, rows: int) -> jax.Arr
 
 def _decode(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sinks, *, scale, exact,
-    pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
+    pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap, chunk,
 ):  # fmt: skip
     """The decode kernel over each sequence's first query row -> (rows [S, Hq, D] in q's
     dtype, dest i32[S]: the token each row belongs to, T for sequences with kv_lens 0)."""
@@ -281,7 +289,7 @@ def _decode(
     kernel = functools.partial(
         _decode_kernel, max_blocks=max_blocks, pages_per_step=pages_per_step,
         num_splits=num_splits, scale=scale, exact=exact, window=window, soft_cap=soft_cap,
-        sinks=sinks is not None,
+        sinks=sinks is not None, chunk=chunk,
     )  # fmt: skip
     sink_rows = _sink_rows(sinks, num_kv_heads, rows)
     if num_splits == 1:  # the kernel writes the output rows in q's dtype: nothing to merge
@@ -320,6 +328,7 @@ def _mixed(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sinks, *, scale,
     exact,
     q_block, pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
+    chunk,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -345,7 +354,7 @@ def _mixed(
     kernel = functools.partial(
         _mixed_kernel, group=group, q_block=q_block, max_blocks=max_blocks,
         pages_per_step=pages_per_step, num_splits=num_splits, scale=scale, exact=exact,
-        window=window, soft_cap=soft_cap, sinks=sinks is not None,
+        window=window, soft_cap=soft_cap, sinks=sinks is not None, chunk=chunk,
     )  # fmt: skip
     sink_width = decode_rows(group)  # a power of two >= group
     sink_rows = _sink_rows(sinks, num_kv_heads, sink_width)
@@ -389,7 +398,8 @@ def _mixed(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "decode_only", "decode_pages_per_step",
+        "sm_scale", "sliding_window", "soft_cap", "attention_chunk", "decode_only",
+        "decode_pages_per_step",
         "num_kv_splits", "q_block", "prefill_kv_tokens_per_step", "mixed_kv_splits",
         "num_warps", "num_stages", "smem_limit", "num_sms", "interpret",
     ),
@@ -407,6 +417,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    attention_chunk: int | None = None,
     decode_only: bool = False,
     decode_pages_per_step: int | None = None,
     num_kv_splits: int | None = None,
@@ -434,6 +445,8 @@ def ragged_paged_attention(
       sm_scale: softmax scale, usually head_dim ** -0.5.
       sliding_window: each query sees only the latest this many keys (its own included);
         pages before a program's window are skipped.
+      attention_chunk: each query sees only the keys of its own chunk of this many
+        positions (Llama 4); pages before a program's chunk are skipped.
       soft_cap: scores become soft_cap * tanh(score / soft_cap) (Gemma 2).
       decode_only: the caller promises every real sequence has one query token: only the
         decode kernel runs (otherwise the mixed kernel takes the multi-token sequences).
@@ -468,7 +481,8 @@ def ragged_paged_attention(
     query_start_loc = query_start_loc.astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32)
     common = dict(scale=sm_scale * _LOG2E, exact=q.dtype == jnp.float32, num_warps=num_warps,
-                  interpret=interpret, window=sliding_window, soft_cap=soft_cap)  # fmt: skip
+                  interpret=interpret, window=sliding_window, soft_cap=soft_cap,
+                  chunk=attention_chunk)  # fmt: skip
 
     single = decode_seqs(query_start_loc, num_seqs, decode_only=decode_only)
     rows, dest = _decode(  # sequences of no single-token row read nothing and write no row

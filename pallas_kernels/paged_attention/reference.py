@@ -34,7 +34,8 @@ _TILE_GROUP = 4  # tiles attended together (the tiled path)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only")
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "decode_only", "attention_chunk"),
 )
 def ragged_paged_attention_reference(
     q: jax.Array,
@@ -50,6 +51,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     decode_only: bool = False,
+    attention_chunk: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged queries over a paged KV cache.
 
@@ -67,6 +69,8 @@ def ragged_paged_attention_reference(
       sliding_window: each query sees only the latest this many keys (its own included), as
         HF's sliding-window mask; the keys before every row's window are not read.
       soft_cap: scores become soft_cap * tanh(score / soft_cap) (Gemma 2).
+      attention_chunk: each query sees only the keys of its own chunk (positions
+        c * attention_chunk .. its own, Llama 4's chunked attention); earlier keys are not read.
       decode_only: the caller promises every real sequence has one query token: the path of
         prefill chunks is left out (a sequence with more would get zeros).
 
@@ -74,7 +78,8 @@ def ragged_paged_attention_reference(
       [T, Hq, D] in q's dtype; padding rows are zero.
     """
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  attention_chunk=attention_chunk)  # fmt: skip
     single = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs) == 1
     out = _decode(*args[:6], _Scores(**scores), single, sinks)
     if decode_only or q.shape[0] == 1:
@@ -96,12 +101,13 @@ def multi_token_rows(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    attention_chunk: int | None = None,
 ) -> jax.Array:
     """The reference's rows of sequences with several query tokens (prefill chunks), written
     into out [T, Hq, D] (which holds the decode rows, from a kernel); arguments as
     `ragged_paged_attention_reference`'s. For a kernel that does decodes alone."""
     q_lens = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs)
-    scores = _Scores(sm_scale, sliding_window, soft_cap)
+    scores = _Scores(sm_scale, sliding_window, soft_cap, attention_chunk)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores)
     return _tiled(*args, jnp.where(q_lens == 1, 0, q_lens), out, sinks)
 
@@ -116,11 +122,12 @@ def _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs):
 
 
 class _Scores(NamedTuple):
-    """How scores are formed (static): scale, sliding window, soft cap."""
+    """How scores are formed (static): scale, sliding window, soft cap, attention chunk."""
 
     sm_scale: float
     sliding_window: int | None
     soft_cap: float | None
+    attention_chunk: int | None = None
 
 
 def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, single, sinks):
@@ -187,12 +194,15 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens, sinks=None
     g = num_q_heads // num_kv_heads
     blocks_per_chunk = max(1, chunk_tokens // block_size)
     chunk = blocks_per_chunk * block_size
-    sm_scale, window, soft_cap = scores
+    sm_scale, window, soft_cap, attention_chunk = scores
     num_chunks = (jnp.max(q_pos) + chunk) // chunk  # chunks covering q_pos + 1 keys
     first_chunk = 0
-    if window is not None:  # the earliest key any real row sees
+    if window is not None or attention_chunk is not None:  # the earliest key any row sees
         lowest = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max))
-        first_chunk = jnp.minimum(jnp.maximum(lowest - window + 1, 0) // chunk, num_chunks)
+        first_key = jnp.maximum(lowest - window + 1, 0) if window is not None else 0
+        if attention_chunk is not None:
+            first_key = jnp.maximum(first_key, lowest - lowest % attention_chunk)
+        first_chunk = jnp.minimum(first_key // chunk, num_chunks)
     # [R, Hkv, Q, G, D]: each (group, KV head) is one [Q*G, D] x [D, chunk] product
     qg = q.reshape(num_groups, group_rows, num_kv_heads, g, head_dim).transpose(0, 2, 1, 3, 4)
     qg = qg.astype(jnp.float32) * sm_scale
@@ -210,6 +220,8 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens, sinks=None
         seen = k_pos[None, None, :] <= q_pos[:, :, None]  # [R, Q, C]
         if window is not None:
             seen &= k_pos[None, None, :] > q_pos[:, :, None] - window
+        if attention_chunk is not None:
+            seen &= k_pos[None, None, :] >= (q_pos - q_pos % attention_chunk)[:, :, None]
         mask = seen[:, None, :, None, :]  # [R, 1, Q, 1, C]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))

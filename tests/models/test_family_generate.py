@@ -26,6 +26,7 @@ GENERATE = {  # one configuration per family, the parity test's
     "glm4_moe": ("glm4_moe", MOE["glm4_moe"]),
     "deepseek_v3": ("deepseek_v3", MOE["deepseek_v3"]),
     "gpt_oss": ("gpt_oss", MOE["gpt_oss"]),
+    "llama4": ("llama4", MOE["llama4"]),
 }
 # 7 usable KV blocks of 16 for prompts of 9, 23 and 14 tokens and 32 new tokens each (10
 # blocks at once): requests are preempted and recomputed, prefix caching on

@@ -1,5 +1,5 @@
-"""Mixture of experts (Mixtral, Qwen3-MoE, GLM-4.5, DeepSeek-V3, gpt-oss): routing as HF routes,
-logits as HF computes them, the same output with the experts split over devices (expert
+"""Mixture of experts (Mixtral, Qwen3-MoE, GLM-4.5, DeepSeek-V3, gpt-oss, Llama 4): routing as
+HF routes, logits as HF computes them, the same output with the experts split over devices (expert
 parallel) or their F split (tensor parallel), and greedy generate through the whole engine
 equal to HF's."""
 
@@ -47,6 +47,17 @@ FAMILIES = {
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                      "original_max_position_embeddings": 64}),
+    # Llama 4's text model scaled down: layers 0 and 2 rotary (interleaved pairs) with
+    # 8-token attention chunks and weightless q/k norms, layer 1 without rotary, global, its
+    # queries temperature-tuned (floor_scale 4 bites within the prompts); experts (top-1,
+    # sigmoid-weighted inputs, a shared expert) on layers 0 and 1, a dense MLP on layer 2
+    "llama4": dict(num_local_experts=4, num_experts_per_tok=1, moe_layers=[0, 1],
+                   intermediate_size=32, intermediate_size_mlp=64, head_dim=16,
+                   no_rope_layers=[1, 0, 1], attention_chunk_size=8, floor_scale=4,
+                   attn_scale=0.1, use_qk_norm=True, attn_temperature_tuning=True,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 16}),
 }  # fmt: skip
 
 
@@ -61,9 +72,16 @@ def test_routing_and_logits_match_hf(moe_dir):
     ref = hf_model(str(moe_dir))
     layer = min(i for i in range(loaded.config.num_layers) if loaded.config.is_moe_layer(i))
     hidden = torch.randn(11, ref.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    hf_moe = ref.model.layers[layer].mlp
-    with torch.no_grad():  # gpt-oss's router is `router`, the others' `gate`
-        _, hf_weights, hf_ids = (getattr(hf_moe, "router", None) or hf_moe.gate)(hidden)
+    hf_layer = ref.model.layers[layer]
+    hf_moe = getattr(hf_layer, "mlp", None) or hf_layer.feed_forward  # Llama 4's name
+    k = loaded.config.num_experts_per_tok
+    with torch.no_grad():  # gpt-oss's and Llama 4's router is `router`, the others' `gate`
+        routed = (getattr(hf_moe, "router", None) or hf_moe.gate)(hidden)
+    if len(routed) == 2:  # Llama 4: (scores [T, E], zero off the picked experts; logits)
+        hf_ids = routed[0].topk(k, dim=-1).indices
+        hf_weights = routed[0].gather(-1, hf_ids)
+    else:
+        _, hf_weights, hf_ids = routed
     moe = loaded.model.layers[layer].mlp
     ids, weights = moe.route(jnp.asarray(hidden.numpy()))
     # the same experts at the same weights (GLM's router lists them in no set order)
@@ -74,7 +92,8 @@ def test_routing_and_logits_match_hf(moe_dir):
                                atol=1e-6)  # fmt: skip
     with torch.no_grad():
         hf_out = hf_moe(hidden[None])
-    hf_out = (hf_out[0] if isinstance(hf_out, tuple) else hf_out)[0].numpy()  # gpt-oss: a pair
+    hf_out = hf_out[0] if isinstance(hf_out, tuple) else hf_out  # gpt-oss, Llama 4: a pair
+    hf_out = hf_out.reshape(hidden.shape).numpy()
     np.testing.assert_allclose(np.asarray(moe(jnp.asarray(hidden.numpy()))), hf_out, atol=1e-5)
 
     rng = np.random.default_rng(1)
@@ -121,6 +140,13 @@ def qwen3_moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    """Llama 4 (chunked and global attention split by heads, a shared expert split as a
+    dense MLP) and its one-device logits."""
+    return one_device("llama4", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     """gpt-oss (sinks split with the query heads, expert biases) and its one-device logits."""
     return one_device("gpt_oss", tmp_path_factory)
@@ -128,7 +154,13 @@ def gpt_oss(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("family", "tp", "ep"),
-    [("qwen3_moe", 2, False), ("qwen3_moe", 4, True), ("gpt_oss", 2, False), ("gpt_oss", 2, True)],
+    [
+        ("qwen3_moe", 2, False),
+        ("qwen3_moe", 4, True),
+        ("gpt_oss", 2, False),
+        ("gpt_oss", 2, True),
+        ("llama4", 2, False),
+    ],
 )
 def test_expert_and_tensor_parallel_equal_one_device(request, family, tp, ep):
     path, want = request.getfixturevalue(family)

@@ -73,11 +73,12 @@ def naive_attention(
     window: int | None = None,
     soft_cap: float | None = None,
     sinks: np.ndarray | None = None,
+    chunk: int | None = None,
 ) -> np.ndarray:
     """Dense causal attention per sequence in float64 (each query sees the `window` latest
     keys up to its own when a window is given; scores soft-capped when asked; sinks [Hq]: a
-    logit per head in the softmax whose value is zero, as HF's gpt-oss appends it); padding
-    rows zero."""  # fmt: skip
+    logit per head in the softmax whose value is zero, as HF's gpt-oss appends it; chunk: keys
+    of the query's own chunk of positions only, Llama 4's); padding rows zero."""  # fmt: skip
     q = case.q.astype(np.float64)
     k_all, v_all = case.k_cache.astype(np.float64), case.v_cache.astype(np.float64)
     _, block_size, hkv, d = k_all.shape
@@ -98,6 +99,8 @@ def naive_attention(
         seen = k_pos <= q_pos[None, :, None]
         if window is not None:
             seen &= k_pos > q_pos[None, :, None] - window
+        if chunk is not None:
+            seen &= k_pos // chunk == q_pos[None, :, None] // chunk
         s = np.where(seen, s, -np.inf)
         if sinks is not None:  # one more column, dropped after the softmax
             column = np.broadcast_to(sinks.astype(np.float64)[:, None, None], (*s.shape[:2], 1))

@@ -319,6 +319,19 @@ def test_attention_sinks_match_the_oracle(layout, splits):
     np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_chunks_match_the_oracle(layout, splits):
+    """Llama 4's chunked attention (chunks not block-aligned, pages before a program's chunk
+    skipped), unsplit and split: as the oracle and the reference."""
+    case = _case(layout, 64, (8, 2), 16, seed=19)
+    out = _kernel(case, layout=layout, interpret=True, num_kv_splits=splits,
+                  mixed_kv_splits=splits, attention_chunk=40)  # fmt: skip
+    np.testing.assert_allclose(out, naive_attention(case, 0.125, chunk=40), atol=1e-5)
+    ref = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, attention_chunk=40)
+    np.testing.assert_allclose(out, np.asarray(ref), atol=1e-5)
+
+
 @pytest.mark.cuda_lowering
 def test_window_and_soft_cap_lower_to_triton_for_cuda():
     case = _case("mixed", 64, (8, 2), 16)
@@ -329,11 +342,14 @@ def test_window_and_soft_cap_lower_to_triton_for_cuda():
 
 @pytest.mark.cuda_lowering
 @pytest.mark.parametrize("splits", [1, 4])
-def test_attention_sinks_lower_to_triton_for_cuda(splits):
+def test_attention_sinks_and_chunks_lower_to_triton_for_cuda(splits):
     case = _case("mixed", 64, (8, 2), 16)
     sinks = jnp.zeros((8,), jnp.bfloat16)
     for decode_only in (True, False):
         text = _lowered_for_cuda(case, sinks=sinks, sliding_window=128, decode_only=decode_only,
+                                 num_kv_splits=splits, mixed_kv_splits=splits)  # fmt: skip
+        assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode" if decode_only else "mixed"]
+        text = _lowered_for_cuda(case, attention_chunk=8192, decode_only=decode_only,
                                  num_kv_splits=splits, mixed_kv_splits=splits)  # fmt: skip
         assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode" if decode_only else "mixed"]
 

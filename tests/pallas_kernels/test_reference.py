@@ -121,3 +121,17 @@ def test_attention_sinks_match_the_oracle(layout):
         want = naive_attention(case, 0.125, window, sinks=sinks)
         np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=0)
         assert not np.asarray(out)[-3:].any()
+
+
+@pytest.mark.parametrize("layout", [MIXED, DECODE, LONG])
+def test_attention_chunks_match_the_oracle(layout):
+    """Llama 4's chunked attention (a query sees its own chunk's keys only), chunks shorter
+    than a block, of whole blocks and not block-aligned, in both paths."""
+    case = make_case(
+        layout, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, pad_tokens=3,
+        pad_seqs=2, seed=6,
+    )  # fmt: skip
+    for chunk in (5, 32, 37):
+        out = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, attention_chunk=chunk)
+        want = naive_attention(case, 0.125, chunk=chunk)
+        np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=0)
