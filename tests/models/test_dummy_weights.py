@@ -116,3 +116,19 @@ def test_gpt_oss_20b_preset_has_transformers_parameter_count():
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     assert param_counts(c)[0] == sum(p.numel() for p in hf.parameters())
+
+
+def test_llama_4_scout_preset_has_transformers_parameter_count():
+    """Llama-4-Scout's text model: 48 layers, every one with 16 experts (top 1) and a shared
+    one, every 4th without rotary; the parameter count transformers' Llama4ForCausalLM has."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path("llama-4-scout", "dummy")
+    c = read_model_config(path, "bfloat16")
+    assert (c.num_layers, c.num_experts, c.num_experts_per_tok) == (48, 16, 1)
+    assert c.nope_layers == tuple(range(3, 48, 4)) and c.attention_chunk_size == 8192
+    assert not c.dense_layers and c.qk_l2_norm and c.attn_temperature == (8192.0, 0.1)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    assert param_counts(c)[0] == sum(p.numel() for p in hf.parameters())
