@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 # Architectures whose attention is MLA.
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)

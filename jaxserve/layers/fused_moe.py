@@ -76,6 +76,20 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float
     return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
 
 
+def route_softmax_groups(logits: jax.Array, top_k: int, routing: MoeRouting
+                         ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """DeepSeek-V2's routing (config/moe.py::MoeRouting "softmax_group"): router logits
+    f32[T, E] -> (expert ids i32[T, k], weights f32[T, k])."""
+    t, e = logits.shape
+    scores = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if routing.n_group > 1:  # only the topk_group groups with the best single score compete
+        best = jax.lax.top_k(scores.reshape(t, routing.n_group, -1).max(-1), routing.topk_group)[1]
+        keep = jnp.zeros((t, routing.n_group), bool).at[jnp.arange(t)[:, None], best].set(True)
+        scores = jnp.where(jnp.repeat(keep, e // routing.n_group, axis=1), scores, 0.0)
+    weights, ids = jax.lax.top_k(scores, top_k)
+    return ids.astype(jnp.int32), weights * routing.routed_scaling_factor
+
+
 def expert_mlp(
     x: jax.Array, ids: jax.Array, weights: jax.Array, w13: jax.Array, w2: jax.Array,
     first_expert: jax.Array | int = 0, act: Callable | None = None,
@@ -162,10 +176,12 @@ class FusedMoE(nnx.Module):
         if self.routing.scoring == "sigmoid_topk":  # Llama 4
             top, ids = jax.lax.top_k(self.gate(x).astype(jnp.float32), self.top_k)
             return ids.astype(jnp.int32), jax.nn.sigmoid(top)
-        if self.e_score_correction_bias is None:
+        if self.routing.scoring == "softmax":
             return route(self.gate(x), self.top_k, self.renormalize)
-        # noaux_tc routers score in float32 whatever the model dtype (as HF computes them)
+        # DeepSeek's routers score in float32 whatever the model dtype (as HF computes them)
         logits = x.astype(jnp.float32) @ self.gate.kernel[...].astype(jnp.float32)
+        if self.routing.scoring == "softmax_group":
+            return route_softmax_groups(logits, self.top_k, self.routing)
         bias = self.e_score_correction_bias[...]
         return route_noaux_tc(logits, bias, self.top_k, self.renormalize, self.routing)
 

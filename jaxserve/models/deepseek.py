@@ -1,6 +1,7 @@
 """DeepSeek-V3 / R1 and Kimi K2 (DeepseekV3ForCausalLM): multi-head latent attention (MLA)
 over a latent paged cache, and GLM-4.5's mixture of experts (noaux_tc routing, shared experts,
-dense first layers: models/glm4_moe.py).
+dense first layers: models/glm4_moe.py). DeepSeek-V2 (DeepseekV2ForCausalLM) is the same but
+for its softmax routing.
 
 MLA, as vLLM's MLA backends run it, in the absorbed form for every token: each token's KV is
 kept as the compressed latent c = kv_a_layernorm(kv_a(x))[:r] and the rotary key k_pe, one
@@ -123,3 +124,8 @@ class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
                 return HFWeight((name,), np.transpose)
             return HFWeight((name,))
         return super().hf_weight(config, path, kv_replicas)
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2 / V2.5 / V2-Lite: V3's MLA and weight names, routed by softmax
+    (config/moe.py's "softmax_group": `greedy` or `group_limited_greedy`) with no bias."""

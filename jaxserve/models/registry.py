@@ -1,6 +1,6 @@
 """HF `architectures` name -> model class."""
 
-from jaxserve.models.deepseek import DeepseekV3ForCausalLM
+from jaxserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from jaxserve.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
@@ -24,6 +24,7 @@ _MODELS = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # partial rotary, noaux_tc routing, shared
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # MLA + GLM-4.5's experts (Kimi K2 too)
     "Llama4ForCausalLM": Llama4ForCausalLM,  # text: chunked attention, NoPE layers, top-1 MoE
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # MLA, softmax group-limited routing
     "GptOssForCausalLM": GptOssForCausalLM,  # sinks, alternating windows, MXFP4 experts
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # an EAGLE-3 draft head

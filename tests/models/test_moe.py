@@ -38,6 +38,14 @@ FAMILIES = {
                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                          "original_max_position_embeddings": 64,
                                          "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # DeepSeek-V2's: V3's MLA (no q_lora_rank: V2-Lite's plain q_proj), softmax routing
+    # limited to the best 2 of 4 groups by their best score, scaled, not renormalised
+    "deepseek_v2": dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+                        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+                        topk_method="group_limited_greedy", first_k_dense_replace=1,
+                        routed_scaling_factor=2.5),
     # gpt-oss's shape scaled down: q/k/v/o biases, attention sinks, 6-token windows on
     # alternate layers, YaRN without truncation; 8 experts, top 4, router and expert biases,
     # a clamped SwiGLU whose limit bites
