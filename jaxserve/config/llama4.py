@@ -29,11 +29,12 @@ def llama4_fields(hf_config: Any) -> dict[str, Any]:
     types = list(getattr(hf_config, "layer_types", None) or [
         "chunked_attention" if r else "full_attention" for r in rope
     ])  # fmt: skip
-    if len(rope) != layers or len(types) != layers:
+    if len(rope) < layers or len(types) < layers:
         raise ValueError(
             f"no_rope_layers ({len(rope)}) and layer_types ({len(types)}) must have an entry "
             f"for each of the {layers} layers"
         )
+    rope, types = rope[:layers], types[:layers]  # the first layers (--hf-overrides)
     for i, (kind, rotary) in enumerate(zip(types, rope, strict=True)):
         if kind not in ("chunked_attention", "full_attention"):
             raise ValueError(f"layer_types[{i}] {kind!r} is not supported for Llama 4")

@@ -309,11 +309,12 @@ def test_repetition_penalty_matches_hf_chunked_or_not(llm, chunked, hf):
         assert token_ids(got) == refs
 
 
-def test_async_scheduling_gives_what_synchronous_scheduling_gives(tiny_pool):
-    """Scheduling step N+1 while step N runs (the default) changes no request's tokens or
-    logprobs: greedy, seeded sampling, penalties, stop tokens, min_tokens, max_tokens=1,
-    through preemption; and it compiles nothing new."""
-    sync = LLM(**CHUNKED, async_scheduling=False)
+def test_async_scheduling_gives_what_synchronous_scheduling_gives(llm, tiny_pool):
+    """Scheduling step N+1 while step N runs changes no request's tokens or logprobs:
+    greedy, seeded sampling, penalties, stop tokens, min_tokens, max_tokens=1, through
+    preemption; and it compiles nothing new. The synchronous engine is `llm` (unchunked, a
+    large pool: tokens do not depend on either, test_same_tokens_whatever_the_batch_...)."""
+    sync = llm
     assert core(tiny_pool).max_in_flight == 2 and core(sync).max_in_flight == 1
     eos = tiny_pool.get_tokenizer().eos_token_id
     mixes = [

@@ -129,6 +129,11 @@ def test_llama_4_scout_preset_has_transformers_parameter_count():
     assert (c.num_layers, c.num_experts, c.num_experts_per_tok) == (48, 16, 1)
     assert c.nope_layers == tuple(range(3, 48, 4)) and c.attention_chunk_size == 8192
     assert not c.dense_layers and c.qk_l2_norm and c.attn_temperature == (8192.0, 0.1)
+    assert param_counts(c)[0] == 107_769_861_120  # transformers' count, as below per layer
+    # transformers' own model of 4 of its layers (one without rotary; building all 48 on the
+    # meta device takes seconds) has the parameters of ours
+    four = read_model_config(path, "bfloat16", hf_overrides={"num_hidden_layers": 4})
+    hf_config = AutoConfig.from_pretrained(path, num_hidden_layers=4)
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    assert param_counts(c)[0] == sum(p.numel() for p in hf.parameters())
+        hf = AutoModelForCausalLM.from_config(hf_config)
+    assert param_counts(four)[0] == sum(p.numel() for p in hf.parameters())
