@@ -25,6 +25,8 @@ LLAMA4 = ("Llama4ForCausalLM",)
 def llama4_fields(hf_config: Any) -> dict[str, Any]:
     """ModelConfig fields of a Llama 4 text config, over the ones read as for Llama."""
     layers = hf_config.num_hidden_layers
+    if getattr(hf_config, "attention_bias", False):
+        raise ValueError("attention_bias=True is not supported for Llama 4 (no checkpoint has it)")
     rope = list(getattr(hf_config, "no_rope_layers", None) or [1] * layers)
     types = list(getattr(hf_config, "layer_types", None) or [
         "chunked_attention" if r else "full_attention" for r in rope

@@ -12,7 +12,7 @@ import torch
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.layers.fused_moe import configure_moe, expert_mlp
 from jaxserve.models.loader import load_model
-from tests.helpers import assert_generate_matches_hf, hf_logits, hf_model, make_tiny_hf
+from tests.helpers import TINY, assert_generate_matches_hf, hf_logits, hf_model, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
 
 FAMILIES = {
@@ -234,3 +234,22 @@ def test_routing_fields_deepseek_does_not_honour_are_named(tmp_path, field, valu
     (model_dir / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(ValueError, match=f"{field} {value!r} is not supported"):
         load_model(model_dir, dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [({"attention_bias": True}, "attention_bias=True is not supported for Llama 4"),
+     ({"layer_types": ["chunked_attention", "sliding_attention", "full_attention"]},
+      r"layer_types\[1\] 'sliding_attention' is not supported for Llama 4"),
+     ({"no_rope_layers": [1, 1, 0], "layer_types": ["chunked_attention"] * 3},
+      "layer 2: chunked attention without rotary is not supported")],
+)  # fmt: skip
+def test_llama4_config_fields_it_cannot_honour_are_refused(field, message):
+    from transformers import Llama4TextConfig
+
+    from jaxserve.config import ModelConfig
+
+    config = Llama4TextConfig(**{**TINY, **FAMILIES["llama4"], **field})
+    config.architectures = ["Llama4ForCausalLM"]
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(config, "float32")
