@@ -19,7 +19,9 @@ from typing import Any
 
 from jaxserve.config.moe import MoeRouting
 
-LLAMA4 = ("Llama4ForCausalLM",)
+# the text model, and the multimodal one served as its text model
+# (transformers_utils/config.py::text_model_config)
+LLAMA4 = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 
 
 def llama4_fields(hf_config: Any) -> dict[str, Any]:

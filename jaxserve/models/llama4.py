@@ -66,3 +66,13 @@ def _interleave_gate_up(w: np.ndarray) -> np.ndarray:
     """[E, D, 2F] gate columns then up columns -> column 2f gate f, 2f + 1 up f."""
     gate, up = np.split(w, 2, axis=-1)
     return np.stack([gate, up], axis=-1).reshape(w.shape)
+
+
+class Llama4ForConditionalGeneration(Llama4ForCausalLM):
+    """Llama 4's multimodal checkpoints (Scout, Maverick) served as their text model: the
+    same weights under `language_model.` (the vision tower and projector are not read)."""
+
+    @staticmethod
+    def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
+        weight = Llama4ForCausalLM.hf_weight(config, path, kv_replicas)
+        return HFWeight(tuple(f"language_model.{n}" for n in weight.names), weight.build)

@@ -6,7 +6,7 @@ from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
 from jaxserve.models.gpt_oss import GptOssForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
-from jaxserve.models.llama4 import Llama4ForCausalLM
+from jaxserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -25,6 +25,7 @@ _MODELS = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # MLA + GLM-4.5's experts (Kimi K2 too)
     "Llama4ForCausalLM": Llama4ForCausalLM,  # text: chunked attention, NoPE layers, top-1 MoE
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # MLA, softmax group-limited routing
+    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # its text model only
     "GptOssForCausalLM": GptOssForCausalLM,  # sinks, alternating windows, MXFP4 experts
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # an EAGLE-3 draft head

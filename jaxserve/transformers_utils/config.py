@@ -42,13 +42,32 @@ def _read_model_config(model, dtype: str, quantization: str | None, overrides: s
 
 
 def read_any_hf_config(path: Path, hf_overrides: dict | None = None) -> Any:
-    """The HF config of a directory or a GGUF file, with hf_overrides set over it."""
+    """The HF config of a directory or a GGUF file, with hf_overrides set over it (a
+    multimodal model served as its text model: `text_model_config`)."""
     if not path.is_file():
-        return read_hf_config(path, hf_overrides)
+        return text_model_config(read_hf_config(path, hf_overrides))
     hf_config = copy.copy(gguf_hf_config(path))
     for name, value in (hf_overrides or {}).items():
         setattr(hf_config, name, value)
     return hf_config
+
+
+# Multimodal architectures served as their text model (the vision tower is not read yet).
+TEXT_MODELS = ("Llama4ForConditionalGeneration",)
+
+
+def text_model_config(hf_config: Any) -> Any:
+    """A TEXT_MODELS config -> its `text_config` as an HFConfig, with the multimodal
+    architecture (the model class reads the text model's weights under `language_model.`)
+    and the top level's quantization_config; any other config as it is."""
+    archs = getattr(hf_config, "architectures", None) or []
+    text = getattr(hf_config, "text_config", None)
+    if not archs or archs[0] not in TEXT_MODELS or not isinstance(text, dict):
+        return hf_config
+    fields = {**text, "architectures": list(archs)}
+    if getattr(hf_config, "quantization_config", None):
+        fields["quantization_config"] = hf_config.quantization_config
+    return HFConfig(**fields)
 
 
 def json_object(value: dict | str | None, name: str) -> dict:

@@ -253,3 +253,28 @@ def test_llama4_config_fields_it_cannot_honour_are_refused(field, message):
     config.architectures = ["Llama4ForCausalLM"]
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf(config, "float32")
+
+
+def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """A Llama4ForConditionalGeneration checkpoint (Scout's and Maverick's layout: the text
+    model under `language_model.`, a vision tower beside it) loads as its text model: the
+    logits of text prompts equal transformers' multimodal model's."""
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=28, patch_size=14, vision_output_dim=32,
+                  projector_input_dim=32, projector_output_dim=32)  # fmt: skip
+    config = Llama4Config(text_config={**TINY, **FAMILIES["llama4"]}, vision_config=vision)
+    config.architectures = ["Llama4ForConditionalGeneration"]
+    torch.manual_seed(0)
+    ref = Llama4ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.08)
+    ref.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="float32")
+    assert loaded.config.architecture == "Llama4ForConditionalGeneration"
+    assert loaded.config.attention_chunk_size == 8 and loaded.config.nope_layers == (1,)
+    fed, logits = run_mixed_schedule(loaded, PROMPTS)
+    for seq, tokens in fed.items():
+        np.testing.assert_allclose(logits[seq], hf_logits(ref, tokens), atol=1e-4, rtol=0)
