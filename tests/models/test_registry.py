@@ -13,5 +13,9 @@ def test_the_families_table_lists_the_registry():
     text = DOC.read_text()
     table = text[text.index("## Families") : text.index("\n\n", text.index("| Family"))]
     rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ")][1:]
-    documented = {name for row in rows for name in re.findall(r"`(\w+For(?:CausalLM|ConditionalGeneration))`", row)}
+    documented = {
+        name
+        for row in rows
+        for name in re.findall(r"`(\w+For(?:CausalLM|ConditionalGeneration))`", row)
+    }
     assert documented == set(supported_architectures())
