@@ -20,10 +20,12 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
         high_freq_wavelen = old_len / rope.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        # equal factors (Llama 4 Scout's) leave no medium band: its NaNs are never selected
+        with np.errstate(divide="ignore", invalid="ignore"):
+            smooth = (old_len / wavelen - rope.low_freq_factor) / (
+                rope.high_freq_factor - rope.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = np.where(is_medium, smoothed, scaled)
     elif rope.rope_type == "yarn":
