@@ -25,6 +25,7 @@ GENERATE = {  # one configuration per family, the parity test's
     "qwen3_moe": ("qwen3_moe", MOE["qwen3_moe"]),
     "glm4_moe": ("glm4_moe", MOE["glm4_moe"]),
     "deepseek_v3": ("deepseek_v3", MOE["deepseek_v3"]),
+    "deepseek_v2": ("deepseek_v2", MOE["deepseek_v2"]),
     "gpt_oss": ("gpt_oss", MOE["gpt_oss"]),
     "llama4": ("llama4", MOE["llama4"]),
 }
