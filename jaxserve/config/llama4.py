@@ -63,5 +63,4 @@ def llama4_fields(hf_config: Any) -> dict[str, Any]:
         attn_temperature=(
             (float(hf_config.floor_scale), float(hf_config.attn_scale)) if tuning else None
         ),
-        rope_interleave=True,
     )

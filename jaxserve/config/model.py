@@ -124,11 +124,10 @@ class ModelConfig:
     qk_l2_norm: bool = False  # a weightless one, on the layers with rotary (Llama 4)
     # Llama 4 (config/llama4.py): "chunked_attention" layers attend within chunks of this
     # many tokens; layers without rotary; their queries' temperature (floor_scale,
-    # attn_scale); rotary over interleaved pairs (permuted into rotate-half's at load)
+    # attn_scale)
     attention_chunk_size: int | None = None
     nope_layers: tuple[int, ...] = ()
     attn_temperature: tuple[float, float] | None = None
-    rope_interleave: bool = False
     hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh
     # Per layer "sliding_attention" (sliding_window applies) or "full_attention"; None: every
     # layer alike (the window, if any, applies to all).

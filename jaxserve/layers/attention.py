@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
-from jaxserve.layers.norm import RMSNorm
+from jaxserve.layers.norm import RMSNorm, rms_normalize
 from jaxserve.layers.rotary import apply_rotary, rope_attention_factor, rope_inv_freq
 from pallas_kernels.paged_attention import (
     ragged_paged_attention,
@@ -150,12 +150,6 @@ def paged_attention(
     )(*args)
 
 
-def l2_norm(x: jax.Array, eps: float) -> jax.Array:
-    """x / rms(x) over the last axis, in float32, back in x's dtype (Llama 4's q/k norm)."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-
-
 def configure_attention(model: nnx.Module, backend: str, mesh: Mesh | None) -> None:
     """Make every Attention layer of `model` use `backend` (see `paged_attention`; checked by
     EngineArgs). The CPU kernel is registered with XLA here, before any executable that calls
@@ -230,7 +224,8 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.qk_l2_norm:  # weightless: commutes with the rotation, so before it
-            q, k = l2_norm(q, self.l2_eps), l2_norm(k, self.l2_eps)
+            q = rms_normalize(q, self.l2_eps).astype(q.dtype)
+            k = rms_normalize(k, self.l2_eps).astype(k.dtype)
         if self.use_rope:
             scale = rope_attention_factor(self.rope)
             q = apply_rotary(q, positions, inv_freq, scale)

@@ -18,13 +18,10 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.config.quantization import quant_method
+from jaxserve.layers.linear import E2M1
 from jaxserve.models.llama import HFWeight, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
-
-# OCP MX FP4 (e2m1): code -> value; bit 3 is the sign
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)  # fmt: skip
 
 
 def dequantize_mxfp4_experts(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -37,7 +34,7 @@ def dequantize_mxfp4_experts(blocks: np.ndarray, scales: np.ndarray) -> np.ndarr
             "([E, out, G, 16] and [E, out, G])"
         )
     codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [E, out, G, 16, 2]
-    values = E2M1[codes].reshape(*scales.shape, 32)
+    values = np.asarray(E2M1, np.float32)[codes].reshape(*scales.shape, 32)
     values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
     return values.reshape(*scales.shape[:2], -1).transpose(0, 2, 1)
 
@@ -46,7 +43,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     @staticmethod
     def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
         names = [str(p) for p in path]
-        if names[0] != "layers" or names[2:] == ["self_attn", "qkv_proj", "kernel"]:
+        if names[0] != "layers":
             return LlamaForCausalLM.hf_weight(config, path, kv_replicas)
         prefix = f"model.layers.{names[1]}"
         if names[2:] == ["self_attn", "sinks"]:

@@ -171,6 +171,10 @@ class ReasoningParser:
                 return False
         return not self._implicit_reasoning()
 
+    def _ended(self, text: str) -> bool:
+        """Whether the reasoning in a whole text is over (extract_content_ids' test)."""
+        return self._bounds(text, final=True).ended
+
     def extract_content_ids(self, token_ids: Sequence[int]) -> list[int]:
         """The ids after the first `</think>` (all of them when there is no reasoning); [] if the
         reasoning has not ended. Without a `</think>` id: the ids after the one whose decoding
@@ -182,12 +186,12 @@ class ReasoningParser:
             has_start = self.start_token_id is not None and self.start_token_id in ids
             return ids if not has_start and not self._implicit_reasoning() else []
         decode = self._decoder()
-        if decode is None or not self._bounds(decode(ids), final=True).ended:
+        if decode is None or not self._ended(decode(ids)):
             return []
         lo, hi = 0, len(ids)  # the shortest prefix whose text has ended reasoning
         while lo < hi:
             mid = (lo + hi) // 2
-            if self._bounds(decode(ids[:mid]), final=True).ended:
+            if self._ended(decode(ids[:mid])):
                 hi = mid
             else:
                 lo = mid + 1

@@ -28,23 +28,8 @@ def call_text(message: harmony.Message) -> str:
 
 def split(text: str) -> tuple[str, str]:
     """(reasoning, content) of a completion's text so far (see the module docstring)."""
-    if not harmony.is_harmony(text):
-        return "", text
-    reasoning: list[str] = []
-    content = ""
-    last_text = False  # the content ends with a message body (a newline goes before the next)
-    for message in harmony.parse(text):
-        if not message.header_done:
-            break  # the last message, its header still streaming
-        if message.channel == "analysis" and message.recipient is None:
-            reasoning.append(message.body)
-        elif message.tool_name is not None:
-            content += call_text(message)
-            last_text = False
-        else:
-            content += ("\n" if last_text else "") + message.body
-            last_text = True
-    return "\n".join(reasoning), content
+    reasoning, rest = harmony.sections(text)
+    return "\n".join(reasoning), harmony.join_bodies(rest, call_text)
 
 
 @ReasoningParserManager.register_module(["openai_gptoss", "gpt_oss"])
@@ -96,16 +81,4 @@ class GptOssReasoningParser(ReasoningParser):
             for m in harmony.parse(text)
         )
 
-    def is_reasoning_end(self, token_ids: Sequence[int]) -> bool:
-        decode = self._decoder()
-        return decode is not None and self.is_reasoning_end_text(decode(token_ids))
-
-    def extract_content_ids(self, token_ids: Sequence[int]) -> list[int]:
-        """The ids after the `<|message|>` that opens the first final message ([] before)."""
-        decode, ids = self._decoder(), list(token_ids)
-        if decode is None:
-            return []
-        for i in range(1, len(ids) + 1):
-            if self.is_reasoning_end_text(decode(ids[:i])):
-                return ids[i:]
-        return []
+    _ended = is_reasoning_end_text  # extract_content_ids: the ids after the final's header

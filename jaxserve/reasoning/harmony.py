@@ -84,3 +84,37 @@ def parse(text: str) -> list[Message]:
             )
         )
     return messages
+
+
+def sections(text: str) -> tuple[list[str], list[str | Message]]:
+    """The messages of `text` whose header is complete: (the analysis messages' bodies, the
+    rest in order: a tool call (a message to `functions.NAME`) as its Message, any other
+    message as its body). Plain text without harmony tokens is one body."""
+    if not is_harmony(text):
+        return [], [text]
+    reasoning: list[str] = []
+    rest: list[str | Message] = []
+    for message in parse(text):
+        if not message.header_done:
+            break  # the last message, its header still streaming
+        if message.tool_name is not None:
+            rest.append(message)
+        elif message.channel == "analysis":
+            reasoning.append(message.body)
+        else:
+            rest.append(message.body)
+    return reasoning, rest
+
+
+def join_bodies(pieces: list[str | Message], call=None) -> str:
+    """`sections`' rest as text: consecutive bodies joined by newlines, each tool call
+    replaced by call(message) (left out without `call`)."""
+    out, last_body = "", False
+    for piece in pieces:
+        if isinstance(piece, str):
+            out += ("\n" if last_body else "") + piece
+            last_body = True
+        elif call is not None:
+            out += call(piece)
+            last_body = False
+    return out

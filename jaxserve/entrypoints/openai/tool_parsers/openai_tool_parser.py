@@ -35,18 +35,8 @@ class OpenAIToolParser(ToolParser):
     @staticmethod
     def _read(text: str) -> tuple[str, list[harmony.Message]]:
         """(content, the tool-call messages whose header is complete) of text."""
-        if not harmony.is_harmony(text):
-            return text, []
-        content, calls, last_text = "", [], False
-        for message in harmony.parse(text):
-            if not message.header_done:
-                break
-            if message.tool_name is not None:
-                calls.append(message)
-            elif message.channel != "analysis":
-                content += ("\n" if last_text else "") + message.body
-                last_text = True
-        return content, calls
+        _, rest = harmony.sections(text)
+        return harmony.join_bodies(rest), [m for m in rest if isinstance(m, harmony.Message)]
 
     def extract_tool_calls(
         self, model_output: str, request: ChatCompletionRequest | None = None
