@@ -13,9 +13,11 @@ _TORCH_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
                  "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}  # fmt: skip
 
 
-def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = "auto") -> Any:
+def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = "auto",
+                  hf_overrides: dict | None = None) -> Any:  # fmt: skip
     """The model as a transformers module in eval mode. dtype "auto" is float32, as jaxserve's
-    is on CPU; load_format "dummy" builds it from its config with HF's random init."""
+    is on CPU; load_format "dummy" builds it from its config with HF's random init, with
+    hf_overrides (--hf-overrides) set over the config's fields."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -27,7 +29,7 @@ def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = 
 
             config = read_model_config(path).hf_config.to_transformers()
         else:
-            config = AutoConfig.from_pretrained(path)
+            config = AutoConfig.from_pretrained(path, **(hf_overrides or {}))
         return AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
     if path.is_file():
         return AutoModelForCausalLM.from_pretrained(

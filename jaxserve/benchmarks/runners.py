@@ -48,13 +48,15 @@ class JaxserveRunner:
 class HFRunner:
     def __init__(self, engine_args: EngineArgs):
         from jaxserve.benchmarks.hf_peer import load_hf_model
-        from jaxserve.transformers_utils.config import read_model_config
+        from jaxserve.transformers_utils.config import check_hf_overrides, read_model_config
 
         a = engine_args
         path = a.model_path()
-        self.model = load_hf_model(str(path), dtype=a.dtype, load_format=a.load_format)
+        overrides = check_hf_overrides(a.hf_overrides)
+        self.model = load_hf_model(str(path), dtype=a.dtype, load_format=a.load_format,
+                                   hf_overrides=overrides)  # fmt: skip
         dtype = "float32" if a.dtype == "auto" else a.dtype  # what load_hf_model used
-        self.config = read_model_config(path, dtype)
+        self.config = read_model_config(path, dtype, hf_overrides=overrides)
         self.max_num_seqs = None  # one generate batch, whatever its size
 
     def generate(self, prompts: list[list[int]], output_len: int, n: int = 1, *,
