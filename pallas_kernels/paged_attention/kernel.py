@@ -260,13 +260,20 @@ def _partial_outputs(part: tuple[int, ...], index, head_dim: int):
     return specs, [f32((*part, head_dim)), f32(part), f32(part)]
 
 
-def _sink_rows(sinks: jax.Array | None, num_kv_heads: int, rows: int) -> jax.Array:
-    """Sinks [Hq] (or None: zeros) -> f32[Hkv, rows] in log2 units, each KV head's group of
-    query heads padded to `rows`."""
-    if sinks is None:
-        return jnp.zeros((num_kv_heads, rows), jnp.float32)
+def _sink_rows(sinks: jax.Array, num_kv_heads: int, rows: int) -> jax.Array:
+    """Sinks [Hq] -> f32[Hkv, rows] in log2 units, each KV head's group of query heads
+    padded to `rows`."""
     per_head = sinks.astype(jnp.float32).reshape(num_kv_heads, -1) * _LOG2E
     return jnp.pad(per_head, ((0, 0), (0, rows - per_head.shape[1])))
+
+
+def _call_with_sinks(kernel, specs, args, sinks, sink_spec, sink_rows):
+    """The kernel, its in_specs and operands with the sinks operand last, or, without sinks,
+    neither spec nor operand (no per-program read): the kernel then gets sinks_ref None."""
+    if sinks is not None:
+        return kernel, [*specs, sink_spec], [*args, sink_rows]
+    position = len(specs)
+    return (lambda *refs: kernel(*refs[:position], None, *refs[position:])), specs, args
 
 
 def _decode(
@@ -291,7 +298,19 @@ def _decode(
         num_splits=num_splits, scale=scale, exact=exact, window=window, soft_cap=soft_cap,
         sinks=sinks is not None, chunk=chunk,
     )  # fmt: skip
-    sink_rows = _sink_rows(sinks, num_kv_heads, rows)
+    sink_rows = None if sinks is None else _sink_rows(sinks, num_kv_heads, rows)
+    kernel, in_specs, args = _call_with_sinks(
+        kernel,
+        [
+            _whole((max_seqs,)),
+            _whole((max_seqs * max_blocks,)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
+            _kv_head_spec(k_cache.shape, 1),
+            _kv_head_spec(v_cache.shape, 1),
+        ],
+        [kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache],
+        sinks, pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)), sink_rows,
+    )  # fmt: skip
     if num_splits == 1:  # the kernel writes the output rows in q's dtype: nothing to merge
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0))
         out_shape = jax.ShapeDtypeStruct((max_seqs, num_kv_heads, rows, head_dim), q.dtype)
@@ -302,23 +321,15 @@ def _decode(
     result = pl.pallas_call(
         kernel,
         grid=(max_seqs, num_kv_heads, num_splits),
-        in_specs=[
-            _whole((max_seqs,)),
-            _whole((max_seqs * max_blocks,)),
-            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
-            _kv_head_spec(k_cache.shape, 1),
-            _kv_head_spec(v_cache.shape, 1),
-            pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)),
-        ],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_decode",
-    )(kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache, sink_rows)
+    )(*args)
 
-    merge_sink = None if sinks is None else sink_rows  # [Hkv, rows]
-    out = result if num_splits == 1 else _merge_splits(*result, merge_sink)  # [S, Hkv, rows, D]
+    out = result if num_splits == 1 else _merge_splits(*result, sink_rows)  # [S, Hkv, rows, D]
     out = out[:, :, :group].reshape(max_seqs, num_q_heads, head_dim).astype(q.dtype)
     # Each sequence's row goes back to its token; sequences that read nothing go nowhere.
     return out, jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
@@ -357,7 +368,23 @@ def _mixed(
         window=window, soft_cap=soft_cap, sinks=sinks is not None, chunk=chunk,
     )  # fmt: skip
     sink_width = decode_rows(group)  # a power of two >= group
-    sink_rows = _sink_rows(sinks, num_kv_heads, sink_width)
+    sink_rows = None if sinks is None else _sink_rows(sinks, num_kv_heads, sink_width)
+    kernel, in_specs, args = _call_with_sinks(
+        kernel,
+        [
+            _whole((max_tiles,)),
+            _whole((max_tiles,)),
+            _whole((max_seqs,)),
+            _whole((max_seqs + 1,)),
+            _whole((max_seqs * max_blocks,)),
+            rows_spec,
+            _kv_head_spec(k_cache.shape, 1),
+            _kv_head_spec(v_cache.shape, 1),
+        ],
+        [tile_seq, tile_row, kv_lens, query_start_loc, block_tables.reshape(-1), q_rows,
+         k_cache, v_cache],
+        sinks, pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)), sink_rows,
+    )  # fmt: skip
     if num_splits == 1:
         out_specs, out_shape = rows_spec, jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
     else:  # per split: the unnormalised output rows and their softmax statistics
@@ -367,24 +394,13 @@ def _mixed(
     result = pl.pallas_call(
         kernel,
         grid=(max_tiles, num_kv_heads, num_splits),
-        in_specs=[
-            _whole((max_tiles,)),
-            _whole((max_tiles,)),
-            _whole((max_seqs,)),
-            _whole((max_seqs + 1,)),
-            _whole((max_seqs * max_blocks,)),
-            rows_spec,
-            _kv_head_spec(k_cache.shape, 1),
-            _kv_head_spec(v_cache.shape, 1),
-            pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)),
-        ],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention_mixed",
-    )(tile_seq, tile_row, kv_lens, query_start_loc, block_tables.reshape(-1), q_rows,
-      k_cache, v_cache, sink_rows)  # fmt: skip
+    )(*args)
     merge_sink = None  # each row's (token, head-in-group) sink: [Hkv, padded]
     if sinks is not None:
         merge_sink = jnp.tile(sink_rows[:, :group], (1, num_tokens + -(-q_block // group)))
