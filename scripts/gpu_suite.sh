@@ -13,7 +13,9 @@
 #   kv_transfer   benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
 #   latency_bN    scripts/bench_latency.py, Llama-3-8B shape, dummy bf16 weights, batch 1 8 32
 #   throughput_N  benchmarks/bench_throughput.py, the same model, 64 and 256 prompts
-#                 (order: latency_b1, throughput_256, latency_b8, latency_b32, throughput_64)
+#   kernel_bench_mla  the kernel benchmark for DeepSeek-V3's latent attention (16 heads a rank)
+#                 (order: latency_b1, throughput_256, kernel_bench_mla, latency_b8,
+#                 latency_b32, throughput_64)
 #   tune_kernel   benchmarks/kernels/tune_paged_attention.py (tile, split and mixed sweeps,
 #                 most important first; last, in the time left; stops 30 s before its limit)
 # All model runs share one engine configuration, so the first compiles and the rest read the
@@ -100,9 +102,10 @@ EOF
     PYTEST_ARGS=(-m "gpu or cuda_lowering" tests/pallas_kernels/test_kernel.py
         -k "gpu or window_and_soft_cap")
     KERNEL_ARGS=(--smoke)
+    MLA_ARGS=(--smoke --mla-latent 64)
     KV_TRANSFER_ARGS=(--blocks 1 8 --repeats 1)
     TUNE_ARGS=(--smoke)
-    LIMIT_PYTEST=90 LIMIT_KERNEL=90 LIMIT_TUNE=90 LIMIT_KV=90 LIMIT_FIRST_MODEL=180
+    LIMIT_PYTEST=90 LIMIT_KERNEL=90 LIMIT_KERNEL_MLA=60 LIMIT_TUNE=90 LIMIT_KV=90 LIMIT_FIRST_MODEL=180
     LIMIT_MODEL=90
 else
     MODE=gpu
@@ -117,9 +120,12 @@ else
     THROUGHPUT_PROMPTS=(64 256)
     PYTEST_ARGS=(-m "gpu or cuda_lowering") # lowering for CUDA on this machine's jax too
     KERNEL_ARGS=()
+    # DeepSeek-V3's latent attention on a tp-8 rank (16 query heads over 512 + 64 values)
+    MLA_ARGS=(--mla-latent 512 --head-dim 576 --num-q-heads 16 --num-kv-heads 1
+        --batch-sizes 1 16 64 --contexts 2048 8192)
     KV_TRANSFER_ARGS=(--layout llama-3-8b)
     TUNE_ARGS=()
-    LIMIT_PYTEST=240 LIMIT_KERNEL=180 LIMIT_TUNE=120 LIMIT_KV=90 LIMIT_FIRST_MODEL=300
+    LIMIT_PYTEST=240 LIMIT_KERNEL=180 LIMIT_KERNEL_MLA=90 LIMIT_TUNE=120 LIMIT_KV=90 LIMIT_FIRST_MODEL=300
     LIMIT_MODEL=150
 fi
 
@@ -226,6 +232,8 @@ model_run "latency_b${LATENCY_BATCHES[0]}" scripts/bench_latency.py \
     --batch-size "${LATENCY_BATCHES[0]}" "${LATENCY_ITERS[@]}"
 model_run "throughput_${THROUGHPUT_PROMPTS[$last]}" benchmarks/bench_throughput.py \
     --num-prompts "${THROUGHPUT_PROMPTS[$last]}" --quiet
+run_step kernel_bench_mla "$LIMIT_KERNEL_MLA" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
+    "${MLA_ARGS[@]}" --output-json "$WORK/kernel_bench_mla.json"
 for b in "${LATENCY_BATCHES[@]:1}"; do
     model_run "latency_b$b" scripts/bench_latency.py --batch-size "$b" "${LATENCY_ITERS[@]}"
 done

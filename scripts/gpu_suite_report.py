@@ -307,7 +307,8 @@ def build_report(work: Path) -> tuple[str, str]:
     for s in kernel:
         header, rows = kernel_rows(logs[s["name"]])
         if rows:
-            lines += ["", "## Paged-attention kernel", "", *header, ""]
+            title = "## Paged-attention kernel" + (": MLA" if s["name"].endswith("mla") else "")
+            lines += ["", title, "", *header, ""]
             lines += [KERNEL_HEADER, "|---|---|---|---|---|---|---|", *rows]
     rows, best = tune_rows(logs.get("tune_kernel", ""))
     if rows:

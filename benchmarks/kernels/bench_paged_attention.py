@@ -18,6 +18,14 @@ counts the K/V bytes of the context (whole pages, each read once per KV head).
 
     python benchmarks/kernels/bench_paged_attention.py --output-json out.json
     python benchmarks/kernels/bench_paged_attention.py --smoke   # tiny, interpret mode, CPU
+
+MLA (DeepSeek's latent attention, absorbed form; `--mla-latent` its kv_lora_rank): one cache
+head of [latent; rotary key] per token, read once as keys and values, so the bytes counted
+are one head of head_dim per token; the output is the latent, and each chained call's query
+keeps the previous query's rotary columns. DeepSeek-V3 on a tp-8 rank:
+
+    python benchmarks/kernels/bench_paged_attention.py --mla-latent 512 --head-dim 576 \
+        --num-q-heads 16 --num-kv-heads 1
 """
 
 from __future__ import annotations
@@ -143,7 +151,9 @@ def jax_decode_peer(batch, *, interpret=False):
 def run_case(name, seqs, args, results):
     hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
     dtype = jnp.dtype(args.dtype)
-    kv_bytes = sum(-(-kv // bs) * bs for _, kv in seqs) * 2 * hkv * d * dtype.itemsize
+    latent = args.mla_latent
+    heads_read = hkv if latent else 2 * hkv  # MLA: the latent is both key and value
+    kv_bytes = sum(-(-kv // bs) * bs for _, kv in seqs) * heads_read * d * dtype.itemsize
     copies = max(1, min(args.max_copies, -(-args.rotate_mb * 2**20 // kv_bytes)))
     batch = make_batch(seqs, hq=hq, hkv=hkv, head_dim=d, block_size=bs, dtype=dtype,
                        copies=copies)  # fmt: skip
@@ -151,11 +161,14 @@ def run_case(name, seqs, args, results):
     scale = d**-0.5
     decode_only = all(q == 1 for q, _ in seqs)  # as the model runner says: the decode kernel
     kernel = functools.partial(
-        ragged_paged_attention, sm_scale=scale, decode_only=decode_only, interpret=args.smoke
-    )
+        ragged_paged_attention, sm_scale=scale, decode_only=decode_only, interpret=args.smoke,
+        latent_dim=latent,
+    )  # fmt: skip
     reference = functools.partial(
         ragged_paged_attention_reference, sm_scale=scale, decode_only=decode_only
     )
+    if latent:  # the latent output, then the query's rotary columns: the next call's query
+        kernel, reference = _latent_chained(kernel, latent), _latent_chained(reference, latent)
     timing = dict(copies=copies, chain_s=args.chain_ms / 1e3, warmup=args.warmup,
                   iters=args.iters)  # fmt: skip
     t_kernel, kernel_one = seconds_per_call(kernel, inputs, **timing)
@@ -169,7 +182,7 @@ def run_case(name, seqs, args, results):
     peak = peak_bandwidth(jax.devices()[0])
     if peak:
         row["hbm_fraction"] = kv_bytes / t_kernel / peak
-    if decode_only and jax_paged_attention() is not None:
+    if decode_only and not latent and jax_paged_attention() is not None:
         fn, peer_args = jax_decode_peer(batch, interpret=args.smoke)
         t_peer, peer_one = seconds_per_call(fn, peer_args, **timing)
         row["jax_pallas_us"] = t_peer * 1e6
@@ -179,6 +192,17 @@ def run_case(name, seqs, args, results):
         del peer_args
     results.append(row)
     print(_format(row), flush=True)
+
+
+def _latent_chained(fn, latent: int):
+    """MLA: fn(q, k, v, ...) -> [T, Hq, latent] made q-wide (its output's latent columns, then
+    q's rotary ones), so calls chain."""
+
+    def call(q, k, v, *rest):
+        out = fn(q, k, k, *rest)[..., :latent]
+        return jnp.concatenate([out, q[..., latent:]], axis=-1)
+
+    return call
 
 
 def _format(row) -> str:
@@ -210,6 +234,8 @@ def main() -> None:
     parser.add_argument("--rotate-mb", type=int, default=256,
                         help="the cache copies calls rotate over total at least this")  # fmt: skip
     parser.add_argument("--max-copies", type=int, default=256)
+    parser.add_argument("--mla-latent", type=int, default=None,
+                        help="MLA: kv_lora_rank (head_dim: it + the rotary width)")  # fmt: skip
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes in interpret mode (CPU; format check)"
@@ -220,11 +246,14 @@ def main() -> None:
         args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
         args.warmup, args.iters, args.chain_ms = 1, 2, 0.0
         args.rotate_mb, args.max_copies = 1, 2  # two copies: the rotation runs too
+        if args.mla_latent:
+            args.num_q_heads, args.num_kv_heads, args.head_dim, args.mla_latent = 20, 1, 80, 64
 
     device = jax.devices()[0]
     print(f"# {device.device_kind} ({device.platform}), jax {jax.__version__}, "
           f"{platform.machine()}; Hq={args.num_q_heads} Hkv={args.num_kv_heads} "
-          f"D={args.head_dim} block={args.block_size} {args.dtype}")  # fmt: skip
+          f"D={args.head_dim} block={args.block_size} {args.dtype}"
+          + (f"; MLA, latent {args.mla_latent}" if args.mla_latent else ""))  # fmt: skip
     peak = peak_bandwidth(device)
     print(f"# peak HBM bandwidth: {peak / 1e12:.2f} TB/s" if peak else "# peak bandwidth: unknown")
     if jax_paged_attention() is None:

@@ -113,10 +113,13 @@ def paged_attention(
     mesh: Mesh | None = None,
     sinks: jax.Array | None = None,
     attention_chunk: int | None = None,
+    latent_dim: int | None = None,
 ) -> jax.Array:
     """q [T, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [T, Hq, D]; sinks [Hq]:
     each head's attention-sink logit (gpt-oss), or None; attention_chunk: each query sees
-    only the keys of its own chunk of that many positions (Llama 4), or None.
+    only the keys of its own chunk of that many positions (Llama 4), or None. latent_dim:
+    MLA's kv_lora_rank r (K is [latent; rotary key], V the latent): the output's first r
+    columns are the attention (the Pallas kernel returns only those: [T, Hq, r]).
 
     backend "reference" is the jnp op (XLA partitions it over `mesh` by itself); "pallas" is
     the kernel, compiled for a GPU and interpreted elsewhere; "cpu" has its decode rows
@@ -136,7 +139,7 @@ def paged_attention(
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         kernel = functools.partial(
             ragged_paged_attention, **scores, decode_only=md.decode_only,
-            interpret=device.platform != "gpu",
+            interpret=device.platform != "gpu", latent_dim=latent_dim,
         )  # fmt: skip
     if mesh is None or mesh.shape[TP_AXIS] == 1:
         return kernel(*args)

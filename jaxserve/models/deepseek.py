@@ -88,12 +88,10 @@ class MLAAttention(Attention):
         entry = jnp.concatenate([latent[:, None], k_pe.astype(latent.dtype)], axis=-1)
         entry = jnp.broadcast_to(entry, (t, self.num_kv_heads, m.latent_dim))
         k_cache = write_kv(k_cache, entry, md.slot_mapping)
-        # The Pallas kernel has no latent variant yet (a 576-wide head is no Triton block):
-        # on GPU the jnp reference runs MLA's attention; the CPU kernel takes any width.
-        backend = "reference" if self.backend == "pallas" else self.backend
         out = paged_attention(
-            query, k_cache, k_cache, md, sm_scale=m.sm_scale, backend=backend, mesh=self.mesh
-        )
+            query, k_cache, k_cache, md, sm_scale=m.sm_scale, backend=self.backend,
+            mesh=self.mesh, latent_dim=m.kv_lora_rank,
+        )  # fmt: skip
         out = jnp.einsum("thr,hvr->thv", out[..., : m.kv_lora_rank], self.w_uv[...])
         return self.o_proj(out.reshape(t, -1)), k_cache, v_cache
 

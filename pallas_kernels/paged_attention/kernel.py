@@ -53,6 +53,7 @@ from pallas_kernels.paged_attention.tiling import (
 )
 
 _LOG2E = math.log2(math.e)
+MLA_HEADS = 16  # query heads per MLA program: its f32 [16, latent] accumulator in registers
 _M_INIT = -1e30  # finite "minus infinity": empty rows merge to 0 without NaN
 
 
@@ -61,20 +62,28 @@ def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _kv_head_spec(cache_shape: tuple[int, ...], head_axis: int) -> pl.BlockSpec:
-    """[num_blocks, block_size, Hkv, D] -> one KV head's [num_blocks, block_size, D] view."""
+def _kv_head_spec(cache_shape: tuple[int, ...], head_axis: int, *, blocks: int = 1,
+                  columns: tuple[int, int] | None = None) -> pl.BlockSpec:  # fmt: skip
+    """[num_blocks, block_size, Hkv, D] -> one KV head's [num_blocks, block_size, D] view:
+    the head of program axis `head_axis`'s index // blocks (`blocks` programs share a head:
+    its query heads split in blocks). columns (width, block): only those `width` columns,
+    from `block` * width on (MLA's latent or rotary part of its one head)."""
     num_blocks, block_size, _, head_dim = cache_shape
+    width, column = (head_dim, 0) if columns is None else columns
     return pl.BlockSpec(
-        (num_blocks, block_size, None, head_dim),
-        lambda *idx: (0, 0, idx[head_axis], 0),
+        (num_blocks, block_size, None, width),
+        lambda *idx: (0, 0, idx[head_axis] // blocks, column),
     )
 
 
 def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible, *,
-            max_blocks, pages_per_step, scale, exact, soft_cap=None):  # fmt: skip
+            max_blocks, pages_per_step, scale, exact, soft_cap=None, q_rope=None,
+            kr_ref=None):  # fmt: skip
     """Online softmax of q [R, D] over `num_steps` steps of `pages_per_step` pages of sequence
     `seq`, from its page `first_page` on. visible(key_pos i32[K]) -> bool[R, K] says which keys
-    each row may see. Returns m, l: f32[R] (log2 units) and the unnormalised acc: f32[R, D]."""
+    each row may see. Returns m, l: f32[R] (log2 units) and the unnormalised acc: f32[R, D].
+    MLA: v_ref None (the values are the keys k_ref holds: the latent), and q_rope [R, rope]
+    with kr_ref (the rotary keys) add their scores to q's."""
     rows, head_dim = q.shape
     block_size = k_ref.shape[1]
     step_tokens = pages_per_step * block_size
@@ -85,10 +94,14 @@ def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visib
         idx = jnp.minimum(page0 + jnp.arange(pages_per_step), max_blocks - 1)
         pages = block_tables_ref[seq * max_blocks + idx]  # [P] block ids
         k = k_ref[pages].reshape(step_tokens, head_dim)  # [P, bs, D] gathered -> [K, D]
-        v = v_ref[pages].reshape(step_tokens, head_dim)
+        v = k if v_ref is None else v_ref[pages].reshape(step_tokens, head_dim)
         if k.dtype != q.dtype:  # an fp8 cache, widened once loaded (its scales apply outside)
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale  # [R, K] f32
+        s = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact)  # [R, K] f32
+        if q_rope is not None:
+            k_pe = kr_ref[pages].reshape(step_tokens, q_rope.shape[1]).astype(q.dtype)
+            s += plgpu.dot(q_rope, k_pe, trans_b=True, allow_tf32=not exact)
+        s = s * scale
         if soft_cap is not None:  # cap the natural-log scores: scale holds log2(e)
             cap = soft_cap * _LOG2E
             s = cap * jnp.tanh(s / cap)
@@ -117,14 +130,15 @@ def _with_sink(m, l, acc, sink):
 
 
 def _decode_kernel(
-    kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_ref=None,
-    l_ref=None, *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float,
+    kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, sinks_ref, qr_ref, kr_ref, o_ref,
+    m_ref=None, l_ref=None, *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float,
     exact: bool, window: int | None, soft_cap: float | None, sinks: bool, chunk: int | None,
 ):  # fmt: skip
     """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D] and m_ref/l_ref [BH]
     (this split's partial softmax); with one split, o_ref [BH, D] is the output and m_ref /
     l_ref are absent. sinks_ref [BH]: the rows' sink logits (log2 units), read when `sinks`
-    (with several splits the merge adds them)."""
+    (with several splits the merge adds them). MLA: v_ref None, qr_ref [BH, rope] and kr_ref
+    the rotary parts (`_attend`); otherwise those two are None."""
     seq, split = pl.program_id(0), pl.program_id(2)
     block_size = k_ref.shape[1]
     kv_len = kv_lens_ref[seq]
@@ -148,7 +162,7 @@ def _decode_kernel(
     m, l, acc = _attend(
         q_ref[...], k_ref, v_ref, block_tables_ref, seq, first, num_steps, visible,
         max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
-        soft_cap=soft_cap,
+        soft_cap=soft_cap, q_rope=None if qr_ref is None else qr_ref[...], kr_ref=kr_ref,
     )  # fmt: skip
     if num_splits == 1:  # the whole context was this program's: the output itself
         if sinks:
@@ -162,7 +176,7 @@ def _decode_kernel(
 
 def _mixed_kernel(
     tile_seq_ref, tile_row_ref, kv_lens_ref, query_start_loc_ref, block_tables_ref,
-    q_ref, k_ref, v_ref, sinks_ref, o_ref, m_ref=None, l_ref=None,
+    q_ref, k_ref, v_ref, sinks_ref, qr_ref, kr_ref, o_ref, m_ref=None, l_ref=None,
     *, group: int, q_block: int, max_blocks: int, pages_per_step: int, num_splits: int,
     scale: float, exact: bool, window: int | None, soft_cap: float | None, sinks: bool,
     chunk: int | None,
@@ -171,7 +185,7 @@ def _mixed_kernel(
     with several splits, o_ref holds this split's unnormalised float32 output and m_ref /
     l_ref [T*G + q_block] its softmax statistics, for the rows of the tile's keys this split
     covers. sinks_ref [BH]: the sink logit (log2 units) of head-in-group g at g, read when
-    `sinks` (with several splits the merge adds them)."""
+    `sinks` (with several splits the merge adds them). MLA: as the decode kernel's."""
     tile, split = pl.program_id(0), pl.program_id(2)
     seq = tile_seq_ref[tile]
 
@@ -190,6 +204,10 @@ def _mixed_kernel(
         base = q_start * group + row0
         mask = jnp.broadcast_to(row_ok[:, None], (q_block, head_dim))
         q = plgpu.load(q_ref.at[pl.ds(base, q_block), :], mask=mask, other=0.0)
+        q_rope = None
+        if qr_ref is not None:
+            rope_mask = jnp.broadcast_to(row_ok[:, None], (q_block, qr_ref.shape[1]))
+            q_rope = plgpu.load(qr_ref.at[pl.ds(base, q_block), :], mask=rope_mask, other=0.0)
 
         last_tok = jnp.minimum((row0 + q_block - 1) // group, q_len - 1)
         num_keys = kv_len - q_len + last_tok + 1  # keys visible to the tile's last row
@@ -218,7 +236,7 @@ def _mixed_kernel(
         m, l, acc = _attend(
             q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible,
             max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
-            soft_cap=soft_cap,
+            soft_cap=soft_cap, q_rope=q_rope, kr_ref=kr_ref,
         )  # fmt: skip
         rows_here = pl.ds(base, q_block)
         if num_splits == 1:
@@ -267,30 +285,64 @@ def _sink_rows(sinks: jax.Array, num_kv_heads: int, rows: int) -> jax.Array:
     return jnp.pad(per_head, ((0, 0), (0, rows - per_head.shape[1])))
 
 
-def _call_with_sinks(kernel, specs, args, sinks, sink_spec, sink_rows):
-    """The kernel, its in_specs and operands with the sinks operand last, or, without sinks,
-    neither spec nor operand (no per-program read): the kernel then gets sinks_ref None."""
-    if sinks is not None:
-        return kernel, [*specs, sink_spec], [*args, sink_rows]
-    position = len(specs)
-    return (lambda *refs: kernel(*refs[:position], None, *refs[position:])), specs, args
+def _with_inputs(kernel, required, optional):
+    """A pallas_call's kernel, in_specs and operands: `required` (spec, operand) pairs, then
+    the `optional` ones, each a pair or None. An absent one has neither spec nor operand (no
+    per-program read); the kernel gets None for its ref."""
+    present = [pair for pair in optional if pair is not None]
+    inputs = [*required, *present]
+    slots = [pair is not None for pair in optional]
+    fixed, given = len(required), len(inputs)
+
+    def call(*refs):
+        extra = iter(refs[fixed:given])
+        chosen = [next(extra) if slot else None for slot in slots]
+        return kernel(*refs[:fixed], *chosen, *refs[given:])
+
+    return call, [spec for spec, _ in inputs], [arg for _, arg in inputs]
+
+
+def _latent_views(spec_fn, width: int, latent: int | None):
+    """MLA: an operand's two column views, the latent's [.., latent] and the rotary part's
+    [.., width - latent] (from column `latent`, a whole number of rotary widths); without
+    MLA, the whole width and no second view. spec_fn(width, column_block) -> BlockSpec."""
+    if latent is None:
+        return spec_fn(width, 0), None
+    rope = width - latent
+    return spec_fn(latent, 0), spec_fn(rope, latent // rope)
+
+
+def split_heads(q: jax.Array, num_kv_heads: int, max_group: int | None) -> tuple[jax.Array, int]:
+    """q [T, Hq, D] -> ([T, Hkv * blocks, g, D], blocks): each KV head's group of query heads
+    in `blocks` blocks of g <= max_group heads (None: one block), the group padded with zero
+    heads to blocks * g. The kernels then treat each block as a KV head of its own, reading
+    the cache head block // blocks."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    blocks = 1 if max_group is None else -(-group // max_group)
+    g = -(-group // blocks)
+    q = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, blocks * g - group), (0, 0)))
+    return q.reshape(num_tokens, num_kv_heads * blocks, g, head_dim), blocks
 
 
 def _decode(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sinks, *, scale, exact,
     pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap, chunk,
+    blocks, latent,
 ):  # fmt: skip
-    """The decode kernel over each sequence's first query row -> (rows [S, Hq, D] in q's
-    dtype, dest i32[S]: the token each row belongs to, T for sequences with kv_lens 0)."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    """The decode kernel over each sequence's first query row of q [T, Hv, g, D] (query head
+    blocks: `split_heads`) -> (rows [S, Hv, g, Dv] in q's dtype, dest i32[S]: the token each
+    row belongs to, T for sequences with kv_lens 0). Dv: D, or MLA's `latent`."""
+    num_tokens, num_heads, group, head_dim = q.shape
     max_seqs, max_blocks = block_tables.shape
-    group = num_q_heads // num_kv_heads
     rows = decode_rows(group)
+    out_dim = head_dim if latent is None else latent
 
-    # Each sequence's single query row, its GQA heads padded to a dot-sized row block.
+    # Each sequence's single query row, its heads padded to a dot-sized row block.
     q_rows = q[jnp.minimum(query_start_loc[:max_seqs], num_tokens - 1)]
-    q_rows = q_rows.reshape(max_seqs, num_kv_heads, group, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
     kernel = functools.partial(
@@ -298,29 +350,35 @@ def _decode(
         num_splits=num_splits, scale=scale, exact=exact, window=window, soft_cap=soft_cap,
         sinks=sinks is not None, chunk=chunk,
     )  # fmt: skip
-    sink_rows = None if sinks is None else _sink_rows(sinks, num_kv_heads, rows)
-    kernel, in_specs, args = _call_with_sinks(
+    sink_rows = None if sinks is None else _sink_rows(sinks, num_heads, rows)
+    q_spec, qr_spec = _latent_views(
+        lambda w, c: pl.BlockSpec((None, None, rows, w), lambda s, h, k: (s, h, 0, c)),
+        head_dim, latent,
+    )  # fmt: skip
+    k_spec, kr_spec = _latent_views(
+        lambda w, c: _kv_head_spec(k_cache.shape, 1, blocks=blocks, columns=(w, c)),
+        k_cache.shape[-1], latent,
+    )  # fmt: skip
+    kernel, in_specs, args = _with_inputs(
         kernel,
-        [
-            _whole((max_seqs,)),
-            _whole((max_seqs * max_blocks,)),
-            pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0)),
-            _kv_head_spec(k_cache.shape, 1),
-            _kv_head_spec(v_cache.shape, 1),
-        ],
-        [kv_lens, block_tables.reshape(-1), q_rows, k_cache, v_cache],
-        sinks, pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)), sink_rows,
+        [(_whole((max_seqs,)), kv_lens),
+         (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)),
+         (q_spec, q_rows), (k_spec, k_cache)],
+        [None if latent is not None else (_kv_head_spec(v_cache.shape, 1), v_cache),
+         None if sinks is None else (pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)), sink_rows),
+         None if latent is None else (qr_spec, q_rows),
+         None if latent is None else (kr_spec, k_cache)],
     )  # fmt: skip
     if num_splits == 1:  # the kernel writes the output rows in q's dtype: nothing to merge
-        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda s, h, k: (s, h, 0, 0))
-        out_shape = jax.ShapeDtypeStruct((max_seqs, num_kv_heads, rows, head_dim), q.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, out_dim), lambda s, h, k: (s, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((max_seqs, num_heads, rows, out_dim), q.dtype)
     else:  # per split: the unnormalised output and its softmax statistics
         out_specs, out_shape = _partial_outputs(
-            (num_splits, max_seqs, num_kv_heads, rows), lambda s, h, k: (k, s, h, 0), head_dim
+            (num_splits, max_seqs, num_heads, rows), lambda s, h, k: (k, s, h, 0), out_dim
         )
     result = pl.pallas_call(
         kernel,
-        grid=(max_seqs, num_kv_heads, num_splits),
+        grid=(max_seqs, num_heads, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -329,8 +387,8 @@ def _decode(
         name="ragged_paged_attention_decode",
     )(*args)
 
-    out = result if num_splits == 1 else _merge_splits(*result, sink_rows)  # [S, Hkv, rows, D]
-    out = out[:, :, :group].reshape(max_seqs, num_q_heads, head_dim).astype(q.dtype)
+    out = result if num_splits == 1 else _merge_splits(*result, sink_rows)  # [S, Hv, rows, Dv]
+    out = out[:, :, :group].astype(q.dtype)
     # Each sequence's row goes back to its token; sequences that read nothing go nowhere.
     return out, jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
 
@@ -339,13 +397,14 @@ def _mixed(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sinks, *, scale,
     exact,
     q_block, pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
-    chunk,
+    chunk, blocks, latent,
 ):  # fmt: skip
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    """The mixed kernel over q [T, Hv, g, D] (query head blocks: `split_heads`) -> [T, Hv, g,
+    Dv] in q's dtype, the multi-token sequences' rows (the others hold garbage)."""
+    num_tokens, num_heads, group, head_dim = q.shape
     max_seqs, max_blocks = block_tables.shape
-    group = num_q_heads // num_kv_heads
     num_rows = num_tokens * group
+    out_dim = head_dim if latent is None else latent
 
     # Each multi-token sequence's query tiles (single-token ones have none): tile -> sequence
     # (-1 past the last) and its first row in the sequence.
@@ -354,13 +413,14 @@ def _mixed(
     )
     max_tiles = tile_seq.shape[0]
 
-    # Per KV head, the rows (token, head-in-group) laid out contiguously, padded by one tile
-    # so a tile's slice never runs past the end.
-    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    q_rows = q_rows.reshape(num_kv_heads, num_rows, head_dim)
+    # Per head block, the rows (token, head-in-block) laid out contiguously, padded by one
+    # tile so a tile's slice never runs past the end.
+    q_rows = q.transpose(1, 0, 2, 3).reshape(num_heads, num_rows, head_dim)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, q_block), (0, 0)))
     padded = num_rows + q_block
-    rows_spec = pl.BlockSpec((None, padded, head_dim), lambda t, h, k: (h, 0, 0))
+
+    def rows_spec(width, column):
+        return pl.BlockSpec((None, padded, width), lambda t, h, k: (h, 0, column))
 
     kernel = functools.partial(
         _mixed_kernel, group=group, q_block=q_block, max_blocks=max_blocks,
@@ -368,32 +428,34 @@ def _mixed(
         window=window, soft_cap=soft_cap, sinks=sinks is not None, chunk=chunk,
     )  # fmt: skip
     sink_width = decode_rows(group)  # a power of two >= group
-    sink_rows = None if sinks is None else _sink_rows(sinks, num_kv_heads, sink_width)
-    kernel, in_specs, args = _call_with_sinks(
+    sink_rows = None if sinks is None else _sink_rows(sinks, num_heads, sink_width)
+    q_spec, qr_spec = _latent_views(rows_spec, head_dim, latent)
+    k_spec, kr_spec = _latent_views(
+        lambda w, c: _kv_head_spec(k_cache.shape, 1, blocks=blocks, columns=(w, c)),
+        k_cache.shape[-1], latent,
+    )  # fmt: skip
+    kernel, in_specs, args = _with_inputs(
         kernel,
-        [
-            _whole((max_tiles,)),
-            _whole((max_tiles,)),
-            _whole((max_seqs,)),
-            _whole((max_seqs + 1,)),
-            _whole((max_seqs * max_blocks,)),
-            rows_spec,
-            _kv_head_spec(k_cache.shape, 1),
-            _kv_head_spec(v_cache.shape, 1),
-        ],
-        [tile_seq, tile_row, kv_lens, query_start_loc, block_tables.reshape(-1), q_rows,
-         k_cache, v_cache],
-        sinks, pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)), sink_rows,
+        [(_whole((max_tiles,)), tile_seq), (_whole((max_tiles,)), tile_row),
+         (_whole((max_seqs,)), kv_lens), (_whole((max_seqs + 1,)), query_start_loc),
+         (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)), (q_spec, q_rows),
+         (k_spec, k_cache)],
+        [None if latent is not None else (_kv_head_spec(v_cache.shape, 1), v_cache),
+         None if sinks is None else
+         (pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)), sink_rows),
+         None if latent is None else (qr_spec, q_rows),
+         None if latent is None else (kr_spec, k_cache)],
     )  # fmt: skip
     if num_splits == 1:
-        out_specs, out_shape = rows_spec, jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
+        out_specs = rows_spec(out_dim, 0)
+        out_shape = jax.ShapeDtypeStruct((num_heads, padded, out_dim), q.dtype)
     else:  # per split: the unnormalised output rows and their softmax statistics
         out_specs, out_shape = _partial_outputs(
-            (num_splits, num_kv_heads, padded), lambda t, h, k: (k, h, 0), head_dim
+            (num_splits, num_heads, padded), lambda t, h, k: (k, h, 0), out_dim
         )
     result = pl.pallas_call(
         kernel,
-        grid=(max_tiles, num_kv_heads, num_splits),
+        grid=(max_tiles, num_heads, num_splits),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
@@ -401,14 +463,14 @@ def _mixed(
         interpret=interpret,
         name="ragged_paged_attention_mixed",
     )(*args)
-    merge_sink = None  # each row's (token, head-in-group) sink: [Hkv, padded]
+    merge_sink = None  # each row's (token, head-in-group) sink: [Hv, padded]
     if sinks is not None:
         merge_sink = jnp.tile(sink_rows[:, :group], (1, num_tokens + -(-q_block // group)))
         merge_sink = merge_sink[:, :padded]
     out = result if num_splits == 1 else _merge_splits(*result, merge_sink).astype(q.dtype)
 
-    out = out[:, :num_rows].reshape(num_kv_heads, num_tokens, group, head_dim)
-    return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
+    out = out[:, :num_rows].reshape(num_heads, num_tokens, group, out_dim)
+    return out.transpose(1, 0, 2, 3)
 
 
 @functools.partial(
@@ -417,7 +479,7 @@ def _mixed(
         "sm_scale", "sliding_window", "soft_cap", "attention_chunk", "decode_only",
         "decode_pages_per_step",
         "num_kv_splits", "q_block", "prefill_kv_tokens_per_step", "mixed_kv_splits",
-        "num_warps", "num_stages", "smem_limit", "num_sms", "interpret",
+        "num_warps", "num_stages", "smem_limit", "num_sms", "interpret", "latent_dim",
     ),
 )  # fmt: skip
 def ragged_paged_attention(
@@ -445,6 +507,7 @@ def ragged_paged_attention(
     smem_limit: int = HOPPER_SMEM_BYTES,
     num_sms: int | None = None,
     interpret: bool = False,
+    latent_dim: int | None = None,
 ) -> jax.Array:
     """Causal attention of ragged queries over a paged KV cache (Pallas kernel).
 
@@ -481,12 +544,25 @@ def ragged_paged_attention(
         explicitly are checked against it, defaults are fitted to it.
       num_sms: SMs the splits are planned for (default: the GPU's, else 132).
       interpret: run in Pallas interpret mode (CPU testing).
+      latent_dim: multi-head latent attention (DeepSeek's MLA, absorbed form) with this
+        kv_lora_rank r: D = r + the rotary width (both powers of two, r a multiple of it);
+        each cache token is [latent; rotary key], the keys, and its latent is the value
+        (v_cache is not read); Hkv is the latent's replicas. The query heads are split in
+        blocks of MLA_HEADS, each block a program of its own.
 
     Returns:
-      [T, Hq, D] in q's dtype; padding rows are zero.
+      [T, Hq, D] in q's dtype (MLA: [T, Hq, r]); padding rows are zero.
     """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if latent_dim is not None and (sinks is not None or sliding_window or attention_chunk):
+        raise ValueError("the MLA kernel has no sinks, sliding window or attention chunks")
+    q, blocks = split_heads(q, num_kv_heads, None if latent_dim is None else MLA_HEADS)
+    _, num_heads, group, _ = q.shape
     plan = plan_attention(  # K/V tiles at the wider of q's and the cache's widths (fp8 widened)
-        q.shape, k_cache.shape, block_tables.shape, decode_only=decode_only, q_block=q_block,
+        (num_tokens, num_heads * group, head_dim),
+        (*k_cache.shape[:2], num_heads, k_cache.shape[3]),
+        block_tables.shape, decode_only=decode_only, q_block=q_block, latent=latent_dim,
         dtype=max(q.dtype, k_cache.dtype, key=lambda d: d.itemsize), num_sms=num_sms,
         decode_pages_per_step=decode_pages_per_step, num_kv_splits=num_kv_splits,
         prefill_kv_tokens_per_step=prefill_kv_tokens_per_step, mixed_kv_splits=mixed_kv_splits,
@@ -498,7 +574,14 @@ def ragged_paged_attention(
     num_seqs = num_seqs.astype(jnp.int32)
     common = dict(scale=sm_scale * _LOG2E, exact=q.dtype == jnp.float32, num_warps=num_warps,
                   interpret=interpret, window=sliding_window, soft_cap=soft_cap,
-                  chunk=attention_chunk)  # fmt: skip
+                  chunk=attention_chunk, blocks=blocks, latent=latent_dim)  # fmt: skip
+    out_dim = head_dim if latent_dim is None else latent_dim
+
+    def merged(out):  # [T, Hv, g, Dv] -> [T, Hq, Dv]: the head blocks' padding dropped
+        out = out.reshape(num_tokens, num_kv_heads, -1, out_dim)[
+            :, :, : num_q_heads // num_kv_heads
+        ]
+        return out.reshape(num_tokens, num_q_heads, out_dim)
 
     single = decode_seqs(query_start_loc, num_seqs, decode_only=decode_only)
     rows, dest = _decode(  # sequences of no single-token row read nothing and write no row
@@ -506,8 +589,9 @@ def ragged_paged_attention(
         sinks, num_splits=plan.num_kv_splits, num_stages=plan.decode.num_stages,
         pages_per_step=plan.decode.pages_per_step, **common,
     )  # fmt: skip
+    zeros = jnp.zeros((num_tokens, num_heads, group, out_dim), q.dtype)
     if decode_only:  # rows of no sequence stay zero
-        return jnp.zeros_like(q).at[dest].set(rows, mode="drop")
+        return merged(zeros.at[dest].set(rows, mode="drop"))
     mixed = _mixed(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sinks,
         q_block=q_block,
@@ -516,6 +600,6 @@ def ragged_paged_attention(
     )  # fmt: skip
     # The mixed kernel wrote the multi-token sequences' rows; the rest hold garbage: padding
     # rows become zero (as the reference gives), the decode rows are written over in place.
-    valid = jnp.arange(q.shape[0]) < query_start_loc[num_seqs[0]]
-    out = jnp.where(valid[:, None, None], mixed, 0)
-    return out.at[dest].set(rows, mode="drop")
+    valid = jnp.arange(num_tokens) < query_start_loc[num_seqs[0]]
+    out = jnp.where(valid[:, None, None, None], mixed, zeros)
+    return merged(out.at[dest].set(rows, mode="drop"))

@@ -33,13 +33,16 @@ _PROGRAMS_PER_SM = 2  # programs the KV splits aim for, per SM
 _MAX_KV_SPLITS = 64
 
 
-def smem_bytes(*, rows: int, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int) -> int:
+def smem_bytes(*, rows: int, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int,
+               kv_width: int | None = None) -> int:  # fmt: skip
     """Estimated shared memory of one program of either kernel: `num_stages` buffers of an
     inner step's K and V tiles ([kv_tokens, D] each; a single buffer without pipelining) and
     the query tile [rows, D], all at `itemsize` bytes. Matches what Triton asked for on the
     H100 (jax 0.11.2) for the fp32, head_dim 128 decode kernel with 16 rows, 128 tokens and 2
-    stages: 2 * 2 * 128 * 128 * 4 + 16 * 128 * 4 = 270336."""
-    return (max(1, num_stages) * 2 * kv_tokens + rows) * head_dim * itemsize
+    stages: 2 * 2 * 128 * 128 * 4 + 16 * 128 * 4 = 270336. kv_width: values a key and its
+    value take per token (default 2 * D; MLA's D, the latent being both)."""
+    kv_width = 2 * head_dim if kv_width is None else kv_width
+    return (max(1, num_stages) * kv_tokens * kv_width + rows * head_dim) * itemsize
 
 
 class TilePlan(NamedTuple):
@@ -54,7 +57,7 @@ class TilePlan(NamedTuple):
 def plan_tiles(
     kernel: str, *, dtype, head_dim: int, block_size: int, rows: int,
     kv_tokens: int | None = None, num_stages: int | None = None,
-    smem_limit: int = HOPPER_SMEM_BYTES,
+    smem_limit: int = HOPPER_SMEM_BYTES, kv_width: int | None = None,
 ) -> TilePlan:  # fmt: skip
     """The tiling of `kernel` ("decode": rows = the GQA group padded to 16; "mixed": rows =
     q_block) for queries of `dtype` (K/V tiles are held at its width: an fp8 cache is widened
@@ -73,7 +76,7 @@ def plan_tiles(
 
     def need(tokens, stages):
         return smem_bytes(rows=rows, head_dim=head_dim, kv_tokens=tokens, num_stages=stages,
-                          itemsize=itemsize)  # fmt: skip
+                          itemsize=itemsize, kv_width=kv_width)  # fmt: skip
 
     while need(tokens, stages) > smem_limit:
         if kv_tokens is None and tokens > smallest:
@@ -118,13 +121,24 @@ def decode_rows(group: int) -> int:
 
 
 def check_shapes(*, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 q_block: int) -> None:  # fmt: skip
+                 q_block: int, latent: int | None = None) -> None:  # fmt: skip
     """Raise ValueError, naming the value, for shapes the Triton lowering cannot tile:
     Hq not a multiple of Hkv, head_dim / block_size / q_block not powers of two, q_block
-    under MIN_DOT."""
+    under MIN_DOT. MLA (latent: its kv_lora_rank): the latent and the rotary width
+    head_dim - latent powers of two instead of head_dim, the latent a multiple of the other,
+    the rotary width at least MIN_DOT."""
     if num_q_heads % num_kv_heads:
         raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
-    for name, value in (("head_dim", head_dim), ("block_size", block_size), ("q_block", q_block)):
+    dims = [("head_dim", head_dim)]
+    if latent is not None:
+        rope = head_dim - latent
+        dims = [("kv_lora_rank", latent), ("qk_rope_head_dim", rope)]
+        if rope < MIN_DOT or latent % rope:
+            raise ValueError(
+                f"kv_lora_rank={latent} must be a multiple of qk_rope_head_dim={rope}, itself "
+                f"at least {MIN_DOT}, for the Pallas MLA kernel"
+            )
+    for name, value in (*dims, ("block_size", block_size), ("q_block", q_block)):
         if value & (value - 1):
             raise ValueError(f"{name}={value} must be a power of two for the Pallas kernel")
     if q_block < MIN_DOT:
@@ -146,7 +160,7 @@ def plan_attention(
     *, dtype, decode_only: bool, q_block: int, decode_pages_per_step: int | None = None,
     prefill_kv_tokens_per_step: int | None = None, num_kv_splits: int | None = None,
     mixed_kv_splits: int | None = None, num_stages: int | None = None,
-    smem_limit: int = HOPPER_SMEM_BYTES, num_sms: int | None = None,
+    smem_limit: int = HOPPER_SMEM_BYTES, num_sms: int | None = None, latent: int | None = None,
 ) -> AttentionPlan:  # fmt: skip
     """The tiling `ragged_paged_attention` runs for q [T, Hq, D], a cache [num_blocks,
     block_size, Hkv, D] and block tables [S, max_blocks] with its tuning arguments (read its
@@ -154,16 +168,19 @@ def plan_attention(
     kernel's tiles (`plan_tiles`) for K/V tiles of `dtype` (the wider of q's and the cache's)
     and, where not given, the KV splits (`plan_kv_splits`): the decode kernel's over S
     sequences, the mixed kernel's over the fewest q_block-row tiles T tokens can make, both
-    for num_sms SMs (None: `default_num_sms()`)."""
+    for num_sms SMs (None: `default_num_sms()`). MLA (latent: kv_lora_rank): q_shape and
+    cache_shape in query head blocks (`kernel.split_heads`: Hq = blocks x g, Hkv = blocks),
+    D the latent plus the rotary key, and the latent both key and value."""
     num_tokens, num_q_heads, head_dim = q_shape
     _, block_size, num_kv_heads, _ = cache_shape
     max_seqs, max_blocks = block_tables_shape
     check_shapes(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 block_size=block_size, q_block=q_block)  # fmt: skip
+                 block_size=block_size, q_block=q_block, latent=latent)  # fmt: skip
     group = num_q_heads // num_kv_heads
     plan = functools.partial(
         plan_tiles, dtype=dtype, head_dim=head_dim, block_size=block_size,
         num_stages=num_stages, smem_limit=smem_limit,
+        kv_width=None if latent is None else head_dim,
     )  # fmt: skip
     decode_requested = None if decode_pages_per_step is None else decode_pages_per_step * block_size
     decode_plan = plan("decode", rows=decode_rows(group), kv_tokens=decode_requested)

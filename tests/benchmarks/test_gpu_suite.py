@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # The headline model runs before the rest, the tuning sweep last (in the time left).
 STEPS = ["env", "pytest_gpu", "kernel_bench", "kv_transfer", "latency_b1", "throughput_2",
-         "tune_kernel"]  # fmt: skip
+         "kernel_bench_mla", "tune_kernel"]  # fmt: skip
 
 
 def test_dry_run_runs_every_step_and_reports_each(tmp_path):
@@ -45,7 +45,11 @@ def test_dry_run_runs_every_step_and_reports_each(tmp_path):
     assert rows["kernel_bench"].startswith("3 cases")
     assert re.search(r"zmq fetch .*: [\d.]+ GB/s; save: .*; load: .* GB/s", rows["kv_transfer"])
     kernel = report[report.index("## Paged-attention kernel") : report.index("## Kernel tuning")]
+    kernel, mla = kernel.split("## Paged-attention kernel: MLA")
     assert len(re.findall(r"^\| (?:decode|mixed) .* \|$", kernel, re.M)) == 3
+    # DeepSeek's latent attention: the same cases, no jax peer (it has no MLA kernel)
+    assert "MLA, latent 64" in mla and rows["kernel_bench_mla"].startswith("3 cases")
+    assert len(re.findall(r"^\| (?:decode|mixed) .* \| - \| [0-9.e+-]+ \|$", mla, re.M)) == 3
     # the kernel benchmark: every implementation timed over rotated cache copies, jax's own
     # decode kernel included (interpreted), each checked against the reference
     results = json.loads((work / "kernel_bench.json").read_text())["results"]

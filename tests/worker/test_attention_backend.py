@@ -122,3 +122,31 @@ def test_cpu_backend_gives_the_reference_tokens(model_dir, reference, tp):
             w.outputs[0].cumulative_logprob, abs=1e-3
         )
     assert num_compilations() == compiled
+
+
+# DeepSeek-V3's MLA scaled down to what the kernel tiles (a 32-wide latent, a 16-wide rotary
+# key), its experts as test_moe's.
+DEEPSEEK = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1)  # fmt: skip
+
+
+def test_pallas_mla_gives_the_reference_tokens(tmp_path_factory):
+    """DeepSeek's latent attention through the Pallas kernels (absorbed form, the latent as
+    the values) at tp 2: each device's 2 query heads over its copy of the latent, the
+    reference's tokens and logprobs, prefix-cache hits included."""
+    if len(jax.devices()) < 2:
+        pytest.skip("tensor_parallel_size=2 needs 2 devices")
+    path = str(make_tiny_hf("deepseek_v3", tmp_path_factory.mktemp("mla"), **DEEPSEEK))
+    prompts, params = PROMPTS[:3] * 2, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    want = LLM(path, attention_backend="reference", **ENGINE).generate(prompts, params)
+    llm = LLM(path, attention_backend="pallas", tensor_parallel_size=2, **ENGINE)
+    forwards = [c for key, c in _runner(llm).executables.items() if key[0] == "forward"]
+    assert forwards and all("ragged_paged_attention_decode" in c.as_text() for c in forwards)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].cumulative_logprob == pytest.approx(
+            w.outputs[0].cumulative_logprob, abs=1e-3
+        )
