@@ -26,8 +26,8 @@ from jaxserve.distributed.kv_transfer.zmq_connector import ZmqConnector
 from jaxserve.worker import kv_block_io
 
 LAYOUTS = {
-    "smollm2": ((2, 30, 16, 3, 64), np.float32),
-    "llama-3-8b": ((2, 32, 16, 8, 128), jnp.bfloat16),
+    "smollm2": ((30, 16, 3, 2 * 64), np.float32),
+    "llama-3-8b": ((32, 16, 8, 2 * 128), jnp.bfloat16),
 }
 
 
@@ -78,9 +78,9 @@ def bench_zmq(layout: BlockLayout, counts: list[int], repeats: int) -> list[dict
 
 
 def bench_device_copies(layout: BlockLayout, counts: list[int], repeats: int) -> list[dict]:
-    _, layers, bs, heads, hd = layout.shape
+    layers, bs, heads, width = layout.shape
     num_blocks = max(512, 2 * max(counts))
-    shape = (layers * num_blocks, bs, heads, hd)
+    shape = (layers * num_blocks, bs, heads, width // 2)
     kv = (jnp.zeros(shape, layout.dtype), jnp.ones(shape, layout.dtype))
     gather = jax.jit(lambda kv, ids: kv_block_io.gather_blocks(kv, ids, num_layers=layers))
     scatter = jax.jit(

@@ -155,11 +155,6 @@ class EngineArgs:
                     "come from the tokens the step before it accepted"
                 )
         kv_transfer = self._kv_transfer(speculative)
-        if kv_transfer is not None and model_config.mla is not None:
-            raise ValueError(
-                f"kv_transfer_config / kv_offloading_size: {model_config.architecture}'s latent "
-                "(MLA) KV cache cannot be transferred or offloaded yet"
-            )
         scheduler = SchedulerConfig(
             max_model_len=_or(self.max_model_len, model_config.max_model_len),
             max_num_seqs=_or(self.max_num_seqs, CPU_MAX_NUM_SEQS if on_cpu else MAX_NUM_SEQS),

@@ -3,9 +3,11 @@
 (powers of two up to MAX_BLOCKS_PER_COPY; larger copies run in chunks), compiled with the
 step executables so a copy never compiles while serving.
 
-The cache is K and V of [L * num_blocks, block_size, Hkv, hd] each (layer l's block b at row
-l * num_blocks + b); a block travels as [2, L, block_size, Hkv, hd]. Padding ids are the null
-block 0: a gather reads it for nothing, a scatter writes zeros into it (nothing reads it)."""
+The cache is K [L * num_blocks, block_size, Hkv, kd] and V [.., vd] (layer l's block b at row
+l * num_blocks + b; kd = vd = head_dim, or MLA's latent and rotary key in K, V empty); a block
+travels as [L, block_size, Hkv, kd + vd], each token's K columns then its V columns. Padding
+ids are the null block 0: a gather reads it for nothing, a scatter writes zeros into it
+(nothing reads it)."""
 
 from __future__ import annotations
 
@@ -26,21 +28,28 @@ from jaxserve.worker.buckets import bucket
 MAX_BLOCKS_PER_COPY = 32
 
 
+def _per_layer(cache: jax.Array, num_layers: int) -> jax.Array:
+    """[L * N, bs, H, d] -> [L, N, bs, H, d] (d may be 0: MLA's V)."""
+    return cache.reshape(num_layers, cache.shape[0] // num_layers, *cache.shape[1:])
+
+
 def gather_blocks(kv_caches, block_ids: jax.Array, *, num_layers: int):
-    """kv_caches: (K, V) [L * N, bs, H, hd]; block_ids i32[n] -> [n, 2, L, bs, H, hd]."""
+    """kv_caches: K [L * N, bs, H, kd], V [.., vd]; block_ids i32[n] -> [n, L, bs, H, kd + vd]."""
     out = []
     for cache in kv_caches:
-        per_layer = cache.reshape(num_layers, -1, *cache.shape[1:])  # [L, N, bs, H, hd]
-        out.append(per_layer[:, block_ids])  # [L, n, bs, H, hd]
-    return jnp.stack(out).transpose(2, 0, 1, 3, 4, 5)
+        per_layer = _per_layer(cache, num_layers)
+        out.append(per_layer[:, block_ids])  # [L, n, bs, H, d]
+    return jnp.concatenate(out, axis=-1).swapaxes(0, 1)
 
 
 def scatter_blocks(kv_caches, block_ids: jax.Array, blocks: jax.Array, *, num_layers: int):
-    """Write blocks [n, 2, L, bs, H, hd] at block_ids i32[n]; returns the new (K, V)."""
-    out = []
-    for i, cache in enumerate(kv_caches):
-        per_layer = cache.reshape(num_layers, -1, *cache.shape[1:])
-        per_layer = per_layer.at[:, block_ids].set(blocks[:, i].swapaxes(0, 1).astype(cache.dtype))
+    """Write blocks [n, L, bs, H, kd + vd] at block_ids i32[n]; returns the new (K, V)."""
+    out, start = [], 0
+    for cache in kv_caches:
+        part = blocks[..., start : start + cache.shape[-1]].swapaxes(0, 1)  # [L, n, bs, H, d]
+        start += cache.shape[-1]
+        per_layer = _per_layer(cache, num_layers)
+        per_layer = per_layer.at[:, block_ids].set(part.astype(cache.dtype))
         out.append(per_layer.reshape(cache.shape))
     return tuple(out)
 
@@ -82,7 +91,7 @@ class KVBlockCopier:
             functools.partial(scatter_blocks, num_layers=n_layers),
             donate_argnums=(0,), out_shardings=(spec.sharding,) * 2,
         )  # fmt: skip
-        self.blocks_sharding = NamedSharding(spec.mesh, P(None, None, None, None, TP_AXIS))
+        self.blocks_sharding = NamedSharding(spec.mesh, P(None, None, None, TP_AXIS))
 
     def lowerings(self, kv) -> dict[tuple, Callable[[], Any]]:
         """kv: the cache's (K, V) as ShapeDtypeStructs."""
@@ -97,7 +106,7 @@ class KVBlockCopier:
         return out
 
     def load(self, executables, kv_caches, loads: list[tuple[int, np.ndarray]]):
-        """Scatter host blocks (block id, [2, L, bs, H, hd]) into the cache (before the step's
+        """Scatter host blocks (block id, [L, bs, H, kd + vd]) into the cache (before the step's
         forward reads them); returns the new (K, V)."""
         block_ids = [b for b, _ in loads]
         for ids, start, n in chunks(block_ids, self.buckets):

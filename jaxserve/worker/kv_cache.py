@@ -38,14 +38,11 @@ class KVCacheSpec:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """One block's K and V over all layers, as KV connectors move it: [2, L, bs, H, hd]."""
+        """One block's K and V over all layers, as KV connectors move it: [L, bs, H, kd + vd]
+        (each token's K columns then its V columns; MLA: its latent and rotary key, V empty;
+        H: the cache's heads, MLA's latent once per tensor-parallel rank)."""
         c = self.config
-        if c.mla is not None:
-            raise ValueError(
-                f"{c.architecture}: KV transfer and offloading of a latent (MLA) cache are not "
-                "supported yet"
-            )
-        return (2, c.num_layers, self.block_size, self.num_cache_kv_heads, c.head_dim)
+        return (c.num_layers, self.block_size, self.num_cache_kv_heads, sum(c.cache_dims))
 
     def allocate(self, num_blocks: int) -> tuple[jax.Array, jax.Array]:
         """K and V of num_blocks blocks, zeros, in the cache's sharding (an MLA model's V

@@ -72,5 +72,5 @@ class PendingStep(NamedTuple):
     last_hidden: jax.Array | None = None  # [max_sample_rows, D], until sampled
     hidden: jax.Array | None = None  # [T, D], until sampled
     pooled: tuple | None = None  # a pooling runner's (sums, firsts, lasts) on the device
-    # A KV connector's saves: (block hashes, [(device blocks [n, 2, L, bs, H, hd], real n)])
+    # A KV connector's saves: (block hashes, [(device blocks [n, L, bs, H, kd + vd], real n)])
     kv_saves: tuple[list, list[tuple[jax.Array, int]]] | None = None

@@ -91,11 +91,11 @@ def test_gather_then_scatter_moves_whole_blocks():
     k = jnp.arange(layers * n_blocks * 2 * 1 * 2, dtype=jnp.float32).reshape(-1, 2, 1, 2)
     kv = (k, -k)
     blocks = np.asarray(kv_block_io.gather_blocks(kv, jnp.array([3, 1]), num_layers=layers))
-    assert blocks.shape == (2, 2, layers, 2, 1, 2)  # [n, K/V, L, bs, H, hd]
+    assert blocks.shape == (2, layers, 2, 1, 4)  # [n, L, bs, H, K's 2 then V's 2]
     for i, b in enumerate([3, 1]):
         for layer in range(layers):
-            np.testing.assert_array_equal(blocks[i, 0, layer], k[layer * n_blocks + b])
-            np.testing.assert_array_equal(blocks[i, 1, layer], -k[layer * n_blocks + b])
+            np.testing.assert_array_equal(blocks[i, layer, ..., :2], k[layer * n_blocks + b])
+            np.testing.assert_array_equal(blocks[i, layer, ..., 2:], -k[layer * n_blocks + b])
     moved = kv_block_io.scatter_blocks(kv, jnp.array([4, 2]), jnp.asarray(blocks), num_layers=3)
     for layer in range(layers):
         np.testing.assert_array_equal(moved[0][layer * n_blocks + 4], k[layer * n_blocks + 3])
@@ -123,7 +123,7 @@ def test_every_connector_has_the_calls_the_scheduler_makes():
     config = KVTransferConfig(
         "OffloadingConnector", kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20}
     )
-    layout = BlockLayout((2, 1, 4, 1, 8), np.dtype(np.float32), "tiny")
+    layout = BlockLayout((1, 4, 1, 16), np.dtype(np.float32), "tiny")
     assert isinstance(create_connector(config, layout), SchedulerKVConnector)
 
 
@@ -199,7 +199,7 @@ def test_zmq_connector_sends_blocks_of_types_without_a_buffer_format(dtype):
     bit: the GPU suite's bf16 KV once failed here while the CPU tests' float32 passed."""
     import ml_dtypes
 
-    layout = BlockLayout((2, 1, 4, 1, 8), np.dtype(getattr(ml_dtypes, dtype)), "tiny")
+    layout = BlockLayout((1, 4, 1, 16), np.dtype(getattr(ml_dtypes, dtype)), "tiny")
     (port,) = free_ports(1)
     base = {"kv_connector": "ZmqConnector", "kv_port": port}
     producer = ZmqConnector(KVTransferConfig(**base, kv_role="kv_producer"), layout)

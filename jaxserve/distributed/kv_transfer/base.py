@@ -54,13 +54,13 @@ STAT_COUNTS = ("queries", "hits", "loaded_blocks", "saved_blocks", "failed_loads
 class BlockLayout:
     """One block's K and V over every layer, as connectors store it."""
 
-    shape: tuple[int, ...]  # (2, L, block_size, Hkv, head_dim)
+    shape: tuple[int, ...]  # (L, block_size, Hkv, K and V widths: worker/kv_block_io.py)
     dtype: np.dtype
     identity: str  # what else must match between instances: the model and its weights
 
     @property
     def block_size(self) -> int:
-        return self.shape[2]
+        return self.shape[1]
 
     @property
     def nbytes(self) -> int:
