@@ -54,7 +54,7 @@ TINY = dict(
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
     gemma2 | gemma3 | mixtral | qwen3_moe | glm4_moe | deepseek_v3 | deepseek_v2 | gpt_oss |
-    llama4) to
+    llama4 | qwen3_next) to
     out_dir, fp32."""
     import transformers
 
@@ -62,7 +62,7 @@ def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
              "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral",
              "qwen3_moe": "Qwen3Moe", "glm4_moe": "Glm4Moe",
              "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss", "llama4": "Llama4",
-             "deepseek_v2": "DeepseekV2"}  # fmt: skip
+             "deepseek_v2": "DeepseekV2", "qwen3_next": "Qwen3Next"}  # fmt: skip
     cls_name = names[family]
     config_cls = f"{cls_name}TextConfig" if family in ("gemma3", "llama4") else f"{cls_name}Config"
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})

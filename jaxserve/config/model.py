@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config.linear_attention import LinearAttentionConfig, linear_attention_config
 from jaxserve.config.llama4 import LLAMA4, llama4_fields
 from jaxserve.config.mla import MlaConfig, mla_config
 from jaxserve.config.moe import MoeRouting, first_dense_layers, moe_routing
@@ -168,6 +169,11 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek-V3): num_kv_heads is then 1 (the latent the cache
     # holds) and head_dim the rotary part's (config/mla.py)
     mla: MlaConfig | None = None
+    # Gated delta-net layers (Qwen3-Next; config/linear_attention.py): a hybrid model, whose
+    # other layers are full attention with an output gate (attn_output_gate: sigmoid of a
+    # second half of q_proj's columns multiplies each head's output)
+    linear_attn: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
     expert_parallel: bool = False  # experts split over the devices (load_model sets it)
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -258,6 +264,7 @@ class ModelConfig:
             )
         scaling = getattr(hf_config, "rope_scaling", None) or {}
         mla = mla_config(hf_config, archs[0], {**scaling, **rope_params})
+        linear_attn = linear_attention_config(hf_config, archs[0])
         sliding_rope = RopeConfig.from_hf(hf_config, "sliding_attention")
         if sliding_rope == RopeConfig.from_hf(hf_config):
             sliding_rope = None
@@ -294,6 +301,8 @@ class ModelConfig:
             moe_routing=moe_routing(hf_config, archs[0]) if num_experts else MoeRouting(),
             rotary_dim=rotary_dim,
             mla=mla,
+            linear_attn=linear_attn,
+            attn_output_gate=linear_attn is not None,
             quantization=prequantized or quantization,
             prequantized=prequantized is not None,
             quant_group=quant_group,
@@ -336,6 +345,12 @@ class ModelConfig:
         if self.sliding_rope is not None and self.layer_window(layer) is not None:
             return self.sliding_rope
         return self.rope
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The decoder layers that keep K/V in the paged cache (all but linear attention's)."""
+        linear = set(self.linear_attn.layers) if self.linear_attn else set()
+        return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @property
     def cache_dims(self) -> tuple[int, int]:

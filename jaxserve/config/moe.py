@@ -37,6 +37,7 @@ class MoeRouting:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     scale_inputs: bool = False
+    shared_gate: bool = False  # the shared experts' output times sigmoid(x . w) (Qwen3-Next)
 
     @property
     def score_bias(self) -> bool:
@@ -56,6 +57,9 @@ def moe_routing(hf_config: Any, architecture: str) -> MoeRouting:
             swiglu_limit=float(hf_config.swiglu_limit),
             swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
         )
+    if architecture == "Qwen3NextForCausalLM":
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+        return MoeRouting(shared_intermediate=shared, shared_gate=bool(shared))
     if architecture not in (*NOAUX_TC, DEEPSEEK_V2):
         return MoeRouting()
     v2 = architecture == DEEPSEEK_V2

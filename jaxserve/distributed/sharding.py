@@ -84,6 +84,7 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         "mlp/w2": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),
         "mlp/w13_bias": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),  # [E, 2F]
         "self_attn/sinks": P(TP_AXIS),  # [Hq], as the query heads
+        "self_attn/gate_proj/kernel": P(None, TP_AXIS),  # [D, Hq * hd]: Qwen3-Next's gate
         # per-output-channel scales of quantized kernels: split as their kernel's columns
         "self_attn/qkv_proj/scale": P(TP_AXIS),
         "mlp/gate_up_proj/scale": P(TP_AXIS),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -33,6 +34,8 @@ from jaxserve.transformers_utils.config import (
     read_model_config,
 )
 from jaxserve.transformers_utils.model_path import resolve_model_path, resolve_tokenizer_path
+
+logger = logging.getLogger(__name__)
 
 # Without an accelerator every (tokens, seqs) bucket pair is compiled on a few CPU cores:
 # smaller limits keep start-up short.
@@ -155,6 +158,18 @@ class EngineArgs:
                     "come from the tokens the step before it accepted"
                 )
         kv_transfer = self._kv_transfer(speculative)
+        hybrid = model_config.linear_attn is not None
+        if hybrid and (speculative is not None or kv_transfer is not None):
+            raise ValueError(
+                f"{'speculative_config' if speculative else 'kv_transfer_config'}: "
+                f"{model_config.architecture}'s linear-attention state (a hybrid model) cannot "
+                "be rolled back or transferred"
+            )
+        if hybrid and self.enable_prefix_caching:
+            logger.info(
+                "prefix caching is disabled for %s: its linear-attention layers keep one state "
+                "per request, not one per cached block", model_config.architecture,
+            )  # fmt: skip
         scheduler = SchedulerConfig(
             max_model_len=_or(self.max_model_len, model_config.max_model_len),
             max_num_seqs=_or(self.max_num_seqs, CPU_MAX_NUM_SEQS if on_cpu else MAX_NUM_SEQS),
@@ -174,7 +189,7 @@ class EngineArgs:
         cache = CacheConfig(
             block_size=self.block_size,
             # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
-            enable_prefix_caching=self.enable_prefix_caching and pooler is None,
+            enable_prefix_caching=self.enable_prefix_caching and pooler is None and not hybrid,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -186,6 +186,11 @@ class Attention(nnx.Module):
                                rngs=rngs, **quant)  # fmt: skip
         self.o_proj = Linear(hq * hd, d, bias=config.o_proj_bias, dtype=config.dtype, rngs=rngs,
                              **quant)  # fmt: skip
+        # Qwen3-Next: each head's output times sigmoid(x . gate_proj) before o_proj
+        self.gate_proj = (
+            Linear(d, hq * hd, dtype=config.dtype, rngs=rngs, **quant)
+            if config.attn_output_gate else None
+        )  # fmt: skip
         # gpt-oss: a logit per query head that every softmax's denominator also sums
         self.sinks = nnx.Param(jnp.zeros((hq,), config.dtype)) if config.attention_sinks else None
         if config.qk_norm:
@@ -252,4 +257,7 @@ class Attention(nnx.Module):
         )  # fmt: skip
         if v_scale != 1.0:
             out = out * jnp.asarray(v_scale, out.dtype)
-        return self.o_proj(out.reshape(t, -1)), k_cache, v_cache
+        out = out.reshape(t, -1)
+        if self.gate_proj is not None:
+            out = out * jax.nn.sigmoid(self.gate_proj(x))
+        return self.o_proj(out), k_cache, v_cache

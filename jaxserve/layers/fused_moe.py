@@ -186,6 +186,9 @@ class FusedMoE(nnx.Module):
             if shared
             else None
         )
+        self.shared_expert_gate = (  # [D, 1]: the shared experts' gate (Qwen3-Next)
+            Linear(d, 1, dtype=dt, rngs=rngs) if self.routing.shared_gate else None
+        )
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
         self.w13 = nnx.Param(init(rngs.params(), (e, d, 2 * f), dt))
         self.w2 = nnx.Param(init(rngs.params(), (e, f, d), dt))
@@ -206,7 +209,12 @@ class FusedMoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [T, D] -> [T, D]."""
         out = self.routed(x)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is None:
+            return out
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x: [T, D] -> (expert ids i32[T, k], weights f32[T, k])."""

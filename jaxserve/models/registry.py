@@ -10,6 +10,7 @@ from jaxserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGenera
 from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from jaxserve.models.qwen3_next import Qwen3NextForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -27,6 +28,7 @@ _MODELS = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # MLA, softmax group-limited routing
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # its text model only
     "GptOssForCausalLM": GptOssForCausalLM,  # sinks, alternating windows, MXFP4 experts
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # gated delta-net + gated attention, hybrid
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # an EAGLE-3 draft head
 }

@@ -1,6 +1,12 @@
 """The paged KV cache's size and allocation: K and V, each [L * num_blocks, block_size, Hkv
 (x replicas), hd] (layer l's block b at row l * num_blocks + b), sized at start-up from what
-the weights left of the memory budget."""
+the weights left of the memory budget.
+
+A hybrid model (linear-attention layers: Qwen3-Next) keeps K and V for its full-attention
+layers only (L = those), and beside them each linear layer's state in a fixed slot per
+input-batch row (vLLM's hybrid cache groups: paged blocks for attention, a slot per request
+for the rest): conv [L_lin, N, K-1, C] in the model dtype and rec f32[L_lin, N, Hv, Dk, Dv],
+replicated. Their bytes come off the budget before the blocks are counted."""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs
 from jaxserve.config import CacheConfig, ModelConfig
@@ -18,23 +26,43 @@ logger = logging.getLogger(__name__)
 
 
 class KVCacheSpec:
-    def __init__(
-        self, config: ModelConfig, mesh, block_size: int, kv_dtype: Any, num_cache_kv_heads: int
-    ):
-        """num_cache_kv_heads: the KV heads the cache holds (each replicated when tp > Hkv)."""
+    def __init__(self, config: ModelConfig, mesh, block_size: int, kv_dtype: Any,
+                 num_cache_kv_heads: int, num_state_rows: int = 0):  # fmt: skip
+        """num_cache_kv_heads: the KV heads the cache holds (each replicated when tp > Hkv);
+        num_state_rows: the input-batch rows (a hybrid model's state slots)."""
         self.config = config
         self.mesh = mesh
         self.block_size = block_size
         self.dtype = kv_dtype
         self.num_cache_kv_heads = num_cache_kv_heads
+        self.num_state_rows = num_state_rows
         self.sharding = kv_cache_sharding(mesh)
+        if config.linear_attn is not None:  # (K, V, conv, rec)
+            rep = NamedSharding(mesh, P())
+            self.sharding = (self.sharding, self.sharding, rep, rep)
 
     def bytes_per_block(self) -> int:
         """One block's K and V over all layers, on one device."""
         c = self.config
         kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
         itemsize = jnp.dtype(self.dtype).itemsize
-        return c.num_layers * self.block_size * kv_heads * sum(c.cache_dims) * itemsize
+        return len(c.kv_layers) * self.block_size * kv_heads * sum(c.cache_dims) * itemsize
+
+    def state_shapes(self) -> list[jax.ShapeDtypeStruct]:
+        """A hybrid model's per-row states (conv, rec); none for others."""
+        la = self.config.linear_attn
+        if la is None:
+            return []
+        lead = (len(la.layers), self.num_state_rows)
+        return [
+            jax.ShapeDtypeStruct((*lead, la.conv_kernel - 1, la.conv_dim), self.config.dtype),
+            jax.ShapeDtypeStruct(
+                (*lead, la.num_v_heads, la.k_head_dim, la.v_head_dim), jnp.float32
+            ),
+        ]
+
+    def state_bytes(self) -> int:
+        return sum(s.size * jnp.dtype(s.dtype).itemsize for s in self.state_shapes())
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -42,18 +70,29 @@ class KVCacheSpec:
         (each token's K columns then its V columns; MLA: its latent and rotary key, V empty;
         H: the cache's heads, MLA's latent once per tensor-parallel rank)."""
         c = self.config
+        if c.linear_attn is not None:
+            raise ValueError(f"{c.architecture}: a hybrid model's KV cannot be transferred")
         return (c.num_layers, self.block_size, self.num_cache_kv_heads, sum(c.cache_dims))
 
-    def allocate(self, num_blocks: int) -> tuple[jax.Array, jax.Array]:
+    def allocate(self, num_blocks: int) -> tuple[jax.Array, ...]:
         """K and V of num_blocks blocks, zeros, in the cache's sharding (an MLA model's V
-        holds nothing: its attention reads the values from K)."""
+        holds nothing: its attention reads the values from K), and a hybrid model's states."""
         c = self.config
-        rows = (c.num_layers * num_blocks, self.block_size, self.num_cache_kv_heads)
+        rows = (len(c.kv_layers) * num_blocks, self.block_size, self.num_cache_kv_heads)
+        kv_sharding = kv_cache_sharding(self.mesh)
 
         def zeros(dim):
-            return jax.jit(
-                lambda: jnp.zeros((*rows, dim), self.dtype), out_shardings=self.sharding
-            )()
+            return jax.jit(lambda: jnp.zeros((*rows, dim), self.dtype), out_shardings=kv_sharding)()
+
+        states = tuple(
+            jax.jit(lambda s=s: jnp.zeros(s.shape, s.dtype), out_shardings=self.sharding[2])()
+            for s in self.state_shapes()
+        )
+        if states:
+            logger.info(
+                "linear-attention states: %d rows, %.1f MiB (conv %s, recurrent %s)",
+                self.num_state_rows, self.state_bytes() / 2**20, states[0].shape, states[1].shape,
+            )  # fmt: skip
 
         k_dim, v_dim = c.cache_dims
         if c.mla is not None:
@@ -62,17 +101,23 @@ class KVCacheSpec:
                 "%d bytes per block of %d tokens on each device", k_dim, c.mla.kv_lora_rank,
                 c.mla.qk_rope_head_dim, self.bytes_per_block(), self.block_size,
             )  # fmt: skip
-        return zeros(k_dim), zeros(v_dim)
+        return (zeros(k_dim), zeros(v_dim), *states)
 
 
 def determine_num_blocks(
-    cache_config: CacheConfig, device, bytes_per_block: int, min_blocks: int, max_model_len: int
+    cache_config: CacheConfig,
+    device,
+    bytes_per_block: int,
+    min_blocks: int,
+    max_model_len: int,
+    reserved_bytes: int = 0,
 ) -> int:
     """Blocks that fit the budget on `device` after weights and compiled steps:
     num_gpu_blocks_override, else kv_cache_memory_bytes, else gpu_memory_utilization of the
     device's memory less what is in use, else JAXSERVE_CPU_KVCACHE_SPACE GiB. bytes_per_block: every
     cache one block id covers (a draft model's too); min_blocks: what one request of
-    max_model_len needs, plus the null block."""
+    max_model_len needs, plus the null block; reserved_bytes: what else the budget must hold
+    (a hybrid model's states)."""
     cc = cache_config
     if cc.num_gpu_blocks_override is not None:
         return cc.num_gpu_blocks_override
@@ -85,7 +130,7 @@ def determine_num_blocks(
             budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization) - used
         else:
             budget = int(envs.JAXSERVE_CPU_KVCACHE_SPACE * 2**30)
-    num_blocks = budget // bytes_per_block
+    num_blocks = (budget - reserved_bytes) // bytes_per_block
     if num_blocks < min_blocks:
         raise ValueError(
             f"KV cache budget of {budget / 2**20:.0f} MiB holds {num_blocks} blocks of "

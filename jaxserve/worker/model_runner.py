@@ -98,13 +98,13 @@ class ModelRunner:
         configure_moe(loaded.model, self.mesh)
         self.kv = KVCacheSpec(
             self.config, self.mesh, cc.block_size, cc.kv_dtype(self.config.dtype),
-            loaded.model.num_cache_kv_heads,
+            loaded.model.num_cache_kv_heads, self.max_num_seqs,
         )  # fmt: skip
         self.head = loaded.model.logits_head  # [V, D] tied or [D, V]
         graphdef, state = nnx.split(loaded.model)
         self.params, params_def = jax.tree.flatten(state)
         self.model_def = step_functions.ModelDef(graphdef, params_def, self.proposer.aux_layers)
-        self.kv_caches: tuple[jax.Array, jax.Array] | None = None
+        self.kv_caches: tuple[jax.Array, ...] | None = None  # K, V (+ a hybrid's states)
         self.num_blocks = 0
         self.step_count = 0
         self.executables = executables if executables is not None else ExecutableRegistry()
@@ -147,7 +147,7 @@ class ModelRunner:
         """Blocks that fit the budget (per device), after weights and compiled steps."""
         return determine_num_blocks(
             self.engine_config.cache, self.mesh.devices.flat[0], self.kv_bytes_per_block(),
-            self.max_blocks_per_req + 1, self.max_model_len,
+            self.max_blocks_per_req + 1, self.max_model_len, self.kv.state_bytes(),
         )  # fmt: skip
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -55,7 +55,8 @@ def forward(model_def: ModelDef, params, kv_caches, last_tokens, inputs: Forward
             input_ids, inputs.positions, kv_caches, inputs.attn, aux_layers=model_def.aux_layers
         )
         return hidden[rows], hidden, kv_caches, aux, aux[rows]
-    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn)
+    extra = {"token_rows": inputs.token_rows} if getattr(model, "hybrid", False) else {}
+    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, **extra)
     return hidden[rows], hidden, kv_caches
 
 

@@ -12,6 +12,7 @@ from jaxserve.entrypoints.llm import LLM
 from tests.helpers import assert_generate_matches_hf, make_tiny_hf
 from tests.models.test_llama_parity import FAMILIES as DENSE
 from tests.models.test_moe import FAMILIES as MOE
+from tests.models.test_qwen3_next import QWEN3_NEXT
 
 GENERATE = {  # one configuration per family, the parity test's
     "llama": DENSE["llama3-rope-tied"],
@@ -28,6 +29,7 @@ GENERATE = {  # one configuration per family, the parity test's
     "deepseek_v2": ("deepseek_v2", MOE["deepseek_v2"]),
     "gpt_oss": ("gpt_oss", MOE["gpt_oss"]),
     "llama4": ("llama4", MOE["llama4"]),
+    "qwen3_next": ("qwen3_next", QWEN3_NEXT),  # hybrid: linear-attention states per request
 }
 # 7 usable KV blocks of 16 for prompts of 9, 23 and 14 tokens and 32 new tokens each (10
 # blocks at once): requests are preempted and recomputed, prefix caching on
@@ -40,7 +42,8 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtyp
 # tests/distributed/test_tensor_parallel.py.
 # DeepSeek: MLA's heads split, its latent cache replicated on each rank, and GLM-4.5's
 # experts (shared experts split as a dense MLP)
-TP2 = ("llama", "qwen3_moe", "deepseek_v3")
+# Qwen3-Next: its gated attention's heads split, the linear layers' states replicated
+TP2 = ("llama", "qwen3_moe", "deepseek_v3", "qwen3_next")
 CASES = [(family, 1) for family in sorted(GENERATE)] + [(family, 2) for family in TP2]
 
 

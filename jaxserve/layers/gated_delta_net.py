@@ -1,0 +1,139 @@
+"""Gated delta-net linear attention (Qwen3-Next's `linear_attention` layers) over a flat
+ragged batch, with each request's state in a fixed slot (its input-batch row).
+
+Per token: q, k, v come from a causal depthwise convolution (width K, SiLU) over the
+projected inputs, whose last K - 1 inputs per request are its conv state [K-1, C]; q and k
+are L2-normalised, q scaled by Dk ** -0.5, and each key head serves Hv / Hk value heads. The
+recurrent state S [Hv, Dk, Dv] decays by exp(g), g = -exp(A_log) * softplus(a + dt_bias),
+then takes the delta rule's correction: S += k (beta (v - S^T k))^T, beta = sigmoid(b); the
+output is S^T q. The outputs are RMS-normalised per head, times the weight and SiLU(z).
+
+The sequences of a step advance together, one token each per iteration of a loop as long
+as the step's longest sequence (a decode-only step: one iteration), so a prefill chunk
+continues from the state its request's previous chunk left. A sequence whose first token is
+at position 0 starts from zeros (a new request, or one recomputed after preemption).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.layers.linear import Linear
+from jaxserve.layers.norm import rms_normalize
+
+L2_EPS = 1e-6  # HF's l2norm (the FLA library's)
+
+
+def _l2_normalize(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def gated_delta_scan(
+    mixed, a, b, conv_w, a_log, dt_bias, query_start_loc, num_seqs, token_rows, positions,
+    conv_state, rec_state, *, num_k_heads: int, k_head_dim: int, v_head_dim: int,
+):  # fmt: skip
+    """The convolution and the gated delta rule over each sequence's tokens.
+
+    Args:
+      mixed: [T, C] the projected q, k, v (C = 2 Hk Dk + Hv Dv) before the convolution.
+      a, b: [T, Hv] the decay's and beta's inputs.
+      conv_w: [K, C] the depthwise kernel (oldest input first); a_log, dt_bias: [Hv].
+      query_start_loc: i32[S+1]; num_seqs: i32[1]; token_rows, positions: i32[T].
+      conv_state: [N, K-1, C]; rec_state: f32[N, Hv, Dk, Dv]: every input-batch row's.
+
+    Returns:
+      (o f32[T, Hv, Dv] (zero for padding tokens), conv_state, rec_state) with each real
+      sequence's row advanced past its tokens.
+    """
+    num_tokens = mixed.shape[0]
+    rows_n = conv_state.shape[0]
+    num_v_heads = a.shape[1]
+    key_dim = num_k_heads * k_head_dim
+    max_seqs = query_start_loc.shape[0] - 1
+    real = jnp.arange(max_seqs) < num_seqs[0]
+    start = query_start_loc[:-1]
+    q_len = jnp.where(real, query_start_loc[1:] - start, 0)
+    first = jnp.minimum(start, num_tokens - 1)
+    row = jnp.where(q_len > 0, token_rows[first], rows_n)  # N: no row (dropped)
+    fresh = positions[first] == 0
+    at = jnp.minimum(row, rows_n - 1)
+    conv = jnp.where(fresh[:, None, None], 0, conv_state[at])  # [S, K-1, C]
+    rec = jnp.where(fresh[:, None, None, None], 0.0, rec_state[at])  # [S, Hv, Dk, Dv]
+    decay_rate = -jnp.exp(a_log.astype(jnp.float32))
+    repeat = num_v_heads // num_k_heads
+
+    def body(i, carry):
+        conv, rec, out = carry
+        active = i < q_len  # [S]
+        tok = jnp.minimum(start + i, num_tokens - 1)
+        window = jnp.concatenate([conv, mixed[tok][:, None]], axis=1)  # [S, K, C]
+        y = jax.nn.silu(jnp.einsum("skc,kc->sc", window, conv_w).astype(mixed.dtype))
+        y = y.astype(jnp.float32)
+        q = y[:, :key_dim].reshape(-1, num_k_heads, k_head_dim)
+        k = y[:, key_dim : 2 * key_dim].reshape(-1, num_k_heads, k_head_dim)
+        v = y[:, 2 * key_dim :].reshape(-1, num_v_heads, v_head_dim)
+        q = jnp.repeat(_l2_normalize(q) * k_head_dim**-0.5, repeat, axis=1)  # [S, Hv, Dk]
+        k = jnp.repeat(_l2_normalize(k), repeat, axis=1)
+        g = decay_rate * jax.nn.softplus(a[tok].astype(jnp.float32) + dt_bias)  # [S, Hv]
+        beta = jax.nn.sigmoid(b[tok]).astype(jnp.float32)
+        decayed = rec * jnp.exp(g)[..., None, None]
+        delta = (v - jnp.einsum("shkv,shk->shv", decayed, k)) * beta[..., None]
+        new = decayed + k[..., :, None] * delta[..., None, :]
+        o = jnp.einsum("shkv,shk->shv", new, q)
+        conv = jnp.where(active[:, None, None], window[:, 1:], conv)
+        rec = jnp.where(active[:, None, None, None], new, rec)
+        out = out.at[jnp.where(active, start + i, num_tokens)].set(o, mode="drop")
+        return conv, rec, out
+
+    out = jnp.zeros((num_tokens, num_v_heads, v_head_dim), jnp.float32)
+    conv, rec, out = jax.lax.fori_loop(0, jnp.max(q_len), body, (conv, rec, out))
+    conv_state = conv_state.at[row].set(conv.astype(conv_state.dtype), mode="drop")
+    rec_state = rec_state.at[row].set(rec, mode="drop")
+    return out, conv_state, rec_state
+
+
+class GatedDeltaNet(nnx.Module):
+    """Weights as HF's Qwen3NextGatedDeltaNet: in_proj_qkvz [D, Hk (2 Dk + 2 r Dv)] and
+    in_proj_ba [D, Hk 2r] (r = Hv / Hk; columns grouped per key head, as HF lays them out),
+    conv1d [K, C], dt_bias and A_log [Hv], norm [Dv] (the gated RMSNorm), out_proj
+    [Hv Dv, D]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, d, dt = config.linear_attn, config.hidden_size, config.dtype
+        self.dims = c
+        r = c.num_v_heads // c.num_k_heads
+        self.in_proj_qkvz = Linear(
+            d, c.num_k_heads * (2 * c.k_head_dim + 2 * r * c.v_head_dim), dtype=dt, rngs=rngs
+        )
+        self.in_proj_ba = Linear(d, 2 * c.num_v_heads, dtype=dt, rngs=rngs)
+        self.conv1d = nnx.Param(
+            nnx.initializers.lecun_normal()(rngs.params(), (c.conv_kernel, c.conv_dim), dt)
+        )
+        self.dt_bias = nnx.Param(jnp.ones((c.num_v_heads,), jnp.float32))
+        self.A_log = nnx.Param(jnp.zeros((c.num_v_heads,), jnp.float32))
+        self.norm = nnx.Param(jnp.ones((c.v_head_dim,), dt))
+        self.out_proj = Linear(c.num_v_heads * c.v_head_dim, d, dtype=dt, rngs=rngs)
+        self.eps = config.rms_norm_eps
+
+    def __call__(self, x, positions, token_rows, md, conv_state, rec_state):
+        """x: [T, D] -> ([T, D], conv_state, rec_state) (this layer's [N, ...] states)."""
+        c, t = self.dims, x.shape[0]
+        r = c.num_v_heads // c.num_k_heads
+        qkvz = self.in_proj_qkvz(x).reshape(t, c.num_k_heads, -1)
+        q, k, v, z = jnp.split(qkvz, [c.k_head_dim, 2 * c.k_head_dim,
+                                      2 * c.k_head_dim + r * c.v_head_dim], axis=-1)  # fmt: skip
+        ba = self.in_proj_ba(x).reshape(t, c.num_k_heads, 2 * r)
+        b, a = ba[..., :r].reshape(t, -1), ba[..., r:].reshape(t, -1)  # [T, Hv]
+        mixed = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+        o, conv_state, rec_state = gated_delta_scan(
+            mixed, a, b, self.conv1d[...], self.A_log[...], self.dt_bias[...],
+            md.query_start_loc, md.num_seqs, token_rows, positions, conv_state, rec_state,
+            num_k_heads=c.num_k_heads, k_head_dim=c.k_head_dim, v_head_dim=c.v_head_dim,
+        )  # fmt: skip
+        o = rms_normalize(o, self.eps).astype(x.dtype) * self.norm[...]
+        z = z.reshape(t, c.num_v_heads, c.v_head_dim).astype(jnp.float32)
+        o = (o.astype(jnp.float32) * jax.nn.silu(z)).astype(x.dtype)
+        return self.out_proj(o.reshape(t, -1)), conv_state, rec_state

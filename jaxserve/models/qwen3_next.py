@@ -1,0 +1,121 @@
+"""Qwen3-Next (Qwen3NextForCausalLM): a hybrid of gated delta-net linear attention
+(layers/gated_delta_net.py) in most layers and, every `full_attention_interval`-th, full
+attention with q/k norms, partial rotary and an output gate (the second half of each head's
+q_proj columns: Attention.gate_proj); Qwen3-MoE's experts with a shared expert scaled by
+sigmoid(shared_expert_gate). Its norms are zero-centred (x / rms(x) * (1 + w), as Gemma's).
+
+The caches are (K, V, conv, rec): K and V [L_kv * num_blocks, block_size, Hkv, hd] for the
+full-attention layers only (the l-th of them at rows l * num_blocks + block), and the linear
+layers' states conv [L_lin, N, K-1, C] and rec f32[L_lin, N, Hv, Dk, Dv], one slot per
+input-batch row (worker/kv_cache.py)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.layers.attention import Attention, AttentionMetadata
+from jaxserve.layers.fused_moe import FusedMoE
+from jaxserve.layers.gated_delta_net import GatedDeltaNet
+from jaxserve.layers.mlp import GatedMLP
+from jaxserve.models.gemma import GemmaRMSNorm
+from jaxserve.models.llama import HFWeight, LlamaForCausalLM, fuse_gate_up
+from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+
+class Qwen3NextDecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, layer: int, *, kv_replicas: int, rngs: nnx.Rngs):
+        d, eps, dt = config.hidden_size, config.rms_norm_eps, config.dtype
+        self.input_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
+        self.post_attention_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
+        self.linear = layer in config.linear_attn.layers
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, rngs=rngs)
+        else:
+            self.self_attn = Attention(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs,
+                                       norm_cls=GemmaRMSNorm)  # fmt: skip
+        if config.is_moe_layer(layer):
+            self.mlp = FusedMoE(config, rngs=rngs)
+        else:
+            self.mlp = GatedMLP(d, config.intermediate_size, dtype=dt, rngs=rngs,
+                                act=config.hidden_act, linear=config.linear_kwargs())  # fmt: skip
+
+
+class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
+    layer_cls = Qwen3NextDecoderLayer
+    norm_cls = GemmaRMSNorm
+    hybrid = True  # the forward takes each token's input-batch row (its state slot)
+
+    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata,
+                 aux_layers: tuple[int, ...] = (), *, token_rows: jax.Array):  # fmt: skip
+        """input_ids, positions, token_rows: i32[T] -> (final hidden states [T, D], caches
+        with this step's K/V and states written)."""
+        k_cache, v_cache, conv, rec = kv_caches
+        num_blocks = k_cache.shape[0] // len(self.config.kv_layers)
+        block_size = k_cache.shape[1]
+        h = self.embed_tokens(input_ids)
+        kv_index = lin_index = 0
+        for layer in self.layers:
+            x = layer.input_layernorm(h)
+            if layer.linear:
+                out, conv_l, rec_l = layer.linear_attn(
+                    x, positions, token_rows, md, conv[lin_index], rec[lin_index]
+                )
+                conv, rec = conv.at[lin_index].set(conv_l), rec.at[lin_index].set(rec_l)
+                lin_index += 1
+            else:
+                offset = kv_index * num_blocks
+                layer_md = md._replace(
+                    block_tables=md.block_tables + offset,
+                    slot_mapping=jax.numpy.where(
+                        md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1
+                    ),
+                )
+                out, k_cache, v_cache = layer.self_attn(x, positions, k_cache, v_cache, layer_md)
+                kv_index += 1
+            h = h + out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h), (k_cache, v_cache, conv, rec)
+
+    @classmethod
+    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
+        names = [str(p) for p in path]
+        if names[0] != "layers":
+            return super().hf_weight(config, path, kv_replicas)
+        prefix = f"model.layers.{names[1]}"
+        suffix = "bias" if names[-1] == "bias" else "weight"
+        if names[2] == "linear_attn":
+            name = f"{prefix}.linear_attn.{names[3]}"
+            if names[3] == "conv1d":  # [C, 1, K] -> [K, C]
+                return HFWeight((f"{name}.weight",), lambda w: w[:, 0].T)
+            if names[3] in ("dt_bias", "A_log"):
+                return HFWeight((name,))
+            if names[-1] == "kernel":
+                return HFWeight((f"{name}.weight",), np.transpose)
+            return HFWeight((f"{name}.weight",))  # the gated norm
+        hd, heads = config.head_dim, config.num_heads
+        if names[2:4] == ["self_attn", "gate_proj"]:  # q_proj's per-head second halves
+            return HFWeight((f"{prefix}.self_attn.q_proj.weight",),
+                            lambda w: _q_half(w, heads, hd, 1).T)  # fmt: skip
+        if names[2:4] == ["self_attn", "qkv_proj"]:
+            inner = LlamaForCausalLM.hf_weight(config, path, kv_replicas)
+            return HFWeight(
+                inner.names, lambda q, k, v: inner.build(_q_half(q, heads, hd, 0), k, v)
+            )
+        if names[2] == "mlp" and len(names) > 4 and names[3] == "shared_experts":
+            shared = f"{prefix}.mlp.shared_expert"
+            if names[4] == "gate_up_proj":
+                return HFWeight((f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+                                lambda gate, up: fuse_gate_up(gate, up).T)  # fmt: skip
+            return HFWeight((f"{shared}.down_proj.weight",), np.transpose)
+        if names[2:4] == ["mlp", "shared_expert_gate"]:
+            return HFWeight((f"{prefix}.mlp.shared_expert_gate.{suffix}",), np.transpose)
+        return super().hf_weight(config, path, kv_replicas)
+
+
+def _q_half(w: np.ndarray, heads: int, head_dim: int, half: int) -> np.ndarray:
+    """Qwen3-Next's q_proj weight [H * 2 hd, D] (each head's query, then its gate) -> the
+    query (half 0) or gate (half 1) rows of every head, [H * hd, D]."""
+    return w.reshape(heads, 2, head_dim, *w.shape[1:])[:, half].reshape(-1, *w.shape[1:])

@@ -1,0 +1,63 @@
+"""Qwen3-Next, a hybrid model: gated delta-net layers keep a state per request (its
+input-batch row), full-attention layers paged KV blocks. Through the whole engine: greedy
+tokens and logprobs equal HF generate's (test_family_generate.py runs the chunked-prefill,
+preemption and tp 2 cases); here rows reused by later requests start from zeros, nothing
+compiles while serving, the cache holds K/V for the attention layers only, and what a
+per-request state cannot honour (prefix caching, speculative decoding, KV transfer) is
+turned off or refused by name."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.worker.executables import num_compilations
+from tests.helpers import assert_generate_matches_hf, make_tiny_hf
+
+# Qwen3-Next's shape scaled down: linear, full, linear layers; 2 key heads of 16 serving 4
+# value heads of 8, a width-4 convolution; gated attention with q/k norms and half the head
+# rotary; 8 experts (top 2) with a gated shared expert, layer 1 dense.
+QWEN3_NEXT = dict(
+    num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), **QWEN3_NEXT)
+
+
+def test_rows_reused_by_later_requests_start_from_zeros(model_dir, monkeypatch):
+    """Six requests through two input-batch rows: each row's state is taken over by later
+    requests, which must start from zeros (HF's tokens), with no compilation while serving."""
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
+              dtype="float32")  # fmt: skip
+    runner = llm.llm_engine.engine_core.engine_core.runner
+    k, v, conv, rec = runner.kv_caches
+    assert k.shape[0] == runner.num_blocks  # one attention layer's blocks
+    assert conv.shape == (2, 2, 3, 2 * 2 * 16 + 4 * 8) and rec.shape == (2, 2, 4, 16, 8)
+    compiled = num_compilations()
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 11, 7, 30, 13)]
+    assert_generate_matches_hf(llm, model_dir, prompts, max_tokens=12)
+    assert num_compilations() == compiled
+
+
+def test_what_a_per_request_state_cannot_honour(model_dir, caplog):
+    caplog.set_level(logging.INFO, logger="jaxserve.engine.arg_utils")
+    config = EngineArgs(model=str(model_dir)).create_engine_config()
+    assert not config.cache.enable_prefix_caching
+    assert "prefix caching is disabled for Qwen3NextForCausalLM" in caplog.text
+    assert config.model.kv_layers == (1,)
+    with pytest.raises(ValueError, match="kv_transfer_config: Qwen3NextForCausalLM's linear"):
+        EngineArgs(model=str(model_dir), kv_offloading_size=1).create_engine_config()
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    with pytest.raises(ValueError, match="speculative_config: Qwen3NextForCausalLM's linear"):
+        EngineArgs(model=str(model_dir), speculative_config=spec).create_engine_config()
