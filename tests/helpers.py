@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.worker.kv_cache import KVCacheSpec
 
 
 @contextlib.contextmanager
@@ -291,16 +292,19 @@ class PagedSequences:
         self.lens: dict[int, int] = {}
         cfg = self.config
         heads = loaded.model.num_cache_kv_heads
-        rows = (cfg.num_layers * num_blocks, block_size, heads)
+        rows = (len(cfg.kv_layers) * num_blocks, block_size, heads)
         sharding = kv_cache_sharding(loaded.mesh)
         kv_dtype = kv_dtype or cfg.dtype
         self.kv = tuple(jax.device_put(jnp.zeros((*rows, dim), kv_dtype), sharding)
                         for dim in cfg.cache_dims)  # fmt: skip
+        # a hybrid model's per-sequence states: sequence i in row i
+        spec = KVCacheSpec(cfg, loaded.mesh, block_size, kv_dtype, heads, num_state_rows=8)
+        self.kv += tuple(jnp.zeros(s.shape, s.dtype) for s in spec.state_shapes())
         self._forward = _make_forward(self.model, NamedSharding(loaded.mesh, jax.P()))
 
     def step(self, chunks: dict[int, list[int]]) -> dict[int, np.ndarray]:
         """Feed each sequence its next tokens in one flat batch; returns logits [n, V] each."""
-        ids, pos, slots, qsl, kv_lens, tables = [], [], [], [0], [], []
+        ids, pos, slots, qsl, kv_lens, tables, rows = [], [], [], [0], [], [], []
         for seq, toks in chunks.items():
             table = self.tables.setdefault(seq, [])
             start = self.lens.get(seq, 0)
@@ -309,6 +313,7 @@ class PagedSequences:
                     table.append(self.free.pop())
                 ids.append(toks[p - start])
                 pos.append(p)
+                rows.append(seq)
                 slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
             self.lens[seq] = start + len(toks)
             qsl.append(len(ids))
@@ -325,7 +330,7 @@ class PagedSequences:
         )
         logits, self.kv = self._forward(
             np.array(ids + [0] * pad_t, np.int32), np.array(pos + [0] * pad_t, np.int32),
-            self.kv, md,
+            self.kv, md, np.array(rows + [0] * pad_t, np.int32),
         )  # fmt: skip
         logits = np.asarray(logits)
         return {seq: logits[qsl[i] : qsl[i + 1]] for i, seq in enumerate(chunks)}
@@ -335,9 +340,10 @@ def _make_forward(model, replicated):
     graphdef, state = nnx.split(model)
 
     @functools.partial(jax.jit, donate_argnums=(3,))
-    def forward(state, input_ids, positions, kv, md):
+    def forward(state, input_ids, positions, kv, md, token_rows):
         m = nnx.merge(graphdef, state)
-        hidden, kv = m(input_ids, positions, kv, md)
+        extra = {"token_rows": token_rows} if getattr(m, "hybrid", False) else {}
+        hidden, kv = m(input_ids, positions, kv, md, **extra)
         logits = jax.lax.with_sharding_constraint(m.compute_logits(hidden), replicated)
         return logits, kv  # logits of every row (tests only; the runner picks last tokens)
 

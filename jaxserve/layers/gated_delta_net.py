@@ -8,10 +8,18 @@ recurrent state S [Hv, Dk, Dv] decays by exp(g), g = -exp(A_log) * softplus(a + 
 then takes the delta rule's correction: S += k (beta (v - S^T k))^T, beta = sigmoid(b); the
 output is S^T q. The outputs are RMS-normalised per head, times the weight and SiLU(z).
 
-The sequences of a step advance together, one token each per iteration of a loop as long
-as the step's longest sequence (a decode-only step: one iteration), so a prefill chunk
-continues from the state its request's previous chunk left. A sequence whose first token is
-at position 0 starts from zeros (a new request, or one recomputed after preemption).
+The sequences of a step advance together from the states their requests' previous steps
+left (a sequence whose first token is at position 0 starts from zeros: a new request, or one
+recomputed after preemption):
+  recurrent  a decode-only step: one token each, the update above once;
+  chunked    any other: CHUNK tokens of each sequence per iteration of a loop as long as
+             the step's longest sequence needs. Within a chunk, with G the cumulative log
+             decay and u_t = beta_t (v_t - S'_t^T k_t) the values the rule writes, the u solve
+             a unit lower-triangular system (I + A) u = beta (v - exp(G) K S0), A[t, i] =
+             beta_t exp(G_t - G_i) k_t . k_i for i < t; then O = exp(G) Q S0 + (exp(G_t -
+             G_i) q_t . k_i)_{i <= t} U and S = exp(G_C) S0 + K^T (exp(G_C - G) U): matrix
+             products instead of one step per token. Tokens past a sequence's end in its last
+             chunk have beta = 0 and g = 0, so they change nothing.
 """
 
 from __future__ import annotations
@@ -31,9 +39,13 @@ def _l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
+CHUNK = 64  # tokens per sequence a chunked iteration takes
+
+
 def gated_delta_scan(
     mixed, a, b, conv_w, a_log, dt_bias, query_start_loc, num_seqs, token_rows, positions,
     conv_state, rec_state, *, num_k_heads: int, k_head_dim: int, v_head_dim: int,
+    chunk: int | None = CHUNK,
 ):  # fmt: skip
     """The convolution and the gated delta rule over each sequence's tokens.
 
@@ -43,6 +55,7 @@ def gated_delta_scan(
       conv_w: [K, C] the depthwise kernel (oldest input first); a_log, dt_bias: [Hv].
       query_start_loc: i32[S+1]; num_seqs: i32[1]; token_rows, positions: i32[T].
       conv_state: [N, K-1, C]; rec_state: f32[N, Hv, Dk, Dv]: every input-batch row's.
+      chunk: tokens per iteration (the chunked form), or None: one (the recurrent form).
 
     Returns:
       (o f32[T, Hv, Dv] (zero for padding tokens), conv_state, rec_state) with each real
@@ -65,18 +78,27 @@ def gated_delta_scan(
     decay_rate = -jnp.exp(a_log.astype(jnp.float32))
     repeat = num_v_heads // num_k_heads
 
+    def qkv(y):
+        """Convolved inputs f32[..., C] -> q, k [..., Hv, Dk] (normalised, grouped), v."""
+        q = y[..., :key_dim].reshape(*y.shape[:-1], num_k_heads, k_head_dim)
+        k = y[..., key_dim : 2 * key_dim].reshape(*y.shape[:-1], num_k_heads, k_head_dim)
+        v = y[..., 2 * key_dim :].reshape(*y.shape[:-1], num_v_heads, v_head_dim)
+        q = jnp.repeat(_l2_normalize(q) * k_head_dim**-0.5, repeat, axis=-2)
+        return q, jnp.repeat(_l2_normalize(k), repeat, axis=-2), v
+
+    if chunk is not None:
+        args = (mixed, a, b, conv_w, decay_rate, dt_bias, start, q_len, qkv)
+        out, conv, rec = _chunked(*args, conv, rec, chunk=chunk)
+        conv_state = conv_state.at[row].set(conv.astype(conv_state.dtype), mode="drop")
+        return out, conv_state, rec_state.at[row].set(rec, mode="drop")
+
     def body(i, carry):
         conv, rec, out = carry
         active = i < q_len  # [S]
         tok = jnp.minimum(start + i, num_tokens - 1)
         window = jnp.concatenate([conv, mixed[tok][:, None]], axis=1)  # [S, K, C]
         y = jax.nn.silu(jnp.einsum("skc,kc->sc", window, conv_w).astype(mixed.dtype))
-        y = y.astype(jnp.float32)
-        q = y[:, :key_dim].reshape(-1, num_k_heads, k_head_dim)
-        k = y[:, key_dim : 2 * key_dim].reshape(-1, num_k_heads, k_head_dim)
-        v = y[:, 2 * key_dim :].reshape(-1, num_v_heads, v_head_dim)
-        q = jnp.repeat(_l2_normalize(q) * k_head_dim**-0.5, repeat, axis=1)  # [S, Hv, Dk]
-        k = jnp.repeat(_l2_normalize(k), repeat, axis=1)
+        q, k, v = qkv(y.astype(jnp.float32))  # [S, Hv, Dk], [S, Hv, Dk], [S, Hv, Dv]
         g = decay_rate * jax.nn.softplus(a[tok].astype(jnp.float32) + dt_bias)  # [S, Hv]
         beta = jax.nn.sigmoid(b[tok]).astype(jnp.float32)
         decayed = rec * jnp.exp(g)[..., None, None]
@@ -93,6 +115,58 @@ def gated_delta_scan(
     conv_state = conv_state.at[row].set(conv.astype(conv_state.dtype), mode="drop")
     rec_state = rec_state.at[row].set(rec, mode="drop")
     return out, conv_state, rec_state
+
+
+def _chunked(mixed, a, b, conv_w, decay_rate, dt_bias, start, q_len, qkv, conv, rec, *,
+             chunk: int):  # fmt: skip
+    """The chunked form (module docstring) over sequences starting at start i32[S] with
+    q_len i32[S] tokens, from states conv [S, K-1, C] and rec f32[S, Hv, Dk, Dv] ->
+    (o f32[T, Hv, Dv], conv, rec)."""
+    num_tokens = mixed.shape[0]
+    width = conv.shape[1]  # K - 1
+    steps = jnp.arange(chunk)
+    causal = steps[:, None] >= steps[None, :]  # [C, C]: i <= t
+
+    def body(j, carry):
+        conv, rec, out = carry
+        pos = j * chunk + steps  # [C] within each sequence
+        active = pos[None, :] < q_len[:, None]  # [S, C]
+        tok = jnp.minimum(start[:, None] + pos, num_tokens - 1)  # [S, C]
+        ext = jnp.concatenate([conv, mixed[tok]], axis=1)  # [S, K-1 + C, C]
+        windows = jnp.stack([ext[:, i : i + chunk] for i in range(width + 1)], axis=2)
+        y = jax.nn.silu(jnp.einsum("stkc,kc->stc", windows, conv_w).astype(mixed.dtype))
+        q, k, v = qkv(y.astype(jnp.float32))  # [S, C, Hv, D*]
+        n = jnp.clip(q_len - j * chunk, 0, chunk)  # active tokens: the state's last inputs
+        conv = jnp.take_along_axis(ext, (n[:, None] + jnp.arange(width))[:, :, None], axis=1)
+        g = decay_rate * jax.nn.softplus(a[tok].astype(jnp.float32) + dt_bias)  # [S, C, Hv]
+        g = jnp.where(active[..., None], g, 0.0)
+        beta = jnp.where(active[..., None], jax.nn.sigmoid(b[tok]).astype(jnp.float32), 0.0)
+        q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))  # [S, Hv, C, D*]
+        big_g = jnp.cumsum(g, axis=1).swapaxes(1, 2)  # [S, Hv, C]
+        beta = beta.swapaxes(1, 2)
+        diff = big_g[..., :, None] - big_g[..., None, :]  # [S, Hv, C, C]: G_t - G_i
+        decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+        kk = jnp.einsum("shtd,shid->shti", k, k)
+        lower = jnp.tril(beta[..., :, None] * decay * kk, -1)
+        eye = jnp.eye(chunk, dtype=jnp.float32)
+        k_s0 = jnp.einsum("shtd,shdv->shtv", k, rec)
+        rhs = beta[..., None] * (v - jnp.exp(big_g)[..., None] * k_s0)
+        u = jax.scipy.linalg.solve_triangular(eye + lower, rhs, lower=True, unit_diagonal=True)
+        o = jnp.exp(big_g)[..., None] * jnp.einsum("shtd,shdv->shtv", q, rec)
+        o = o + jnp.einsum("shti,shiv->shtv", decay * jnp.einsum("shtd,shid->shti", q, k), u)
+        last = big_g[..., -1:]  # G_C
+        rec = jnp.exp(last)[..., None] * rec + jnp.einsum(
+            "shtd,shtv->shdv", k * jnp.exp(last - big_g)[..., None], u
+        )
+        dest = jnp.where(active, start[:, None] + pos, num_tokens)
+        out = out.at[dest].set(o.swapaxes(1, 2), mode="drop")
+        return conv, rec, out
+
+    num_v_heads, v_head_dim = rec.shape[1], rec.shape[3]
+    out = jnp.zeros((num_tokens, num_v_heads, v_head_dim), jnp.float32)
+    num_chunks = (jnp.max(q_len) + chunk - 1) // chunk
+    conv, rec, out = jax.lax.fori_loop(0, num_chunks, body, (conv, rec, out))
+    return out, conv, rec
 
 
 class GatedDeltaNet(nnx.Module):
@@ -132,6 +206,7 @@ class GatedDeltaNet(nnx.Module):
             mixed, a, b, self.conv1d[...], self.A_log[...], self.dt_bias[...],
             md.query_start_loc, md.num_seqs, token_rows, positions, conv_state, rec_state,
             num_k_heads=c.num_k_heads, k_head_dim=c.k_head_dim, v_head_dim=c.v_head_dim,
+            chunk=None if md.decode_only else CHUNK,
         )  # fmt: skip
         o = rms_normalize(o, self.eps).astype(x.dtype) * self.norm[...]
         z = z.reshape(t, c.num_v_heads, c.v_head_dim).astype(jnp.float32)
