@@ -147,10 +147,15 @@ def decode_step_cost(config: ModelConfig, context_lens: Sequence[float]) -> Step
         read = total - experts + experts * (1 - (1 - k / e) ** b)
         per_row = matmul - experts + experts * k / e
     k_dim, v_dim = config.cache_dims  # MLA: the latent and rotary key, no V
-    kv_bytes = config.num_layers * config.num_kv_heads * (k_dim + v_dim) * itemsize * ctx
+    layers = len(config.kv_layers)  # a hybrid's linear-attention layers keep no KV
+    kv_bytes = layers * config.num_kv_heads * (k_dim + v_dim) * itemsize * ctx
     v_read = config.mla.kv_lora_rank if config.mla else v_dim  # values: MLA's latent
-    attn_flops = 2 * config.num_layers * config.num_heads * (k_dim + v_read) * ctx
-    return StepCost(int(read * itemsize), kv_bytes, 2.0 * per_row * b + attn_flops)
+    attn_flops = 2 * layers * config.num_heads * (k_dim + v_read) * ctx
+    if (la := config.linear_attn) is not None:  # each row's f32 state, read and written
+        state = la.num_v_heads * la.k_head_dim * la.v_head_dim
+        kv_bytes += len(la.layers) * b * 2 * (4 * state + la.conv_dim * itemsize)
+        attn_flops += len(la.layers) * b * 8 * state  # decay, S^T k, update, S^T q
+    return StepCost(int(read * itemsize), int(kv_bytes), 2.0 * per_row * b + attn_flops)
 
 
 def device_peaks(dtype) -> DevicePeaks:

@@ -30,7 +30,7 @@ class LinearAttentionConfig:
 def linear_attention_config(hf_config: Any, architecture: str) -> LinearAttentionConfig | None:
     if architecture not in GATED_DELTA_NET:
         return None
-    types = list(hf_config.layer_types)
+    types = list(hf_config.layer_types)[: hf_config.num_hidden_layers]  # fewer: overrides
     unknown = sorted(set(types) - {"linear_attention", "full_attention"})
     if unknown:
         raise ValueError(f"layer_types {unknown} are not supported for {architecture}")
