@@ -211,7 +211,9 @@ def template_messages(messages: list[Any], fmt: str) -> list[dict[str, Any]]:
 
 def _template_message(i: int, message: Any, fmt: str) -> dict[str, Any]:
     """A known role; content a string or text parts per `fmt` (null -> ""); assistant
-    tool_calls with arguments as dicts; reasoning_content renamed reasoning (vLLM)."""
+    tool_calls with arguments as dicts; reasoning_content renamed reasoning (vLLM), and an
+    assistant's reasoning also as `thinking`, the field gpt-oss's template renders as the
+    analysis channel."""
     if not isinstance(message, dict):
         raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
     role = message.get("role")
@@ -245,6 +247,8 @@ def _template_message(i: int, message: Any, fmt: str) -> dict[str, Any]:
         out["content"] = "\n".join(texts)
     if "reasoning_content" in out and "reasoning" not in out:
         out["reasoning"] = out.pop("reasoning_content")
+    if role == "assistant" and isinstance(out.get("reasoning"), str):
+        out.setdefault("thinking", out["reasoning"])
     if role == "assistant" and out.get("tool_calls"):
         if not isinstance(out["tool_calls"], list):
             raise ValueError(f"messages[{i}].tool_calls must be a list")

@@ -122,6 +122,7 @@ def test_tool_rules_and_history_for_the_template():
     assistant, tool = template_messages(history, "string")
     assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert assistant["reasoning"] == "hm" and "reasoning_content" not in assistant
+    assert assistant["thinking"] == "hm"  # gpt-oss's template reads it
     assert tool == {"role": "tool", "tool_call_id": "1", "content": "Sunny"}
     assert template_messages(history, "openai")[1]["content"] == [{"type": "text", "text": "Sunny"}]
     assert content_format("{% for part in message['content'] %}", "auto") == "openai"
