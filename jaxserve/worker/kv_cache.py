@@ -130,11 +130,15 @@ def determine_num_blocks(
             budget = int(stats["bytes_limit"] * cc.gpu_memory_utilization) - used
         else:
             budget = int(envs.JAXSERVE_CPU_KVCACHE_SPACE * 2**30)
-    num_blocks = (budget - reserved_bytes) // bytes_per_block
+    num_blocks = max(0, budget - reserved_bytes) // bytes_per_block
     if num_blocks < min_blocks:
+        states = (
+            f" after {reserved_bytes / 2**20:.0f} MiB of linear-attention states (one per "
+            "max_num_seqs row: lower max_num_seqs to shrink them)" if reserved_bytes else ""
+        )  # fmt: skip
         raise ValueError(
             f"KV cache budget of {budget / 2**20:.0f} MiB holds {num_blocks} blocks of "
-            f"{cc.block_size} tokens; max_model_len={max_model_len} needs "
+            f"{cc.block_size} tokens{states}; max_model_len={max_model_len} needs "
             f"{min_blocks}. Raise kv_cache_memory_bytes / "
             "gpu_memory_utilization or lower max_model_len."
         )

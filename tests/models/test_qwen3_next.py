@@ -8,6 +8,7 @@ turned off or refused by name."""
 
 import logging
 
+import jax
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.models.loader import load_model
 from jaxserve.worker.executables import num_compilations
+from jaxserve.worker.kv_cache import determine_num_blocks
 from tests.helpers import assert_generate_matches_hf, hf_logits, hf_model, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
 
@@ -71,6 +73,10 @@ def test_what_a_per_request_state_cannot_honour(model_dir, caplog):
     assert config.model.kv_layers == (1,)
     with pytest.raises(ValueError, match="kv_transfer_config: Qwen3NextForCausalLM's linear"):
         EngineArgs(model=str(model_dir), kv_offloading_size=1).create_engine_config()
+    # the states come off the KV budget: one too small says so
+    small = EngineArgs(model=str(model_dir), kv_cache_memory_bytes=2**21).create_engine_config()
+    with pytest.raises(ValueError, match="after 3 MiB of linear-attention states .*max_num_seqs"):
+        determine_num_blocks(small.cache, jax.devices()[0], 4096, 9, 128, reserved_bytes=3 << 20)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     with pytest.raises(ValueError, match="speculative_config: Qwen3NextForCausalLM's linear"):
         EngineArgs(model=str(model_dir), speculative_config=spec).create_engine_config()
