@@ -3,14 +3,20 @@ over a latent paged cache, and GLM-4.5's mixture of experts (noaux_tc routing, s
 dense first layers: models/glm4_moe.py). DeepSeek-V2 (DeepseekV2ForCausalLM) is the same but
 for its softmax routing.
 
-MLA, as vLLM's MLA backends run it, in the absorbed form for every token: each token's KV is
-kept as the compressed latent c = kv_a_layernorm(kv_a(x))[:r] and the rotary key k_pe, one
-cache "head" of r + rope values (config/mla.py), replicated on every tensor-parallel rank.
-kv_b_proj's key half W_UK [H, nope, r] is folded into the query (q_nope W_UK: [T, H, r]) and
-its value half W_UV [H, v, r] applied after the attention, so the attention is GQA with one KV
-head over [latent; rotary key] whose values are the latent (the V cache stays empty: K is
-passed as V and the rotary part of the output dropped). HF's expanded form (keys and values
-per head from kv_b_proj) gives the same scores and outputs.
+MLA, as vLLM's MLA backends run it: each token's KV is kept as the compressed latent
+c = kv_a_layernorm(kv_a(x))[:r] and the rotary key k_pe, one cache "head" of r + rope values
+(config/mla.py), replicated on every tensor-parallel rank.
+  absorbed  (decodes, and prefill chunks that continue a cached context): kv_b_proj's key
+            half W_UK [H, nope, r] is folded into the query (q_nope W_UK: [T, H, r]) and its
+            value half W_UV [H, v, r] applied after the attention, so the attention is GQA
+            with one KV head over [latent; rotary key] whose values are the latent (the V
+            cache stays empty: K is passed as V and the rotary part of the output dropped);
+  expanded  (sequences whose whole context is this step's tokens: a prompt's first chunk
+            without a prefix-cache hit): keys [k_nope = c W_UK; k_pe] and values c W_UV per
+            head, HF's form, attended among the step's own tokens: (nope + rope) + v values
+            a score and output instead of 2r + rope, the cheaper form where each latent
+            serves many queries (`expanded_attention`).
+Both give HF's scores and outputs.
 """
 
 from __future__ import annotations
@@ -88,12 +94,59 @@ class MLAAttention(Attention):
         entry = jnp.concatenate([latent[:, None], k_pe.astype(latent.dtype)], axis=-1)
         entry = jnp.broadcast_to(entry, (t, self.num_kv_heads, m.latent_dim))
         k_cache = write_kv(k_cache, entry, md.slot_mapping)
+        fresh = None
+        if not md.decode_only:  # fresh sequences take the expanded form: none absorbed
+            real = jnp.arange(md.kv_lens.shape[0]) < md.num_seqs[0]
+            q_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+            fresh = real & (md.kv_lens == q_lens) & (q_lens > 1)
+            md = md._replace(kv_lens=jnp.where(fresh, 0, md.kv_lens))
         out = paged_attention(
             query, k_cache, k_cache, md, sm_scale=m.sm_scale, backend=self.backend,
             mesh=self.mesh, latent_dim=m.kv_lora_rank,
         )  # fmt: skip
         out = jnp.einsum("thr,hvr->thv", out[..., : m.kv_lora_rank], self.w_uv[...])
+        if fresh is not None:
+            keys = jnp.concatenate(
+                [jnp.einsum("tr,hnr->thn", latent, self.w_uk[...]),
+                 jnp.broadcast_to(k_pe, (t, h, m.qk_rope_head_dim)).astype(latent.dtype)], -1
+            )  # fmt: skip
+            values = jnp.einsum("tr,hvr->thv", latent, self.w_uv[...])
+            queries = jnp.concatenate([q_nope, query[..., m.kv_lora_rank :]], axis=-1)
+            out = expanded_attention(queries, keys, values, out, fresh, md, m.sm_scale)
         return self.o_proj(out.reshape(t, -1)), k_cache, v_cache
+
+
+EXPANDED_TILE = 128  # query rows per tile of the expanded form's scores [H, tile, T]
+
+
+def expanded_attention(q, k, v, out, fresh, md: AttentionMetadata, sm_scale: float):
+    """Causal attention among the step's own tokens for the `fresh` sequences (bool[S]: their
+    whole context is this step's tokens): q, k [T, H, nope + rope], v [T, H, dv]; their rows
+    of out [T, H, dv] are replaced, the others kept. Skipped (lax.cond) in steps without
+    one; query rows run EXPANDED_TILE at a time over all T keys, masked to their sequence."""
+    t = q.shape[0]
+    qsl = md.query_start_loc
+    seq = jnp.searchsorted(qsl[1:], jnp.arange(t), side="right")  # [T]; S past the last
+    row_fresh = fresh[jnp.minimum(seq, fresh.shape[0] - 1)] & (jnp.arange(t) < qsl[-1])
+    pad = -t % EXPANDED_TILE
+    tiles = (t + pad) // EXPANDED_TILE
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def tile(i):
+        rows = i * EXPANDED_TILE + jnp.arange(EXPANDED_TILE)
+        r = jnp.minimum(rows, t - 1)
+        s = jnp.einsum("qhd,khd->hqk", q[r].astype(jnp.float32), kf) * sm_scale
+        keys = jnp.arange(t)
+        seen = (seq[keys][None, :] == seq[r][:, None]) & (keys[None, :] <= r[:, None])
+        s = jnp.where(seen[None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("hqk,khd->qhd", p, vf)
+
+    def expanded(out):
+        res = jax.lax.map(tile, jnp.arange(tiles)).reshape(t + pad, *out.shape[1:])[:t]
+        return jnp.where(row_fresh[:, None, None], res.astype(out.dtype), out)
+
+    return jax.lax.cond(jnp.any(row_fresh), expanded, lambda out: out, out)
 
 
 class DeepseekDecoderLayer(DecoderLayer):

@@ -308,3 +308,37 @@ def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path):
     fed, logits = run_mixed_schedule(loaded, PROMPTS)
     for seq, tokens in fed.items():
         np.testing.assert_allclose(logits[seq], hf_logits(ref, tokens), atol=1e-4, rtol=0)
+
+
+def test_mla_expanded_form_attends_within_fresh_sequences():
+    """The expanded form (a prompt's first chunk): each fresh sequence's rows attend causally
+    to its own tokens (a dense oracle); rows of other sequences keep the absorbed output."""
+    from jaxserve.layers.attention import AttentionMetadata
+    from jaxserve.models.deepseek import EXPANDED_TILE, expanded_attention
+
+    rng = np.random.default_rng(0)
+    t, h = EXPANDED_TILE + 40, 2  # sequences of 70, 1 and 90 tokens, padding: two tiles
+    q, k = (rng.standard_normal((t, h, 24)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((t, h, 8)).astype(np.float32)
+    absorbed = rng.standard_normal((t, h, 8)).astype(np.float32)
+    qsl = np.array([0, 70, 71, 161, 161], np.int32)
+    md = AttentionMetadata(
+        np.zeros(t, np.int32),
+        np.zeros((4, 1), np.int32),
+        np.array([70, 30, 90, 0], np.int32),
+        qsl,
+        np.array([3], np.int32),
+    )
+    fresh = jnp.array([True, False, True, False])  # seq 1 continues a context
+    args = (jnp.asarray(x) for x in (q, k, v, absorbed))
+    out = np.asarray(expanded_attention(*args, fresh, md, 0.2))
+    for s, (a, b) in enumerate(zip(qsl[:3], qsl[1:4], strict=True)):
+        if s == 1:
+            np.testing.assert_array_equal(out[a:b], absorbed[a:b])
+            continue
+        scores = np.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * 0.2
+        scores = np.where(np.tril(np.ones((b - a, b - a), bool)), scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        want = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v[a:b])
+        np.testing.assert_allclose(out[a:b], want, atol=1e-5)
+    np.testing.assert_array_equal(out[161:], absorbed[161:])  # padding rows
