@@ -96,7 +96,8 @@ def load_model(
     if quantization == "gguf" and not isinstance(source, GGUFSource) and not dummy:
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not one")
     model_cls = get_model_class(config.architecture)
-    if mtp := getattr(hf_config, "num_nextn_predict_layers", 0):  # DeepSeek, GLM-4.5
+    mtp = getattr(hf_config, "num_nextn_predict_layers", 0)  # DeepSeek, GLM-4.5
+    if mtp := mtp or getattr(hf_config, "mtp_num_layers", 0):  # Qwen3-Next's `mtp.*`
         logger.info("%s: its %d multi-token-prediction layer(s) are not loaded (no MTP "
                     "speculative decoding yet)", config.architecture, mtp)  # fmt: skip
     mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)

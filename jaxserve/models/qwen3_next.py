@@ -3,6 +3,7 @@
 attention with q/k norms, partial rotary and an output gate (the second half of each head's
 q_proj columns: Attention.gate_proj); Qwen3-MoE's experts with a shared expert scaled by
 sigmoid(shared_expert_gate). Its norms are zero-centred (x / rms(x) * (1 + w), as Gemma's).
+The checkpoint's multi-token-prediction weights (`mtp.*`) are not read.
 
 The caches are (K, V, conv, rec): K and V [L_kv * num_blocks, block_size, Hkv, hd] for the
 full-attention layers only (the l-th of them at rows l * num_blocks + block), and the linear
