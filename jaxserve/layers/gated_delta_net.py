@@ -117,6 +117,19 @@ def gated_delta_scan(
     return out, conv_state, rec_state
 
 
+def _unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
+    """(I + lower) u = rhs for strictly lower-triangular lower [..., C, C] and rhs [..., C, D],
+    by forward substitution (C steps). Not jax.scipy's solve_triangular: on CPU that is a
+    LAPACK custom call, registered only once jax traces one, so an executable loaded from
+    the cache in a fresh process would call an unset function (a segfault)."""
+
+    def row(t, u):
+        u_t = rhs[..., t, :] - jnp.einsum("...c,...cd->...d", lower[..., t, :], u)
+        return u.at[..., t, :].set(u_t)
+
+    return jax.lax.fori_loop(0, lower.shape[-1], row, jnp.zeros_like(rhs))
+
+
 def _chunked(mixed, a, b, conv_w, decay_rate, dt_bias, start, q_len, qkv, conv, rec, *,
              chunk: int):  # fmt: skip
     """The chunked form (module docstring) over sequences starting at start i32[S] with
@@ -148,10 +161,9 @@ def _chunked(mixed, a, b, conv_w, decay_rate, dt_bias, start, q_len, qkv, conv, 
         decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
         kk = jnp.einsum("shtd,shid->shti", k, k)
         lower = jnp.tril(beta[..., :, None] * decay * kk, -1)
-        eye = jnp.eye(chunk, dtype=jnp.float32)
         k_s0 = jnp.einsum("shtd,shdv->shtv", k, rec)
         rhs = beta[..., None] * (v - jnp.exp(big_g)[..., None] * k_s0)
-        u = jax.scipy.linalg.solve_triangular(eye + lower, rhs, lower=True, unit_diagonal=True)
+        u = _unit_lower_solve(lower, rhs)
         o = jnp.exp(big_g)[..., None] * jnp.einsum("shtd,shdv->shtv", q, rec)
         o = o + jnp.einsum("shti,shiv->shtv", decay * jnp.einsum("shtd,shid->shti", q, k), u)
         last = big_g[..., -1:]  # G_C

@@ -58,6 +58,10 @@ def test_rows_reused_by_later_requests_start_from_zeros(model_dir, monkeypatch):
     k, v, conv, rec = runner.kv_caches
     assert k.shape[0] == runner.num_blocks  # one attention layer's blocks
     assert conv.shape == (2, 2, 3, 2 * 2 * 16 + 4 * 8) and rec.shape == (2, 2, 4, 16, 8)
+    # no LAPACK custom call (jax.scipy's triangular solve): loaded from the executable cache
+    # in a fresh process, where no trace registered it, one segfaulted
+    forwards = [c.as_text() for key, c in runner.executables.items() if key[0] == "forward"]
+    assert forwards and not any("lapack" in text for text in forwards)
     compiled = num_compilations()
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 11, 7, 30, 13)]
