@@ -299,7 +299,7 @@ class PagedSequences:
                         for dim in cfg.cache_dims)  # fmt: skip
         # a hybrid model's per-sequence states: sequence i in row i
         spec = KVCacheSpec(cfg, loaded.mesh, block_size, kv_dtype, heads, num_state_rows=8)
-        self.kv += tuple(jnp.zeros(s.shape, s.dtype) for s in spec.state_shapes())
+        self.kv += jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec.state_shapes())
         self._forward = _make_forward(self.model, NamedSharding(loaded.mesh, jax.P()))
 
     def step(self, chunks: dict[int, list[int]]) -> dict[int, np.ndarray]:

@@ -11,9 +11,11 @@ output is S^T q. The outputs are RMS-normalised per head, times the weight and S
 The sequences of a step advance together from the states their requests' previous steps
 left (a sequence whose first token is at position 0 starts from zeros: a new request, or one
 recomputed after preemption):
-  recurrent  a decode-only step: one token each, the update above once;
-  chunked    any other: CHUNK tokens of each sequence per iteration of a loop as long as
-             the step's longest sequence needs. Within a chunk, with G the cumulative log
+  recurrent  a decode-only step's sequences, and a mixed step's single-token ones: one
+             token each, the update above once;
+  chunked    a mixed step's multi-token sequences, GROUP at a time (gathered to the front
+             first, so a pass never carries the step's other sequences): CHUNK tokens of
+             each per iteration of a loop as long as its longest needs. Within a chunk, with G the cumulative log
              decay and u_t = beta_t (v_t - S'_t^T k_t) the values the rule writes, the u solve
              a unit lower-triangular system (I + A) u = beta (v - exp(G) K S0), A[t, i] =
              beta_t exp(G_t - G_i) k_t . k_i for i < t; then O = exp(G) Q S0 + (exp(G_t -
@@ -39,7 +41,8 @@ def _l2_normalize(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-CHUNK = 64  # tokens per sequence a chunked iteration takes
+CHUNK = 64  # tokens per sequence a chunked iteration takes, at most
+GROUP = 4  # multi-token sequences a chunked pass takes at once
 
 
 def gated_delta_scan(
@@ -55,7 +58,9 @@ def gated_delta_scan(
       conv_w: [K, C] the depthwise kernel (oldest input first); a_log, dt_bias: [Hv].
       query_start_loc: i32[S+1]; num_seqs: i32[1]; token_rows, positions: i32[T].
       conv_state: [N, K-1, C]; rec_state: f32[N, Hv, Dk, Dv]: every input-batch row's.
-      chunk: tokens per iteration (the chunked form), or None: one (the recurrent form).
+      chunk: None: the recurrent form for every sequence (a decode-only step); else
+        single-token sequences take one recurrent step and the others the chunked form,
+        min(chunk, T) tokens of GROUP sequences at a time.
 
     Returns:
       (o f32[T, Hv, Dv] (zero for padding tokens), conv_state, rec_state) with each real
@@ -72,10 +77,6 @@ def gated_delta_scan(
     first = jnp.minimum(start, num_tokens - 1)
     row = jnp.where(q_len > 0, token_rows[first], rows_n)  # N: no row (dropped)
     fresh = positions[first] == 0
-    at = jnp.minimum(row, rows_n - 1)
-    conv = jnp.where(fresh[:, None, None], 0, conv_state[at])  # [S, K-1, C]
-    rec = jnp.where(fresh[:, None, None, None], 0.0, rec_state[at])  # [S, Hv, Dk, Dv]
-    decay_rate = -jnp.exp(a_log.astype(jnp.float32))
     repeat = num_v_heads // num_k_heads
 
     def qkv(y):
@@ -86,20 +87,61 @@ def gated_delta_scan(
         q = jnp.repeat(_l2_normalize(q) * k_head_dim**-0.5, repeat, axis=-2)
         return q, jnp.repeat(_l2_normalize(k), repeat, axis=-2), v
 
-    if chunk is not None:
-        args = (mixed, a, b, conv_w, decay_rate, dt_bias, start, q_len, qkv)
-        out, conv, rec = _chunked(*args, conv, rec, chunk=chunk)
-        conv_state = conv_state.at[row].set(conv.astype(conv_state.dtype), mode="drop")
-        return out, conv_state, rec_state.at[row].set(rec, mode="drop")
+    inputs = (mixed, a, b, conv_w, -jnp.exp(a_log.astype(jnp.float32)), dt_bias, qkv)
+
+    def run(form, seq_start, seq_len, seq_row, seq_fresh, conv_state, rec_state, **kw):
+        """One form over the sequences given (their rows gathered, then written back)."""
+        at = jnp.minimum(seq_row, rows_n - 1)
+        conv = jnp.where(seq_fresh[:, None, None], 0, conv_state[at])  # [S', K-1, C]
+        rec = jnp.where(seq_fresh[:, None, None, None], 0.0, rec_state[at])
+        out, conv, rec = form(*inputs, seq_start, seq_len, conv, rec, **kw)
+        conv_state = conv_state.at[seq_row].set(conv.astype(conv_state.dtype), mode="drop")
+        return out, conv_state, rec_state.at[seq_row].set(rec, mode="drop")
+
+    if chunk is None:
+        return run(_recurrent, start, q_len, row, fresh, conv_state, rec_state)
+    single = q_len == 1
+    out, conv_state, rec_state = run(
+        _recurrent, start, jnp.where(single, 1, 0), jnp.where(single, row, rows_n), fresh,
+        conv_state, rec_state,
+    )  # fmt: skip
+    # The multi-token sequences first (a stable sort), GROUP of them per pass.
+    multi = q_len > 1
+    group = min(GROUP, max_seqs)
+    order = jnp.argsort(~multi, stable=True)
+    order = jnp.pad(order, (0, group), constant_values=max_seqs)  # max_seqs: no sequence
+    num_multi = jnp.sum(multi)
+    pad = lambda x, v: jnp.pad(x, (0, 1), constant_values=v)  # noqa: E731  [S+1]
+
+    def one_pass(g, carry):
+        out, conv_state, rec_state = carry
+        ids = jax.lax.dynamic_slice_in_dim(order, g * group, group)
+        ok = g * group + jnp.arange(group) < num_multi
+        seq_len = jnp.where(ok, pad(q_len, 0)[ids], 0)
+        o, conv_state, rec_state = run(
+            _chunked, pad(start, 0)[ids], seq_len, jnp.where(ok, pad(row, rows_n)[ids], rows_n),
+            pad(fresh, False)[ids], conv_state, rec_state, chunk=min(chunk, num_tokens),
+        )  # fmt: skip
+        return out + o, conv_state, rec_state
+
+    passes = (num_multi + group - 1) // group
+    return jax.lax.fori_loop(0, passes, one_pass, (out, conv_state, rec_state))
+
+
+def _recurrent(mixed, a, b, conv_w, decay_rate, dt_bias, qkv, start, q_len, conv, rec):
+    """The recurrent form: every sequence (start, q_len i32[S']) one token per iteration,
+    from states conv [S', K-1, C] and rec f32[S', Hv, Dk, Dv] -> (o f32[T, Hv, Dv] for
+    their tokens, zero elsewhere; conv; rec)."""
+    num_tokens = mixed.shape[0]
 
     def body(i, carry):
         conv, rec, out = carry
-        active = i < q_len  # [S]
+        active = i < q_len  # [S']
         tok = jnp.minimum(start + i, num_tokens - 1)
-        window = jnp.concatenate([conv, mixed[tok][:, None]], axis=1)  # [S, K, C]
+        window = jnp.concatenate([conv, mixed[tok][:, None]], axis=1)  # [S', K, C]
         y = jax.nn.silu(jnp.einsum("skc,kc->sc", window, conv_w).astype(mixed.dtype))
-        q, k, v = qkv(y.astype(jnp.float32))  # [S, Hv, Dk], [S, Hv, Dk], [S, Hv, Dv]
-        g = decay_rate * jax.nn.softplus(a[tok].astype(jnp.float32) + dt_bias)  # [S, Hv]
+        q, k, v = qkv(y.astype(jnp.float32))  # [S', Hv, Dk], [S', Hv, Dk], [S', Hv, Dv]
+        g = decay_rate * jax.nn.softplus(a[tok].astype(jnp.float32) + dt_bias)  # [S', Hv]
         beta = jax.nn.sigmoid(b[tok]).astype(jnp.float32)
         decayed = rec * jnp.exp(g)[..., None, None]
         delta = (v - jnp.einsum("shkv,shk->shv", decayed, k)) * beta[..., None]
@@ -110,11 +152,9 @@ def gated_delta_scan(
         out = out.at[jnp.where(active, start + i, num_tokens)].set(o, mode="drop")
         return conv, rec, out
 
-    out = jnp.zeros((num_tokens, num_v_heads, v_head_dim), jnp.float32)
+    out = jnp.zeros((num_tokens, rec.shape[1], rec.shape[3]), jnp.float32)
     conv, rec, out = jax.lax.fori_loop(0, jnp.max(q_len), body, (conv, rec, out))
-    conv_state = conv_state.at[row].set(conv.astype(conv_state.dtype), mode="drop")
-    rec_state = rec_state.at[row].set(rec, mode="drop")
-    return out, conv_state, rec_state
+    return out, conv, rec
 
 
 def _unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
@@ -130,7 +170,7 @@ def _unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, lower.shape[-1], row, jnp.zeros_like(rhs))
 
 
-def _chunked(mixed, a, b, conv_w, decay_rate, dt_bias, start, q_len, qkv, conv, rec, *,
+def _chunked(mixed, a, b, conv_w, decay_rate, dt_bias, qkv, start, q_len, conv, rec, *,
              chunk: int):  # fmt: skip
     """The chunked form (module docstring) over sequences starting at start i32[S] with
     q_len i32[S] tokens, from states conv [S, K-1, C] and rec f32[S, Hv, Dk, Dv] ->

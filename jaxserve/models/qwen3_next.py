@@ -7,8 +7,8 @@ The checkpoint's multi-token-prediction weights (`mtp.*`) are not read.
 
 The caches are (K, V, conv, rec): K and V [L_kv * num_blocks, block_size, Hkv, hd] for the
 full-attention layers only (the l-th of them at rows l * num_blocks + block), and the linear
-layers' states conv [L_lin, N, K-1, C] and rec f32[L_lin, N, Hv, Dk, Dv], one slot per
-input-batch row (worker/kv_cache.py)."""
+layers' states, tuples of one array per layer: conv [N, K-1, C] and rec f32[N, Hv, Dk, Dv],
+one slot per input-batch row (worker/kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
                 out, conv_l, rec_l = layer.linear_attn(
                     x, positions, token_rows, md, conv[lin_index], rec[lin_index]
                 )
-                conv, rec = conv.at[lin_index].set(conv_l), rec.at[lin_index].set(rec_l)
+                i = lin_index
+                conv, rec = (*conv[:i], conv_l, *conv[i + 1 :]), (*rec[:i], rec_l, *rec[i + 1 :])
                 lin_index += 1
             else:
                 offset = kv_index * num_blocks

@@ -5,8 +5,10 @@ the weights left of the memory budget.
 A hybrid model (linear-attention layers: Qwen3-Next) keeps K and V for its full-attention
 layers only (L = those), and beside them each linear layer's state in a fixed slot per
 input-batch row (vLLM's hybrid cache groups: paged blocks for attention, a slot per request
-for the rest): conv [L_lin, N, K-1, C] in the model dtype and rec f32[L_lin, N, Hv, Dk, Dv],
-replicated. Their bytes come off the budget before the blocks are counted."""
+for the rest): per linear layer, conv [N, K-1, C] in the model dtype and rec f32[N, Hv, Dk,
+Dv], replicated, each its own array (a layer's scatter then updates its donated buffer in
+place: slices of one stacked array were copied whole every step). Their bytes come off the
+budget before the blocks are counted."""
 
 from __future__ import annotations
 
@@ -48,21 +50,20 @@ class KVCacheSpec:
         itemsize = jnp.dtype(self.dtype).itemsize
         return len(c.kv_layers) * self.block_size * kv_heads * sum(c.cache_dims) * itemsize
 
-    def state_shapes(self) -> list[jax.ShapeDtypeStruct]:
-        """A hybrid model's per-row states (conv, rec); none for others."""
+    def state_shapes(self) -> tuple:
+        """A hybrid model's per-row states, (conv per linear layer, rec per linear layer);
+        () for others."""
         la = self.config.linear_attn
         if la is None:
-            return []
-        lead = (len(la.layers), self.num_state_rows)
-        return [
-            jax.ShapeDtypeStruct((*lead, la.conv_kernel - 1, la.conv_dim), self.config.dtype),
-            jax.ShapeDtypeStruct(
-                (*lead, la.num_v_heads, la.k_head_dim, la.v_head_dim), jnp.float32
-            ),
-        ]
+            return ()
+        n, layers = self.num_state_rows, len(la.layers)
+        conv = jax.ShapeDtypeStruct((n, la.conv_kernel - 1, la.conv_dim), self.config.dtype)
+        rec = jax.ShapeDtypeStruct((n, la.num_v_heads, la.k_head_dim, la.v_head_dim), jnp.float32)
+        return (conv,) * layers, (rec,) * layers
 
     def state_bytes(self) -> int:
-        return sum(s.size * jnp.dtype(s.dtype).itemsize for s in self.state_shapes())
+        leaves = jax.tree.leaves(self.state_shapes())
+        return sum(s.size * jnp.dtype(s.dtype).itemsize for s in leaves)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -84,14 +85,15 @@ class KVCacheSpec:
         def zeros(dim):
             return jax.jit(lambda: jnp.zeros((*rows, dim), self.dtype), out_shardings=kv_sharding)()
 
-        states = tuple(
-            jax.jit(lambda s=s: jnp.zeros(s.shape, s.dtype), out_shardings=self.sharding[2])()
-            for s in self.state_shapes()
-        )
+        def state(s):
+            return jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=self.sharding[2])()
+
+        states = jax.tree.map(state, self.state_shapes())
         if states:
             logger.info(
-                "linear-attention states: %d rows, %.1f MiB (conv %s, recurrent %s)",
-                self.num_state_rows, self.state_bytes() / 2**20, states[0].shape, states[1].shape,
+                "linear-attention states: %d rows, %.1f MiB (%d layers of conv %s, recurrent %s)",
+                self.num_state_rows, self.state_bytes() / 2**20, len(states[0]),
+                states[0][0].shape, states[1][0].shape,
             )  # fmt: skip
 
         k_dim, v_dim = c.cache_dims

@@ -8,14 +8,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.layers import gated_delta_net
 from jaxserve.layers.gated_delta_net import gated_delta_scan
 
 HK, HV, DK, DV, K = 2, 4, 8, 4, 4
 C = 2 * HK * DK + HV * DV
 
 
-@pytest.mark.parametrize("chunk", [4, 64])
-def test_chunked_form_equals_the_recurrent_form(chunk):
+@pytest.mark.parametrize(("chunk", "group"), [(4, 2), (64, 4)])
+def test_chunked_form_equals_the_recurrent_form(chunk, group, monkeypatch):
+    """Chunks of 4 tokens and 2 multi-token sequences a pass (2 passes), or one pass."""
+    monkeypatch.setattr(gated_delta_net, "GROUP", group)
     rng = np.random.default_rng(0)
     q_lens, first_pos = [9, 1, 4, 13], [0, 30, 7, 0]  # seq 0 and 3 fresh: their states drop
     rows = [3, 0, 5, 1]  # input-batch rows of 6
