@@ -12,7 +12,6 @@ from jaxserve.entrypoints.llm import LLM
 from tests.helpers import assert_generate_matches_hf, make_tiny_hf
 from tests.models.test_llama_parity import FAMILIES as DENSE
 from tests.models.test_moe import FAMILIES as MOE
-from tests.models.test_qwen3_next import QWEN3_NEXT
 
 GENERATE = {  # one configuration per family, the parity test's
     "llama": DENSE["llama3-rope-tied"],
@@ -29,8 +28,9 @@ GENERATE = {  # one configuration per family, the parity test's
     "deepseek_v2": ("deepseek_v2", MOE["deepseek_v2"]),
     "gpt_oss": ("gpt_oss", MOE["gpt_oss"]),
     "llama4": ("llama4", MOE["llama4"]),
-    "qwen3_next": ("qwen3_next", QWEN3_NEXT),  # hybrid: linear-attention states per request
 }
+# Qwen3-Next (a hybrid: linear-attention states per request) is run the same way, at tp 1
+# and 2, in test_qwen3_next.py.
 # 7 usable KV blocks of 16 for prompts of 9, 23 and 14 tokens and 32 new tokens each (10
 # blocks at once): requests are preempted and recomputed, prefix caching on
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtype="float32",
@@ -40,10 +40,9 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtyp
 # are the same MoE layer, split alike); the dense families' own splits (qwen2's qkv bias,
 # phi3's fused checkpoint, qwen3, gemma3) are compared at tp 1, 2 and 4 in
 # tests/distributed/test_tensor_parallel.py.
-# Qwen3-Next: its gated attention's heads split, the linear layers' states replicated.
 # DeepSeek at tp 2 (MLA's heads split, the latent replicated on each rank) against HF:
 # test_moe.py's offloading test.
-TP2 = ("llama", "qwen3_moe", "qwen3_next")
+TP2 = ("llama", "qwen3_moe")
 CASES = [(family, 1) for family in sorted(GENERATE)] + [(family, 2) for family in TP2]
 
 

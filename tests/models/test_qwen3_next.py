@@ -1,10 +1,9 @@
 """Qwen3-Next, a hybrid model: gated delta-net layers keep a state per request (its
-input-batch row), full-attention layers paged KV blocks. Through the whole engine: greedy
-tokens and logprobs equal HF generate's (test_family_generate.py runs the chunked-prefill,
-preemption and tp 2 cases); here rows reused by later requests start from zeros, nothing
-compiles while serving, the cache holds K/V for the attention layers only, and what a
-per-request state cannot honour (prefix caching, speculative decoding, KV transfer) is
-turned off or refused by name."""
+input-batch row), full-attention layers paged KV blocks. Logits equal HF's; through the whole
+engine (chunked prefill, preemption, tp 2) greedy tokens and logprobs equal HF generate's,
+rows reused by later requests start from zeros, nothing compiles while serving, the cache
+holds K/V for the attention layers only, and what a per-request state cannot honour (prefix
+caching, speculative decoding, KV transfer) is turned off or refused by name."""
 
 import logging
 
@@ -48,12 +47,16 @@ def test_logits_match_hf(model_dir):
         np.testing.assert_allclose(logits[seq], hf_logits(ref, tokens), atol=1e-4, rtol=0)
 
 
-def test_rows_reused_by_later_requests_start_from_zeros(model_dir, monkeypatch):
-    """Six requests through two input-batch rows: each row's state is taken over by later
-    requests, which must start from zeros (HF's tokens), with no compilation while serving."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generate_matches_hf_through_reused_rows_and_preemption(model_dir, tp, monkeypatch):
+    """Six requests through two input-batch rows, prefilled in 16-token chunks (each
+    continuing its row's state) and preempted by a 4-block pool: rows taken over by later
+    requests, and requests recomputed after preemption, start from zeros. HF's tokens, at tp
+    1 and 2 (the gated attention's heads split, the states replicated), no compilation while
+    serving, no blocks leaked."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
-              dtype="float32")  # fmt: skip
+              dtype="float32", num_gpu_blocks_override=5, tensor_parallel_size=tp)  # fmt: skip
     runner = llm.llm_engine.engine_core.engine_core.runner
     k, v, conv, rec = runner.kv_caches
     assert k.shape[0] == runner.num_blocks  # one attention layer's blocks
@@ -69,6 +72,9 @@ def test_rows_reused_by_later_requests_start_from_zeros(model_dir, monkeypatch):
     prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 11, 7, 30, 13)]
     assert_generate_matches_hf(llm, model_dir, prompts, max_tokens=12)
     assert num_compilations() == compiled
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    assert scheduler.total_preemptions > 0
+    scheduler.kv_cache_manager.check_no_leaks()
 
 
 def test_what_a_per_request_state_cannot_honour(model_dir, caplog):
