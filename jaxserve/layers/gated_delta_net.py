@@ -15,13 +15,14 @@ recomputed after preemption):
              token each, the update above once;
   chunked    a mixed step's multi-token sequences, GROUP at a time (gathered to the front
              first, so a pass never carries the step's other sequences): CHUNK tokens of
-             each per iteration of a loop as long as its longest needs. Within a chunk, with G the cumulative log
-             decay and u_t = beta_t (v_t - S'_t^T k_t) the values the rule writes, the u solve
-             a unit lower-triangular system (I + A) u = beta (v - exp(G) K S0), A[t, i] =
-             beta_t exp(G_t - G_i) k_t . k_i for i < t; then O = exp(G) Q S0 + (exp(G_t -
-             G_i) q_t . k_i)_{i <= t} U and S = exp(G_C) S0 + K^T (exp(G_C - G) U): matrix
-             products instead of one step per token. Tokens past a sequence's end in its last
-             chunk have beta = 0 and g = 0, so they change nothing.
+             each per iteration of a loop as long as its longest needs. Within a chunk, with
+             G the cumulative log decay and u_t = beta_t (v_t - S'_t^T k_t) the values the
+             rule writes, the u solve a unit lower-triangular system (I + A) u = beta (v -
+             exp(G) K S0), A[t, i] = beta_t exp(G_t - G_i) k_t . k_i for i < t (forward
+             substitution); then O = exp(G) Q S0 + (exp(G_t - G_i) q_t . k_i)_{i <= t} U and
+             S = exp(G_C) S0 + K^T (exp(G_C - G) U): matrix products, not a step per token.
+             Tokens past a sequence's end in its last chunk have beta = 0 and g = 0, so they
+             change nothing.
 """
 
 from __future__ import annotations
