@@ -247,7 +247,7 @@ def main() -> None:
         args.warmup, args.iters, args.chain_ms = 1, 2, 0.0
         args.rotate_mb, args.max_copies = 1, 2  # two copies: the rotation runs too
         if args.mla_latent:  # one decode case and one mixed: the path, not a sweep
-            args.num_q_heads, args.num_kv_heads, args.head_dim, args.mla_latent = 20, 1, 80, 64
+            args.num_q_heads, args.num_kv_heads, args.head_dim, args.mla_latent = 4, 1, 80, 64
             args.batch_sizes = [1]
 
     device = jax.devices()[0]
