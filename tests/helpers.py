@@ -342,8 +342,7 @@ def _make_forward(model, replicated):
     @functools.partial(jax.jit, donate_argnums=(3,))
     def forward(state, input_ids, positions, kv, md, token_rows):
         m = nnx.merge(graphdef, state)
-        extra = {"token_rows": token_rows} if getattr(m, "hybrid", False) else {}
-        hidden, kv = m(input_ids, positions, kv, md, **extra)
+        hidden, kv = m(input_ids, positions, kv, md, token_rows=token_rows)
         logits = jax.lax.with_sharding_constraint(m.compute_logits(hidden), replicated)
         return logits, kv  # logits of every row (tests only; the runner picks last tokens)
 

@@ -67,6 +67,13 @@ class AttentionMetadata(NamedTuple):
     num_seqs: jax.Array
     decode_only: bool = False
 
+    def at_layer(self, index: int, num_blocks: int, block_size: int) -> AttentionMetadata:
+        """This metadata for the cache's index-th layer, whose blocks are rows index *
+        num_blocks + block_id of the [L * num_blocks, ...] cache (padding slots stay < 0)."""
+        offset = index * num_blocks
+        slots = jnp.where(self.slot_mapping >= 0, self.slot_mapping + offset * block_size, -1)
+        return self._replace(block_tables=self.block_tables + offset, slot_mapping=slots)
+
 
 jax.tree_util.register_pytree_with_keys(
     AttentionMetadata,

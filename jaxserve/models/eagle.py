@@ -109,11 +109,7 @@ def _run_layers(layers, x, positions, kv_caches: KVCaches, md: AttentionMetadata
     num_blocks = k_cache.shape[0] // len(layers)
     block_size = k_cache.shape[1]
     for i, layer in enumerate(layers):
-        offset = i * num_blocks
-        layer_md = md._replace(
-            block_tables=md.block_tables + offset,
-            slot_mapping=jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1),
-        )
+        layer_md = md.at_layer(i, num_blocks, block_size)
         x, k_cache, v_cache = layer(*extra, x, positions, k_cache, v_cache, layer_md)
     return x, (k_cache, v_cache)
 

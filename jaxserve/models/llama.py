@@ -99,10 +99,12 @@ class LlamaForCausalLM(nnx.Module):
         kv_caches: KVCaches,
         md: AttentionMetadata,
         aux_layers: tuple[int, ...] = (),
+        token_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCaches] | tuple[jax.Array, KVCaches, jax.Array]:
         """input_ids, positions: i32[T] -> (final hidden states [T, D], updated kv_caches);
         aux_layers: also the inputs of those layers, concatenated [T, D * len(aux_layers)]
-        (an EAGLE-3 head's feature)."""
+        (an EAGLE-3 head's feature); token_rows i32[T]: each token's input-batch row, which
+        only a hybrid model's per-request states read (models/qwen3_next.py)."""
         k_cache, v_cache = kv_caches
         num_blocks = k_cache.shape[0] // len(self.layers)
         block_size = k_cache.shape[1]
@@ -113,13 +115,7 @@ class LlamaForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(h)
-            offset = i * num_blocks  # this layer's blocks in the cache
-            layer_md = md._replace(
-                block_tables=md.block_tables + offset,
-                slot_mapping=jnp.where(
-                    md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1
-                ),
-            )
+            layer_md = md.at_layer(i, num_blocks, block_size)  # this layer's blocks
             h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md)
         if aux_layers:
             return self.norm(h), (k_cache, v_cache), jnp.concatenate(aux, axis=-1)

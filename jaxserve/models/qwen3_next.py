@@ -47,12 +47,12 @@ class Qwen3NextDecoderLayer(nnx.Module):
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = Qwen3NextDecoderLayer
     norm_cls = GemmaRMSNorm
-    hybrid = True  # the forward takes each token's input-batch row (its state slot)
 
     def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata,
-                 aux_layers: tuple[int, ...] = (), *, token_rows: jax.Array):  # fmt: skip
-        """input_ids, positions, token_rows: i32[T] -> (final hidden states [T, D], caches
-        with this step's K/V and states written)."""
+                 aux_layers: tuple[int, ...] = (), token_rows: jax.Array = None):  # fmt: skip
+        """input_ids, positions, token_rows (each token's state slot): i32[T] -> (final hidden
+        states [T, D], caches with this step's K/V and states written). No EAGLE-3 features
+        (speculative decoding is refused for hybrid models)."""
         k_cache, v_cache, conv, rec = kv_caches
         num_blocks = k_cache.shape[0] // len(self.config.kv_layers)
         block_size = k_cache.shape[1]
@@ -68,13 +68,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
                 conv, rec = (*conv[:i], conv_l, *conv[i + 1 :]), (*rec[:i], rec_l, *rec[i + 1 :])
                 lin_index += 1
             else:
-                offset = kv_index * num_blocks
-                layer_md = md._replace(
-                    block_tables=md.block_tables + offset,
-                    slot_mapping=jax.numpy.where(
-                        md.slot_mapping >= 0, md.slot_mapping + offset * block_size, -1
-                    ),
-                )
+                layer_md = md.at_layer(kv_index, num_blocks, block_size)
                 out, k_cache, v_cache = layer.self_attn(x, positions, k_cache, v_cache, layer_md)
                 kv_index += 1
             h = h + out

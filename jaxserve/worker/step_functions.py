@@ -50,13 +50,12 @@ def forward(model_def: ModelDef, params, kv_caches, last_tokens, inputs: Forward
     model = model_def.merge(params)
     input_ids = jnp.where(inputs.input_ids < 0, last_tokens[inputs.token_rows], inputs.input_ids)
     rows = inputs.logits_indices
+    out = model(input_ids, inputs.positions, kv_caches, inputs.attn, model_def.aux_layers,
+                token_rows=inputs.token_rows)  # fmt: skip
     if model_def.aux_layers:
-        hidden, kv_caches, aux = model(
-            input_ids, inputs.positions, kv_caches, inputs.attn, aux_layers=model_def.aux_layers
-        )
+        hidden, kv_caches, aux = out
         return hidden[rows], hidden, kv_caches, aux, aux[rows]
-    extra = {"token_rows": inputs.token_rows} if getattr(model, "hybrid", False) else {}
-    hidden, kv_caches = model(input_ids, inputs.positions, kv_caches, inputs.attn, **extra)
+    hidden, kv_caches = out
     return hidden[rows], hidden, kv_caches
 
 

@@ -312,6 +312,19 @@ def _latent_views(spec_fn, width: int, latent: int | None):
     return spec_fn(latent, 0), spec_fn(rope, latent // rope)
 
 
+def _cache_inputs(k_cache, v_cache, *, blocks, latent, sink, q_rope):
+    """Both kernels' cache operands: the required K (MLA: its latent columns) and the
+    optional [V (none for MLA), sink, q_rope (MLA's rotary query), K's rotary columns (MLA)]
+    for `_with_inputs`; sink and q_rope are (spec, operand) pairs or None."""
+    k_spec, kr_spec = _latent_views(
+        lambda w, c: _kv_head_spec(k_cache.shape, 1, blocks=blocks, columns=(w, c)),
+        k_cache.shape[-1], latent,
+    )  # fmt: skip
+    v = None if latent is not None else (_kv_head_spec(v_cache.shape, 1), v_cache)
+    k_rope = None if latent is None else (kr_spec, k_cache)
+    return (k_spec, k_cache), [v, sink, q_rope, k_rope]
+
+
 def split_heads(q: jax.Array, num_kv_heads: int, max_group: int | None) -> tuple[jax.Array, int]:
     """q [T, Hq, D] -> ([T, Hkv * blocks, g, D], blocks): each KV head's group of query heads
     in `blocks` blocks of g <= max_group heads (None: one block), the group padded with zero
@@ -355,19 +368,18 @@ def _decode(
         lambda w, c: pl.BlockSpec((None, None, rows, w), lambda s, h, k: (s, h, 0, c)),
         head_dim, latent,
     )  # fmt: skip
-    k_spec, kr_spec = _latent_views(
-        lambda w, c: _kv_head_spec(k_cache.shape, 1, blocks=blocks, columns=(w, c)),
-        k_cache.shape[-1], latent,
+    k_input, optional = _cache_inputs(
+        k_cache, v_cache, blocks=blocks, latent=latent,
+        sink=None if sinks is None else (pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)),
+                                         sink_rows),
+        q_rope=None if latent is None else (qr_spec, q_rows),
     )  # fmt: skip
     kernel, in_specs, args = _with_inputs(
         kernel,
         [(_whole((max_seqs,)), kv_lens),
-         (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)),
-         (q_spec, q_rows), (k_spec, k_cache)],
-        [None if latent is not None else (_kv_head_spec(v_cache.shape, 1), v_cache),
-         None if sinks is None else (pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)), sink_rows),
-         None if latent is None else (qr_spec, q_rows),
-         None if latent is None else (kr_spec, k_cache)],
+         (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)), (q_spec, q_rows),
+         k_input],
+        optional,
     )  # fmt: skip
     if num_splits == 1:  # the kernel writes the output rows in q's dtype: nothing to merge
         out_specs = pl.BlockSpec((None, None, rows, out_dim), lambda s, h, k: (s, h, 0, 0))
@@ -430,21 +442,19 @@ def _mixed(
     sink_width = decode_rows(group)  # a power of two >= group
     sink_rows = None if sinks is None else _sink_rows(sinks, num_heads, sink_width)
     q_spec, qr_spec = _latent_views(rows_spec, head_dim, latent)
-    k_spec, kr_spec = _latent_views(
-        lambda w, c: _kv_head_spec(k_cache.shape, 1, blocks=blocks, columns=(w, c)),
-        k_cache.shape[-1], latent,
+    k_input, optional = _cache_inputs(
+        k_cache, v_cache, blocks=blocks, latent=latent,
+        sink=None if sinks is None else (pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)),
+                                         sink_rows),
+        q_rope=None if latent is None else (qr_spec, q_rows),
     )  # fmt: skip
     kernel, in_specs, args = _with_inputs(
         kernel,
         [(_whole((max_tiles,)), tile_seq), (_whole((max_tiles,)), tile_row),
          (_whole((max_seqs,)), kv_lens), (_whole((max_seqs + 1,)), query_start_loc),
          (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)), (q_spec, q_rows),
-         (k_spec, k_cache)],
-        [None if latent is not None else (_kv_head_spec(v_cache.shape, 1), v_cache),
-         None if sinks is None else
-         (pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)), sink_rows),
-         None if latent is None else (qr_spec, q_rows),
-         None if latent is None else (kr_spec, k_cache)],
+         k_input],
+        optional,
     )  # fmt: skip
     if num_splits == 1:
         out_specs = rows_spec(out_dim, 0)
