@@ -229,8 +229,10 @@ def test_moe_engines_step_together_while_any_has_work(tmp_path, monkeypatch):
                 await asyncio.sleep(0.05)
             assert lb.all_idle() and lb.wave >= 1
             e0, e1 = engine_states(await llm.call_utility("get_state"))
-            # (engine 0 may run one or two after its request, until the wave's end reaches it)
-            assert e0["num_dummy_steps"] <= 3 and e1["num_dummy_steps"] >= 10, (e0, e1)
+            # engine 0 runs a few after its request, until the wave's end reaches it (4 under a
+            # loaded CI machine): few against idle engine 1's, one per step of the request
+            assert e1["num_dummy_steps"] >= 10, (e0, e1)
+            assert e0["num_dummy_steps"] * 4 <= e1["num_dummy_steps"], (e0, e1)
             await asyncio.sleep(0.5)
             later = engine_states(await llm.call_utility("get_state"))[1]["num_dummy_steps"]
             assert later == e1["num_dummy_steps"]  # the wave ended: no more dummy steps
