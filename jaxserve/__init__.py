@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineArgs": "jaxserve.engine.arg_utils",
     "AsyncEngineArgs": "jaxserve.engine.arg_utils",
     "AsyncLLM": "jaxserve.engine.async_llm",
+    "LoRARequest": "jaxserve.lora_request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

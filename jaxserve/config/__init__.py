@@ -5,6 +5,7 @@
   pooler.py       PoolerConfig (a pooling runner: embeddings)
   speculative.py  SpeculativeConfig (--speculative-config)
   kv_transfer.py  KVTransferConfig (--kv-transfer-config) and the KV connectors' names
+  lora.py         LoRAConfig (--enable-lora and its limits)
 
 The package imports nothing of jaxserve but `jaxserve.envs`: every layer may read a config.
 `from jaxserve.config import EngineConfig` etc. work for every public name below.
@@ -24,6 +25,7 @@ from jaxserve.config.kv_transfer import (
     KV_ROLES,
     KVTransferConfig,
 )
+from jaxserve.config.lora import LORA_ARCHITECTURES, LORA_DTYPES, LoRAConfig
 from jaxserve.config.model import (
     ACTIVATIONS,
     QUANTIZATIONS,
@@ -36,6 +38,9 @@ from jaxserve.config.quantization import GROUPED_QUANT, checkpoint_quantization,
 from jaxserve.config.speculative import SPEC_METHODS, SpeculativeConfig
 
 __all__ = [
+    "LORA_ARCHITECTURES",
+    "LORA_DTYPES",
+    "LoRAConfig",
     "GROUPED_QUANT",
     "int4_layout",
     "ACTIVATIONS",

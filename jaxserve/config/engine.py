@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from jaxserve.config.kv_transfer import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, KVTransferConfig
+from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.model import ModelConfig
 from jaxserve.config.pooler import PoolerConfig
 from jaxserve.config.speculative import SpeculativeConfig
@@ -133,6 +134,7 @@ class EngineConfig:
     reasoning_parser: str | None = None  # structured outputs bind after the reasoning ends
     pooler: PoolerConfig | None = None  # set: a pooling runner (embeddings), no generation
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # --enable-lora: adapters in device slots (models/lora.py)
     # Ready once the step shapes that can serve any step are; the rest in the background
     # (ModelRunner.compile_all). Not part of what the executables depend on: no repr.
     background_compile: bool = dataclasses.field(default=False, compare=False, repr=False)

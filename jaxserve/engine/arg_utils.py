@@ -19,9 +19,11 @@ import jax
 
 from jaxserve.config import (
     DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
+    LORA_ARCHITECTURES,
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
@@ -113,6 +115,13 @@ class EngineArgs:
     # and max_num_seqs', the greedy and all-pass samplers); the rest load or compile in the
     # background and are used once ready. Default off (`LLM`); on for `jaxserve serve`.
     background_compile: bool = False
+    # LoRA adapters (vLLM's flags; config/lora.py): device slots, the rank they are padded to,
+    # adapters kept on the host (default max_loras), the slots' dtype
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
     # Default sampling parameters (vLLM's): "auto", the model's generation_config.json; "vllm",
     # none; or a directory holding one. Its max_new_tokens caps every request's output.
     generation_config: str = "auto"
@@ -218,6 +227,7 @@ class EngineArgs:
             reasoning_parser=self.reasoning_parser,
             pooler=pooler,
             speculative=speculative,
+            lora=self._lora(model_config),
             # every rank must have every shape when rank 0 picks one
             background_compile=self.background_compile and self.nnodes == 1,
             kv_transfer=kv_transfer,
@@ -227,6 +237,17 @@ class EngineArgs:
                 self.generation_config, self.override_generation_config
             ),
         )
+
+    def _lora(self, model_config) -> LoRAConfig | None:
+        """--enable-lora's config; refused by name for the models it does not serve."""
+        if not self.enable_lora:
+            return None
+        if model_config.architecture not in LORA_ARCHITECTURES or model_config.num_experts:
+            raise ValueError(
+                f"enable_lora: LoRA is not supported for {model_config.architecture}; it is "
+                f"for the dense {', '.join(LORA_ARCHITECTURES)} models"
+            )
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def _attention_backend(self) -> str:
         """--attention-backend, or the platform's default; checked against what this

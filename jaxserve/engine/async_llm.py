@@ -30,6 +30,7 @@ from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import SchedulerStats
+from jaxserve.lora_request import LoRARequest
 from jaxserve.metrics import IterationStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -153,13 +154,15 @@ class AsyncLLM:
         priority: int = 0,
         data_parallel_rank: int | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs (per sampling_params.output_kind) until it
         finishes. Raises ValueError for bad input, RequestFailedError if it fails alone,
         EngineDeadError if the core dies.
         data_parallel_rank: run it on that engine (default: the least loaded).
         kv_transfer_params: for the engine's KV connector (disaggregated prefill). A prompt
-        dict's "cache_salt" keeps its prefix-cache entries apart from other salts' (vLLM's)."""
+        dict's "cache_salt" keeps its prefix-cache entries apart from other salts' (vLLM's).
+        lora_request: the LoRA adapter to run it with (--enable-lora)."""
         if self.errored:
             raise self.dead or self.engine_core.dead
         if request_id in self.collectors:
@@ -170,6 +173,7 @@ class AsyncLLM:
             request_id, ids, sampling_params, priority=priority,
             kv_transfer_params=kv_transfer_params,
             cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+            lora_request=lora_request,
         )  # fmt: skip
         request.data_parallel_rank = data_parallel_rank
         collector = RequestOutputCollector(request.sampling_params.output_kind)
@@ -239,6 +243,11 @@ class AsyncLLM:
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         return await self.engine_core.call_utility_async(method, *args)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter's weights from every engine's slots and host cache (requests
+        running with it finish first: the engines keep what those still need)."""
+        await self.call_utility("remove_lora", lora_int_id)
 
     def shutdown(self) -> None:
         if self.output_handler is not None:

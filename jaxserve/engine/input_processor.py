@@ -9,9 +9,10 @@ from typing import Any
 
 import msgspec
 
-from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, EngineConfig
+from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, EngineConfig, LoRAConfig
 from jaxserve.distributed.kv_transfer.params import validate_kv_transfer_params
 from jaxserve.ipc.messages import EngineCoreRequest
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import MAX_BIAS_TOKENS, SamplingParams
 from jaxserve.structured_output import validate_structured_outputs
 
@@ -27,10 +28,12 @@ class InputProcessor:
         eos_token_id: int | None,
         kv_transfer_allowed_hosts: tuple[str, ...] = DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
         max_tokens_cap: int | None = None,
+        lora: LoRAConfig | None = None,
     ):
         """max_tokens_cap: the generation config's max_new_tokens, a cap on every request's
-        output tokens (vLLM's)."""
+        output tokens (vLLM's); lora: --enable-lora's config (None: adapters refused)."""
         self.tokenizer = tokenizer
+        self.lora = lora
         self.max_tokens_cap = max_tokens_cap
         self.kv_transfer_allowed_hosts = kv_transfer_allowed_hosts
         self.vocab_size = vocab_size
@@ -55,6 +58,7 @@ class InputProcessor:
             eos_token_id=eos,
             kv_transfer_allowed_hosts=config.kv_transfer_allowed_hosts,
             max_tokens_cap=max_tokens_cap,
+            lora=config.lora,
         )
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
@@ -93,10 +97,12 @@ class InputProcessor:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         *, priority: int = 0, arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None, cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:  # fmt: skip
         """kv_transfer_params: for the engine's KV connector (disaggregated prefill), only in
         the shape the proxy sends and naming only --kv-transfer-allowed-hosts;
-        cache_salt: isolates the request's prefix-cache entries from other salts'.
+        cache_salt: isolates the request's prefix-cache entries from other salts';
+        lora_request: the adapter it runs with (needs --enable-lora).
         Every integer that reaches a fixed-width array is bounded here (or capped, as vLLM
         does: top_k at the vocabulary)."""
         if params.truncate_prompt_tokens is not None:
@@ -174,6 +180,8 @@ class InputProcessor:
             raise ValueError(f"priority must be a 64-bit signed integer, got {priority}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        if lora_request is not None:
+            self._validate_lora(lora_request)
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -183,7 +191,25 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            lora_request=lora_request,
         )
+
+    def _validate_lora(self, lora_request: LoRARequest) -> None:
+        """vLLM's checks: LoRA enabled, a positive id, a name and a path."""
+        if self.lora is None:
+            raise ValueError(
+                f"got lora_request {lora_request.lora_name!r} but LoRA is not enabled: start "
+                "the engine with enable_lora=True (--enable-lora)"
+            )
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        if not lora_request.lora_name or lora_request.lora_int_id < 1:
+            raise ValueError(
+                f"lora_request needs a name and a lora_int_id of at least 1, got "
+                f"{lora_request.lora_name!r} / {lora_request.lora_int_id}"
+            )
+        if not lora_request.lora_path:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} has no lora_path")
 
     def _truncate(self, prompt_token_ids: list[int], k: int) -> list[int]:
         """The last k tokens (vLLM's truncate_prompt_tokens; -1: max_model_len)."""

@@ -20,6 +20,7 @@ from jaxserve.engine.core_client import EngineCoreClient, InprocClient, SyncMPCl
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import EngineCoreRequest, SchedulerStats
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.transformers_utils.config import log_generation_defaults
@@ -75,7 +76,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests in
     def process_inputs(
         self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None, lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:  # fmt: skip
         """Tokenize and validate (ValueError naming the bad value); queues nothing.
         kv_transfer_params: for the engine's KV connector (disaggregated prefill); a prompt
@@ -88,6 +89,7 @@ class LLMEngine:
             priority=priority,
             kv_transfer_params=kv_transfer_params,
             cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+            lora_request=lora_request,
         )
 
     def add_processed_request(self, text: str | None, request: EngineCoreRequest) -> None:
@@ -95,10 +97,11 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None, lora_request: LoRARequest | None = None,
     ) -> None:  # fmt: skip
         self.add_processed_request(*self.process_inputs(
-            request_id, prompt, params, priority=priority, kv_transfer_params=kv_transfer_params
+            request_id, prompt, params, priority=priority, kv_transfer_params=kv_transfer_params,
+            lora_request=lora_request,
         ))  # fmt: skip
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -117,6 +120,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter's weights from the engine (AsyncLLM.remove_lora)."""
+        self.engine_core.call_utility("remove_lora", lora_int_id)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
@@ -45,9 +46,12 @@ class LLM:
         *,
         use_tqdm: bool = True,
         kv_transfer_params: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """kv_transfer_params (one for every prompt, or one per prompt): for the engine's KV
-        connector (disaggregated prefill); the outputs carry what it hands back."""
+        connector (disaggregated prefill); the outputs carry what it hands back.
+        lora_request (one for every prompt, or one per prompt; needs enable_lora=True): the
+        LoRA adapter each prompt runs with (None: the base model)."""
         if self.llm_engine.config.pooler is not None:
             raise ValueError("this LLM runs a pooling model (runner='pooling'): use LLM.embed()")
         if isinstance(prompts, (str, dict)):
@@ -65,11 +69,19 @@ class LLM:
             raise ValueError(
                 f"got {len(kv_transfer_params)} kv_transfer_params for {len(prompts)} prompts"
             )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} lora_request for {len(prompts)} prompts")
         # Validate everything before anything is queued: a bad prompt fails alone, at once.
         engine = self.llm_engine
         queued = [
-            engine.process_inputs(str(next(self._counter)), prompt, params, kv_transfer_params=kv)
-            for prompt, params, kv in zip(prompts, sampling_params, kv_transfer_params, strict=True)
+            engine.process_inputs(
+                str(next(self._counter)), prompt, params, kv_transfer_params=kv, lora_request=lora
+            )
+            for prompt, params, kv, lora in zip(
+                prompts, sampling_params, kv_transfer_params, lora_request, strict=True
+            )
         ]
         for text, request in queued:
             engine.add_processed_request(text, request)
@@ -118,6 +130,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
@@ -133,7 +146,7 @@ class LLM:
             prompts.append(
                 {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids}
             )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

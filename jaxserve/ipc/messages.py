@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # instance's {"do_remote_decode": true} or a decode instance's {"do_remote_prefill": true,
     # "remote_host": ..., "remote_port": ...} (what the prefill instance's response carried).
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (--enable-lora)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
