@@ -100,6 +100,10 @@ def read_adapter_config(path: str, max_lora_rank: int | None = None) -> AdapterC
         "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
         "layers_to_transform": "layers_to_transform is not supported",
         "fan_in_fan_out": "fan_in_fan_out (Conv1D layers) is not supported",
+        "lora_bias": "a bias on lora_B (lora_bias) is not supported",
+        "layer_replication": "layer_replication is not supported",
+        "trainable_token_indices": "trainable token embeddings are not supported",
+        "target_parameters": "LoRA on parameters (target_parameters) is not supported",
     }
     for key, why in refused.items():
         if raw.get(key):

@@ -380,3 +380,34 @@ def drain_engine(engine, finished: dict | None = None) -> dict:
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     return finished
+
+
+def make_tiny_adapter(base_dir: Path, out_dir: Path, *, r: int, seed: int,
+                      targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                               "down_proj"), alpha: float = 16.0, rslora: bool = False,
+                      std: float = 0.05) -> Path:  # fmt: skip
+    """Save a PEFT LoRA adapter of rank r for the HF model at base_dir to out_dir, A and B
+    drawn from N(0, std) (B non-zero, so the adapter changes the output)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora,
+                        lora_dropout=0.0)  # fmt: skip
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_model(base_dir: Path, adapter_dir: Path):
+    """HF's model at base_dir with PEFT's adapter from adapter_dir applied (fp32, eval)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(model, adapter_dir).eval()

@@ -96,6 +96,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0  # since the last stats
     spec_decoding: SpecDecodingStats | None = None  # set when speculative decoding is on
     kv_connector: KVConnectorStats | None = None  # set with a KV connector
+    # --enable-lora: requests per adapter name, running and waiting (vLLM's lora_requests_info)
+    running_lora_adapters: dict[str, int] | None = None
+    waiting_lora_adapters: dict[str, int] | None = None
+    max_loras: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):
