@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxserve.core.kv_cache_utils import BlockHash, extend_block_hashes
 from jaxserve.core.scheduler_output import PromptLogprobs
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
+        lora_request: LoRARequest | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -58,6 +60,12 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
+        self.lora_request = lora_request  # its LoRA adapter, or None
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        # The prefix-cache key of its first block: the cache salt and the adapter's name and
+        # load id, so adapters (and reloads of one name) never share KV blocks.
+        if lora_request is not None:
+            cache_salt = f"{cache_salt or ''}\x00lora\x00{lora_request.cache_key}"
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params  # a KV connector's (distributed/kv_transfer)
         self.block_size = block_size

@@ -8,7 +8,8 @@ Each step, `schedule()` (vLLM V1's) fills a StepPlan (core/scheduler_utils.py) i
      waiting queue (core/request_queue.py) and will recompute.
   2. `_schedule_waiting`: then waiting requests, while budget, max_num_seqs and free blocks
      allow: each first takes its longest prefix-cache hit, then its prompt, split across steps
-     when longer than the remaining budget. Not in a step that preempted a request.
+     when longer than the remaining budget. Not in a step that preempted a request, and none
+     whose LoRA adapter would make the running set hold more than max_loras adapters.
   3. `_make_output`: the scheduled tokens count as computed; the step's SchedulerOutput.
 `update_from_output` applies each request's results (the sampled tokens and the stop conditions:
 scheduler_utils.update_request_from_step) and frees finished requests' blocks.
@@ -45,6 +46,8 @@ from jaxserve.core.scheduler_remote import RemoteKVLoads
 from jaxserve.core.scheduler_utils import (
     StepPlan,
     drafts_to_schedule,
+    lora_blocked,
+    lora_stats,
     num_tokens_to_schedule,
     update_request_from_step,
 )
@@ -68,13 +71,16 @@ class Scheduler(RemoteKVLoads):
         num_lookahead_tokens: int = 0,
         draft_step_tokens: int | None = None,
         connector: SchedulerKVConnector | None = None,
+        max_loras: int = 0,
     ):
         """speculative: drafts are scheduled (Request.spec_token_ids); num_lookahead_tokens:
         KV slots kept free after each request's tokens for a draft model's proposals;
         draft_step_tokens: drafts only fill a step up to the power of two its other tokens
         need, or up to this many tokens (None: no limit but the budget). A draft token costs
         a forward token and a sampling row: nearly free while the step is bound by reading the
-        weights (few tokens), a full token's compute once it is not (many)."""
+        weights (few tokens), a full token's compute once it is not (many). max_loras: the
+        distinct LoRA adapters the running set may hold (0: LoRA off)."""
+        self.max_loras = max_loras
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
         self.block_size = cache_config.block_size
@@ -235,6 +241,9 @@ class Scheduler(RemoteKVLoads):
                     continue
                 if not self._grammar_compiled(request):  # finished, off the queue
                     continue
+            if lora_blocked(request, self.running, self.max_loras):  # waits for a slot
+                skipped.append(self.waiting.pop_request())
+                continue
             try:
                 admitted = self._admit(request, plan)
             except Exception as e:  # its KV connector's calls: it alone fails
@@ -430,6 +439,7 @@ class Scheduler(RemoteKVLoads):
             num_preemptions=preemptions,
             spec_decoding=self._take_spec_stats(),
             kv_connector=self.connector.take_stats() if self.connector is not None else None,
+            **lora_stats(self.running, self.waiting, self.max_loras),
         )
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:

@@ -24,6 +24,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    lora_int_id: int = 0  # its LoRA adapter (0: none)
 
 
 @dataclasses.dataclass

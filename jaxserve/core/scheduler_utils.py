@@ -8,6 +8,7 @@ a token whose sampled successor would pass either.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,7 @@ class StepPlan:
                 block_ids,
                 request.num_computed_tokens,
                 request.eos_token_id,
+                request.lora_int_id,
             )
         )
 
@@ -210,3 +212,26 @@ def make_engine_core_output(
         pooled=runner_output.pooled.get(request.request_id),
         scheduled_time=request.take_scheduled_time(),
     )
+
+
+def lora_blocked(request: Request, running: list[Request], max_loras: int) -> bool:
+    """Whether admitting `request` would put more than max_loras distinct LoRA adapters into
+    the running set (max_loras 0: LoRA is off). vLLM's rule: such a request waits."""
+    if not max_loras or not request.lora_int_id:
+        return False
+    loras = {r.lora_int_id for r in running if r.lora_int_id}
+    return request.lora_int_id not in loras and len(loras) >= max_loras
+
+
+def lora_stats(running, waiting, max_loras: int) -> dict:
+    """SchedulerStats' adapter fields (vLLM's lora_requests_info): requests per adapter name,
+    running and waiting; nothing when LoRA is off (max_loras 0)."""
+    if not max_loras:
+        return {}
+
+    def count(requests) -> dict[str, int]:
+        return dict(collections.Counter(r.lora_request.lora_name for r in requests
+                                        if r.lora_request is not None))  # fmt: skip
+
+    return {"running_lora_adapters": count(running), "waiting_lora_adapters": count(waiting),
+            "max_loras": max_loras}  # fmt: skip

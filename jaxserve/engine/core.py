@@ -84,6 +84,7 @@ class EngineCore:
                 else None
             ),
             connector=self.kv_connector,
+            max_loras=config.lora.max_loras if config.lora is not None else 0,
         )
         self.num_requests_added = 0  # since start-up (data-parallel balance, in get_state)
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
@@ -121,6 +122,10 @@ class EngineCore:
         output comes with the next step's), never the engine."""
         self.num_requests_added += 1
         try:
+            if request.lora_request is not None:  # loaded (and checked) on the host now
+                if getattr(self.runner, "lora", None) is None:
+                    raise ValueError("this engine was started without enable_lora")
+                self.runner.lora.add_adapter(request.lora_request, self._live_loras)
             engine_request = Request(
                 request.request_id,
                 request.prompt_token_ids,
@@ -131,6 +136,7 @@ class EngineCore:
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 kv_transfer_params=request.kv_transfer_params,
+                lora_request=request.lora_request,
             )
         except Exception as e:
             logger.exception("request %s could not be added", request.request_id)
@@ -216,3 +222,14 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def _live_loras(self) -> set[int]:
+        """The LoRA adapters (lora_int_id) of the requests the scheduler holds."""
+        return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter's host copy and device slot (a utility call), once the requests
+        that use it have finished."""
+        if getattr(self.runner, "lora", None) is not None:
+            self.runner.lora.remove_adapter(lora_int_id, self._live_loras())
+        return True

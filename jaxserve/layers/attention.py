@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
+from jaxserve.layers.lora import LoRABatch
 from jaxserve.layers.norm import RMSNorm, rms_normalize
 from jaxserve.layers.rotary import apply_rotary, rope_attention_factor, rope_inv_freq
 from pallas_kernels.paged_attention import (
@@ -227,13 +228,15 @@ class Attention(nnx.Module):
         k_cache: jax.Array,
         v_cache: jax.Array,
         md: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [T, D], positions: [T], caches [num_blocks, block_size, Hkv, hd].
+        """x: [T, D], positions: [T], caches [num_blocks, block_size, Hkv, hd]; lora: the
+        tokens' adapter slots (layers/lora.py) for qkv_proj and o_proj.
 
         Returns (out [T, D], k_cache, v_cache) with this step's K/V written.
         """
         t, hd, g = x.shape[0], self.head_dim, self.group
-        qkv = self.qkv_proj(x).reshape(t, self.num_kv_heads, g + 2, hd)  # [T, Hkv, G + 2, hd]
+        qkv = self.qkv_proj(x, lora).reshape(t, self.num_kv_heads, g + 2, hd)  # [T, Hkv, G + 2, hd]
         inv_freq = rope_inv_freq(self.rotary_dim, self.rope)  # a trace-time constant
         q, k = qkv[:, :, :g].reshape(t, -1, hd), qkv[:, :, g]  # [T, Hq, hd], [T, Hkv, hd]
         if self.qk_norm:
@@ -267,4 +270,4 @@ class Attention(nnx.Module):
         out = out.reshape(t, -1)
         if self.gate_proj is not None:
             out = out * jax.nn.sigmoid(self.gate_proj(x))
-        return self.o_proj(out), k_cache, v_cache
+        return self.o_proj(out, lora), k_cache, v_cache

@@ -7,6 +7,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import GROUPED_QUANT
+from jaxserve.layers.lora import LoRABatch, LoRAWeights
 
 # Quantized kernel dtypes and the largest value each holds.
 QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
@@ -83,9 +84,17 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         act_order = act_order and quant == "int4"
         self.perm = nnx.Param(jnp.arange(d_in, dtype=jnp.int32)) if act_order else None
+        self.lora: LoRAWeights | None = None  # --enable-lora's slots (worker/lora_slots.py)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [T, in] -> [T, out]."""
+    def __call__(self, x: jax.Array, lora: LoRABatch | None = None) -> jax.Array:
+        """x: [T, in] -> [T, out]; lora: each token's adapter slot, when this projection
+        has slots (the adapter reads x as it came, before act-order or input quantization)."""
+        y = self._base(x)
+        if lora is not None and self.lora is not None:
+            y = self.lora(x, y, lora)
+        return y
+
+    def _base(self, x: jax.Array) -> jax.Array:
         if self.perm is not None:  # the kernel's rows are the inputs in perm's order
             x = jnp.take(x, self.perm[...], axis=-1)
         if self.input_quant is not None:

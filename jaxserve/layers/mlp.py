@@ -5,6 +5,7 @@ import jax
 from flax import nnx
 
 from jaxserve.layers.linear import Linear
+from jaxserve.layers.lora import LoRABatch
 
 
 class GatedMLP(nnx.Module):
@@ -20,12 +21,12 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs, **linear)
         self.act = act
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [T, D] -> [T, D]."""
-        gate_up = self.gate_up_proj(x).reshape(x.shape[0], -1, 2)  # [T, F, 2]
+    def __call__(self, x: jax.Array, lora: LoRABatch | None = None) -> jax.Array:
+        """x: [T, D] -> [T, D]; lora: the tokens' adapter slots (layers/lora.py)."""
+        gate_up = self.gate_up_proj(x, lora).reshape(x.shape[0], -1, 2)  # [T, F, 2]
         gate = gate_up[..., 0]
         if self.act == "gelu_pytorch_tanh":
             gate = jax.nn.gelu(gate, approximate=True)
         else:
             gate = jax.nn.silu(gate)
-        return self.down_proj(gate * gate_up[..., 1])
+        return self.down_proj(gate * gate_up[..., 1], lora)

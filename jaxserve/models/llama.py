@@ -27,6 +27,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import Attention, AttentionMetadata
 from jaxserve.layers.fused_moe import FusedMoE
 from jaxserve.layers.linear import Linear
+from jaxserve.layers.lora import LoRABatch
 from jaxserve.layers.mlp import GatedMLP
 from jaxserve.layers.norm import RMSNorm
 
@@ -50,13 +51,14 @@ class DecoderLayer(nnx.Module):
                 act=config.hidden_act, linear=config.linear_kwargs(),
             )  # fmt: skip
 
-    def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
-        """x: [T, D] -> ([T, D], k_cache, v_cache)."""
+    def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata,
+                 lora: LoRABatch | None = None):  # fmt: skip
+        """x: [T, D] -> ([T, D], k_cache, v_cache); lora: the tokens' adapter slots."""
         attn_out, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, md
+            self.input_layernorm(x), positions, k_cache, v_cache, md, lora
         )
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), lora)
         return x, k_cache, v_cache
 
 
@@ -69,6 +71,7 @@ class LlamaForCausalLM(nnx.Module):
     layer_cls: type = DecoderLayer
     norm_cls: type = RMSNorm
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    num_lora_slots: int = 0  # LoRA adapter slots in its projections (worker/lora_slots.py)
 
     def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
         self.config = config
@@ -100,11 +103,14 @@ class LlamaForCausalLM(nnx.Module):
         md: AttentionMetadata,
         aux_layers: tuple[int, ...] = (),
         token_rows: jax.Array | None = None,
+        lora_slots: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCaches] | tuple[jax.Array, KVCaches, jax.Array]:
         """input_ids, positions: i32[T] -> (final hidden states [T, D], updated kv_caches);
         aux_layers: also the inputs of those layers, concatenated [T, D * len(aux_layers)]
         (an EAGLE-3 head's feature); token_rows i32[T]: each token's input-batch row, which
-        only a hybrid model's per-request states read (models/qwen3_next.py)."""
+        only a hybrid model's per-request states read (models/qwen3_next.py); lora_slots
+        i32[T]: each token's adapter slot (-1: none), read when `lora_slots` attached some
+        (worker/lora_slots.py)."""
         k_cache, v_cache = kv_caches
         num_blocks = k_cache.shape[0] // len(self.layers)
         block_size = k_cache.shape[1]
@@ -112,11 +118,14 @@ class LlamaForCausalLM(nnx.Module):
         if self.embed_scale:  # HF rounds the scale to the weights' dtype first
             h = h * jnp.asarray(self.config.hidden_size**0.5, h.dtype)
         aux = []
+        lora = {}
+        if lora_slots is not None and self.num_lora_slots:
+            lora["lora"] = LoRABatch.from_slots(lora_slots, self.num_lora_slots, h.dtype)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(h)
             layer_md = md.at_layer(i, num_blocks, block_size)  # this layer's blocks
-            h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md)
+            h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md, **lora)
         if aux_layers:
             return self.norm(h), (k_cache, v_cache), jnp.concatenate(aux, axis=-1)
         return self.norm(h), (k_cache, v_cache)

@@ -51,6 +51,9 @@ class SafetensorsSource:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> list[str]:
+        return list(self._where)
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             files = ", ".join(sorted({str(f) for f, _ in self._where.values()}))

@@ -28,10 +28,12 @@ class BatchBuilder:
     def __init__(
         self, buckets: BucketTable, *, block_size: int, max_model_len: int,
         max_blocks_per_req: int, vocab_size: int, num_spec_tokens: int = 0,
-        decode_only_forwards: bool = False,
+        decode_only_forwards: bool = False, lora: bool = False,
     ):  # fmt: skip
         """decode_only_forwards: a step whose every request runs one token takes the
-        decode-only forward (`AttentionMetadata.decode_only`)."""
+        decode-only forward (`AttentionMetadata.decode_only`); lora: the forward takes each
+        token's LoRA slot (`InputBatch.lora_slots` of its row)."""
+        self.lora = lora
         self.buckets = buckets
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -90,8 +92,9 @@ class BatchBuilder:
             np.array([num_reqs], np.int32), decode_only,
         )  # fmt: skip
         forward = ForwardInputs(
-            ids, _padded(pos, t, 0), _padded(row_of_token, t, 0), attn, logits_indices
-        )
+            ids, _padded(pos, t, 0), _padded(row_of_token, t, 0), attn, logits_indices,
+            _padded(ib.lora_slots[row_of_token], t, -1) if self.lora else None,
+        )  # fmt: skip
 
         # Prompt logprobs: the token at pos + 1 is the target of position pos, while in the prompt.
         targets = np.full(t, -1, np.int32)
@@ -143,7 +146,10 @@ class BatchBuilder:
             num_seqs=np.zeros(1, np.int32),
             decode_only=decode_only,
         )
-        return ForwardInputs(ids, ids, ids, attn, np.zeros(self.buckets.max_sample_rows, np.int32))
+        return ForwardInputs(
+            ids, ids, ids, attn, np.zeros(self.buckets.max_sample_rows, np.int32),
+            np.full(t, -1, np.int32) if self.lora else None,
+        )  # fmt: skip
 
     def padding_sample(self, s: int, sampling_rows) -> SampleInputs:
         """Sampling inputs of s greedy padding rows (what start-up lowers the sampler with);

@@ -28,6 +28,10 @@ class InputBatch:
         # Tokens whose KV is computed, as the scheduler said in the latest step (where that
         # step's tokens start).
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
+        # LoRA: each row's adapter (lora_int_id, 0: none) and its device slot this step (-1:
+        # none), set by worker/lora_slots.py
+        self.lora_ids = np.zeros(max_num_reqs, np.int64)
+        self.lora_slots = np.full(max_num_reqs, -1, np.int32)
         self.sampling = SamplingRows(max_num_reqs)
 
     def update(self, so: SchedulerOutput) -> list[int]:
@@ -57,6 +61,7 @@ class InputBatch:
         self.token_ids[row, : len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
         self.num_prompt_tokens[row] = len(new.prompt_token_ids)
+        self.lora_ids[row], self.lora_slots[row] = new.lora_int_id, -1
         self.num_blocks[row] = 0
         self.append_blocks(row, new.block_ids)
         self.sampling.add(row, new.sampling_params, new.eos_token_id)

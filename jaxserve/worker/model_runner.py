@@ -45,6 +45,7 @@ from jaxserve.worker.executables import ExecutableRegistry
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_block_io import KVBlockCopier
 from jaxserve.worker.kv_cache import KVCacheSpec, determine_num_blocks
+from jaxserve.worker.lora_slots import LoRASlots
 from jaxserve.worker.pooler import Pooler
 from jaxserve.worker.spec_decode.drafting import Drafting
 from jaxserve.worker.spec_decode.proposer import Proposer
@@ -93,6 +94,7 @@ class ModelRunner:
             self.buckets, block_size=cc.block_size, max_model_len=self.max_model_len,
             max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.config.vocab_size,
             num_spec_tokens=k, decode_only_forwards=self.decode_only_forwards,
+            lora=engine_config.lora is not None,
         )  # fmt: skip
         configure_attention(loaded.model, engine_config.attention_backend, self.mesh)
         configure_moe(loaded.model, self.mesh)
@@ -101,8 +103,14 @@ class ModelRunner:
             loaded.model.num_cache_kv_heads, self.max_num_seqs,
         )  # fmt: skip
         self.head = loaded.model.logits_head  # [V, D] tied or [D, V]
+        self.lora = None  # LoRA adapters' device slots (attached to the model before the split)
+        if engine_config.lora is not None:
+            self.lora = LoRASlots(loaded.model, engine_config.lora, self.config, self.mesh,
+                                  loaded.model.kv_replicas)  # fmt: skip
         graphdef, state = nnx.split(loaded.model)
         self.params, params_def = jax.tree.flatten(state)
+        if self.lora is not None:
+            self.lora.bind(state)
         self.model_def = step_functions.ModelDef(graphdef, params_def, self.proposer.aux_layers)
         self.kv_caches: tuple[jax.Array, ...] | None = None  # K, V (+ a hybrid's states)
         self.num_blocks = 0
@@ -273,6 +281,8 @@ class ModelRunner:
         )
         if self.kv_copier is not None:
             out.update(self.kv_copier.lowerings(kv))
+        if self.lora is not None:
+            out.update(self.lora.lowerings(self.params))
         zero = np.int32(0)
         out["init_penalty_row",] = functools.partial(
             jits["init_penalty_row"].lower,
@@ -306,6 +316,8 @@ class ModelRunner:
             self.drafting.forget(req_id)
         for row in ib.update(so):
             self._fill_penalty_row(row)
+        if self.lora is not None:  # the step's adapters into device slots (params updated)
+            self.lora.assign(so, ib, self.params, self.executables)
         batch = self.builder.build(so, ib, self.ready_token_buckets(), self.step_count)
         if batch is None:
             return None

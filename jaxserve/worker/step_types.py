@@ -26,6 +26,7 @@ class ForwardInputs(NamedTuple):
     token_rows: np.ndarray  # i32[T]: each token's input-batch row
     attn: AttentionMetadata
     logits_indices: np.ndarray  # i32[max_sample_rows]: each sampling row's token in the batch
+    lora_slots: np.ndarray | None = None  # i32[T]: each token's LoRA slot (-1: none); LoRA on
 
 
 class SampleInputs(NamedTuple):
