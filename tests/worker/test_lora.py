@@ -185,3 +185,17 @@ def test_lora_refused_where_not_served(tmp_path):
                        moe_intermediate_size=32)  # fmt: skip
     with pytest.raises(ValueError, match="LoRA is not supported for Qwen3MoeForCausalLM"):
         EngineArgs(model=str(moe), enable_lora=True).create_engine_config()
+
+
+def test_speculative_decoding_keeps_the_adapters_output(llama):
+    """ngram drafts (from the tokens, not the adapter) verified by the adapted target: the
+    output is still PEFT's greedy output."""
+    base, adapters = llama
+    llm = LLM(str(base), **ENGINE,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})  # fmt: skip
+    prompt = [9, 4, 7, 9, 4, 7, 9, 4, 7, 9, 4]  # repeats: drafts are proposed
+    names = ["a4", None, "a8"]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 3, GREEDY, use_tqdm=False,
+                        lora_request=requests(adapters, names))  # fmt: skip
+    refs = [hf_model(str(base)) if n is None else peft_model(base, adapters[n]) for n in names]
+    check(outs, [peft_greedy(m, prompt, GREEDY.max_tokens) for m in refs])

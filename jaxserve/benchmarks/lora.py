@@ -1,0 +1,129 @@
+"""What LoRA adapters cost a decode step: the same batch through the base engine (no
+--enable-lora) and through one with --enable-lora, its rows using 0, 1 or N distinct random
+adapters of rank --max-lora-rank on every projection, in one run on one machine.
+
+Each case is `generate()` of --batch-size random prompts of --input-len tokens to exactly
+--output-len tokens (greedy, ignore_eos), the prefix cache reset before each (not timed); the
+decode step is (median latency - median latency at one output token) / (output_len - 1), as
+bench_latency derives it. Engine flags are `jaxserve serve`'s.
+
+    .venv/bin/python scripts/bench_lora.py --batch-size 32 --max-loras 8 --max-lora-rank 16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxserve.benchmarks.common import (
+    add_benchmark_args,
+    benchmark_parser,
+    decode_step_seconds,
+    git_commit,
+    machine,
+    random_prompt_ids,
+    write_json,
+)
+from jaxserve.config import ModelConfig
+from jaxserve.entrypoints.cli import engine_args_from
+from jaxserve.lora_request import LORA_TARGETS, LoRARequest
+
+_MODULE = {"o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_random_adapter(path: Path, config: ModelConfig, r: int, seed: int) -> Path:
+    """A PEFT-format adapter of rank r on every projection of `config`'s model, A and B
+    drawn from N(0, 0.02)."""
+    from safetensors.numpy import save_file
+
+    hd, d, f = config.head_dim, config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    dims = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for name in LORA_TARGETS:
+            d_in, d_out = dims[name]
+            prefix = f"base_model.model.model.layers.{layer}.{_MODULE.get(name, 'self_attn')}"
+            w = lambda *s: (rng.standard_normal(s) * 0.02).astype(np.float32)  # noqa: E731
+            tensors[f"{prefix}.{name}.lora_A.weight"] = w(r, d_in)
+            tensors[f"{prefix}.{name}.lora_B.weight"] = w(d_out, r)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config_json = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
+                   "target_modules": list(LORA_TARGETS)}  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config_json))
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = benchmark_parser("lora", __doc__)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-iters", type=int, default=5)
+    add_benchmark_args(parser)
+    args = parser.parse_args(argv)
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    base_args = dataclasses.replace(engine_args_from(args), enable_lora=False)
+    lora_args = dataclasses.replace(base_args, enable_lora=True, max_loras=args.max_loras,
+                                    max_lora_rank=args.max_lora_rank)  # fmt: skip
+    results = {"commit": git_commit(), "machine": machine(), "batch_size": args.batch_size,
+               "input_len": args.input_len, "output_len": args.output_len,
+               "max_loras": args.max_loras, "rank": args.max_lora_rank, "cases": {}}  # fmt: skip
+
+    def decode_step(llm, loras) -> float:
+        prompts = [
+            {"prompt_token_ids": p}
+            for p in random_prompt_ids(
+                args.batch_size, args.input_len, llm.llm_engine.config.model.vocab_size, args.seed
+            )
+        ]
+
+        def run(n: int) -> float:
+            llm.llm_engine.reset_prefix_cache()
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+            return time.perf_counter() - start
+
+        run(args.output_len)  # warm-up (and each adapter's first load)
+        full = float(np.median([run(args.output_len) for _ in range(args.num_iters)]))
+        one = float(np.median([run(1) for _ in range(args.num_iters)]))
+        return decode_step_seconds(full, one, args.output_len)
+
+    def fields(engine_args) -> dict:
+        return {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
+
+    cases = results["cases"]
+    llm = LLM(**fields(base_args))
+    cases["base (no --enable-lora)"] = decode_step(llm, None)
+    config = llm.llm_engine.config.model
+    llm.llm_engine.shutdown()
+    with tempfile.TemporaryDirectory() as tmp:
+        adapters = [
+            LoRARequest(f"a{i}", i + 1, str(write_random_adapter(
+                Path(tmp) / f"a{i}", config, args.max_lora_rank, i)))
+            for i in range(args.max_loras)
+        ]  # fmt: skip
+        llm = LLM(**fields(lora_args))
+        b = args.batch_size
+        cases["--enable-lora, no adapter in the batch"] = decode_step(llm, None)
+        cases["--enable-lora, 1 adapter"] = decode_step(llm, adapters[0])
+        cases[f"--enable-lora, {args.max_loras} adapters"] = decode_step(
+            llm, [adapters[i % args.max_loras] for i in range(b)]
+        )
+    base = cases["base (no --enable-lora)"]
+    for name, step in cases.items():
+        print(f"{name:45s} decode step {step * 1e3:8.2f} ms  {step / base:5.2f}x base")
+    results["cases"] = {k: {"decode_step_ms": v * 1e3, "vs_base": v / base}
+                        for k, v in cases.items()}  # fmt: skip
+    if args.output_json:
+        write_json(args.output_json, results)
+    return results
