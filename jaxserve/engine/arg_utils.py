@@ -247,6 +247,8 @@ class EngineArgs:
                 f"enable_lora: LoRA is not supported for {model_config.architecture}; it is "
                 f"for the dense {', '.join(LORA_ARCHITECTURES)} models"
             )
+        if self.nnodes > 1:
+            raise ValueError("enable_lora across several hosts (nnodes > 1) is not supported")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def _attention_backend(self) -> str:

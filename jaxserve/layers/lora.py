@@ -7,8 +7,13 @@ rsLoRA) folded into B when it is loaded (models/lora.py). The product runs over 
 once and a one-hot mask per token keeps its own slot's columns: x [T, in] @ A [S, in, P]
 -> [T, S, P], masked, then contracted with B [S, P, out] over (S, P). Shapes never change
 (S = --max-loras slots, P = the projection's parts x --max-lora-rank, zero-padded), so
-loading another adapter is a copy into a slot and never a compilation; a step with no
-adapter tokens skips both products at run time (`lax.cond`), not by a compiled variant.
+loading another adapter is a copy into a slot and never a compilation.
+
+A step with no adapter tokens skips both products at run time (`lax.cond`, one compiled
+step for both cases) where `skip_idle` is set: on CPU. On a GPU, XLA runs a conditional by
+reading its predicate back to the host, a sync per projection (4 per layer), so there the
+products always run: a token without an adapter has an all-zero mask row, and the cost is
+reading the S slots' A and B (S * P * (in + out) values per projection) each step.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ class LoRABatch(NamedTuple):
 class LoRAWeights(nnx.Module):
     """One projection's slots: a [S, in, P] and b [S, P, out] (zero where no adapter is)."""
 
-    def __init__(self, a: jax.Array, b: jax.Array):
+    def __init__(self, a: jax.Array, b: jax.Array, skip_idle: bool = True):
         self.a = nnx.Param(a)
         self.b = nnx.Param(b)
+        self.skip_idle = skip_idle  # a step without adapter tokens skips the products
 
     def __call__(self, x: jax.Array, y: jax.Array, lora: LoRABatch) -> jax.Array:
         """x [T, in] (the projection's input), y [T, out] (its output) -> y with each
@@ -51,4 +57,6 @@ class LoRAWeights(nnx.Module):
             delta = jnp.einsum("tsp,spo->to", u, self.b[...].astype(x.dtype))
             return y + delta.astype(y.dtype)
 
+        if not self.skip_idle:
+            return add_delta(y)
         return lax.cond(lora.active, add_delta, lambda y: y, y)

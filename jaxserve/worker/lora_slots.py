@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 # Column-parallel projections (output split over tp): B split as the kernel's columns; the
 # row-parallel ones (input split): A split as the kernel's rows (XLA sums the shrink).
 _COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")
+# Where a step without adapter tokens skips the LoRA products by a runtime branch
+# (layers/lora.py: a GPU would sync on every conditional's predicate).
+SKIP_IDLE_PLATFORMS = ("cpu",)
 
 
 class LoRASlots:
@@ -55,6 +58,7 @@ class LoRASlots:
         self.dtype = jnp.dtype(dtype)
         self.num_slots, self.rank = config.max_loras, config.max_lora_rank
         dims = projection_dims(model_config, kv_replicas)
+        skip_idle = mesh.devices.flat[0].platform in SKIP_IDLE_PLATFORMS
         for layer in model.layers:
             for fused, (module, parts) in LORA_PROJECTIONS.items():
                 (d_in, d_out), p = dims[fused], len(parts) * self.rank
@@ -68,7 +72,7 @@ class LoRASlots:
                 b = put(
                     np.zeros((self.num_slots, p, d_out), self.dtype), NamedSharding(mesh, b_spec)
                 )
-                getattr(getattr(layer, module), fused).lora = nnx.data(LoRAWeights(a, b))
+                getattr(getattr(layer, module), fused).lora = nnx.data(LoRAWeights(a, b, skip_idle))
         model.num_lora_slots = self.num_slots
         self._replicated = NamedSharding(mesh, P())
         self._leaves: list[int] = []  # each slot array's index among the step's parameters
@@ -96,6 +100,8 @@ class LoRASlots:
         of the requests the engine holds (never evicted)."""
         lora_id = request.lora_int_id
         self._removed.discard(lora_id)
+        if self._removed:
+            self._sweep(live())
         if lora_id in self.host:
             self.host.move_to_end(lora_id)
             return
@@ -105,15 +111,20 @@ class LoRASlots:
         )  # fmt: skip
         logger.info("LoRA adapter %r (id %d) loaded from %s", request.lora_name, lora_id,
                     request.lora_path)  # fmt: skip
-        keep = live() | {lora_id}
-        for old in [i for i in self.host if i not in keep]:
-            if len(self.host) <= self.config.cpu_loras:
-                break
-            del self.host[old]
+        if len(self.host) > self.config.cpu_loras:  # the least recently used unused ones go
+            keep = live() | {lora_id}
+            for old in [i for i in self.host if i not in keep]:
+                if len(self.host) <= self.config.cpu_loras:
+                    break
+                del self.host[old]
 
     def remove_adapter(self, lora_id: int, live: set[int]) -> None:
         """Forget an adapter (its host copy and device slot) once no live request uses it."""
         self._removed.add(lora_id)
+        self._sweep(live)
+
+    def _sweep(self, live: set[int]) -> None:
+        """Forget the removed adapters no live request uses any more."""
         for gone in [i for i in self._removed if i not in live]:
             self._removed.discard(gone)
             self.host.pop(gone, None)

@@ -123,13 +123,17 @@ def test_reloading_a_name_serves_the_new_weights(llama, llama_llm):
     weights' output: no prefix block of the old load is reused."""
     base, adapters = llama
     prompt = PROMPTS[2] * 3  # several full blocks, cached after the first request
+    old, new = (LoRARequest("mine", i, str(adapters[n])) for i, n in ((10, "a4"), (11, "a2")))
     first = llama_llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
-                               lora_request=LoRARequest("mine", 10, str(adapters["a4"])))  # fmt: skip
+                               lora_request=old)  # fmt: skip
     llama_llm.llm_engine.remove_lora(10)
+    slots = llama_llm.llm_engine.engine_core.engine_core.runner.lora
+    assert 10 not in slots.host and 10 not in slots.slot_ids  # nothing used it any more
     second = llama_llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
-                                lora_request=LoRARequest("mine", 11, str(adapters["a2"])))  # fmt: skip
+                                lora_request=new)  # fmt: skip
     check(first, [peft_greedy(peft_model(base, adapters["a4"]), prompt, GREEDY.max_tokens)])
     check(second, [peft_greedy(peft_model(base, adapters["a2"]), prompt, GREEDY.max_tokens)])
+    assert len(slots.host) <= ENGINE["max_cpu_loras"]  # unused adapters left the host cache
 
 
 def test_a_bad_adapter_fails_its_request_alone(llama, llama_llm, tmp_path):
@@ -163,8 +167,10 @@ def test_block_hashes_separate_adapters_and_loads():
     assert not set(hashes(a1)) & set(hashes(None))
 
 
-def test_qwen3_and_tensor_parallel_match_peft(tmp_path):
-    """Qwen3 (q/k norms after the adapted projections, head_dim 16) at tp 2: PEFT's output."""
+def test_qwen3_and_tensor_parallel_match_peft(tmp_path, monkeypatch):
+    """Qwen3 (q/k norms after the adapted projections, head_dim 16) at tp 2: PEFT's output,
+    with the products always run (the GPU's way: no branch for steps without adapters)."""
+    monkeypatch.setattr("jaxserve.worker.lora_slots.SKIP_IDLE_PLATFORMS", ())
     base = make_tiny_hf("qwen3", tmp_path / "base", head_dim=16, tie_word_embeddings=True)
     adapter = make_tiny_adapter(base, tmp_path / "ad", r=8, seed=5)
     llm = LLM(str(base), **ENGINE, tensor_parallel_size=2)
@@ -199,3 +205,24 @@ def test_speculative_decoding_keeps_the_adapters_output(llama):
                         lora_request=requests(adapters, names))  # fmt: skip
     refs = [hf_model(str(base)) if n is None else peft_model(base, adapters[n]) for n in names]
     check(outs, [peft_greedy(m, prompt, GREEDY.max_tokens) for m in refs])
+
+
+def test_adapter_on_a_quantized_base_matches_peft_on_its_weights(tmp_path):
+    """A GGUF base kept in its quantized blocks (--quantization gguf) with an adapter: PEFT's
+    output on the weights the blocks hold (HF's model holds the rounded ones)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import write_llama_gguf
+    from tests.models.test_gguf import KEPT
+
+    hf_dir = make_tiny_hf("llama", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    write_llama_gguf(tmp_path / "tiny.gguf", hf, KEPT)  # hf gets the rounded weights
+    adapter = make_tiny_adapter(hf_dir, tmp_path / "ad", r=4, seed=6)
+    llm = LLM(str(tmp_path / "tiny.gguf"), quantization="gguf", **ENGINE)
+    outs = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("g", 1, str(adapter)))  # fmt: skip
+    ref = PeftModel.from_pretrained(hf, adapter).eval()
+    check(outs, [peft_greedy(ref, PROMPTS[1], GREEDY.max_tokens)])
