@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_API_KEY: str | None = None
     JAXSERVE_LOG_STATS_INTERVAL: float = 10.0
     JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S: float = 5.0
+    JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING: bool = False
     JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
     JAXSERVE_WEIGHT_CACHE: str | None = "~/.cache/jaxserve/weights"
     JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
@@ -75,6 +76,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # renderer process is replaced (entrypoints/openai/template_worker.py).
     "JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S": lambda: float(
         os.environ.get("JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S", "5")
+    ),
+    # "1" or "true": `jaxserve serve` adds POST /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; docs/lora.md).
+    "JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING": lambda: (
+        os.environ.get("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
     ),
     # jax's persistent compilation cache, and the runner's saved executables under its
     # executables/ (worker/).

@@ -124,6 +124,14 @@ class PrometheusStatLogger:
         self.queue = metric(
             h, "request_queue_time_seconds", "Arrival to first scheduled.", buckets=LATENCY_BUCKETS
         )
+        # vLLM's lora_requests_info (--enable-lora), with vLLM's labels only: the adapters
+        # running and waiting (comma-joined names) and max_loras; the value is when it was set.
+        lora_labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+        self.lora_info = prom.Gauge(
+            "jaxserve:lora_requests_info", "Running stats on LoRA requests.", lora_labels,
+            registry=self.registry,
+            **({"multiprocess_mode": "mostrecent"} if multiprocess_dir() else {}),
+        )  # fmt: skip
         self.model_name = model_name
         self.num_engines = num_engines
         exported = (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
@@ -148,6 +156,10 @@ class PrometheusStatLogger:
                 self._record_spec(sched.spec_decoding, labels)
             if sched.kv_connector is not None:
                 self._record_kv_connector(sched.kv_connector, labels)
+            if sched.running_lora_adapters is not None:
+                waiting = ",".join(sched.waiting_lora_adapters or {})
+                running = ",".join(sched.running_lora_adapters)
+                self.lora_info.labels(str(sched.max_loras), waiting, running).set_to_current_time()
         self.prompt_tokens.labels(*labels).inc(it.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(it.num_generation_tokens)
         for t in it.time_to_first_tokens:

@@ -379,7 +379,7 @@ class EngineCoreProc(EngineCore):
         self.input_queue.put_nowait((_WAKEUP, None))
 
 
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_state"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_state", "remove_lora"})
 
 
 def run_engine_core(

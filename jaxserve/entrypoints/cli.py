@@ -201,6 +201,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='JSON over --generation-config\'s, e.g. {"temperature": 0.5, "max_new_tokens": 256}',
     )  # fmt: skip
     parser.add_argument(
+        "--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+        help="serve LoRA adapters: a request names one (docs/lora.md)",
+    )  # fmt: skip
+    for flag, kind, default, what in (
+        ("--max-loras", int, 1, "adapters on the device at once (a step mixes at most these)"),
+        ("--max-lora-rank", int, 16, "the highest adapter rank served"),
+        ("--max-cpu-loras", int, None, "adapters kept in host memory (default: --max-loras)"),
+    ):
+        parser.add_argument(flag, type=kind, default=default, help=what)
+    parser.add_argument("--lora-dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"])  # fmt: skip
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         help="split <think> reasoning into the reasoning field (deepseek_r1, qwen3); "
@@ -265,6 +277,11 @@ def _add_serve_parser(sub) -> None:
         "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)"
     )
     serve.add_argument(
+        "--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+        help='LoRA adapters served by name (needs --enable-lora): name=path or JSON '
+        '{"name": ..., "path": ..., "base_model_name": ...}',
+    )  # fmt: skip
+    serve.add_argument(
         "--chat-template-content-format",
         default="auto",
         choices=["auto", "string", "openai"],
@@ -308,6 +325,16 @@ def _add_serve_parser(sub) -> None:
     )
     add_engine_args(serve)
     serve.set_defaults(func=_serve, background_compile=True)
+
+
+def _lora_module(value: str):
+    """One --lora-modules value (serving_models.parse_lora_module), an argparse error if bad."""
+    from jaxserve.entrypoints.openai.serving_models import parse_lora_module
+
+    try:
+        return parse_lora_module(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_proxy_parser(sub) -> None:
@@ -385,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.model is not None and args.model != args.model_option:
             parser.error(f"two models: {args.model!r} and --model {args.model_option!r}")
         args.model = args.model_option
+    if getattr(args, "lora_modules", None) and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
     return args
 
 

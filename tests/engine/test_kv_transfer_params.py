@@ -37,6 +37,7 @@ def config(max_model_len: int = 64):
         kv_transfer_allowed_hosts=DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
         generation_config="vllm",  # no default sampling parameters
         override_generation_config={},
+        lora=None,  # no --enable-lora
     )
 
 

@@ -28,7 +28,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jaxserve import envs
@@ -41,8 +41,6 @@ from jaxserve.entrypoints.openai.protocol import (
     EmbeddingRequest,
     ErrorInfo,
     ErrorResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
 )
 from jaxserve.entrypoints.openai.request_body import (
@@ -67,6 +65,12 @@ from jaxserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     error_body,
     error_status,
+)
+from jaxserve.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    LoRAModulePath,
+    OpenAIServingModels,
+    UnloadLoRAAdapterRequest,
 )
 from jaxserve.entrypoints.openai.template_worker import shared_renderer
 from jaxserve.metrics import PrometheusStatLogger, make_log_stats
@@ -190,9 +194,24 @@ async def embeddings(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     s = _serving(request)
-    root = s.engine.config.model_path
-    cards = [ModelCard(name, s.max_model_len, root=root) for name in s.model_names]
-    return MsgspecJSONResponse(ModelList(cards))
+    return MsgspecJSONResponse(s.models.model_list(s.max_model_len))
+
+
+async def lora_adapters(request: Request) -> Response:
+    """POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with
+    JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING): vLLM's plain-text success, or the error JSON."""
+    models = _serving(request).models
+    try:
+        if request.url.path.endswith("/load_lora_adapter"):
+            body = await _decode(request, LoadLoRAAdapterRequest)
+            text = await models.load_lora_adapter(body, request.app.state.cpu)
+        else:
+            text = await models.unload_lora_adapter(
+                await _decode(request, UnloadLoRAAdapterRequest)
+            )
+    except Exception as e:
+        return error_response(e)
+    return PlainTextResponse(text)
 
 
 async def health(request: Request) -> Response:
@@ -294,9 +313,12 @@ def build_app(
     trust_request_chat_template: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     cors: dict[str, Any] | None = None,
+    lora_modules: list[LoRAModulePath] | None = None,
 ) -> Starlette:
     """The app over `engine`. cors: middleware.cors_middleware's settings (None: no CORS
-    headers at all)."""
+    headers at all); lora_modules: the adapters served beside the base model (checked
+    already: serving_models.check_lora_modules). With JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING,
+    the routes that load and unload adapters too."""
     num_engines = engine.config.parallel.data_parallel_size
     prometheus = PrometheusStatLogger(served_model_names[0], num_engines)
     log_stats = make_log_stats(num_engines)
@@ -334,12 +356,17 @@ def build_app(
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
+    if envs.JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING:
+        logger.warning("runtime LoRA loading and unloading is on: for local development only")
+        routes += [Route(f"/v1/{op}_lora_adapter", lora_adapters, methods=["POST"])
+                   for op in ("load", "unload")]  # fmt: skip
     middleware = app_middleware(api_key, cors)
     handlers = {HTTPException: http_error}
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers
     )
-    details = {"enable_prompt_tokens_details": enable_prompt_tokens_details}
+    registry = OpenAIServingModels(engine, served_model_names, lora_modules or ())
+    details = {"enable_prompt_tokens_details": enable_prompt_tokens_details, "models": registry}
     app.state.serving_chat = OpenAIServingChat(
         engine, served_model_names, chat_template=chat_template,
         chat_template_content_format=chat_template_content_format,
@@ -395,6 +422,7 @@ def serve_http(
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
         cors=cors_settings(args),
+        lora_modules=args.lora_modules,
     )
     timeline = engine.engine_core.timeline
     logger.info("start-up: ready in %.1f s (%s)", time.perf_counter() - started, timeline.summary())

@@ -220,11 +220,15 @@ class ChatCompletionChunk(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
+    """A /v1/models entry; a LoRA adapter's has its path as root, its base model as parent
+    and no max_model_len (vLLM's)."""
+
     id: str
-    max_model_len: int
+    max_model_len: int | None = None
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxserve"
     root: str | None = None
+    parent: str | None = None
     object: str = "model"
 
 

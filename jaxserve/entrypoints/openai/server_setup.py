@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 
+from jaxserve import envs
+
 _json = msgspec.json.Encoder()
 
 
@@ -22,7 +24,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 def check_server_args(args) -> None:
     """Flag errors before minutes of loading: parser names, auto tools without a parser, the
-    body limit, CORS lists."""
+    body limit, CORS lists, the --lora-modules adapters."""
     if args.api_server_count < 1:
         raise SystemExit(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -38,6 +40,7 @@ def check_server_args(args) -> None:
         ):
             name = "--" + flag.replace("_", "-")
             raise SystemExit(f'{name} must be a JSON list of strings, e.g. ["x"]: got {value!r}')
+    check_lora_args(args)
     try:
         if args.tool_call_parser:
             from jaxserve.entrypoints.openai.tool_parsers import ToolParserManager
@@ -48,6 +51,28 @@ def check_server_args(args) -> None:
 
             ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
     except (KeyError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+
+
+def check_lora_args(args) -> None:
+    """Each --lora-modules adapter readable and served by this engine (rank at most
+    --max-lora-rank, ...), names unique; runtime adapter updates refused with several API
+    servers (each has its own registry: a load would reach one of them)."""
+    if envs.JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING and args.api_server_count > 1:
+        raise SystemExit(
+            "JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING cannot be used with --api-server-count "
+            f"{args.api_server_count}: each API server has its own adapters, so a load would "
+            "reach one of them; serve the adapters with --lora-modules instead"
+        )
+    if not args.lora_modules:
+        return
+    from jaxserve.entrypoints.openai.serving_models import check_lora_modules
+    from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME
+
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    try:
+        check_lora_modules(args.lora_modules, names, args.max_lora_rank)
+    except ValueError as e:
         raise SystemExit(str(e)) from None
 
 

@@ -41,6 +41,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     top_logprobs,
     usage_options,
 )
+from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxserve.outputs import CompletionOutput
 
 
@@ -67,10 +68,12 @@ class OpenAIServingChat(OpenAIServing):
         reasoning_parser: str | None = None,
         enable_prompt_tokens_details: bool = False,
         trust_request_chat_template: bool = False,
+        models: OpenAIServingModels | None = None,
     ):
         super().__init__(
-            engine, served_model_names, enable_prompt_tokens_details=enable_prompt_tokens_details
-        )
+            engine, served_model_names, models=models,
+            enable_prompt_tokens_details=enable_prompt_tokens_details,
+        )  # fmt: skip
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
         self.content_format = chat_template_content_format
@@ -122,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def prepare_chat(self, request: ChatCompletionRequest):
         self.check_runner("Chat Completions")
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         check_supported(request)
         check_tools(request, auto_tools=self.auto_tools)
         if request.top_logprobs is not None and not request.logprobs:
@@ -159,8 +162,9 @@ class OpenAIServingChat(OpenAIServing):
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         request_id = random_id("chatcmpl")
         validated = self._validate(
-            request_id, [prompt], params, priority=request.priority, cache_salt=request.cache_salt
-        )
+            request_id, [prompt], params, priority=request.priority,
+            cache_salt=request.cache_salt, lora_request=lora_request,
+        )  # fmt: skip
         return request_id, validated, params
 
     async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:

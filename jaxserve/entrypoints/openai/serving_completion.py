@@ -31,7 +31,7 @@ from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 class OpenAIServingCompletion(OpenAIServing):
     def prepare_completion(self, request: CompletionRequest):
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_runner("Completions")
         check_supported(request)
         prompts = self.completion_prompts(request.prompt)
@@ -42,8 +42,9 @@ class OpenAIServingCompletion(OpenAIServing):
             params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
         request_id = random_id("cmpl")
         validated = self._validate(
-            request_id, prompts, params, priority=request.priority, cache_salt=request.cache_salt
-        )
+            request_id, prompts, params, priority=request.priority,
+            cache_salt=request.cache_salt, lora_request=lora_request,
+        )  # fmt: skip
         return request_id, validated, params
 
     async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:

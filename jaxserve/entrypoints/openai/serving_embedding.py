@@ -22,7 +22,11 @@ from jaxserve.sampling_params import SamplingParams
 
 class OpenAIServingEmbedding(OpenAIServing):
     def prepare_embedding(self, request: EmbeddingRequest):
-        self.check_model(request.model)
+        if self.check_model(request.model) is not None:
+            raise ValueError(
+                f"`{request.model}` is a LoRA adapter: the Embeddings API serves the base model "
+                "only; name it instead"
+            )
         self.check_runner("Embeddings")
         if request.encoding_format not in ("float", "base64"):
             raise ValueError(

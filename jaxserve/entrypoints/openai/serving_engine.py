@@ -29,6 +29,8 @@ from jaxserve.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from jaxserve.entrypoints.openai.serving_models import ModelNotFound, OpenAIServingModels
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PositionLogprobs, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -37,10 +39,6 @@ _json = msgspec.json.Encoder()
 DATA_PARALLEL_RANK: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "data_parallel_rank", default=None
 )
-
-
-class ModelNotFound(LookupError):
-    pass
 
 
 def sse(payload: Any) -> bytes:
@@ -65,10 +63,14 @@ class OpenAIServing:
         served_model_names: list[str],
         *,
         enable_prompt_tokens_details: bool = False,
+        models: OpenAIServingModels | None = None,
     ):
+        """models: the registry of served names and LoRA adapters, shared by the app's APIs
+        (default: one of served_model_names alone)."""
         self.engine = engine
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.model_names = served_model_names
+        self.models = models or OpenAIServingModels(engine, served_model_names)
         self.tokenizer = engine.get_tokenizer()
         self.defaults = engine.default_sampling
         self.max_model_len = engine.config.scheduler.max_model_len
@@ -77,9 +79,10 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise ModelNotFound(f"The model `{model}` does not exist.")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: a base model's name, or none);
+        ModelNotFound (a 404) for an unknown name."""
+        return self.models.resolve(model)
 
     def check_runner(self, api: str) -> None:
         """One server runs one kind of model (vLLM): generation or pooling."""
@@ -116,10 +119,11 @@ class OpenAIServing:
 
     def _validate(
         self, request_id: str, prompts, params: SamplingParams, *, priority: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, lora_request: LoRARequest | None = None,
     ) -> list[dict]:  # fmt: skip
         """Every prompt through the InputProcessor's checks before anything is queued; the
-        prompts as AsyncLLM.generate takes them (with the request's cache_salt)."""
+        prompts as AsyncLLM.generate takes them (with the request's cache_salt), and the
+        adapter under "lora_request" (`_merged` hands it to generate)."""
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise ValueError(
                 f"a request may carry at most {MAX_PROMPTS_PER_REQUEST} prompts "
@@ -132,10 +136,13 @@ class OpenAIServing:
             )
         for i, (_, ids) in enumerate(prompts):
             self.engine.input_processor.process(
-                f"{request_id}-{i}", ids, params, priority=priority, cache_salt=cache_salt
-            )
-        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
-        return [{"prompt": text, "prompt_token_ids": ids, **salt} for text, ids in prompts]
+                f"{request_id}-{i}", ids, params, priority=priority, cache_salt=cache_salt,
+                lora_request=lora_request,
+            )  # fmt: skip
+        extra = {} if cache_salt is None else {"cache_salt": cache_salt}
+        if lora_request is not None:
+            extra["lora_request"] = lora_request
+        return [{"prompt": text, "prompt_token_ids": ids, **extra} for text, ids in prompts]
 
     # ------------------------------------------------------------------ running
     async def _gather(
@@ -155,11 +162,13 @@ class OpenAIServing:
 
         async def pump(i: int, prompt: dict) -> None:
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            prompt = dict(prompt)
+            lora_request = prompt.pop("lora_request", None)
             try:
                 async for out in self.engine.generate(
                     prompt, params, rid, priority=priority,
                     data_parallel_rank=DATA_PARALLEL_RANK.get(),
-                    kv_transfer_params=kv_transfer_params,
+                    kv_transfer_params=kv_transfer_params, lora_request=lora_request,
                 ):  # fmt: skip
                     await queue.put((i, out))
                 await queue.put(done)
