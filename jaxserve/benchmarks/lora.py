@@ -5,7 +5,9 @@ adapters of rank --max-lora-rank on every projection, in one run on one machine.
 Each case is `generate()` of --batch-size random prompts of --input-len tokens to exactly
 --output-len tokens (greedy, ignore_eos), the prefix cache reset before each (not timed); the
 decode step is (median latency - median latency at one output token) / (output_len - 1), as
-bench_latency derives it. Engine flags are `jaxserve serve`'s.
+bench_latency derives it. Both engines are up at once and the cases run interleaved, round
+after round, so the machine's drift hits them alike. Each engine compiles into a cache of its
+own: the start-up times are cold. Engine flags are `jaxserve serve`'s.
 
     .venv/bin/python scripts/bench_lora.py --batch-size 32 --max-loras 8 --max-lora-rank 16
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -76,54 +79,61 @@ def main(argv: list[str] | None = None) -> dict:
                                     max_lora_rank=args.max_lora_rank)  # fmt: skip
     results = {"commit": git_commit(), "machine": machine(), "batch_size": args.batch_size,
                "input_len": args.input_len, "output_len": args.output_len,
-               "max_loras": args.max_loras, "rank": args.max_lora_rank, "cases": {}}  # fmt: skip
+               "max_loras": args.max_loras, "rank": args.max_lora_rank}  # fmt: skip
 
-    def decode_step(llm, loras) -> float:
-        prompts = [
-            {"prompt_token_ids": p}
-            for p in random_prompt_ids(
-                args.batch_size, args.input_len, llm.llm_engine.config.model.vocab_size, args.seed
-            )
-        ]
+    def start(engine_args) -> tuple[LLM, float]:
+        """An engine and its start-up seconds, compiled into a cache of its own (cold)."""
+        os.environ["JAXSERVE_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="bench-lora-xla-")
+        fields = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
+        begin = time.perf_counter()
+        llm = LLM(**fields)
+        return llm, time.perf_counter() - begin
 
-        def run(n: int) -> float:
-            llm.llm_engine.reset_prefix_cache()
-            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            start = time.perf_counter()
-            llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
-            return time.perf_counter() - start
+    (base, base_start), (lora, lora_start) = start(base_args), start(lora_args)
+    results["startup_s"] = {"base": base_start, "enable_lora": lora_start}
+    config = base.llm_engine.config.model
+    prompts = [{"prompt_token_ids": p} for p in random_prompt_ids(
+        args.batch_size, args.input_len, config.vocab_size, args.seed)]  # fmt: skip
+    tmp = tempfile.mkdtemp(prefix="bench-lora-")
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, str(write_random_adapter(
+            Path(tmp) / f"a{i}", config, args.max_lora_rank, i)))
+        for i in range(args.max_loras)
+    ]  # fmt: skip
+    cases = {
+        "base (no --enable-lora)": (base, None),
+        "--enable-lora, no adapter in the batch": (lora, None),
+        "--enable-lora, 1 adapter": (lora, adapters[0]),
+        f"--enable-lora, {args.max_loras} adapters": (
+            lora, [adapters[i % args.max_loras] for i in range(args.batch_size)]),
+    }  # fmt: skip
 
-        run(args.output_len)  # warm-up (and each adapter's first load)
-        full = float(np.median([run(args.output_len) for _ in range(args.num_iters)]))
-        one = float(np.median([run(1) for _ in range(args.num_iters)]))
-        return decode_step_seconds(full, one, args.output_len)
+    def run(case: str, n: int) -> float:
+        llm, loras = cases[case]
+        llm.llm_engine.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        begin = time.perf_counter()
+        llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        return time.perf_counter() - begin
 
-    def fields(engine_args) -> dict:
-        return {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
-
-    cases = results["cases"]
-    llm = LLM(**fields(base_args))
-    cases["base (no --enable-lora)"] = decode_step(llm, None)
-    config = llm.llm_engine.config.model
-    llm.llm_engine.shutdown()
-    with tempfile.TemporaryDirectory() as tmp:
-        adapters = [
-            LoRARequest(f"a{i}", i + 1, str(write_random_adapter(
-                Path(tmp) / f"a{i}", config, args.max_lora_rank, i)))
-            for i in range(args.max_loras)
-        ]  # fmt: skip
-        llm = LLM(**fields(lora_args))
-        b = args.batch_size
-        cases["--enable-lora, no adapter in the batch"] = decode_step(llm, None)
-        cases["--enable-lora, 1 adapter"] = decode_step(llm, adapters[0])
-        cases[f"--enable-lora, {args.max_loras} adapters"] = decode_step(
-            llm, [adapters[i % args.max_loras] for i in range(b)]
-        )
-    base = cases["base (no --enable-lora)"]
-    for name, step in cases.items():
-        print(f"{name:45s} decode step {step * 1e3:8.2f} ms  {step / base:5.2f}x base")
-    results["cases"] = {k: {"decode_step_ms": v * 1e3, "vs_base": v / base}
-                        for k, v in cases.items()}  # fmt: skip
+    for case in cases:  # warm-up (and each adapter's first load)
+        run(case, args.output_len)
+    full, one = {c: [] for c in cases}, {c: [] for c in cases}
+    for _ in range(args.num_iters):  # the cases interleaved: drift hits them alike
+        for case in cases:
+            full[case].append(run(case, args.output_len))
+            one[case].append(run(case, 1))
+    steps = {c: decode_step_seconds(float(np.median(full[c])), float(np.median(one[c])),
+                                    args.output_len) for c in cases}  # fmt: skip
+    first = steps["base (no --enable-lora)"]
+    for case, step in steps.items():
+        print(f"{case:42s} decode step {step * 1e3:8.2f} ms  {step / first:5.2f}x base")
+    print(f"start-up: base {base_start:.1f} s, --enable-lora {lora_start:.1f} s "
+          f"({lora_start / base_start:.2f}x), each with a cold compile cache")  # fmt: skip
+    results["cases"] = {c: {"decode_step_ms": v * 1e3, "vs_base": v / first}
+                        for c, v in steps.items()}  # fmt: skip
+    for llm in (base, lora):
+        llm.llm_engine.shutdown()
     if args.output_json:
         write_json(args.output_json, results)
     return results
