@@ -100,6 +100,8 @@ def test_a_request_naming_an_adapter_runs_it(server):
         "model": "beta", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "temperature": 0})  # fmt: skip
     assert chat.status_code == 200 and chat.json()["model"] == "beta"
+    choice = complete(server, "alpha", guided_choice=["yes", "no"], logprobs=None)
+    assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in ("yes", "no")
 
 
 def test_an_adapter_is_refused_by_the_embeddings_api_and_unknown_names_are_404(server):
@@ -117,6 +119,12 @@ def test_runtime_load_and_unload(server, paths):
     assert ids == [BASE, *ADAPTERS, "gamma"]
     gamma = token_ids(complete(server, "gamma"))
     assert gamma != token_ids(complete(server, BASE))
+    # loaded at run time = served from the start: alpha's directory under another name
+    r = post(server, "load_lora_adapter", {"lora_name": "alpha2", "lora_path": str(paths["alpha"])})
+    assert r.status_code == 200 and token_ids(complete(server, "alpha2")) == token_ids(
+        complete(server, "alpha")
+    )
+    assert post(server, "unload_lora_adapter", {"lora_name": "alpha2"}).status_code == 200
 
     for body, status, says in (
         ({"lora_name": "delta", "lora_path": str(paths["model"] / "nothing")}, 404, "no LoRA"),
