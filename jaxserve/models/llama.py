@@ -54,11 +54,12 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata,
                  lora: LoRABatch | None = None):  # fmt: skip
         """x: [T, D] -> ([T, D], k_cache, v_cache); lora: the tokens' adapter slots."""
+        adapters = {} if lora is None else {"lora": lora}  # MLA, MoE: no adapters (refused)
         attn_out, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, md, lora
+            self.input_layernorm(x), positions, k_cache, v_cache, md, **adapters
         )
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x), lora)
+        x = x + self.mlp(self.post_attention_layernorm(x), **adapters)
         return x, k_cache, v_cache
 
 
