@@ -17,8 +17,9 @@ from jaxserve.engine.launch import device_env
 from jaxserve.engine.load_balancer import LoadBalancer
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.ipc.messages import DPEngineState, DPWave
+from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
-from tests.helpers import make_tiny_hf
+from tests.helpers import make_tiny_adapter, make_tiny_hf
 
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
               num_gpu_blocks_override=64)  # fmt: skip
@@ -87,13 +88,19 @@ def test_each_engine_gets_its_own_gpus(monkeypatch):
 
 
 # ---------------------------------------------------------------------- engines in processes
-def test_dp2_spreads_requests_evenly_with_the_tokens_of_dp1(model_dir):
-    llm = LLM(model_dir, data_parallel_size=2, **ENGINE)
+def test_dp2_spreads_requests_evenly_with_the_tokens_of_dp1(model_dir, tmp_path):
+    """With a LoRA adapter on every third prompt: each engine loads it for its own requests."""
+    adapter = LoRARequest("a", 1, str(make_tiny_adapter(model_dir, tmp_path / "a", r=4, seed=1)))
+    loras = [adapter if i % 3 == 0 else None for i in range(len(PROMPTS))]
+    engine = {**ENGINE, "enable_lora": True, "max_lora_rank": 4}
+    llm = LLM(model_dir, data_parallel_size=2, **engine)
     try:
         client = llm.llm_engine.engine_core
         assert len(client.engines) == 2 and len(client.group.procs) == 2
         assert client.group.coordinator is not None
-        ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+        ours = [o.outputs[0].token_ids for o in outs]
+        assert client.call_utility("remove_lora", 1) is True  # on every engine
         state = client.call_utility("get_state")  # also runs check_no_leaks() in each core
         per_engine = [s["num_requests_added"] for s in engine_states(state)]
         assert sum(per_engine) == 64 and all(26 <= n <= 38 for n in per_engine), per_engine
@@ -112,10 +119,10 @@ def test_dp2_spreads_requests_evenly_with_the_tokens_of_dp1(model_dir):
             client.add_request(request)
     finally:
         llm.llm_engine.shutdown()
-    one = LLM(model_dir, **ENGINE)
+    one = LLM(model_dir, **engine)
     try:
-        assert ours == [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY,
-                                                                     use_tqdm=False)]  # fmt: skip
+        outs = one.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+        assert ours == [o.outputs[0].token_ids for o in outs]
     finally:
         one.llm_engine.shutdown()
 
