@@ -61,7 +61,8 @@ def test_dry_run_runs_every_step_and_reports_each(tmp_path):
         assert r["cache_copies"] == 2  # calls rotate over two copies of the cache
         if r["case"].startswith("decode"):
             assert r["jax_pallas_us"] > 0 and r["jax_pallas_max_abs_err"] < 2e-2
-    assert re.search(r"avg latency [0-9.]+ s; decode step [0-9.]+ ms", rows["latency_b1"])
+    # a dry run's tiny steps are noise: the derived decode step may come out negative
+    assert re.search(r"avg latency [0-9.]+ s; decode step -?[0-9.]+ ms", rows["latency_b1"])
     assert "of the HBM bound" in rows["latency_b1"]
     assert "output tok/s" in rows["throughput_2"]
     assert "of the HBM bound" in rows["throughput_2"]  # one batch: the roofline follows

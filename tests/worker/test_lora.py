@@ -51,10 +51,11 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_llm(llama):
-    import os
-
-    os.environ["JAXSERVE_ENABLE_MULTIPROCESSING"] = "0"
-    return LLM(str(llama[0]), **ENGINE)
+    with pytest.MonkeyPatch.context() as mp:  # the core in this process, for this module only
+        mp.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(str(llama[0]), **ENGINE)
+    yield llm
+    llm.llm_engine.shutdown()
 
 
 def peft_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
