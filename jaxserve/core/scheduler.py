@@ -46,7 +46,7 @@ from jaxserve.core.scheduler_remote import RemoteKVLoads
 from jaxserve.core.scheduler_utils import (
     StepPlan,
     drafts_to_schedule,
-    lora_blocked,
+    lora_gate,
     lora_stats,
     num_tokens_to_schedule,
     update_request_from_step,
@@ -231,6 +231,7 @@ class Scheduler(RemoteKVLoads):
         """Phase 2: admit waiting requests in queue order while the budget, max_num_seqs and
         the KV pool allow; a request whose grammar is still compiling keeps its place."""
         skipped: list[Request] = []
+        lora_blocked = lora_gate(self.running, self.max_loras)
         while (
             len(self.waiting) and plan.budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
@@ -241,7 +242,7 @@ class Scheduler(RemoteKVLoads):
                     continue
                 if not self._grammar_compiled(request):  # finished, off the queue
                     continue
-            if lora_blocked(request, self.running, self.max_loras):  # waits for a slot
+            if lora_blocked(request):  # its adapter waits for a slot
                 skipped.append(self.waiting.pop_request())
                 continue
             try:

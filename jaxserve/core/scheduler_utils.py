@@ -214,13 +214,23 @@ def make_engine_core_output(
     )
 
 
-def lora_blocked(request: Request, running: list[Request], max_loras: int) -> bool:
-    """Whether admitting `request` would put more than max_loras distinct LoRA adapters into
-    the running set (max_loras 0: LoRA is off). vLLM's rule: such a request waits."""
-    if not max_loras or not request.lora_int_id:
+def lora_gate(running: list[Request], max_loras: int):
+    """For one admission pass: request -> whether admitting it would put more than max_loras
+    distinct LoRA adapters into the running set (vLLM's rule: such a request waits; max_loras
+    0: LoRA is off). The running set's adapters are gathered once; a request let through
+    counts as admitted (a pass stops at the first that does not fit)."""
+    loras = {r.lora_int_id for r in running if r.lora_int_id} if max_loras else set()
+
+    def blocked(request: Request) -> bool:
+        lora_id = request.lora_int_id
+        if not max_loras or not lora_id or lora_id in loras:
+            return False
+        if len(loras) >= max_loras:
+            return True
+        loras.add(lora_id)
         return False
-    loras = {r.lora_int_id for r in running if r.lora_int_id}
-    return request.lora_int_id not in loras and len(loras) >= max_loras
+
+    return blocked
 
 
 def lora_stats(running, waiting, max_loras: int) -> dict:

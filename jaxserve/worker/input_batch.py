@@ -71,6 +71,7 @@ class InputBatch:
         row = self.req_id_to_row.pop(req_id, None)
         if row is not None:
             self.free_rows.append(row)
+            self.lora_ids[row] = 0
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         n = self.num_blocks[row]

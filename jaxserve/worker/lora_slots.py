@@ -4,9 +4,9 @@
   add_adapter   a request's adapter loaded and fused on the host (models/lora.py) when it
                 arrives, so a bad adapter fails that request alone; the host cache keeps every
                 adapter a live request uses, plus up to --max-cpu-loras others (LRU)
-  assign        before a step: each scheduled request's adapter into a device slot (free, or
-                the least recently used one this step does not need; the scheduler admits at
-                most max_loras distinct adapters to the running set), and each input-batch
+  assign        before a step: the adapter of each request the input batch holds (the
+                running set, which the scheduler keeps to max_loras distinct adapters) into a
+                device slot (free, or the least recently used one no row needs), and each
                 row's slot, which the batch builder spreads over the row's tokens
   remove_adapter its host copy and slot dropped once no live request uses it
 
@@ -30,7 +30,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import LoRAConfig, ModelConfig
-from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.distributed.sharding import put
 from jaxserve.layers.lora import LoRAWeights
@@ -132,22 +131,20 @@ class LoRASlots:
                 self.slot_ids[self.slot_ids.index(gone)] = 0
 
     # ------------------------------------------------------------------ the device slots
-    def assign(self, so: SchedulerOutput, ib: InputBatch, params: list, executables) -> None:
-        """Put the step's adapters in slots (writing `params` in place) and set each
-        scheduled row's slot in `ib.lora_slots`."""
-        rows = np.array([ib.req_id_to_row[r] for r in so.num_scheduled_tokens], np.int64)
-        if not len(rows):
-            return
-        ids = ib.lora_ids[rows]
-        needed = set(ids.tolist()) - {0}
+    def assign(self, ib: InputBatch, params: list, executables) -> None:
+        """Put the adapters of the input batch's requests (the running set, after the step's
+        update) in slots, writing `params` in place, and set every row's slot in
+        `ib.lora_slots`: numpy over the rows, a loop over the few distinct adapters."""
+        needed = set(np.unique(ib.lora_ids).tolist()) - {0}  # a free row's id is 0
         if len(needed) > self.num_slots:  # the scheduler's admission keeps this from happening
             raise RuntimeError(f"a step holds {len(needed)} adapters, max_loras={self.num_slots}")
+        ib.lora_slots[:] = -1
         for lora_id in needed:
             if lora_id not in self.slot_ids:
                 self._load_slot(lora_id, needed, params, executables)
-            self._slot_lru.move_to_end(self.slot_ids.index(lora_id))
-        slot_of = {i: s for s, i in enumerate(self.slot_ids) if i}
-        ib.lora_slots[rows] = [slot_of.get(i, -1) for i in ids.tolist()]
+            slot = self.slot_ids.index(lora_id)
+            self._slot_lru.move_to_end(slot)
+            ib.lora_slots[ib.lora_ids == lora_id] = slot
 
     def _load_slot(self, lora_id: int, needed: Iterable[int], params: list, executables) -> None:
         slot = next(

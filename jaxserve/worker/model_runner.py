@@ -317,7 +317,7 @@ class ModelRunner:
         for row in ib.update(so):
             self._fill_penalty_row(row)
         if self.lora is not None:  # the step's adapters into device slots (params updated)
-            self.lora.assign(so, ib, self.params, self.executables)
+            self.lora.assign(ib, self.params, self.executables)
         batch = self.builder.build(so, ib, self.ready_token_buckets(), self.step_count)
         if batch is None:
             return None
