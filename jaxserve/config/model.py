@@ -59,6 +59,8 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # M-RoPE (Qwen2.5-VL): frequencies per position axis (temporal, height, width)
+    mrope_section: tuple[int, ...] | None = None
 
     SUPPORTED = ("default", "linear", "llama3", "yarn")
 
@@ -74,6 +76,8 @@ class RopeConfig:
         params = {**scaling, **params}
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type == "mrope":  # Qwen2-VL's name: default frequencies over 3 axes
+            rope_type = "default"
         if rope_type not in cls.SUPPORTED:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(cls.SUPPORTED)}"
@@ -97,6 +101,7 @@ class RopeConfig:
             mscale=optional("mscale"),
             mscale_all_dim=optional("mscale_all_dim"),
             truncate=bool(params.get("truncate", True)),
+            mrope_section=tuple(params["mrope_section"]) if params.get("mrope_section") else None,
         )
 
 

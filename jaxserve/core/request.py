@@ -10,6 +10,7 @@ import numpy as np
 from jaxserve.core.kv_cache_utils import BlockHash, extend_block_hashes
 from jaxserve.core.scheduler_output import PromptLogprobs
 from jaxserve.lora_request import LoRARequest
+from jaxserve.multimodal.inputs import MultiModalFeature
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -53,6 +54,7 @@ class Request:
         cache_salt: str | None = None,
         kv_transfer_params: dict | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeature] | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -69,6 +71,8 @@ class Request:
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params  # a KV connector's (distributed/kv_transfer)
         self.block_size = block_size
+        # Its images, in prompt order (their placeholder tokens replaced by encoder outputs).
+        self.mm_features: list[MultiModalFeature] = list(mm_features or ())
 
         self.status = RequestStatus.WAITING
         self.structured_output_request = None  # StructuredOutputRequest when constrained
@@ -88,7 +92,9 @@ class Request:
         self.prompt_logprobs: list[PromptLogprobs] = []
         self.num_prompt_logprobs = 0
         self.block_hashes: list[BlockHash] = []
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        extend_block_hashes(
+            self.block_hashes, self.all_token_ids, block_size, cache_salt, self.mm_features
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,7 +116,10 @@ class Request:
         token_ids = [token_ids] if isinstance(token_ids, int) else token_ids
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        extend_block_hashes(
+            self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+            self.mm_features,
+        )  # fmt: skip
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Keep a chunk's positions not seen yet (a request preempted mid-prompt recomputes

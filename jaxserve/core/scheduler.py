@@ -37,10 +37,12 @@ import logging
 import time
 
 from jaxserve.config import CacheConfig, SchedulerConfig
+from jaxserve.core.encoder_cache_manager import EncoderCacheManager
 from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from jaxserve.core.kv_connector import SchedulerKVConnector
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
+from jaxserve.core.scheduler_gates import EncoderGate, GrammarGate
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler_remote import RemoteKVLoads
 from jaxserve.core.scheduler_utils import (
@@ -57,7 +59,7 @@ from jaxserve.structured_output import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(RemoteKVLoads):
+class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
     """The engine core's request states (waiting, running, waiting for remote KV) and each
     step's plan; see the module docstring for the order of things."""
 
@@ -72,6 +74,7 @@ class Scheduler(RemoteKVLoads):
         draft_step_tokens: int | None = None,
         connector: SchedulerKVConnector | None = None,
         max_loras: int = 0,
+        encoder_cache: EncoderCacheManager | None = None,
     ):
         """speculative: drafts are scheduled (Request.spec_token_ids); num_lookahead_tokens:
         KV slots kept free after each request's tokens for a draft model's proposals;
@@ -79,8 +82,10 @@ class Scheduler(RemoteKVLoads):
         need, or up to this many tokens (None: no limit but the budget). A draft token costs
         a forward token and a sampling row: nearly free while the step is bound by reading the
         weights (few tokens), a full token's compute once it is not (many). max_loras: the
-        distinct LoRA adapters the running set may hold (0: LoRA off)."""
+        distinct LoRA adapters the running set may hold (0: LoRA off); encoder_cache: the
+        image encoder outputs' rows (a multimodal model's; core/encoder_cache_manager.py)."""
         self.max_loras = max_loras
+        self.encoder_cache = encoder_cache
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
         self.block_size = cache_config.block_size
@@ -138,6 +143,8 @@ class Scheduler(RemoteKVLoads):
         """Release a finished request; returns its KV connector's kv_transfer_params. Its
         blocks and state are gone before the connector is told (which may raise)."""
         self.kv_cache_manager.free(request)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         return self.connector.request_finished(request) if self.connector else None
@@ -181,6 +188,8 @@ class Scheduler(RemoteKVLoads):
         if max_tokens is not None:
             budget = min(budget, max_tokens)
         plan = StepPlan(budget, self._draft_room(budget))
+        if self.encoder_cache is not None:
+            self.encoder_cache.begin_step()
         if self.connector is not None:
             self._finish_remote_loads()
         self._schedule_running(plan)
@@ -195,6 +204,8 @@ class Scheduler(RemoteKVLoads):
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
             num_new = min(num_tokens_to_schedule(request, self.config.max_model_len), plan.budget)
+            start = request.num_computed_tokens
+            num_new, encoder_work = self._plan_encoder(request, start, num_new)
             if num_new == 0:
                 i += 1
                 continue
@@ -218,6 +229,7 @@ class Scheduler(RemoteKVLoads):
                 new_blocks = self._allocate_running(request, num_new)
             if new_blocks is None:
                 continue  # `request` itself was preempted; running[i] is the next one now
+            self._commit_encoder(request, start, num_new, encoder_work)
             plan.schedule_running(request, num_new, drafts, [b.block_id for b in new_blocks])
             i += 1
 
@@ -274,6 +286,9 @@ class Scheduler(RemoteKVLoads):
         if load_async:  # its KV comes from another instance: wait for it off the queue
             return self._wait_for_remote(request, computed_blocks, num_computed, num_external)
         num_new = min(request.num_tokens - num_computed - num_external, plan.budget)
+        num_new, encoder_work = self._plan_encoder(request, num_computed + num_external, num_new)
+        if num_new == 0 and request.num_tokens > num_computed + num_external:
+            return False  # its next image waits for encoder budget or cache rows
         lookahead = self._lookahead(num_computed + num_external + num_new)
         new_blocks = kv.allocate_slots(
             request, num_external + num_new, computed_blocks, num_computed,
@@ -286,6 +301,7 @@ class Scheduler(RemoteKVLoads):
                 request, kv.get_block_ids(request.request_id), num_computed, num_external
             )
             num_computed += num_external
+        self._commit_encoder(request, num_computed, num_new, encoder_work)
         self.waiting.pop_request()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
@@ -301,8 +317,10 @@ class Scheduler(RemoteKVLoads):
         """Phase 3: count the scheduled tokens as computed (the next schedule() may already
         plan after them) and describe the step for the model runner and the KV connector."""
         sampled = set()  # a step that reaches the end of a request's tokens samples its next
+        encoder_rows = {}
         for req_id, n in plan.num_scheduled.items():
             request = self.requests[req_id]
+            self._encoder_rows(request, n, encoder_rows)
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
@@ -325,36 +343,11 @@ class Scheduler(RemoteKVLoads):
             },
             scheduled_spec_decode_tokens=plan.spec_tokens,
             kv_connector_metadata=kv_connector_metadata,
+            scheduled_encoder_inputs=self.encoder_cache.step_inputs if self.encoder_cache else {},
+            encoder_rows=encoder_rows,
         )
         self.finished_req_ids = set()
         return output
-
-    def _grammar_compiled(self, request: Request) -> bool:
-        """A WAITING_FOR_FSM request whose compile is done: True if it may be scheduled; a
-        failed compile finishes it (an error, reported with the next outputs)."""
-        so = request.structured_output_request
-        if so.future.exception() is not None:
-            self.pending_outputs.append(self._fail(request, so.future.exception()))
-            return False
-        request.status = RequestStatus.WAITING
-        return True
-
-    @property
-    def num_waiting_for_grammar(self) -> int:
-        return sum(r.status == RequestStatus.WAITING_FOR_FSM for r in self.waiting)
-
-    def grammar_bitmask(
-        self, req_ids: list[str], sampled_req_ids: set[str], first_rows, drafts, num_rows: int
-    ):
-        """The step's token bitmask, i32[num_rows, ceil(V/32)] (one row per sampling row: a
-        request's first_rows[i], then one per draft), or None when no request whose token the
-        step keeps is constrained (see StructuredOutputManager.grammar_bitmask)."""
-        if self.structured_output_manager is None:
-            return None
-        requests = [self.requests.get(r) if r in sampled_req_ids else None for r in req_ids]
-        return self.structured_output_manager.grammar_bitmask(
-            requests, first_rows, drafts, num_rows
-        )
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []
@@ -383,6 +376,8 @@ class Scheduler(RemoteKVLoads):
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request)
         if self.connector is not None:
             try:
                 self.connector.request_preempted(request)

@@ -25,6 +25,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None = None
     lora_int_id: int = 0  # its LoRA adapter (0: none)
+    mm_features: list = dataclasses.field(default_factory=list)  # its images (MultiModalFeature)
 
 
 @dataclasses.dataclass
@@ -64,6 +65,11 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # A KV connector's copies for the step (built by its build_connector_meta).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Images: the features (indices into each request's mm_features) whose encoder runs this
+    # step, before the forward (vLLM's scheduled_encoder_inputs), and the encoder-cache rows
+    # of every image whose placeholder tokens the step runs (its identifier -> i32[length]).
+    scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    encoder_rows: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

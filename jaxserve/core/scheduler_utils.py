@@ -60,6 +60,7 @@ class StepPlan:
                 request.num_computed_tokens,
                 request.eos_token_id,
                 request.lora_int_id,
+                request.mm_features,
             )
         )
 

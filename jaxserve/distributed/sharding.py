@@ -60,6 +60,8 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
     'kernel')."""
     if config.quantization in GROUPED_QUANT and path[-1] in ("scale", "offset"):
         return param_spec((*path[:-1], "kernel"), config, tp)  # [in / group, out]: as the kernel
+    if path and path[0] == "vision":  # a multimodal model's image encoder: replicated
+        return P()
     name = "/".join(str(p) for p in path)
     vocab = TP_AXIS if config.vocab_size % tp == 0 else None
     rules = {

@@ -172,7 +172,7 @@ class AsyncLLM:
         request = self.input_processor.process(
             request_id, ids, sampling_params, priority=priority,
             kv_transfer_params=kv_transfer_params,
-            cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+            **self.input_processor.prompt_extras(prompt),
             lora_request=lora_request,
         )  # fmt: skip
         request.data_parallel_rank = data_parallel_rank

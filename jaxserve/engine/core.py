@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.encoder_cache_manager import EncoderCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
@@ -85,10 +86,20 @@ class EngineCore:
             ),
             connector=self.kv_connector,
             max_loras=config.lora.max_loras if config.lora is not None else 0,
+            encoder_cache=self._encoder_cache(),
         )
         self.num_requests_added = 0  # since start-up (data-parallel balance, in get_state)
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+
+    def _encoder_cache(self) -> EncoderCacheManager | None:
+        """A multimodal model's encoder cache bookkeeping (its rows are the runner's)."""
+        encoder = getattr(self.runner, "encoder", None)
+        if encoder is None:
+            return None
+        return EncoderCacheManager(
+            encoder.num_rows, encoder.budget, bidirectional=encoder.bidirectional
+        )
 
     def _make_kv_connector(self, engine_index: int) -> KVConnectorBase | None:
         """The KV connector `--kv-transfer-config` / `--kv-offloading-size` name, wired to
@@ -126,6 +137,8 @@ class EngineCore:
                 if getattr(self.runner, "lora", None) is None:
                     raise ValueError("this engine was started without enable_lora")
                 self.runner.lora.add_adapter(request.lora_request, self._live_loras)
+            if request.mm_features:
+                self._check_images(request)
             engine_request = Request(
                 request.request_id,
                 request.prompt_token_ids,
@@ -137,6 +150,7 @@ class EngineCore:
                 cache_salt=request.cache_salt,
                 kv_transfer_params=request.kv_transfer_params,
                 lora_request=request.lora_request,
+                mm_features=request.mm_features,
             )
         except Exception as e:
             logger.exception("request %s could not be added", request.request_id)
@@ -144,6 +158,19 @@ class EngineCore:
             self.scheduler.pending_outputs.append(error)
             return
         self.scheduler.add_request(engine_request)
+
+    def _check_images(self, request: EngineCoreRequest) -> None:
+        """ValueError for images this engine cannot serve: a text-only model, an image whose
+        encoder has no compiled shape, or more image tokens than the encoder cache holds."""
+        encoder = getattr(self.runner, "encoder", None)
+        if encoder is None:
+            raise ValueError(f"{self.config.model.architecture} does not take images")
+        for f in request.mm_features:
+            encoder.check(f)
+            if f.length > encoder.budget:
+                raise ValueError(
+                    f"an image of {f.length} tokens exceeds the encoder cache ({encoder.budget})"
+                )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Abort requests wherever they are (unknown ids are ignored); returns those aborted."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -13,6 +14,8 @@ from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, EngineConfig, LoR
 from jaxserve.distributed.kv_transfer.params import validate_kv_transfer_params
 from jaxserve.ipc.messages import EngineCoreRequest
 from jaxserve.lora_request import LoRARequest
+from jaxserve.multimodal.inputs import MultiModalFeature
+from jaxserve.multimodal.processing import MultiModalProcessor
 from jaxserve.sampling_params import MAX_BIAS_TOKENS, SamplingParams
 from jaxserve.structured_output import validate_structured_outputs
 
@@ -29,10 +32,16 @@ class InputProcessor:
         kv_transfer_allowed_hosts: tuple[str, ...] = DEFAULT_KV_TRANSFER_ALLOWED_HOSTS,
         max_tokens_cap: int | None = None,
         lora: LoRAConfig | None = None,
+        multimodal: Callable[[], MultiModalProcessor] | None = None,
+        limit_mm_per_prompt: dict[str, int] | None = None,
     ):
         """max_tokens_cap: the generation config's max_new_tokens, a cap on every request's
-        output tokens (vLLM's); lora: --enable-lora's config (None: adapters refused)."""
+        output tokens (vLLM's); lora: --enable-lora's config (None: adapters refused);
+        multimodal: makes the model's image processor (None: a text-only model);
+        limit_mm_per_prompt: the most images one prompt may carry (--limit-mm-per-prompt)."""
         self.tokenizer = tokenizer
+        self._multimodal = multimodal
+        self.limit_mm_per_prompt = limit_mm_per_prompt or {}
         self.lora = lora
         self.max_tokens_cap = max_tokens_cap
         self.kv_transfer_allowed_hosts = kv_transfer_allowed_hosts
@@ -47,6 +56,13 @@ class InputProcessor:
     ) -> InputProcessor:
         """EOS: the tokenizer's, else the model config's (its first, when it lists several)."""
         eos = tokenizer.eos_token_id if tokenizer is not None else None
+        mm_config = getattr(config.model.hf_config, "multimodal_config", None)
+        multimodal = None
+        if mm_config is not None:
+            multimodal = functools.partial(
+                MultiModalProcessor, config.model.architecture, mm_config, config.model_path
+            )
+        limits = getattr(getattr(config, "multimodal", None), "limit_per_prompt", None)
         if eos is None:
             eos = getattr(config.model.hf_config, "eos_token_id", None)
             eos = eos[0] if isinstance(eos, list) else eos
@@ -59,7 +75,50 @@ class InputProcessor:
             kv_transfer_allowed_hosts=config.kv_transfer_allowed_hosts,
             max_tokens_cap=max_tokens_cap,
             lora=config.lora,
+            multimodal=multimodal,
+            limit_mm_per_prompt=limits,
         )
+
+    @functools.cached_property
+    def multimodal_processor(self) -> MultiModalProcessor | None:
+        """The model's image processing (made on first use), or None: a text-only model."""
+        return None if self._multimodal is None else self._multimodal()
+
+    @staticmethod
+    def prompt_extras(prompt: Any) -> dict[str, Any]:
+        """A prompt dict's fields besides its text / ids, as `process` keywords."""
+        if not isinstance(prompt, dict):
+            return {}
+        return {
+            "cache_salt": prompt.get("cache_salt"),
+            "multi_modal_data": prompt.get("multi_modal_data"),
+            "mm_processor_kwargs": prompt.get("mm_processor_kwargs"),
+        }
+
+    def process_multimodal(
+        self, prompt_token_ids: list[int], data: Any, kwargs: dict | None
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """A prompt's `multi_modal_data` ({"image": an image or a list}) -> the ids with each
+        image's placeholder expanded, and the images' features."""
+        if not isinstance(data, dict):
+            raise ValueError(f"multi_modal_data must be a dict, got {type(data).__name__}")
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data: unsupported modality {sorted(unknown)[0]!r}")
+        images = data.get("image")
+        images = [] if images is None else images if isinstance(images, list) else [images]
+        if not images:
+            return prompt_token_ids, []
+        if self.multimodal_processor is None:
+            raise ValueError("this model is text-only: it does not take images")
+        limit = self.limit_mm_per_prompt.get("image")
+        if limit is not None and len(images) > limit:
+            raise ValueError(
+                f"At most {limit} image(s) may be provided in one prompt; got {len(images)}"
+            )
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be a dict, got {kwargs!r}")
+        return self.multimodal_processor.process(prompt_token_ids, images, kwargs)
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         """A prompt is a str, {"prompt": str} or {"prompt_token_ids": [int]}."""
@@ -97,16 +156,24 @@ class InputProcessor:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         *, priority: int = 0, arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None, cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, multi_modal_data: Any = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> EngineCoreRequest:  # fmt: skip
         """kv_transfer_params: for the engine's KV connector (disaggregated prefill), only in
         the shape the proxy sends and naming only --kv-transfer-allowed-hosts;
         cache_salt: isolates the request's prefix-cache entries from other salts';
-        lora_request: the adapter it runs with (needs --enable-lora).
+        lora_request: the adapter it runs with (needs --enable-lora);
+        multi_modal_data: {"image": images} (PIL), one placeholder token per image in the
+        prompt; mm_processor_kwargs: options of the model's image processor.
         Every integer that reaches a fixed-width array is bounded here (or capped, as vLLM
         does: top_k at the vocabulary)."""
         if params.truncate_prompt_tokens is not None:
             prompt_token_ids = self._truncate(prompt_token_ids, params.truncate_prompt_tokens)
+        mm_features: list[MultiModalFeature] = []
+        if multi_modal_data is not None:
+            prompt_token_ids, mm_features = self.process_multimodal(
+                list(prompt_token_ids), multi_modal_data, mm_processor_kwargs
+            )
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
@@ -192,6 +259,7 @@ class InputProcessor:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             lora_request=lora_request,
+            mm_features=mm_features or None,
         )
 
     def _validate_lora(self, lora_request: LoRARequest) -> None:

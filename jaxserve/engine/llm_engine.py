@@ -88,7 +88,7 @@ class LLMEngine:
             params,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
-            cache_salt=prompt.get("cache_salt") if isinstance(prompt, dict) else None,
+            **self.input_processor.prompt_extras(prompt),
             lora_request=lora_request,
         )
 

@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 
 from jaxserve.lora_request import LoRARequest
+from jaxserve.multimodal.inputs import MultiModalFeature
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # "remote_host": ..., "remote_port": ...} (what the prefill instance's response carried).
     kv_transfer_params: dict[str, Any] | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (--enable-lora)
+    # Its images, processed (their placeholders expanded in prompt_token_ids), in order.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -17,7 +17,12 @@ from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.lora import LoRABatch
 from jaxserve.layers.norm import RMSNorm, rms_normalize
-from jaxserve.layers.rotary import apply_rotary, rope_attention_factor, rope_inv_freq
+from jaxserve.layers.rotary import (
+    apply_mrope,
+    apply_rotary,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
@@ -230,8 +235,8 @@ class Attention(nnx.Module):
         md: AttentionMetadata,
         lora: LoRABatch | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x: [T, D], positions: [T], caches [num_blocks, block_size, Hkv, hd]; lora: the
-        tokens' adapter slots (layers/lora.py) for qkv_proj and o_proj.
+        """x: [T, D], positions: [T] (or M-RoPE's [3, T]), caches [num_blocks, block_size,
+        Hkv, hd]; lora: the tokens' adapter slots (layers/lora.py) for qkv_proj and o_proj.
 
         Returns (out [T, D], k_cache, v_cache) with this step's K/V written.
         """
@@ -246,8 +251,13 @@ class Attention(nnx.Module):
             k = rms_normalize(k, self.l2_eps).astype(k.dtype)
         if self.use_rope:
             scale = rope_attention_factor(self.rope)
-            q = apply_rotary(q, positions, inv_freq, scale)
-            k = apply_rotary(k, positions, inv_freq, scale)
+            if positions.ndim == 2:  # M-RoPE's [3, T] (Qwen2.5-VL)
+                section = self.rope.mrope_section
+                q = apply_mrope(q, positions, inv_freq, section, scale)
+                k = apply_mrope(k, positions, inv_freq, section, scale)
+            else:
+                q = apply_rotary(q, positions, inv_freq, scale)
+                k = apply_rotary(k, positions, inv_freq, scale)
         if self.temperature is not None:  # Llama 4's layers without rotary
             floor_scale, attn_scale = self.temperature
             pos = positions.astype(jnp.float32)

@@ -89,3 +89,35 @@ def apply_rotary(
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def apply_mrope(
+    x: jax.Array,
+    positions: jax.Array,
+    inv_freq: np.ndarray,
+    mrope_section: tuple[int, ...],
+    scale: float = 1.0,
+) -> jax.Array:
+    """Multimodal rotary (Qwen2-VL / Qwen2.5-VL M-RoPE): rotate x: [T, H, D] as `apply_rotary`
+    does, but frequency f of inv_freq [R // 2] turns by the position of axis i % 3 (0:
+    temporal, 1: height, 2: width) of positions i32[3, T], i the mrope_section chunk that f
+    falls in (sum(mrope_section) == R // 2), as HF's Qwen2_5_VLRotaryEmbedding recomposes its
+    cos and sin (the former apply_multimodal_rotary_pos_emb). Float32 math; with R < D only
+    the leading R dims turn."""
+    rotary_dim = 2 * len(inv_freq)
+    if sum(mrope_section) != len(inv_freq):
+        raise ValueError(f"mrope_section {mrope_section} does not sum to {len(inv_freq)}")
+    if rotary_dim < x.shape[-1]:
+        turned = apply_mrope(x[..., :rotary_dim], positions, inv_freq, mrope_section, scale)
+        return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
+    axis = np.concatenate([np.full(s, i % 3) for i, s in enumerate(mrope_section)])  # [R / 2]
+    pos = positions.astype(jnp.float32)[axis]  # [R / 2, T]: each frequency's axis
+    freqs = pos.T * jnp.asarray(inv_freq)[None, :]  # [T, R / 2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, R]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)

@@ -105,19 +105,30 @@ class LlamaForCausalLM(nnx.Module):
         aux_layers: tuple[int, ...] = (),
         token_rows: jax.Array | None = None,
         lora_slots: jax.Array | None = None,
+        mm_embeds: jax.Array | None = None,
+        mm_rows: jax.Array | None = None,
+        mrope_positions: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCaches] | tuple[jax.Array, KVCaches, jax.Array]:
         """input_ids, positions: i32[T] -> (final hidden states [T, D], updated kv_caches);
         aux_layers: also the inputs of those layers, concatenated [T, D * len(aux_layers)]
         (an EAGLE-3 head's feature); token_rows i32[T]: each token's input-batch row, which
         only a hybrid model's per-request states read (models/qwen3_next.py); lora_slots
         i32[T]: each token's adapter slot (-1: none), read when `lora_slots` attached some
-        (worker/lora_slots.py)."""
+        (worker/lora_slots.py); mm_embeds [C, D], mm_rows i32[T]: a multimodal model's
+        encoder cache and each token's row in it (-1: a text token, its own embedding);
+        mrope_positions i32[3, T]: M-RoPE's positions (Qwen2.5-VL), which the rotary reads
+        instead of `positions`."""
         k_cache, v_cache = kv_caches
         num_blocks = k_cache.shape[0] // len(self.layers)
         block_size = k_cache.shape[1]
         h = self.embed_tokens(input_ids)  # [T, D]
         if self.embed_scale:  # HF rounds the scale to the weights' dtype first
             h = h * jnp.asarray(self.config.hidden_size**0.5, h.dtype)
+        if mm_rows is not None:  # image placeholders: their encoder outputs
+            picked = mm_embeds[jnp.maximum(mm_rows, 0)].astype(h.dtype)
+            h = jnp.where((mm_rows >= 0)[:, None], picked, h)
+        if mrope_positions is not None:
+            positions = mrope_positions
         aux = []
         lora = {}
         if lora_slots is not None and self.num_lora_slots:

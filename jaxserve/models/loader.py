@@ -162,7 +162,7 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
     for p in tqdm(targets, desc=f"Loading {label}", unit="param", leave=False):
         if p[-1] in ("scale", "offset", "perm"):
             continue  # placed with its quantized kernel
-        weight = model_cls.hf_weight(config, p, replicas)
+        weight = _aliased(source, model_cls.hf_weight(config, p, replicas), model_cls)
         if _quantized(targets[p]) and config.quantization in ("gguf", "int4", "mxfp4"):
             if config.quantization == "mxfp4":
                 hosts = read_mxfp4(source, weight, config.quant_group)
@@ -290,6 +290,21 @@ def _read_param(source, weight: HFWeight, target) -> np.ndarray:
 # Where pre-quantized checkpoints keep a weight's scales: compressed-tensors' `weight_scale`,
 # transformers' FineGrainedFP8 `weight_scale_inv` (multiplied, despite its name).
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
+
+
+def _aliased(source, weight: HFWeight, model_cls) -> HFWeight:
+    """`weight` with each name the checkpoint lacks replaced by the first of its aliases it
+    has (`checkpoint_aliases`: the prefixes other versions of transformers save under)."""
+    aliases = getattr(model_cls, "checkpoint_aliases", ())
+    if not aliases or isinstance(source, GGUFSource):
+        return weight
+    names = []
+    for name in weight.names:
+        if name not in source:
+            options = (new + name[len(old) :] for old, new in aliases if name.startswith(old))
+            name = next((n for n in options if n in source), name)
+        names.append(name)
+    return HFWeight(tuple(names), weight.build)
 
 
 def _scale_name(source, name: str) -> str | None:

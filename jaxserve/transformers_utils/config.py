@@ -54,19 +54,25 @@ def read_any_hf_config(path: Path, hf_overrides: dict | None = None) -> Any:
 
 # Multimodal architectures served as their text model (the vision tower is not read yet).
 TEXT_MODELS = ("Llama4ForConditionalGeneration",)
+# Vision-language models: the language model's fields as the config, the whole HF config kept
+# as `multimodal_config` (a dict: vision_config, the projector's fields, the image tokens).
+MULTIMODAL_MODELS = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 def text_model_config(hf_config: Any) -> Any:
-    """A TEXT_MODELS config -> its `text_config` as an HFConfig, with the multimodal
-    architecture (the model class reads the text model's weights under `language_model.`)
-    and the top level's quantization_config; any other config as it is."""
+    """A TEXT_MODELS or MULTIMODAL_MODELS config -> its `text_config` as an HFConfig, with the
+    multimodal architecture (the model class reads the text model's weights under its own
+    prefix) and the top level's quantization_config (and, for MULTIMODAL_MODELS, the whole
+    config as `multimodal_config`); any other config as it is."""
     archs = getattr(hf_config, "architectures", None) or []
     text = getattr(hf_config, "text_config", None)
-    if not archs or archs[0] not in TEXT_MODELS or not isinstance(text, dict):
+    if not archs or archs[0] not in TEXT_MODELS + MULTIMODAL_MODELS or not isinstance(text, dict):
         return hf_config
     fields = {**text, "architectures": list(archs)}
     if getattr(hf_config, "quantization_config", None):
         fields["quantization_config"] = hf_config.quantization_config
+    if archs[0] in MULTIMODAL_MODELS:
+        fields["multimodal_config"] = {k: v for k, v in vars(hf_config).items()}
     return HFConfig(**fields)
 
 

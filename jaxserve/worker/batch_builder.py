@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.scheduler_output import PromptLogprobs, SchedulerOutput
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.structured_output import bitmask_words
 from jaxserve.worker.buckets import BucketTable, bucket
@@ -174,4 +174,18 @@ def _padded(values: np.ndarray, n: int, fill: int) -> np.ndarray:
     """i32[n]: values, then fill."""
     out = np.full(n, fill, np.int32)
     out[: len(values)] = values
+    return out
+
+
+def prompt_logprobs_of(batch: StepBatch, lp, lp_ids, ranks) -> dict[str, PromptLogprobs]:
+    """Each request's prompt logprobs of the step, from [T, K+1] x2 and [T] over its tokens."""
+    out = {}
+    qsl, targets = batch.qsl, batch.targets
+    for i in np.flatnonzero(batch.wants_prompt_lp):
+        lo, hi = qsl[i], qsl[i + 1]
+        valid = lo + int(np.sum(targets[lo:hi] >= 0))  # a prefix of the chunk
+        if valid > lo:  # prompt positions start[i] + 1 ..
+            out[batch.req_ids[i]] = PromptLogprobs(
+                int(batch.start[i]) + 1, lp[lo:valid], lp_ids[lo:valid], ranks[lo:valid]
+            )
     return out

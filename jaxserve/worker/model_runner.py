@@ -32,15 +32,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import cache_keys, envs
 from jaxserve.config import EngineConfig
-from jaxserve.core.scheduler_output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.sharding import put
 from jaxserve.layers.attention import configure_attention
 from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.layers.sampler import COMPILED_VARIANTS, FULL_VARIANT, pick_variant
 from jaxserve.models.loader import LoadedModel
 from jaxserve.worker import executable_cache, step_functions
-from jaxserve.worker.batch_builder import BatchBuilder
+from jaxserve.worker.batch_builder import BatchBuilder, prompt_logprobs_of
 from jaxserve.worker.buckets import BucketTable
+from jaxserve.worker.encoder_runner import EncoderRunner
 from jaxserve.worker.executables import ExecutableRegistry
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_block_io import KVBlockCopier
@@ -49,7 +50,7 @@ from jaxserve.worker.lora_slots import LoRASlots
 from jaxserve.worker.pooler import Pooler
 from jaxserve.worker.spec_decode.drafting import Drafting
 from jaxserve.worker.spec_decode.proposer import Proposer
-from jaxserve.worker.step_types import PendingStep, StepBatch
+from jaxserve.worker.step_types import PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,12 @@ class ModelRunner:
         if engine_config.lora is not None:
             self.lora = LoRASlots(loaded.model, engine_config.lora, self.config, self.mesh,
                                   loaded.model.kv_replicas)  # fmt: skip
+        self.encoder = None  # a multimodal model's images (encoder_runner.py)
+        if hasattr(loaded.model, "encode"):
+            self.encoder = EncoderRunner(
+                loaded.model, sc.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                self.mesh,
+            )  # fmt: skip
         graphdef, state = nnx.split(loaded.model)
         self.params, params_def = jax.tree.flatten(state)
         if self.lora is not None:
@@ -253,7 +260,7 @@ class ModelRunner:
         kv, penalty, last = spec(self.kv_caches), spec(self.penalty_state), spec(self.last_tokens)
         last_hidden = jax.ShapeDtypeStruct((self.buckets.max_sample_rows, d), dtype, sharding=rep)
         jits, out = self._jits, {}
-        padding = {v: self.builder.padding_forward(*v) for v in self.forward_variants()}
+        padding = {v: self._padding(*v, spec=True) for v in self.forward_variants()}
         for (t, decode_only), inputs in padding.items():
             out["forward", t, decode_only] = functools.partial(
                 jits["forward"].lower, self.params, kv, last, inputs
@@ -283,6 +290,8 @@ class ModelRunner:
             out.update(self.kv_copier.lowerings(kv))
         if self.lora is not None:
             out.update(self.lora.lowerings(self.params))
+        if self.encoder is not None:
+            out.update(self.encoder.lowerings(self.encoder.jit(self.model_def), self.params))
         zero = np.int32(0)
         out["init_penalty_row",] = functools.partial(
             jits["init_penalty_row"].lower,
@@ -299,11 +308,17 @@ class ModelRunner:
         end: a data-parallel engine with no work steps with the others (vLLM's dummy batch)."""
         t, decode_only = self.ready_token_buckets()[0], self.decode_only_forwards
         outs = self.executables["forward", t, decode_only](
-            self.params, self.kv_caches, self.last_tokens,
-            self.builder.padding_forward(t, decode_only),
+            self.params, self.kv_caches, self.last_tokens, self._padding(t, decode_only),
         )  # fmt: skip
         self.kv_caches = outs[2]
         jax.block_until_ready(outs[0])
+
+    def _padding(self, t: int, decode_only: bool, spec: bool = False):
+        """Forward inputs of bucket t that run nothing (with a multimodal model's fields)."""
+        inputs = self.builder.padding_forward(t, decode_only)
+        return (
+            inputs if self.encoder is None else self.encoder.forward_inputs(inputs, None, spec=spec)
+        )
 
     # ------------------------------------------------------------------ a serving step
     def dispatch(self, so: SchedulerOutput) -> PendingStep | None:
@@ -316,11 +331,16 @@ class ModelRunner:
             self.drafting.forget(req_id)
         for row in ib.update(so):
             self._fill_penalty_row(row)
+        if self.encoder is not None:  # the step's images into the encoder cache
+            self.encoder.update(so, ib)
+            self.encoder.run(so, self.params, self.executables)
         if self.lora is not None:  # the step's adapters into device slots (params updated)
             self.lora.assign(ib, self.params, self.executables)
         batch = self.builder.build(so, ib, self.ready_token_buckets(), self.step_count)
         if batch is None:
             return None
+        if self.encoder is not None:
+            batch = batch._replace(forward=self.encoder.forward_inputs(batch.forward, batch))
         kv_meta = so.kv_connector_metadata
         if kv_meta is not None and kv_meta.loads:
             self.kv_caches = self.kv_copier.load(self.executables, self.kv_caches, kv_meta.loads)
@@ -401,7 +421,7 @@ class ModelRunner:
         result = ModelRunnerOutput(batch.req_ids, sampled)
         result.num_accepted_drafts = num_accepted
         if "prompt_logprobs" in fetched:
-            result.prompt_logprobs = _prompt_logprobs(batch, *fetched["prompt_logprobs"])
+            result.prompt_logprobs = prompt_logprobs_of(batch, *fetched["prompt_logprobs"])
         if "pooled" in fetched:
             num_prompt = ib.num_prompt_tokens[batch.rows]
             result.pooled = self.pooler.outputs(batch, num_prompt, *fetched["pooled"])
@@ -419,17 +439,3 @@ class ModelRunner:
             self.penalty_state, np.int32(row), ib.token_ids[row], ib.num_prompt_tokens[row],
             ib.num_tokens[row],
         )  # fmt: skip
-
-
-def _prompt_logprobs(batch: StepBatch, lp, lp_ids, ranks) -> dict[str, PromptLogprobs]:
-    """Each request's prompt logprobs of the step, from [T, K+1] x2 and [T] over its tokens."""
-    out = {}
-    qsl, targets = batch.qsl, batch.targets
-    for i in np.flatnonzero(batch.wants_prompt_lp):
-        lo, hi = qsl[i], qsl[i + 1]
-        valid = lo + int(np.sum(targets[lo:hi] >= 0))  # a prefix of the chunk
-        if valid > lo:  # prompt positions start[i] + 1 ..
-            out[batch.req_ids[i]] = PromptLogprobs(
-                int(batch.start[i]) + 1, lp[lo:valid], lp_ids[lo:valid], ranks[lo:valid]
-            )
-    return out

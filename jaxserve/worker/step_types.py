@@ -27,6 +27,11 @@ class ForwardInputs(NamedTuple):
     attn: AttentionMetadata
     logits_indices: np.ndarray  # i32[max_sample_rows]: each sampling row's token in the batch
     lora_slots: np.ndarray | None = None  # i32[T]: each token's LoRA slot (-1: none); LoRA on
+    # A multimodal model's (worker/encoder_runner.py): each token's encoder-cache row (-1:
+    # text), the encoder cache [C, D] on the device, and M-RoPE's i32[3, T] positions
+    mm_rows: np.ndarray | None = None
+    mm_embeds: jax.Array | None = None
+    mrope_positions: np.ndarray | None = None
 
 
 class SampleInputs(NamedTuple):

@@ -1,0 +1,145 @@
+"""Vision-language models: a language model of the Llama family whose image placeholder
+tokens take an image encoder's outputs (worker/encoder_runner.py runs the encoder and fills
+the encoder cache; `LlamaForCausalLM.__call__` reads it through `mm_rows`).
+
+A model here adds to its language model:
+  vision            the image encoder (models/vision/), parameters under ("vision", ...),
+                    replicated over the mesh
+  encode(**inputs)  one padded image's inputs -> [tokens, D] text-space embeddings
+  encoder_buckets   the image shapes compiled at start-up: name -> (tokens, example inputs)
+  encoder_inputs    one image's processed arrays -> (its bucket, the padded inputs)
+and the HF tensor names of its checkpoints (`checkpoint_aliases`: other prefixes the same
+tensors are saved under, tried in order when a name is missing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.llama import HFWeight, LlamaForCausalLM
+from jaxserve.models.vision.clip import LlavaVisionEncoder
+from jaxserve.models.vision.qwen2_5_vl import Qwen2_5_VLVisionEncoder, vision_config
+from jaxserve.multimodal.inputs import MultiModalFeature
+from jaxserve.multimodal.mrope import mrope_positions
+
+
+class _VisionLanguageModel(LlamaForCausalLM):
+    vision_cls: type
+    # The language model's HF names: LlamaForCausalLM's with "model." -> lm_prefix
+    lm_prefix = "model."
+    head_name = "lm_head.weight"
+    checkpoint_aliases: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
+        super().__init__(config, kv_replicas=kv_replicas, rngs=rngs)
+        mm = config.hf_config.multimodal_config
+        self.vision = self.vision_cls(mm, dtype=config.dtype, rngs=rngs)
+
+    @classmethod
+    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
+        if str(path[0]) == "vision":
+            return cls.vision_cls.hf_weight(config.hf_config.multimodal_config, path[1:])
+        weight = LlamaForCausalLM.hf_weight(config, path, kv_replicas)
+        names = tuple(
+            cls.head_name if n == "lm_head.weight" else cls.lm_prefix + n.removeprefix("model.")
+            for n in weight.names
+        )
+        return HFWeight(names, weight.build)
+
+
+class LlavaForConditionalGeneration(_VisionLanguageModel):
+    """LLaVA-1.5 style: a CLIP (or SigLIP) tower, a two-layer projector, a Llama / Mistral /
+    Vicuna language model; each `<image>` token of the prompt becomes the image's tokens."""
+
+    vision_cls = LlavaVisionEncoder
+    lm_prefix = "language_model.model."
+    head_name = "language_model.lm_head.weight"
+    checkpoint_aliases = (
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "vision_tower.vision_model."),
+        ("vision_tower.", "model.vision_tower."),
+        ("vision_tower.", "model.vision_tower.vision_model."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    )
+
+    def encode(self, pixel_values):
+        """pixel_values f32[1, 3, H, W] -> [tokens_per_image, D]."""
+        return self.vision(pixel_values)
+
+    @staticmethod
+    def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
+        """One bucket: the processor resizes every image to the tower's size."""
+        vision = mm_config.get("vision_config") or {}
+        size = int(vision.get("image_size", 336))
+        tokens = LlavaVisionEncoder.tokens_per_image(mm_config)
+        return {size: (tokens, {"pixel_values": np.zeros((1, 3, size, size), np.float32)})}
+
+    @staticmethod
+    def encoder_inputs(mm_config: dict, data: dict, buckets: dict) -> tuple:
+        pixels = np.asarray(data["pixel_values"], np.float32)
+        if pixels.ndim != 4 or pixels.shape[0] != 1 or pixels.shape[2] not in buckets:
+            raise ValueError(f"image pixel_values of shape {pixels.shape} fit no encoder shape")
+        if pixels.shape[2:] != (pixels.shape[2],) * 2:
+            raise ValueError(f"image pixel_values of shape {pixels.shape} are not square")
+        return pixels.shape[2], {"pixel_values": pixels}
+
+
+class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):
+    """Qwen2.5-VL: a windowed-attention ViT at the image's own resolution (its patches padded
+    to a bucket), merged 2x2 into tokens; a Qwen2 language model with M-RoPE (three position
+    axes for image tokens, `multimodal/mrope.py`)."""
+
+    vision_cls = Qwen2_5_VLVisionEncoder
+    uses_mrope = True
+    checkpoint_aliases = (
+        ("model.", "model.language_model."),
+        ("visual.", "model.visual."),
+    )
+
+    def encode(self, **inputs):
+        """`Qwen2_5_VLVisionEncoder.prepare`'s arrays -> [patches / merge**2, D]."""
+        return self.vision(**inputs)
+
+    @staticmethod
+    def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
+        """Patch counts up to what one step's tokens can take (merge**2 patches a token)."""
+        merge = vision_config(mm_config)["spatial_merge_size"]
+        unit = merge**2
+        vc = vision_config(mm_config)
+        patch_dim = 3 * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+        out = {}
+        for n in Qwen2_5_VLVisionEncoder.patch_buckets(mm_config, max_tokens * unit):
+            grid = np.array([[1, merge, n // merge]])
+            inputs = Qwen2_5_VLVisionEncoder.prepare(
+                mm_config, np.zeros((n, patch_dim), np.float32), grid, n
+            )
+            out[n] = (n // unit, inputs)
+        return out
+
+    @staticmethod
+    def encoder_inputs(mm_config: dict, data: dict, buckets: dict) -> tuple:
+        grid = np.asarray(data["image_grid_thw"]).reshape(-1, 3)
+        patches = int(np.prod(grid, axis=1).sum())
+        fits = [n for n in buckets if n >= patches]
+        if not fits:
+            raise ValueError(
+                f"an image of {patches} patches is larger than the largest encoder shape "
+                f"({max(buckets)} patches); pass smaller max_pixels in mm_processor_kwargs"
+            )
+        n = min(fits)
+        return n, Qwen2_5_VLVisionEncoder.prepare(mm_config, data["pixel_values"], grid, n)
+
+    @staticmethod
+    def mrope_positions(
+        mm_config: dict, prompt_ids: list[int], features: list[MultiModalFeature]
+    ) -> tuple[np.ndarray, int]:
+        """The prompt's i32[3, P] M-RoPE positions and the delta of the tokens after it."""
+        grids = [np.asarray(f.data["image_grid_thw"]).reshape(3) for f in features]
+        return mrope_positions(
+            prompt_ids, np.array(grids).reshape(-1, 3) if grids else None,
+            image_token_id=int(mm_config["image_token_id"]),
+            spatial_merge_size=vision_config(mm_config)["spatial_merge_size"],
+        )  # fmt: skip

@@ -1,0 +1,107 @@
+"""A prompt's images -> the features the engine core runs: the model's HF image processor
+(its PIL backend: the fast ones need torchvision), each image's placeholder token expanded to
+the image's tokens, and each image's content hash.
+
+Runs in the frontend process (the input processor), never in the engine core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxserve.multimodal.inputs import MultiModalFeature
+
+# The architectures whose images this module processes (transformers_utils.config's
+# MULTIMODAL_MODELS) -> the config field naming the image placeholder token.
+IMAGE_TOKEN_FIELDS = {
+    "LlavaForConditionalGeneration": "image_token_index",
+    "Qwen2_5_VLForConditionalGeneration": "image_token_id",
+}
+
+
+def load_image_processor(model_dir: str | Path) -> Any:
+    """The HF image processor named by the model's preprocessor_config.json, PIL backend
+    (`<Name>Pil` in transformers >= 5, the plain class before it)."""
+    import transformers
+
+    path = Path(model_dir) / "preprocessor_config.json"
+    try:
+        name = json.loads(path.read_text())["image_processor_type"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the image processor of {model_dir}: {e}") from None
+    name = name.removesuffix("Fast")
+    cls = getattr(transformers, f"{name}Pil", None) or getattr(transformers, name, None)
+    if cls is None:
+        raise ValueError(f"{path}: image processor {name!r} is not in transformers")
+    return cls.from_pretrained(model_dir)
+
+
+def content_hash(data: dict[str, np.ndarray]) -> str:
+    """sha256 over a feature's processed arrays (names, dtypes, shapes and bytes)."""
+    h = hashlib.sha256()
+    for name in sorted(data):
+        arr = np.ascontiguousarray(data[name])
+        h.update(f"{name}:{arr.dtype.str}:{arr.shape}".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+class MultiModalProcessor:
+    """One model's image processing: `process(ids, images)` -> (expanded ids, features)."""
+
+    def __init__(self, architecture: str, multimodal_config: dict, model_dir: str | Path):
+        if architecture not in IMAGE_TOKEN_FIELDS:
+            raise ValueError(f"{architecture} takes no images")
+        self.architecture = architecture
+        self.config = multimodal_config
+        self.image_token_id = int(multimodal_config[IMAGE_TOKEN_FIELDS[architecture]])
+        self.image_processor = load_image_processor(model_dir)
+
+    def process(
+        self, prompt_ids: list[int], images: list[Any], processor_kwargs: dict | None = None
+    ) -> tuple[list[int], list[MultiModalFeature]]:
+        """prompt_ids hold the image token once per image, in order; each becomes the
+        image's tokens. processor_kwargs: the image processor's own options
+        (`mm_processor_kwargs`, e.g. Qwen2.5-VL's min_pixels / max_pixels)."""
+        marks = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        if len(marks) != len(images):
+            raise ValueError(
+                f"the prompt has {len(marks)} image placeholder(s) (token "
+                f"{self.image_token_id}) but {len(images)} image(s) were given"
+            )
+        ids: list[int] = []
+        features = []
+        prev = 0
+        for mark, image in zip(marks, images, strict=True):
+            data = self._pixels(image, processor_kwargs or {})
+            n = self._num_tokens(data)
+            ids.extend(prompt_ids[prev:mark])
+            features.append(MultiModalFeature("image", content_hash(data), len(ids), n, data))
+            ids.extend([self.image_token_id] * n)
+            prev = mark + 1
+        ids.extend(prompt_ids[prev:])
+        return ids, features
+
+    def _pixels(self, image: Any, kwargs: dict) -> dict[str, np.ndarray]:
+        try:
+            out = self.image_processor(images=[image], return_tensors="np", **kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot process the image: {e}") from None
+        data = {k: np.asarray(v) for k, v in out.items() if k != "num_crops"}
+        data["pixel_values"] = data["pixel_values"].astype(np.float32)
+        return data
+
+    def _num_tokens(self, data: dict[str, np.ndarray]) -> int:
+        """The encoder output rows of one image: its placeholder tokens."""
+        if "image_grid_thw" in data:  # Qwen2.5-VL: patches over merge**2
+            merge = self.config.get("vision_config", {}).get("spatial_merge_size", 2)
+            return int(np.prod(data["image_grid_thw"][0])) // merge**2
+        vision = self.config.get("vision_config", {})
+        n = (vision.get("image_size", 224) // vision.get("patch_size", 14)) ** 2
+        strategy = self.config.get("vision_feature_select_strategy", "default")
+        return n + (strategy == "full")

@@ -1,0 +1,138 @@
+"""A multimodal model's images on the device: the encoder cache and the image encoder's
+compiled steps (part of lifecycle steps 6 and 7).
+
+The encoder cache is one buffer [C, D] (C rows of the language model's hidden size); the
+scheduler's `core/encoder_cache_manager.py` says which rows hold which image. A step first
+runs the encoder for the images the scheduler listed (`SchedulerOutput.
+scheduled_encoder_inputs`): one compiled `encode` per image bucket (the model's
+`encoder_buckets`: a fixed image size is one bucket, Qwen2.5-VL's dynamic sizes are padded
+patch counts), which writes the image's rows in place (the buffer donated). The forward then
+reads, for each token, the cache row its placeholder takes (`ForwardInputs.mm_rows`, -1 for
+text) instead of its embedding. Per input-batch row this keeps each position's cache row
+(`mm_map`) and, for M-RoPE models (Qwen2.5-VL), each position's three rotary positions.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.distributed.sharding import put
+from jaxserve.multimodal.inputs import MultiModalFeature
+from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.step_types import ForwardInputs, StepBatch
+
+
+def encode(model_def, params, buffer: jax.Array, inputs: dict, rows: jax.Array) -> jax.Array:
+    """The image encoder over one padded image; its output rows written at `rows` of the
+    encoder cache buffer [C, D] (rows i32[n]: C for padding, dropped)."""
+    out = model_def.merge(params).encode(**inputs)  # [n, D]
+    return buffer.at[rows].set(out.astype(buffer.dtype), mode="drop")
+
+
+class EncoderRunner:
+    def __init__(
+        self, model: Any, max_num_batched_tokens: int, max_num_reqs: int, max_model_len: int,
+        mesh,
+    ):  # fmt: skip
+        """model: a multimodal model (its `encode`, `encoder_buckets`, `encoder_inputs`,
+        `mrope_positions` for M-RoPE); the cache holds max(max_num_batched_tokens, the
+        largest image's tokens) rows, as vLLM's encoder cache."""
+        self.model_cls = type(model)
+        self.mm_config = model.config.hf_config.multimodal_config
+        self.buckets = self.model_cls.encoder_buckets(self.mm_config, max_num_batched_tokens)
+        self.max_image_tokens = max(tokens for tokens, _ in self.buckets.values())
+        self.num_rows = max(max_num_batched_tokens, self.max_image_tokens)
+        self.budget = self.num_rows
+        self.bidirectional = bool(getattr(model, "bidirectional_images", False))
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        rep = NamedSharding(mesh, P())
+        d, dtype = model.config.hidden_size, model.config.dtype
+        self.buffer = put(np.zeros((self.num_rows, d), dtype), rep)
+        self._buffer_spec = jax.ShapeDtypeStruct((self.num_rows, d), dtype, sharding=rep)
+        self.features: dict[str, list[MultiModalFeature]] = {}
+        self.mm_map = np.full((max_num_reqs, max_model_len), -1, np.int32)
+        self.mrope = (
+            np.zeros((max_num_reqs, 3, max_model_len), np.int32) if self.uses_mrope else None
+        )
+        self._arange = np.arange(max_model_len, dtype=np.int32)
+        self._rep = rep
+
+    def jit(self, model_def) -> Callable:
+        return jax.jit(
+            functools.partial(encode, model_def), donate_argnums=(1,), out_shardings=self._rep
+        )
+
+    def lowerings(self, jitted: Callable, params) -> dict[tuple, Callable[[], Any]]:
+        """("encode", bucket) -> its lowering, for every image bucket."""
+        return {
+            ("encode", name): functools.partial(
+                jitted.lower, params, self._buffer_spec, inputs, np.zeros(tokens, np.int32)
+            )
+            for name, (tokens, inputs) in self.buckets.items()
+        }
+
+    def check(self, feature: MultiModalFeature) -> None:
+        """ValueError when the image cannot be served (no bucket holds it)."""
+        self.model_cls.encoder_inputs(self.mm_config, feature.data, self.buckets)
+
+    # ------------------------------------------------------------------ a serving step
+    def update(self, so: SchedulerOutput, ib: InputBatch) -> None:
+        """After `ib.update(so)`: remember the new requests' images (and fill their M-RoPE
+        positions), and point each scheduled placeholder token at its cache row."""
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.features.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            row = ib.req_id_to_row[new.req_id]
+            self.features[new.req_id] = new.mm_features
+            self.mm_map[row] = -1
+            if self.mrope is not None:
+                pos, delta = self.model_cls.mrope_positions(
+                    self.mm_config, new.prompt_token_ids, new.mm_features
+                )
+                n = pos.shape[1]
+                self.mrope[row, :, :n] = pos
+                self.mrope[row, :, n:] = self._arange[n:] + delta
+        if not so.encoder_rows:
+            return
+        for req_id in so.num_scheduled_tokens:
+            for f in self.features.get(req_id, ()):
+                rows = so.encoder_rows.get(f.identifier)
+                if rows is not None:
+                    self.mm_map[ib.req_id_to_row[req_id], f.offset : f.end] = rows
+
+    def run(self, so: SchedulerOutput, params, executables) -> None:
+        """The step's scheduled images through the encoder, into the cache."""
+        for req_id, indices in so.scheduled_encoder_inputs.items():
+            for i in indices:
+                f = self.features[req_id][i]
+                name, inputs = self.model_cls.encoder_inputs(self.mm_config, f.data, self.buckets)
+                tokens = self.buckets[name][0]
+                rows = np.full(tokens, self.num_rows, np.int32)
+                rows[: f.length] = so.encoder_rows[f.identifier]
+                self.buffer = executables["encode", name](params, self.buffer, inputs, rows)
+
+    def forward_inputs(
+        self, forward: ForwardInputs, batch: StepBatch | None, *, spec: bool = False
+    ) -> ForwardInputs:
+        """`forward` with each token's cache row and the buffer (and its M-RoPE positions);
+        batch None: padding; spec: the buffer's shape alone (what start-up lowers with)."""
+        t = forward.input_ids.shape[0]
+        mm_rows = np.full(t, -1, np.int32)
+        mrope = None if self.mrope is None else np.zeros((3, t), np.int32)
+        if batch is not None:
+            n = int(batch.num_scheduled.sum())
+            row_of_token = np.repeat(batch.rows, batch.num_scheduled)
+            pos = forward.positions[:n]
+            mm_rows[:n] = self.mm_map[row_of_token, pos]
+            if mrope is not None:
+                mrope[:, :n] = self.mrope[row_of_token, :, pos].T
+        buffer = self._buffer_spec if spec else self.buffer
+        return forward._replace(mm_rows=mm_rows, mm_embeds=buffer, mrope_positions=mrope)

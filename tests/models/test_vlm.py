@@ -1,0 +1,129 @@
+"""Vision-language models through `LLM.generate` against HF transformers (fp32, the same
+tiny random weights): greedy tokens equal HF `generate`'s, prompt logprobs (the log-softmax
+of HF's logits) within 1e-4, with one and two images of different sizes; the same image
+twice hits the prefix cache and different images never do; serving compiles nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.worker.executables import num_compilations
+from tests.helpers import engines_in_process
+from tests.multimodal.tiny_vlm import (
+    draw_image,
+    llava_hf_processor,
+    make_tiny_llava,
+    make_tiny_qwen2_5_vl,
+    qwen_processor,
+)
+
+VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+ENGINE = dict(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4,
+              num_gpu_blocks_override=96, block_size=16)  # fmt: skip
+
+
+class Family:
+    """One architecture: its tiny model, its HF reference inputs and its prompts."""
+
+    def __init__(self, name: str, tmp_path_factory):
+        import transformers
+
+        self.name = name
+        path = tmp_path_factory.mktemp(name)
+        self.dir = make_tiny_llava(path) if name == "llava" else make_tiny_qwen2_5_vl(path)
+        cls = getattr(transformers, self.hf_class)
+        self.hf = cls.from_pretrained(self.dir, dtype=torch.float32).eval()
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.dir)
+        mark = "<image>" if name == "llava" else VISION
+        self.prompts = [f"USER: {mark}\nWhat is it? ASSISTANT:",
+                        f"USER: {mark} and {mark} differ? ASSISTANT:"]  # fmt: skip
+
+    @property
+    def hf_class(self) -> str:
+        return {"llava": "LlavaForConditionalGeneration",
+                "qwen": "Qwen2_5_VLForConditionalGeneration"}[self.name]  # fmt: skip
+
+    def hf_inputs(self, text: str, images: list) -> dict:
+        """HF's model inputs: LlavaProcessor's (the reference expansion), or for Qwen2.5-VL
+        (whose processor needs torchvision for videos) the image processor's pixels, the
+        text with each image_pad repeated grid.prod() / 4 times and the token types its
+        processor gives (without them HF's M-RoPE positions are plain 1-D ones)."""
+        if self.name == "llava":
+            return dict(llava_hf_processor(self.dir)(text=text, images=images, return_tensors="pt"))
+        pixels = qwen_processor(self.dir)(images=images, return_tensors="pt")
+        counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
+        head, *rest = text.split("<|image_pad|>")
+        pads = ["<|image_pad|>" * n for n in counts]
+        text = head + "".join(pad + part for pad, part in zip(pads, rest, strict=True))
+        ids = self.tokenizer(text, return_tensors="pt")
+        ids["mm_token_type_ids"] = (ids["input_ids"] == self.hf.config.image_token_id).int()
+        return {**ids, **pixels}
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen"])
+def family(request, tmp_path_factory):
+    fam = Family(request.param, tmp_path_factory)
+    with engines_in_process():
+        fam.llm = LLM(str(fam.dir), **ENGINE)
+        yield fam
+
+
+IMAGES = [[draw_image(1)], [draw_image(2, 50, 90), draw_image(3, 120, 70)]]
+
+
+def test_greedy_tokens_and_logprobs_equal_hf(family):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    prompts = [{"prompt": p, "multi_modal_data": {"image": ims}}
+               for p, ims in zip(family.prompts, IMAGES, strict=True)]  # fmt: skip
+    compiled = num_compilations()
+    outs = family.llm.generate(prompts, params, use_tqdm=False)
+    assert num_compilations() == compiled  # every image shape was compiled at start-up
+    for text, images, out in zip(family.prompts, IMAGES, outs, strict=True):
+        inputs = family.hf_inputs(text, images)
+        ids = inputs["input_ids"][0].tolist()
+        assert out.prompt_token_ids == ids  # the placeholders expanded as HF's processor does
+        with torch.no_grad():
+            logits = family.hf(**inputs).logits[0].float()
+            gen = family.hf.generate(**inputs, max_new_tokens=8, do_sample=False)
+        assert out.outputs[0].token_ids == gen[0, len(ids) :].tolist()
+        want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), ids[1:]].numpy()
+        got = [next(iter(lp.values())).logprob for lp in out.prompt_logprobs[1:]]
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_same_image_hits_the_prefix_cache(family):
+    """The same text + image again: its blocks (the image's included) come from the cache;
+    the same text with another image: only the blocks before the image match."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    text = "x" * 40 + family.prompts[0]  # the image starts past the first two blocks
+    first = family.llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": draw_image(7)}}, params, use_tqdm=False
+    )[0]
+    again = family.llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": draw_image(7)}}, params, use_tqdm=False
+    )[0]
+    other = family.llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": draw_image(8)}}, params, use_tqdm=False
+    )[0]
+    image_start = first.prompt_token_ids.index(family.hf.config.image_token_id)
+    full_blocks = (len(first.prompt_token_ids) - 1) // 16 * 16
+    assert again.num_cached_tokens == full_blocks > image_start
+    assert other.num_cached_tokens == image_start // 16 * 16
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_bad_image_requests_fail_alone(family):
+    """A placeholder count that does not match the images, and a non-dict multi_modal_data:
+    ValueErrors naming the problem; the engine serves the next request."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match=r"1 image placeholder\(s\).*2 image\(s\)"):
+        family.llm.generate(
+            {"prompt": family.prompts[0], "multi_modal_data": {"image": IMAGES[1]}}, params
+        )
+    with pytest.raises(ValueError, match="unsupported modality 'audio'"):
+        family.llm.generate({"prompt": "hi", "multi_modal_data": {"audio": [1]}}, params)
+    out = family.llm.generate("hello", params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2

@@ -1,0 +1,144 @@
+"""Tiny random-weight vision-language models saved with transformers' own classes (config,
+weights, tokenizer with the image tokens, image processor), and test images drawn with
+Pillow: what the multimodal tests compare against HF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from tests.helpers import make_tiny_tokenizer
+
+# A processor chat template that renders an image part where the text has it (as HF VLM
+# templates do), ChatML otherwise.
+IMAGE_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}IMAGE_MARK{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def draw_image(seed: int, width: int = 80, height: int = 60) -> Image.Image:
+    """A gradient with a filled ellipse, a rectangle and rendered text, different per seed."""
+    rng = np.random.default_rng(seed)
+    a = np.zeros((height, width, 3), np.uint8)
+    a[..., 0] = np.linspace(0, 255, width)[None].astype(np.uint8)
+    a[..., 1] = np.linspace(255, 0, height)[:, None].astype(np.uint8)
+    a[..., 2] = rng.integers(0, 255)
+    im = Image.fromarray(a)
+    draw = ImageDraw.Draw(im)
+    x, y = rng.integers(0, width // 3), rng.integers(0, height // 3)
+    draw.ellipse([x, y, x + width // 2, y + height // 2], fill=tuple(rng.integers(0, 255, 3)))
+    draw.rectangle([width // 2, height // 2, width - 3, height - 3], outline=(255, 255, 255))
+    draw.text((4, height - 14), f"img{seed}", fill=(0, 0, 0))
+    return im
+
+
+def _tokenizer(out: Path, specials: list[str], mark: str):
+    from transformers import AutoTokenizer
+
+    make_tiny_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *specials]})
+    tok.chat_template = IMAGE_CHATML.replace("IMAGE_MARK", mark)
+    tok.save_pretrained(out)
+    return tok
+
+
+def _randomise(model) -> None:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.08)
+
+
+def make_tiny_llava(out: Path) -> Path:
+    """LLaVA-1.5's layout: a 3-layer CLIP tower (56 px, patch 14: 16 tokens an image), a
+    2-layer Llama; `<image>` once per image in the prompt."""
+    import transformers
+
+    tok = _tokenizer(out, ["<image>"], "<image>")
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        image_size=56, patch_size=14, projection_dim=32,
+    )  # fmt: skip
+    text = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
+    )  # fmt: skip
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text,
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+    )  # fmt: skip
+    config.architectures = ["LlavaForConditionalGeneration"]
+    model = transformers.LlavaForConditionalGeneration(config).float()
+    _randomise(model)
+    model.save_pretrained(out)
+    processor_cls = getattr(transformers, "CLIPImageProcessorPil", None)
+    processor_cls = processor_cls or transformers.CLIPImageProcessor
+    processor = processor_cls(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    processor.save_pretrained(out)
+    return out
+
+
+def llava_hf_processor(model_dir: Path):
+    """HF's LlavaProcessor over the tiny model's files: the reference expansion."""
+    import transformers
+
+    cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    return transformers.LlavaProcessor(
+        image_processor=cls.from_pretrained(model_dir),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir),
+        patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+    )  # fmt: skip
+
+
+def make_tiny_qwen2_5_vl(out: Path) -> Path:
+    """Qwen2.5-VL's layout: a 4-block windowed ViT (patch 14, merge 2, window 56, block 3
+    full attention), a 2-layer Qwen2 with M-RoPE; `<|vision_start|><|image_pad|><|vision_end|>`
+    per image, images at their own resolution (min/max pixels small)."""
+    import transformers
+
+    specials = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+    tok = _tokenizer(out, specials, "".join(specials))
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config={
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": len(tok),
+            "max_position_embeddings": 1024,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [2, 3, 3]},
+        },
+        vision_config={
+            "depth": 4, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+            "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+            "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [3],
+        },
+        image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float()
+    _randomise(model)
+    model.save_pretrained(out)
+    qwen_processor(out, save=True)
+    return out
+
+
+def qwen_processor(model_dir: Path, save: bool = False):
+    import transformers
+
+    cls = getattr(transformers, "Qwen2VLImageProcessorPil", None)
+    cls = cls or transformers.Qwen2VLImageProcessor
+    if save:
+        cls(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(model_dir)
+    return cls.from_pretrained(model_dir)
