@@ -41,6 +41,12 @@ class EncoderCacheManager:
         self.step_budget = self.budget
         self.step_inputs, self.step_new = {}, set()
 
+    def end_step(self) -> dict[str, list[int]]:
+        """The step's encoder work (request id -> feature indices), once its plan is made:
+        from here on its images count as computed."""
+        inputs, self.step_inputs, self.step_new = self.step_inputs, {}, set()
+        return inputs
+
     def plan(self, request: Request, start: int, num_new: int) -> tuple[int, list[int]]:
         """The request's tokens start .. start + num_new - 1 -> (how many of them may run
         this step, the indices of its images to compute first). Tokens are cut before the

@@ -343,7 +343,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
             },
             scheduled_spec_decode_tokens=plan.spec_tokens,
             kv_connector_metadata=kv_connector_metadata,
-            scheduled_encoder_inputs=self.encoder_cache.step_inputs if self.encoder_cache else {},
+            scheduled_encoder_inputs=self._take_encoder_inputs(),
             encoder_rows=encoder_rows,
         )
         self.finished_req_ids = set()

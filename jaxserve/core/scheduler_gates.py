@@ -58,6 +58,9 @@ class EncoderGate:
         if self.encoder_cache is not None and request.mm_features:
             self.encoder_cache.commit(request, start, num_new, work)
 
+    def _take_encoder_inputs(self) -> dict[str, list[int]]:
+        return {} if self.encoder_cache is None else self.encoder_cache.end_step()
+
     def _encoder_rows(self, request: Request, num_new: int, into: dict) -> None:
         """The rows of the images the request's scheduled tokens read (into `into`), and
         let go of those it has then run all of."""
