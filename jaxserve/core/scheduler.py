@@ -278,7 +278,8 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
         if request.request_id in kv.req_to_blocks:  # back from a remote load: has blocks
             computed_blocks, num_computed = [], request.num_computed_tokens
         else:
-            computed_blocks, num_computed = kv.get_computed_blocks(request)
+            hit = kv.get_computed_blocks(request)
+            computed_blocks, num_computed = self._trim_hit(request, *hit)
             if self.connector is not None:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
                     request, num_computed

@@ -58,6 +58,18 @@ class EncoderGate:
         if self.encoder_cache is not None and request.mm_features:
             self.encoder_cache.commit(request, start, num_new, work)
 
+    def _trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
+        """A prefix-cache hit that would end inside a bidirectional image ends at the block
+        before it instead (the image's tokens must run in one step)."""
+        ec = self.encoder_cache
+        if ec is None or not ec.bidirectional or not request.mm_features:
+            return blocks, num_computed
+        for f in request.mm_features:
+            if f.offset < num_computed < f.end:
+                keep = f.offset // request.block_size
+                return blocks[:keep], keep * request.block_size
+        return blocks, num_computed
+
     def _take_encoder_inputs(self) -> dict[str, list[int]]:
         return {} if self.encoder_cache is None else self.encoder_cache.end_step()
 

@@ -171,6 +171,11 @@ class EngineCore:
                 raise ValueError(
                     f"an image of {f.length} tokens exceeds the encoder cache ({encoder.budget})"
                 )
+            if encoder.bidirectional and f.length > encoder.max_step_tokens:
+                raise ValueError(
+                    f"an image of {f.length} tokens must run in one step, but a step runs at "
+                    f"most max_num_batched_tokens={encoder.max_step_tokens} tokens"
+                )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Abort requests wherever they are (unknown ids are ignored); returns those aborted."""

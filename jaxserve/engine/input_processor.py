@@ -82,7 +82,7 @@ class InputProcessor:
     @functools.cached_property
     def multimodal_processor(self) -> MultiModalProcessor | None:
         """The model's image processing (made on first use), or None: a text-only model."""
-        return None if self._multimodal is None else self._multimodal()
+        return None if self._multimodal is None else self._multimodal(tokenizer=self.tokenizer)
 
     @staticmethod
     def prompt_extras(prompt: Any) -> dict[str, Any]:
@@ -127,7 +127,14 @@ class InputProcessor:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
                 raise ValueError(f"prompt dict needs 'prompt' or 'prompt_token_ids', got {prompt}")
-            prompt = prompt["prompt"]
+            text = prompt["prompt"]
+            if prompt.get("multi_modal_data") and self.multimodal_processor is not None:
+                if not isinstance(text, str):
+                    raise ValueError(f"prompt must be a str, got {type(text).__name__}")
+                self.check_text_length(text)
+                expanded = self.multimodal_processor.expand_text(text)
+                return text, self.tokenizer(expanded).input_ids
+            prompt = text
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
         if self.tokenizer is None:

@@ -64,6 +64,8 @@ class AttentionMetadata(NamedTuple):
     decode_only:     (static, a Python bool) every sequence in use has exactly one token: the
                      attention runs its decode path alone. Part of the pytree's structure, not
                      a leaf, so a step compiled for one layout refuses inputs of the other.
+    causal_ext:      [T] or None: each token also sees the keys up to this many positions
+                     after its own (a bidirectional image's tokens, Gemma 3; 0 for text).
     """
 
     slot_mapping: jax.Array
@@ -72,6 +74,7 @@ class AttentionMetadata(NamedTuple):
     query_start_loc: jax.Array
     num_seqs: jax.Array
     decode_only: bool = False
+    causal_ext: jax.Array | None = None
 
     def at_layer(self, index: int, num_blocks: int, block_size: int) -> AttentionMetadata:
         """This metadata for the cache's index-th layer, whose blocks are rows index *
@@ -81,14 +84,14 @@ class AttentionMetadata(NamedTuple):
         return self._replace(block_tables=self.block_tables + offset, slot_mapping=slots)
 
 
+_LEAVES = ("slot_mapping", "block_tables", "kv_lens", "query_start_loc", "num_seqs", "causal_ext")
 jax.tree_util.register_pytree_with_keys(
     AttentionMetadata,
-    lambda md: (
-        [(jax.tree_util.GetAttrKey(k), getattr(md, k)) for k in md._fields[:5]],
-        md.decode_only,
-    ),  # fmt: skip
-    lambda decode_only, arrays: AttentionMetadata(*arrays, decode_only=decode_only),
-    flatten_func=lambda md: (md[:5], md.decode_only),
+    lambda md: ([(jax.tree_util.GetAttrKey(k), getattr(md, k)) for k in _LEAVES], md.decode_only),
+    lambda decode_only, arrays: AttentionMetadata(
+        *arrays[:5], decode_only=decode_only, causal_ext=arrays[5]
+    ),
+    flatten_func=lambda md: ((*md[:5], md.causal_ext), md.decode_only),
 )
 
 
@@ -144,6 +147,9 @@ def paged_attention(
             sinks)  # fmt: skip
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   attention_chunk=attention_chunk)  # fmt: skip
+    if md.causal_ext is not None and not md.decode_only:
+        backend = "reference"  # bidirectional images: the kernels are causal only
+        scores["causal_ext"] = md.causal_ext
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **scores, decode_only=md.decode_only)
     if backend == "cpu":

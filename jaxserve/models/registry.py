@@ -11,7 +11,11 @@ from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from jaxserve.models.qwen3_next import Qwen3NextForCausalLM
-from jaxserve.models.vlm import LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
+from jaxserve.models.vlm import (
+    Gemma3ForConditionalGeneration,
+    LlavaForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
+)
 
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -32,6 +36,7 @@ _MODELS = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # gated delta-net + gated attention, hybrid
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # CLIP + projector + Llama
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # M-RoPE, ViT
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # bidirectional images
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # an EAGLE-3 draft head
 }

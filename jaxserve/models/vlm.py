@@ -18,9 +18,11 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
+from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import HFWeight, LlamaForCausalLM
 from jaxserve.models.vision.clip import LlavaVisionEncoder
 from jaxserve.models.vision.qwen2_5_vl import Qwen2_5_VLVisionEncoder, vision_config
+from jaxserve.models.vision.siglip import Gemma3VisionEncoder
 from jaxserve.multimodal.inputs import MultiModalFeature
 from jaxserve.multimodal.mrope import mrope_positions
 
@@ -49,6 +51,20 @@ class _VisionLanguageModel(LlamaForCausalLM):
         return HFWeight(names, weight.build)
 
 
+def _square_bucket(size: int, tokens: int) -> dict:
+    """The one encoder shape of a tower whose processor resizes every image to size x size."""
+    return {size: (tokens, {"pixel_values": np.zeros((1, 3, size, size), np.float32)})}
+
+
+def _square_inputs(data: dict, buckets: dict) -> tuple:
+    pixels = np.asarray(data["pixel_values"], np.float32)
+    if pixels.ndim != 4 or pixels.shape[0] != 1 or pixels.shape[2] not in buckets:
+        raise ValueError(f"image pixel_values of shape {pixels.shape} fit no encoder shape")
+    if pixels.shape[2:] != (pixels.shape[2],) * 2:
+        raise ValueError(f"image pixel_values of shape {pixels.shape} are not square")
+    return pixels.shape[2], {"pixel_values": pixels}
+
+
 class LlavaForConditionalGeneration(_VisionLanguageModel):
     """LLaVA-1.5 style: a CLIP (or SigLIP) tower, a two-layer projector, a Llama / Mistral /
     Vicuna language model; each `<image>` token of the prompt becomes the image's tokens."""
@@ -72,19 +88,38 @@ class LlavaForConditionalGeneration(_VisionLanguageModel):
     @staticmethod
     def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
         """One bucket: the processor resizes every image to the tower's size."""
-        vision = mm_config.get("vision_config") or {}
-        size = int(vision.get("image_size", 336))
-        tokens = LlavaVisionEncoder.tokens_per_image(mm_config)
-        return {size: (tokens, {"pixel_values": np.zeros((1, 3, size, size), np.float32)})}
+        size = int((mm_config.get("vision_config") or {}).get("image_size", 336))
+        return _square_bucket(size, LlavaVisionEncoder.tokens_per_image(mm_config))
 
     @staticmethod
     def encoder_inputs(mm_config: dict, data: dict, buckets: dict) -> tuple:
-        pixels = np.asarray(data["pixel_values"], np.float32)
-        if pixels.ndim != 4 or pixels.shape[0] != 1 or pixels.shape[2] not in buckets:
-            raise ValueError(f"image pixel_values of shape {pixels.shape} fit no encoder shape")
-        if pixels.shape[2:] != (pixels.shape[2],) * 2:
-            raise ValueError(f"image pixel_values of shape {pixels.shape} are not square")
-        return pixels.shape[2], {"pixel_values": pixels}
+        return _square_inputs(data, buckets)
+
+
+class Gemma3ForConditionalGeneration(_VisionLanguageModel, GemmaForCausalLM):
+    """Gemma 3 4B / 12B / 27B: a SigLIP tower (896 px), average-pooled to 256 tokens, the
+    soft-embedding norm and projection; Gemma 3's language model, in which one image's tokens
+    attend to each other both ways (`bidirectional_images`: an image runs in one prefill
+    chunk, and the attention's `causal_ext` lets each of its tokens see the image's end)."""
+
+    vision_cls = Gemma3VisionEncoder
+    bidirectional_images = True
+    lm_prefix = "language_model.model."
+    head_name = "language_model.lm_head.weight"
+    checkpoint_aliases = LlavaForConditionalGeneration.checkpoint_aliases
+
+    def encode(self, pixel_values):
+        """pixel_values f32[1, 3, H, W] -> [mm_tokens_per_image, D]."""
+        return self.vision(pixel_values)
+
+    @staticmethod
+    def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
+        size = int((mm_config.get("vision_config") or {}).get("image_size", 896))
+        return _square_bucket(size, Gemma3VisionEncoder.tokens_per_image(mm_config))
+
+    @staticmethod
+    def encoder_inputs(mm_config: dict, data: dict, buckets: dict) -> tuple:
+        return _square_inputs(data, buckets)
 
 
 class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):

@@ -21,7 +21,12 @@ from jaxserve.multimodal.inputs import MultiModalFeature
 IMAGE_TOKEN_FIELDS = {
     "LlavaForConditionalGeneration": "image_token_index",
     "Qwen2_5_VLForConditionalGeneration": "image_token_id",
+    "Gemma3ForConditionalGeneration": "image_token_index",
 }
+# Where the prompt marks an image with another token, expanded around the image's tokens:
+# Gemma 3's `<start_of_image>` becomes "\n\n<start_of_image>" + its tokens +
+# "<end_of_image>\n\n" (HF's Gemma3Processor.full_image_sequence).
+MARKER_FIELDS = {"Gemma3ForConditionalGeneration": ("boi_token_index", "eoi_token_index")}
 
 
 def load_image_processor(model_dir: str | Path) -> Any:
@@ -54,13 +59,32 @@ def content_hash(data: dict[str, np.ndarray]) -> str:
 class MultiModalProcessor:
     """One model's image processing: `process(ids, images)` -> (expanded ids, features)."""
 
-    def __init__(self, architecture: str, multimodal_config: dict, model_dir: str | Path):
+    def __init__(
+        self, architecture: str, multimodal_config: dict, model_dir: str | Path, tokenizer=None
+    ):
         if architecture not in IMAGE_TOKEN_FIELDS:
             raise ValueError(f"{architecture} takes no images")
         self.architecture = architecture
         self.config = multimodal_config
         self.image_token_id = int(multimodal_config[IMAGE_TOKEN_FIELDS[architecture]])
+        self.marker_id, self.end_id = self.image_token_id, None  # the token once per image
+        self.newlines: list[int] = []
+        self.marker_text = self.end_text = None
+        if architecture in MARKER_FIELDS:
+            begin, end = (int(multimodal_config[f]) for f in MARKER_FIELDS[architecture])
+            self.marker_id, self.end_id = begin, end
+            if tokenizer is not None:
+                self.marker_text, self.end_text = tokenizer.convert_ids_to_tokens([begin, end])
+                self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
         self.image_processor = load_image_processor(model_dir)
+
+    def expand_text(self, text: str) -> str:
+        """A text prompt with Gemma 3's image marker expanded as HF's processor does before
+        tokenizing (so the newlines around it merge with the text as HF's do); the image's
+        own tokens go in when the ids are processed."""
+        if self.marker_text is None:
+            return text
+        return text.replace(self.marker_text, f"\n\n{self.marker_text}{self.end_text}\n\n")
 
     def process(
         self, prompt_ids: list[int], images: list[Any], processor_kwargs: dict | None = None
@@ -68,11 +92,11 @@ class MultiModalProcessor:
         """prompt_ids hold the image token once per image, in order; each becomes the
         image's tokens. processor_kwargs: the image processor's own options
         (`mm_processor_kwargs`, e.g. Qwen2.5-VL's min_pixels / max_pixels)."""
-        marks = [i for i, t in enumerate(prompt_ids) if t == self.image_token_id]
+        marks = [i for i, t in enumerate(prompt_ids) if t == self.marker_id]
         if len(marks) != len(images):
             raise ValueError(
                 f"the prompt has {len(marks)} image placeholder(s) (token "
-                f"{self.image_token_id}) but {len(images)} image(s) were given"
+                f"{self.marker_id}) but {len(images)} image(s) were given"
             )
         ids: list[int] = []
         features = []
@@ -81,8 +105,14 @@ class MultiModalProcessor:
             data = self._pixels(image, processor_kwargs or {})
             n = self._num_tokens(data)
             ids.extend(prompt_ids[prev:mark])
+            closed = True
+            if self.end_id is not None:  # Gemma 3: <boi> tokens <eoi>
+                closed = mark + 1 < len(prompt_ids) and prompt_ids[mark + 1] == self.end_id
+                ids.extend(([] if closed else self.newlines) + [self.marker_id])
             features.append(MultiModalFeature("image", content_hash(data), len(ids), n, data))
             ids.extend([self.image_token_id] * n)
+            if not closed:  # ids without the text expansion: the whole sequence here
+                ids.extend([self.end_id, *self.newlines])
             prev = mark + 1
         ids.extend(prompt_ids[prev:])
         return ids, features
@@ -101,6 +131,8 @@ class MultiModalProcessor:
         if "image_grid_thw" in data:  # Qwen2.5-VL: patches over merge**2
             merge = self.config.get("vision_config", {}).get("spatial_merge_size", 2)
             return int(np.prod(data["image_grid_thw"][0])) // merge**2
+        if "mm_tokens_per_image" in self.config or self.end_id is not None:  # Gemma 3
+            return int(self.config.get("mm_tokens_per_image", 256))
         vision = self.config.get("vision_config", {})
         n = (vision.get("image_size", 224) // vision.get("patch_size", 14)) ** 2
         strategy = self.config.get("vision_feature_select_strategy", "default")

@@ -56,7 +56,11 @@ def read_any_hf_config(path: Path, hf_overrides: dict | None = None) -> Any:
 TEXT_MODELS = ("Llama4ForConditionalGeneration",)
 # Vision-language models: the language model's fields as the config, the whole HF config kept
 # as `multimodal_config` (a dict: vision_config, the projector's fields, the image tokens).
-MULTIMODAL_MODELS = ("LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+MULTIMODAL_MODELS = (
+    "LlavaForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
+)
 
 
 def text_model_config(hf_config: Any) -> Any:

@@ -9,7 +9,9 @@ scheduled_encoder_inputs`): one compiled `encode` per image bucket (the model's
 patch counts), which writes the image's rows in place (the buffer donated). The forward then
 reads, for each token, the cache row its placeholder takes (`ForwardInputs.mm_rows`, -1 for
 text) instead of its embedding. Per input-batch row this keeps each position's cache row
-(`mm_map`) and, for M-RoPE models (Qwen2.5-VL), each position's three rotary positions.
+(`mm_map`), for M-RoPE models (Qwen2.5-VL) each position's three rotary positions, and for
+bidirectional images (Gemma 3) each image token's last image position, from which the
+attention's `causal_ext` lets the token see the rest of its image.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class EncoderRunner:
         self.max_image_tokens = max(tokens for tokens, _ in self.buckets.values())
         self.num_rows = max(max_num_batched_tokens, self.max_image_tokens)
         self.budget = self.num_rows
+        self.max_step_tokens = max_num_batched_tokens
         self.bidirectional = bool(getattr(model, "bidirectional_images", False))
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         rep = NamedSharding(mesh, P())
@@ -62,6 +65,8 @@ class EncoderRunner:
         self.mrope = (
             np.zeros((max_num_reqs, 3, max_model_len), np.int32) if self.uses_mrope else None
         )
+        # Bidirectional images: each position's image's last position (-1: text)
+        self.image_last = np.full((max_num_reqs, max_model_len), -1, np.int32)
         self._arange = np.arange(max_model_len, dtype=np.int32)
         self._rep = rep
 
@@ -93,6 +98,10 @@ class EncoderRunner:
             row = ib.req_id_to_row[new.req_id]
             self.features[new.req_id] = new.mm_features
             self.mm_map[row] = -1
+            if self.bidirectional:
+                self.image_last[row] = -1
+                for f in new.mm_features:
+                    self.image_last[row, f.offset : f.end] = f.end - 1
             if self.mrope is not None:
                 pos, delta = self.model_cls.mrope_positions(
                     self.mm_config, new.prompt_token_ids, new.mm_features
@@ -127,6 +136,7 @@ class EncoderRunner:
         t = forward.input_ids.shape[0]
         mm_rows = np.full(t, -1, np.int32)
         mrope = None if self.mrope is None else np.zeros((3, t), np.int32)
+        ext = np.zeros(t, np.int32) if self.bidirectional else None
         if batch is not None:
             n = int(batch.num_scheduled.sum())
             row_of_token = np.repeat(batch.rows, batch.num_scheduled)
@@ -134,5 +144,9 @@ class EncoderRunner:
             mm_rows[:n] = self.mm_map[row_of_token, pos]
             if mrope is not None:
                 mrope[:, :n] = self.mrope[row_of_token, :, pos].T
+            if ext is not None:
+                last = self.image_last[row_of_token, pos]
+                ext[:n] = np.where(last >= 0, last - pos, 0)
         buffer = self._buffer_spec if spec else self.buffer
-        return forward._replace(mm_rows=mm_rows, mm_embeds=buffer, mrope_positions=mrope)
+        attn = forward.attn if ext is None else forward.attn._replace(causal_ext=ext)
+        return forward._replace(attn=attn, mm_rows=mm_rows, mm_embeds=buffer, mrope_positions=mrope)

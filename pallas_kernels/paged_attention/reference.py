@@ -52,6 +52,7 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     decode_only: bool = False,
     attention_chunk: int | None = None,
+    causal_ext: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of ragged queries over a paged KV cache.
 
@@ -73,6 +74,9 @@ def ragged_paged_attention_reference(
         c * attention_chunk .. its own, Llama 4's chunked attention); earlier keys are not read.
       decode_only: the caller promises every real sequence has one query token: the path of
         prefill chunks is left out (a sequence with more would get zeros).
+      causal_ext: i32[T] or None: each query also sees the keys up to this many positions
+        after its own (Gemma 3's bidirectional attention among one image's tokens, all in the
+        same prefill chunk); the sliding window still counts back from its own position.
 
     Returns:
       [T, Hq, D] in q's dtype; padding rows are zero.
@@ -84,7 +88,7 @@ def ragged_paged_attention_reference(
     out = _decode(*args[:6], _Scores(**scores), single, sinks)
     if decode_only or q.shape[0] == 1:
         return out
-    return multi_token_rows(*args, out, sinks, **scores)
+    return multi_token_rows(*args, out, sinks, **scores, causal_ext=causal_ext)
 
 
 def multi_token_rows(
@@ -102,6 +106,7 @@ def multi_token_rows(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     attention_chunk: int | None = None,
+    causal_ext: jax.Array | None = None,
 ) -> jax.Array:
     """The reference's rows of sequences with several query tokens (prefill chunks), written
     into out [T, Hq, D] (which holds the decode rows, from a kernel); arguments as
@@ -109,7 +114,7 @@ def multi_token_rows(
     q_lens = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs)
     scores = _Scores(sm_scale, sliding_window, soft_cap, attention_chunk)
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores)
-    return _tiled(*args, jnp.where(q_lens == 1, 0, q_lens), out, sinks)
+    return _tiled(*args, jnp.where(q_lens == 1, 0, q_lens), out, sinks, causal_ext)
 
 
 def _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs):
@@ -143,7 +148,7 @@ def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores,
 
 
 def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, q_lens, out,
-           sinks):  # fmt: skip
+           sinks, causal_ext=None):  # fmt: skip
     """The sequences with q_lens [S] > 0 (several query tokens): sequence s gets
     ceil(q_len / _Q_TILE) tiles of its consecutive rows, in order; a tile attends with its
     sequence's blocks, gathered once per chunk for all its rows. Writes their rows of out."""
@@ -159,31 +164,38 @@ def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, 
     valid = (tile_ids < ends[-1])[:, None] & (r < q_lens[seq][:, None])
     token = jnp.where(valid, query_start_loc[seq][:, None] + r, num_tokens)  # T: dropped
     q_pos = jnp.where(valid, kv_lens[seq][:, None] - q_lens[seq][:, None] + r, -1)  # [NT, Q]
+    q_lim = q_pos  # the last key position each row sees
+    if causal_ext is not None:
+        q_lim = jnp.where(valid, q_pos + causal_ext[jnp.minimum(token, num_tokens - 1)], -1)
     # Only the first ends[-1] tiles hold rows: run them _TILE_GROUP at a time, each group
     # streaming only as many chunks as its own rows need.
     num_groups = -(-max_tiles // _TILE_GROUP)
     pad = num_groups * _TILE_GROUP - max_tiles
     token = jnp.pad(token, ((0, pad), (0, 0)), constant_values=num_tokens)
     q_pos = jnp.pad(q_pos, ((0, pad), (0, 0)), constant_values=-1)
+    q_lim = jnp.pad(q_lim, ((0, pad), (0, 0)), constant_values=-1)
     blocks = jnp.pad(block_tables[seq], ((0, pad), (0, 0)))
 
     def group(i, out):
         at = i * _TILE_GROUP
         tok = jax.lax.dynamic_slice_in_dim(token, at, _TILE_GROUP)  # [TG, Q]
         pos = jax.lax.dynamic_slice_in_dim(q_pos, at, _TILE_GROUP)
+        lim = jax.lax.dynamic_slice_in_dim(q_lim, at, _TILE_GROUP)
         blk = jax.lax.dynamic_slice_in_dim(blocks, at, _TILE_GROUP)
         q_rows = q[jnp.minimum(tok, num_tokens - 1)]
-        res = _attend(q_rows, pos, blk, k_cache, v_cache, scores, _TILED_CHUNK_TOKENS, sinks)
+        res = _attend(q_rows, pos, blk, k_cache, v_cache, scores, _TILED_CHUNK_TOKENS, sinks,
+                      lim if causal_ext is not None else None)  # fmt: skip
         return out.at[tok.reshape(-1)].set(res.reshape(-1, num_q_heads, head_dim), mode="drop")
 
     used_groups = (ends[-1] + _TILE_GROUP - 1) // _TILE_GROUP
     return jax.lax.fori_loop(0, used_groups, group, out)
 
 
-def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens, sinks=None):
+def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens, sinks=None, q_lim=None):
     """Online-softmax attention of R groups of rows, each group over one sequence's blocks.
 
     q: [R, Q, Hq, D]; q_pos: i32[R, Q] each row's position (-1: padding, sees no keys);
+    q_lim: i32[R, Q] the last key position each row sees (None: q_pos, causal);
     blocks: i32[R, max_blocks] the group's block table; keys are streamed chunk_tokens (rounded
     to whole blocks) at a time, from the first chunk any row's window reaches; sinks [Hq] (or
     None) join each row's softmax as keys without values. Returns [R, Q, Hq, D] in q's dtype.
@@ -195,7 +207,8 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens, sinks=None
     blocks_per_chunk = max(1, chunk_tokens // block_size)
     chunk = blocks_per_chunk * block_size
     sm_scale, window, soft_cap, attention_chunk = scores
-    num_chunks = (jnp.max(q_pos) + chunk) // chunk  # chunks covering q_pos + 1 keys
+    q_lim = q_pos if q_lim is None else q_lim
+    num_chunks = (jnp.max(q_lim) + chunk) // chunk  # chunks covering q_lim + 1 keys
     first_chunk = 0
     if window is not None or attention_chunk is not None:  # the earliest key any row sees
         lowest = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max))
@@ -217,7 +230,7 @@ def _attend(q, q_pos, blocks, k_cache, v_cache, scores, chunk_tokens, sinks=None
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = c * chunk + jnp.arange(chunk)
-        seen = k_pos[None, None, :] <= q_pos[:, :, None]  # [R, Q, C]
+        seen = k_pos[None, None, :] <= q_lim[:, :, None]  # [R, Q, C]
         if window is not None:
             seen &= k_pos[None, None, :] > q_pos[:, :, None] - window
         if attention_chunk is not None:

@@ -14,13 +14,21 @@ from jaxserve.worker.executables import num_compilations
 from tests.helpers import engines_in_process
 from tests.multimodal.tiny_vlm import (
     draw_image,
+    gemma3_processor,
     llava_hf_processor,
+    make_tiny_gemma3,
     make_tiny_llava,
     make_tiny_qwen2_5_vl,
     qwen_processor,
 )
 
-VISION = "<|vision_start|><|image_pad|><|vision_end|>"
+MAKERS = {"llava": make_tiny_llava, "qwen": make_tiny_qwen2_5_vl, "gemma3": make_tiny_gemma3}
+MARKS = {"llava": "<image>", "qwen": "<|vision_start|><|image_pad|><|vision_end|>",
+         "gemma3": "<start_of_image>"}  # fmt: skip
+HF_CLASSES = {"llava": "LlavaForConditionalGeneration",
+              "qwen": "Qwen2_5_VLForConditionalGeneration",
+              "gemma3": "Gemma3ForConditionalGeneration"}  # fmt: skip
+
 ENGINE = dict(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4,
               num_gpu_blocks_override=96, block_size=16)  # fmt: skip
 
@@ -33,26 +41,30 @@ class Family:
 
         self.name = name
         path = tmp_path_factory.mktemp(name)
-        self.dir = make_tiny_llava(path) if name == "llava" else make_tiny_qwen2_5_vl(path)
-        cls = getattr(transformers, self.hf_class)
+        self.dir = MAKERS[name](path)
+        cls = getattr(transformers, HF_CLASSES[name])
         self.hf = cls.from_pretrained(self.dir, dtype=torch.float32).eval()
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.dir)
-        mark = "<image>" if name == "llava" else VISION
+        mark = MARKS[name]
         self.prompts = [f"USER: {mark}\nWhat is it? ASSISTANT:",
                         f"USER: {mark} and {mark} differ? ASSISTANT:"]  # fmt: skip
 
-    @property
-    def hf_class(self) -> str:
-        return {"llava": "LlavaForConditionalGeneration",
-                "qwen": "Qwen2_5_VLForConditionalGeneration"}[self.name]  # fmt: skip
-
     def hf_inputs(self, text: str, images: list) -> dict:
-        """HF's model inputs: LlavaProcessor's (the reference expansion), or for Qwen2.5-VL
+        """HF's model inputs: LlavaProcessor's (the reference expansion), Gemma3Processor's
+        expansion and token types, or for Qwen2.5-VL
         (whose processor needs torchvision for videos) the image processor's pixels, the
         text with each image_pad repeated grid.prod() / 4 times and the token types its
         processor gives (without them HF's M-RoPE positions are plain 1-D ones)."""
         if self.name == "llava":
             return dict(llava_hf_processor(self.dir)(text=text, images=images, return_tensors="pt"))
+        if self.name == "gemma3":  # Gemma3Processor's expansion and token types (its
+            # constructor wants Gemma's own tokenizer attributes)
+            n = self.hf.config.mm_tokens_per_image
+            seq = "\n\n<start_of_image>" + "<image_soft_token>" * n + "<end_of_image>\n\n"
+            ids = self.tokenizer(text.replace("<start_of_image>", seq), return_tensors="pt")
+            ids["token_type_ids"] = (ids["input_ids"] == self.hf.config.image_token_index).int()
+            pixels = gemma3_processor(self.dir)(images=images, return_tensors="pt")
+            return {**ids, "pixel_values": pixels["pixel_values"]}
         pixels = qwen_processor(self.dir)(images=images, return_tensors="pt")
         counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
         head, *rest = text.split("<|image_pad|>")
@@ -63,7 +75,7 @@ class Family:
         return {**ids, **pixels}
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen"])
+@pytest.fixture(scope="module", params=["llava", "qwen", "gemma3"])
 def family(request, tmp_path_factory):
     fam = Family(request.param, tmp_path_factory)
     with engines_in_process():

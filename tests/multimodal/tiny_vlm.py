@@ -134,6 +134,46 @@ def make_tiny_qwen2_5_vl(out: Path) -> Path:
     return out
 
 
+GEMMA3_IMAGE = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def make_tiny_gemma3(out: Path) -> Path:
+    """Gemma 3's layout: a 2-layer SigLIP tower (64 px, patch 8, pooled to 16 tokens), a
+    2-layer Gemma 3 language model (a sliding layer of window 8, shorter than an image, and a
+    full one); `<start_of_image>` once per image in the prompt."""
+    import transformers
+
+    tok = _tokenizer(out, GEMMA3_IMAGE, "<start_of_image>")
+    ids = [tok.convert_tokens_to_ids(s) for s in GEMMA3_IMAGE]
+    config = transformers.Gemma3Config(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                       "num_hidden_layers": 2, "image_size": 64, "patch_size": 8},
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "vocab_size": len(tok), "sliding_window": 8,
+                     "layer_types": ["sliding_attention", "full_attention"],
+                     "max_position_embeddings": 512},
+        mm_tokens_per_image=16, boi_token_index=ids[0], eoi_token_index=ids[1],
+        image_token_index=ids[2],
+    )  # fmt: skip
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    model = transformers.Gemma3ForConditionalGeneration(config).float()
+    _randomise(model)
+    model.save_pretrained(out)
+    gemma3_processor(out, save=True)
+    return out
+
+
+def gemma3_processor(model_dir: Path, save: bool = False):
+    import transformers
+
+    cls = getattr(transformers, "Gemma3ImageProcessorPil", None)
+    cls = cls or transformers.Gemma3ImageProcessor
+    if save:
+        cls(size={"height": 64, "width": 64}).save_pretrained(model_dir)
+    return cls.from_pretrained(model_dir)
+
+
 def qwen_processor(model_dir: Path, save: bool = False):
     import transformers
 
