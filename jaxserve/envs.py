@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_LOG_STATS_INTERVAL: float = 10.0
     JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S: float = 5.0
     JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING: bool = False
+    JAXSERVE_IMAGE_FETCH_TIMEOUT: float = 5.0
+    JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS: bool = True
     JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
     JAXSERVE_WEIGHT_CACHE: str | None = "~/.cache/jaxserve/weights"
     JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
@@ -81,6 +83,18 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; docs/lora.md).
     "JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING": lambda: (
         os.environ.get("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+    ),
+    # Seconds an image URL of a chat message may take to fetch, in all (connecting, every
+    # redirect, the body); past it the request fails with a 400 (vLLM's
+    # VLLM_IMAGE_FETCH_TIMEOUT; multimodal/media.py).
+    "JAXSERVE_IMAGE_FETCH_TIMEOUT": lambda: float(
+        os.environ.get("JAXSERVE_IMAGE_FETCH_TIMEOUT", "5")
+    ),
+    # "0" or "false": an image URL that answers with a redirect fails instead of being
+    # followed (vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS).
+    "JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS": lambda: (
+        os.environ.get("JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower()
+        not in ("0", "false")
     ),
     # jax's persistent compilation cache, and the runner's saved executables under its
     # executables/ (worker/).

@@ -6,6 +6,7 @@
   speculative.py  SpeculativeConfig (--speculative-config)
   kv_transfer.py  KVTransferConfig (--kv-transfer-config) and the KV connectors' names
   lora.py         LoRAConfig (--enable-lora and its limits)
+  multimodal.py   MultiModalConfig (--limit-mm-per-prompt, --allowed-local-media-path)
 
 The package imports nothing of jaxserve but `jaxserve.envs`: every layer may read a config.
 `from jaxserve.config import EngineConfig` etc. work for every public name below.
@@ -33,6 +34,7 @@ from jaxserve.config.model import (
     RopeConfig,
     resolve_dtype,
 )
+from jaxserve.config.multimodal import DEFAULT_LIMIT_PER_PROMPT, MultiModalConfig
 from jaxserve.config.pooler import POOLING_TYPES, PoolerConfig
 from jaxserve.config.quantization import GROUPED_QUANT, checkpoint_quantization, int4_layout
 from jaxserve.config.speculative import SPEC_METHODS, SpeculativeConfig
@@ -45,6 +47,7 @@ __all__ = [
     "int4_layout",
     "ACTIVATIONS",
     "DEFAULT_KV_TRANSFER_ALLOWED_HOSTS",
+    "DEFAULT_LIMIT_PER_PROMPT",
     "KV_CACHE_DTYPES",
     "KV_CONNECTORS",
     "KV_LOAD_FAILURE_POLICIES",
@@ -55,6 +58,7 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "KVTransferConfig",
+    "MultiModalConfig",
     "ModelConfig",
     "ParallelConfig",
     "PoolerConfig",

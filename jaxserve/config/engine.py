@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxserve.config.kv_transfer import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, KVTransferConfig
 from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.model import ModelConfig
+from jaxserve.config.multimodal import MultiModalConfig
 from jaxserve.config.pooler import PoolerConfig
 from jaxserve.config.speculative import SpeculativeConfig
 
@@ -150,6 +151,10 @@ class EngineConfig:
     generation_config: str = dataclasses.field(default="auto", compare=False, repr=False)
     override_generation_config: dict = dataclasses.field(
         default_factory=dict, compare=False, repr=False
+    )
+    # Image inputs' limits and local media directory (the frontend's checks, not the steps')
+    multimodal: MultiModalConfig = dataclasses.field(
+        default_factory=MultiModalConfig, compare=False, repr=False
     )
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from jaxserve.config import (
     EngineConfig,
     KVTransferConfig,
     LoRAConfig,
+    MultiModalConfig,
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
@@ -128,6 +129,10 @@ class EngineArgs:
     # {"temperature": .., "top_p": .., "top_k": .., "min_p": .., "repetition_penalty": ..,
     # "max_new_tokens": ..} (or its JSON) over what generation_config gives
     override_generation_config: dict | str | None = None
+    # Image inputs (vLLM's flags; config/multimodal.py): {"image": N} (or its JSON), the most
+    # images one prompt may carry (default 999); the directory file:// image URLs may name
+    limit_mm_per_prompt: dict | str | None = None
+    allowed_local_media_path: str | None = None
 
     def tokenizer_source(self) -> str:
         """Where the frontend reads the tokenizer: --tokenizer, else the model (as the engine
@@ -235,6 +240,9 @@ class EngineArgs:
             generation_config=self.generation_config,
             override_generation_config=check_generation_config(
                 self.generation_config, self.override_generation_config
+            ),
+            multimodal=MultiModalConfig.parse(
+                self.limit_mm_per_prompt, self.allowed_local_media_path
             ),
         )
 

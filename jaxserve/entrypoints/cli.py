@@ -213,6 +213,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--lora-dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"])  # fmt: skip
     parser.add_argument(
+        "--limit-mm-per-prompt", default=None, metavar="JSON",
+        help='the most images one prompt may carry, e.g. {"image": 4} (default: 999)',
+    )  # fmt: skip
+    parser.add_argument(
+        "--allowed-local-media-path", default=None, metavar="DIR",
+        help="let requests name images under DIR as file:// URLs (a security risk: trusted "
+        "clients only)",
+    )  # fmt: skip
+    parser.add_argument(
         "--reasoning-parser",
         default=None,
         help="split <think> reasoning into the reasoning field (deepseek_r1, qwen3); "
@@ -263,6 +272,10 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
         help="larger request bodies get a 413 (default 32 MiB)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-image-bytes", type=int, default=20 * 1024 * 1024,
+        help="a larger image in a chat message gets a 400 (default 20 MiB)",
     )  # fmt: skip
     for flag, what in (
         ("--allowed-origins", "origins allowed cross-origin requests, e.g. '[\"https://a.b\"]'"),

@@ -132,21 +132,49 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """messages: one conversation or a list of them, each rendered with the chat template
+        (chat_template, else the tokenizer's, else the model directory's). A message's content
+        may hold image parts, as in vLLM: {"type": "image_url", "image_url": {"url": ...}}
+        (http(s), data: or, under allowed_local_media_path, file://; fetched within
+        $JAXSERVE_IMAGE_FETCH_TIMEOUT s each, at most 20 MiB) and {"type": "image_pil",
+        "image_pil": PIL.Image}; at most limit_mm_per_prompt's of them per conversation."""
+        from jaxserve.entrypoints.openai import chat_media
+
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template: use generate()")
+        config = self.llm_engine.config
+        chat_template = chat_template or chat_media.default_chat_template(tok, config)
         prompts = []
         for conversation in conversations:
+            conversation, images = chat_media.extract_images(conversation, allow_pil=True)
+            if images:
+                conversation = self._image_conversation(conversation, images, chat_template)
             text = tok.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )  # fmt: skip
             # The template already holds the special tokens: do not add BOS again.
-            prompts.append(
-                {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False).input_ids}
-            )
+            prompt = {
+                "prompt": text,
+                "prompt_token_ids": tok(text, add_special_tokens=False).input_ids,
+            }
+            if images:
+                prompt["multi_modal_data"] = {"image": chat_media.load_images(images, config)}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def _image_conversation(self, conversation: list, images: list, chat_template: str | None):
+        """The messages of a conversation with images as its chat template takes them (image
+        parts, or the model's marker in the text); ValueError past the image limit."""
+        from jaxserve.entrypoints.openai import chat_media
+        from jaxserve.entrypoints.openai.chat_utils import content_format, template_messages
+
+        config = self.llm_engine.config
+        chat_media.check_image_count(len(images), config)
+        fmt = content_format(chat_template or self.get_tokenizer().chat_template, "auto")
+        return template_messages(conversation, fmt, chat_media.image_placeholder(config.model))
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

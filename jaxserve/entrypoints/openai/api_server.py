@@ -74,6 +74,7 @@ from jaxserve.entrypoints.openai.serving_models import (
 )
 from jaxserve.entrypoints.openai.template_worker import shared_renderer
 from jaxserve.metrics import PrometheusStatLogger, make_log_stats
+from jaxserve.multimodal.media import DEFAULT_MAX_IMAGE_BYTES
 from jaxserve.version import __version__
 
 logger = logging.getLogger("jaxserve.api_server")
@@ -140,7 +141,7 @@ async def run_until_disconnected(request: Request, coro) -> Any:
     return task.result()
 
 
-async def _generate(request: Request, cls, prepare, run, stream) -> Response:
+async def _generate(request: Request, cls, prepare, run, stream, media=None) -> Response:
     serving = _serving(request)
     if serving.engine.errored:
         return error_response(serving.engine.dead or serving.engine.engine_core.poll_dead())
@@ -148,6 +149,7 @@ async def _generate(request: Request, cls, prepare, run, stream) -> Response:
         DATA_PARALLEL_RANK.set(_data_parallel_rank(request, serving))
         body = await _decode(request, cls)
         prepared = await _off_loop(request, prepare, body)
+        prepared = prepared if media is None else await media(prepared)  # chat: its images
     except Exception as e:
         return error_response(e)
     if stream is not None and body.stream:
@@ -184,7 +186,9 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     s = request.app.state.serving_chat
-    return await _generate(request, ChatCompletionRequest, s.prepare_chat, s.chat, s.chat_stream)
+    return await _generate(
+        request, ChatCompletionRequest, s.prepare_chat, s.chat, s.chat_stream, s.load_images
+    )
 
 
 async def embeddings(request: Request) -> Response:
@@ -314,6 +318,7 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     cors: dict[str, Any] | None = None,
     lora_modules: list[LoRAModulePath] | None = None,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
 ) -> Starlette:
     """The app over `engine`. cors: middleware.cors_middleware's settings (None: no CORS
     headers at all); lora_modules: the adapters served beside the base model (checked
@@ -371,7 +376,7 @@ def build_app(
         engine, served_model_names, chat_template=chat_template,
         chat_template_content_format=chat_template_content_format,
         enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
-        reasoning_parser=engine.config.reasoning_parser,
+        reasoning_parser=engine.config.reasoning_parser, max_image_bytes=max_image_bytes,
         trust_request_chat_template=trust_request_chat_template, **details,
     )  # fmt: skip
     app.state.serving_completion = OpenAIServingCompletion(engine, served_model_names, **details)
@@ -423,6 +428,7 @@ def serve_http(
         max_request_body_bytes=args.max_request_body_bytes,
         cors=cors_settings(args),
         lora_modules=args.lora_modules,
+        max_image_bytes=args.max_image_bytes,
     )
     timeline = engine.engine_core.timeline
     logger.info("start-up: ready in %.1f s (%s)", time.perf_counter() - started, timeline.summary())

@@ -6,7 +6,8 @@
 - `tool_choice_constraint`: "required" and a named function are structured outputs (a JSON
   array of calls, or the function's parameters), so the output always parses.
 - `template_messages`: messages as chat templates take them (assistant tool_calls with
-  their arguments as dicts, content strings or lists of parts per the content format).
+  their arguments as dicts, content strings or lists of text and image parts per the
+  content format).
 - `render_chat`: the chat template over them, in template_worker's bounded child process,
   with the request's chat_template_kwargs checked (`check_template_kwargs`).
 - `ChoiceParser`: one choice's text -> reasoning, content and tool calls, whole or as
@@ -205,12 +206,17 @@ def render_chat(
     return shared_renderer().render(job, envs.JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S)
 
 
-def template_messages(messages: list[Any], fmt: str) -> list[dict[str, Any]]:
-    return [_template_message(i, m, fmt) for i, m in enumerate(messages)]
+def template_messages(
+    messages: list[Any], fmt: str, image_placeholder: str | None = None
+) -> list[dict[str, Any]]:
+    """image_placeholder: the model's image marker, for {"type": "image"} parts (what
+    chat_media.extract_images leaves of image parts) under the "string" format."""
+    return [_template_message(i, m, fmt, image_placeholder) for i, m in enumerate(messages)]
 
 
-def _template_message(i: int, message: Any, fmt: str) -> dict[str, Any]:
-    """A known role; content a string or text parts per `fmt` (null -> ""); assistant
+def _template_message(i: int, message: Any, fmt: str, placeholder: str | None) -> dict[str, Any]:
+    """A known role; content a string or text and image parts per `fmt` (null -> ""; as one
+    string, the image markers first, as vLLM puts them); assistant
     tool_calls with arguments as dicts; reasoning_content renamed reasoning (vLLM), and an
     assistant's reasoning also as `thinking`, the field gpt-oss's template renders as the
     analysis channel."""
@@ -221,29 +227,38 @@ def _template_message(i: int, message: Any, fmt: str) -> dict[str, Any]:
         raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
     out = dict(message)
     content = message.get("content")
-    texts: list[str]
-    if content is None:
-        texts = []
-    elif isinstance(content, str):
-        texts = [content]
+    parts: list[dict[str, str]] = []  # {"type": "text", "text"} or {"type": "image"}
+    if isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
     elif isinstance(content, list):
-        texts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind == "image":
+                parts.append({"type": "image"})
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
                 raise ValueError(
-                    f"messages[{i}].content[{j}] must be a text part "
-                    f'({{"type": "text", "text": ...}}), got {part!r:.200}'
+                    f"messages[{i}].content[{j}] must be a text or image_url part "
+                    f'({{"type": "text", "text": ...}} or {{"type": "image_url", "image_url": '
+                    f'{{"url": ...}}}}), got {part!r:.200}'
                 )
-            texts.append(part["text"])
-    else:
+    elif content is not None:
         raise ValueError(
             f"messages[{i}].content must be a string, a list of parts or null, "
             f"got {type(content).__name__}"
         )
     if fmt == "openai":
-        out["content"] = [{"type": "text", "text": t} for t in texts]
+        out["content"] = parts
     else:
+        images = [p for p in parts if p["type"] == "image"]
+        if images and placeholder is None:
+            raise ValueError(
+                "the chat template takes message content as one string, and this model's "
+                "image marker is not known: serve it with a chat template that renders "
+                '{"type": "image"} parts (--chat-template-content-format openai)'
+            )
+        texts = [placeholder] * len(images) + [p["text"] for p in parts if p["type"] == "text"]
         out["content"] = "\n".join(texts)
     if "reasoning_content" in out and "reasoning" not in out:
         out["reasoning"] = out.pop("reasoning_content")

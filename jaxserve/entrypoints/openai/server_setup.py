@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from jaxserve import envs
+from jaxserve.config import MultiModalConfig
 
 _json = msgspec.json.Encoder()
 
@@ -24,7 +25,8 @@ def load_chat_template(value: str | None) -> str | None:
 
 def check_server_args(args) -> None:
     """Flag errors before minutes of loading: parser names, auto tools without a parser, the
-    body limit, CORS lists, the --lora-modules adapters."""
+    body and image limits, --limit-mm-per-prompt and --allowed-local-media-path, CORS
+    lists, the --lora-modules adapters."""
     if args.api_server_count < 1:
         raise SystemExit(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -33,6 +35,12 @@ def check_server_args(args) -> None:
         raise SystemExit(
             f"--max-request-body-bytes must be positive, got {args.max_request_body_bytes}"
         )
+    if args.max_image_bytes < 1:
+        raise SystemExit(f"--max-image-bytes must be positive, got {args.max_image_bytes}")
+    try:
+        MultiModalConfig.parse(args.limit_mm_per_prompt, args.allowed_local_media_path)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
         value = getattr(args, flag)
         if value is not None and not (

@@ -1,6 +1,8 @@
 """/v1/chat/completions (vLLM's `serving_chat.py`): messages through the chat template, then
 one prompt with n choices, each parsed into reasoning, content and tool calls
-(`chat_utils.ChoiceParser`); whole or streamed."""
+(`chat_utils.ChoiceParser`); whole or streamed. Image parts (`chat_media.py`) are counted
+against the limit when the request is prepared, and fetched after it (`load_images`), before
+anything reaches the engine."""
 
 from __future__ import annotations
 
@@ -9,7 +11,15 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
+from jaxserve import envs
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.chat_media import (
+    check_image_count,
+    default_chat_template,
+    extract_images,
+    image_placeholder,
+    multimodal_config,
+)
 from jaxserve.entrypoints.openai.chat_utils import (
     CONTENT_FORMATS,
     ChoiceParser,
@@ -42,6 +52,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     usage_options,
 )
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxserve.multimodal.media import DEFAULT_MAX_IMAGE_BYTES, fetch_images
 from jaxserve.outputs import CompletionOutput
 
 
@@ -69,12 +80,17 @@ class OpenAIServingChat(OpenAIServing):
         enable_prompt_tokens_details: bool = False,
         trust_request_chat_template: bool = False,
         models: OpenAIServingModels | None = None,
+        max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     ):
+        """chat_template: None: the tokenizer's, else the model directory's
+        (chat_media.default_chat_template); max_image_bytes: the most bytes one image of a
+        message may have."""
         super().__init__(
             engine, served_model_names, models=models,
             enable_prompt_tokens_details=enable_prompt_tokens_details,
         )  # fmt: skip
-        self.chat_template = chat_template
+        self.chat_template = chat_template or default_chat_template(self.tokenizer, engine.config)
+        self.max_image_bytes = max_image_bytes
         self.trust_request_chat_template = trust_request_chat_template
         self.content_format = chat_template_content_format
         if self.content_format not in CONTENT_FORMATS:
@@ -99,7 +115,13 @@ class OpenAIServingChat(OpenAIServing):
     def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and its token ids: the messages through the chat template (a
         request's own only with --trust-request-chat-template), rendered bounded in time
-        and memory (chat_utils.render_chat)."""
+        and memory (chat_utils.render_chat); each image part as the model's marker."""
+        text, ids, _ = self.render(request)
+        return text, ids
+
+    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int], list[str]]:
+        """chat_prompt's text and ids, and the URLs of the messages' images, in order
+        (ValueError, before anything is fetched, for more than the limit allows)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         if not request.messages:
@@ -109,11 +131,14 @@ class OpenAIServingChat(OpenAIServing):
                 "Chat template is passed with request, but --trust-request-chat-template is "
                 "not set. Refused request with untrusted chat template."
             )
+        messages, image_urls = extract_images(request.messages)
+        check_image_count(len(image_urls), self.engine.config)
+        placeholder = image_placeholder(self.engine.config.model) if image_urls else None
         template = request.chat_template or self.chat_template
         fmt = content_format(template or self.tokenizer.chat_template, self.content_format)
         text = render_chat(
             self.tokenizer,
-            template_messages(request.messages, fmt),
+            template_messages(messages, fmt, placeholder),
             template=template,
             tools=request.tools,
             add_generation_prompt=request.add_generation_prompt,
@@ -121,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
             kwargs=template_kwargs(request),
         )
         self.engine.input_processor.check_text_length(text)
-        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids, image_urls
 
     def prepare_chat(self, request: ChatCompletionRequest):
         self.check_runner("Chat Completions")
@@ -140,7 +165,7 @@ class OpenAIServingChat(OpenAIServing):
             request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
         if self.reasoning_parser_cls is not None:
             request = self.reasoning_parser_cls(self.tokenizer).adjust_request(request)
-        prompt = self.chat_prompt(request)
+        text, ids, image_urls = self.render(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
@@ -162,10 +187,26 @@ class OpenAIServingChat(OpenAIServing):
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         request_id = random_id("chatcmpl")
         validated = self._validate(
-            request_id, [prompt], params, priority=request.priority,
+            request_id, [(text, ids)], params, priority=request.priority,
             cache_salt=request.cache_salt, lora_request=lora_request,
         )  # fmt: skip
+        if image_urls:  # fetched by load_images, off the tokenizer thread
+            validated[0]["multi_modal_data"] = {"image": image_urls}
         return request_id, validated, params
+
+    async def load_images(self, prepared):
+        """prepare_chat's result with its image URLs fetched (concurrently, each within
+        $JAXSERVE_IMAGE_FETCH_TIMEOUT s and --max-image-bytes): the PIL images, in order."""
+        _, prompts, _ = prepared
+        data = prompts[0].get("multi_modal_data")
+        if data is not None:
+            mm = multimodal_config(self.engine.config)
+            data["image"] = await fetch_images(
+                data["image"], max_bytes=self.max_image_bytes,
+                timeout=envs.JAXSERVE_IMAGE_FETCH_TIMEOUT,
+                allowed_local_media_path=mm.allowed_local_media_path,
+            )  # fmt: skip
+        return prepared
 
     async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
         request_id, prompts, params = prepared
@@ -213,6 +254,8 @@ class OpenAIServingChat(OpenAIServing):
                 request_id, prompts, params, request.priority, request.kv_transfer_params
             ):
                 cached = out.num_cached_tokens
+                # with images, the engine's prompt: each marker expanded to its image's tokens
+                prompt_tokens = len(out.prompt_token_ids or ()) or prompt_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     parser = parsers[c.index]

@@ -1,0 +1,76 @@
+"""Image inputs' configuration: vLLM's --limit-mm-per-prompt and --allowed-local-media-path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+# The modalities jaxserve takes, and vLLM's others, which a limit may only turn off (0).
+MODALITIES = ("image",)
+UNSUPPORTED_MODALITIES = ("video", "audio")
+DEFAULT_LIMIT_PER_PROMPT = 999  # vLLM's, per modality, when --limit-mm-per-prompt leaves it out
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiModalConfig:
+    """limit_per_prompt: the most items of each modality one prompt may carry ({"image": N};
+    a model that takes no images takes 0 whatever it says); allowed_local_media_path: the
+    directory (absolute) whose files a request may name as file:// URLs (None: no local
+    files). Read by the frontend only: not part of what the compiled steps depend on."""
+
+    limit_per_prompt: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {m: DEFAULT_LIMIT_PER_PROMPT for m in MODALITIES}
+    )
+    allowed_local_media_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for modality, limit in self.limit_per_prompt.items():
+            if modality not in MODALITIES + UNSUPPORTED_MODALITIES:
+                raise ValueError(
+                    f"limit_mm_per_prompt: unknown modality {modality!r}; jaxserve takes "
+                    f"{', '.join(MODALITIES)}"
+                )
+            if type(limit) is not int or limit < 0:
+                raise ValueError(
+                    f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer, "
+                    f"got {limit!r}"
+                )
+            if modality in UNSUPPORTED_MODALITIES and limit:
+                raise ValueError(
+                    f"limit_mm_per_prompt[{modality!r}] = {limit}: jaxserve takes no {modality} "
+                    f"inputs (only {', '.join(MODALITIES)}); leave it out or set it to 0"
+                )
+
+    def limit(self, modality: str) -> int:
+        """The most `modality` items one prompt may carry."""
+        return self.limit_per_prompt.get(modality, DEFAULT_LIMIT_PER_PROMPT)
+
+    @classmethod
+    def parse(
+        cls, limit_mm_per_prompt: dict | str | None, allowed_local_media_path: str | None
+    ) -> MultiModalConfig:
+        """From EngineArgs' values: the limits as a dict or its JSON (vLLM's {"image": N}, or
+        {"image": {"count": N, ...}} whose other keys size vLLM's memory profiling and are
+        ignored here), over the defaults; the media path an existing directory."""
+        limits = limit_mm_per_prompt
+        if isinstance(limits, str):
+            try:
+                limits = json.loads(limits)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"limit_mm_per_prompt {limits!r} is not JSON: {e}") from None
+        if limits is None:
+            limits = {}
+        if not isinstance(limits, dict):
+            raise ValueError(
+                f'limit_mm_per_prompt must be a JSON object such as {{"image": 4}}, got {limits!r}'
+            )
+        limits = {k: v.get("count", v) if isinstance(v, dict) else v for k, v in limits.items()}
+        path = allowed_local_media_path
+        if path is not None:
+            path = os.path.realpath(os.path.expanduser(path))
+            if not os.path.isdir(path):
+                what = "is not a directory" if os.path.exists(path) else "does not exist"
+                raise ValueError(f"allowed_local_media_path {allowed_local_media_path!r} {what}")
+        defaults = {m: DEFAULT_LIMIT_PER_PROMPT for m in MODALITIES}
+        return cls({**defaults, **limits}, path)
