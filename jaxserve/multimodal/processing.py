@@ -46,13 +46,14 @@ def load_image_processor(model_dir: str | Path) -> Any:
     return cls.from_pretrained(model_dir)
 
 
-def content_hash(data: dict[str, np.ndarray]) -> str:
-    """sha256 over a feature's processed arrays (names, dtypes, shapes and bytes)."""
+def content_hash(image: Any, kwargs: dict) -> str:
+    """sha256 over an image's pixels (mode, size, bytes) and the processor options it is
+    processed with: what its processed arrays are a function of (the model's processor is
+    fixed). The decoded image is ~8x smaller than its float32 pixel values."""
     h = hashlib.sha256()
-    for name in sorted(data):
-        arr = np.ascontiguousarray(data[name])
-        h.update(f"{name}:{arr.dtype.str}:{arr.shape}".encode())
-        h.update(arr.tobytes())
+    options = json.dumps(kwargs, sort_keys=True, default=str)
+    h.update(f"{image.mode}:{image.size}:{options}".encode())
+    h.update(image.tobytes())
     return h.hexdigest()
 
 
@@ -102,6 +103,7 @@ class MultiModalProcessor:
         features = []
         prev = 0
         for mark, image in zip(marks, images, strict=True):
+            image = _as_image(image)
             data = self._pixels(image, processor_kwargs or {})
             n = self._num_tokens(data)
             ids.extend(prompt_ids[prev:mark])
@@ -109,7 +111,8 @@ class MultiModalProcessor:
             if self.end_id is not None:  # Gemma 3: <boi> tokens <eoi>
                 closed = mark + 1 < len(prompt_ids) and prompt_ids[mark + 1] == self.end_id
                 ids.extend(([] if closed else self.newlines) + [self.marker_id])
-            features.append(MultiModalFeature("image", content_hash(data), len(ids), n, data))
+            ident = content_hash(image, processor_kwargs or {})
+            features.append(MultiModalFeature("image", ident, len(ids), n, data))
             ids.extend([self.image_token_id] * n)
             if not closed:  # ids without the text expansion: the whole sequence here
                 ids.extend([self.end_id, *self.newlines])
@@ -137,3 +140,13 @@ class MultiModalProcessor:
         n = (vision.get("image_size", 224) // vision.get("patch_size", 14)) ** 2
         strategy = self.config.get("vision_feature_select_strategy", "default")
         return n + (strategy == "full")
+
+
+def _as_image(image: Any) -> Any:
+    """A PIL image as it is (its processor converts it to RGB as HF's does); anything else:
+    ValueError."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
+    return image

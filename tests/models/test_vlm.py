@@ -139,3 +139,34 @@ def test_bad_image_requests_fail_alone(family):
         family.llm.generate({"prompt": "hi", "multi_modal_data": {"audio": [1]}}, params)
     out = family.llm.generate("hello", params, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_structured_output_with_an_image(family):
+    """A constrained request with an image prompt keeps to its grammar."""
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        temperature=0, max_tokens=8,
+        structured_outputs=StructuredOutputsParams(choice=["cat", "dog", "bird"]),
+    )  # fmt: skip
+    prompt = {"prompt": family.prompts[0], "multi_modal_data": {"image": draw_image(5)}}
+    out = family.llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.outputs[0].text in ("cat", "dog", "bird")
+
+
+def test_preempted_image_requests_recompute_their_images(tmp_path_factory):
+    """Qwen2.5-VL (M-RoPE) with too few KV blocks for its requests at once: requests are
+    preempted, recompute (their images encoded again) and give the tokens they give alone."""
+    fam = Family("qwen", tmp_path_factory)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt": fam.prompts[0], "multi_modal_data": {"image": draw_image(20 + i)}}
+               for i in range(4)]  # fmt: skip
+    with engines_in_process():
+        alone = LLM(str(fam.dir), **ENGINE)
+        want = [alone.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        del alone
+        tight = LLM(str(fam.dir), **{**ENGINE, "num_gpu_blocks_override": 12})
+        outs = tight.generate(prompts, params, use_tqdm=False)
+        core = tight.llm_engine.engine_core.engine_core
+        assert core.scheduler.total_preemptions > 0
+        assert [o.outputs[0].token_ids for o in outs] == want
