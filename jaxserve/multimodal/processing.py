@@ -126,7 +126,7 @@ class MultiModalProcessor:
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot process the image: {e}") from None
         data = {k: np.asarray(v) for k, v in out.items() if k != "num_crops"}
-        data["pixel_values"] = data["pixel_values"].astype(np.float32)
+        data["pixel_values"] = data["pixel_values"].astype(np.float32, copy=False)
         return data
 
     def _num_tokens(self, data: dict[str, np.ndarray]) -> int:
