@@ -93,6 +93,7 @@ class InputProcessor:
             "cache_salt": prompt.get("cache_salt"),
             "multi_modal_data": prompt.get("multi_modal_data"),
             "mm_processor_kwargs": prompt.get("mm_processor_kwargs"),
+            "mm_features": prompt.get("mm_features"),
         }
 
     def process_multimodal(
@@ -164,19 +165,24 @@ class InputProcessor:
         *, priority: int = 0, arrival_time: float | None = None,
         kv_transfer_params: dict[str, Any] | None = None, cache_salt: str | None = None,
         lora_request: LoRARequest | None = None, multi_modal_data: Any = None,
-        mm_processor_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None, mm_features: list | None = None,
     ) -> EngineCoreRequest:  # fmt: skip
         """kv_transfer_params: for the engine's KV connector (disaggregated prefill), only in
         the shape the proxy sends and naming only --kv-transfer-allowed-hosts;
         cache_salt: isolates the request's prefix-cache entries from other salts';
         lora_request: the adapter it runs with (needs --enable-lora);
         multi_modal_data: {"image": images} (PIL), one placeholder token per image in the
-        prompt; mm_processor_kwargs: options of the model's image processor.
+        prompt; mm_processor_kwargs: options of the model's image processor; mm_features:
+        images processed already (`process_multimodal`'s, for the ids it expanded).
         Every integer that reaches a fixed-width array is bounded here (or capped, as vLLM
         does: top_k at the vocabulary)."""
         if params.truncate_prompt_tokens is not None:
+            if mm_features or multi_modal_data:
+                raise ValueError("truncate_prompt_tokens cannot be used with images")
             prompt_token_ids = self._truncate(prompt_token_ids, params.truncate_prompt_tokens)
-        mm_features: list[MultiModalFeature] = []
+        mm_features = list(mm_features or [])
+        if any(not isinstance(f, MultiModalFeature) for f in mm_features):
+            raise ValueError("mm_features must be MultiModalFeatures (process_multimodal's)")
         if multi_modal_data is not None:
             prompt_token_ids, mm_features = self.process_multimodal(
                 list(prompt_token_ids), multi_modal_data, mm_processor_kwargs

@@ -7,6 +7,7 @@ Runs in the frontend process (the input processor), never in the engine core.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -77,7 +78,12 @@ class MultiModalProcessor:
             if tokenizer is not None:
                 self.marker_text, self.end_text = tokenizer.convert_ids_to_tokens([begin, end])
                 self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
-        self.image_processor = load_image_processor(model_dir)
+        self.model_dir = model_dir
+
+    @functools.cached_property
+    def image_processor(self) -> Any:
+        """The HF image processor, read on first use (rendering a prompt needs none)."""
+        return load_image_processor(self.model_dir)
 
     def expand_text(self, text: str) -> str:
         """A text prompt with Gemma 3's image marker expanded as HF's processor does before

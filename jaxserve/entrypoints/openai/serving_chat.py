@@ -6,6 +6,7 @@ anything reaches the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -146,7 +147,9 @@ class OpenAIServingChat(OpenAIServing):
             kwargs=template_kwargs(request),
         )
         self.engine.input_processor.check_text_length(text)
-        return text, self.tokenizer(text, add_special_tokens=False).input_ids, image_urls
+        mm = self.engine.input_processor.multimodal_processor if image_urls else None
+        tokenized = text if mm is None else mm.expand_text(text)  # as HF's processor does
+        return text, self.tokenizer(tokenized, add_special_tokens=False).input_ids, image_urls
 
     def prepare_chat(self, request: ChatCompletionRequest):
         self.check_runner("Chat Completions")
@@ -197,15 +200,23 @@ class OpenAIServingChat(OpenAIServing):
     async def load_images(self, prepared):
         """prepare_chat's result with its image URLs fetched (concurrently, each within
         $JAXSERVE_IMAGE_FETCH_TIMEOUT s and --max-image-bytes): the PIL images, in order."""
-        _, prompts, _ = prepared
-        data = prompts[0].get("multi_modal_data")
+        request_id, prompts, params = prepared
+        data = prompts[0].pop("multi_modal_data", None)
         if data is not None:
             mm = multimodal_config(self.engine.config)
-            data["image"] = await fetch_images(
+            images = await fetch_images(
                 data["image"], max_bytes=self.max_image_bytes,
                 timeout=envs.JAXSERVE_IMAGE_FETCH_TIMEOUT,
                 allowed_local_media_path=mm.allowed_local_media_path,
             )  # fmt: skip
+            # Processed (and the expanded prompt checked) before any response starts: a
+            # problem is a 400 for a stream too, and the engine gets the features as they are.
+            ip = self.engine.input_processor
+            ids, features = await asyncio.to_thread(
+                ip.process_multimodal, prompts[0]["prompt_token_ids"], {"image": images}, None
+            )
+            ip.process(f"{request_id}-0", ids, params, mm_features=features)
+            prompts[0].update(prompt_token_ids=ids, mm_features=features)
         return prepared
 
     async def chat(self, request: ChatCompletionRequest, prepared) -> ChatCompletionResponse:

@@ -63,20 +63,18 @@ def vision_config(limit: int = 2, path: str | None = None, model_type: str = "ll
 
 def serve(tokenizer, cfg, requests: list, seen: list | None = None, **app_kwargs):
     """The responses of the app over a stand-in core to chat `requests` (bodies), sent
-    concurrently. seen: collects the prompts the engine is handed, which then run without
-    their images (the stand-in core has no image processing)."""
+    concurrently. seen: collects each prompt's ids and images as they reach the model's
+    image processing, which is skipped (the stand-in has no image processor): they run as
+    text."""
     cfg.model.vocab_size = len(tokenizer)
     engine = AsyncLLM(cfg, FakeCore(), tokenizer=tokenizer)
-    if seen is not None:
-        generate = engine.generate
+    if seen is not None:  # the images reach the model's processing: recorded, not processed
 
-        async def recording(prompt, *args, **kwargs):
-            seen.append(prompt)
-            text_only = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
-            async for out in generate(text_only, *args, **kwargs):
-                yield out
+        def record(ids, data, kwargs):
+            seen.append({"prompt_token_ids": list(ids), "multi_modal_data": data})
+            return ids, []
 
-        engine.generate = recording
+        engine.input_processor.process_multimodal = record
     app = build_app(engine, ["m"], log_stats_interval=None, **app_kwargs)
 
     async def main():
@@ -218,12 +216,11 @@ def test_images_reach_the_engine_in_order_with_markers_in_the_prompt(tokenizer, 
     bodies = [untyped, ask("Just text", stream=True)]
     with_images, text_only = serve(tokenizer, vision_config(), bodies, seen)
     assert with_images.status_code == 200 and text_only.status_code == 200, with_images.text
-    prompt = next(p for p in seen if "multi_modal_data" in p)
-    assert "<|im_start|>user\n<image>\n<image>\nWhat are these?<|im_end|>" in prompt["prompt"]
-    assert prompt["prompt_token_ids"] == tokenizer(prompt["prompt"]).input_ids
+    (prompt,) = seen  # the text-only request has no images to process
+    text = tokenizer.decode(prompt["prompt_token_ids"])
+    assert "<|im_start|>user\n<image>\n<image>\nWhat are these?<|im_end|>" in text
     assert [i.size for i in prompt["multi_modal_data"]["image"]] == [(8, 6), (16, 6)]
     assert all(i.mode == "RGB" for i in prompt["multi_modal_data"]["image"])
-    assert "multi_modal_data" not in next(p for p in seen if p is not prompt)
 
 
 def test_a_template_over_parts_gets_image_parts_where_they_were(tokenizer, media_server):
@@ -233,7 +230,7 @@ def test_a_template_over_parts_gets_image_parts_where_they_were(tokenizer, media
     (r,) = serve(tokenizer, vision_config(), [body], seen, chat_template=PARTS_TEMPLATE)
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
     assert '"error"' not in r.text
-    assert seen[0]["prompt"] == "Compare <image> with <image>"
+    assert tokenizer.decode(seen[0]["prompt_token_ids"]) == "Compare <image> with <image>"
     assert len(seen[0]["multi_modal_data"]["image"]) == 2
 
 

@@ -93,3 +93,17 @@ def test_chat_with_images_equals_hf_generate(served, media_url):
     assert got == gen[0, inputs["input_ids"].shape[1] :].tolist()
     usage = response.json()["usage"]
     assert usage["prompt_tokens"] == inputs["input_ids"].shape[1]  # the images' tokens counted
+
+
+def test_a_prompt_too_long_once_its_images_expand_is_a_400_for_a_stream_too(served):
+    """The images are processed before the response starts: a prompt that fits
+    max_model_len as text but not with its images' tokens is a 400, streaming or not."""
+    _, server = served
+    content = [{"type": "image_url", "image_url": {"url": data_url(IMAGES["/a.png"])}},
+               {"type": "text", "text": "x" * 490}]  # fmt: skip
+    for stream in (False, True):
+        body = {"model": "vlm", "messages": [{"role": "user", "content": content}],
+                "max_tokens": 4, "stream": stream}  # fmt: skip
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        assert "maximum context length is 512 tokens" in response.json()["error"]["message"]
