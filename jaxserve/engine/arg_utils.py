@@ -172,6 +172,12 @@ class EngineArgs:
                     "come from the tokens the step before it accepted"
                 )
         kv_transfer = self._kv_transfer(speculative)
+        images = getattr(model_config.hf_config, "multimodal_config", None) is not None
+        if images and speculative is not None and speculative.method != "ngram":
+            raise ValueError(
+                f"speculative_config method {speculative.method!r}: a draft model of "
+                f"{model_config.architecture} would not see its images; use 'ngram'"
+            )
         hybrid = model_config.linear_attn is not None
         if hybrid and (speculative is not None or kv_transfer is not None):
             raise ValueError(

@@ -170,3 +170,22 @@ def test_preempted_image_requests_recompute_their_images(tmp_path_factory):
         core = tight.llm_engine.engine_core.engine_core
         assert core.scheduler.total_preemptions > 0
         assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_mm_processor_kwargs_reach_the_image_processor(family):
+    """Options of the model's image processor per prompt (Qwen2.5-VL's max_pixels: a larger
+    image grid, more tokens); an option it does not take is a ValueError naming it."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    image = draw_image(9, 300, 300)
+    prompt = {"prompt": family.prompts[0], "multi_modal_data": {"image": image}}
+    with pytest.raises(ValueError, match="cannot process the image: .*bogus"):
+        family.llm.generate({**prompt, "mm_processor_kwargs": {"bogus": 1}}, params)
+    if family.name != "qwen":
+        return
+    small = family.llm.generate(prompt, params, use_tqdm=False)[0]
+    large = family.llm.generate(
+        {**prompt, "mm_processor_kwargs": {"max_pixels": 28 * 28 * 64}}, params, use_tqdm=False
+    )[0]
+    image_id = family.hf.config.image_token_id
+    counts = [o.prompt_token_ids.count(image_id) for o in (small, large)]
+    assert counts[0] <= 16 < counts[1] <= 64  # max_pixels: 16 tokens, then 64

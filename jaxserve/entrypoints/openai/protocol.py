@@ -117,6 +117,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # the image processor's options
     # OpenAI's; given to the chat template as `reasoning_effort` (gpt-oss's reads it)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
     # OpenAI's deprecated forms of tools / tool_choice: refused with a 400 naming those
