@@ -147,9 +147,10 @@ def paged_attention(
             sinks)  # fmt: skip
     scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   attention_chunk=attention_chunk)  # fmt: skip
-    if md.causal_ext is not None and not md.decode_only:
-        backend = "reference"  # bidirectional images: the kernels are causal only
+    if md.causal_ext is not None and not md.decode_only:  # bidirectional images
         scores["causal_ext"] = md.causal_ext
+        if backend == "pallas":  # its prefill kernel is causal only
+            backend = "reference"
     if backend == "reference":
         return ragged_paged_attention_reference(*args, **scores, decode_only=md.decode_only)
     if backend == "cpu":

@@ -133,17 +133,20 @@ def ragged_paged_attention_cpu(
     soft_cap: float | None = None,
     decode_only: bool = False,
     attention_chunk: int | None = None,
+    causal_ext: jax.Array | None = None,
 ) -> jax.Array:
     """`ragged_paged_attention_reference` (same arguments, same result) with its decode rows
     computed by the C++ kernel. Other dtypes than f32 (bf16, fp8 caches), attention sinks and
-    chunked attention take the reference whole."""
+    chunked attention take the reference whole; causal_ext (bidirectional images) applies to
+    the multi-token rows, which are the reference's."""
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     uncommon = sinks is not None or attention_chunk is not None
     if uncommon or not (q.dtype == k_cache.dtype == v_cache.dtype == jnp.float32):
         return reference.ragged_paged_attention_reference(
-            *args, sinks, **kw, decode_only=decode_only, attention_chunk=attention_chunk
-        )
+            *args, sinks, **kw, decode_only=decode_only, attention_chunk=attention_chunk,
+            causal_ext=causal_ext,
+        )  # fmt: skip
     if (reason := cpu_kernel_unavailable_message()) is not None:
         raise RuntimeError(reason)
     # The decode rows (one query token per sequence), every other row zero: the reference's
@@ -154,4 +157,4 @@ def ragged_paged_attention_cpu(
     )  # fmt: skip
     if decode_only or q.shape[0] == 1:
         return out
-    return reference.multi_token_rows(*args, out, **kw)
+    return reference.multi_token_rows(*args, out, **kw, causal_ext=causal_ext)
