@@ -230,6 +230,12 @@ CHAT_ONLY = {
         lambda a, r, b: a["choices"][0]["message"].get("reasoning") is None,
     ),
     "add_generation_prompt": ({"add_generation_prompt": False}, differs),
+    # the image processor's options: a prompt without images runs as it would without them
+    # (tests/models/test_vlm.py: they reach the image processor)
+    "mm_processor_kwargs": (
+        {"mm_processor_kwargs": {"max_pixels": 1000}},
+        lambda a, r, b: r[0].prompt_token_ids == b[0].prompt_token_ids and not r[0].mm_features,
+    ),
     "continue_final_message": (
         {
             "messages": [*CHAT, {"role": "assistant", "content": "Hi"}],
