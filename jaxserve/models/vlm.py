@@ -134,6 +134,15 @@ class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):
         ("visual.", "model.visual."),
     )
 
+    @staticmethod
+    def image_token_cap(preprocessor: dict) -> int | None:
+        """The most tokens the image processor makes of one image: its max_pixels (HF's
+        `size.longest_edge`, or the older `max_pixels`) over one token's 28x28 pixels."""
+        size = preprocessor.get("size") or {}
+        pixels = preprocessor.get("max_pixels") or size.get("longest_edge")
+        patch = preprocessor.get("patch_size", 14) * preprocessor.get("merge_size", 2)
+        return int(pixels) // patch**2 if pixels else None
+
     def encode(self, **inputs):
         """`Qwen2_5_VLVisionEncoder.prepare`'s arrays -> [patches / merge**2, D]."""
         return self.vision(**inputs)

@@ -17,7 +17,9 @@ attention's `causal_ext` lets the token see the rest of its image.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -42,14 +44,20 @@ def encode(model_def, params, buffer: jax.Array, inputs: dict, rows: jax.Array) 
 class EncoderRunner:
     def __init__(
         self, model: Any, max_num_batched_tokens: int, max_num_reqs: int, max_model_len: int,
-        mesh,
+        mesh, model_dir: str | None = None,
     ):  # fmt: skip
         """model: a multimodal model (its `encode`, `encoder_buckets`, `encoder_inputs`,
         `mrope_positions` for M-RoPE); the cache holds max(max_num_batched_tokens, the
-        largest image's tokens) rows, as vLLM's encoder cache."""
+        largest image's tokens) rows, as vLLM's encoder cache. model_dir: where the image
+        processor's config says how large an image it makes (`image_token_cap`: Qwen2.5-VL's
+        max_pixels), so no larger shape is compiled."""
         self.model_cls = type(model)
         self.mm_config = model.config.hf_config.multimodal_config
-        self.buckets = self.model_cls.encoder_buckets(self.mm_config, max_num_batched_tokens)
+        tokens = max_num_batched_tokens  # an image's tokens run in the steps after it
+        cap = getattr(self.model_cls, "image_token_cap", None)
+        if cap is not None and model_dir is not None:  # no shape past the processor's largest
+            tokens = min(tokens, cap(_preprocessor_config(model_dir)) or tokens)
+        self.buckets = self.model_cls.encoder_buckets(self.mm_config, tokens)
         self.max_image_tokens = max(tokens for tokens, _ in self.buckets.values())
         self.num_rows = max(max_num_batched_tokens, self.max_image_tokens)
         self.budget = self.num_rows
@@ -150,3 +158,11 @@ class EncoderRunner:
         buffer = self._buffer_spec if spec else self.buffer
         attn = forward.attn if ext is None else forward.attn._replace(causal_ext=ext)
         return forward._replace(attn=attn, mm_rows=mm_rows, mm_embeds=buffer, mrope_positions=mrope)
+
+
+def _preprocessor_config(model_dir: str) -> dict:
+    """The model's preprocessor_config.json ({} when it has none or it is unreadable)."""
+    try:
+        return json.loads((Path(model_dir) / "preprocessor_config.json").read_text())
+    except (OSError, ValueError):
+        return {}

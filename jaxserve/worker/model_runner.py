@@ -112,7 +112,7 @@ class ModelRunner:
         if hasattr(loaded.model, "encode"):
             self.encoder = EncoderRunner(
                 loaded.model, sc.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
-                self.mesh,
+                self.mesh, engine_config.model_path,
             )  # fmt: skip
         graphdef, state = nnx.split(loaded.model)
         self.params, params_def = jax.tree.flatten(state)

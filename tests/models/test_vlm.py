@@ -173,8 +173,10 @@ def test_preempted_image_requests_recompute_their_images(tmp_path_factory):
 
 
 def test_mm_processor_kwargs_reach_the_image_processor(family):
-    """Options of the model's image processor per prompt (Qwen2.5-VL's max_pixels: a larger
-    image grid, more tokens); an option it does not take is a ValueError naming it."""
+    """Options of the model's image processor per prompt (Qwen2.5-VL's max_pixels: a smaller
+    image grid, fewer tokens; one past the largest encoder shape, which the processor's own
+    max_pixels sets, fails that request alone, naming max_pixels); an option the processor
+    does not take is a ValueError naming it."""
     params = SamplingParams(temperature=0, max_tokens=1)
     image = draw_image(9, 300, 300)
     prompt = {"prompt": family.prompts[0], "multi_modal_data": {"image": image}}
@@ -182,10 +184,10 @@ def test_mm_processor_kwargs_reach_the_image_processor(family):
         family.llm.generate({**prompt, "mm_processor_kwargs": {"bogus": 1}}, params)
     if family.name != "qwen":
         return
-    small = family.llm.generate(prompt, params, use_tqdm=False)[0]
-    large = family.llm.generate(
-        {**prompt, "mm_processor_kwargs": {"max_pixels": 28 * 28 * 64}}, params, use_tqdm=False
-    )[0]
+    sized = [{**prompt, "mm_processor_kwargs": {"max_pixels": 28 * 28 * n}} for n in (4, 64)]
+    default, small, large = family.llm.generate([prompt, *sized], params, use_tqdm=False)
     image_id = family.hf.config.image_token_id
-    counts = [o.prompt_token_ids.count(image_id) for o in (small, large)]
-    assert counts[0] <= 16 < counts[1] <= 64  # max_pixels: 16 tokens, then 64
+    counts = [o.prompt_token_ids.count(image_id) for o in (small, default)]
+    assert counts[0] <= 4 < counts[1] <= 16  # max_pixels 4 tokens; the processor's 16
+    assert large.outputs[0].finish_reason == "error"
+    assert "max_pixels" in str(large.outputs[0].stop_reason)
