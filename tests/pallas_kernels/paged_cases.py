@@ -74,11 +74,14 @@ def naive_attention(
     soft_cap: float | None = None,
     sinks: np.ndarray | None = None,
     chunk: int | None = None,
+    causal_ext: np.ndarray | None = None,
 ) -> np.ndarray:
     """Dense causal attention per sequence in float64 (each query sees the `window` latest
     keys up to its own when a window is given; scores soft-capped when asked; sinks [Hq]: a
     logit per head in the softmax whose value is zero, as HF's gpt-oss appends it; chunk: keys
-    of the query's own chunk of positions only, Llama 4's); padding rows zero."""  # fmt: skip
+    of the query's own chunk of positions only, Llama 4's; causal_ext [T]: each query also
+    sees that many keys after its own, Gemma 3's bidirectional images); padding rows
+    zero."""
     q = case.q.astype(np.float64)
     k_all, v_all = case.k_cache.astype(np.float64), case.v_cache.astype(np.float64)
     _, block_size, hkv, d = k_all.shape
@@ -96,7 +99,8 @@ def naive_attention(
         if soft_cap is not None:
             s = soft_cap * np.tanh(s / soft_cap)
         k_pos = np.arange(kv_len)[None, None, :]
-        seen = k_pos <= q_pos[None, :, None]
+        q_lim = q_pos if causal_ext is None else q_pos + causal_ext[start:end]
+        seen = k_pos <= q_lim[None, :, None]
         if window is not None:
             seen &= k_pos > q_pos[None, :, None] - window
         if chunk is not None:

@@ -161,3 +161,15 @@ def test_a_failing_build_names_the_compiler_error(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu, "_compiler", lambda: shutil.which("false"))
     assert "building cpu_decode.cc failed" in cpu._load.__wrapped__()
     assert not list(tmp_path.iterdir())
+
+
+@needs_compiler
+def test_causal_extension_reaches_the_multi_token_rows():
+    """Gemma 3's causal_ext: the prefill rows (the reference's) take it, the decode rows
+    (the kernel's) are as without it."""
+    case = _case([(1, 20), (24, 40), (1, 33)], seed=4)
+    ext = np.zeros(case.q.shape[0], np.int32)
+    ext[1 + 3 : 1 + 15] = np.arange(11, -1, -1)  # sequence 1: an image over its rows 3..14
+    out = cpu.ragged_paged_attention_cpu(*case.args(), sm_scale=0.125, causal_ext=ext)
+    want = naive_attention(case, 0.125, causal_ext=ext)
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=0)

@@ -134,3 +134,25 @@ def test_attention_chunks_match_the_oracle(layout):
         out = ragged_paged_attention_reference(*case.args(), sm_scale=0.125, attention_chunk=chunk)
         want = naive_attention(case, 0.125, chunk=chunk)
         np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_causal_extension_matches_the_oracle(window):
+    """Gemma 3's bidirectional images: each token of a run ("image") sees the run's later
+    keys too (causal_ext = the run's last position - its own), with and without a sliding
+    window (which still counts back from the query's own position); decode rows unchanged."""
+    layout = [(1, 20), (24, 40), (9, 9)]
+    case = make_case(
+        layout, num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=8, pad_tokens=3,
+        pad_seqs=1, seed=9,
+    )  # fmt: skip
+    ext = np.zeros(case.q.shape[0], np.int32)
+    ext[1 + 3 : 1 + 15] = np.arange(11, -1, -1)  # sequence 1: an image over its rows 3..14
+    ext[25 + 2 : 25 + 6] = np.arange(3, -1, -1)  # sequence 2: rows 2..5
+    out = ragged_paged_attention_reference(
+        *case.args(), sm_scale=0.2, sliding_window=window, causal_ext=jnp.asarray(ext)
+    )
+    want = naive_attention(case, 0.2, window, causal_ext=ext)
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, rtol=0)
+    causal = naive_attention(case, 0.2, window)
+    assert not np.allclose(want[4:15], causal[4:15])  # the extension changes those rows
