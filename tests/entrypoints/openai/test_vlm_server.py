@@ -5,6 +5,7 @@ request with one image as a data URL and one fetched from a local HTTP server gi
 from __future__ import annotations
 
 import io
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -107,3 +108,27 @@ def test_a_prompt_too_long_once_its_images_expand_is_a_400_for_a_stream_too(serv
         response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 400, response.text
         assert "maximum context length is 512 tokens" in response.json()["error"]["message"]
+
+
+def test_a_named_tool_call_with_an_image(served):
+    """A named tool_choice on an image prompt: the call's arguments follow the tool's schema
+    (the constraint runs over the image's prompt like any other). 200 tokens: a random model
+    may fill each of the object's 5 whitespace gaps up to the grammar's 24."""
+    _, server = served
+    tool = {"type": "function", "function": {
+        "name": "describe", "parameters": {"type": "object", "properties": {
+            "color": {"type": "string", "enum": ["red", "green", "blue"]}},
+            "required": ["color"], "additionalProperties": False}}}  # fmt: skip
+    content = [{"type": "image_url", "image_url": {"url": data_url(IMAGES["/a.png"])}},
+               {"type": "text", "text": "Which color?"}]  # fmt: skip
+    choice = {"type": "function", "function": {"name": "describe"}}
+    body = {"model": "vlm", "messages": [{"role": "user", "content": content}], "tools": [tool],
+            "tool_choice": choice, "max_tokens": 200, "temperature": 0}  # fmt: skip
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert message["tool_calls"], message
+    for call in message["tool_calls"]:
+        assert call["function"]["name"] == "describe"
+        args = call["function"]["arguments"]
+        assert json.loads(args)["color"] in ("red", "green", "blue"), repr(args)
