@@ -55,14 +55,29 @@ def kv_head_replicas(config: ModelConfig, tp: int) -> int:
     return 1 if config.num_kv_heads % tp == 0 else tp // config.num_kv_heads
 
 
+# A vision tower's layers, Megatron-style as the language model's: attention by heads (its
+# fused qkv columns go head by head), MLPs by their hidden units; embeddings, norms, the
+# projector and the patch merger replicated.
+VISION_RULES = {
+    "self_attn/qkv_proj/kernel": P(None, TP_AXIS), "self_attn/qkv_proj/bias": P(TP_AXIS),
+    "self_attn/out_proj/kernel": P(TP_AXIS, None),
+    "mlp/fc1/kernel": P(None, TP_AXIS), "mlp/fc1/bias": P(TP_AXIS),
+    "mlp/fc2/kernel": P(TP_AXIS, None),
+    "attn/qkv/kernel": P(None, TP_AXIS), "attn/qkv/bias": P(TP_AXIS),  # Qwen2.5-VL
+    "attn/proj/kernel": P(TP_AXIS, None),
+    "mlp/gate_up/kernel": P(None, TP_AXIS), "mlp/gate_up/bias": P(TP_AXIS),
+    "mlp/down_proj/kernel": P(TP_AXIS, None),
+}  # fmt: skip
+
+
 def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
     """The PartitionSpec of the parameter at `path`, e.g. ('layers', 3, 'mlp', 'down_proj',
     'kernel')."""
     if config.quantization in GROUPED_QUANT and path[-1] in ("scale", "offset"):
         return param_spec((*path[:-1], "kernel"), config, tp)  # [in / group, out]: as the kernel
-    if path and path[0] == "vision":  # a multimodal model's image encoder: replicated
-        return P()
     name = "/".join(str(p) for p in path)
+    if path and path[0] == "vision":  # a multimodal model's image encoder (models/vision/)
+        return next((spec for suffix, spec in VISION_RULES.items() if name.endswith(suffix)), P())
     vocab = TP_AXIS if config.vocab_size % tp == 0 else None
     rules = {
         "embed_tokens/embedding": P(vocab, None),  # [V, D]
@@ -98,8 +113,17 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
     return P()  # norms: replicated
 
 
-def param_sharding(path: Sequence[str | int], config: ModelConfig, mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, param_spec(path, config, mesh.shape[TP_AXIS]))
+def param_sharding(
+    path: Sequence[str | int], config: ModelConfig, mesh: Mesh, shape: Sequence[int] = ()
+) -> NamedSharding:
+    """The parameter's NamedSharding; shape: its shape, when known: a vision tower's
+    dimension the tensor-parallel size does not divide (validate_tp checks only the language
+    model's) is replicated instead."""
+    spec = param_spec(path, config, mesh.shape[TP_AXIS])
+    tp = mesh.shape[TP_AXIS]
+    if any(axis is not None and dim % tp for axis, dim in zip(spec, shape, strict=False)):
+        spec = P()
+    return NamedSharding(mesh, spec)
 
 
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:

@@ -107,7 +107,7 @@ def load_model(
 
     graphdef, state = _abstract_model(model_cls, config, replicas)
     targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))  # path -> ShapeDtypeStruct
-    shardings = {p: param_sharding(p, config, mesh) for p in targets}
+    shardings = {p: param_sharding(p, config, mesh, targets[p].shape) for p in targets}
     if dummy:
         params = _dummy_params(targets, shardings)
     elif source is None:

@@ -191,3 +191,20 @@ def test_mm_processor_kwargs_reach_the_image_processor(family):
     assert counts[0] <= 4 < counts[1] <= 16  # max_pixels 4 tokens; the processor's 16
     assert large.outputs[0].finish_reason == "error"
     assert "max_pixels" in str(large.outputs[0].stop_reason)
+
+
+def test_tensor_parallel_2_gives_the_tokens_of_tp_1(family):
+    """tp 2: the vision tower split by heads and MLP units as the language model is (the
+    first layer's fused qkv by columns), the same greedy tokens with two images."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt": family.prompts[1], "multi_modal_data": {"image": IMAGES[1]}}
+    want = family.llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    with engines_in_process():
+        tp2 = LLM(str(family.dir), **ENGINE, tensor_parallel_size=2)
+        got = tp2.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        vision = tp2.llm_engine.engine_core.engine_core.runner.model.vision
+        layer = vision.blocks[0].attn.qkv if family.name == "qwen" else (
+            vision.vision_tower.layers[0].self_attn.qkv_proj
+        )  # fmt: skip
+        assert tuple(layer.kernel[...].sharding.spec) == (None, "tp")
+    assert got == want

@@ -111,10 +111,10 @@ class LlavaVisionEncoder(nnx.Module):
         vision_tower.encoder.layers.0.self_attn.{q,k,v}_proj.weight fused and transposed;
         ('multi_modal_projector', 'linear_1', 'kernel') <- multi_modal_projector.linear_1.weight
         transposed."""
-        del config  # the names do not depend on it
         head, *rest = (str(p) for p in path)
         if head == "vision_tower":
-            return vit_hf_weight(tuple(rest), "vision_tower.")
+            heads = int(_settings(config)[0]["num_attention_heads"])
+            return vit_hf_weight(tuple(rest), "vision_tower.", heads)
         if head == "multi_modal_projector" and len(rest) == 2:
             return linear_hf_weight(f"multi_modal_projector.{rest[0]}", rest[1])
         raise KeyError(f"no HF tensor for LLaVA vision parameter {path}")

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
 from jaxserve.models.llama import HFWeight
+from jaxserve.models.vision.vit import fuse_heads
 
 # transformers 5.23's Qwen2_5_VLVisionConfig defaults (rope_theta: the axial rope's default)
 VISION_DEFAULTS: dict = {
@@ -112,14 +113,15 @@ def merge_order_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _concat(*tensors: np.ndarray) -> np.ndarray:
-    """HF's biases [F] (or weights [F, D]) side by side -> [2F] ([2F, D])."""
-    return np.concatenate(tensors)
+def _concat(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """HF's gate and up biases [F] (or weights [F, D]) interleaved -> [2F] ([2F, D]): row 2f
+    is gate f, 2f + 1 up f."""
+    return np.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
 
 
-def _concat_kernels(*weights: np.ndarray) -> np.ndarray:
-    """HF's weights [F, D] side by side, as a kernel [D, 2F]."""
-    return np.concatenate(weights).T
+def _concat_kernels(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """HF's gate and up weights [F, D] interleaved, as a kernel [D, 2F]."""
+    return _concat(gate, up).T
 
 
 def segment_attention(
@@ -155,7 +157,9 @@ def segment_attention(
 
 
 class VisionAttention(nnx.Module):
-    """qkv (fused [D, 3D], bias) -> 2D rotary on q, k -> segment attention -> proj (bias)."""
+    """qkv (fused [D, 3D], bias; its columns head by head, each head's q, k, v side by side,
+    so a tensor-parallel split gives each device whole heads) -> 2D rotary on q, k -> segment
+    attention -> proj (bias)."""
 
     def __init__(self, dim: int, num_heads: int, *, dtype, rngs: nnx.Rngs):
         self.num_heads = num_heads
@@ -167,7 +171,7 @@ class VisionAttention(nnx.Module):
     ) -> jax.Array:
         """x: [N, D], cos, sin: f32[N, hd], seg: i32[N] -> [N, D]."""
         n = x.shape[0]
-        q, k, v = jnp.moveaxis(self.qkv(x).reshape(n, 3, self.num_heads, -1), 1, 0)
+        q, k, v = jnp.moveaxis(self.qkv(x).reshape(n, self.num_heads, 3, -1), 2, 0)
 
         def rotate(t: jax.Array) -> jax.Array:
             t1, t2 = jnp.split(t, 2, axis=-1)
@@ -181,8 +185,8 @@ class VisionAttention(nnx.Module):
 
 
 class VisionMLP(nnx.Module):
-    """down(act(gate(x)) * up(x)), biases on all three; gate and up fused [D, 2F] (gate's F
-    columns first)."""
+    """down(act(gate(x)) * up(x)), biases on all three; gate and up fused [D, 2F],
+    interleaved (column 2f gate f, 2f + 1 up f), so a tensor-parallel split keeps pairs."""
 
     def __init__(self, dim: int, inter: int, act: str, *, dtype, rngs: nnx.Rngs):
         self.act = act
@@ -191,7 +195,9 @@ class VisionMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [N, D] -> [N, D]."""
-        gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+        h = self.gate_up(x)
+        h = h.reshape(*h.shape[:-1], -1, 2)
+        gate, up = h[..., 0], h[..., 1]
         return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
@@ -331,8 +337,9 @@ class Qwen2_5_VLVisionEncoder(nnx.Module):
     def hf_weight(config: dict, path: tuple) -> HFWeight:
         """Our param path (nnx.state's) -> the HF tensors (`visual.*`, as transformers 5.23's
         save_pretrained names them) and how to build it: kernels [in, out] from HF's [out, in]
-        (patch_embed's Conv3d [D, C, T, p, p] flattened first); blocks.i.mlp.gate_up from
-        gate_proj and up_proj side by side; merger.fc1 / fc2 from merger.mlp.0 / mlp.2."""
+        (patch_embed's Conv3d [D, C, T, p, p] flattened first); blocks.i.attn.qkv regrouped
+        head by head; blocks.i.mlp.gate_up from gate_proj and up_proj interleaved; merger.fc1
+        / fc2 from merger.mlp.0 / mlp.2."""
         *modules, leaf = (str(p) for p in path)
         suffix = "bias" if leaf == "bias" else "weight"
         kernel = leaf == "kernel"
@@ -343,6 +350,10 @@ class Qwen2_5_VLVisionEncoder(nnx.Module):
             name = f"{HF_PREFIX}merger.mlp.{0 if modules[1] == 'fc1' else 2}.{suffix}"
             return HFWeight((name,), np.transpose if kernel else None)
         name = f"{HF_PREFIX}{'.'.join(modules)}"
+        if modules[-1] == "qkv":  # q, k, v rows regrouped head by head
+            heads = vision_config(config)["num_heads"]
+            fuse = functools.partial(fuse_heads, heads=heads)
+            return HFWeight((f"{name}.{suffix}",), (lambda w: fuse(w).T) if kernel else fuse)
         if modules[-1] == "gate_up":
             names = tuple(f"{name[: -len('gate_up')]}{p}_proj.{suffix}" for p in ("gate", "up"))
             return HFWeight(names, _concat_kernels if kernel else _concat)

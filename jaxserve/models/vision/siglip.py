@@ -92,10 +92,10 @@ class Gemma3VisionEncoder(nnx.Module):
         `vision_tower.`): ('vision_tower', 'layers', 0, 'mlp', 'fc1', 'kernel') <-
         vision_tower.encoder.layers.0.mlp.fc1.weight transposed;
         ('multi_modal_projector', 'mm_input_projection_weight') <- the same name, as is."""
-        del config  # the names do not depend on it
         head, *rest = (str(p) for p in path)
         if head == "vision_tower":
-            return vit_hf_weight(tuple(rest), "vision_tower.")
+            heads = int(_settings(config)[0]["num_attention_heads"])
+            return vit_hf_weight(tuple(rest), "vision_tower.", heads)
         if head == "multi_modal_projector" and rest:
             return HFWeight((f"multi_modal_projector.{'.'.join(rest)}",))
         raise KeyError(f"no HF tensor for Gemma 3 vision parameter {path}")

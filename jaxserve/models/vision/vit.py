@@ -149,7 +149,9 @@ def full_attention(
 
 
 class ViTAttention(nnx.Module):
-    """Multi-head self-attention with biases; q, k, v fused in one [D, 3D] projection."""
+    """Multi-head self-attention with biases; q, k, v fused in one [D, 3D] projection whose
+    columns go head by head (each head's q, k, v side by side: `fuse_heads`), so a
+    tensor-parallel split of the columns gives each device whole heads."""
 
     def __init__(self, dim: int, heads: int, *, dtype, rngs: nnx.Rngs):
         if dim % heads:
@@ -161,8 +163,8 @@ class ViTAttention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, N, D] -> [B, N, D]."""
         b, n, dim = x.shape
-        qkv = self.qkv_proj(x).reshape(b, n, 3, self.heads, dim // self.heads)
-        out = full_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], self.scale)
+        qkv = self.qkv_proj(x).reshape(b, n, self.heads, 3, dim // self.heads)
+        out = full_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], self.scale)
         return self.out_proj(out.reshape(b, n, dim))
 
 
@@ -266,12 +268,19 @@ def _transpose(w: np.ndarray) -> np.ndarray:
     return np.transpose(w)
 
 
-def _fuse_qkv_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return np.concatenate([q, k, v], axis=0).T  # three [D, D] (out, in) -> [D, 3D]
+def fuse_heads(qkv: np.ndarray, heads: int) -> np.ndarray:
+    """HF's q, k, v stacked [3 * H * hd, ...] (weights [out, in] or biases) -> [H * 3 * hd,
+    ...]: head by head, each head's q, k and v rows side by side."""
+    rest = qkv.shape[1:]
+    return qkv.reshape(3, heads, -1, *rest).swapaxes(0, 1).reshape(-1, *rest)
 
 
-def _fuse_qkv_bias(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return np.concatenate([q, k, v], axis=0)
+def _fuse_qkv_kernel(heads: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return fuse_heads(np.concatenate([q, k, v], axis=0), heads).T  # [D, 3D]
+
+
+def _fuse_qkv_bias(heads: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return fuse_heads(np.concatenate([q, k, v], axis=0), heads)
 
 
 def _patch_kernel(w: np.ndarray) -> np.ndarray:
@@ -286,10 +295,10 @@ def linear_hf_weight(name: str, leaf: str) -> HFWeight:
     return HFWeight((f"{name}.{leaf}",))
 
 
-def vit_hf_weight(path: tuple, prefix: str) -> HFWeight:
+def vit_hf_weight(path: tuple, prefix: str, heads: int) -> HFWeight:
     """A `ViT` parameter path (e.g. ('layers', 0, 'self_attn', 'qkv_proj', 'kernel')) -> its HF
     tensors under `prefix` (e.g. "vision_tower."), as transformers' save_pretrained names them:
-    `{prefix}encoder.layers.0.self_attn.{q,k,v}_proj.weight`."""
+    `{prefix}encoder.layers.0.self_attn.{q,k,v}_proj.weight`, fused head by head (`heads`)."""
     *mods, leaf = (str(p) for p in path)
     if mods[0] == "layers":
         base = f"{prefix}encoder.layers.{mods[1]}.{'.'.join(mods[2:])}"
@@ -297,7 +306,8 @@ def vit_hf_weight(path: tuple, prefix: str) -> HFWeight:
             base = base.removesuffix("qkv_proj")
             suffix = "weight" if leaf == "kernel" else "bias"
             names = tuple(f"{base}{p}_proj.{suffix}" for p in "qkv")
-            return HFWeight(names, _fuse_qkv_kernel if leaf == "kernel" else _fuse_qkv_bias)
+            build = _fuse_qkv_kernel if leaf == "kernel" else _fuse_qkv_bias
+            return HFWeight(names, functools.partial(build, heads))
         if mods[-1] in ("out_proj", "fc1", "fc2"):
             return linear_hf_weight(base, leaf)
         return HFWeight((f"{base}.{leaf}",))  # layer_norm{1,2}.{weight,bias}
