@@ -33,13 +33,13 @@ def main() -> None:
     import transformers
 
     from jaxserve import LLM, SamplingParams
+    from jaxserve.multimodal.processing import pil_image_processor_class
     from tests.multimodal.tiny_vlm import draw_image, make_tiny_qwen2_5_vl
 
     work = Path(tempfile.mkdtemp())
     model_dir = make_tiny_qwen2_5_vl(work / "qwen")
     # 448x448 at patch 14: a 32x32 patch grid, 256 image tokens
-    cls = getattr(transformers, "Qwen2VLImageProcessorPil", None)
-    cls = cls or transformers.Qwen2VLImageProcessor
+    cls = pil_image_processor_class("Qwen2VLImageProcessor")
     processor = cls(min_pixels=448 * 448, max_pixels=448 * 448)
     processor.save_pretrained(model_dir)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)

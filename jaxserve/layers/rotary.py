@@ -81,6 +81,12 @@ def apply_rotary(
         turned = apply_rotary(x[..., :rotary_dim], positions, inv_freq, scale)
         return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+    return _rotate(x, freqs, scale)
+
+
+def _rotate(x: jax.Array, freqs: jax.Array, scale: float) -> jax.Array:
+    """x: [T, H, D] turned by angles freqs f32[T, D / 2] (rotate-half), cos and sin times
+    scale; float32 math, x's dtype out."""
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
     if scale != 1.0:
@@ -112,12 +118,4 @@ def apply_mrope(
         return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
     axis = np.concatenate([np.full(s, i % 3) for i, s in enumerate(mrope_section)])  # [R / 2]
     pos = positions.astype(jnp.float32)[axis]  # [R / 2, T]: each frequency's axis
-    freqs = pos.T * jnp.asarray(inv_freq)[None, :]  # [T, R / 2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, R]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+    return _rotate(x, pos.T * jnp.asarray(inv_freq)[None, :], scale)  # angles [T, R / 2]

@@ -7,6 +7,7 @@ A model here adds to its language model:
                     replicated over the mesh
   encode(**inputs)  one padded image's inputs -> [tokens, D] text-space embeddings
   encoder_buckets   the image shapes compiled at start-up: name -> (tokens, example inputs)
+  encoder_bucket    one image's processed arrays -> its bucket (the engine's check at add)
   encoder_inputs    one image's processed arrays -> (its bucket, the padded inputs)
 and the HF tensor names of its checkpoints (`checkpoint_aliases`: other prefixes the same
 tensors are saved under, tried in order when a name is missing).
@@ -51,25 +52,42 @@ class _VisionLanguageModel(LlamaForCausalLM):
         return HFWeight(names, weight.build)
 
 
-def _square_bucket(size: int, tokens: int) -> dict:
-    """The one encoder shape of a tower whose processor resizes every image to size x size."""
-    return {size: (tokens, {"pixel_values": np.zeros((1, 3, size, size), np.float32)})}
+class _FixedSizeImages(_VisionLanguageModel):
+    """A tower whose processor resizes every image to one square size: one encoder shape,
+    pixel_values f32[1, 3, S, S] in, the tower's tokens per image out."""
+
+    default_image_size: int
+
+    def encode(self, pixel_values):
+        """pixel_values f32[1, 3, S, S] -> [tokens_per_image, D]."""
+        return self.vision(pixel_values)
+
+    @classmethod
+    def encoder_buckets(cls, mm_config: dict, max_tokens: int) -> dict:
+        size = int((mm_config.get("vision_config") or {}).get("image_size", cls.default_image_size))
+        pixels = np.zeros((1, 3, size, size), np.float32)
+        return {size: (cls.vision_cls.tokens_per_image(mm_config), {"pixel_values": pixels})}
+
+    @staticmethod
+    def encoder_bucket(mm_config: dict, data: dict, buckets: dict):
+        """The bucket an image's processed arrays run in (ValueError: none)."""
+        shape = np.shape(data["pixel_values"])
+        if len(shape) != 4 or shape[0] != 1 or shape[2] not in buckets or shape[3] != shape[2]:
+            raise ValueError(f"image pixel_values of shape {shape} fit no encoder shape")
+        return shape[2]
+
+    @classmethod
+    def encoder_inputs(cls, mm_config: dict, data: dict, buckets: dict) -> tuple:
+        name = cls.encoder_bucket(mm_config, data, buckets)
+        return name, {"pixel_values": np.asarray(data["pixel_values"], np.float32)}
 
 
-def _square_inputs(data: dict, buckets: dict) -> tuple:
-    pixels = np.asarray(data["pixel_values"], np.float32)
-    if pixels.ndim != 4 or pixels.shape[0] != 1 or pixels.shape[2] not in buckets:
-        raise ValueError(f"image pixel_values of shape {pixels.shape} fit no encoder shape")
-    if pixels.shape[2:] != (pixels.shape[2],) * 2:
-        raise ValueError(f"image pixel_values of shape {pixels.shape} are not square")
-    return pixels.shape[2], {"pixel_values": pixels}
-
-
-class LlavaForConditionalGeneration(_VisionLanguageModel):
+class LlavaForConditionalGeneration(_FixedSizeImages):
     """LLaVA-1.5 style: a CLIP (or SigLIP) tower, a two-layer projector, a Llama / Mistral /
     Vicuna language model; each `<image>` token of the prompt becomes the image's tokens."""
 
     vision_cls = LlavaVisionEncoder
+    default_image_size = 336
     lm_prefix = "language_model.model."
     head_name = "language_model.lm_head.weight"
     checkpoint_aliases = (
@@ -81,45 +99,19 @@ class LlavaForConditionalGeneration(_VisionLanguageModel):
         ("multi_modal_projector.", "model.multi_modal_projector."),
     )
 
-    def encode(self, pixel_values):
-        """pixel_values f32[1, 3, H, W] -> [tokens_per_image, D]."""
-        return self.vision(pixel_values)
 
-    @staticmethod
-    def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
-        """One bucket: the processor resizes every image to the tower's size."""
-        size = int((mm_config.get("vision_config") or {}).get("image_size", 336))
-        return _square_bucket(size, LlavaVisionEncoder.tokens_per_image(mm_config))
-
-    @staticmethod
-    def encoder_inputs(mm_config: dict, data: dict, buckets: dict) -> tuple:
-        return _square_inputs(data, buckets)
-
-
-class Gemma3ForConditionalGeneration(_VisionLanguageModel, GemmaForCausalLM):
+class Gemma3ForConditionalGeneration(_FixedSizeImages, GemmaForCausalLM):
     """Gemma 3 4B / 12B / 27B: a SigLIP tower (896 px), average-pooled to 256 tokens, the
     soft-embedding norm and projection; Gemma 3's language model, in which one image's tokens
     attend to each other both ways (`bidirectional_images`: an image runs in one prefill
     chunk, and the attention's `causal_ext` lets each of its tokens see the image's end)."""
 
     vision_cls = Gemma3VisionEncoder
+    default_image_size = 896
     bidirectional_images = True
-    lm_prefix = "language_model.model."
-    head_name = "language_model.lm_head.weight"
+    lm_prefix = LlavaForConditionalGeneration.lm_prefix
+    head_name = LlavaForConditionalGeneration.head_name
     checkpoint_aliases = LlavaForConditionalGeneration.checkpoint_aliases
-
-    def encode(self, pixel_values):
-        """pixel_values f32[1, 3, H, W] -> [mm_tokens_per_image, D]."""
-        return self.vision(pixel_values)
-
-    @staticmethod
-    def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
-        size = int((mm_config.get("vision_config") or {}).get("image_size", 896))
-        return _square_bucket(size, Gemma3VisionEncoder.tokens_per_image(mm_config))
-
-    @staticmethod
-    def encoder_inputs(mm_config: dict, data: dict, buckets: dict) -> tuple:
-        return _square_inputs(data, buckets)
 
 
 class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):
@@ -164,16 +156,21 @@ class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):
         return out
 
     @staticmethod
-    def encoder_inputs(mm_config: dict, data: dict, buckets: dict) -> tuple:
-        grid = np.asarray(data["image_grid_thw"]).reshape(-1, 3)
-        patches = int(np.prod(grid, axis=1).sum())
+    def encoder_bucket(mm_config: dict, data: dict, buckets: dict) -> int:
+        """The smallest patch bucket holding the image (ValueError: none)."""
+        patches = int(np.prod(np.asarray(data["image_grid_thw"]).reshape(-1, 3), axis=1).sum())
         fits = [n for n in buckets if n >= patches]
         if not fits:
             raise ValueError(
                 f"an image of {patches} patches is larger than the largest encoder shape "
                 f"({max(buckets)} patches); pass smaller max_pixels in mm_processor_kwargs"
             )
-        n = min(fits)
+        return min(fits)
+
+    @classmethod
+    def encoder_inputs(cls, mm_config: dict, data: dict, buckets: dict) -> tuple:
+        n = cls.encoder_bucket(mm_config, data, buckets)
+        grid = np.asarray(data["image_grid_thw"]).reshape(-1, 3)
         return n, Qwen2_5_VLVisionEncoder.prepare(mm_config, data["pixel_values"], grid, n)
 
     @staticmethod

@@ -33,18 +33,25 @@ MARKER_FIELDS = {"Gemma3ForConditionalGeneration": ("boi_token_index", "eoi_toke
 def load_image_processor(model_dir: str | Path) -> Any:
     """The HF image processor named by the model's preprocessor_config.json, PIL backend
     (`<Name>Pil` in transformers >= 5, the plain class before it)."""
-    import transformers
 
     path = Path(model_dir) / "preprocessor_config.json"
     try:
         name = json.loads(path.read_text())["image_processor_type"]
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read the image processor of {model_dir}: {e}") from None
-    name = name.removesuffix("Fast")
-    cls = getattr(transformers, f"{name}Pil", None) or getattr(transformers, name, None)
+    cls = pil_image_processor_class(name)
     if cls is None:
         raise ValueError(f"{path}: image processor {name!r} is not in transformers")
     return cls.from_pretrained(model_dir)
+
+
+def pil_image_processor_class(name: str) -> Any:
+    """transformers' PIL-backed class of image processor `name` (`<Name>Pil` in
+    transformers >= 5, the plain class before it), or None."""
+    import transformers
+
+    name = name.removesuffix("Fast")
+    return getattr(transformers, f"{name}Pil", None) or getattr(transformers, name, None)
 
 
 def content_hash(image: Any, kwargs: dict) -> str:

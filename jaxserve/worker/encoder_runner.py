@@ -94,7 +94,7 @@ class EncoderRunner:
 
     def check(self, feature: MultiModalFeature) -> None:
         """ValueError when the image cannot be served (no bucket holds it)."""
-        self.model_cls.encoder_inputs(self.mm_config, feature.data, self.buckets)
+        self.model_cls.encoder_bucket(self.mm_config, feature.data, self.buckets)
 
     # ------------------------------------------------------------------ a serving step
     def update(self, so: SchedulerOutput, ib: InputBatch) -> None:

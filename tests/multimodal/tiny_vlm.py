@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from jaxserve.multimodal.processing import pil_image_processor_class
 from tests.helpers import make_tiny_tokenizer
 
 # A processor chat template that renders an image part where the text has it (as HF VLM
@@ -50,6 +51,14 @@ def _tokenizer(out: Path, specials: list[str], mark: str):
     return tok
 
 
+def _save(model_cls, config, out: Path) -> None:
+    """The model of `config` with random weights (norms near 1), fp32, saved to `out`."""
+    config.architectures = [model_cls.__name__]
+    model = model_cls(config).float()
+    _randomise(model)
+    model.save_pretrained(out)
+
+
 def _randomise(model) -> None:
     torch.manual_seed(0)
     with torch.no_grad():
@@ -78,13 +87,9 @@ def make_tiny_llava(out: Path) -> Path:
         vision_config=vision, text_config=text,
         image_token_index=tok.convert_tokens_to_ids("<image>"),
     )  # fmt: skip
-    config.architectures = ["LlavaForConditionalGeneration"]
-    model = transformers.LlavaForConditionalGeneration(config).float()
-    _randomise(model)
-    model.save_pretrained(out)
-    processor_cls = getattr(transformers, "CLIPImageProcessorPil", None)
-    processor_cls = processor_cls or transformers.CLIPImageProcessor
-    processor = processor_cls(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    _save(transformers.LlavaForConditionalGeneration, config, out)
+    clip = pil_image_processor_class("CLIPImageProcessor")
+    processor = clip(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
     processor.save_pretrained(out)
     return out
 
@@ -93,9 +98,8 @@ def llava_hf_processor(model_dir: Path):
     """HF's LlavaProcessor over the tiny model's files: the reference expansion."""
     import transformers
 
-    cls = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
     return transformers.LlavaProcessor(
-        image_processor=cls.from_pretrained(model_dir),
+        image_processor=pil_image_processor_class("CLIPImageProcessor").from_pretrained(model_dir),
         tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir),
         patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1,
     )  # fmt: skip
@@ -126,10 +130,7 @@ def make_tiny_qwen2_5_vl(out: Path) -> Path:
         image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )  # fmt: skip
-    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float()
-    _randomise(model)
-    model.save_pretrained(out)
+    _save(transformers.Qwen2_5_VLForConditionalGeneration, config, out)
     qwen_processor(out, save=True)
     return out
 
@@ -156,29 +157,20 @@ def make_tiny_gemma3(out: Path) -> Path:
         mm_tokens_per_image=16, boi_token_index=ids[0], eoi_token_index=ids[1],
         image_token_index=ids[2],
     )  # fmt: skip
-    config.architectures = ["Gemma3ForConditionalGeneration"]
-    model = transformers.Gemma3ForConditionalGeneration(config).float()
-    _randomise(model)
-    model.save_pretrained(out)
+    _save(transformers.Gemma3ForConditionalGeneration, config, out)
     gemma3_processor(out, save=True)
     return out
 
 
 def gemma3_processor(model_dir: Path, save: bool = False):
-    import transformers
-
-    cls = getattr(transformers, "Gemma3ImageProcessorPil", None)
-    cls = cls or transformers.Gemma3ImageProcessor
+    cls = pil_image_processor_class("Gemma3ImageProcessor")
     if save:
         cls(size={"height": 64, "width": 64}).save_pretrained(model_dir)
     return cls.from_pretrained(model_dir)
 
 
 def qwen_processor(model_dir: Path, save: bool = False):
-    import transformers
-
-    cls = getattr(transformers, "Qwen2VLImageProcessorPil", None)
-    cls = cls or transformers.Qwen2VLImageProcessor
+    cls = pil_image_processor_class("Qwen2VLImageProcessor")
     if save:
         cls(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(model_dir)
     return cls.from_pretrained(model_dir)

@@ -27,7 +27,7 @@ from flax import nnx
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
 from jaxserve.models.llama import HFWeight
-from jaxserve.models.vision.vit import fuse_heads
+from jaxserve.models.vision.vit import ACTIVATIONS, check_activation, fuse_heads
 
 # transformers 5.23's Qwen2_5_VLVisionConfig defaults (rope_theta: the axial rope's default)
 VISION_DEFAULTS: dict = {
@@ -50,13 +50,6 @@ HF_PREFIX = "visual."  # Qwen2_5_VLForConditionalGeneration.save_pretrained's vi
 NORM_EPS = 1e-6  # HF hard-codes the vision RMSNorms' eps
 QUERY_BLOCK = 512  # queries per attention block (scores [H, QUERY_BLOCK, keys] at a time)
 MIN_BUCKET_UNITS = 16  # the smallest patch bucket holds 16 merged tokens
-ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
-    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
-    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-}
 
 
 def vision_config(config: dict) -> dict:
@@ -189,7 +182,7 @@ class VisionMLP(nnx.Module):
     interleaved (column 2f gate f, 2f + 1 up f), so a tensor-parallel split keeps pairs."""
 
     def __init__(self, dim: int, inter: int, act: str, *, dtype, rngs: nnx.Rngs):
-        self.act = act
+        self.act = check_activation(act)
         self.gate_up = Linear(dim, 2 * inter, bias=True, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(inter, dim, bias=True, dtype=dtype, rngs=rngs)
 

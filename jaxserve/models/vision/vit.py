@@ -33,16 +33,9 @@ CLIP_VISION_DEFAULTS = {
     "layer_norm_eps": 1e-5,
 }
 SIGLIP_VISION_DEFAULTS = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_channels": 3,
-    "image_size": 224,
-    "patch_size": 16,
-    "hidden_act": "gelu_pytorch_tanh",
+    **CLIP_VISION_DEFAULTS, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
     "layer_norm_eps": 1e-6,
-}
+}  # fmt: skip
 VISION_DEFAULTS = {
     "clip_vision_model": CLIP_VISION_DEFAULTS,
     "siglip_vision_model": SIGLIP_VISION_DEFAULTS,
