@@ -100,6 +100,8 @@ class KVCacheManager:
         request's next allocate_slots, once it runs."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
+        if not new_computed_blocks and self.fits(request, num_new_tokens + num_lookahead_tokens):
+            return []  # a decode within its last block: the common case, kept cheap
         self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -128,6 +130,19 @@ class KVCacheManager:
             num_cached = num_full_blocks
         self.num_cached_block[request.request_id] = num_cached
         return new_blocks
+
+    def fits(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether the request's blocks already hold its next num_new_tokens, with no block
+        to cache and none to give back: allocate_slots would change nothing."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None or self.sliding_window is not None:
+            return False
+        end = request.num_computed_tokens + num_new_tokens
+        full = min(end, len(request.all_token_ids)) // self.block_size
+        return (
+            end <= len(blocks) * self.block_size
+            and full <= self.num_cached_block[request.request_id]
+        )
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Sliding window: give back the leading blocks wholly before the window of the next

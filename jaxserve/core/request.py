@@ -32,12 +32,15 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_ERROR: "error",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 
 
 class Request:
@@ -113,13 +116,17 @@ class Request:
         return len(self.all_token_ids) + self.num_output_placeholders
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
-        token_ids = [token_ids] if isinstance(token_ids, int) else token_ids
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
-        extend_block_hashes(
-            self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
-            self.mm_features,
-        )  # fmt: skip
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
+            extend_block_hashes(  # a block was completed
+                self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                self.mm_features,
+            )  # fmt: skip
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Keep a chunk's positions not seen yet (a request preempted mid-prompt recomputes

@@ -47,6 +47,8 @@ from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler_remote import RemoteKVLoads
 from jaxserve.core.scheduler_utils import (
     StepPlan,
+    decodes_in_place,
+    draft_room,
     drafts_to_schedule,
     lora_gate,
     lora_stats,
@@ -104,8 +106,8 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
         self.num_lookahead_tokens = num_lookahead_tokens
         self.draft_step_tokens = draft_step_tokens
         self.connector = connector
-        # Requests whose KV is being fetched from another instance: they hold their blocks,
-        # and rejoin the front of the waiting queue when it arrives (or fails).
+        # Requests holding their blocks while their KV comes from another instance (then
+        # they rejoin the front of the waiting queue).
         self.waiting_for_remote: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ requests in and out
@@ -187,7 +189,9 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
         budget = self.config.max_num_batched_tokens
         if max_tokens is not None:
             budget = min(budget, max_tokens)
-        plan = StepPlan(budget, self._draft_room(budget))
+        plan = StepPlan(budget, 0)
+        if self.spec_stats is not None:
+            plan.draft_room = draft_room(self.running, budget, self.draft_step_tokens, self.config)
         if self.encoder_cache is not None:
             self.encoder_cache.begin_step()
         if self.connector is not None:
@@ -205,6 +209,11 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
             request = self.running[i]
             num_new = min(num_tokens_to_schedule(request, self.config.max_model_len), plan.budget)
             start = request.num_computed_tokens
+            ahead = self._lookahead(start + 1)
+            if num_new == 1 and decodes_in_place(request, self.kv_cache_manager, ahead):
+                plan.schedule_running(request, 1, [], [])  # the common case: nothing to allocate
+                i += 1
+                continue
             num_new, encoder_work = self._plan_encoder(request, start, num_new)
             if num_new == 0:
                 i += 1
@@ -359,16 +368,6 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
         proposals, up to max_model_len."""
         return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - end))
 
-    def _draft_room(self, budget: int) -> int:
-        """Draft tokens this step may hold (see draft_step_tokens): running requests' other
-        tokens first, drafts then up to their power of two or draft_step_tokens."""
-        if self.spec_stats is None:
-            return 0
-        if self.draft_step_tokens is None:
-            return budget
-        n = sum(num_tokens_to_schedule(r, self.config.max_model_len) for r in self.running)
-        return max(1 << max(n - 1, 0).bit_length(), self.draft_step_tokens) - n
-
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -398,13 +397,14 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, stop finished requests, free their blocks."""
         outputs = self.take_pending_outputs()
+        tokens, max_model_len = runner_output.sampled_token_ids.tolist(), self.config.max_model_len
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None:  # finished or aborted while the step ran
                 continue
             try:
                 output = update_request_from_step(
-                    request, scheduler_output, runner_output, row, self.config.max_model_len,
+                    request, scheduler_output, runner_output, row, tokens[row], max_model_len,
                     self.structured_output_manager, self.spec_stats,
                 )  # fmt: skip
             except Exception as e:  # its grammar, its logprobs, ...: it alone fails

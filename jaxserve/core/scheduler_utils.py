@@ -17,6 +17,8 @@ from jaxserve.core.scheduler_output import CachedRequestData, NewRequestData
 from jaxserve.ipc.messages import EngineCoreOutput
 
 if TYPE_CHECKING:
+    from jaxserve.config import SchedulerConfig
+    from jaxserve.core.kv_cache_manager import KVCacheManager
     from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
     from jaxserve.ipc.messages import SpecDecodingStats
     from jaxserve.structured_output import StructuredOutputManager
@@ -27,7 +29,7 @@ class StepPlan:
     """What one schedule() call has decided so far; its phases fill it in turn."""
 
     budget: int  # tokens the step may still run
-    draft_room: int  # draft tokens it may still run (see Scheduler._draft_room)
+    draft_room: int  # draft tokens it may still run (see draft_room)
     num_scheduled: dict[str, int] = dataclasses.field(default_factory=dict)  # req_id -> tokens
     new_reqs: list[NewRequestData] = dataclasses.field(default_factory=list)
     cached_reqs: list[CachedRequestData] = dataclasses.field(default_factory=list)
@@ -90,6 +92,26 @@ def num_tokens_to_schedule(request: Request, max_model_len: int) -> int:
     return request.num_tokens_with_placeholders - request.num_computed_tokens
 
 
+def draft_room(
+    running: list[Request], budget: int, draft_step_tokens: int | None, config: SchedulerConfig
+) -> int:
+    """Draft tokens a step may hold (see Scheduler's draft_step_tokens): the running
+    requests' other tokens first, drafts then up to their power of two or draft_step_tokens."""
+    if draft_step_tokens is None:
+        return budget
+    n = sum(num_tokens_to_schedule(r, config.max_model_len) for r in running)
+    return max(1 << max(n - 1, 0).bit_length(), draft_step_tokens) - n
+
+
+def decodes_in_place(request: Request, kv: KVCacheManager, lookahead: int) -> bool:
+    """Whether a running request's next token (a decode: no drafts, no images) fits the KV
+    blocks it holds, lookahead included: nothing to allocate or cache, so the scheduler plans
+    it without the rest of its per-request work (the common case at large batch)."""
+    if request.spec_token_ids or request.mm_features:
+        return False
+    return kv.fits(request, 1 + lookahead)
+
+
 def drafts_to_schedule(
     request: Request, num_new: int, budget: int, max_model_len: int
 ) -> list[int]:
@@ -110,23 +132,32 @@ def update_request_from_step(
     so: SchedulerOutput,
     ro: ModelRunnerOutput,
     row: int,
+    token: int,
     max_model_len: int,
     grammars: StructuredOutputManager | None,
     spec_stats: SpecDecodingStats | None,
 ) -> EngineCoreOutput | None:
-    """Apply a step's results to the request ro.req_ids[row]: its prompt logprobs; then, if
+    """Apply a step's results to the request ro.req_ids[row] (`token`: its sampled token,
+    ro.sampled_token_ids[row]): its prompt logprobs; then, if
     the step kept its sampled token, its new tokens (through the stop conditions and its
     grammar) and its next drafts. Returns its output for the frontend, None for a mid-prompt
     chunk (nothing to send)."""
     req_id = request.request_id
-    if req_id in ro.prompt_logprobs:
+    if ro.prompt_logprobs and req_id in ro.prompt_logprobs:
         request.add_prompt_logprobs(ro.prompt_logprobs[req_id])
     if req_id not in so.sampled_req_ids:
         return None
     request.num_output_placeholders -= 1
-    new_tokens = accepted_tokens(request, so, ro, row, spec_stats)
-    update_request_with_output(request, new_tokens, max_model_len, grammars)
-    if request.status == RequestStatus.RUNNING:
+    new_tokens = [token]
+    if so.scheduled_spec_decode_tokens:
+        new_tokens = accepted_tokens(request, so, ro, token, spec_stats)
+    if len(new_tokens) == 1 and (grammars is None or request.structured_output_request is None):
+        # a plain decode, the common case: inline
+        request.append_output_token_ids(token)
+        check_stop(request, token, max_model_len)
+    else:
+        update_request_with_output(request, new_tokens, max_model_len, grammars)
+    if ro.spec_token_ids and request.status == RequestStatus.RUNNING:
         drafts = ro.spec_token_ids.get(req_id, [])
         if grammars is not None:  # only what its grammar allows
             drafts = grammars.valid_drafts(request, drafts)
@@ -138,19 +169,18 @@ def accepted_tokens(
     request: Request,
     so: SchedulerOutput,
     ro: ModelRunnerOutput,
-    row: int,
+    token: int,
     spec_stats: SpecDecodingStats | None,
 ) -> list[int]:
     """The step's new tokens for a request: its accepted drafts, then its sampled token;
     the rejected drafts' positions are no longer computed (their KV slots are reused)."""
-    sampled = [int(ro.sampled_token_ids[row])]
     drafts = so.scheduled_spec_decode_tokens.get(request.request_id)
     if not drafts:
-        return sampled
+        return [token]
     accepted = ro.num_accepted_drafts[request.request_id]
     request.num_computed_tokens -= len(drafts) - accepted
     spec_stats.observe(len(drafts), accepted)
-    return drafts[:accepted] + sampled
+    return drafts[:accepted] + [token]
 
 
 def update_request_with_output(
@@ -176,7 +206,8 @@ def check_stop(request: Request, token: int, max_model_len: int) -> None:
     """Finish the request if `token`, just appended, ends it: EOS or a stop token (once
     min_tokens are out), max_tokens or max_model_len."""
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
+    num_output = len(request.output_token_ids)
+    if num_output >= params.min_tokens:
         if token == request.eos_token_id and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED
             return
@@ -184,9 +215,9 @@ def check_stop(request: Request, token: int, max_model_len: int) -> None:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token
             return
-    if (
-        params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
-    ) or request.num_tokens >= max_model_len:
+    if (params.max_tokens is not None and num_output >= params.max_tokens) or len(
+        request.all_token_ids
+    ) >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
 

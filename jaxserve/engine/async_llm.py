@@ -27,6 +27,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core_client import AsyncMPClient
 from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
+from jaxserve.engine.gc_heap import freeze_heap, unfreeze_heap
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import SchedulerStats
@@ -121,6 +122,8 @@ class AsyncLLM:
         self.stat_loggers: list[Any] = []
         self.output_handler: asyncio.Task | None = None
         self.dead: EngineDeadError | None = None
+        self.frozen = True
+        freeze_heap()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -253,3 +256,6 @@ class AsyncLLM:
         if self.output_handler is not None:
             self.output_handler.cancel()
         self.engine_core.shutdown()
+        if self.frozen:
+            self.frozen = False
+            unfreeze_heap()

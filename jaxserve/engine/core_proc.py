@@ -37,6 +37,7 @@ from jaxserve.distributed import multihost
 from jaxserve.distributed.multihost import Leader
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.gc_heap import freeze_heap
 from jaxserve.engine.launch import engine_identity
 from jaxserve.ipc.messages import (
     ENGINE_CORE_DEAD,
@@ -399,6 +400,7 @@ def run_engine_core(
         core = EngineCoreProc(args, handshake_address, parent_pid, engine_index)
         signal.signal(signal.SIGTERM, lambda *_: core.request_shutdown())
         signal.signal(signal.SIGINT, lambda *_: core.request_shutdown())
+        freeze_heap(collect=True)  # this process's heap, frozen for its life
         core.run_busy_loop()
     except Exception as e:
         if core is None:  # failed before READY: tell the frontend why

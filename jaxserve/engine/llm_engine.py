@@ -17,6 +17,7 @@ from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.core_client import EngineCoreClient, InprocClient, SyncMPClient
+from jaxserve.engine.gc_heap import freeze_heap, unfreeze_heap
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import EngineCoreRequest, SchedulerStats
@@ -49,6 +50,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = client if client is not None else InprocClient(config)
         self.scheduler_stats = SchedulerStats()
+        self.frozen = True
+        freeze_heap()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, multiprocess: bool | None = None) -> LLMEngine:
@@ -130,3 +133,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+        if self.frozen:
+            self.frozen = False
+            unfreeze_heap()

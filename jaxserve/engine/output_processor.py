@@ -78,7 +78,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children.values())
+        for c in self.children.values():  # noqa: SIM110 (a loop: it runs per request and step)
+            if c.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:

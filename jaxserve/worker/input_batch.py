@@ -46,10 +46,12 @@ class InputBatch:
             self.num_computed_tokens[row] = new.num_computed_tokens
             if self.sampling.penalised[row]:
                 penalised.append(row)
-        for cached in so.scheduled_cached_reqs:
-            row = self.req_id_to_row[cached.req_id]
-            self.append_blocks(row, cached.new_block_ids)
-            self.num_computed_tokens[row] = cached.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        rows = [self.req_id_to_row[c.req_id] for c in cached]
+        for row, c in zip(rows, cached, strict=True):
+            if c.new_block_ids:  # (most decode steps have none)
+                self.append_blocks(row, c.new_block_ids)
+        self.num_computed_tokens[rows] = [c.num_computed_tokens for c in cached]
         return penalised
 
     def add_request(self, new: NewRequestData) -> int:

@@ -3,6 +3,7 @@ results) finishes alone with finish_reason "error" and the exception, its blocks
 requests beside it get exactly the tokens they get without it. A scripted stand-in for the
 model runner (tests/core/test_scheduler.py's drain_outputs), no engine."""
 
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -71,7 +72,9 @@ class FlakyGrammars:
     def grammar_init(self, request):
         if request.request_id == self.fail and self.advance_at is None:
             raise RuntimeError("injected in grammar_init")
-        request.structured_output_request = SimpleNamespace(is_ready=True, future=None)
+        compiled = Future()
+        compiled.set_result(None)
+        request.structured_output_request = SimpleNamespace(is_ready=True, future=compiled)
 
     def advance(self, request, token):
         if request.request_id == self.fail and request.num_output_tokens == self.advance_at:
@@ -86,11 +89,17 @@ def next_token(req_id, i):
     return 20 + (len(req_id) * 7 + i) % 30
 
 
-def run(connector=None, grammars=None, requests=(), pipelined=True):
+def run(connector=None, grammars=None, requests=(), pipelined=True, constrained=()):
+    """constrained: the ids of the requests with a grammar (a JSON schema)."""
     sched = make_scheduler(num_blocks=40, max_tokens=16, max_seqs=4)
     sched.connector, sched.structured_output_manager = connector, grammars
     for i, (req_id, n_prompt) in enumerate(requests):
-        sched.add_request(req(req_id, n_prompt, arrival=float(i), max_tokens=6))
+        grammar = (
+            StructuredOutputsParams(json={"type": "object"}) if req_id in constrained else None
+        )
+        sched.add_request(
+            req(req_id, n_prompt, arrival=float(i), max_tokens=6, structured_outputs=grammar)
+        )
     tokens, reasons, _ = drain_outputs(sched, next_token, pipelined=pipelined)
     assert_pool_clean(sched)  # every block back: the failed requests' too
     return tokens, reasons, sched
@@ -147,7 +156,8 @@ def test_a_grammar_that_raises_fails_its_request_alone(pipelined):
     expected_tokens, expected_reasons, _ = run(requests=HEALTHY, pipelined=pipelined)
     requests = [HEALTHY[0], ("bad", 20), *HEALTHY[1:]]
     # at its third output token (mid-decode, holding blocks), as the grammar advances
-    tokens, reasons, _ = run(None, FlakyGrammars("bad", advance_at=3), requests, pipelined)
+    grammars = FlakyGrammars("bad", advance_at=3)
+    tokens, reasons, _ = run(None, grammars, requests, pipelined, constrained={"bad"})
     assert reasons.pop("bad") == "error: RuntimeError: injected in advance"
     assert reasons == expected_reasons and {r: tokens[r] for r in reasons} == expected_tokens
 
