@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
     JAXSERVE_CONFIG_CACHE: str | None = "~/.cache/jaxserve/configs"
     JAXSERVE_SIMULATED_STEP: str | None = None
+    JAXSERVE_PALLAS_KERNEL: str | None = None
     JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
     JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
     JAXSERVE_TEST_STEP_DELAY_S: float = 0.0
@@ -111,6 +112,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "BASE_MS,PER_TOKEN_MS": the engine core runs a runner that only simulates a device
     # step's time (worker/simulated.py), for benchmarks of the serving layers at scale.
     "JAXSERVE_SIMULATED_STEP": lambda: os.environ.get("JAXSERVE_SIMULATED_STEP"),
+    # "mosaic" or "triton": the Pallas GPU attention kernel, whatever
+    # pallas_kernels/paged_attention/kernel_choice.json measured for the device (choice.py).
+    "JAXSERVE_PALLAS_KERNEL": lambda: os.environ.get("JAXSERVE_PALLAS_KERNEL") or None,
     # The python of the vLLM venv the benchmarks' --backend vllm runs (benchmarks/runners.py).
     "JAXSERVE_VLLM_PYTHON": lambda: os.environ.get("JAXSERVE_VLLM_PYTHON", ".venv-vllm/bin/python"),
     # Tests: an engine core process raises after this many steps (-1: never), to test how

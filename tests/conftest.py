@@ -22,13 +22,17 @@ def _cuda_plugin() -> bool:
     return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
+def _jaxlib_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("jaxlib").split(".")[:2])
+
+
 _FLAGS = {"xla_force_host_platform_device_count": "4"}
 if not _cuda_plugin():
-    _FLAGS |= {
-        "xla_backend_optimization_level": "0",
-        "xla_cpu_use_fusion_emitters": "false",
-        "xla_cpu_multi_thread_eigen": "false",
-    }
+    _FLAGS |= {"xla_backend_optimization_level": "0", "xla_cpu_multi_thread_eigen": "false"}
+    if _jaxlib_version() < (0, 11):  # jaxlib 0.11 has no such flag (and aborts on it)
+        _FLAGS["xla_cpu_use_fusion_emitters"] = "false"
 for _flag, _value in _FLAGS.items():
     if _flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()

@@ -27,6 +27,7 @@ from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.paged_attention.choice import choose_kernel, mosaic_kernel
 from pallas_kernels.paged_attention.cpu import (
     cpu_kernel_unavailable_message,
     ragged_paged_attention_cpu,
@@ -158,8 +159,8 @@ def paged_attention(
     else:
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         kernel = functools.partial(
-            ragged_paged_attention, **scores, decode_only=md.decode_only,
-            interpret=device.platform != "gpu", latent_dim=latent_dim,
+            _pallas_kernel(device, q, k_cache, attention_chunk, latent_dim), **scores,
+            decode_only=md.decode_only, interpret=device.platform != "gpu", latent_dim=latent_dim,
         )  # fmt: skip
     if mesh is None or mesh.shape[TP_AXIS] == 1:
         return kernel(*args)
@@ -171,6 +172,19 @@ def paged_attention(
         out_specs=heads,
         check_vma=False,
     )(*args)
+
+
+def _pallas_kernel(device, q, cache, attention_chunk, latent_dim):
+    """The Pallas kernel for a GPU (pallas_kernels/paged_attention/choice.py: Mosaic GPU where
+    the suite measured it faster, else Triton); elsewhere Triton's, interpreted."""
+    if device.platform != "gpu" or mosaic_kernel() is None:
+        return ragged_paged_attention
+    choice = choose_kernel(
+        device.device_kind, q_dtype=q.dtype.name, cache_dtype=cache.dtype.name,
+        head_dim=q.shape[-1], block_size=cache.shape[1], attention_chunk=attention_chunk,
+        latent_dim=latent_dim, compute_capability=getattr(device, "compute_capability", None),
+    )  # fmt: skip
+    return mosaic_kernel() if choice == "mosaic" else ragged_paged_attention
 
 
 def configure_attention(model: nnx.Module, backend: str, mesh: Mesh | None) -> None:
