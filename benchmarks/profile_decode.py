@@ -22,12 +22,22 @@ ids are prefilled and then decoded; once every request is decoding:
 
 Each part is the median of --iters runs after one warm-up, block_until_ready each time.
 
+With --trace-dir DIR, --trace-steps engine steps of the last batch size (in steady decode,
+after the timed ones) run under `jax.profiler.trace(DIR, create_perfetto_trace=True)` (the
+Python tracer off, so it does not slow the host between steps), and the trace's device time
+is summarised by op class: attention kernel, matmuls, sampler, elementwise, copies, and the
+gaps where the device is idle (jaxserve/benchmarks/trace_summary.py), a table printed after
+`Trace summary:`.
+
     .venv/bin/python benchmarks/profile_decode.py --batch-sizes 1 8 32
+    python3 benchmarks/profile_decode.py --model llama-3-8b --load-format dummy \
+        --dtype bfloat16 --batch-sizes 256 --trace-dir /tmp/trace
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
 
@@ -83,6 +93,27 @@ class CapturingRegistry(ExecutableRegistry):
         return call
 
 
+def trace_steps(core, batch: int, args) -> None:
+    """--trace-steps engine steps under the profiler; the trace summarised by op class."""
+    from jaxserve.benchmarks.trace_summary import find_trace, summarise
+
+    options = None
+    with contextlib.suppress(AttributeError):  # a jax without ProfileOptions: its defaults
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+    core.step()  # nothing of the timed steps still in flight when the trace starts
+    with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True, profiler_options=options):
+        for _ in range(args.trace_steps):
+            core.step()
+    path = find_trace(args.trace_dir)
+    if path is None:
+        raise FileNotFoundError(f"jax.profiler wrote no trace JSON under {args.trace_dir}")
+    summary = summarise(path)
+    print(f"Trace summary: decode step at batch {batch}, {args.trace_steps} engine steps, "
+          f"{summary.ops} ops ({summary.source}), {path}")  # fmt: skip
+    print("\n".join(summary.table(args.trace_steps)) + "\n", flush=True)
+
+
 def profile_batch(core, batch: int, args, rng) -> dict:
     from jaxserve.ipc.messages import EngineCoreRequest
     from jaxserve.sampling_params import SamplingParams
@@ -117,6 +148,8 @@ def profile_batch(core, batch: int, args, rng) -> dict:
     finally:
         registry.capturing = False
     engine_ms = 1e3 * float(np.median(walls))
+    if args.trace_dir and batch == args.batch_sizes[-1]:
+        trace_steps(core, batch, args)
     (forward_key, (weights, _, _, inputs)) = registry.captured["forward"]
     forward = registry[forward_key]
 
@@ -178,6 +211,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--decode-only-forwards", action="store_true",
         help="decode steps run a decode-only forward; time the general one beside it",
     )  # fmt: skip
+    parser.add_argument(
+        "--trace-dir",
+        default=None,
+        help="trace the last batch size's decode steps here (jax.profiler)",
+    )
+    parser.add_argument("--trace-steps", type=int, default=10)
     add_engine_args(parser)
     args = parser.parse_args(argv)
     if args.max_num_seqs is None:

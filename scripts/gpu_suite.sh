@@ -1,41 +1,80 @@
 #!/usr/bin/env bash
 # The GPU suite: everything this project measures on a GPU, in one command that fits one
-# device call (10 minutes). Here first `bash scripts/gpu_wheels.sh` (wheels into .whl/), then
-# the device tool's `run` with carry [".whl"] and the command `bash scripts/gpu_suite.sh`.
+# device call (`bash scripts/gpu_suite.sh --budget 540`). Here first `bash scripts/gpu_wheels.sh`
+# (wheels into .whl/), then the device tool's `run` with carry [".whl"] and that command.
 #
-# Steps, in order, each under its own `timeout` and all inside one time budget (a step that
-# fails or times out is recorded and the next one runs):
-#   wheels        install .whl/*.whl into WORK/site (the GPU machine has no registry)
-#   env           nvidia-smi, jax version and devices, and that jaxserve imports
-#   pytest_gpu    python -m pytest -m "gpu or cuda_lowering" (GPU tests; every kernel variant
-#                 lowered for CUDA by this jax)
-#   kernel_bench  benchmarks/kernels/bench_paged_attention.py (HBM fraction of peak per case)
-#   kv_transfer   benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
-#   latency_bN    scripts/bench_latency.py, Llama-3-8B shape, dummy bf16 weights, batch 1 8 32
-#   throughput_N  benchmarks/bench_throughput.py, the same model, 64 and 256 prompts
-#   kernel_bench_mla  the kernel benchmark for DeepSeek-V3's latent attention (16 heads a rank)
-#                 (order: latency_b1, throughput_256, kernel_bench_mla, latency_b8,
-#                 latency_b32, throughput_64)
-#   tune_kernel   benchmarks/kernels/tune_paged_attention.py (tile, split and mixed sweeps,
-#                 most important first; last, in the time left; stops 30 s before its limit)
-# All model runs share one engine configuration, so the first compiles and the rest read the
-# persistent compilation cache.
+# Steps, in the order they run, highest rank first (rank 0: always). Each runs under its own
+# `timeout`, inside one time budget; a step that fails or times out is recorded and the next
+# one runs. Model runs: Llama-3-8B shape, dummy bf16 weights, input 32 / output 128, one
+# engine configuration for all (the first compiles, ~60-90 s; the rest read the persistent
+# compilation cache).
+#   rank step              what
+#   0    wheels            install .whl/*.whl into WORK/site (the GPU machine has no registry)
+#   1    env               nvidia-smi, jax version and devices, and that jaxserve imports
+#   2    copy_rate         benchmarks/bench_copy_rate.py: device-to-device copy, GB/s counting
+#                          read + write; every bandwidth fraction in the report is given against
+#                          it and against the datasheet (H100 SXM 3.35 TB/s, H200 4.8 TB/s)
+#   3    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
+#   4    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
+#   5    kernel_bench      benchmarks/kernels/bench_paged_attention.py --kernels triton,mosaic
+#                          (the end-to-end case, b=256 ctx 33-160, first; fractions of peak;
+#                          the engine's kernel choice for this GPU comes from it)
+#   6    throughput_256    benchmarks/bench_throughput.py, 256 prompts at once (one wave; the
+#                          warm-up runs the same 256 untimed; median of 3 runs)
+#   7    hf_peer           benchmarks/bench_hf_peer.py: HF transformers, generate with
+#                          cache_implementation="static", batch 32, 1, 8, same GPU and shape
+#   8    latency_b32       as latency_b1 (the HF comparison's batch: jaxserve >= 2x HF there)
+#   9    pytest_lowering   python -m pytest -m cuda_lowering (every kernel variant lowered for
+#                          CUDA by this jax; CPU work, CI runs it too on its own jax)
+#   10   profile_b256      benchmarks/profile_decode.py --batch-sizes 256 --trace-dir: a
+#                          jax.profiler trace of 10 decode steps, time by op class
+#   11   throughput_1024   1024 prompts at 256 sequences (steady continuous batching)
+#   12   latency_b8        as latency_b1
+#   13   tune_kernel       benchmarks/kernels/tune_paged_attention.py (tile, split and mixed
+#                          sweeps; elastic: stops 30 s before its limit)
+#   14   kv_transfer       benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
+#   15   kernel_bench_mla  the kernel benchmark for DeepSeek-V3's latent attention (Triton only)
+#   16   throughput_64     64 prompts
+# (--dry-run runs the same steps at tiny sizes: latency_b1/b2, throughput_2 (wave) and _8
+# (steady, 2 sequences), profile_b2, HF peer at batch 2 and 1.)
+#
+# Budget: before each step, the steps not yet run are planned in rank order, each given its
+# expected seconds (the first model run, its compile too) while they fit in the time left; a
+# step that does not fit is dropped (recorded "dropped: ..."), so the lowest-ranked go first
+# whatever their place in the order, and a step's limit is cut so that the higher-ranked steps
+# after it keep their expected time (scripts/gpu_suite_report.py `plan`). The report lists the
+# ranking, each step's expected and limit, and what was dropped. --rank moves steps up.
 #
 # Output: OUT_DIR holds suite.log (every step's output, as it runs), gpu-<device>.md (the
-# report: versions, commit, each step's status and key figures, rewritten after every step)
-# and gpu-suite-logs.tar.gz (per-step logs and JSON); the report is also written to
-# benchmarks/results/. OUT_DIR: --out DIR, else $OUT (the device tool's), else .gpu-suite/.
+# report: versions, commit, each step's status and key figures, rewritten after every step),
+# kernel_choice.json and gpu-suite-logs.tar.gz (per-step logs, JSON, the trace summary). The
+# report also goes to benchmarks/results/ and the kernel choice into the engine's table
+# (pallas_kernels/paged_attention/kernel_choice.json, choice.py), but only from a GPU run of
+# an exact commit: with files changed or added (git status), the report's first line says so
+# and nothing is copied; GPU_SUITE_COMMIT names the commit and vouches for the copy (a device
+# copy without .git). OUT_DIR: --out DIR, else $OUT (the device tool's), else .gpu-suite/.
+#
+# kernel_choice.json (the engine reads "kernel"): {"format": 1, "devices": {"<jax device_kind>":
+# {"kernel": "mosaic"|"triton", "decode": ..., "mixed": ..., "mosaic_speedup": {"decode": x,
+# "mixed": y}, "cases": n, "reason": "...", "commit": "...", "jax": "...", "date": "..."}}}.
+# mosaic_speedup[c] is the median over the kernel table's cases of class c (decode, e2e
+# included; mixed) of triton us / mosaic us; "kernel" is mosaic when the geometric mean of the
+# two is above 1, else triton (triton when mosaic is unavailable or failed, or when the
+# pytest_gpu step did not pass). Other devices' entries in an existing file are kept.
 #
 # Options:
-#   --dry-run      every step in smoke mode on CPU (JAX_PLATFORMS=cpu, the kernel interpreted,
-#                  a tiny dummy model, few iterations), no wheels; the report stays in OUT_DIR
-#   --out DIR      where the log, report and tarball go
-#   --work DIR     scratch (logs, JSON, installed wheels); default a fresh /tmp directory
-#   --budget S     seconds for all steps (default 560, 300 with --dry-run); each step's
-#                  limit is cut to what is left, and steps with nothing left are skipped
-#   --steps A,B    run only these steps (names as above; prefixes work: latency,throughput)
+#   --dry-run      every step in smoke mode on CPU (JAX_PLATFORMS=cpu, the kernels interpreted,
+#                  a tiny dummy model, HF on CPU, few iterations), no wheels; nothing copied
+#                  out of OUT_DIR (1-2.5 minutes on 2 cores)
+#   --out DIR      where the log, report, kernel choice and tarball go
+#   --work DIR     scratch (logs, JSON, installed wheels, the trace); default a fresh /tmp dir
+#   --budget S     seconds for all steps (default 540, 400 with --dry-run)
+#   --steps A,B    run only these steps (names as above; prefixes work: latency,throughput;
+#                  wheels always, unless skipped)
+#   --skip A,B     run all but these (prefixes work)
+#   --rank A,B     these steps first in the ranking, in this order (the rest keep theirs)
 # Environment: PYTHON (default python3; .venv/bin/python with --dry-run when present),
-# GPU_SUITE_COMMIT (the commit to report when the copy has no .git).
+# GPU_SUITE_COMMIT (the commit to report; see above).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -45,6 +84,8 @@ OUT_DIR=${OUT:-}
 WORK=""
 BUDGET=""
 ONLY=""
+SKIP=""
+RANK_FIRST=""
 while [ $# -gt 0 ]; do
     case $1 in
         --dry-run) DRY_RUN=1 ;;
@@ -52,13 +93,15 @@ while [ $# -gt 0 ]; do
         --work) WORK=$2; shift ;;
         --budget) BUDGET=$2; shift ;;
         --steps) ONLY=$2; shift ;;
+        --skip) SKIP=$2; shift ;;
+        --rank) RANK_FIRST=$2; shift ;;
         -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "gpu_suite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
 done
 [ -n "$OUT_DIR" ] || OUT_DIR=$ROOT/.gpu-suite
-[ -n "$BUDGET" ] || BUDGET=$([ $DRY_RUN = 1 ] && echo 300 || echo 560)
+[ -n "$BUDGET" ] || BUDGET=$([ $DRY_RUN = 1 ] && echo 400 || echo 540)
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 [ -n "$WORK" ] || WORK=$(mktemp -d /tmp/gpu-suite.XXXXXX)
@@ -69,9 +112,10 @@ if [ -z "${PYTHON:-}" ]; then
     [ $DRY_RUN = 1 ] && [ -x .venv/bin/python ] && PYTHON=$ROOT/.venv/bin/python
 fi
 LOG=$OUT_DIR/suite.log
-rm -f "$OUT_DIR"/gpu-*.md "$OUT_DIR/gpu-suite-logs.tar.gz"
+rm -f "$OUT_DIR"/gpu-*.md "$OUT_DIR/gpu-suite-logs.tar.gz" "$OUT_DIR/kernel_choice.json"
 : >"$LOG"
 : >"$WORK/steps.tsv"
+: >"$WORK/plan.tsv"
 START=$(date +%s)
 DEADLINE=$((START + BUDGET))
 RESERVE=15 # seconds kept back for the report and the tarball
@@ -83,6 +127,8 @@ if [ $DRY_RUN = 1 ]; then
 fi
 
 # ------------------------------------------------------------------- what each step runs
+# Expected seconds (what the plan reserves) and limits (the timeout) per step; model runs
+# add COMPILE_S to the first of them that runs.
 if [ $DRY_RUN = 1 ]; then
     MODE=dry-run
     mkdir -p "$WORK/tiny-llama"
@@ -92,49 +138,72 @@ if [ $DRY_RUN = 1 ]; then
  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
  "rms_norm_eps": 1e-05, "bos_token_id": 1, "eos_token_id": 2}
 EOF
-    MODEL_ARGS=(--model "$WORK/tiny-llama" --load-format dummy --dtype float32
-        --input-len 4 --output-len 3 --max-model-len 32 --max-num-seqs 2
-        --max-num-batched-tokens 8 --kv-cache-memory-bytes 1048576)
-    LATENCY_BATCHES=(1) # the GPU run's other batch sizes are the same script
-    LATENCY_ITERS=(--num-iters-warmup 1 --num-iters 2)
-    THROUGHPUT_PROMPTS=(2)
+    ENGINE_ARGS=(--model "$WORK/tiny-llama" --load-format dummy --dtype float32
+        --max-model-len 32 --max-num-seqs 2 --max-num-batched-tokens 8
+        --kv-cache-memory-bytes 1048576)
+    BENCH_ARGS=(--input-len 4 --output-len 3)
+    LAT_TOP=2 LAT_MID="" TP_WAVE=2 TP_STEADY=8 TP_SMALL="" PROFILE_B=2
+    LATENCY_ITERS=(--num-iters-warmup 1 --num-iters 2 --repeats 3)
+    TP_REPEATS=(--repeats 3)
+    HF_ARGS=(--model "$WORK/tiny-llama" --dtype float32 --batch-sizes 2 1 --input-len 4
+        --output-len 3 --iters 2)
+    COPY_ARGS=(--smoke)
+    PROFILE_ARGS=(--input-len 4 --iters 2 --trace-steps 3)
     # the GPU tests (skipped here) and one CUDA lowering: the suite runs the others anyway
-    PYTEST_ARGS=(-m "gpu or cuda_lowering" tests/pallas_kernels/test_kernel.py
-        -k "gpu or window_and_soft_cap")
+    PYTEST_GPU_ARGS=(-m gpu tests/pallas_kernels/test_kernel.py)
+    PYTEST_LOWERING_ARGS=(-m cuda_lowering tests/pallas_kernels/test_kernel.py
+        -k "window_and_soft_cap")
     KERNEL_ARGS=(--smoke)
     MLA_ARGS=(--smoke --mla-latent 64)
     KV_TRANSFER_ARGS=(--blocks 1 8 --repeats 1)
     TUNE_ARGS=(--smoke)
-    LIMIT_PYTEST=90 LIMIT_KERNEL=90 LIMIT_KERNEL_MLA=60 LIMIT_TUNE=90 LIMIT_KV=90 LIMIT_FIRST_MODEL=180
-    LIMIT_MODEL=90
+    COMPILE_S=0
+    E_ENV=5 E_COPY=5 E_PYTEST=10 E_LOWERING=15 E_MODEL=20 E_HF=10 E_KERNEL=30 E_PROFILE=15
+    E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120
+    L_ENV=60 L_COPY=60 L_PYTEST=90 L_LOWERING=90 L_MODEL=120 L_HF=90 L_KERNEL=120
+    L_PROFILE=90 L_TUNE=90 L_KV=90 L_MLA=60
 else
     MODE=gpu
-    # One configuration for every model run (the compiled steps are shared through the
-    # persistent cache): 256 sequences for the 256-prompt run, 1024-token prefill chunks and
-    # a fixed 8 GiB KV cache (256 x 160 tokens need 5 GiB) keep the step shapes few.
-    MODEL_ARGS=(--model llama-3-8b --load-format dummy --dtype bfloat16
-        --input-len 32 --output-len 128 --max-model-len 512 --max-num-seqs 256
-        --max-num-batched-tokens 1024 --kv-cache-memory-bytes 8589934592)
-    LATENCY_BATCHES=(1 8 32)
-    LATENCY_ITERS=(--num-iters-warmup 2 --num-iters 5)
-    THROUGHPUT_PROMPTS=(64 256)
-    PYTEST_ARGS=(-m "gpu or cuda_lowering") # lowering for CUDA on this machine's jax too
+    # 256 sequences for the 256- and 1024-prompt runs, 1024-token prefill chunks and a fixed
+    # 8 GiB KV cache (256 x 160 tokens need 5 GiB) keep the step shapes few.
+    ENGINE_ARGS=(--model llama-3-8b --load-format dummy --dtype bfloat16 --max-model-len 512
+        --max-num-seqs 256 --max-num-batched-tokens 1024 --kv-cache-memory-bytes 8589934592)
+    BENCH_ARGS=(--input-len 32 --output-len 128)
+    LAT_TOP=32 LAT_MID=8 TP_WAVE=256 TP_STEADY=1024 TP_SMALL=64 PROFILE_B=256
+    LATENCY_ITERS=(--num-iters-warmup 2 --num-iters 3 --repeats 3)
+    TP_REPEATS=(--repeats 3)
+    HF_ARGS=(--model llama-3-8b --load-format dummy --dtype bfloat16 --batch-sizes 32 1 8
+        --input-len 32 --output-len 128 --iters 3)
+    COPY_ARGS=(--megabytes 4096)
+    PROFILE_ARGS=(--input-len 96 --iters 5 --trace-steps 10) # context ~96-110: the runs' mean
+    PYTEST_GPU_ARGS=(-m gpu)
+    PYTEST_LOWERING_ARGS=(-m cuda_lowering) # lowering for CUDA on this machine's jax too
     KERNEL_ARGS=()
     # DeepSeek-V3's latent attention on a tp-8 rank (16 query heads over 512 + 64 values)
-    # (4 cases, ~20 s: it runs in what the model runs before it leave of the budget)
     MLA_ARGS=(--mla-latent 512 --head-dim 576 --num-q-heads 16 --num-kv-heads 1
         --batch-sizes 1 16 64 --contexts 4096)
     KV_TRANSFER_ARGS=(--layout llama-3-8b)
     TUNE_ARGS=()
-    LIMIT_PYTEST=240 LIMIT_KERNEL=180 LIMIT_KERNEL_MLA=90 LIMIT_TUNE=120 LIMIT_KV=90 LIMIT_FIRST_MODEL=300
-    LIMIT_MODEL=150
+    # Seconds, from the H100 runs of 2026-11-27 (pytest 221 s for gpu + lowering together;
+    # compile 87 s; throughput_256 25 s a run); HF's static-cache compile is a guess.
+    COMPILE_S=100
+    E_ENV=10 E_COPY=15 E_PYTEST=130 E_LOWERING=120 E_MODEL=45 E_HF=120 E_KERNEL=120
+    E_PROFILE=60 E_TUNE=45 E_KV=15 E_MLA=25 E_STEADY=80 L_STEADY=200
+    L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
+    L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90
 fi
 
 COMMIT=${GPU_SUITE_COMMIT:-}
+EXACT=1 # the report names an exact commit: it may go to benchmarks/results/
+DIRTY=""
 if [ -z "$COMMIT" ]; then
-    COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "unknown (no .git)")
-    if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
-        COMMIT="$COMMIT + uncommitted changes"
+    if COMMIT=$(git rev-parse --short HEAD 2>/dev/null); then
+        DIRTY=$(git status --porcelain 2>/dev/null | awk '{print $NF}' |
+            tr '\n' ' ')
+        [ -n "$DIRTY" ] && EXACT=0
+    else
+        COMMIT="unknown (no .git; set GPU_SUITE_COMMIT)"
+        EXACT=0
     fi
 fi
 DEVICE_HINT=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
@@ -145,8 +214,10 @@ mode=$MODE
 budget=$BUDGET
 elapsed=$(($(date +%s) - START))
 commit=$COMMIT
+exact=$EXACT
+dirty=$DIRTY
 device_hint=${DEVICE_HINT:-cpu}
-model_args=${MODEL_ARGS[*]}
+model_args=${ENGINE_ARGS[*]} ${BENCH_ARGS[*]}
 EOF
 }
 
@@ -156,13 +227,18 @@ report() { # the markdown, into OUT_DIR and any further directories given
         echo "gpu_suite.sh: the report failed (see suite.log)" | tee -a "$LOG"
 }
 
-selected() {
-    [ -z "$ONLY" ] && return 0
+matches() { # NAME LIST: NAME starts with one of LIST's comma-separated prefixes
     local want
-    for want in ${ONLY//,/ }; do
+    for want in ${2//,/ }; do
         [[ $1 == "$want"* ]] && return 0
     done
     return 1
+}
+
+selected() {
+    if [ -n "$ONLY" ] && ! matches "$1" "$ONLY"; then return 1; fi
+    if [ -n "$SKIP" ] && matches "$1" "$SKIP"; then return 1; fi
+    return 0
 }
 
 record() { # name status rc seconds limit command
@@ -172,22 +248,93 @@ record() { # name status rc seconds limit command
     echo "=== $1: $2 (exit $3, $4 s)" | tee -a "$LOG"
 }
 
-# run_step NAME LIMIT COMMAND...: under timeout (cut to the budget left), output to
-# WORK/NAME.log and suite.log; records the status and refreshes the report.
-run_step() {
-    local name=$1 limit=$2
-    shift 2
+# ----------------------------------------------------------------------- the step table
+NAMES=() KINDS=() EXPECTED=() LIMITS=() COMMANDS=()
+step() { # NAME KIND EXPECTED LIMIT COMMAND...: a step, in the order they run
+    local name=$1 kind=$2 expected=$3 limit=$4
+    shift 4
     selected "$name" || return 0
-    local left=$((DEADLINE - $(date +%s) - RESERVE))
-    if [ "$left" -lt 20 ]; then
-        record "$name" "skipped: no time left in the ${BUDGET} s budget" - 0 "$limit" "$*"
+    NAMES+=("$name") KINDS+=("$kind") EXPECTED+=("$expected") LIMITS+=("$limit")
+    COMMANDS+=("$(printf '%q ' "$@")")
+}
+model() { # NAME EXPECTED LIMIT SCRIPT ARGS...: a model run (kind model: the first compiles)
+    local name=$1 expected=$2 limit=$3
+    shift 3
+    step "$name" model "$expected" "$limit" "$PYTHON" "$@" "${ENGINE_ARGS[@]}" \
+        "${BENCH_ARGS[@]}" --output-json "$WORK/$name.json"
+}
+lat() { model "latency_b$1" "$E_MODEL" "$L_MODEL" scripts/bench_latency.py --batch-size "$1" \
+    "${LATENCY_ITERS[@]}"; }
+tp() { # PROMPTS [EXPECTED LIMIT]
+    model "throughput_$1" "${2:-$E_MODEL}" "${3:-$L_MODEL}" benchmarks/bench_throughput.py \
+        --num-prompts "$1" --quiet "${TP_REPEATS[@]}"
+}
+PYTEST=("$PYTHON" -m pytest -o addopts= -p no:cacheprovider -q -rfEs)
+
+step env other "$E_ENV" "$L_ENV" "$PYTHON" scripts/gpu_suite_report.py env "$WORK"
+step copy_rate other "$E_COPY" "$L_COPY" "$PYTHON" benchmarks/bench_copy_rate.py \
+    "${COPY_ARGS[@]}" --output-json "$WORK/copy_rate.json"
+step pytest_gpu other "$E_PYTEST" "$L_PYTEST" "${PYTEST[@]}" "${PYTEST_GPU_ARGS[@]}"
+lat 1
+step kernel_bench other "$E_KERNEL" "$L_KERNEL" "$PYTHON" \
+    benchmarks/kernels/bench_paged_attention.py "${KERNEL_ARGS[@]}" --kernels triton,mosaic \
+    --output-json "$WORK/kernel_bench.json"
+tp "$TP_WAVE"
+step hf_peer other "$E_HF" "$L_HF" "$PYTHON" benchmarks/bench_hf_peer.py "${HF_ARGS[@]}" \
+    --output-json "$WORK/hf_peer.json"
+lat "$LAT_TOP"
+step pytest_lowering other "$E_LOWERING" "$L_LOWERING" "${PYTEST[@]}" "${PYTEST_LOWERING_ARGS[@]}"
+step "profile_b$PROFILE_B" model "$E_PROFILE" "$L_PROFILE" "$PYTHON" benchmarks/profile_decode.py \
+    "${ENGINE_ARGS[@]}" --batch-sizes "$PROFILE_B" "${PROFILE_ARGS[@]}" \
+    --trace-dir "$WORK/trace_b$PROFILE_B"
+tp "$TP_STEADY" "$E_STEADY" "$L_STEADY"
+[ -n "$LAT_MID" ] && lat "$LAT_MID"
+step tune_kernel other "$E_TUNE" "$L_TUNE" "$PYTHON" benchmarks/kernels/tune_paged_attention.py \
+    "${TUNE_ARGS[@]}" --max-seconds @MAX_SECONDS@ --output-json "$WORK/tune_kernel.json"
+step kv_transfer other "$E_KV" "$L_KV" "$PYTHON" benchmarks/bench_kv_transfer.py \
+    "${KV_TRANSFER_ARGS[@]}" --output-json "$WORK/kv_transfer.json"
+step kernel_bench_mla other "$E_MLA" "$L_MLA" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
+    "${MLA_ARGS[@]}" --kernels triton --output-json "$WORK/kernel_bench_mla.json"
+[ -n "$TP_SMALL" ] && tp "$TP_SMALL"
+
+# The ranking: the step names in priority order (the order above is also the ranking's,
+# except where --rank moves steps up); wheels, when it runs, comes before all.
+RANKING=("${NAMES[@]}")
+if [ -n "$RANK_FIRST" ]; then
+    first=() rest=()
+    for want in ${RANK_FIRST//,/ }; do
+        for n in "${NAMES[@]}"; do [ "$n" = "$want" ] && first+=("$n"); done
+    done
+    for n in "${NAMES[@]}"; do matches "$n" "$RANK_FIRST" || rest+=("$n"); done
+    RANKING=("${first[@]}" "${rest[@]}")
+fi
+for i in "${!NAMES[@]}"; do
+    rank=0
+    for r in "${!RANKING[@]}"; do [ "${RANKING[$r]}" = "${NAMES[$i]}" ] && rank=$((r + 1)); done
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "${NAMES[$i]}" "$rank" "${KINDS[$i]}" "${EXPECTED[$i]}" \
+        "${LIMITS[$i]}" "${COMMANDS[$i]}" >>"$WORK/plan.tsv"
+done
+echo "compile_s=$COMPILE_S" >"$WORK/plan.txt"
+
+# run_step INDEX: plan it against the time left (run, with its limit, or drop), then run it
+# under timeout with its output in WORK/NAME.log and suite.log; records the status and
+# refreshes the report.
+run_step() {
+    local i=$1 name=${NAMES[$1]} command=${COMMANDS[$1]}
+    local left=$((DEADLINE - $(date +%s) - RESERVE)) decision limit
+    decision=$("$PYTHON" scripts/gpu_suite_report.py plan "$WORK" "$name" "$left" 2>>"$LOG") ||
+        decision="run ${LIMITS[$i]}" # the planner failed: run as declared
+    if [ "${decision%% *}" != run ]; then
+        record "$name" "dropped: ${decision#* }" - 0 "${LIMITS[$i]}" "$command"
+        report
         return 0
     fi
-    [ "$limit" -gt "$left" ] && limit=$left
-    echo "=== $name (limit $limit s): $*" | tee -a "$LOG"
+    limit=${decision#run }
+    command=${command//@MAX_SECONDS@/$((limit > 60 ? limit - 30 : limit / 2))}
+    echo "=== $name (limit $limit s): $command" | tee -a "$LOG"
     local t0 rc status
     t0=$(date +%s)
-    timeout -k 10 "$limit" "$@" 2>&1 | tee "$WORK/$name.log" >>"$LOG"
+    eval "timeout -k 10 $limit $command" 2>&1 | tee "$WORK/$name.log" >>"$LOG"
     rc=${PIPESTATUS[0]}
     case $rc in
         0) status=ok ;;
@@ -195,63 +342,49 @@ run_step() {
         *) status=failed ;;
     esac
     [ $status = ok ] || STEP_FAILED=1
-    record "$name" "$status" "$rc" "$(($(date +%s) - t0))" "$limit" "$*"
+    record "$name" "$status" "$rc" "$(($(date +%s) - t0))" "$limit" "$command"
     report
 }
 
 echo "gpu_suite.sh: $MODE, budget $BUDGET s, out $OUT_DIR, work $WORK, python $PYTHON" | tee -a "$LOG"
+[ $EXACT = 1 ] || echo "gpu_suite.sh: NOT AN EXACT COMMIT ($COMMIT${DIRTY:+; changed: $DIRTY}):" \
+    "the report stays in $OUT_DIR" | tee -a "$LOG"
 
 # ---------------------------------------------------------------------------------- steps
-if [ $DRY_RUN = 0 ] && selected wheels; then
+# (wheels whatever --steps says: the steps need them; --skip wheels leaves them out)
+if [ $DRY_RUN = 0 ] && ! { [ -n "$SKIP" ] && matches wheels "$SKIP"; }; then
     if compgen -G ".whl/*.whl" >/dev/null; then
-        run_step wheels 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
-            --no-cache-dir --upgrade --target "$WORK/site" .whl/*.whl
+        t0=$(date +%s)
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$WORK/site" .whl/*.whl >"$WORK/wheels.log" 2>&1
+        rc=$?
+        record wheels "$([ $rc = 0 ] && echo ok || echo failed)" $rc $(($(date +%s) - t0)) 120 \
+            "pip install --target $WORK/site $(echo .whl/*.whl)"
+        [ $rc = 0 ] || STEP_FAILED=1
     else
         record wheels "skipped: no .whl/ (run bash scripts/gpu_wheels.sh here first)" - 0 0 -
     fi
     export PYTHONPATH="$WORK/site:$PYTHONPATH"
 fi
-
-run_step env 90 "$PYTHON" scripts/gpu_suite_report.py env "$WORK"
-run_step pytest_gpu "$LIMIT_PYTEST" "$PYTHON" -m pytest -o addopts= -p no:cacheprovider -q -rfEs \
-    "${PYTEST_ARGS[@]}"
-run_step kernel_bench "$LIMIT_KERNEL" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
-    "${KERNEL_ARGS[@]}" --output-json "$WORK/kernel_bench.json"
-run_step kv_transfer "$LIMIT_KV" "$PYTHON" benchmarks/bench_kv_transfer.py \
-    "${KV_TRANSFER_ARGS[@]}" --output-json "$WORK/kv_transfer.json"
-# Model runs, the headline figures first: one latency (it compiles; the others read the
-# cache), the most prompts, then the rest. A run that ends early leaves the top ones.
-limit=$LIMIT_FIRST_MODEL
-model_run() { # NAME SCRIPT ARGS...
-    local name=$1
-    run_step "$name" "$limit" "$PYTHON" "${@:2}" "${MODEL_ARGS[@]}" \
-        --output-json "$WORK/$name.json"
-    if selected "$name"; then limit=$LIMIT_MODEL; fi
-}
-last=$((${#THROUGHPUT_PROMPTS[@]} - 1))
-model_run "latency_b${LATENCY_BATCHES[0]}" scripts/bench_latency.py \
-    --batch-size "${LATENCY_BATCHES[0]}" "${LATENCY_ITERS[@]}"
-model_run "throughput_${THROUGHPUT_PROMPTS[$last]}" benchmarks/bench_throughput.py \
-    --num-prompts "${THROUGHPUT_PROMPTS[$last]}" --quiet
-run_step kernel_bench_mla "$LIMIT_KERNEL_MLA" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
-    "${MLA_ARGS[@]}" --output-json "$WORK/kernel_bench_mla.json"
-for b in "${LATENCY_BATCHES[@]:1}"; do
-    model_run "latency_b$b" scripts/bench_latency.py --batch-size "$b" "${LATENCY_ITERS[@]}"
+for i in "${!NAMES[@]}"; do
+    run_step "$i"
 done
-for n in "${THROUGHPUT_PROMPTS[@]:0:$last}"; do
-    model_run "throughput_$n" benchmarks/bench_throughput.py --num-prompts "$n" --quiet
-done
-# The tuning sweep last: it stops cleanly inside whatever time is left.
-left=$((DEADLINE - $(date +%s) - RESERVE))
-[ "$LIMIT_TUNE" -gt "$left" ] && LIMIT_TUNE=$left
-run_step tune_kernel "$LIMIT_TUNE" "$PYTHON" benchmarks/kernels/tune_paged_attention.py \
-    "${TUNE_ARGS[@]}" --max-seconds $((LIMIT_TUNE > 60 ? LIMIT_TUNE - 30 : LIMIT_TUNE / 2)) \
-    --output-json "$WORK/tune_kernel.json"
 
 # --------------------------------------------------------------------------------- report
-if [ $DRY_RUN = 1 ]; then report; else report "$ROOT/benchmarks/results"; fi
+"$PYTHON" scripts/gpu_suite_report.py kernel-choice "$WORK" "$OUT_DIR/kernel_choice.json" \
+    >>"$LOG" 2>&1 || echo "gpu_suite.sh: no kernel choice (see suite.log)" | tee -a "$LOG"
+if [ $DRY_RUN = 0 ] && [ $EXACT = 1 ]; then
+    report "$ROOT/benchmarks/results"
+    [ -f "$OUT_DIR/kernel_choice.json" ] &&
+        "$PYTHON" scripts/gpu_suite_report.py kernel-choice "$WORK" \
+            "$ROOT/pallas_kernels/paged_attention/kernel_choice.json" >>"$LOG" 2>&1
+else
+    report
+    [ $DRY_RUN = 1 ] || echo "gpu_suite.sh: not an exact commit: nothing copied to" \
+        "benchmarks/results/" | tee -a "$LOG"
+fi
 (cd "$WORK" && shopt -s nullglob && tar czf "$OUT_DIR/gpu-suite-logs.tar.gz" -- *.log *.json \
-    steps.tsv suite.txt)
+    steps.tsv plan.tsv suite.txt)
 echo "=== $(($(date +%s) - START)) s; report: $(ls "$OUT_DIR"/gpu-*.md)" | tee -a "$LOG"
 cat "$OUT_DIR"/gpu-*.md
 exit $STEP_FAILED

@@ -1,4 +1,11 @@
-"""Ragged paged attention: the Pallas kernel against its peers, measured in the same run.
+"""Ragged paged attention: the Pallas kernels against their peers, measured in the same run.
+
+Two kernels of ours (--kernels, default both): `triton` (pallas_kernels.paged_attention.kernel,
+Pallas' Triton backend) and `mosaic` (pallas_kernels.paged_attention.mosaic, Mosaic GPU), same
+positional signature; a kernel that cannot be imported is reported as
+`# mosaic: unavailable (<reason>)` and left out, and a case one fails is reported as
+`# mosaic failed on <case>: <reason>`, the rest going on. Each table row is one kernel on one
+case.
 
 Llama-3-8B head shapes by default (32 query heads, 8 KV heads, head_dim 128, bf16, block 16),
 one layer's KV cache. For each decode case (batch x context) it prints the kernel's time, its
@@ -6,6 +13,9 @@ achieved HBM bandwidth (K/V bytes read / time) as a fraction of the device's pea
 speed-up over (a) the jnp reference under XLA and (b) jax's own decode-only Pallas kernel
 `jax.experimental.pallas.ops.gpu.paged_attention` (on its own cache layout, built outside the
 timed region). Mixed cases (one prefill chunk beside decodes) compare with the reference only.
+The end-to-end shape comes first: the decode step of the GPU suite's 256-prompt run, batch
+--e2e-batch (256; 0: none) at contexts spread evenly over --e2e-contexts (33 to 160, the
+suite's 32-token prompts over their 128 outputs).
 
 Blocks are assigned from a shuffled pool (non-contiguous, as in serving). Timing is of the
 kernels, not of dispatch: each implementation runs as one jitted chain of n calls (each call's
@@ -40,10 +50,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.benchmarks.common import median_seconds
-from pallas_kernels.paged_attention import (
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-)
+from pallas_kernels.paged_attention import ragged_paged_attention_reference
+
+KERNELS = ("triton", "mosaic")
+
+
+def load_kernels(names) -> tuple[dict, dict[str, str]]:
+    """({name: ragged_paged_attention} of the kernels that import, {name: why not} of the
+    rest)."""
+    kernels, unavailable = {}, {}
+    for name in names:
+        try:
+            if name == "triton":
+                from pallas_kernels.paged_attention import pallas_unavailable_message
+                from pallas_kernels.paged_attention import ragged_paged_attention as fn
+
+                if (why := pallas_unavailable_message()) is not None:
+                    raise ImportError(why)
+            elif name == "mosaic":
+                from pallas_kernels.paged_attention.mosaic import ragged_paged_attention as fn
+            else:
+                raise ValueError(f"unknown kernel {name!r} (known: {', '.join(KERNELS)})")
+        except Exception as e:  # noqa: BLE001 (any failure: recorded, the others run)
+            unavailable[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            continue
+        kernels[name] = fn
+    return kernels, unavailable
+
 
 # Peak HBM bandwidth (bytes/s) by jax device_kind prefix: vendor data sheets.
 PEAK_BANDWIDTH = {
@@ -148,7 +181,7 @@ def jax_decode_peer(batch, *, interpret=False):
     return fn, (batch["q"], k_pages, v_pages, batch["kv_lens"], tables)
 
 
-def run_case(name, seqs, args, results):
+def run_case(name, seqs, args, results, kernels: dict, failures: dict):
     hq, hkv, d, bs = args.num_q_heads, args.num_kv_heads, args.head_dim, args.block_size
     dtype = jnp.dtype(args.dtype)
     latent = args.mla_latent
@@ -160,38 +193,57 @@ def run_case(name, seqs, args, results):
     inputs = tuple(batch.values())
     scale = d**-0.5
     decode_only = all(q == 1 for q, _ in seqs)  # as the model runner says: the decode kernel
-    kernel = functools.partial(
-        ragged_paged_attention, sm_scale=scale, decode_only=decode_only, interpret=args.smoke,
-        latent_dim=latent,
-    )  # fmt: skip
     reference = functools.partial(
         ragged_paged_attention_reference, sm_scale=scale, decode_only=decode_only
     )
     if latent:  # the latent output, then the query's rotary columns: the next call's query
-        kernel, reference = _latent_chained(kernel, latent), _latent_chained(reference, latent)
+        reference = _latent_chained(reference, latent)
     timing = dict(copies=copies, chain_s=args.chain_ms / 1e3, warmup=args.warmup,
                   iters=args.iters)  # fmt: skip
-    t_kernel, kernel_one = seconds_per_call(kernel, inputs, **timing)
     # The reference is an XLA graph n times over (slow to compile) and slow enough for a few.
     t_ref, reference_one = seconds_per_call(reference, inputs, **timing, max_calls=4)
-    out, want = kernel_one(*inputs), reference_one(*inputs)  # one call each, table copy 0
-    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
-    row = dict(case=name, kernel_us=t_kernel * 1e6, reference_us=t_ref * 1e6, max_abs_err=err,
-               kv_bytes=kv_bytes, cache_copies=copies,
-               achieved_gbps=kv_bytes / t_kernel / 1e9)  # fmt: skip
-    peak = peak_bandwidth(jax.devices()[0])
-    if peak:
-        row["hbm_fraction"] = kv_bytes / t_kernel / peak
+    want = reference_one(*inputs).astype(jnp.float32)  # one call, table copy 0
+    peer = {}
     if decode_only and not latent and jax_paged_attention() is not None:
         fn, peer_args = jax_decode_peer(batch, interpret=args.smoke)
         t_peer, peer_one = seconds_per_call(fn, peer_args, **timing)
-        row["jax_pallas_us"] = t_peer * 1e6
         q_scaled = (peer_args[0].astype(jnp.float32) * scale).astype(dtype)  # it has no scale
-        peer = peer_one(q_scaled, *peer_args[1:]).astype(jnp.float32)
-        row["jax_pallas_max_abs_err"] = float(jnp.max(jnp.abs(peer - want.astype(jnp.float32))))
+        out = peer_one(q_scaled, *peer_args[1:]).astype(jnp.float32)
+        peer = dict(jax_pallas_us=t_peer * 1e6,
+                    jax_pallas_max_abs_err=float(jnp.max(jnp.abs(out - want))))  # fmt: skip
         del peer_args
-    results.append(row)
-    print(_format(row), flush=True)
+    peak = peak_bandwidth(jax.devices()[0])
+    for kernel_name, attention in kernels.items():
+        kernel = functools.partial(
+            attention, sm_scale=scale, decode_only=decode_only, interpret=args.smoke,
+            **(dict(latent_dim=latent) if latent else {}),
+        )  # fmt: skip
+        if latent:
+            kernel = _latent_chained(kernel, latent)
+        try:
+            t_kernel, kernel_one = seconds_per_call(kernel, inputs, **timing)
+            out = kernel_one(*inputs).astype(jnp.float32)
+        except Exception as e:  # noqa: BLE001 (recorded; the other kernels and cases go on)
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+            failures.setdefault(kernel_name, {})[name] = why
+            print(f"# {kernel_name} failed on {name}: {why}", flush=True)
+            continue
+        err = float(jnp.max(jnp.abs(out - want)))
+        row = dict(case=name, kernel=kernel_name, kernel_us=t_kernel * 1e6,
+                   reference_us=t_ref * 1e6, max_abs_err=err, kv_bytes=kv_bytes,
+                   cache_copies=copies, achieved_gbps=kv_bytes / t_kernel / 1e9,
+                   **peer)  # fmt: skip
+        if peak:
+            row["hbm_fraction"] = kv_bytes / t_kernel / peak
+        results.append(row)
+        print(_format(row), flush=True)
+
+
+def e2e_contexts(batch: int, low: int, high: int) -> list[int]:
+    """batch context lengths spread evenly from low to high (both included)."""
+    if batch == 1:
+        return [high]
+    return [low + (high - low) * i // (batch - 1) for i in range(batch)]
 
 
 def _latent_chained(fn, latent: int):
@@ -208,6 +260,7 @@ def _latent_chained(fn, latent: int):
 def _format(row) -> str:
     cells = [
         row["case"],
+        row["kernel"],
         f"{row['kernel_us']:.1f}",
         f"{row['achieved_gbps']:.0f}",
         f"{row['hbm_fraction']:.0%}" if "hbm_fraction" in row else "-",
@@ -218,7 +271,7 @@ def _format(row) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
@@ -236,19 +289,30 @@ def main() -> None:
     parser.add_argument("--max-copies", type=int, default=256)
     parser.add_argument("--mla-latent", type=int, default=None,
                         help="MLA: kv_lora_rank (head_dim: it + the rotary width)")  # fmt: skip
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help="comma-separated: triton, mosaic")  # fmt: skip
+    parser.add_argument("--e2e-batch", type=int, default=256,
+                        help="the end-to-end decode case's batch (0: none)")  # fmt: skip
+    parser.add_argument("--e2e-contexts", type=int, nargs=2, default=[33, 160],
+                        metavar=("LOW", "HIGH"))  # fmt: skip
     parser.add_argument("--output-json", default=None)
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes in interpret mode (CPU; format check)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
-        args.batch_sizes, args.contexts = [1, 4], [40]
+        # (Mosaic GPU's interpreter takes ~0.1 s a call: few cases, one timed run each)
+        args.batch_sizes, args.contexts = [2], [40]
         args.num_q_heads, args.num_kv_heads, args.head_dim = 4, 2, 64
-        args.warmup, args.iters, args.chain_ms = 1, 2, 0.0
+        args.warmup, args.iters, args.chain_ms = 1, 1, 0.0
         args.rotate_mb, args.max_copies = 1, 2  # two copies: the rotation runs too
+        args.e2e_batch, args.e2e_contexts = min(args.e2e_batch, 3), [33, 40]
         if args.mla_latent:  # one decode case and one mixed: the path, not a sweep
             args.num_q_heads, args.num_kv_heads, args.head_dim, args.mla_latent = 4, 1, 80, 64
             args.batch_sizes = [1]
+    if args.mla_latent:
+        args.e2e_batch = 0  # a Llama-3 shape
+    kernels, unavailable = load_kernels([k for k in args.kernels.split(",") if k])
 
     device = jax.devices()[0]
     print(f"# {device.device_kind} ({device.platform}), jax {jax.__version__}, "
@@ -260,22 +324,35 @@ def main() -> None:
     if jax_paged_attention() is None:
         print(f"# jax {jax.__version__} has no jax.experimental.pallas.ops.gpu.paged_attention: "
               "no peer column")  # fmt: skip
-    print("| case | kernel us | KV GB/s | of peak | vs XLA reference | vs jax Pallas decode | "
-          "max abs err |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    for name, why in unavailable.items():
+        print(f"# {name}: unavailable ({why})")
+    print(f"# kernels: {', '.join(kernels) or 'none'}")
+    print("| case | kernel | kernel us | KV GB/s | of peak | vs XLA reference | "
+          "vs jax Pallas decode | max abs err |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     results: list[dict] = []
+    failures: dict[str, dict[str, str]] = {}
+    cases = []
+    if args.e2e_batch:
+        low, high = args.e2e_contexts
+        ctxs = e2e_contexts(args.e2e_batch, low, high)
+        cases.append((f"decode b={args.e2e_batch} ctx={low}-{high} (e2e)", [(1, c) for c in ctxs]))
     for ctx in args.contexts:
         for b in args.batch_sizes:
-            run_case(f"decode b={b} ctx={ctx}", [(1, ctx)] * b, args, results)
+            cases.append((f"decode b={b} ctx={ctx}", [(1, ctx)] * b))
     for ctx in args.contexts:
         b = args.batch_sizes[-1]
         chunk = min(512, ctx)
-        seqs = [(chunk, ctx)] + [(1, ctx)] * (b - 1)
-        run_case(f"mixed 1x{chunk}-chunk + {b - 1} decodes ctx={ctx}", seqs, args, results)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(dict(device=device.device_kind, jax=jax.__version__, args=vars(args),
-                           results=results), f, indent=2)  # fmt: skip
+        cases.append((f"mixed 1x{chunk}-chunk + {b - 1} decodes ctx={ctx}",
+                      [(chunk, ctx)] + [(1, ctx)] * (b - 1)))  # fmt: skip
+    for name, seqs in cases:
+        if kernels:
+            run_case(name, seqs, args, results, kernels, failures)
+        if args.output_json:  # after every case: a run cut short keeps what it measured
+            with open(args.output_json, "w") as f:
+                json.dump(dict(device=device.device_kind, jax=jax.__version__, args=vars(args),
+                               kernels=list(kernels), unavailable=unavailable,
+                               failures=failures, results=results), f, indent=2)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ _TORCH_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
 
 
 def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = "auto",
-                  hf_overrides: dict | None = None) -> Any:  # fmt: skip
+                  hf_overrides: dict | None = None, device: str | None = None) -> Any:  # fmt: skip
     """The model as a transformers module in eval mode. dtype "auto" is float32, as jaxserve's
     is on CPU; load_format "dummy" builds it from its config with HF's random init, with
-    hf_overrides (--hf-overrides) set over the config's fields."""
+    hf_overrides (--hf-overrides) set over the config's fields. device (e.g. "cuda"): where
+    it is built (a dummy model's random init runs there) or loaded; default the CPU."""
+    import contextlib
+
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -30,27 +33,36 @@ def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = 
             config = read_model_config(path).hf_config.to_transformers()
         else:
             config = AutoConfig.from_pretrained(path, **(hf_overrides or {}))
-        return AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+        with torch.device(device) if device else contextlib.nullcontext():
+            return AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+    place = dict(device_map=device) if device else {}
     if path.is_file():
         return AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch_dtype
+            path.parent, gguf_file=path.name, dtype=torch_dtype, **place
         ).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **place).eval()
 
 
-def hf_generate(model: Any, prompts: list[list[int]], output_len: int, n: int = 1) -> None:
+def hf_generate(model: Any, prompts: list[list[int]], output_len: int, n: int = 1, *,
+                cache_implementation: str | None = None) -> None:  # fmt: skip
     """Sample exactly output_len tokens (temperature 1, no top-k / top-p, EOS ignored through
     min_new_tokens) for each of n samples of every prompt, as one batch; all prompts have the
-    same length, so there is no padding."""
+    same length, so there is no padding. cache_implementation "static": transformers' static
+    KV cache, whose decode forward generate compiles itself on a GPU (not on the CPU). Returns
+    when every token is out (on a GPU, synchronised)."""
     import torch
 
+    extra = dict(cache_implementation=cache_implementation) if cache_implementation else {}
     with torch.no_grad():
         out = model.generate(
-            torch.tensor(prompts),
-            attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.long),
+            torch.tensor(prompts, device=model.device),
+            attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.long,
+                                      device=model.device),
             do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
             max_new_tokens=output_len, min_new_tokens=output_len,
-            num_return_sequences=n, pad_token_id=0,
+            num_return_sequences=n, pad_token_id=0, **extra,
         )  # fmt: skip
+    if out.device.type == "cuda":
+        torch.cuda.synchronize()
     if out.shape != (len(prompts) * n, len(prompts[0]) + output_len):
         raise RuntimeError(f"HF generate returned shape {tuple(out.shape)}")

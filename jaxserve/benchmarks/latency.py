@@ -11,7 +11,11 @@ timed), so the repeated prompts are prefilled in full every time, as HF's are. P
 then the decode step and its roofline. The decode step is derived from latencies, so both
 backends are measured alike: (avg latency - avg latency of the same batch at one output
 token) / (output_len - 1); the one-token run takes the prefill and the fixed per-request
-costs. The roofline compares that step with the device's memory and compute bounds at the
+costs. With --repeats R the whole measurement (--num-iters runs at --output-len, then
+--num-iters at one token) is made R times: the decode step printed is the median of the R
+steps, each run's step listed after it, and the latencies are all R x --num-iters. The
+warm-up runs both shapes (--num-iters-warmup runs at --output-len, one at one token). The
+roofline compares the median step with the device's memory and compute bounds at the
 batch's mean context length (jaxserve/benchmarks/roofline.py).
 
 `--backend hf` times transformers' `generate` on the same prompts and shape. Engine flags are
@@ -50,6 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--num-iters-warmup", type=int, default=10)
     parser.add_argument("--num-iters", type=int, default=30)
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="measure the decode step this many times (each --num-iters at both lengths)",
+    )  # fmt: skip
     add_benchmark_args(parser)
     return parser.parse_args(argv)
 
@@ -69,22 +77,25 @@ def main(argv: list[str] | None = None) -> dict:
         runner.generate(prompts, output_len, args.n)
         return time.perf_counter() - start
 
+    roofline_runs = not args.no_roofline and args.output_len > 1
     print("Warming up...")
     for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
         run_to_completion(args.output_len)
-    latencies = np.array(
-        [
-            run_to_completion(args.output_len)
-            for _ in tqdm(range(args.num_iters), desc="Profiling iterations")
-        ]
-    )
-    prefill = None
-    if not args.no_roofline and args.output_len > 1:
-        short = [run_to_completion(1) for _ in tqdm(range(args.num_iters + 1),
-                                                    desc="One-token iterations")][1:]  # fmt: skip
-        prefill = float(np.mean(short))
+    if roofline_runs and args.num_iters_warmup:
+        run_to_completion(1)  # every shape the timed runs take runs once before them
+    runs, prefills = [], []
+    for r in range(max(1, args.repeats)):
+        runs.append(
+            [
+                run_to_completion(args.output_len)
+                for _ in tqdm(range(args.num_iters), desc=f"Profiling iterations {r}")
+            ]
+        )
+        if roofline_runs:
+            prefills.append(float(np.mean([run_to_completion(1)
+                                           for _ in range(args.num_iters)])))  # fmt: skip
     runner.close()
-
+    latencies = np.array([t for run in runs for t in run])
     percentiles = np.percentile(latencies, PERCENTAGES)
     avg = float(np.mean(latencies))
     print(f"Avg latency: {avg} seconds")
@@ -98,12 +109,18 @@ def main(argv: list[str] | None = None) -> dict:
         "commit": git_commit(),
         "args": vars(args),
     }
-    step = decode_step_seconds(avg, prefill, args.output_len) if prefill is not None else None
-    if step is not None:
+    if prefills:
+        steps = [decode_step_seconds(float(np.mean(run)), prefill, args.output_len)
+                 for run, prefill in zip(runs, prefills, strict=True)]  # fmt: skip
+        step, prefill = float(np.median(steps)), float(np.median(prefills))
         print(
-            f"Decode step: {1e3 * step:.2f} ms ((avg latency - {prefill:.4f} s at one output "
-            f"token) / {args.output_len - 1}); {args.batch_size * args.n / step:.1f} tokens/s"
+            f"Decode step: {1e3 * step:.2f} ms (median of {len(steps)} runs: "
+            f"{', '.join(f'{1e3 * s:.2f}' for s in steps)} ms; each (avg latency - avg at one "
+            f"output token) / {args.output_len - 1}); {args.batch_size * args.n / step:.1f} "
+            "tokens/s"
         )
+        results.update(decode_step_runs_ms=[1e3 * s for s in steps],
+                       prefill_latency_runs=prefills)  # fmt: skip
         roofline = roofline_report(
             runner.config, step, args.batch_size * args.n, args.input_len, args.output_len
         )

@@ -6,9 +6,11 @@ every sequence, and does about two FLOPs per weight per sequence plus the attent
     memory bound  = (weight bytes + KV bytes read) / peak memory bandwidth
     compute bound = (2 * matmul weights * B + 4 * L * Hq * hd * sum(context)) / peak FLOP/s
 
-Weight bytes are every parameter in its dtype (a tied embedding counted once); matmul weights
-leave out an untied embedding table (a row lookup) and the norm weights. KV bytes read are
-2 * L * Hkv * hd * dtype bytes * sum(context). A step can be no faster than the larger bound;
+Weight bytes are what the step reads of the parameters, in their dtype: every weight once,
+except an untied embedding table, of which the step looks up only its B rows (the LM head, a
+table of its own, is read whole); a tied table is read whole, by the LM head, and counted
+once. Matmul weights leave out an untied embedding table and the norm weights. KV bytes read
+are 2 * L * Hkv * hd * dtype bytes * sum(context). A step can be no faster than the larger bound;
 `Roofline.line()` prints each bound as a fraction of the measured step (1.0 = at the limit).
 
 Peaks: a table by device kind for GPUs (datasheet dense figures); on CPU they are measured
@@ -113,6 +115,13 @@ class Roofline:
 def param_counts(config: ModelConfig) -> tuple[int, int, int]:
     """(all parameters, matmul weights, routed experts' weights) of the model, from its
     abstract shapes."""
+    total, matmul, experts, _ = _param_sizes(config)
+    return total, matmul, experts
+
+
+def _param_sizes(config: ModelConfig) -> tuple[int, int, int, int]:
+    """param_counts' three, then the untied embedding tables' parameters (row lookups: a
+    step reads B rows of them, not the whole; 0 when the embedding is tied)."""
     from flax import nnx, traverse_util
 
     from jaxserve.models.registry import get_model_class
@@ -120,31 +129,34 @@ def param_counts(config: ModelConfig) -> tuple[int, int, int]:
     model_cls = get_model_class(config.architecture)
     abstract = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
     shapes = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
-    total = matmul = experts = 0
+    total = matmul = experts = lookup = 0
     for path, s in shapes.items():
         name = "/".join(map(str, path))
         size = int(np.prod(s.shape))
         total += size
         lookup_only = "embed_tokens" in name and not config.tie_word_embeddings
+        lookup += size if lookup_only else 0
         if not lookup_only and "norm" not in name and not name.endswith("bias"):
             matmul += size
         if name.endswith(("mlp/w13", "mlp/w2")):
             experts += size
-    return total, matmul, experts
+    return total, matmul, experts, lookup
 
 
 def decode_step_cost(config: ModelConfig, context_lens: Sequence[float]) -> StepCost:
     """The least a decode step of len(context_lens) sequences reads and computes; each
     context length counts the cached tokens the step's query attends to (its own included).
-    A mixture of experts reads only the experts its B * k routed rows pick: with routing
-    uniform, E * (1 - (1 - k / E) ** B) of E per layer; each row multiplies through k."""
-    total, matmul, experts = param_counts(config)
+    An untied embedding table is read B rows of hidden_size (at most the whole table); a tied
+    one whole (the LM head). A mixture of experts reads only the experts its B * k routed
+    rows pick: with routing uniform, E * (1 - (1 - k / E) ** B) of E per layer; each row
+    multiplies through k."""
+    total, matmul, experts, lookup = _param_sizes(config)
     itemsize = jnp.dtype(config.dtype).itemsize
     b, ctx = len(context_lens), float(sum(context_lens))
-    read, per_row = total, matmul
+    read, per_row = total - lookup + min(lookup, b * config.hidden_size), matmul
     if experts:
         e, k = config.num_experts, config.num_experts_per_tok
-        read = total - experts + experts * (1 - (1 - k / e) ** b)
+        read = read - experts + experts * (1 - (1 - k / e) ** b)
         per_row = matmul - experts + experts * k / e
     k_dim, v_dim = config.cache_dims  # MLA: the latent and rotary key, no V
     layers = len(config.kv_layers)  # a hybrid's linear-attention layers keep no KV

@@ -3,13 +3,16 @@
 Random prompt token ids of --input-len, --output-len tokens each (ignore_eos), all submitted
 at once; prints `Throughput: X requests/s, Y total tokens/s, Z output tokens/s`.
 `--backend hf` runs the same prompts through transformers' `generate` (one padding-free batch
-of --num-prompts, since all prompts have the same length), for a same-run comparison. Both
-time one warmed-up run; jaxserve's start-up (compiling its buckets) is not in it, as vLLM's
-is not.
+of --num-prompts, since all prompts have the same length), for a same-run comparison.
+jaxserve's start-up (compiling its buckets) is not timed, as vLLM's is not: a warm-up runs
+the same prompts untimed first (at --output-len, and at one token when that is timed too), so
+every step shape the timed runs take has run once. --repeats R times R runs; the figures are
+their median (`Runs:` lists each run's seconds).
 
 When every sequence decodes in one batch (--num-prompts x --n <= --max-num-seqs; always for
 hf), the decode step and its roofline follow, as in scripts/bench_latency.py: (elapsed -
-elapsed of the same prompts at one output token) / (output_len - 1).
+elapsed of the same prompts at one output token) / (output_len - 1), the median of the R
+runs' steps.
 
     .venv/bin/python benchmarks/bench_throughput.py --num-prompts 32 --input-len 32 \\
         --output-len 128 --backend jaxserve
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import time
+
+import numpy as np
 
 from jaxserve.benchmarks.common import (
     add_benchmark_args,
@@ -38,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser("throughput", __doc__)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs (the median counts)")
     add_benchmark_args(parser)
     return parser.parse_args(argv)
 
@@ -50,20 +56,26 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = random_prompt_ids(
         args.num_prompts, args.input_len, runner.config.vocab_size, args.seed
     )
-    runner.generate(prompts[:1], min(args.output_len, 8), args.n)  # warm-up
-    runner.reset_prefix_cache()
-    start = time.perf_counter()
-    runner.generate(prompts, args.output_len, args.n, use_tqdm=not args.quiet)
-    elapsed = time.perf_counter() - start
     num_seqs = args.num_prompts * args.n
     one_batch = runner.max_num_seqs is None or num_seqs <= runner.max_num_seqs
-    prefill = None
-    if one_batch and not args.no_roofline and args.output_len > 1:
+    one_token = one_batch and not args.no_roofline and args.output_len > 1
+
+    def timed(output_len: int, progress: bool = False) -> float:
         runner.reset_prefix_cache()  # the same prompts again: prefilled in full
         start = time.perf_counter()
-        runner.generate(prompts, 1, args.n)
-        prefill = time.perf_counter() - start
+        runner.generate(prompts, output_len, args.n, use_tqdm=progress)
+        return time.perf_counter() - start
+
+    timed(args.output_len)  # the warm-up: the same prompts and step shapes, untimed
+    if one_token:
+        timed(1)
+    runs, prefills = [], []
+    for _ in range(max(1, args.repeats)):
+        runs.append(timed(args.output_len, not args.quiet))
+        if one_token:
+            prefills.append(timed(1))
     runner.close()
+    elapsed = float(np.median(runs))
 
     requests = args.num_prompts
     out_tokens = num_seqs * args.output_len
@@ -73,18 +85,25 @@ def main(argv: list[str] | None = None) -> dict:
         f"tokens/s, {out_tokens / elapsed:.2f} output tokens/s"
     )
     print(f"({args.backend}, {machine()}, {elapsed:.1f} s)")
+    print(f"Runs: {', '.join(f'{t:.3f}' for t in runs)} s (median of {len(runs)})")
     results = dict(
         backend=args.backend, elapsed_time=elapsed, num_requests=requests,
         total_num_tokens=total_tokens, requests_per_second=requests / elapsed,
         tokens_per_second=total_tokens / elapsed,
-        output_tokens_per_second=out_tokens / elapsed, commit=git_commit(), args=vars(args),
+        output_tokens_per_second=out_tokens / elapsed, run_times=runs, commit=git_commit(),
+        args=vars(args),
     )  # fmt: skip
-    step = decode_step_seconds(elapsed, prefill, args.output_len) if prefill else None
-    if step is not None:
+    if prefills:
+        steps = [
+            decode_step_seconds(t, p, args.output_len) for t, p in zip(runs, prefills, strict=True)
+        ]
+        step, prefill = float(np.median(steps)), float(np.median(prefills))
         print(
-            f"Decode step: {1e3 * step:.2f} ms ((elapsed - {prefill:.3f} s at one output "
-            f"token) / {args.output_len - 1}) over {num_seqs} sequences"
+            f"Decode step: {1e3 * step:.2f} ms (median of {len(steps)} runs: "
+            f"{', '.join(f'{1e3 * s:.2f}' for s in steps)} ms; each (elapsed - elapsed at one "
+            f"output token) / {args.output_len - 1}) over {num_seqs} sequences"
         )
+        results.update(decode_step_runs_ms=[1e3 * s for s in steps], prefill_times=prefills)
         roofline = roofline_report(runner.config, step, num_seqs, args.input_len, args.output_len)
         print_roofline(roofline)
         results.update(prefill_time=prefill, decode_step_ms=1e3 * step,

@@ -1,11 +1,12 @@
 """Which Pallas GPU kernel serves a device: the Mosaic GPU kernel (`mosaic.py`: Hopper's TMA
 and wgmma) or the Triton-backend one (`kernel.py`: any CUDA GPU, and the fallback).
 
-`kernel_choice.json` beside this file is the table: {"devices": {device kind: "mosaic" |
-"triton"}}, the device kind as jax names it (`jax.devices()[0].device_kind`, e.g. "NVIDIA
-H100 80GB HBM3"). `scripts/gpu_suite.sh` writes a device's row from its kernel benchmark (the
-faster kernel over the decode and mixed cases), and only when the Mosaic kernel's GPU tests
-passed in the same run; the row is committed with the suite's report.
+`kernel_choice.json` beside this file is the table: {"devices": {device kind: {"kernel":
+"mosaic" | "triton", what was measured}}}, the device kind as jax names it
+(`jax.devices()[0].device_kind`, e.g. "NVIDIA H100 80GB HBM3"). `scripts/gpu_suite.sh` writes
+a device's row from its kernel benchmark (the faster kernel over the decode and mixed cases;
+Mosaic only when the GPU tests passed in the same run; its header has the format), and the
+row is committed with the suite's report.
 
 A device kind the table does not name (a user's first start on a new GPU) gets the Triton
 kernel, the one that has run on GPUs, and one log line saying how to measure both there.
@@ -51,6 +52,8 @@ def measured_choice(device_kind: str, table: Path = TABLE) -> str | None:
     except FileNotFoundError:
         devices = {}
     choice = devices.get(device_kind)
+    if isinstance(choice, dict):  # the suite's row: {"kernel": ..., what it measured}
+        choice = choice.get("kernel")
     if choice is not None and choice not in KERNELS:
         raise ValueError(f"{table}: {device_kind!r} -> {choice!r} is not one of {KERNELS}")
     return choice

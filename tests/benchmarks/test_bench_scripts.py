@@ -92,20 +92,28 @@ def test_bench_latency(backend, dummy_dir, hf_dir, tmp_path, capsys, inproc):
     out_json = tmp_path / "latency.json"
     results = script("scripts/bench_latency.py")(
         ["--backend", backend, *model, *ENGINE, "--batch-size", "2", "--input-len", "8",
-         "--output-len", "6", "--num-iters-warmup", "1", "--num-iters", "3",
+         "--output-len", "6", "--num-iters-warmup", "1", "--num-iters", "3", "--repeats", "2",
          "--output-json", str(out_json)]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert re.search(rf"^Avg latency: {NUM} seconds$", out, re.M)
     for p in (10, 25, 50, 75, 90, 99):
         assert re.search(rf"^{p}% percentile latency: {NUM} seconds$", out, re.M), p
-    assert re.search(rf"^Decode step: {NUM} ms \(\(avg latency - {NUM} s at one output token\) "
-                     rf"/ 5\); {NUM} tokens/s$", out, re.M)  # fmt: skip
+    m = re.search(rf"^Decode step: ({NUM}) ms \(median of 2 runs: ({NUM}), ({NUM}) ms; each "
+                  rf"\(avg latency - avg at one output token\) / 5\); {NUM} tokens/s$", out,
+                  re.M)  # fmt: skip
+    assert m, out
     assert ROOFLINE.search(out)
     saved = json.loads(out_json.read_text())
-    assert len(saved["latencies"]) == 3 and saved["backend"] == backend
+    assert len(saved["latencies"]) == 2 * 3 and saved["backend"] == backend  # two repeats
     assert set(saved["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
-    assert saved["avg_latency"] == pytest.approx(sum(saved["latencies"]) / 3)
+    assert saved["avg_latency"] == pytest.approx(sum(saved["latencies"]) / 6)
+    runs = saved["decode_step_runs_ms"]
+    assert [f"{r:.2f}" for r in runs] == [m[2], m[3]]
+    assert saved["decode_step_ms"] == pytest.approx(sum(runs) / 2)  # the median of two
+    # each run's step: its three latencies beyond its three one-token latencies
+    first = sum(saved["latencies"][:3]) / 3 - saved["prefill_latency_runs"][0]
+    assert runs[0] == pytest.approx(1e3 * first / 5)
     assert saved["roofline"]["weight_bytes"] == results["roofline"]["weight_bytes"] > 0
 
 
@@ -116,16 +124,20 @@ def test_bench_throughput(backend, dummy_dir, hf_dir, tmp_path, capsys, inproc):
     out_json = tmp_path / "throughput.json"
     script("benchmarks/bench_throughput.py")(
         ["--backend", backend, *model, *ENGINE, "--num-prompts", "3", "--input-len", "8",
-         "--output-len", "5", "--quiet", "--output-json", str(out_json)]
+         "--output-len", "5", "--quiet", "--repeats", "3", "--output-json", str(out_json)]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert re.search(
         rf"^Throughput: {NUM} requests/s, {NUM} total tokens/s, {NUM} output tokens/s$", out, re.M
     )
+    assert re.search(rf"^Runs: {NUM}, {NUM}, {NUM} s \(median of 3\)$", out, re.M)
+    assert re.search(rf"^Decode step: {NUM} ms \(median of 3 runs: ", out, re.M)
     assert ROOFLINE.search(out)
     saved = json.loads(out_json.read_text())
     assert saved["num_requests"] == 3 and saved["total_num_tokens"] == 3 * (8 + 5)
+    assert saved["elapsed_time"] == sorted(saved["run_times"])[1]  # the median of three
     assert saved["output_tokens_per_second"] == pytest.approx(15 / saved["elapsed_time"])
+    assert len(saved["decode_step_runs_ms"]) == 3
 
 
 def test_bench_serve_summary_counts_failures_and_tpot():

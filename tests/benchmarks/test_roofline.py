@@ -32,12 +32,24 @@ def test_param_counts_and_step_cost(tie):
     total = embed + 2 * per_layer + 8 + (0 if tie else embed)
     assert param_counts(c) == (total, total - 2 * 2 * 8 - 8 - (0 if tie else embed), 0)
     cost = decode_step_cost(c, [10, 20, 30])  # 3 sequences, 60 cached tokens in all
-    assert cost.weight_bytes == 4 * total
+    # tied: the LM head reads the table whole; untied: the lookup reads 3 of its 100 rows
+    # (the LM head, its own table, whole)
+    assert cost.weight_bytes == 4 * (total if tie else total - embed + 3 * 8)
     assert cost.kv_bytes == 2 * 2 * 2 * 2 * 4 * 60  # K and V, L, Hkv, hd, fp32 bytes, tokens
     matmul = param_counts(c)[1]
     assert cost.flops == 2 * matmul * 3 + 4 * 2 * 4 * 2 * 60
     half = decode_step_cost(tiny_config(tie, jnp.bfloat16), [10, 20, 30])
     assert half.weight_bytes * 2 == cost.weight_bytes and half.kv_bytes * 2 == cost.kv_bytes
+
+
+def test_an_untied_embedding_is_read_a_row_a_sequence_at_most_whole():
+    """The lookup reads B rows of hidden_size, never more than the table; tied, the table
+    counts whole (the LM head reads it) whatever B."""
+    untied, tied = tiny_config(False), tiny_config(True)
+    head_and_rest = param_counts(untied)[0] - 100 * 8
+    for b, rows in ((1, 1), (64, 64), (150, 100)):
+        assert decode_step_cost(untied, [5] * b).weight_bytes == 4 * (head_and_rest + rows * 8)
+        assert decode_step_cost(tied, [5] * b).weight_bytes == 4 * param_counts(tied)[0]
 
 
 def test_a_mixture_of_experts_reads_the_experts_its_rows_pick():
