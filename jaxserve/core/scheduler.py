@@ -204,14 +204,14 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
     def _schedule_running(self, plan: StepPlan) -> None:
         """Phase 1: each running request, in order, gets its next tokens (and its drafts when
         they fit), preempting from the back of the line while the KV pool cannot hold them."""
-        i = 0
-        while i < len(self.running) and plan.budget > 0:
-            request = self.running[i]
+        i, running, kv = 0, self.running, self.kv_cache_manager  # (running: changed in place)
+        while i < len(running) and plan.budget > 0:
+            request = running[i]
             num_new = min(num_tokens_to_schedule(request, self.config.max_model_len), plan.budget)
             start = request.num_computed_tokens
-            ahead = self._lookahead(start + 1)
-            if num_new == 1 and decodes_in_place(request, self.kv_cache_manager, ahead):
-                plan.schedule_running(request, 1, [], [])  # the common case: nothing to allocate
+            ahead = self._lookahead(start + 1) if self.num_lookahead_tokens else 0
+            if num_new == 1 and decodes_in_place(request, kv, ahead):
+                plan.schedule_decode(request)  # the common case: nothing to allocate
                 i += 1
                 continue
             num_new, encoder_work = self._plan_encoder(request, start, num_new)
@@ -328,9 +328,11 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
         plan after them) and describe the step for the model runner and the KV connector."""
         sampled = set()  # a step that reaches the end of a request's tokens samples its next
         encoder_rows = {}
+        requests, encoders = self.requests, self.encoder_cache is not None
         for req_id, n in plan.num_scheduled.items():
-            request = self.requests[req_id]
-            self._encoder_rows(request, n, encoder_rows)
+            request = requests[req_id]
+            if encoders:
+                self._encoder_rows(request, n, encoder_rows)
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1

@@ -49,6 +49,13 @@ class StepPlan:
             CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
         )
 
+    def schedule_decode(self, request: Request) -> None:
+        """schedule_running of a decode without drafts or new blocks (the common case)."""
+        req_id = request.request_id
+        self.num_scheduled[req_id] = 1
+        self.budget -= 1
+        self.cached_reqs.append(CachedRequestData(req_id, [], request.num_computed_tokens))
+
     def schedule_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         """A request admitted from the waiting queue, sent in full (NewRequestData)."""
         self._schedule(request.request_id, num_tokens)
@@ -241,8 +248,8 @@ def make_engine_core_output(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         num_cached_tokens=request.num_cached_tokens,
-        pooled=runner_output.pooled.get(request.request_id),
-        scheduled_time=request.take_scheduled_time(),
+        pooled=runner_output.pooled.get(request.request_id) if runner_output.pooled else None,
+        scheduled_time=None if request.scheduled_time_sent else request.take_scheduled_time(),
     )
 
 

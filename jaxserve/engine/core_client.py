@@ -54,7 +54,11 @@ class EngineCoreClient(abc.ABC):
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         """Requests that belong together (a request's n > 1 children)."""
-        for request in requests:
+        self.add_request_groups([requests])
+
+    def add_request_groups(self, groups: list[list[EngineCoreRequest]]) -> None:
+        """Many requests at once (a generate() call's), each group as add_requests'."""
+        for request in (r for group in groups for r in group):
             self.add_request(request)
 
     @abc.abstractmethod
@@ -283,14 +287,18 @@ class SyncMPClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self.add_requests([request])
 
-    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """Requests that go to one engine (a request's n > 1 children: they share blocks)."""
-        engine = self._engine_for(requests)
-        for request in requests:
-            request.client_index = self.client_index
-            if len(self.engines) > 1:
-                self.req_engine[request.request_id] = engine
-            self._send(engine, EngineCoreRequestType.ADD, request)
+    def add_request_groups(self, groups: list[list[EngineCoreRequest]]) -> None:
+        """One ADD message per engine for the groups it gets (a group: one engine)."""
+        by_engine: dict[int, list[EngineCoreRequest]] = {}
+        for requests in groups:
+            engine = self._engine_for(requests)
+            for request in requests:
+                request.client_index = self.client_index
+                if len(self.engines) > 1:
+                    self.req_engine[request.request_id] = engine
+            by_engine.setdefault(engine, []).extend(requests)
+        for engine, requests in by_engine.items():
+            self._send(engine, EngineCoreRequestType.ADD, requests)
 
     def _engine_for(self, requests: list[EngineCoreRequest]) -> int:
         rank = requests[0].data_parallel_rank

@@ -98,6 +98,11 @@ class LLMEngine:
     def add_processed_request(self, text: str | None, request: EngineCoreRequest) -> None:
         self.engine_core.add_requests(self.output_processor.add_request(text, request))
 
+    def add_processed_requests(self, requests: list[tuple[str | None, EngineCoreRequest]]) -> None:
+        """Many at once: to the core in one message (each admitted by the same step)."""
+        process = self.output_processor.add_request
+        self.engine_core.add_request_groups([process(text, r) for text, r in requests])
+
     def add_request(
         self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
         kv_transfer_params: dict[str, Any] | None = None, lora_request: LoRARequest | None = None,

@@ -8,6 +8,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from tqdm.auto import tqdm
 
 from jaxserve.engine.arg_utils import EngineArgs
@@ -15,7 +16,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -73,6 +74,9 @@ class LLM:
             lora_request = [lora_request] * len(prompts)
         if len(lora_request) != len(prompts):
             raise ValueError(f"got {len(lora_request)} lora_request for {len(prompts)} prompts")
+        # Only the final outputs are returned: none are made for the steps before (vLLM's too).
+        final = RequestOutputKind.FINAL_ONLY
+        sampling_params = [msgspec.structs.replace(p, output_kind=final) for p in sampling_params]
         # Validate everything before anything is queued: a bad prompt fails alone, at once.
         engine = self.llm_engine
         queued = [
@@ -83,8 +87,7 @@ class LLM:
                 prompts, sampling_params, kv_transfer_params, lora_request, strict=True
             )
         ]
-        for text, request in queued:
-            engine.add_processed_request(text, request)
+        engine.add_processed_requests(queued)
         return self._run_engine([request.request_id for _, request in queued], use_tqdm)
 
     def embed(
@@ -111,8 +114,7 @@ class LLM:
         engine = self.llm_engine
         one_step = SamplingParams(max_tokens=1, temperature=0.0)
         queued = [engine.process_inputs(str(next(self._counter)), p, one_step) for p in prompts]
-        for text, request in queued:
-            engine.add_processed_request(text, request)
+        engine.add_processed_requests(queued)
         outs = self._run_engine([request.request_id for _, request in queued], use_tqdm)
         return [
             EmbeddingRequestOutput(

@@ -127,7 +127,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 class EngineCoreRequestType(bytes, enum.Enum):
     """First frame of every frontend -> core message; the rest is the payload's frames."""
 
-    ADD = b"\x00"  # EngineCoreRequest
+    ADD = b"\x00"  # list[EngineCoreRequest]: added in order (e.g. all of one generate() call)
     ABORT = b"\x01"  # list[str] of request ids
     UTILITY = b"\x02"  # UtilityRequest
 

@@ -192,3 +192,17 @@ def test_core_exits_when_its_frontend_is_killed(model_dir, tmp_path):
         time.sleep(0.1)
     os.kill(core_pid, signal.SIGKILL)
     pytest.fail(f"EngineCore {core_pid} outlived its frontend by 5 s")
+
+
+def test_a_generate_calls_requests_reach_the_core_in_one_message(mp_llm, monkeypatch):
+    """One ADD for all of a generate() call's requests: the core admits them together (one
+    message each, the core's input thread could take the GIL only once per switch interval
+    of its busy loop, and a fast step ran the first few to the end alone)."""
+    client = mp_llm.llm_engine.engine_core
+    sent = []
+    send = client._send
+    monkeypatch.setattr(client, "_send", lambda *a: (sent.append(a), send(*a))[1])
+    outs = mp_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    adds = [payload for _, kind, payload in sent if kind.name == "ADD"]
+    assert [len(p) for p in adds] == [len(PROMPTS)]
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)

@@ -3,11 +3,24 @@ engine of the process lives; the last one's shutdown gives it back."""
 
 import gc
 
+import pytest
+
+from jaxserve.engine import gc_heap
 from jaxserve.engine.gc_heap import freeze_heap, unfreeze_heap
 
 
-def test_the_heap_stays_frozen_until_the_last_engine_shuts_down():
+@pytest.fixture(autouse=True)
+def no_engines(monkeypatch):
+    """The count of this process's engines at 0 (other tests' may be alive), then back."""
+    alive = gc_heap._engines
+    monkeypatch.setattr(gc_heap, "_engines", 0)
     gc.unfreeze()
+    yield
+    if alive:
+        gc.freeze()
+
+
+def test_the_heap_stays_frozen_until_the_last_engine_shuts_down():
     cycle = []
     cycle.append(cycle)  # start-up garbage in a cycle
     freeze_heap()
@@ -22,7 +35,6 @@ def test_the_heap_stays_frozen_until_the_last_engine_shuts_down():
 
 
 def test_collecting_first_frees_the_garbage_before_freezing():
-    gc.unfreeze()
     cycle = []
     cycle.append(cycle)
     del cycle

@@ -68,6 +68,10 @@ class FakeCore:
             out.kv_transfer_params = handed_back(r)
             self.pending.append(out)
 
+    def add_request_groups(self, groups: list[list[EngineCoreRequest]]) -> None:
+        for requests in groups:
+            self.add_requests(requests)
+
     def get_output(self) -> EngineCoreOutputs:
         outputs, self.pending = self.pending, []
         return EngineCoreOutputs(outputs)
