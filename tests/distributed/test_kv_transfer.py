@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import KV_CONNECTORS, KVTransferConfig
+from jaxserve.core import scheduler_utils
 from jaxserve.core.kv_connector import SchedulerKVConnector
 from jaxserve.distributed.kv_transfer import connector_class, create_connector
 from jaxserve.distributed.kv_transfer.base import BlockLayout
@@ -222,7 +223,7 @@ def test_zmq_connector_sends_blocks_of_types_without_a_buffer_format(dtype):
 
 def test_a_request_failing_in_the_scheduler_fails_alone(zmq_pair, reference, monkeypatch):
     """On the consumer engine: the issue's kv_transfer_params are a ValueError before the
-    engine; requests whose connector calls or grammar raise (injected) finish with "error"
+    engine; requests whose connector calls or stop check raise (injected) finish with "error"
     while the others beside them give the reference output; no block leaks; it goes on."""
     _, consumer, _ = zmq_pair
     engine, sched = consumer.llm_engine, core(consumer).scheduler
@@ -239,7 +240,7 @@ def test_a_request_failing_in_the_scheduler_fails_alone(zmq_pair, reference, mon
         def wrapper(request, *args):
             result = call(request, *args)  # its own bookkeeping first: then it raises
             if request.request_id == bad_id and (
-                name != "advance" or len(request.output_token_ids) == 3
+                name != "check_stop" or len(request.output_token_ids) == 3
             ):
                 raise RuntimeError(f"injected in {name}")
             return result
@@ -249,7 +250,7 @@ def test_a_request_failing_in_the_scheduler_fails_alone(zmq_pair, reference, mon
     calls = {"bad-match": (sched.connector, "get_num_new_matched_tokens"),
              "bad-alloc": (sched.connector, "update_state_after_alloc"),
              "bad-finished": (sched.connector, "request_finished"),
-             "bad-grammar": (sched.structured_output_manager, "advance")}  # fmt: skip
+             "bad-update": (scheduler_utils, "check_stop")}  # fmt: skip
     for bad_id, (obj, name) in calls.items():
         failing(obj, name, bad_id)
     # the failing requests first, so the healthy ones run beside them (max_num_seqs 4)
