@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from jaxserve.entrypoints.openai.api_server import run_until_disconnected
+from jaxserve.entrypoints.openai.api_common import run_until_disconnected
 
 logger = logging.getLogger("jaxserve.disagg_proxy")
 

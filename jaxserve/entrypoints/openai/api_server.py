@@ -23,16 +23,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import msgspec
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from jaxserve import envs
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.api_common import (
+    MsgspecJSONResponse,
+    decode_body,
+    error_response,
+    generate_route,
+    off_loop,
+    serving_of,
+)
 from jaxserve.entrypoints.openai.middleware import app_middleware
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -45,10 +52,6 @@ from jaxserve.entrypoints.openai.protocol import (
 )
 from jaxserve.entrypoints.openai.request_body import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
-    RequestTooLarge,
-    check_content_type,
-    decode_json,
-    read_body,
 )
 from jaxserve.entrypoints.openai.server_setup import (  # noqa: F401 (multi_server's too)
     bind_socket,
@@ -61,10 +64,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxserve.entrypoints.openai.serving_engine import (
-    DATA_PARALLEL_RANK,
     OpenAIServing,
-    error_body,
-    error_status,
 )
 from jaxserve.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,
@@ -78,140 +78,43 @@ from jaxserve.multimodal.media import DEFAULT_MAX_IMAGE_BYTES
 from jaxserve.version import __version__
 
 logger = logging.getLogger("jaxserve.api_server")
-_json = msgspec.json.Encoder()
-
-
-class MsgspecJSONResponse(Response):
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return _json.encode(content)
-
-
-def error_response(e: BaseException) -> Response:
-    if isinstance(e, RequestTooLarge):
-        info = ErrorInfo(str(e), "RequestEntityTooLarge", 413)
-        return MsgspecJSONResponse(ErrorResponse(info), status_code=413)
-    status, _ = error_status(e)
-    if status == 500:
-        logger.exception("internal error", exc_info=e)
-    return MsgspecJSONResponse(error_body(e), status_code=status)
-
-
-def _serving(request: Request) -> OpenAIServing:
-    """What the non-generating routes use (models, tokenizer); each API has its own below."""
-    return request.app.state.serving
-
-
-async def _off_loop(request: Request, fn, *args) -> Any:
-    """fn(*args) on the app's tokenizer thread (one thread: HF tokenizers are not meant to be
-    shared across threads)."""
-    return await asyncio.get_running_loop().run_in_executor(request.app.state.cpu, fn, *args)
-
-
-async def _decode(request: Request, cls: type):
-    """The body as `cls`: JSON only, at most --max-request-body-bytes, depth and integer
-    width checked (request_body.py); decoded on the tokenizer thread, off the event loop."""
-    check_content_type(request)
-    body = await read_body(request, request.app.state.max_request_body_bytes)
-    return await _off_loop(request, decode_json, body, cls)
-
-
-async def run_until_disconnected(request: Request, coro) -> Any:
-    """Run a non-streaming handler, cancelling it (its requests are aborted in the core) as
-    soon as the client disconnects."""
-    task = asyncio.ensure_future(coro)
-
-    async def disconnected() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
-    return task.result()
-
-
-async def _generate(request: Request, cls, prepare, run, stream, media=None) -> Response:
-    serving = _serving(request)
-    if serving.engine.errored:
-        return error_response(serving.engine.dead or serving.engine.engine_core.poll_dead())
-    try:
-        DATA_PARALLEL_RANK.set(_data_parallel_rank(request, serving))
-        body = await _decode(request, cls)
-        prepared = await _off_loop(request, prepare, body)
-        prepared = prepared if media is None else await media(prepared)  # chat: its images
-    except Exception as e:
-        return error_response(e)
-    if stream is not None and body.stream:
-        return StreamingResponse(stream(body, prepared), media_type="text/event-stream")
-    try:
-        result = await run_until_disconnected(request, run(body, prepared))
-    except Exception as e:
-        return error_response(e)
-    if result is None:  # the client is gone; nobody reads this
-        return Response(status_code=499)
-    return MsgspecJSONResponse(result)
-
-
-def _data_parallel_rank(request: Request, serving: OpenAIServing) -> int | None:
-    """The X-data-parallel-rank header (vLLM's): run on that engine; ValueError if bad."""
-    value = request.headers.get("x-data-parallel-rank")
-    if value is None:
-        return None
-    size = serving.engine.config.parallel.data_parallel_size
-    if not value.strip().isdigit() or int(value) >= size:
-        raise ValueError(
-            f"X-data-parallel-rank {value!r} is not an engine index: there are {size} "
-            "data-parallel engines"
-        )
-    return int(value)
 
 
 async def completions(request: Request) -> Response:
     s = request.app.state.serving_completion
-    return await _generate(
+    return await generate_route(
         request, CompletionRequest, s.prepare_completion, s.completion, s.completion_stream
     )
 
 
 async def chat_completions(request: Request) -> Response:
     s = request.app.state.serving_chat
-    return await _generate(
+    return await generate_route(
         request, ChatCompletionRequest, s.prepare_chat, s.chat, s.chat_stream, s.load_images
     )
 
 
 async def embeddings(request: Request) -> Response:
     s = request.app.state.serving_embedding
-    return await _generate(request, EmbeddingRequest, s.prepare_embedding, s.embedding, None)
+    return await generate_route(request, EmbeddingRequest, s.prepare_embedding, s.embedding, None)
 
 
 async def models(request: Request) -> Response:
-    s = _serving(request)
+    s = serving_of(request)
     return MsgspecJSONResponse(s.models.model_list(s.max_model_len))
 
 
 async def lora_adapters(request: Request) -> Response:
     """POST /v1/load_lora_adapter, /v1/unload_lora_adapter (with
     JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING): vLLM's plain-text success, or the error JSON."""
-    models = _serving(request).models
+    models = serving_of(request).models
     try:
         if request.url.path.endswith("/load_lora_adapter"):
-            body = await _decode(request, LoadLoRAAdapterRequest)
+            body = await decode_body(request, LoadLoRAAdapterRequest)
             text = await models.load_lora_adapter(body, request.app.state.cpu)
         else:
             text = await models.unload_lora_adapter(
-                await _decode(request, UnloadLoRAAdapterRequest)
+                await decode_body(request, UnloadLoRAAdapterRequest)
             )
     except Exception as e:
         return error_response(e)
@@ -219,7 +122,7 @@ async def lora_adapters(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    return Response(status_code=503 if _serving(request).engine.errored else 200)
+    return Response(status_code=503 if serving_of(request).engine.errored else 200)
 
 
 async def version(request: Request) -> Response:
@@ -232,9 +135,9 @@ async def metrics(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    s = _serving(request)
+    s = serving_of(request)
     try:
-        body = await _decode(request, TokenizeRequest)
+        body = await decode_body(request, TokenizeRequest)
         s.check_model(body.model)
         if s.tokenizer is None:
             raise ValueError("this model has no tokenizer")
@@ -242,13 +145,13 @@ async def tokenize(request: Request) -> Response:
             chat = ChatCompletionRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt
             )
-            txt, tokens = await _off_loop(request, request.app.state.serving_chat.chat_prompt, chat)
+            txt, tokens = await off_loop(request, request.app.state.serving_chat.chat_prompt, chat)
             if body.add_special_tokens:  # vLLM's default for messages: false
-                tokens = (await _off_loop(request, lambda: s.tokenizer(txt))).input_ids
+                tokens = (await off_loop(request, lambda: s.tokenizer(txt))).input_ids
         elif body.prompt is not None:
             s.engine.input_processor.check_text_length(body.prompt)
             special = body.add_special_tokens is not False
-            encoded = await _off_loop(
+            encoded = await off_loop(
                 request, lambda: s.tokenizer(body.prompt, add_special_tokens=special)
             )
             tokens = encoded.input_ids
@@ -262,9 +165,9 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    s = _serving(request)
+    s = serving_of(request)
     try:
-        body = await _decode(request, DetokenizeRequest)
+        body = await decode_body(request, DetokenizeRequest)
         s.check_model(body.model)
         vocab = s.engine.config.model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -272,7 +175,7 @@ async def detokenize(request: Request) -> Response:
             raise ValueError(f"token id {bad[0]} is out of vocabulary (size {vocab})")
         if s.tokenizer is None:
             raise ValueError("this model has no tokenizer")
-        text = await _off_loop(request, s.tokenizer.decode, body.tokens)
+        text = await off_loop(request, s.tokenizer.decode, body.tokens)
     except Exception as e:
         return error_response(e)
     return MsgspecJSONResponse({"prompt": text})
