@@ -153,6 +153,26 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.temperature < _GREEDY_EPS
 
 
+class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Beam search (vLLM's; LLM.beam_search, entrypoints/beam_search.py): beam_width beams
+    per prompt, up to max_tokens each; length_penalty: the ranking's exponent of the length
+    (prompt included, vLLM's)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.beam_width >= 1, "beam_width", self.beam_width, "at least 1")
+        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "non-negative")
+        _check(math.isfinite(self.length_penalty), "length_penalty", self.length_penalty,
+               "a finite number")  # fmt: skip
+
+
 def _check(ok: bool, field: str, value, expected: str) -> None:
     if not ok:
         raise ValueError(f"{field} must be {expected}, got {value!r}")

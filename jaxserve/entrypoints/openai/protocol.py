@@ -78,7 +78,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     priority: int = 0
     cache_salt: str | None = None  # prefix-cache entries shared only within one salt
     user: str | None = None  # accepted, ignored
-    # Refused with a 400 (vLLM removed best_of; no beam search yet)
+    # best_of: refused with a 400 (vLLM removed it); use_beam_search: completions only
     best_of: int | None = None
     use_beam_search: bool = False
     # Structured outputs (structured_outputs_params below); the guided_* fields are vLLM's
@@ -98,6 +98,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]  # str, list[str], list[int] or list[list[int]]
     max_tokens: int | None = 16
+    length_penalty: float = 1.0  # with use_beam_search (entrypoints/beam_search.py)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -255,7 +256,7 @@ def random_id(prefix: str) -> str:
 
 UNSUPPORTED = {
     "suffix": "suffix is not supported by jaxserve yet",
-    "use_beam_search": "use_beam_search is not supported by jaxserve yet (no beam search)",
+    "use_beam_search": "use_beam_search is supported on /v1/completions only",
     "functions": "functions is deprecated by OpenAI and not supported: use tools",
     "function_call": "function_call is deprecated by OpenAI and not supported: use tool_choice",
 }
@@ -265,7 +266,8 @@ def check_supported(request: _SamplingFields) -> None:
     """ValueError for fields this engine cannot honour (rather than ignoring them) and for
     values no SamplingParams field checks."""
     for field, message in UNSUPPORTED.items():
-        if getattr(request, field, None) not in (None, False):
+        beams = field == "use_beam_search" and isinstance(request, CompletionRequest)
+        if getattr(request, field, None) not in (None, False) and not beams:
             raise ValueError(message)
     if request.best_of is not None and request.best_of != request.n:
         raise ValueError(

@@ -3,11 +3,13 @@ request, n choices each; echo, legacy logprobs, prompt_logprobs; whole or stream
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
 
 import msgspec
 
+from jaxserve.entrypoints.beam_search import BeamSearch, beam_search_async, check_beam_width
 from jaxserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -27,6 +29,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     usage_options,
 )
 from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from jaxserve.sampling_params import BeamSearchParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -49,6 +52,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:
         request_id, prompts, params = prepared
+        if request.use_beam_search:
+            return await self._beam_search(request, prepared)
         finals = await self._gather(
             request_id, prompts, params, request.priority, request.kv_transfer_params
         )
@@ -79,6 +84,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def completion_stream(self, request: CompletionRequest, prepared) -> AsyncIterator[bytes]:
         request_id, prompts, params = prepared
+        if request.use_beam_search:  # one chunk per choice once the search ends (as vLLM)
+            async for chunk in self._beam_search_stream(request, prepared):
+                yield chunk
+            return
         created, model = int(time.time()), self._name(request.model)
         include_usage, continuous = usage_options(request)
         prompt_tokens, completion_tokens = 0, 0
@@ -110,6 +119,58 @@ class OpenAIServingCompletion(OpenAIServing):
             if include_usage:
                 usage = self._usage(prompt_tokens, completion_tokens, sum(cached.values()))
                 yield sse(CompletionResponse(request_id, created, model, [], usage))
+        except Exception as e:
+            yield sse(error_body(e))
+        yield SSE_DONE
+
+    async def _beam_search(self, request: CompletionRequest, prepared) -> CompletionResponse:
+        """use_beam_search: n beams per prompt (entrypoints/beam_search.py), the n best as
+        the prompt's choices, best first; each choice's text is its generated tokens'."""
+        request_id, prompts, params = prepared
+        processor = self.engine.input_processor
+        beam_params = BeamSearchParams(
+            beam_width=params.n, max_tokens=params.max_tokens or processor.max_model_len,
+            ignore_eos=params.ignore_eos, temperature=params.temperature,
+            length_penalty=request.length_penalty,
+        )  # fmt: skip
+        check_beam_width(beam_params, processor.max_logprobs)
+        search = BeamSearch([p["prompt_token_ids"] for p in prompts], beam_params,
+                            processor.eos_token_id, processor.max_model_len)  # fmt: skip
+        extra = {k: v for k, v in prompts[0].items() if k in ("cache_salt", "lora_request")}
+        steps = itertools.count()
+
+        async def run_one(tokens: list[int], step_params, i: int) -> RequestOutput:
+            final = None
+            async for out in self.engine.generate(
+                {"prompt_token_ids": tokens, **extra}, step_params,
+                f"{request_id}-beam{next(steps)}", priority=request.priority,
+            ):  # fmt: skip
+                final = out
+            return final
+
+        await beam_search_async(search, run_one)
+        choices, completion_tokens = [], 0
+        for p, result in enumerate(search.results()):
+            for j, beam in enumerate(result.sequences):
+                ids = beam.output_token_ids
+                completion_tokens += len(ids)
+                text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+                if request.echo:
+                    text = (prompts[p]["prompt"] or "") + text
+                choices.append(CompletionChoice(p * params.n + j, text, None, beam.finish_reason))
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        usage = self._usage(prompt_tokens, completion_tokens, 0)
+        return CompletionResponse(
+            request_id, int(time.time()), self._name(request.model), choices, usage
+        )
+
+    async def _beam_search_stream(self, request: CompletionRequest, prepared):
+        try:
+            response = await self._beam_search(request, prepared)
+            for choice in response.choices:
+                yield sse(msgspec.structs.replace(response, choices=[choice], usage=None))
+            if usage_options(request)[0]:
+                yield sse(msgspec.structs.replace(response, choices=[]))
         except Exception as e:
             yield sse(error_body(e))
         yield SSE_DONE

@@ -169,7 +169,6 @@ COMMON = {
     "cache_salt": ({"cache_salt": "s1"}, lambda a, r, b: r[0].cache_salt == "s1"),
     "user": ({"user": "u"}, lambda a, r, b: True),  # accepted, no effect (as vLLM)
     "best_of": ({"best_of": 2}, REFUSED),
-    "use_beam_search": ({"use_beam_search": True}, REFUSED),
     "response_format": (
         {"response_format": {"type": "json_object"}},
         lambda a, r, b: so(r[0]) == {"json_object": True},
@@ -206,6 +205,17 @@ COMPLETION = {
     "logprobs": ({"logprobs": 2}, sp(logprobs=2)),
     "echo": ({"echo": True}, lambda a, r, b: a["choices"][0]["text"].startswith("Hello")),
     "suffix": ({"suffix": "x"}, REFUSED),
+    # beam search: each step a one-token request with 2 x n logprobs per beam (the stand-in
+    # core's two candidates, 7 and 8, grow the beams); n choices, best first
+    "use_beam_search": (
+        {"use_beam_search": True, "n": 2, "max_tokens": 2},
+        lambda a, r, b: sp(max_tokens=1, logprobs=4)(a, r, b)
+        and len(r) == 1 + 2 and [c["index"] for c in a["choices"]] == [0, 1],
+    ),
+    "length_penalty": (  # its effect on the ranking: tests/entrypoints/test_beam_search.py
+        {"use_beam_search": True, "n": 2, "max_tokens": 2, "length_penalty": 0.5},
+        lambda a, r, b: sp(max_tokens=1, logprobs=4)(a, r, b) and len(a["choices"]) == 2,
+    ),
 }
 CHAT_ONLY = {
     "messages": ({"messages": [{"role": "user", "content": "Bye"}]}, differs),
@@ -262,6 +272,7 @@ CHAT_ONLY = {
         },
         lambda a, r, b: r[0].prompt_token_ids == TOKENS["HelloHello!"],
     ),  # fmt: skip
+    "use_beam_search": ({"use_beam_search": True}, REFUSED),  # completions only
     "functions": ({"functions": [TOOL["function"]]}, REFUSED),
     "function_call": ({"function_call": "auto"}, REFUSED),
 }
