@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_LOG_STATS_INTERVAL: float = 10.0
     JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S: float = 5.0
     JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING: bool = False
+    JAXSERVE_ENABLE_RESPONSES_API_STORE: bool = False
     JAXSERVE_IMAGE_FETCH_TIMEOUT: float = 5.0
     JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS: bool = True
     JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
@@ -84,6 +85,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; docs/lora.md).
     "JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING": lambda: (
         os.environ.get("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+    ),
+    # "1" or "true": /v1/responses keeps responses in memory (bounded, least recently used
+    # evicted: entrypoints/openai/responses_store.py) for previous_response_id and
+    # GET /v1/responses/{id} (vLLM's VLLM_ENABLE_RESPONSES_API_STORE).
+    "JAXSERVE_ENABLE_RESPONSES_API_STORE": lambda: (
+        os.environ.get("JAXSERVE_ENABLE_RESPONSES_API_STORE", "0").strip().lower() in ("1", "true")
     ),
     # Seconds an image URL of a chat message may take to fetch, in all (connecting, every
     # redirect, the body); past it the request fails with a 400 (vLLM's

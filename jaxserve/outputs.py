@@ -79,3 +79,38 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per label (the activated logits of the classifier's head)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """What LLM.classify returns per prompt (vLLM's)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """What LLM.score returns per text pair (vLLM's): prompt_token_ids are the pair's (a
+    cross-encoder's one prompt; an embedding model's two, concatenated)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

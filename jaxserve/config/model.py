@@ -16,6 +16,7 @@ from jaxserve.config.linear_attention import LinearAttentionConfig, linear_atten
 from jaxserve.config.llama4 import LLAMA4, llama4_fields
 from jaxserve.config.mla import MlaConfig, mla_config
 from jaxserve.config.moe import MoeRouting, first_dense_layers, moe_routing
+from jaxserve.config.pooler import is_classifier
 from jaxserve.config.quantization import (
     CHECKPOINT_METHODS,
     checkpoint_quantization,
@@ -285,7 +286,10 @@ class ModelConfig:
             rms_norm_eps=float(hf_config.rms_norm_eps),
             rope=RopeConfig.from_hf(hf_config),
             max_position_embeddings=hf_config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            # A classifier has no LM head: its pooling runner's one dropped token reads the
+            # embedding table (models/seq_cls.py)
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False))
+            or is_classifier(archs[0]),
             attention_bias=attention_bias,
             o_proj_bias=attention_bias and archs[0] in O_PROJ_BIAS,
             attention_sinks=archs[0] == "GptOssForCausalLM",

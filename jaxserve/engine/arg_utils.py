@@ -30,6 +30,7 @@ from jaxserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from jaxserve.config.pooler import is_classifier
 from jaxserve.distributed.mesh import check_local_devices
 from jaxserve.transformers_utils.config import (
     check_generation_config,
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 # smaller limits keep start-up short.
 CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS = 64, 1024
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 8192
+POOLING_TASKS = ("embed", "embedding", "classify", "score")  # vLLM's names: runner="pooling"
 
 
 @dataclasses.dataclass
@@ -93,8 +95,9 @@ class EngineArgs:
     attention_backend: str | None = None
     reasoning_parser: str | None = None  # e.g. deepseek_r1, qwen3 (jaxserve/reasoning)
     quantization: str | None = None  # int8 | fp8 (at load) | gguf | the checkpoint's method
-    # "pooling": an embedding model (LLM.embed, /v1/embeddings), no generation; "auto" and
-    # "generate": text generation. `task="embed"` is vLLM's older name for runner="pooling".
+    # "pooling": an embedding model (LLM.embed, /v1/embeddings) or a classifier (LLM.classify,
+    # .score; a *ForSequenceClassification's "auto"), no generation; "auto" and "generate":
+    # text generation. `task="embed"` (or classify, score) is vLLM's older runner="pooling".
     runner: str = "auto"
     task: str | None = None
     # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} (or its JSON); default: the
@@ -203,7 +206,7 @@ class EngineArgs:
             else self.async_scheduling,
         )
         attention_backend = self._attention_backend()
-        pooler = self._pooler(path)
+        pooler = self._pooler(path, model_config.architecture)
         if pooler is not None and speculative is not None:
             raise ValueError("speculative_config needs a generating runner, not runner='pooling'")
         cache = CacheConfig(
@@ -376,14 +379,19 @@ class EngineArgs:
                 )
         return dataclasses.replace(spec, model=str(path))
 
-    def _pooler(self, path: Path) -> PoolerConfig | None:
-        """The PoolerConfig of a pooling runner, None for a generating one."""
-        tasks = {None: None, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+    def _pooler(self, path: Path, architecture: str) -> PoolerConfig | None:
+        """The PoolerConfig of a pooling runner, None for a generating one (a classifier's
+        runner is pooling unless it asks for generation: vLLM's "auto")."""
+        tasks = {None: None, "generate": "generate", **dict.fromkeys(POOLING_TASKS, "pooling")}
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner {self.runner!r} is not one of auto, generate, pooling")
         if self.task not in tasks:
-            raise ValueError(f"task {self.task!r} is not one of generate, embed")
+            raise ValueError(f"task {self.task!r} is not one of {', '.join(t for t in tasks if t)}")
         runner = tasks[self.task] or self.runner
+        if is_classifier(architecture):  # a classifier only pools
+            if runner == "generate":
+                raise ValueError(f"{architecture} is a classifier: it needs runner='pooling'")
+            runner = "pooling"
         if runner != "pooling":
             if self.pooler_config is not None:
                 raise ValueError("pooler_config needs runner='pooling'")

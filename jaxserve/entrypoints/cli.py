@@ -106,10 +106,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--runner", default="auto", choices=["auto", "generate", "pooling"],
-        help="pooling: an embedding model (/v1/embeddings, LLM.embed), no generation",
+        help="pooling: an embedding model (/v1/embeddings, LLM.embed) or a classifier "
+        "(/classify, /score, /rerank; a *ForSequenceClassification's auto), no generation",
     )  # fmt: skip
-    parser.add_argument("--task", default=None, choices=["generate", "embed", "embedding"],
-                        help="vLLM's older name: embed = --runner pooling")  # fmt: skip
+    parser.add_argument(
+        "--task", default=None, choices=["generate", "embed", "embedding", "classify", "score"],
+        help="vLLM's older name: embed, classify, score = --runner pooling",
+    )  # fmt: skip
     parser.add_argument(
         "--pooler-config", default=None,
         help='JSON, e.g. {"pooling_type": "MEAN", "normalize": false} (LAST, MEAN or CLS)',

@@ -11,12 +11,27 @@ from typing import Any
 import msgspec
 from tqdm.auto import tqdm
 
+from jaxserve.config.pooler import is_classifier
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.entrypoints import score_utils
+from jaxserve.entrypoints.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    check_beam_width,
+)
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jaxserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from jaxserve.pooling_params import PoolingParams
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -90,6 +105,28 @@ class LLM:
         engine.add_processed_requests(queued)
         return self._run_engine([request.request_id for _, request in queued], use_tqdm)
 
+    def beam_search(
+        self, prompts: Any, params: BeamSearchParams, lora_request: LoRARequest | None = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:  # fmt: skip
+        """vLLM's beam search (entrypoints/beam_search.py): each prompt's beam_width best
+        sequences, best first; each sequence's `tokens` and `text` include the prompt's."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        processor = self.llm_engine.input_processor
+        check_beam_width(params, processor.max_logprobs)
+        ids = [processor.tokenize(p)[1] for p in prompts]
+        search = BeamSearch(ids, params, processor.eos_token_id, processor.max_model_len)
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
+        while not search.done:
+            beams = [{"prompt_token_ids": t} for t in search.step_prompts()]
+            search.advance(self.generate(beams, search.sampling_params, use_tqdm=False,
+                                         lora_request=lora_request))  # fmt: skip
+            bar.update(1)
+        bar.close()
+        tokenizer = self.get_tokenizer()
+        return search.results(tokenizer.decode if tokenizer is not None else None)
+
     def embed(
         self,
         prompts: Any,
@@ -102,6 +139,7 @@ class LLM:
         pooler = self.llm_engine.config.pooler
         if pooler is None:
             raise ValueError("LLM.embed() needs a pooling model: LLM(model, runner='pooling')")
+        score_utils.check_task(self.llm_engine.config, "embed")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         pooling_params = pooling_params or PoolingParams()
@@ -123,6 +161,68 @@ class LLM:
             )
             for out, params in zip(outs, pooling_params, strict=True)
         ]  # fmt: skip
+
+    def classify(self, prompts: Any, *, use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Each prompt's (text, {"prompt_token_ids": [...]}, or a list of them) probability
+        per label, from a classifier (runner='pooling'; entrypoints/score_utils.py)."""
+        hf_config = self._pooling_model("LLM.classify()", "classify").hf_config
+        return [
+            ClassificationRequestOutput(
+                out.request_id, out.prompt_token_ids,
+                ClassificationOutput(score_utils.classify_probs(out.pooled, hf_config)),
+            )
+            for out in self._pool(prompts, use_tqdm)
+        ]  # fmt: skip
+
+    def score(
+        self, text_1: str | list[str], text_2: str | list[str], *, use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """The score of each (text_1, text_2) pair (one and one, one and many, or many and as
+        many): a cross-encoder's (a classifier of one label: the sigmoid of its logit over
+        the pair as one prompt) or an embedding model's (the cosine similarity of the two
+        texts' embeddings); entrypoints/score_utils.py."""
+        model = self._pooling_model("LLM.score()", "score")
+        firsts, seconds = score_utils.pair_up(text_1, text_2)
+        if not is_classifier(model.architecture):  # a bi-encoder
+            outs = self._pool(firsts + seconds, use_tqdm)
+            pairs = zip(outs[: len(firsts)], outs[len(firsts) :], strict=True)
+            return [
+                ScoringRequestOutput(
+                    f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
+                    ScoringOutput(score_utils.cosine(a.pooled, b.pooled)),
+                )
+                for a, b in pairs
+            ]  # fmt: skip
+        tokenizer, hf_config = self.get_tokenizer(), model.hf_config
+        prompts = [
+            {"prompt_token_ids": score_utils.cross_encoder_ids(tokenizer, hf_config, a, b)}
+            for a, b in zip(firsts, seconds, strict=True)
+        ]
+        return [
+            ScoringRequestOutput(
+                out.request_id, out.prompt_token_ids,
+                ScoringOutput(score_utils.cross_encoder_score(out.pooled, hf_config)),
+            )
+            for out in self._pool(prompts, use_tqdm)
+        ]  # fmt: skip
+
+    def _pooling_model(self, what: str, task: str) -> Any:
+        """The ModelConfig of a pooling model that serves `task`; else ValueError."""
+        config = self.llm_engine.config
+        if config.pooler is None:
+            raise ValueError(f"{what} needs a pooling model: LLM(model, runner='pooling')")
+        score_utils.check_task(config, task)
+        return config.model
+
+    def _pool(self, prompts: Any, use_tqdm: bool) -> list[RequestOutput]:
+        """Each prompt's final output on a pooling runner (its `pooled` vector)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        one_step = SamplingParams(max_tokens=1, temperature=0.0)
+        queued = [engine.process_inputs(str(next(self._counter)), p, one_step) for p in prompts]
+        engine.add_processed_requests(queued)
+        return self._run_engine([request.request_id for _, request in queued], use_tqdm)
 
     def chat(
         self,

@@ -11,6 +11,7 @@ from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.phi3 import Phi3ForCausalLM
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from jaxserve.models.qwen3_next import Qwen3NextForCausalLM
+from jaxserve.models.seq_cls import Qwen3ForSequenceClassification
 from jaxserve.models.vlm import (
     Gemma3ForConditionalGeneration,
     LlavaForConditionalGeneration,
@@ -22,6 +23,8 @@ _MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,  # + q/k norms (ModelConfig.qk_norm)
+    # a score head on the last token (runner="pooling": classify, score, rerank)
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
     "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv / gate_up checkpoints
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,  # text only

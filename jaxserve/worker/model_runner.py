@@ -135,7 +135,8 @@ class ModelRunner:
         )  # fmt: skip
         # A pooling runner (embeddings): every step also pools its prompt tokens.
         pooler = engine_config.pooler
-        self.pooler = Pooler(pooler.pooling_type, self.max_num_seqs) if pooler else None
+        head = getattr(loaded.model, "classifier_head", None)  # a classifier's score head
+        self.pooler = Pooler(pooler.pooling_type, self.max_num_seqs, head) if pooler else None
         # A KV connector's block copies (distributed/kv_transfer; set_kv_connector).
         self.kv_connector = None
         self.kv_copier = None

@@ -2,7 +2,8 @@
 its prompt tokens' final hidden states on the device (`step_functions.pool`: per request the
 sum, the first and the last), and the host accumulates them over a prompt's chunks until the
 step its prompt ends, which gives its vector: the last token's, the mean over the prompt, or
-the first token's (PoolerConfig.pooling_type: LAST, MEAN, CLS)."""
+the first token's (PoolerConfig.pooling_type: LAST, MEAN, CLS). A classifier's
+(models/seq_cls.py) vector is then its score head's logits over that: f32[num_labels]."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ from jaxserve.worker.step_types import StepBatch
 
 
 class Pooler:
-    def __init__(self, pooling_type: str, max_num_seqs: int):
+    def __init__(self, pooling_type: str, max_num_seqs: int, head: np.ndarray | None = None):
+        """head: a classifier's f32[D, num_labels], applied to each pooled vector (in float32
+        on the host: [D] x [D, L] per finished prompt, far less than its step)."""
         self.pooling_type = pooling_type
         self.max_num_seqs = max_num_seqs
+        self.head = head
         self._acc: dict[str, list] = {}  # req_id -> [sum f32[D], first f32[D]]
 
     def inputs(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -53,4 +57,6 @@ class Pooler:
                     out[req_id] = acc[0] / num_prompt_tokens[i]
                 else:
                     out[req_id] = acc[1]
+                if self.head is not None:
+                    out[req_id] = np.asarray(out[req_id], np.float32) @ self.head
         return out

@@ -32,6 +32,7 @@ from starlette.routing import Route
 
 from jaxserve import envs
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai import serving_messages
 from jaxserve.entrypoints.openai.api_common import (
     MsgspecJSONResponse,
     decode_body,
@@ -72,6 +73,8 @@ from jaxserve.entrypoints.openai.serving_models import (
     OpenAIServingModels,
     UnloadLoRAAdapterRequest,
 )
+from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from jaxserve.entrypoints.openai.serving_score import OpenAIServingScore, score_routes
 from jaxserve.entrypoints.openai.template_worker import shared_renderer
 from jaxserve.metrics import PrometheusStatLogger, make_log_stats
 from jaxserve.multimodal.media import DEFAULT_MAX_IMAGE_BYTES
@@ -257,12 +260,17 @@ def build_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/responses", OpenAIServingResponses.create_route, methods=["POST"]),
+        Route("/v1/responses/{response_id}", OpenAIServingResponses.get_route, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        *score_routes(),  # /classify, /score, /rerank, /pooling (a pooling server's)
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/messages", serving_messages.create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", serving_messages.count_tokens, methods=["POST"]),
     ]
     if envs.JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING:
         logger.warning("runtime LoRA loading and unloading is on: for local development only")
@@ -282,9 +290,12 @@ def build_app(
         reasoning_parser=engine.config.reasoning_parser, max_image_bytes=max_image_bytes,
         trust_request_chat_template=trust_request_chat_template, **details,
     )  # fmt: skip
+    app.state.serving_responses = OpenAIServingResponses(app.state.serving_chat)
     app.state.serving_completion = OpenAIServingCompletion(engine, served_model_names, **details)
     app.state.serving_embedding = OpenAIServingEmbedding(engine, served_model_names, **details)
+    app.state.serving_score = OpenAIServingScore(engine, served_model_names, **details)
     app.state.serving = OpenAIServing(engine, served_model_names, **details)
+    app.state.serving_messages = serving_messages.ServingMessages(app.state.serving_chat)
     app.state.cpu = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize")
     app.state.engine_died = False
     app.state.max_request_body_bytes = max_request_body_bytes

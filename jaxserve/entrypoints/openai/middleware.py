@@ -18,21 +18,31 @@ _json = msgspec.json.Encoder()
 
 
 class APIKeyMiddleware:
-    """Bearer-token check on /v1 paths (pure ASGI, so streaming passes through untouched)."""
+    """Bearer-token check on /v1 paths (pure ASGI, so streaming passes through untouched);
+    Anthropic's Messages API (/v1/messages...) takes the key as its clients send it too, in
+    an x-api-key header, and answers a 401 in Anthropic's error shape."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
-    def authorized(self, scope: Scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self.expected)  # constant time
+    def authorized(self, scope: Scope, anthropic: bool = False) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):  # constant time
+            return True
+        return anthropic and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         guarded = scope["type"] == "http" and scope["path"].startswith("/v1")
-        if guarded and not self.authorized(scope):
+        anthropic = guarded and scope["path"].startswith("/v1/messages")
+        if guarded and not self.authorized(scope, anthropic):
             message = "Unauthorized: a valid API key is required"
             body = _json.encode(ErrorResponse(ErrorInfo(message, "AuthenticationError", 401)))
+            if anthropic:
+                error = {"type": "authentication_error", "message": message}
+                body = _json.encode({"type": "error", "error": error})
             await Response(body, 401, media_type="application/json")(scope, receive, send)
             return
         await self.app(scope, receive, send)

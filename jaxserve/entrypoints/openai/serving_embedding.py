@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from jaxserve.entrypoints import score_utils
 from jaxserve.entrypoints.openai.protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -28,6 +29,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 "only; name it instead"
             )
         self.check_runner("Embeddings")
+        score_utils.check_task(self.engine.config, "embed")  # not a classifier
         if request.encoding_format not in ("float", "base64"):
             raise ValueError(
                 f"encoding_format {request.encoding_format!r} is not one of float, base64"

@@ -209,8 +209,11 @@ COMPLETION = {
     # core's two candidates, 7 and 8, grow the beams); n choices, best first
     "use_beam_search": (
         {"use_beam_search": True, "n": 2, "max_tokens": 2},
-        lambda a, r, b: sp(max_tokens=1, logprobs=4)(a, r, b)
-        and len(r) == 1 + 2 and [c["index"] for c in a["choices"]] == [0, 1],
+        lambda a, r, b: (
+            sp(max_tokens=1, logprobs=4)(a, r, b)
+            and len(r) == 1 + 2
+            and [c["index"] for c in a["choices"]] == [0, 1]
+        ),
     ),
     "length_penalty": (  # its effect on the ranking: tests/entrypoints/test_beam_search.py
         {"use_beam_search": True, "n": 2, "max_tokens": 2, "length_penalty": 0.5},

@@ -1,0 +1,308 @@
+"""/v1/responses bodies (OpenAI's Responses API, as vLLM serves it) as msgspec Structs.
+
+A request becomes a chat conversation (serving_responses.py): `input` items are messages,
+`instructions` a system message, `text.format` a response_format, the flat function tools the
+chat API's nested ones. The response echoes the request's settings beside its `output` items
+(messages of output_text parts, function calls, reasoning), with the fields the openai
+client's `Response` model requires.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import msgspec
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    # A string (one user message) or a list of items: messages ({"role", "content"}, content
+    # a string or input_text / output_text / input_image parts), function_call and
+    # function_call_output items of an earlier turn, reasoning items.
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None  # a system message first (not carried over by
+    # previous_response_id, as OpenAI's)
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    # {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # {"type": "function", "name", "parameters"...}
+    tool_choice: str | dict[str, Any] | None = None  # none/auto/required/{"type","name"}
+    parallel_tool_calls: bool = True
+    reasoning: dict[str, Any] | None = None  # {"effort"}: the chat template's reasoning_effort
+    stream: bool = False
+    store: bool = True  # kept only with JAXSERVE_ENABLE_RESPONSES_API_STORE (echoed false else)
+    previous_response_id: str | None = None
+    user: str | None = None  # accepted, echoed
+    metadata: dict[str, str] | None = None  # accepted, echoed
+    include: list[str] | None = None  # accepted (nothing extra to include)
+    truncation: str | None = None  # "disabled" only (no "auto" truncation)
+    background: bool = False  # refused: needs a store that runs requests on its own
+    service_tier: str | None = None  # accepted, echoed
+    # vLLM's sampling extensions
+    top_k: int | None = None
+    seed: int | None = None
+    priority: int = 0
+
+
+# ---------------------------------------------------------------------- output items
+class OutputText(msgspec.Struct):
+    text: str
+    type: str = "output_text"
+    annotations: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class ReasoningText(msgspec.Struct):
+    text: str
+    type: str = "reasoning_text"
+
+
+class OutputMessage(msgspec.Struct):
+    id: str
+    content: list[OutputText]
+    status: str = "completed"
+    role: str = "assistant"
+    type: str = "message"
+
+
+class FunctionCallItem(msgspec.Struct):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+    type: str = "function_call"
+
+
+class ReasoningItem(msgspec.Struct):
+    id: str
+    content: list[ReasoningText]
+    summary: list[Any] = msgspec.field(default_factory=list)
+    status: str = "completed"
+    type: str = "reasoning"
+
+
+OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
+
+
+# ---------------------------------------------------------------------- the response
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(msgspec.Struct):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens_details: OutputTokensDetails
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: str  # "max_output_tokens"
+
+
+class ResponsesResponse(msgspec.Struct, kw_only=True):
+    id: str
+    created_at: int
+    model: str
+    output: list[Any]  # OutputItem structs
+    status: Literal["completed", "incomplete", "in_progress", "failed"] = "completed"
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: dict[str, Any] | None = None
+    object: str = "response"
+    # the request's settings, echoed
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    truncation: str = "disabled"
+    background: bool = False
+    service_tier: str = "auto"
+
+
+def item_id(prefix: str) -> str:
+    """OpenAI's ids: resp_..., msg_..., fc_..., rs_..., call_..."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---------------------------------------------------------------------- request -> chat
+_ROLES = ("user", "system", "developer", "assistant")
+_ITEMS = "message, function_call, function_call_output or reasoning"
+
+
+def input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """`input` as a list of items (a string: one user message)."""
+    if isinstance(request.input, str):
+        return [{"type": "message", "role": "user", "content": request.input}]
+    if not request.input:
+        raise ValueError("input must not be empty")
+    return request.input
+
+
+def to_messages(items: list[Any], where: str = "input") -> list[dict[str, Any]]:
+    """Responses items -> chat messages: a message as itself (its parts as text and image_url
+    parts), function_call items as the tool_calls of an assistant message (the one before
+    them, if it is the assistant's), function_call_output items as tool messages, a
+    reasoning item's text as the next assistant message's `reasoning`. ValueError naming a
+    bad item as where[i]."""
+    messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{at} must be an object, got {type(item).__name__}")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise ValueError(f"{at}.role must be one of {', '.join(_ROLES)}, got {role!r:.100}")
+            message = {"role": role, "content": _content(item.get("content"), at)}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "function_call":
+            call_id, name, args = (_string(item, f, at) for f in ("call_id", "name", "arguments"))
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": args}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": None}
+                if reasoning is not None:
+                    last["reasoning"], reasoning = reasoning, None
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if isinstance(output, list):
+                output = _content(output, f"{at}.output")
+            elif not isinstance(output, str):
+                raise ValueError(f"{at}.output must be a string or a list of input_text parts")
+            messages.append(
+                {"role": "tool", "tool_call_id": _string(item, "call_id", at), "content": output}
+            )
+        elif kind == "reasoning":
+            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+            texts = [p.get("text") for p in parts if isinstance(p, dict)]
+            reasoning = "".join(t for t in texts if isinstance(t, str)) or None
+        else:
+            raise ValueError(f"{at}.type must be {_ITEMS}, got {kind!r:.100}")
+    return messages
+
+
+def _string(item: dict, field: str, at: str) -> str:
+    value = item.get(field)
+    if not isinstance(value, str) or (not value and field != "arguments"):
+        raise ValueError(f"{at}.{field} must be a non-empty string, got {value!r:.100}")
+    return value
+
+
+def _content(content: Any, at: str) -> str | list[dict[str, Any]]:
+    """A message's content: a string, or parts -> chat's text and image_url parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{at}.content must be a string or a list of parts")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        text = part.get("refusal" if kind == "refusal" else "text") if kind else None
+        if kind in ("input_text", "output_text", "text", "refusal") and isinstance(text, str):
+            parts.append({"type": "text", "text": text})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise ValueError(
+                    f"{at}.content[{j}]: an input_image needs an image_url (an http(s), data: or "
+                    f"file:// URL; file_id is not supported), got {part!r:.200}"
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ValueError(
+                f"{at}.content[{j}] must be an input_text, output_text or input_image part, "
+                f"got {part!r:.200}"
+            )
+    return parts
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools -> chat's {"type": "function", "function": {...}}."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise ValueError(
+                f'tools[{i}]: only function tools ({{"type": "function", "name", "parameters"}}) '
+                f"are served, got type {kind!r:.100}"
+            )
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """{"type": "function", "name"} -> chat's {"type": "function", "function": {"name"}}."""
+    if not isinstance(choice, dict):
+        return choice  # none / auto / required (chat_utils.check_tools checks the rest)
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise ValueError(
+            'tool_choice must be none, auto, required or {"type": "function", "name": ...}, '
+            f"got {choice!r:.200}"
+        )
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def text_format(request: ResponsesRequest) -> dict[str, Any]:
+    """text.format (default {"type": "text"}), checked."""
+    text = request.text if request.text is not None else {}
+    fmt = text.get("format", {"type": "text"}) if isinstance(text, dict) else None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(
+            f"text.format.type must be text, json_object or json_schema, got {kind!r:.100}"
+        )
+    if kind == "json_schema" and not isinstance(fmt.get("schema"), dict):
+        raise ValueError(
+            'text.format of type "json_schema" needs a schema (a JSON schema object), '
+            f"got {fmt.get('schema')!r:.200}"
+        )
+    return fmt
+
+
+def response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    """text.format -> chat's response_format (the same structured outputs)."""
+    if fmt["type"] == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    return None if fmt["type"] == "text" else {"type": fmt["type"]}
+
+
+def echo_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The tools as the response shows them (every field of OpenAI's FunctionTool)."""
+    keys = ("name", "description", "parameters", "strict")
+    return [{"type": "function", **{k: t.get(k) for k in keys}} for t in tools or ()]

@@ -1,0 +1,365 @@
+"""/v1/responses (OpenAI's Responses API, vLLM's `serving_responses.py`) over the chat path:
+a request becomes a ChatCompletionRequest (protocol_responses.py: items -> messages, flat
+tools -> chat's, text.format -> response_format), prepared, rendered and run by
+OpenAIServingChat, parsed by its ChoiceParser (reasoning, content, tool calls); the result
+comes back as output items, whole or as the Responses event stream (`event:` + `data:`,
+every event with a rising sequence_number, response.completed last, whatever the status).
+
+With JAXSERVE_ENABLE_RESPONSES_API_STORE, responses asked to be stored (`store`, true by
+default) are kept in memory (responses_store.py): GET /v1/responses/{id} returns one, and
+`previous_response_id` continues its conversation (its input and output before the new input;
+its instructions are not carried over, as OpenAI's). Without it, `store` is accepted and
+echoed false, and previous_response_id and GET are 400s naming the variable (vLLM's default
+too)."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from jaxserve import envs
+from jaxserve.entrypoints.openai.api_common import (
+    MsgspecJSONResponse,
+    error_response,
+    generate_route,
+)
+from jaxserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaToolCall,
+    ErrorInfo,
+    ErrorResponse,
+    random_tool_call_id,
+)
+from jaxserve.entrypoints.openai.protocol_responses import (
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputMessage,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    ResponsesRequest,
+    ResponsesResponse,
+    ResponseUsage,
+    chat_tool_choice,
+    chat_tools,
+    echo_tools,
+    input_items,
+    item_id,
+    now,
+    response_format,
+    text_format,
+    to_messages,
+)
+from jaxserve.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
+from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxserve.entrypoints.openai.serving_engine import error_status
+
+_json = msgspec.json.Encoder()
+STORE_OFF = (
+    "the response store is off: set JAXSERVE_ENABLE_RESPONSES_API_STORE=1 (vLLM's "
+    "VLLM_ENABLE_RESPONSES_API_STORE) on the server to use {}"
+)
+
+
+class ResponseNotFound(LookupError):
+    """A 404: no stored response has this id."""
+
+
+class _Context(msgspec.Struct):
+    request: ResponsesRequest
+    id: str
+    created_at: int
+    history: list  # the conversation's items up to and including this request's input
+    store: bool  # this response is kept
+
+
+class OpenAIServingResponses:
+    """The chat API's serving (template, parsers, engine) and the response store (None
+    unless JAXSERVE_ENABLE_RESPONSES_API_STORE)."""
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponsesStore | None = None):
+        self.chat = chat
+        self.store = store
+        if store is None and envs.JAXSERVE_ENABLE_RESPONSES_API_STORE:
+            self.store = ResponsesStore()
+
+    # ------------------------------------------------------------------ preparing
+    def prepare(self, request: ResponsesRequest):
+        """(context, the chat request, prepare_chat's result); ValueError (a 400) naming a bad
+        field, ResponseNotFound (a 404) for an unknown previous_response_id."""
+        self.chat.check_runner("Responses")
+        if request.background:
+            raise ValueError("background is not supported: leave it false")
+        if request.truncation not in (None, "disabled"):
+            raise ValueError(f'truncation must be "disabled", got {request.truncation!r:.100}')
+        if request.max_output_tokens is not None and request.max_output_tokens < 1:
+            raise ValueError(
+                f"max_output_tokens must be at least 1, got {request.max_output_tokens}"
+            )
+        effort = (request.reasoning or {}).get("effort")
+        if effort not in (None, "low", "medium", "high"):
+            raise ValueError(f"reasoning.effort must be low, medium or high, got {effort!r:.100}")
+        history: list = []
+        if request.previous_response_id is not None:
+            history = self._history(request.previous_response_id)
+        items = input_items(request)
+        messages = to_messages(history, "previous_response") + to_messages(items)
+        if request.instructions is not None:
+            messages.insert(0, {"role": "system", "content": request.instructions})
+        chat = ChatCompletionRequest(
+            messages=messages, model=request.model, stream=request.stream,
+            max_completion_tokens=request.max_output_tokens, temperature=request.temperature,
+            top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+            priority=request.priority, user=request.user, tools=chat_tools(request.tools),
+            tool_choice=chat_tool_choice(request.tool_choice),
+            parallel_tool_calls=request.parallel_tool_calls,
+            response_format=response_format(text_format(request)), reasoning_effort=effort,
+        )  # fmt: skip
+        prepared = self.chat.prepare_chat(chat)
+        store = self.store is not None and request.store
+        context = _Context(request, item_id("resp"), now(), history + items, store)
+        return context, chat, prepared
+
+    def _history(self, response_id: str) -> list:
+        if self.store is None:
+            raise ValueError(STORE_OFF.format("previous_response_id"))
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise ResponseNotFound(f"Response with id {response_id!r} not found.")
+        return stored.history + msgspec.to_builtins(stored.response.output)
+
+    async def load_images(self, prepared):
+        """The chat request's image parts (input_image), fetched as chat's are."""
+        context, chat, inner = prepared
+        return context, chat, await self.chat.load_images(inner)
+
+    # ------------------------------------------------------------------ answering
+    async def respond(self, request: ResponsesRequest, prepared) -> ResponsesResponse:
+        context, chat_request, inner = prepared
+        answer = await self.chat.chat(chat_request, inner)
+        (choice,) = answer.choices
+        incomplete = choice.finish_reason == "length"
+        items = _output_items(choice.message)
+        if incomplete and items:
+            items[-1].status = "incomplete"
+        usage = answer.usage
+        cached = usage.prompt_tokens_details
+        cached = 0 if cached is msgspec.UNSET else cached.cached_tokens
+        return self._finish(
+            context, items, incomplete, usage.prompt_tokens, usage.completion_tokens, cached
+        )
+
+    async def respond_stream(self, request: ResponsesRequest, prepared):
+        """The Responses events (bytes), response.completed (with the whole response) last;
+        a failure: an `error` event, last."""
+        context, chat_request, (request_id, prompts, params) = prepared
+        events = _Events()
+        start = self._response(context, [], "in_progress")
+        yield events.event("response.created", response=start)
+        yield events.event("response.in_progress", response=start)
+        parser = self.chat._choice_parser(chat_request)
+        prompt_tokens, completion_tokens = len(prompts[0]["prompt_token_ids"]), 0
+        cached, finish_reason = 0, None
+        try:
+            async for _, out in self.chat._merged(
+                request_id, prompts, params, chat_request.priority
+            ):
+                cached = out.num_cached_tokens
+                prompt_tokens = len(out.prompt_token_ids or ()) or prompt_tokens
+                (c,) = out.outputs
+                completion_tokens += len(c.token_ids)
+                deltas = [parser.delta(c.text, c.token_ids) if c.text else None]
+                if c.finish_reason is not None:
+                    deltas.append(parser.finish())
+                for event in (e for d in deltas for e in events.delta(d)):
+                    yield event
+                finish_reason = c.finish_reason or finish_reason
+            incomplete = finish_reason == "length"
+            for event in events.close("incomplete" if incomplete else "completed"):
+                yield event
+            cached = cached if self.chat.enable_prompt_tokens_details else 0
+            response = self._finish(
+                context, events.items, incomplete, prompt_tokens, completion_tokens, cached
+            )
+        except Exception as e:
+            _, kind = error_status(e)
+            yield events.event("error", code=kind, message=str(e), param=None)
+            return
+        yield events.event("response.completed", response=response)
+
+    def _finish(self, context: _Context, items, incomplete, prompt_tokens, completion_tokens,
+                cached) -> ResponsesResponse:  # fmt: skip
+        """The finished response (kept, when stored)."""
+        response = self._response(context, items, "incomplete" if incomplete else "completed")
+        response.usage = ResponseUsage(
+            prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+            InputTokensDetails(cached), OutputTokensDetails(),
+        )  # fmt: skip
+        if incomplete:
+            response.incomplete_details = IncompleteDetails("max_output_tokens")
+        if context.store:
+            self.store.put(context.id, StoredResponse(response, context.history))
+        return response
+
+    def _response(self, context: _Context, items: list, status: str) -> ResponsesResponse:
+        r = context.request
+        return ResponsesResponse(
+            id=context.id, created_at=context.created_at, model=self.chat._name(r.model),
+            output=list(items), status=status, instructions=r.instructions,
+            max_output_tokens=r.max_output_tokens, temperature=r.temperature, top_p=r.top_p,
+            tools=echo_tools(r.tools), tool_choice=r.tool_choice or ("auto" if r.tools else "none"),
+            parallel_tool_calls=r.parallel_tool_calls, text={"format": text_format(r)},
+            reasoning=r.reasoning, previous_response_id=r.previous_response_id,
+            store=context.store, user=r.user, metadata=r.metadata,
+            service_tier=r.service_tier or "auto",
+        )  # fmt: skip
+
+    @staticmethod
+    async def create_route(request: Request) -> Response:
+        """POST /v1/responses."""
+        s = request.app.state.serving_responses
+        return await generate_route(
+            request, ResponsesRequest, s.prepare, s.respond, s.respond_stream, s.load_images,
+            errors=_errors,
+        )  # fmt: skip
+
+    @staticmethod
+    async def get_route(request: Request) -> Response:
+        """GET /v1/responses/{response_id}: a stored response."""
+        try:
+            s = request.app.state.serving_responses
+            return MsgspecJSONResponse(s.retrieve(request.path_params["response_id"]))
+        except Exception as e:
+            return _errors(e)
+
+    def retrieve(self, response_id: str) -> ResponsesResponse:
+        if self.store is None:
+            raise ValueError(STORE_OFF.format("GET /v1/responses/{id}"))
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise ResponseNotFound(f"Response with id {response_id!r} not found.")
+        return stored.response
+
+
+def _output_items(message: ChatMessage) -> list:
+    """A finished choice's message as output items: reasoning, text, function calls."""
+    items: list = []
+    if message.reasoning:
+        items.append(ReasoningItem(item_id("rs"), [ReasoningText(message.reasoning)]))
+    if message.content:
+        items.append(OutputMessage(item_id("msg"), [OutputText(message.content)]))
+    for call in message.tool_calls:
+        items.append(FunctionCallItem(item_id("fc"), call.id, call.function.name,
+                                      call.function.arguments))  # fmt: skip
+    return items
+
+
+class _Events:
+    """The event stream of one response: its sequence numbers, and the output items as
+    they are opened (output_item.added, content_part.added), grow (deltas) and close."""
+
+    def __init__(self):
+        self.sequence_number = 0
+        self.items: list = []
+        self.current = None  # the open item
+        self.call_index = None  # the open function call's index among the tool calls
+
+    def event(self, kind: str, **fields) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
+
+    def delta(self, delta: ChatMessage | None) -> list[bytes]:
+        if delta is None:
+            return []
+        out = []
+        if delta.reasoning:
+            out += self._text(ReasoningItem, delta.reasoning)
+        if delta.content:
+            out += self._text(OutputMessage, delta.content)
+        for call in delta.tool_calls:
+            out += self._call(call)
+        return out
+
+    def _open(self, item) -> list[bytes]:
+        out = self.close("completed")
+        self.items.append(item)
+        self.current = item
+        shown = msgspec.structs.replace(item, status="in_progress")
+        if not isinstance(item, FunctionCallItem):
+            shown = msgspec.structs.replace(shown, content=[])
+        return out + [self.event("response.output_item.added", output_index=len(self.items) - 1,
+                                 item=shown)]  # fmt: skip
+
+    def _where(self) -> dict:
+        return {"item_id": self.current.id, "output_index": len(self.items) - 1}
+
+    def _text(self, cls, text: str) -> list[bytes]:
+        out = []
+        message = cls is OutputMessage
+        if not isinstance(self.current, cls):
+            part = OutputText("") if message else ReasoningText("")
+            out += self._open(cls(item_id("msg" if message else "rs"), [part]))
+            out.append(self.event("response.content_part.added", **self._where(),
+                                  content_index=0, part=part))  # fmt: skip
+        self.current.content[0].text += text
+        if message:
+            out.append(self.event("response.output_text.delta", **self._where(),
+                                  content_index=0, delta=text, logprobs=[]))  # fmt: skip
+        else:
+            out.append(self.event("response.reasoning_text.delta", **self._where(),
+                                  content_index=0, delta=text))  # fmt: skip
+        return out
+
+    def _call(self, call: DeltaToolCall) -> list[bytes]:
+        out = []
+        fn = call.function
+        if call.id is not None or not (
+            isinstance(self.current, FunctionCallItem) and self.call_index == call.index
+        ):
+            name = (fn.name if fn is not None else None) or ""
+            item = FunctionCallItem(item_id("fc"), call.id or random_tool_call_id(), name, "")
+            out += self._open(item)
+            self.call_index = call.index
+        arguments = fn.arguments if fn is not None else None
+        if arguments:
+            self.current.arguments += arguments
+            out.append(self.event("response.function_call_arguments.delta", **self._where(),
+                                  delta=arguments))  # fmt: skip
+        return out
+
+    def close(self, status: str) -> list[bytes]:
+        """The open item's closing events (it ends with `status`)."""
+        item = self.current
+        if item is None:
+            return []
+        where, out = self._where(), []
+        if isinstance(item, FunctionCallItem):
+            out.append(self.event("response.function_call_arguments.done", **where,
+                                  arguments=item.arguments, name=item.name))  # fmt: skip
+        else:
+            part = item.content[0]
+            if isinstance(item, OutputMessage):
+                out.append(self.event("response.output_text.done", **where, content_index=0,
+                                      text=part.text, logprobs=[]))  # fmt: skip
+            else:
+                out.append(self.event("response.reasoning_text.done", **where, content_index=0,
+                                      text=part.text))  # fmt: skip
+            out.append(self.event("response.content_part.done", **where, content_index=0,
+                                  part=part))  # fmt: skip
+        item.status = status
+        out.append(self.event("response.output_item.done", output_index=where["output_index"],
+                              item=item))  # fmt: skip
+        self.current = self.call_index = None
+        return out
+
+
+def _errors(e: BaseException) -> Response:
+    if isinstance(e, ResponseNotFound):
+        info = ErrorInfo(str(e), "NotFoundError", 404)
+        return MsgspecJSONResponse(ErrorResponse(info), status_code=404)
+    return error_response(e)

@@ -1,0 +1,380 @@
+"""/v1/responses through the official openai client on the package's shared server (the default
+model, --enable-auto-tool-choice --tool-call-parser hermes): text, both streaming helpers and
+their event sequence, text.format, a function call round trip, 400s; and, in process over a
+stand-in core (no model), the response store (JAXSERVE_ENABLE_RESPONSES_API_STORE) behind
+previous_response_id and GET /v1/responses/{id}, and its bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import msgspec
+import pytest
+
+from tests.require import import_or_skip
+
+# Absent on the GPU machine: skip, collect cleanly (CI fails instead: tests/require.py).
+openai = import_or_skip("openai")
+jsonschema = import_or_skip("jsonschema")
+
+from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+from pydantic import TypeAdapter  # noqa: E402
+
+from jaxserve.engine.async_llm import AsyncLLM  # noqa: E402
+from jaxserve.entrypoints.openai.api_server import build_app  # noqa: E402
+from jaxserve.entrypoints.openai.responses_store import (  # noqa: E402
+    ResponsesStore,
+    StoredResponse,
+)
+from tests.engine.test_request_failures import (  # noqa: E402
+    CORE_ERROR,
+    make_config,
+    tokenizer,  # noqa: F401 (a fixture)
+)
+from tests.entrypoints.openai.test_api_server import KEY, MODEL  # noqa: E402
+from tests.entrypoints.openai.test_protocol_mapping import LogprobCore  # noqa: E402
+from tests.entrypoints.openai.test_structured_outputs import WEATHER  # noqa: E402
+from tests.entrypoints.test_llm import PERSON  # noqa: E402
+
+slow = pytest.mark.slow
+ASK = "What is the capital of France?"
+RULES = "You are a terse geography teacher."
+# The Responses API's flat function tool
+FLAT_WEATHER = {"type": "function", **WEATHER["function"]}
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+def without_ids(response) -> dict:
+    """A response's outcome: its output (ids, call ids and the stream helper's `parsed`
+    aside), status and usage."""
+    output = []
+    for item in response.output:
+        item = {k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")}
+        for part in item.get("content") or ():
+            part.pop("parsed", None)
+        output.append(item)
+    return {"output": output, "status": response.status, "usage": response.usage.model_dump()}
+
+
+# ---------------------------------------------------------------------- on the server
+@slow
+def test_text_response_is_the_chat_answer_and_parses_as_openais_response(client):
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, input=ASK, instructions=RULES, temperature=0, max_output_tokens=24,
+        metadata={"k": "v"}, user="u1",
+    )  # fmt: skip
+    response = Response.model_validate(raw.http_response.json())  # every required field
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=24,
+        messages=[{"role": "system", "content": RULES}, {"role": "user", "content": ASK}],
+    )  # fmt: skip
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert (response.model, response.metadata, response.user) == (MODEL, {"k": "v"}, "u1")
+    (message,) = response.output
+    assert message.type == "message" and message.id.startswith("msg_")
+    assert response.output_text == chat.choices[0].message.content  # the same prompt
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    finished = chat.choices[0].finish_reason
+    assert response.status == {"stop": "completed", "length": "incomplete"}[finished]
+    short = client.responses.create(model=MODEL, input="Tell me a long story.",
+                                    max_output_tokens=3, temperature=0)  # fmt: skip
+    assert short.status == "incomplete" and short.usage.output_tokens == 3
+    assert short.incomplete_details.reason == "max_output_tokens"
+    assert short.store is False  # the shared server has no store: echoed false
+
+
+@slow
+def test_both_streaming_helpers_give_the_non_streamed_response(client):
+    kwargs = dict(model=MODEL, input=ASK, instructions=RULES, temperature=0, max_output_tokens=20)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    for e in events:  # each one OpenAI's event shape
+        EVENTS.validate_python(e.model_dump())
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas > 1 and kinds == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", *["response.output_text.delta"] * deltas,
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    item_id = events[2].item.id
+    for e in events[4 : 4 + deltas]:
+        assert (e.item_id, e.output_index, e.content_index) == (item_id, 0, 0)
+    text = "".join(e.delta for e in events[4 : 4 + deltas])
+    assert text == events[-4].text == whole.output_text
+    assert events[-2].item.id == item_id == events[-1].response.output[0].id
+    assert without_ids(events[-1].response) == without_ids(whole)
+    with client.responses.stream(**kwargs) as stream:
+        helped = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert helped == kinds and without_ids(final) == without_ids(whole)
+
+
+@slow
+def test_text_format_json_schema_and_json_object(client):
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    r = client.responses.create(model=MODEL, input="Describe a person as JSON.", temperature=0,
+                                max_output_tokens=200, text={"format": fmt})  # fmt: skip
+    assert r.status == "completed", r.output_text
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "person"
+    r = client.responses.create(model=MODEL, input='Reply with {"answer": 2 + 2} as JSON.',
+                                temperature=0, max_output_tokens=120,
+                                text={"format": {"type": "json_object"}})  # fmt: skip
+    assert r.status == "completed", r.output_text
+    assert isinstance(json.loads(r.output_text), dict)
+
+
+@slow
+def test_function_call_round_trip_matches_chat(client):
+    params = FLAT_WEATHER["parameters"]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "name": "get_weather"}
+    call_response = client.responses.create(model=MODEL, input=ask, tools=[FLAT_WEATHER],
+                                            tool_choice=named, temperature=0,
+                                            max_output_tokens=100)  # fmt: skip
+    (call,) = call_response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), params)
+    # streamed: the arguments' deltas make the same call
+    events = list(client.responses.create(model=MODEL, input=ask, tools=[FLAT_WEATHER],
+                                          tool_choice=named, temperature=0,
+                                          max_output_tokens=100, stream=True))  # fmt: skip
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments == call.arguments
+    # the call and its output as the next turn's input: chat's prompt with the same history
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
+    follow_up = [*ask, call.model_dump(exclude_none=True), result]
+    answer = client.responses.create(model=MODEL, input=follow_up, tools=[FLAT_WEATHER],
+                                     temperature=0, max_output_tokens=30)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, tools=[WEATHER], temperature=0, max_tokens=30, messages=[*ask,
+            {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id,
+             "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}],
+    )  # fmt: skip
+    message = chat.choices[0].message
+    expected = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+    assert answer.output_text == (message.content or "")
+    assert [(i.name, i.arguments) for i in answer.output if i.type == "function_call"] == expected
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+
+
+@slow
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"input": []}, "input must not be empty"),
+        ({"input": 5}, "`$.input`"),
+        ({"input": [{"type": "computer_call"}]}, "input[0].type must be message, function_call"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role must be one of"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+         "input[0].content[0] must be an input_text"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+         "input[0].call_id must be a non-empty string"),
+        ({"tools": [{"type": "web_search"}]}, "only function tools"),
+        ({"tools": [FLAT_WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+         "'nope', which is not in tools"),
+        ({"tool_choice": {"type": "mcp"}}, 'tool_choice must be none, auto, required or {"type"'),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "needs a schema"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type must be text, json_object"),
+        ({"max_output_tokens": 0}, "max_output_tokens must be at least 1"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort must be low, medium or high"),
+        ({"background": True}, "background is not supported"),
+        ({"truncation": "auto"}, 'truncation must be "disabled"'),
+        ({"model": "nope"}, "nope"),
+        ({"previous_response_id": "resp_1"}, "JAXSERVE_ENABLE_RESPONSES_API_STORE"),
+        # input_image takes chat's image path: this text-only model takes no images
+        ({"input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://127.0.0.1:9/x.png"}]}]},
+         "At most 0 image(s) may be provided in one prompt."),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_400s_naming_the_value(server, body, message):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{server.url}/v1/responses", headers=headers, timeout=30,
+                   json={"model": MODEL, "input": "hi", **body})  # fmt: skip
+    status = 404 if body.get("model") == "nope" else 400
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == status
+    if body.get("previous_response_id"):
+        got = httpx.get(f"{server.url}/v1/responses/resp_1", headers=headers, timeout=30)
+        assert got.status_code == 400
+        assert "JAXSERVE_ENABLE_RESPONSES_API_STORE" in got.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+# ---------------------------------------------------------------------- in process: the store
+@pytest.fixture
+def serve(tokenizer, monkeypatch):  # noqa: F811
+    """serve(store, output, reasoning_parser): the app over a stand-in core answering
+    `output` to everything (no model), with the response store on or off."""
+    apps = []
+
+    def make(store: bool, output: str = " Paris.", reasoning_parser: str | None = None,
+             core_cls: type = LogprobCore):  # fmt: skip
+        monkeypatch.setenv("JAXSERVE_ENABLE_RESPONSES_API_STORE", "1" if store else "0")
+        core = core_cls()
+        core.output = tokenizer(output, add_special_tokens=False).input_ids
+        config = make_config(tokenizer)
+        config.reasoning_parser = reasoning_parser
+        engine = AsyncLLM(config, core, tokenizer=tokenizer)
+        apps.append(build_app(engine, ["m"], log_stats_interval=None))
+        return apps[-1], core
+
+    yield make
+    for app in apps:
+        app.state.cpu.shutdown(wait=False)
+
+
+def sse_events(text: str) -> list:
+    """A Responses stream's events, each checked against OpenAI's event types (and its
+    `event:` line against its type)."""
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        kind, data = block.split("\n")
+        events.append(EVENTS.validate_json(data.removeprefix("data: ")))
+        assert kind == f"event: {events[-1].type}"
+    return events
+
+
+def exchange(app, calls: list[tuple[str, str, dict | None]]) -> list[httpx.Response]:
+    """The (method, path, body) calls in order, in one event loop."""
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return [await c.request(m, p, json=b) for m, p, b in calls]
+
+    try:
+        return asyncio.run(main())
+    finally:
+        if app.state.serving.engine.output_handler is not None:
+            app.state.serving.engine.output_handler.cancel()
+
+
+def test_previous_response_id_continues_the_stored_conversation(serve, tokenizer):  # noqa: F811
+    app, core = serve(store=True)
+    first = {"input": "Capital of France?", "instructions": "Be brief.", "max_output_tokens": 5}
+    (r1,) = exchange(app, [("POST", "/v1/responses", first)])
+    rid = r1.json()["id"]
+    assert (
+        r1.json()["store"] is True and Response.model_validate(r1.json()).output_text == " Paris."
+    )
+    follow = {"input": "And of Spain?", "instructions": "Answer in French.",
+              "previous_response_id": rid, "stream": True}  # fmt: skip
+    not_kept = {"input": "x", "store": False}
+    r2, got, missing, unknown, r3 = exchange(app, [
+        ("POST", "/v1/responses", follow), ("GET", f"/v1/responses/{rid}", None),
+        ("GET", "/v1/responses/resp_nope", None),
+        ("POST", "/v1/responses", {"input": "x", "previous_response_id": "resp_nope"}),
+        ("POST", "/v1/responses", not_kept),
+    ])  # fmt: skip
+    prompt = tokenizer.decode(core.requests[1].prompt_token_ids)
+    # the earlier input and output, then the new input; only the new instructions
+    turns = ["Answer in French.", "Capital of France?", "assistant\n Paris.", "And of Spain?"]
+    assert [prompt.index(t) for t in turns] == sorted(prompt.index(t) for t in turns)
+    assert "Be brief." not in prompt
+    completed = sse_events(r2.text)[-1].response
+    assert completed.previous_response_id == rid
+    assert got.status_code == 200 and got.json() == r1.json()
+    for r in (missing, unknown):
+        assert r.status_code == 404 and r.json()["error"] == {
+            "message": "Response with id 'resp_nope' not found.", "type": "NotFoundError",
+            "code": 404, "param": None,
+        }  # fmt: skip
+    assert r3.json()["store"] is False
+    (again,) = exchange(app, [("GET", f"/v1/responses/{r3.json()['id']}", None)])
+    assert again.status_code == 404  # store: false is not kept
+    # a streamed response is kept too, and a chain of them carries every turn
+    third = {"input": "And of Italy?", "previous_response_id": completed.id}
+    got, r4 = exchange(app, [("GET", f"/v1/responses/{completed.id}", None),
+                             ("POST", "/v1/responses", third)])  # fmt: skip
+    assert Response.model_validate(got.json()) == completed and r4.status_code == 200
+    prompt = tokenizer.decode(core.requests[-1].prompt_token_ids)
+    turns = ["Capital of France?", " Paris.", "And of Spain?", " Paris.", "And of Italy?"]
+    at = 0
+    for turn in turns:
+        at = prompt.index(turn, at) + len(turn)
+    assert "Answer in French." not in prompt
+
+
+def test_without_the_store_store_true_is_accepted_and_continuing_is_a_400(serve):
+    app, core = serve(store=False)
+    ok, bad = exchange(app, [
+        ("POST", "/v1/responses", {"input": "hi", "store": True, "max_output_tokens": 3}),
+        ("POST", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}),
+    ])  # fmt: skip
+    assert ok.status_code == 200 and ok.json()["store"] is False
+    assert bad.status_code == 400 and "JAXSERVE_ENABLE_RESPONSES_API_STORE=1" in bad.text
+    assert len(core.requests) == 1  # the refused request reached no engine
+
+
+def test_the_store_is_bounded_in_entries_and_bytes_least_recently_used_first():
+    def entry(size: int) -> StoredResponse:
+        return StoredResponse({"id": "x"}, [{"role": "user", "content": "a" * size}])
+
+    small = len(msgspec.json.encode(entry(10)))
+    store = ResponsesStore(max_entries=2, max_bytes=2 * small + 10)
+    store.put("a", entry(10))
+    store.put("b", entry(10))
+    assert store.get("a") is not None  # a is now the most recently used
+    store.put("c", entry(10))  # a third entry: b goes
+    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    store.put("d", entry(10 + small))  # twice a small one's bytes: c and a go (c was older)
+    assert store.get("d") is not None and len(store) == 1 and store.nbytes == 2 * small
+    store.put("e", entry(10 + 3 * small))  # larger than the whole store: not kept
+    assert store.get("e") is None and store.get("d") is not None
+
+
+def test_reasoning_comes_first_as_a_reasoning_item_whole_and_streamed(serve):
+    app, _ = serve(False, "Sunny means Paris.</think> Paris.", reasoning_parser="deepseek_r1")
+    body = {"input": "Capital of France?", "max_output_tokens": 30}
+    calls = [("POST", "/v1/responses", body), ("POST", "/v1/responses", {**body, "stream": True})]
+    whole, streamed = exchange(app, calls)
+    response = Response.model_validate(whole.json())
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert [c.text for c in reasoning.content] == ["Sunny means Paris."]
+    assert message.type == "message" and response.output_text == " Paris."
+    events = sse_events(streamed.text)
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    assert [e.output_index for e in events[2:-1]] == [0] * 6 + [1] * 6
+    assert without_ids(events[-1].response) == without_ids(response)
+
+
+class FailingCore(LogprobCore):
+    """Every request fails in the engine core."""
+
+    def add_requests(self, requests) -> None:
+        super().add_requests(requests)
+        for out in self.pending:
+            out.new_token_ids, out.finish_reason, out.stop_reason = [], "error", CORE_ERROR
+
+
+def test_an_engine_failure_is_a_500_or_the_streams_last_event(serve):
+    app, _ = serve(False, core_cls=FailingCore)
+    body = {"input": "hi", "max_output_tokens": 5}
+    calls = [("POST", "/v1/responses", body), ("POST", "/v1/responses", {**body, "stream": True})]
+    whole, streamed = exchange(app, calls)
+    assert whole.status_code == 500 and whole.json()["error"]["message"].endswith(CORE_ERROR)
+    events = sse_events(streamed.text)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
+    assert events[-1].message.endswith(CORE_ERROR) and events[-1].sequence_number == 2
+    assert not app.state.serving.engine.errored
