@@ -136,6 +136,9 @@ class EngineConfig:
     pooler: PoolerConfig | None = None  # set: a pooling runner (embeddings), no generation
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # --enable-lora: adapters in device slots (models/lora.py)
+    # --enable-prompt-embeds: prompts as embeddings, through the encoder cache's rows
+    # (worker/prompt_embeds.py); the forward then reads those rows at every step
+    enable_prompt_embeds: bool = False
     # Ready once the step shapes that can serve any step are; the rest in the background
     # (ModelRunner.compile_all). Not part of what the executables depend on: no repr.
     background_compile: bool = dataclasses.field(default=False, compare=False, repr=False)

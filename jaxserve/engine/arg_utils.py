@@ -122,6 +122,7 @@ class EngineArgs:
     # LoRA adapters (vLLM's flags; config/lora.py): device slots, the rank they are padded to,
     # adapters kept on the host (default max_loras), the slots' dtype
     enable_lora: bool = False
+    enable_prompt_embeds: bool = False  # prompts as embeddings (vLLM's --enable-prompt-embeds)
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
@@ -209,6 +210,10 @@ class EngineArgs:
         pooler = self._pooler(path, model_config.architecture)
         if pooler is not None and speculative is not None:
             raise ValueError("speculative_config needs a generating runner, not runner='pooling'")
+        images = getattr(model_config.hf_config, "multimodal_config", None) is not None
+        if self.enable_prompt_embeds and (pooler or speculative or images):
+            raise ValueError("enable_prompt_embeds: only generating text models, without "
+                             "speculative decoding")  # fmt: skip
         cache = CacheConfig(
             block_size=self.block_size,
             # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
@@ -242,6 +247,7 @@ class EngineArgs:
             pooler=pooler,
             speculative=speculative,
             lora=self._lora(model_config),
+            enable_prompt_embeds=self.enable_prompt_embeds,
             # every rank must have every shape when rank 0 picks one
             background_compile=self.background_compile and self.nnodes == 1,
             kv_transfer=kv_transfer,

@@ -14,7 +14,7 @@ from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, EngineConfig, LoR
 from jaxserve.distributed.kv_transfer.params import validate_kv_transfer_params
 from jaxserve.ipc.messages import EngineCoreRequest
 from jaxserve.lora_request import LoRARequest
-from jaxserve.multimodal.inputs import MultiModalFeature
+from jaxserve.multimodal.inputs import MultiModalFeature, prompt_embeds_feature
 from jaxserve.multimodal.processing import MultiModalProcessor
 from jaxserve.sampling_params import MAX_BIAS_TOKENS, SamplingParams
 from jaxserve.structured_output import validate_structured_outputs
@@ -34,11 +34,16 @@ class InputProcessor:
         lora: LoRAConfig | None = None,
         multimodal: Callable[[], MultiModalProcessor] | None = None,
         limit_mm_per_prompt: dict[str, int] | None = None,
+        prompt_embeds_size: int | None = None,
     ):
         """max_tokens_cap: the generation config's max_new_tokens, a cap on every request's
         output tokens (vLLM's); lora: --enable-lora's config (None: adapters refused);
         multimodal: makes the model's image processor (None: a text-only model);
-        limit_mm_per_prompt: the most images one prompt may carry (--limit-mm-per-prompt)."""
+        limit_mm_per_prompt: the most images one prompt may carry (--limit-mm-per-prompt);
+        prompt_embeds_size: the hidden size prompt embeddings have (--enable-prompt-embeds;
+        None: refused)."""
+        self.prompt_embeds_size = prompt_embeds_size
+        self._last_embeds: tuple[Any, MultiModalFeature] | None = None
         self.tokenizer = tokenizer
         self._multimodal = multimodal
         self.limit_mm_per_prompt = limit_mm_per_prompt or {}
@@ -77,6 +82,9 @@ class InputProcessor:
             lora=config.lora,
             multimodal=multimodal,
             limit_mm_per_prompt=limits,
+            prompt_embeds_size=config.model.hidden_size
+            if getattr(config, "enable_prompt_embeds", False)
+            else None,
         )
 
     @functools.cached_property
@@ -84,17 +92,28 @@ class InputProcessor:
         """The model's image processing (made on first use), or None: a text-only model."""
         return None if self._multimodal is None else self._multimodal(tokenizer=self.tokenizer)
 
-    @staticmethod
-    def prompt_extras(prompt: Any) -> dict[str, Any]:
-        """A prompt dict's fields besides its text / ids, as `process` keywords."""
+    def prompt_extras(self, prompt: Any) -> dict[str, Any]:
+        """A prompt dict's fields besides its text / ids, as `process` keywords (a
+        prompt_embeds prompt's embeddings as its feature)."""
         if not isinstance(prompt, dict):
             return {}
+        features = [self._embeds(prompt)] if "prompt_embeds" in prompt else None
         return {
             "cache_salt": prompt.get("cache_salt"),
             "multi_modal_data": prompt.get("multi_modal_data"),
             "mm_processor_kwargs": prompt.get("mm_processor_kwargs"),
-            "mm_features": prompt.get("mm_features"),
+            "mm_features": prompt.get("mm_features", features),
         }
+
+    def _embeds(self, prompt: dict) -> MultiModalFeature:
+        """A prompt's prompt_embeds as its feature (checked once per prompt object)."""
+        if self.prompt_embeds_size is None:
+            raise ValueError("prompt_embeds need --enable-prompt-embeds (enable_prompt_embeds)")
+        embeds = prompt["prompt_embeds"]
+        cached = self._last_embeds
+        if cached is None or cached[0] is not embeds:
+            self._last_embeds = (embeds, prompt_embeds_feature(embeds, self.prompt_embeds_size))
+        return self._last_embeds[1]
 
     def process_multimodal(
         self, prompt_token_ids: list[int], data: Any, kwargs: dict | None
@@ -122,7 +141,10 @@ class InputProcessor:
         return self.multimodal_processor.process(prompt_token_ids, images, kwargs)
 
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """A prompt is a str, {"prompt": str} or {"prompt_token_ids": [int]}."""
+        """A prompt is a str, {"prompt": str}, {"prompt_token_ids": [int]} or
+        {"prompt_embeds": [P, D]} (P placeholder ids; prompt_extras gives the embeddings)."""
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            return None, [0] * self._embeds(prompt).length
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -176,6 +198,8 @@ class InputProcessor:
         images processed already (`process_multimodal`'s, for the ids it expanded).
         Every integer that reaches a fixed-width array is bounded here (or capped, as vLLM
         does: top_k at the vocabulary)."""
+        if mm_features and mm_features[0].modality == "embeds" and params.prompt_logprobs:
+            raise ValueError("prompt_logprobs cannot be used with prompt_embeds")
         if params.truncate_prompt_tokens is not None:
             if mm_features or multi_modal_data:
                 raise ValueError("truncate_prompt_tokens cannot be used with images")

@@ -207,6 +207,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--enable-lora", action=argparse.BooleanOptionalAction, default=False,
         help="serve LoRA adapters: a request names one (docs/lora.md)",
     )  # fmt: skip
+    parser.add_argument("--enable-prompt-embeds", action=argparse.BooleanOptionalAction,
+                        default=False, help="prompts as embeddings (prompt_embeds)")  # fmt: skip
     for flag, kind, default, what in (
         ("--max-loras", int, 1, "adapters on the device at once (a step mixes at most these)"),
         ("--max-lora-rank", int, 16, "the highest adapter rank served"),

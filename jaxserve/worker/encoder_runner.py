@@ -58,14 +58,19 @@ class EncoderRunner:
         if cap is not None and model_dir is not None:  # no shape past the processor's largest
             tokens = min(tokens, cap(_preprocessor_config(model_dir)) or tokens)
         self.buckets = self.model_cls.encoder_buckets(self.mm_config, tokens)
+        self.bidirectional = bool(getattr(model, "bidirectional_images", False))
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self._allocate(model.config, max_num_batched_tokens, max_num_reqs, max_model_len, mesh)
+
+    def _allocate(self, config, max_num_batched_tokens: int, max_num_reqs: int,
+                  max_model_len: int, mesh) -> None:  # fmt: skip
+        """The cache buffer [C, D] and the per-row maps, once `buckets` is set."""
         self.max_image_tokens = max(tokens for tokens, _ in self.buckets.values())
         self.num_rows = max(max_num_batched_tokens, self.max_image_tokens)
         self.budget = self.num_rows
         self.max_step_tokens = max_num_batched_tokens
-        self.bidirectional = bool(getattr(model, "bidirectional_images", False))
-        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         rep = NamedSharding(mesh, P())
-        d, dtype = model.config.hidden_size, model.config.dtype
+        d, dtype = config.hidden_size, config.dtype
         self.buffer = put(np.zeros((self.num_rows, d), dtype), rep)
         self._buffer_spec = jax.ShapeDtypeStruct((self.num_rows, d), dtype, sharding=rep)
         self.features: dict[str, list[MultiModalFeature]] = {}

@@ -48,6 +48,7 @@ from jaxserve.worker.kv_block_io import KVBlockCopier
 from jaxserve.worker.kv_cache import KVCacheSpec, determine_num_blocks
 from jaxserve.worker.lora_slots import LoRASlots
 from jaxserve.worker.pooler import Pooler
+from jaxserve.worker.prompt_embeds import PromptEmbedsRunner
 from jaxserve.worker.spec_decode.drafting import Drafting
 from jaxserve.worker.spec_decode.proposer import Proposer
 from jaxserve.worker.step_types import PendingStep
@@ -108,12 +109,12 @@ class ModelRunner:
         if engine_config.lora is not None:
             self.lora = LoRASlots(loaded.model, engine_config.lora, self.config, self.mesh,
                                   loaded.model.kv_replicas)  # fmt: skip
-        self.encoder = None  # a multimodal model's images (encoder_runner.py)
+        self.encoder = None  # a multimodal model's images (encoder_runner.py), prompt embeddings
+        sizes = (sc.max_num_batched_tokens, self.max_num_seqs, self.max_model_len, self.mesh)
         if hasattr(loaded.model, "encode"):
-            self.encoder = EncoderRunner(
-                loaded.model, sc.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
-                self.mesh, engine_config.model_path,
-            )  # fmt: skip
+            self.encoder = EncoderRunner(loaded.model, *sizes, engine_config.model_path)
+        elif engine_config.enable_prompt_embeds:  # (worker/prompt_embeds.py)
+            self.encoder = PromptEmbedsRunner(loaded.model, *sizes)
         graphdef, state = nnx.split(loaded.model)
         self.params, params_def = jax.tree.flatten(state)
         if self.lora is not None:

@@ -96,7 +96,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[Any]  # str, list[str], list[int] or list[list[int]]
+    prompt: str | list[Any] | None = None  # str, list[str], list[int] or list[list[int]]
+    # base64 torch.save'd tensors [P, D] (--enable-prompt-embeds), beside or instead of prompt
+    prompt_embeds: str | list[str] | None = None
     max_tokens: int | None = 16
     length_penalty: float = 1.0  # with use_beam_search (entrypoints/beam_search.py)
     logprobs: int | None = None

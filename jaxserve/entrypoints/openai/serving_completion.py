@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from jaxserve.entrypoints.beam_search import BeamSearch, beam_search_async, check_beam_width
+from jaxserve.entrypoints.openai.prompt_embeds import decode_prompt_embeds
 from jaxserve.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -37,7 +38,10 @@ class OpenAIServingCompletion(OpenAIServing):
         lora_request = self.check_model(request.model)
         self.check_runner("Completions")
         check_supported(request)
-        prompts = self.completion_prompts(request.prompt)
+        embeds = self._prompt_embeds(request)
+        prompts = (
+            [] if request.prompt is None and embeds else self.completion_prompts(request.prompt)
+        )
         params = to_sampling_params(
             request, self.defaults, max_tokens=request.max_tokens, logprobs=request.logprobs
         )
@@ -46,9 +50,25 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         validated = self._validate(
             request_id, prompts, params, priority=request.priority,
-            cache_salt=request.cache_salt, lora_request=lora_request,
+            cache_salt=request.cache_salt, lora_request=lora_request, embeds=embeds,
         )  # fmt: skip
         return request_id, validated, params
+
+    def _prompt_embeds(self, request: CompletionRequest) -> list:
+        """The request's prompt_embeds, decoded (prompt_embeds.py); ValueError for what
+        they cannot be used with."""
+        if request.prompt_embeds is None:
+            return []
+        encoded = request.prompt_embeds
+        embeds = [
+            decode_prompt_embeds(e) for e in ([encoded] if isinstance(encoded, str) else encoded)
+        ]
+        if not embeds:
+            raise ValueError("prompt_embeds must not be empty")
+        for field in ("echo", "use_beam_search"):
+            if getattr(request, field):
+                raise ValueError(f"{field} cannot be used with prompt_embeds")
+        return embeds
 
     async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:
         request_id, prompts, params = prepared

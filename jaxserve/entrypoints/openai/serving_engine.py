@@ -120,11 +120,13 @@ class OpenAIServing:
     def _validate(
         self, request_id: str, prompts, params: SamplingParams, *, priority: int = 0,
         cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+        embeds: list | None = None,
     ) -> list[dict]:  # fmt: skip
         """Every prompt through the InputProcessor's checks before anything is queued; the
         prompts as AsyncLLM.generate takes them (with the request's cache_salt), and the
         adapter under "lora_request" (`_merged` hands it to generate)."""
-        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        embeds = [{"prompt_embeds": e} for e in embeds or ()]  # after the token prompts
+        if len(prompts) + len(embeds) > MAX_PROMPTS_PER_REQUEST:
             raise ValueError(
                 f"a request may carry at most {MAX_PROMPTS_PER_REQUEST} prompts "
                 f"(MAX_PROMPTS_PER_REQUEST), got {len(prompts)}"
@@ -134,15 +136,20 @@ class OpenAIServing:
                 f"a request may ask for at most {MAX_SEQUENCES_PER_REQUEST} sequences "
                 f"(MAX_SEQUENCES_PER_REQUEST: prompts x n), got {len(prompts)} x {params.n}"
             )
+        processor = self.engine.input_processor
         for i, (_, ids) in enumerate(prompts):
-            self.engine.input_processor.process(
+            processor.process(
                 f"{request_id}-{i}", ids, params, priority=priority, cache_salt=cache_salt,
                 lora_request=lora_request,
             )  # fmt: skip
+        for i, prompt in enumerate(embeds):
+            processor.process(f"{request_id}-e{i}", processor.tokenize(prompt)[1], params,
+                              priority=priority, **processor.prompt_extras(prompt))  # fmt: skip
         extra = {} if cache_salt is None else {"cache_salt": cache_salt}
         if lora_request is not None:
             extra["lora_request"] = lora_request
-        return [{"prompt": text, "prompt_token_ids": ids, **extra} for text, ids in prompts]
+        tokens = [{"prompt": text, "prompt_token_ids": ids} for text, ids in prompts]
+        return [{**p, **extra} for p in tokens + embeds]
 
     # ------------------------------------------------------------------ running
     async def _gather(

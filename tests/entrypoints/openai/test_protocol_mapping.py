@@ -8,11 +8,14 @@ the per-request limits are 400s naming them; unknown fields are logged in vLLM's
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import logging
 
 import msgspec
 import pytest
+import torch
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.protocol import (
@@ -120,6 +123,9 @@ def differs(answer, requests, base):
 
 
 REFUSED = "refused"  # a 400 naming the field
+_buffer = io.BytesIO()
+torch.save(torch.zeros(2, 4), _buffer)  # prompt_embeds as vLLM's clients send them
+SAVED_ZEROS = base64.b64encode(_buffer.getvalue()).decode()
 # field -> (the body's extra fields, a check(answer, requests, plain request's requests)).
 COMMON = {
     "model": ({"model": "m"}, lambda a, r, b: a["model"] == "m"),
@@ -215,6 +221,9 @@ COMPLETION = {
             and [c["index"] for c in a["choices"]] == [0, 1]
         ),
     ),
+    # without --enable-prompt-embeds a 400 naming it (with it: tests/entrypoints/
+    # test_prompt_embeds.py); the base64 torch.save decodes first
+    "prompt_embeds": ({"prompt_embeds": SAVED_ZEROS}, REFUSED),
     "length_penalty": (  # its effect on the ranking: tests/entrypoints/test_beam_search.py
         {"use_beam_search": True, "n": 2, "max_tokens": 2, "length_penalty": 0.5},
         lambda a, r, b: sp(max_tokens=1, logprobs=4)(a, r, b) and len(a["choices"]) == 2,
