@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_CONFIG_CACHE: str | None = "~/.cache/jaxserve/configs"
     JAXSERVE_SIMULATED_STEP: str | None = None
     JAXSERVE_PALLAS_KERNEL: str | None = None
+    JAXSERVE_METRICS_LEGACY_PREFIX: bool = False
     JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
     JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
     JAXSERVE_TEST_STEP_DELAY_S: float = 0.0
@@ -122,6 +123,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "mosaic" or "triton": the Pallas GPU attention kernel, whatever
     # pallas_kernels/paged_attention/kernel_choice.json measured for the device (choice.py).
     "JAXSERVE_PALLAS_KERNEL": lambda: os.environ.get("JAXSERVE_PALLAS_KERNEL") or None,
+    # "1": /metrics also exports every metric under the `jaxserve:` prefix (before vLLM's
+    # `vllm:` names; jaxserve/metrics.py).
+    "JAXSERVE_METRICS_LEGACY_PREFIX": lambda: (
+        os.environ.get("JAXSERVE_METRICS_LEGACY_PREFIX", "0") not in ("", "0")
+    ),
     # The python of the vLLM venv the benchmarks' --backend vllm runs (benchmarks/runners.py).
     "JAXSERVE_VLLM_PYTHON": lambda: os.environ.get("JAXSERVE_VLLM_PYTHON", ".venv-vllm/bin/python"),
     # Tests: an engine core process raises after this many steps (-1: never), to test how

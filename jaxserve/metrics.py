@@ -3,7 +3,9 @@
 AsyncLLM's output handler records, after each batch of core outputs, the scheduler's state
 (`SchedulerStats`, from the core) and what the frontend saw (`IterationStats`: tokens, TTFT,
 ITL, finished requests, filled by the OutputProcessor), with the index of the engine that sent
-the batch. Names are vLLM's with the `jaxserve:` prefix, and model_name and engine labels.
+the batch. Names are vLLM's (`vllm:...`), with its model_name and engine labels, so dashboards
+and alerts written for vLLM read them; JAXSERVE_METRICS_LEGACY_PREFIX=1 also exports each under
+the `jaxserve:` prefix this project used before (an opt-in alias: every series twice).
 
 With several API-server processes (`--api-server-count`) every process writes its values into
 prometheus-client's multiprocess files (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before
@@ -20,6 +22,7 @@ import time
 
 import prometheus_client as prom
 
+from jaxserve import envs
 from jaxserve.ipc.messages import KVConnectorStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,10 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
 
+PREFIX = "vllm:"  # vLLM's metric names
+LEGACY_PREFIX = "jaxserve:"  # this project's before; exported too with the env opt-in
+
+
 class PrometheusStatLogger:
     """The metrics of a model's engines, in their own registry (served by /metrics)."""
 
@@ -70,7 +77,7 @@ class PrometheusStatLogger:
             if cls is prom.Gauge and multiprocess_dir():
                 kw["multiprocess_mode"] = "mostrecent"
             return cls(
-                f"jaxserve:{name}", doc, labels + kw.pop("extra", []), registry=self.registry, **kw
+                f"{PREFIX}{name}", doc, labels + kw.pop("extra", []), registry=self.registry, **kw
             )
 
         g, c, h = prom.Gauge, prom.Counter, prom.Histogram
@@ -128,7 +135,7 @@ class PrometheusStatLogger:
         # running and waiting (comma-joined names) and max_loras; the value is when it was set.
         lora_labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
         self.lora_info = prom.Gauge(
-            "jaxserve:lora_requests_info", "Running stats on LoRA requests.", lora_labels,
+            f"{PREFIX}lora_requests_info", "Running stats on LoRA requests.", lora_labels,
             registry=self.registry,
             **({"multiprocess_mode": "mostrecent"} if multiprocess_dir() else {}),
         )  # fmt: skip
@@ -195,13 +202,18 @@ class PrometheusStatLogger:
                 gauge.labels(self.model_name, str(engine)).set(0)
 
     def exposition(self) -> bytes:
+        registry = self.registry
         if multiprocess_dir():  # every API server's values
             from prometheus_client import multiprocess
 
             registry = prom.CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
-            return prom.generate_latest(registry)
-        return prom.generate_latest(self.registry)
+        text = prom.generate_latest(registry)
+        if envs.JAXSERVE_METRICS_LEGACY_PREFIX:  # the old names too
+            legacy = text.replace(PREFIX.encode(), LEGACY_PREFIX.encode())
+            text += b"".join(line + b"\n" for line in legacy.splitlines()
+                             if LEGACY_PREFIX.encode() in line)  # fmt: skip
+        return text
 
 
 class LoggingStatLogger:

@@ -1,6 +1,7 @@
 """The Prometheus registry and the periodic log line, fed as AsyncLLM's output handler does."""
 
 import logging
+import re
 
 from jaxserve.ipc.messages import SchedulerStats
 from jaxserve.metrics import (
@@ -27,22 +28,35 @@ def test_prometheus_names_values_and_labels():
     prom.record(None, IterationStats(num_generation_tokens=3))
     text = prom.exposition().decode()
     for line in [
-        'jaxserve:num_requests_running{engine="0",model_name="m"} 3.0',
-        'jaxserve:num_requests_waiting{engine="0",model_name="m"} 2.0',
-        'jaxserve:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
-        'jaxserve:prompt_tokens_total{engine="0",model_name="m"} 50.0',
-        'jaxserve:generation_tokens_total{engine="0",model_name="m"} 10.0',
-        'jaxserve:prefix_cache_queries_total{engine="0",model_name="m"} 100.0',
-        'jaxserve:prefix_cache_hits_total{engine="0",model_name="m"} 40.0',
-        'jaxserve:num_preemptions_total{engine="0",model_name="m"} 1.0',
-        'jaxserve:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0',
-        'jaxserve:request_success_total{engine="0",finished_reason="abort",model_name="m"} 0.0',
-        'jaxserve:time_to_first_token_seconds_count{engine="0",model_name="m"} 1.0',
-        'jaxserve:inter_token_latency_seconds_count{engine="0",model_name="m"} 2.0',
-        'jaxserve:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.5',
-        'jaxserve:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.1',
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 50.0',
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 10.0',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 40.0',
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 1.0',
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0',
+        'vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 0.0',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 1.0',
+        'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 2.0',
+        'vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.5',
+        'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.1',
     ]:
         assert line in text, line
+    assert "jaxserve:" not in text  # the old prefix only on request
+
+
+def test_the_old_prefix_is_an_opt_in_alias(monkeypatch):
+    prom = PrometheusStatLogger("m")
+    prom.record(SCHED, ITER)
+    monkeypatch.setenv("JAXSERVE_METRICS_LEGACY_PREFIX", "1")
+    text = prom.exposition().decode()
+    for name in ("num_requests_running", "prompt_tokens_total"):
+        new = re.search(rf"^vllm:{name}{{[^}}]*}} (\S+)$", text, re.M)
+        old = re.search(rf"^jaxserve:{name}{{[^}}]*}} (\S+)$", text, re.M)
+        assert new and old and new[1] == old[1], name
+    assert "# TYPE jaxserve:prompt_tokens_total counter" in text
 
 
 def test_log_line_reports_throughput_state_and_hit_rate(caplog):
@@ -85,7 +99,7 @@ def test_a_dead_engine_zeroes_the_gauges_and_stops_the_server():
     assert stopped == [True] and state.engine_died
     text = prom.exposition().decode()
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert f'jaxserve:{name}{{engine="0",model_name="m"}} 0.0' in text, name
+        assert f'vllm:{name}{{engine="0",model_name="m"}} 0.0' in text, name
 
 
 def test_speculative_decoding_counters_and_log_line(caplog):
@@ -98,12 +112,12 @@ def test_speculative_decoding_counters_and_log_line(caplog):
     sched = SchedulerStats(spec_decoding=spec)
     prom = PrometheusStatLogger("m")
     prom.record(sched, IterationStats())
-    per_pos = 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
+    per_pos = 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
     text = prom.exposition().decode()
     for line in [
-        'jaxserve:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0',
-        'jaxserve:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 8.0',
-        'jaxserve:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 4.0',
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 8.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 4.0',
         per_pos + 'position="0"} 2.0',
         per_pos + 'position="1"} 2.0',
         per_pos + 'position="2"} 0.0',

@@ -102,9 +102,9 @@ class Server:
         return int(out[0])
 
     def metric(self, name: str, label: str = "") -> float:
-        """The value of jaxserve:<name> (the sample whose labels contain `label`)."""
+        """The value of vllm:<name> (the sample whose labels contain `label`)."""
         text = httpx.get(f"{self.url}/metrics").text
-        for labels, value in re.findall(rf"^jaxserve:{name}{{([^}}]*)}} (\S+)$", text, re.M):
+        for labels, value in re.findall(rf"^vllm:{name}{{([^}}]*)}} (\S+)$", text, re.M):
             if label in labels:
                 return float(value)
         raise AssertionError(f"{name} {label} not in /metrics")
@@ -355,7 +355,7 @@ def test_metrics_count_tokens_and_latencies(server, client):
         "e2e_request_latency_seconds",
         "request_queue_time_seconds",
     ):
-        count = re.search(rf"^jaxserve:{name}_count{{[^}}]*}} (\S+)$", text, re.M)
+        count = re.search(rf"^vllm:{name}_count{{[^}}]*}} (\S+)$", text, re.M)
         assert count and float(count.group(1)) > 0, name
     for name in (
         "prompt_tokens_total",
@@ -363,7 +363,7 @@ def test_metrics_count_tokens_and_latencies(server, client):
         "num_preemptions_total",
         "num_requests_waiting",
     ):
-        assert f"jaxserve:{name}" in text
+        assert f"vllm:{name}" in text
 
 
 def test_dead_engine_ends_streams_and_the_server_exits_1(tiny_model):

@@ -153,7 +153,7 @@ def test_runtime_load_and_unload(server, paths):
 def test_metrics_report_lora_requests_info(server):
     token_ids(complete(server, "alpha"))
     text = httpx.get(f"{server.url}/metrics").text
-    samples = re.findall(r"^jaxserve:lora_requests_info\{([^}]*)\} (\S+)$", text, re.M)
+    samples = re.findall(r"^vllm:lora_requests_info\{([^}]*)\} (\S+)$", text, re.M)
     assert samples, text[-2000:]
     labels = [dict(re.findall(r'(\w+)="([^"]*)"', s)) for s, _ in samples]
     assert all(lab["max_lora"] == "2" for lab in labels)
