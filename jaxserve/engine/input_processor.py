@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, EngineConfig, LoRAConfig
 from jaxserve.distributed.kv_transfer.params import validate_kv_transfer_params
@@ -43,7 +44,6 @@ class InputProcessor:
         prompt_embeds_size: the hidden size prompt embeddings have (--enable-prompt-embeds;
         None: refused)."""
         self.prompt_embeds_size = prompt_embeds_size
-        self._last_embeds: tuple[Any, MultiModalFeature] | None = None
         self.tokenizer = tokenizer
         self._multimodal = multimodal
         self.limit_mm_per_prompt = limit_mm_per_prompt or {}
@@ -97,7 +97,10 @@ class InputProcessor:
         prompt_embeds prompt's embeddings as its feature)."""
         if not isinstance(prompt, dict):
             return {}
-        features = [self._embeds(prompt)] if "prompt_embeds" in prompt else None
+        features = None
+        if "prompt_embeds" in prompt:
+            self._embeds_length(prompt["prompt_embeds"])
+            features = [prompt_embeds_feature(prompt["prompt_embeds"], self.prompt_embeds_size)]
         return {
             "cache_salt": prompt.get("cache_salt"),
             "multi_modal_data": prompt.get("multi_modal_data"),
@@ -105,15 +108,16 @@ class InputProcessor:
             "mm_features": prompt.get("mm_features", features),
         }
 
-    def _embeds(self, prompt: dict) -> MultiModalFeature:
-        """A prompt's prompt_embeds as its feature (checked once per prompt object)."""
+    def _embeds_length(self, embeds: Any) -> int:
+        """A prompt_embeds' positions (its placeholder tokens); ValueError without the flag
+        (the array itself is checked where it becomes the feature: prompt_embeds_feature)."""
         if self.prompt_embeds_size is None:
             raise ValueError("prompt_embeds need --enable-prompt-embeds (enable_prompt_embeds)")
-        embeds = prompt["prompt_embeds"]
-        cached = self._last_embeds
-        if cached is None or cached[0] is not embeds:
-            self._last_embeds = (embeds, prompt_embeds_feature(embeds, self.prompt_embeds_size))
-        return self._last_embeds[1]
+        shape = np.shape(embeds)
+        if len(shape) != 2:
+            raise ValueError(f"prompt_embeds must be [positions, {self.prompt_embeds_size}], "
+                             f"got shape {list(shape)}")  # fmt: skip
+        return shape[0]
 
     def process_multimodal(
         self, prompt_token_ids: list[int], data: Any, kwargs: dict | None
@@ -143,8 +147,8 @@ class InputProcessor:
     def tokenize(self, prompt: Any) -> tuple[str | None, list[int]]:
         """A prompt is a str, {"prompt": str}, {"prompt_token_ids": [int]} or
         {"prompt_embeds": [P, D]} (P placeholder ids; prompt_extras gives the embeddings)."""
-        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
-            return None, [0] * self._embeds(prompt).length
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:  # checked by prompt_extras
+            return None, [0] * self._embeds_length(prompt["prompt_embeds"])
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

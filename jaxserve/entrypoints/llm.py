@@ -136,10 +136,8 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (text, {"prompt_token_ids": [...]}, or a list of them):
         the pooled final hidden state (PoolerConfig), normalised as pooling_params say."""
+        self._pooling_model("LLM.embed()", "embed")
         pooler = self.llm_engine.config.pooler
-        if pooler is None:
-            raise ValueError("LLM.embed() needs a pooling model: LLM(model, runner='pooling')")
-        score_utils.check_task(self.llm_engine.config, "embed")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         pooling_params = pooling_params or PoolingParams()
@@ -149,11 +147,7 @@ class LLM:
             raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
         for p in pooling_params:
             p.verify(self.llm_engine.config.model.hidden_size)
-        engine = self.llm_engine
-        one_step = SamplingParams(max_tokens=1, temperature=0.0)
-        queued = [engine.process_inputs(str(next(self._counter)), p, one_step) for p in prompts]
-        engine.add_processed_requests(queued)
-        outs = self._run_engine([request.request_id for _, request in queued], use_tqdm)
+        outs = self._pool(prompts, use_tqdm)
         return [
             EmbeddingRequestOutput(
                 out.request_id, out.prompt_token_ids,

@@ -258,7 +258,6 @@ def random_id(prefix: str) -> str:
 
 UNSUPPORTED = {
     "suffix": "suffix is not supported by jaxserve yet",
-    "use_beam_search": "use_beam_search is supported on /v1/completions only",
     "functions": "functions is deprecated by OpenAI and not supported: use tools",
     "function_call": "function_call is deprecated by OpenAI and not supported: use tool_choice",
 }
@@ -268,8 +267,7 @@ def check_supported(request: _SamplingFields) -> None:
     """ValueError for fields this engine cannot honour (rather than ignoring them) and for
     values no SamplingParams field checks."""
     for field, message in UNSUPPORTED.items():
-        beams = field == "use_beam_search" and isinstance(request, CompletionRequest)
-        if getattr(request, field, None) not in (None, False) and not beams:
+        if getattr(request, field, None) not in (None, False):
             raise ValueError(message)
     if request.best_of is not None and request.best_of != request.n:
         raise ValueError(

@@ -155,6 +155,8 @@ class OpenAIServingChat(OpenAIServing):
         self.check_runner("Chat Completions")
         lora_request = self.check_model(request.model)
         check_supported(request)
+        if request.use_beam_search:
+            raise ValueError("use_beam_search is supported on /v1/completions only")
         check_tools(request, auto_tools=self.auto_tools)
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
