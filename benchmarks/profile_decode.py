@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from jaxserve.benchmarks.common import median_seconds
-from jaxserve.entrypoints.cli import add_engine_args, engine_args_from
+from jaxserve.entrypoints.cli_args import add_engine_args, engine_args_from
 from jaxserve.worker.executables import ExecutableRegistry
 
 

@@ -27,7 +27,7 @@ def benchmark_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
 
 def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags bench_latency and bench_throughput share (vLLM's names), engine flags last."""
-    from jaxserve.entrypoints.cli import add_engine_args
+    from jaxserve.entrypoints.cli_args import add_engine_args
 
     parser.add_argument(
         "--backend", choices=["jaxserve", "hf", "vllm"], default="jaxserve",

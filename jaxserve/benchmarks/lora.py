@@ -33,7 +33,7 @@ from jaxserve.benchmarks.common import (
     write_json,
 )
 from jaxserve.config import ModelConfig
-from jaxserve.entrypoints.cli import engine_args_from
+from jaxserve.entrypoints.cli_args import engine_args_from
 from jaxserve.lora_request import LORA_TARGETS, LoRARequest
 
 _MODULE = {"o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}

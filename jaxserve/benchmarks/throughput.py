@@ -36,7 +36,7 @@ from jaxserve.benchmarks.common import (
     roofline_report,
     write_json,
 )
-from jaxserve.entrypoints.cli import engine_args_from
+from jaxserve.entrypoints.cli_args import engine_args_from
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,7 +11,6 @@ need the model registry or the kernels import them, there.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from jaxserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from jaxserve.config.pooler import is_classifier
+from jaxserve.config.pooler import pooler_config_from
 from jaxserve.distributed.mesh import check_local_devices
 from jaxserve.transformers_utils.config import (
     check_generation_config,
@@ -45,7 +44,6 @@ logger = logging.getLogger(__name__)
 # smaller limits keep start-up short.
 CPU_MAX_NUM_SEQS, CPU_MAX_NUM_BATCHED_TOKENS = 64, 1024
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS = 256, 8192
-POOLING_TASKS = ("embed", "embedding", "classify", "score")  # vLLM's names: runner="pooling"
 
 
 @dataclasses.dataclass
@@ -386,59 +384,7 @@ class EngineArgs:
         return dataclasses.replace(spec, model=str(path))
 
     def _pooler(self, path: Path, architecture: str) -> PoolerConfig | None:
-        """The PoolerConfig of a pooling runner, None for a generating one (a classifier's
-        runner is pooling unless it asks for generation: vLLM's "auto")."""
-        tasks = {None: None, "generate": "generate", **dict.fromkeys(POOLING_TASKS, "pooling")}
-        if self.runner not in ("auto", "generate", "pooling"):
-            raise ValueError(f"runner {self.runner!r} is not one of auto, generate, pooling")
-        if self.task not in tasks:
-            raise ValueError(f"task {self.task!r} is not one of {', '.join(t for t in tasks if t)}")
-        runner = tasks[self.task] or self.runner
-        if is_classifier(architecture):  # a classifier only pools
-            if runner == "generate":
-                raise ValueError(f"{architecture} is a classifier: it needs runner='pooling'")
-            runner = "pooling"
-        if runner != "pooling":
-            if self.pooler_config is not None:
-                raise ValueError("pooler_config needs runner='pooling'")
-            return None
-        config = self.pooler_config
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config {config!r} is not JSON: {e}") from None
-        defaults = sentence_transformers_pooling(path)
-        config = {k.lower(): v for k, v in (config or {}).items()}
-        unknown = sorted(set(config) - {"pooling_type", "normalize"})
-        if unknown:
-            raise ValueError(f"pooler_config: unknown fields {unknown}")
-        return PoolerConfig(
-            pooling_type=str(config.get("pooling_type", defaults.pooling_type)).upper(),
-            normalize=bool(config.get("normalize", defaults.normalize)),
-        )
-
-
-def sentence_transformers_pooling(path: Path) -> PoolerConfig:
-    """A sentence-transformers model dir's pooling (`modules.json` and its Pooling module's
-    config: mean / last-token / CLS, and whether a Normalize module follows); LAST,
-    normalised when the dir has none."""
-    modules_file = path / "modules.json" if path.is_dir() else None
-    if modules_file is None or not modules_file.exists():
-        return PoolerConfig()
-    modules = json.loads(modules_file.read_text())
-    pooling_type, normalize = "LAST", False
-    for module in modules:
-        kind = module.get("type", "")
-        if kind.endswith("Normalize"):
-            normalize = True
-        elif kind.endswith("Pooling"):
-            pooling = json.loads((path / module.get("path", "") / "config.json").read_text())
-            if pooling.get("pooling_mode_mean_tokens"):
-                pooling_type = "MEAN"
-            elif pooling.get("pooling_mode_cls_token"):
-                pooling_type = "CLS"
-    return PoolerConfig(pooling_type, normalize)
+        return pooler_config_from(self.runner, self.task, self.pooler_config, path, architecture)
 
 
 def _or(value: int | None, default: int) -> int:

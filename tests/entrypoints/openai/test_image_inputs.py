@@ -18,7 +18,8 @@ from jaxserve.config import MultiModalConfig
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.entrypoints.cli import engine_args_from, parse_args
+from jaxserve.entrypoints.cli import parse_args
+from jaxserve.entrypoints.cli_args import engine_args_from
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.entrypoints.openai import serving_chat
 from jaxserve.entrypoints.openai.api_server import build_app

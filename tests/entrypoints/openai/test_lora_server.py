@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.cli import engine_args_from, parse_args
+from jaxserve.entrypoints.cli import parse_args
+from jaxserve.entrypoints.cli_args import engine_args_from
 from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.entrypoints.openai.server_setup import check_server_args
 from jaxserve.entrypoints.openai.serving_models import LoRAModulePath
