@@ -139,6 +139,8 @@ class EngineConfig:
     # --enable-prompt-embeds: prompts as embeddings, through the encoder cache's rows
     # (worker/prompt_embeds.py); the forward then reads those rows at every step
     enable_prompt_embeds: bool = False
+    # --enable-sleep-mode: the engine may free its device memory (EngineCore.sleep)
+    enable_sleep_mode: bool = dataclasses.field(default=False, compare=False)
     # Ready once the step shapes that can serve any step are; the rest in the background
     # (ModelRunner.compile_all). Not part of what the executables depend on: no repr.
     background_compile: bool = dataclasses.field(default=False, compare=False, repr=False)

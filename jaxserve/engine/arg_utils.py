@@ -121,6 +121,11 @@ class EngineArgs:
     # adapters kept on the host (default max_loras), the slots' dtype
     enable_lora: bool = False
     enable_prompt_embeds: bool = False  # prompts as embeddings (vLLM's --enable-prompt-embeds)
+    # LLM.sleep() / wake_up() and the dev-mode /sleep route (engine/sleep.py, vLLM's flag)
+    enable_sleep_mode: bool = False
+    # OpenTelemetry: send a span per request to this OTLP endpoint (vLLM's flag; needs the
+    # `otel` extra)
+    otlp_traces_endpoint: str | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
@@ -246,6 +251,7 @@ class EngineArgs:
             speculative=speculative,
             lora=self._lora(model_config),
             enable_prompt_embeds=self.enable_prompt_embeds,
+            enable_sleep_mode=self.enable_sleep_mode,
             # every rank must have every shape when rank 0 picks one
             background_compile=self.background_compile and self.nnodes == 1,
             kv_transfer=kv_transfer,

@@ -255,6 +255,15 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
+    def compile_status(self) -> dict:
+        """How many of the step shapes are compiled (a utility call: the readiness probe's
+        "every step shape compiled"); the engine serves before all are, with background
+        compilation."""
+        executables = self.runner.executables
+        missing = len(executables.missing())
+        total = len(executables.names()) + missing
+        return {"compiled": total - missing, "total": total, "fully_compiled": missing == 0}
+
     def _live_loras(self) -> set[int]:
         """The LoRA adapters (lora_int_id) of the requests the scheduler holds."""
         return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}

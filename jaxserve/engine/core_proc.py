@@ -385,7 +385,7 @@ class EngineCoreProc(EngineCore):
         self.input_queue.put_nowait((_WAKEUP, None))
 
 
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_state", "remove_lora"})
+UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_state", "remove_lora", "compile_status"})
 
 
 def run_engine_core(

@@ -154,6 +154,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--enable-prompt-embeds", action=argparse.BooleanOptionalAction,
                         default=False, help="prompts as embeddings (prompt_embeds)")  # fmt: skip
+    parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction,
+                        default=False, help="allow sleep / wake_up (free device memory)")  # fmt: skip
+    parser.add_argument("--otlp-traces-endpoint", default=None,
+                        help="send OpenTelemetry request spans there (the otel extra)")  # fmt: skip
     for flag, kind, default, what in (
         ("--max-loras", int, 1, "adapters on the device at once (a step mixes at most these)"),
         ("--max-lora-rank", int, 16, "the highest adapter rank served"),
