@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S: float = 5.0
     JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING: bool = False
     JAXSERVE_ENABLE_RESPONSES_API_STORE: bool = False
+    JAXSERVE_SERVER_DEV_MODE: bool = False
     JAXSERVE_IMAGE_FETCH_TIMEOUT: float = 5.0
     JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS: bool = True
     JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
@@ -92,6 +93,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # GET /v1/responses/{id} (vLLM's VLLM_ENABLE_RESPONSES_API_STORE).
     "JAXSERVE_ENABLE_RESPONSES_API_STORE": lambda: (
         os.environ.get("JAXSERVE_ENABLE_RESPONSES_API_STORE", "0").strip().lower() in ("1", "true")
+    ),
+    # "1" or "true": the server's development routes (vLLM's VLLM_SERVER_DEV_MODE): /sleep,
+    # /wake_up, /pause, /resume, weight transfer, /collective_rpc, /reset_prefix_cache
+    # (entrypoints/openai/dev_routes.py). For trainers on a trusted network only.
+    "JAXSERVE_SERVER_DEV_MODE": lambda: (
+        os.environ.get("JAXSERVE_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     ),
     # Seconds an image URL of a chat message may take to fetch, in all (connecting, every
     # redirect, the body); past it the request fails with a 400 (vLLM's

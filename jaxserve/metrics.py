@@ -34,6 +34,8 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+# vLLM's 1-2-5 buckets for token counts
+TOKEN_BUCKETS = [m * 10**e for e in range(7) for m in (1, 2, 5)]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -44,6 +46,10 @@ class FinishedRequestStats:
     queue_time: float | None
     num_prompt_tokens: int
     num_generation_tokens: int
+    max_generation_tokens: int = 0  # the longest child's (n > 1)
+    prefill_time: float | None = None  # first scheduled -> first token
+    decode_time: float | None = None  # first token -> last token
+    inference_time: float | None = None  # first scheduled -> last token
 
 
 @dataclasses.dataclass
@@ -128,6 +134,24 @@ class PrometheusStatLogger:
         self.e2e = metric(
             h, "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS
         )
+        per_request = [  # vLLM's per-request histograms (its Grafana dashboard's panels)
+            ("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
+            ("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
+            ("request_max_num_generation_tokens", "Longest child's tokens.", TOKEN_BUCKETS),
+            ("request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS),
+            ("request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS),
+            ("request_inference_time_seconds", "First scheduled to last.", LATENCY_BUCKETS),
+            ("request_time_per_output_token_seconds", "Decode time per token.", ITL_BUCKETS),
+        ]
+        self.per_request = {name: metric(h, name, doc, buckets=b) for name, doc, b in per_request}
+        # vLLM's deprecated names its example dashboard still reads: the same values
+        self.tpot_old = metric(
+            h,
+            "time_per_output_token_seconds",
+            "Deprecated: inter_token_latency.",
+            buckets=ITL_BUCKETS,
+        )
+        self.gpu_cache_old = metric(g, "gpu_cache_usage_perc", "Deprecated: kv_cache_usage_perc.")
         self.queue = metric(
             h, "request_queue_time_seconds", "Arrival to first scheduled.", buckets=LATENCY_BUCKETS
         )
@@ -143,7 +167,8 @@ class PrometheusStatLogger:
         self.num_engines = num_engines
         exported = (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
                     self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                    self.preemptions, self.ttft, self.itl, self.e2e, self.queue)  # fmt: skip
+                    self.preemptions, self.ttft, self.itl, self.e2e, self.queue,
+                    self.tpot_old, self.gpu_cache_old, *self.per_request.values())  # fmt: skip
         for engine in map(str, range(num_engines)):  # exported as 0 from the start
             for m in exported:
                 m.labels(model_name, engine)
@@ -156,6 +181,7 @@ class PrometheusStatLogger:
             self.running.labels(*labels).set(sched.num_running_reqs)
             self.waiting.labels(*labels).set(sched.num_waiting_reqs)
             self.kv_usage.labels(*labels).set(sched.kv_cache_usage)
+            self.gpu_cache_old.labels(*labels).set(sched.kv_cache_usage)
             self.prefix_queries.labels(*labels).inc(sched.prefix_cache_queries)
             self.prefix_hits.labels(*labels).inc(sched.prefix_cache_hits)
             self.preemptions.labels(*labels).inc(sched.num_preemptions)
@@ -173,11 +199,31 @@ class PrometheusStatLogger:
             self.ttft.labels(*labels).observe(t)
         for t in it.inter_token_latencies:
             self.itl.labels(*labels).observe(t)
+            self.tpot_old.labels(*labels).observe(t)
         for f in it.finished:
             self.success.labels(*labels, f.finish_reason).inc()
             self.e2e.labels(*labels).observe(f.e2e_latency)
             if f.queue_time is not None:
                 self.queue.labels(*labels).observe(f.queue_time)
+            self._record_finished(f, labels)
+
+    def _record_finished(self, f: FinishedRequestStats, labels: tuple) -> None:
+        values = {
+            "request_prompt_tokens": f.num_prompt_tokens,
+            "request_generation_tokens": f.num_generation_tokens,
+            "request_max_num_generation_tokens": f.max_generation_tokens,
+            "request_prefill_time_seconds": f.prefill_time,
+            "request_decode_time_seconds": f.decode_time,
+            "request_inference_time_seconds": f.inference_time,
+            "request_time_per_output_token_seconds": (
+                f.decode_time / (f.max_generation_tokens - 1)
+                if f.decode_time is not None and f.max_generation_tokens > 1
+                else None
+            ),
+        }
+        for name, value in values.items():
+            if value is not None:
+                self.per_request[name].labels(*labels).observe(value)
 
     def _record_kv_connector(self, kv: KVConnectorStats, labels: tuple) -> None:
         labels = (*labels, kv.connector)

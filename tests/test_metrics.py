@@ -133,3 +133,48 @@ def test_speculative_decoding_counters_and_log_line(caplog):
     assert "Per-position acceptance rate: 0.667, 0.667, 0.000" in line
     assert line.endswith("Avg Draft acceptance rate: 50.0%")
     assert len(LoggingStatLogger().log().splitlines()) == 1  # no speculation: no second line
+
+
+# The queries of vLLM's example Grafana dashboard (examples/online_serving/prometheus_grafana),
+# $model_name set as Grafana's variable query would set it.
+GRAFANA = [
+    'histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',  # noqa: E501
+    'rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[$__rate_interval]) / rate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[$__rate_interval])',  # noqa: E501
+    'rate(vllm:prompt_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:generation_tokens_total{model_name="$model_name"}[$__rate_interval])',
+    'histogram_quantile(0.5, sum by(le) (rate(vllm:time_per_output_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',  # noqa: E501
+    'vllm:num_requests_running{model_name="$model_name"}',
+    'vllm:num_requests_waiting{model_name="$model_name"}',
+    'histogram_quantile(0.9, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',  # noqa: E501
+    'vllm:gpu_cache_usage_perc{model_name="$model_name"}',
+    'sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',  # noqa: E501
+    'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',  # noqa: E501
+    'sum by(finished_reason) (increase(vllm:request_success_total{model_name="$model_name"}[$__rate_interval]))',  # noqa: E501
+    'rate(vllm:request_queue_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_prefill_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_decode_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
+    'rate(vllm:request_max_num_generation_tokens_sum{model_name="$model_name"}[$__rate_interval])',
+]  # fmt: skip
+
+
+def test_vllms_grafana_dashboard_queries_return_series():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prom = PrometheusStatLogger("m")
+    finished = FinishedRequestStats("stop", 1.5, 0.1, 50, 7, 7, 0.2, 1.2, 1.4)
+    prom.record(SCHED, IterationStats(num_prompt_tokens=50, num_generation_tokens=7,
+                                      time_to_first_tokens=[0.3], inter_token_latencies=[0.2],
+                                      finished=[finished]))  # fmt: skip
+    samples = [s for f in text_string_to_metric_families(prom.exposition().decode())
+               for s in f.samples]  # fmt: skip
+    # Grafana's variable: label_values({__name__=~"vllm:.*"}, model_name)
+    models = {s.labels["model_name"] for s in samples if s.name.startswith("vllm:")}
+    assert models == {"m"}
+    for query in GRAFANA:
+        for name, matchers in re.findall(r"(vllm:\w+)\{([^}]*)\}", query):
+            want = dict(re.findall(r'(\w+)="([^"]*)"', matchers.replace("$model_name", "m")))
+            series = [s for s in samples if s.name == name
+                      and all(s.labels.get(k) == v for k, v in want.items())]  # fmt: skip
+            assert series, f"{name} has no series for {query}"
+            if name.endswith(("_sum", "_count")) and "request_" in name:
+                assert any(s.value > 0 for s in series), name  # observed, not only declared

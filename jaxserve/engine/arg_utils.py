@@ -217,6 +217,9 @@ class EngineArgs:
         if self.enable_prompt_embeds and (pooler or speculative or images):
             raise ValueError("enable_prompt_embeds: only generating text models, without "
                              "speculative decoding")  # fmt: skip
+        if self.enable_sleep_mode and (pooler or (speculative and speculative.method != "ngram")):
+            raise ValueError("enable_sleep_mode: not with a pooling runner or a draft model / "
+                             "EAGLE head (their weights are not slept yet)")  # fmt: skip
         cache = CacheConfig(
             block_size=self.block_size,
             # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped

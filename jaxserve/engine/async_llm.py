@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.engine.async_control import AsyncControl
 from jaxserve.engine.core_client import AsyncMPClient
 from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
 from jaxserve.engine.gc_heap import freeze_heap, unfreeze_heap
@@ -35,7 +36,9 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.metrics import IterationStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.tracing import RequestTracer, init_tracer
 from jaxserve.transformers_utils.config import log_generation_defaults
+from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -95,7 +98,7 @@ class _Aborted(Exception):
     """Put into a collector by abort(): ends that request's generator."""
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncControl):
     def __init__(
         self,
         config: EngineConfig,
@@ -103,9 +106,11 @@ class AsyncLLM:
         *,
         tokenizer: Any = None,
         default_sampling: dict | None = None,
+        tracer: RequestTracer | None = None,
     ):
         """default_sampling: what a request leaves unset (default: config's generation
-        config's; transformers_utils/config.py::generation_defaults)."""
+        config's; transformers_utils/config.py::generation_defaults). tracer: a span per
+        finished request (--otlp-traces-endpoint; tracing.py::init_tracer)."""
         self.config = config
         self.tokenizer = tokenizer
         if default_sampling is None:
@@ -114,7 +119,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor.from_config(
             config, tokenizer, max_tokens_cap=default_sampling.get("max_tokens")
         )
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, tracer)
         self.engine_core = client
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.scheduler_stats = SchedulerStats()
@@ -128,12 +133,13 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
         """Starts the engine core process (blocking: load, compile) and, meanwhile, reads the
-        tokenizer in a thread."""
+        tokenizer in a thread. A tracer's missing SDK fails first, before anything starts."""
+        tracer = init_tracer(args.otlp_traces_endpoint, args.model or DEFAULT_MODEL_NAME)
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(read_tokenizer, args.tokenizer_source())
             client = AsyncMPClient(args)
             start = time.perf_counter()
-            engine = cls(client.config, client, tokenizer=tokenizer.result())
+            engine = cls(client.config, client, tokenizer=tokenizer.result(), tracer=tracer)
         client.timeline.add("frontend set-up (after the engine core)", time.perf_counter() - start)
         return engine
 
@@ -158,6 +164,7 @@ class AsyncLLM:
         data_parallel_rank: int | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's RequestOutputs (per sampling_params.output_kind) until it
         finishes. Raises ValueError for bad input, RequestFailedError if it fails alone,
@@ -165,12 +172,15 @@ class AsyncLLM:
         data_parallel_rank: run it on that engine (default: the least loaded).
         kv_transfer_params: for the engine's KV connector (disaggregated prefill). A prompt
         dict's "cache_salt" keeps its prefix-cache entries apart from other salts' (vLLM's).
-        lora_request: the LoRA adapter to run it with (--enable-lora)."""
+        lora_request: the LoRA adapter to run it with (--enable-lora).
+        trace_headers: the caller's W3C trace context (traceparent, tracestate): its span's
+        parent (vLLM's)."""
         if self.errored:
             raise self.dead or self.engine_core.dead
         if request_id in self.collectors:
             raise ValueError(f"request_id {request_id!r} is already running")
         self._start_output_handler()
+        await self.wait_until_resumed()  # generation paused (async_control.py)
         text, ids = self.input_processor.tokenize(prompt)
         request = self.input_processor.process(
             request_id, ids, sampling_params, priority=priority,
@@ -183,7 +193,8 @@ class AsyncLLM:
         self.collectors[request_id] = collector
         finished = False
         try:
-            self.engine_core.add_requests(self.output_processor.add_request(text, request))
+            added = self.output_processor.add_request(text, request, trace_headers)
+            self.engine_core.add_requests(added)
             while not finished:
                 try:
                     output = await collector.get()

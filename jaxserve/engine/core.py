@@ -8,7 +8,8 @@ host turns N into outputs and schedules N+2. Without it, each step is fetched ri
 
 It runs in the caller's process behind `InprocClient` (engine/core_client.py); the
 multi-process engine puts it behind ZeroMQ with the same add_request / abort_requests / step
-surface.
+surface. What trainers and operators call between steps (sleep, new weights, scheduling
+paused in place) is core_control.py's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.distributed.kv_transfer import create_connector
 from jaxserve.distributed.kv_transfer.base import BlockLayout, KVConnectorBase
 from jaxserve.distributed.multihost import Leader
+from jaxserve.engine.core_control import CoreControl
 from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from jaxserve.startup import StartupTimeline
 from jaxserve.structured_output import StructuredOutputManager
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # how long an idle step waits for a compiling grammar
 
 
-class EngineCore:
+class EngineCore(CoreControl):
     def __init__(
         self, config: EngineConfig, leader: Leader | None = None, engine_index: int = 0,
         runner: ModelRunner | None = None,
@@ -133,6 +135,8 @@ class EngineCore:
         output comes with the next step's), never the engine."""
         self.num_requests_added += 1
         try:
+            if self.is_sleeping():
+                raise ValueError("the engine is asleep: wake_up() first")
             if request.lora_request is not None:  # loaded (and checked) on the host now
                 if getattr(self.runner, "lora", None) is None:
                     raise ValueError("this engine was started without enable_lora")
@@ -186,7 +190,7 @@ class EngineCore:
         """Requests to step, steps in flight, or outputs of requests that finished without a
         step (a failed grammar, a request that could not be added) still to send."""
         return (
-            self.scheduler.has_unfinished_requests()
+            (self.scheduler.has_unfinished_requests() and not self.scheduling_paused)
             or bool(self.in_flight)
             or bool(self.scheduler.pending_outputs)
         )
@@ -196,7 +200,7 @@ class EngineCore:
         max_in_flight are running (or nothing new could be scheduled). None: nothing finished
         this call (the first step of a burst, in flight)."""
         dispatched = False
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests() and not self.scheduling_paused:
             scheduler_output = self.scheduler.schedule(self.runner.max_step_tokens())
             pending = self.runner.dispatch(scheduler_output)
             if pending is not None:

@@ -382,10 +382,18 @@ class EngineCoreProc(EngineCore):
 
     def request_shutdown(self) -> None:
         self.shutdown_requested = True
+        self.scheduling_paused = False  # requests paused in place finish (or are aborted)
         self.input_queue.put_nowait((_WAKEUP, None))
 
 
-UTILITY_METHODS = frozenset({"reset_prefix_cache", "get_state", "remove_lora", "compile_status"})
+UTILITY_METHODS = frozenset({
+    "reset_prefix_cache", "get_state", "remove_lora", "compile_status",
+    # engine/core_control.py
+    "sleep", "wake_up", "is_sleeping", "update_weights", "reload_weights", "weight_layout",
+    "init_weight_transfer_engine", "start_weight_update", "update_weights_from",
+    "finish_weight_update", "abort_all_requests", "pause_scheduler", "resume_scheduler",
+    "collective_rpc",
+})  # fmt: skip
 
 
 def run_engine_core(

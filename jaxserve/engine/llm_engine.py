@@ -24,7 +24,9 @@ from jaxserve.ipc.messages import EngineCoreRequest, SchedulerStats
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tracing import RequestTracer, init_tracer
 from jaxserve.transformers_utils.config import log_generation_defaults
+from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
 
@@ -36,9 +38,11 @@ class LLMEngine:
         tokenizer: Any = None,
         default_sampling: dict | None = None,
         client: EngineCoreClient | None = None,
+        tracer: RequestTracer | None = None,
     ):
         """default_sampling: what a request leaves unset (default: config's generation
-        config's; transformers_utils/config.py::generation_defaults)."""
+        config's; transformers_utils/config.py::generation_defaults). tracer: a span per
+        finished request (--otlp-traces-endpoint; tracing.py::init_tracer)."""
         self.config = config
         self.tokenizer = tokenizer
         if default_sampling is None:
@@ -47,7 +51,7 @@ class LLMEngine:
         self.input_processor = InputProcessor.from_config(
             config, tokenizer, max_tokens_cap=default_sampling.get("max_tokens")
         )
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, tracer)
         self.engine_core = client if client is not None else InprocClient(config)
         self.scheduler_stats = SchedulerStats()
         self.frozen = True
@@ -56,7 +60,9 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, *, multiprocess: bool | None = None) -> LLMEngine:
         """multiprocess (default: $JAXSERVE_ENABLE_MULTIPROCESSING, else on): the core runs in
-        its own process (SyncMPClient); otherwise in this one (InprocClient)."""
+        its own process (SyncMPClient); otherwise in this one (InprocClient). A tracer's
+        missing SDK fails first, before anything starts."""
+        tracer = init_tracer(args.otlp_traces_endpoint, args.model or DEFAULT_MODEL_NAME)
         if multiprocess is None:
             multiprocess = envs.JAXSERVE_ENABLE_MULTIPROCESSING
         if multiprocess:
@@ -71,7 +77,7 @@ class LLMEngine:
             config = args.create_engine_config()
             client = InprocClient(config)
             tokenizer = read_tokenizer(config.tokenizer_path or config.model_path)
-        return cls(config, tokenizer=tokenizer, client=client)
+        return cls(config, tokenizer=tokenizer, client=client, tracer=tracer)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

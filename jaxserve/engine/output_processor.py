@@ -9,6 +9,9 @@ output gathers them, in index order.
 A request that failed (finish_reason "error" from the core, or an exception while its outputs
 were processed here) ends at once: its output is finished, every completion "error" with the
 error as stop_reason, and its children still in the core are aborted; the others go on.
+
+With a tracer (--otlp-traces-endpoint) every request that ends (finished, aborted or failed)
+also becomes one span, in its caller's trace when it came with W3C trace context (tracing.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -31,6 +35,7 @@ from jaxserve.outputs import (
     RequestOutput,
 )
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.tracing import RequestTracer, log_tracing_disabled_warning
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +48,15 @@ def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedReq
     """A finished request for the metrics; with n children, abort if any was aborted, else
     stop if any stopped, else length (a failed request: error)."""
     m = state.metrics
-    generated = sum(len(c.token_ids) for c in state.children.values())
+    lengths = [len(c.token_ids) for c in state.children.values()]
+    first, scheduled, last = m.first_token_time, m.first_scheduled_time, m.last_token_time
     return FinishedRequestStats(
-        reason, now - m.arrival_time, m.queue_time, len(state.prompt_token_ids), generated
-    )
+        reason, now - m.arrival_time, m.queue_time, len(state.prompt_token_ids), sum(lengths),
+        max(lengths, default=0),
+        prefill_time=first - scheduled if first is not None and scheduled is not None else None,
+        decode_time=last - first if first is not None and last is not None else None,
+        inference_time=last - scheduled if last is not None and scheduled is not None else None,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -75,6 +85,7 @@ class RequestState:
     prompt_logprobs_sent: bool = False  # for DELTA outputs
     pooled: Any = None  # a pooling runner's f32[D]
     kv_transfer_params: dict[str, Any] | None = None  # the first child's, when it finished
+    trace_headers: Mapping[str, str] | None = None  # W3C trace context: its span's parent
 
     @property
     def finished(self) -> bool:
@@ -85,16 +96,22 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, tracer: RequestTracer | None = None):
+        """tracer: a span per finished request (--otlp-traces-endpoint, jaxserve/tracing.py)."""
         self.tokenizer = tokenizer
+        self.tracer = tracer
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(
-        self, prompt: str | None, request: EngineCoreRequest
-    ) -> list[EngineCoreRequest]:
+        self, prompt: str | None, request: EngineCoreRequest,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> list[EngineCoreRequest]:  # fmt: skip
         """Register a request; returns what to send to the core: the request itself, or its n
-        child requests ("{i}_{id}"; seeded children get seed + i, distinct and reproducible)."""
+        child requests ("{i}_{id}"; seeded children get seed + i, distinct and reproducible).
+        trace_headers: the W3C trace context its span joins (with a tracer)."""
+        if trace_headers and self.tracer is None:
+            log_tracing_disabled_warning()
         request_id, params, prompt_token_ids = (
             request.request_id, request.sampling_params, request.prompt_token_ids
         )  # fmt: skip
@@ -120,7 +137,7 @@ class OutputProcessor:
             )
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, children,
-            RequestMetrics(request.arrival_time),
+            RequestMetrics(request.arrival_time), trace_headers=trace_headers,
         )  # fmt: skip
         return core_requests
 
@@ -135,8 +152,7 @@ class OutputProcessor:
             return []
         for core_id in state.children:
             self.child_to_parent.pop(core_id, None)
-        if stats is not None:
-            stats.finished.append(_finished_stats(state, "abort", time.time()))
+        self._finished(state, "abort", time.time(), stats)
         return [cid for cid, c in state.children.items() if c.finish_reason is None]
 
     def process_outputs(
@@ -184,7 +200,7 @@ class OutputProcessor:
                 state.metrics.finished_time = now
                 reasons = {c.finish_reason for c in state.children.values()}
                 reason = next(r for r in ("abort", "stop", "length") if r in reasons)
-                stats.finished.append(_finished_stats(state, reason, now))
+                self._finished(state, reason, now, stats)
                 del self.requests[parent_id]
                 for core_id in state.children:
                     self.child_to_parent.pop(core_id, None)
@@ -256,11 +272,34 @@ class OutputProcessor:
         for child in state.children.values():
             child.finish_reason, child.stop_reason = "error", message
         state.metrics.finished_time = now
-        stats.finished.append(_finished_stats(state, "error", now))
+        self._finished(state, "error", now, stats, error=message)
         del self.requests[state.request_id]
         for core_id in state.children:
             self.child_to_parent.pop(core_id, None)
         return list(state.children)
+
+    def _finished(
+        self, state: RequestState, reason: str, now: float, stats: IterationStats | None,
+        error: str | None = None,
+    ) -> None:  # fmt: skip
+        """A request is over: count it in stats (when given) and send its span (with a
+        tracer; a failing tracer is logged, never the request's failure)."""
+        finished = _finished_stats(state, reason, now)
+        if stats is not None:
+            stats.finished.append(finished)
+        if self.tracer is None:
+            return
+        children = sorted(state.children.values(), key=lambda c: c.index)
+        try:
+            self.tracer.record(
+                state.request_id, state.params, state.metrics,
+                num_prompt_tokens=finished.num_prompt_tokens,
+                num_generation_tokens=finished.num_generation_tokens,
+                finish_reasons=[c.finish_reason or reason for c in children], error=error,
+                trace_headers=state.trace_headers, end_time=now,
+            )  # fmt: skip
+        except Exception:
+            logger.exception("request %s: its span could not be recorded", state.request_id)
 
     @staticmethod
     def _failed_output(state: RequestState) -> RequestOutput:

@@ -56,6 +56,18 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_batch(args: argparse.Namespace) -> int:
+    from jaxserve.entrypoints import run_batch
+
+    return run_batch.run(args, engine_args_from(args))
+
+
+def _collect_env(args: argparse.Namespace) -> int:
+    from jaxserve.entrypoints.collect_env import main
+
+    return main()
+
+
 def _client(args: argparse.Namespace) -> int:
     from jaxserve.entrypoints.openai import cli_clients
 
@@ -206,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_proxy_parser(sub)
     _add_client_parsers(sub)
+    _add_run_batch_parser(sub)
+    _add_collect_env_parser(sub)
     bench = sub.add_parser("bench", help="vLLM's benchmarks: latency, throughput, serve")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for name, what in BENCHMARKS.items():
@@ -234,6 +248,40 @@ def _add_client_parsers(sub) -> None:
         if name == "chat":
             p.add_argument("--system-prompt", default=None)
         p.set_defaults(func=_client, command=name)
+
+
+def _add_run_batch_parser(sub) -> None:
+    """`jaxserve run-batch`: vLLM's, an OpenAI Batch API file through the server's routes
+    (entrypoints/run_batch.py)."""
+    p = sub.add_parser(
+        "run-batch",
+        help="run an OpenAI Batch API JSONL file (chat, completions, embeddings, score, rerank) "
+        "offline, one output line per input line",
+    )
+    p.add_argument(
+        "-i", "--input-file", required=True,
+        help="the batch, OpenAI's JSONL format: a local path (vLLM's http(s) URLs are not taken)",
+    )  # fmt: skip
+    p.add_argument("-o", "--output-file", required=True, help="the output JSONL: a local path")
+    p.add_argument("--output-tmp-dir", default=None,
+                   help="write the output here, then move it to -o once whole")  # fmt: skip
+    p.add_argument("--model", default=None, help="as serve's (default: the bundled model)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the names a line's body may give as model (default: --model)")  # fmt: skip
+    p.add_argument("--chat-template", default=None, help="a Jinja template or a file")
+    p.add_argument("--chat-template-content-format", default="auto",
+                   choices=["auto", "string", "openai"])  # fmt: skip
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens")  # fmt: skip
+    add_engine_args(p)
+    p.set_defaults(func=_run_batch)
+
+
+def _add_collect_env_parser(sub) -> None:
+    """`jaxserve collect-env`: vLLM's, the environment a bug report needs."""
+    p = sub.add_parser("collect-env", help="print the versions, devices and settings a bug "
+                       "report needs")  # fmt: skip
+    p.set_defaults(func=_collect_env)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

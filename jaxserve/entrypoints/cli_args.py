@@ -155,7 +155,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enable-prompt-embeds", action=argparse.BooleanOptionalAction,
                         default=False, help="prompts as embeddings (prompt_embeds)")  # fmt: skip
     parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction,
-                        default=False, help="allow sleep / wake_up (free device memory)")  # fmt: skip
+                        default=False, help="allow sleep / wake_up (frees memory)")  # fmt: skip
     parser.add_argument("--otlp-traces-endpoint", default=None,
                         help="send OpenTelemetry request spans there (the otel extra)")  # fmt: skip
     for flag, kind, default, what in (

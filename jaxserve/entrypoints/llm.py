@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.config.pooler import is_classifier
 from jaxserve.engine.arg_utils import EngineArgs
+from jaxserve.engine.core_client import InprocClient
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.entrypoints import score_utils
 from jaxserve.entrypoints.beam_search import (
@@ -272,6 +275,61 @@ class LLM:
         fmt = content_format(chat_template or self.get_tokenizer().chat_template, "auto")
         return template_messages(conversation, fmt, chat_media.image_placeholder(config.model))
 
+    # ------------------------------------------------ sleep, new weights, runner calls
+    # (docs/rl.md; engine/core_control.py runs them in the core between steps)
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the weights and the KV cache (needs
+        enable_sleep_mode=True): level 1 keeps the weights on the host, level 2 reloads them
+        from the checkpoint on wake_up. The prefix cache is emptied."""
+        self._utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back the weights and the KV cache (tags: ["weights"] or ["kv_cache"], to
+        wake one first)."""
+        self._utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._utility("is_sleeping"))
+
+    def update_weights(self, weights: Any) -> dict:
+        """New weights without a restart: a mapping (or a nested pytree: dict keys joined
+        by dots) from names to arrays, all HF-named (a trainer's state_dict: built into the
+        engine's layout, one copy) or all by the engine's names (`weight_layout()`: fused
+        qkv / gate_up). With the core in this process (JAXSERVE_ENABLE_MULTIPROCESSING=0),
+        jax.Arrays already in a parameter's dtype and sharding are adopted as they are, with
+        no copy. The prefix cache is reset; nothing recompiles. Returns the parameters
+        adopted and copied."""
+        flat = _flatten(weights)
+        if not isinstance(self.llm_engine.engine_core, InprocClient):  # to another process
+            flat = {name: np.asarray(value) for name, value in flat.items()}
+        return self._utility("update_weights", flat)
+
+    def reload_weights(self, path: str | None = None) -> None:
+        """Every weight read again from `path` (a HF directory or .gguf; default: the
+        model's own checkpoint)."""
+        self._utility("reload_weights", path)
+
+    def weight_layout(self) -> dict[str, list]:
+        """The engine's weights: name -> [shape, dtype] (what update_weights adopts)."""
+        return self._utility("weight_layout")
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list:  # fmt: skip
+        """Run a model-runner method (a name), or `method(runner, *args, **kwargs)`, on every
+        worker; their results (vLLM's). timeout is accepted for vLLM's signature: the call
+        waits for the core."""
+        if callable(method):
+            method = pickle.dumps(method)  # by reference: the core process imports it
+        return self._utility("collective_rpc", method, list(args), kwargs or {})
+
+    def _utility(self, method: str, *args: Any) -> Any:
+        return self.llm_engine.engine_core.call_utility(method, *args)
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
@@ -291,3 +349,17 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A mapping of names to arrays, nested mappings' keys joined by dots."""
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"weights must be a mapping of names to arrays, got {type(tree).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = getattr(value, "value", value)  # an nnx Variable's array
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes  # noqa: F401 (registers bfloat16 / float8 names with numpy: np.dtype(name))
 import msgspec
 import numpy as np
 
@@ -40,11 +41,13 @@ class MsgpackEncoder:
         if obj.dtype.hasobject:
             raise TypeError(f"cannot serialize a numpy array of dtype {obj.dtype}")
         arr = np.ascontiguousarray(obj)
+        # ml_dtypes' bfloat16 / float8 are "V" (void) in dtype.str: sent by name
+        dtype = arr.dtype.name if arr.dtype.kind == "V" else arr.dtype.str
         if arr.nbytes < self.inline_threshold:
-            header = msgspec.msgpack.encode((arr.dtype.str, arr.shape, arr.tobytes()))
+            header = msgspec.msgpack.encode((dtype, arr.shape, arr.tobytes()))
             return msgspec.msgpack.Ext(_EXT_INLINE, header)
-        self._frames.append(arr.data)
-        header = (arr.dtype.str, arr.shape, len(self._frames) - 1)
+        self._frames.append(arr.view(np.uint8).data if arr.dtype.kind == "V" else arr.data)
+        header = (dtype, arr.shape, len(self._frames) - 1)
         return msgspec.msgpack.Ext(_EXT_FRAME, msgspec.msgpack.encode(header))
 
 

@@ -131,7 +131,7 @@ def load_model(
                 for p, host in cached.items():
                     place(p, host)
             else:
-                _read_params(
+                read_params(
                     source, model_cls, config, replicas, targets, place, hub.display_name(path)
                 )
             if writer is not None:
@@ -154,7 +154,7 @@ def load_model(
     )
 
 
-def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets: dict,
+def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: dict,
                  place, label: str) -> None:  # fmt: skip
     """Read (and convert, quantize) every parameter of `targets` from `source`, handing each
     host array to `place(path, array)`."""
@@ -162,7 +162,7 @@ def _read_params(source, model_cls, config: ModelConfig, replicas: int, targets:
     for p in tqdm(targets, desc=f"Loading {label}", unit="param", leave=False):
         if p[-1] in ("scale", "offset", "perm"):
             continue  # placed with its quantized kernel
-        weight = _aliased(source, model_cls.hf_weight(config, p, replicas), model_cls)
+        weight = aliased(source, model_cls.hf_weight(config, p, replicas), model_cls)
         if _quantized(targets[p]) and config.quantization in ("gguf", "int4", "mxfp4"):
             if config.quantization == "mxfp4":
                 hosts = read_mxfp4(source, weight, config.quant_group)
@@ -292,7 +292,7 @@ def _read_param(source, weight: HFWeight, target) -> np.ndarray:
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
 
 
-def _aliased(source, weight: HFWeight, model_cls) -> HFWeight:
+def aliased(source, weight: HFWeight, model_cls) -> HFWeight:
     """`weight` with each name the checkpoint lacks replaced by the first of its aliases it
     has (`checkpoint_aliases`: the prefixes other versions of transformers save under)."""
     aliases = getattr(model_cls, "checkpoint_aliases", ())

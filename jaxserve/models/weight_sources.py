@@ -54,6 +54,9 @@ class SafetensorsSource:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def file_of(self, name: str) -> Path:
+        return self._where[name][0]
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             files = ", ".join(sorted({str(f) for f, _ in self._where.values()}))

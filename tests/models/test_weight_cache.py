@@ -55,7 +55,7 @@ def no_reading(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the GGUF was read: the cached weights were not used")
 
-    monkeypatch.setattr(loader, "_read_params", fail)
+    monkeypatch.setattr(loader, "read_params", fail)
 
 
 def test_a_second_load_reads_the_cached_weights_and_gives_the_same_parameters(

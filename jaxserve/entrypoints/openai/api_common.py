@@ -23,10 +23,12 @@ from jaxserve.entrypoints.openai.request_body import (
 )
 from jaxserve.entrypoints.openai.serving_engine import (
     DATA_PARALLEL_RANK,
+    TRACE_HEADERS,
     OpenAIServing,
     error_body,
     error_status,
 )
+from jaxserve.tracing import extract_trace_headers
 
 logger = logging.getLogger("jaxserve.api_server")
 
@@ -105,6 +107,7 @@ async def generate_route(
         return errors(serving.engine.dead or serving.engine.engine_core.poll_dead())
     try:
         DATA_PARALLEL_RANK.set(data_parallel_rank(request, serving))
+        TRACE_HEADERS.set(extract_trace_headers(request.headers))
         body = await decode_body(request, cls)
         prepared = await off_loop(request, prepare, body)
         prepared = prepared if media is None else await media(prepared)  # chat: its images

@@ -41,7 +41,9 @@ from jaxserve.entrypoints.openai.api_common import (
     off_loop,
     serving_of,
 )
+from jaxserve.entrypoints.openai.dev_routes import dev_routes
 from jaxserve.entrypoints.openai.middleware import app_middleware
+from jaxserve.entrypoints.openai.probes import probe_routes
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -122,10 +124,6 @@ async def lora_adapters(request: Request) -> Response:
     except Exception as e:
         return error_response(e)
     return PlainTextResponse(text)
-
-
-async def health(request: Request) -> Response:
-    return Response(status_code=503 if serving_of(request).engine.errored else 200)
 
 
 async def version(request: Request) -> Response:
@@ -264,7 +262,7 @@ def build_app(
         Route("/v1/responses/{response_id}", OpenAIServingResponses.get_route, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         *score_routes(),  # /classify, /score, /rerank, /pooling (a pooling server's)
-        Route("/health", health, methods=["GET"]),
+        *probe_routes(),  # /health, /ping, /ready (probes.py)
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -272,6 +270,9 @@ def build_app(
         Route("/v1/messages", serving_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", serving_messages.count_tokens, methods=["POST"]),
     ]
+    if envs.JAXSERVE_SERVER_DEV_MODE:  # /sleep, /pause, weight transfer, .. (dev_routes.py)
+        logger.warning("development routes on (JAXSERVE_SERVER_DEV_MODE): trusted networks only")
+        routes += dev_routes()
     if envs.JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING:
         logger.warning("runtime LoRA loading and unloading is on: for local development only")
         routes += [Route(f"/v1/{op}_lora_adapter", lora_adapters, methods=["POST"])

@@ -116,6 +116,8 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.core_client import AsyncMPClient
     from jaxserve.startup import StartupTimeline
+    from jaxserve.tracing import init_tracer
+    from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME
     from jaxserve.transformers_utils.tokenizer import read_tokenizer
 
     started = time.perf_counter()
@@ -125,9 +127,11 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     client.timeline = StartupTimeline()
     client.timeline.extend("", core_phases)
     config = info.config
+    tracer = init_tracer(args.otlp_traces_endpoint, args.model or DEFAULT_MODEL_NAME)
     engine = AsyncLLM(
-        config, client, tokenizer=read_tokenizer(config.tokenizer_path or config.model_path)
-    )
+        config, client, tokenizer=read_tokenizer(config.tokenizer_path or config.model_path),
+        tracer=tracer,
+    )  # fmt: skip
     client.timeline.add(f"API server {index} set-up", time.perf_counter() - started)
     serve_http(args, engine, socket.socket(fileno=fd), started, log_prefix=LOG_PREFIX.format(index))
 

@@ -22,6 +22,7 @@ from jaxserve.entrypoints.openai.protocol import (
 )
 from jaxserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    TRACE_HEADERS,
     OpenAIServing,
     error_body,
     prompt_logprobs_json,
@@ -164,6 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
             async for out in self.engine.generate(
                 {"prompt_token_ids": tokens, **extra}, step_params,
                 f"{request_id}-beam{next(steps)}", priority=request.priority,
+                trace_headers=TRACE_HEADERS.get(),
             ):  # fmt: skip
                 final = out
             return final

@@ -39,6 +39,11 @@ _json = msgspec.json.Encoder()
 DATA_PARALLEL_RANK: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "data_parallel_rank", default=None
 )
+# The request's W3C trace context (traceparent / tracestate headers, tracing.py): with
+# --otlp-traces-endpoint its spans join the caller's trace (vLLM's trace_headers). None: none.
+TRACE_HEADERS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+    "trace_headers", default=None
+)
 
 
 def sse(payload: Any) -> bytes:
@@ -176,6 +181,7 @@ class OpenAIServing:
                     prompt, params, rid, priority=priority,
                     data_parallel_rank=DATA_PARALLEL_RANK.get(),
                     kv_transfer_params=kv_transfer_params, lora_request=lora_request,
+                    trace_headers=TRACE_HEADERS.get(),
                 ):  # fmt: skip
                     await queue.put((i, out))
                 await queue.put(done)

@@ -1,0 +1,149 @@
+"""Sleep / wake and weight updates without a restart (engine/core_control.py,
+worker/device_state.py), with the engine core in the test's process: outputs against HF on the
+same weights, device memory as live-array bytes, buffer identity for the zero-copy update, and
+no step compiled after start-up."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.models.loader import load_model
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.worker.executables import num_compilations
+from tests.helpers import assert_generate_matches_hf, engines_in_process, hf_model, make_tiny_hf
+
+PROMPTS = [[1, 5, 9, 42, 7], [3, 100, 4]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Two tiny Llamas of one config: A (the engine's) and B (A's weights moved)."""
+    a = make_tiny_hf("llama", tmp_path_factory.mktemp("a"))
+    b = tmp_path_factory.mktemp("b")
+    model = hf_model(str(a))
+    torch.manual_seed(1)
+    moved = type(model)(model.config)
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(model.named_parameters(), moved.named_parameters(), strict=True):
+            q.copy_(p + 0.05 * torch.randn_like(p))
+    moved.save_pretrained(b)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def llm(models):
+    with engines_in_process():
+        engine = LLM(str(models[0]), enable_sleep_mode=True, max_model_len=128, max_num_seqs=4,
+                     max_num_batched_tokens=64)  # fmt: skip
+        yield engine
+        engine.llm_engine.shutdown()
+
+
+def _ids(llm) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _live_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+
+def _buffers(runner) -> list[int]:
+    """collective_rpc's function: each parameter's device buffer."""
+    return [x.unsafe_buffer_pointer() for x in runner.params]
+
+
+def _hf_state(model_dir) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in hf_model(str(model_dir)).state_dict().items()}
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_weights_and_kv_cache_and_wake_up_gives_the_same_output(llm, level):
+    want = _ids(llm)
+    compiled = num_compilations()
+    before = _live_bytes()
+    llm.sleep(level)
+    asleep = _live_bytes()
+    assert llm.is_sleeping()
+    # every weight and KV block went: what is left is the sampler's state and the like
+    layout = llm.weight_layout()
+    weights = sum(np.prod(s) * np.dtype(d).itemsize for s, d in layout.values())
+    assert before - asleep >= weights, (before, asleep, weights)
+    (failed,) = llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error"  # that request alone, with the reason
+    assert "asleep" in str(failed.outputs[0].stop_reason)
+    llm.wake_up(tags=["weights"])  # one at a time (vLLM's tags)
+    assert llm.is_sleeping()
+    llm.wake_up()
+    assert not llm.is_sleeping() and abs(_live_bytes() - before) < 0.05 * before
+    assert _ids(llm) == want
+    print(f"sleep level {level}: live bytes {before} -> {asleep} -> {_live_bytes()}")
+    # no step shape compiled again (waking zero-fills the KV cache: one small program)
+    assert num_compilations() - compiled <= 2
+
+
+def test_update_weights_by_hf_names_equals_hf_on_the_new_weights(llm, models):
+    a, b = models
+    _ids(llm)
+    compiled = num_compilations()
+    counts = llm.update_weights(_hf_state(b))
+    assert counts["copied"] == len(llm.weight_layout()) and counts["adopted"] == 0
+    assert_generate_matches_hf(llm, b, PROMPTS, max_tokens=8)
+    assert num_compilations() == compiled  # new weights, the same executables
+    llm.update_weights(_hf_state(a))  # back
+    assert_generate_matches_hf(llm, a, PROMPTS, max_tokens=8)
+
+
+def test_update_weights_in_the_engines_layout_adopts_the_arrays_without_a_copy(llm, models):
+    a, b = models
+    want_b = None
+    trainer = load_model(str(b), load_tokenizer=False)  # a JAX trainer's model: our layout
+    state = nnx.state(trainer.model)
+    arrays = [x for x in jax.tree.leaves(state)]
+    compiled = num_compilations()
+    counts = llm.update_weights(state)
+    assert counts == {"adopted": len(arrays), "copied": 0}
+    # the engine holds the trainer's own device buffers
+    assert sorted(llm.collective_rpc(_buffers)[0]) == sorted(
+        x.unsafe_buffer_pointer() for x in arrays
+    )
+    want_b = assert_generate_matches_hf(llm, b, PROMPTS, max_tokens=8)
+    assert num_compilations() == compiled
+    assert want_b is not None
+    llm.update_weights(_hf_state(a))
+
+
+def test_bad_updates_are_refused_naming_the_weight_and_change_nothing(llm, models):
+    want = _ids(llm)
+    state = _hf_state(models[1])
+    with pytest.raises(ValueError, match=r"k_proj.weight, .*v_proj.weight missing"):
+        llm.update_weights({"model.layers.0.self_attn.q_proj.weight": state[
+            "model.layers.0.self_attn.q_proj.weight"]})  # fmt: skip
+    with pytest.raises(ValueError, match="unknown weight names.*model.nope"):
+        llm.update_weights({**state, "model.nope": np.zeros(3, np.float32)})
+    name, (shape, _) = next(iter(llm.weight_layout().items()))
+    with pytest.raises(ValueError, match=f"{name} has shape"):
+        llm.update_weights({name: np.zeros((*shape, 2), np.float32)})
+    assert _ids(llm) == want
+
+
+def test_reload_weights_from_a_checkpoint_directory(llm, models):
+    a, b = models
+    llm.reload_weights(str(b))
+    assert_generate_matches_hf(llm, b, PROMPTS, max_tokens=8)
+    llm.reload_weights()  # the model's own
+    assert_generate_matches_hf(llm, a, PROMPTS, max_tokens=8)
+
+
+def test_sleep_needs_sleep_mode(models):
+    with engines_in_process():
+        engine = LLM(str(models[0]), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+        with pytest.raises(ValueError, match="enable_sleep_mode"):
+            engine.sleep(1)
+        engine.llm_engine.shutdown()
