@@ -29,6 +29,9 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, every process would
 # otherwise compile jax and torch from source. A file that does not compile (templates,
 # Python 2 leftovers in some packages) is skipped, as pip skips it.
-"$venv/bin/python" -m compileall -q -j 0 "$venv/lib" > /dev/null || true
+# JAXSERVE_SETUP_COMPILE=0 skips it (a throwaway venv whose processes import little of it).
+if [[ "${JAXSERVE_SETUP_COMPILE:-1}" != "0" ]]; then
+    "$venv/bin/python" -m compileall -q -j 0 "$venv/lib" > /dev/null || true
+fi
 "$venv/bin/python" -c "import jaxserve.transformers_utils.model_path as m; print('default model:', m.default_model_path())"
 echo "$want" > "$stamp"

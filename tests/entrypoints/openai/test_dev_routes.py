@@ -77,7 +77,7 @@ def _stream_tokens(server, max_tokens: int, seen: list) -> dict:
 
 
 def test_pause_modes_and_resume(server):
-    want = _complete(server, 60)["text"]
+    want = _complete(server, 30)["text"]
     pool = concurrent.futures.ThreadPoolExecutor(4)
     # abort (the default): what runs ends now, with finish_reason "abort"
     seen: list = []
@@ -88,13 +88,13 @@ def test_pause_modes_and_resume(server):
     assert running.result(timeout=30)["finish_reason"] == "abort"
     assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": True}
     waiting = pool.submit(_complete, server)  # new requests wait while paused
-    time.sleep(0.5)
+    time.sleep(0.4)
     assert not waiting.done()
     assert _post(server, "/resume").json() == {"status": "resumed"}
     assert waiting.result(timeout=30)["finish_reason"] == "length"
     # wait: the pause returns once what runs has finished, untouched
     seen = []
-    running = pool.submit(_stream_tokens, server, 60, seen)
+    running = pool.submit(_stream_tokens, server, 30, seen)
     while len(seen) < 3:
         time.sleep(0.01)
     assert _post(server, "/pause", mode="wait").status_code == 200
@@ -102,13 +102,13 @@ def test_pause_modes_and_resume(server):
     _post(server, "/resume")
     # keep: what runs stops in place and continues on resume, with the same tokens
     seen = []
-    running = pool.submit(_stream_tokens, server, 60, seen)
+    running = pool.submit(_stream_tokens, server, 30, seen)
     while len(seen) < 3:
         time.sleep(0.01)
     assert _post(server, "/pause", mode="keep").status_code == 200
-    time.sleep(0.3)
+    time.sleep(0.2)
     stalled = len(seen)
-    time.sleep(0.5)
+    time.sleep(0.4)
     assert len(seen) == stalled and not running.done()
     _post(server, "/resume")
     done = running.result(timeout=30)
