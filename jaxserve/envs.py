@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
     JAXSERVE_CONFIG_CACHE: str | None = "~/.cache/jaxserve/configs"
     JAXSERVE_SIMULATED_STEP: str | None = None
+    JAXSERVE_PP_LAYER_PARTITION: str | None = None
     JAXSERVE_PALLAS_KERNEL: str | None = None
     JAXSERVE_METRICS_LEGACY_PREFIX: bool = False
     JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
@@ -127,6 +128,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "BASE_MS,PER_TOKEN_MS": the engine core runs a runner that only simulates a device
     # step's time (worker/simulated.py), for benchmarks of the serving layers at scale.
     "JAXSERVE_SIMULATED_STEP": lambda: os.environ.get("JAXSERVE_SIMULATED_STEP"),
+    # Pipeline parallelism's layers per stage, comma-separated ("7,9,9,5"), instead of vLLM's
+    # even split (config/pipeline.py; vLLM's VLLM_PP_LAYER_PARTITION).
+    "JAXSERVE_PP_LAYER_PARTITION": lambda: os.environ.get("JAXSERVE_PP_LAYER_PARTITION") or None,
     # "mosaic" or "triton": the Pallas GPU attention kernel, whatever
     # pallas_kernels/paged_attention/kernel_choice.json measured for the device (choice.py).
     "JAXSERVE_PALLAS_KERNEL": lambda: os.environ.get("JAXSERVE_PALLAS_KERNEL") or None,

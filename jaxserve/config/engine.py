@@ -96,8 +96,15 @@ class ParallelConfig:
     # Hosts one model spans (multi-host tensor parallelism, distributed/multihost.py): each
     # runs tensor_parallel_size / nnodes of the devices, one process per host
     nnodes: int = 1
+    # Pipeline stages (config/pipeline.py splits the layers); the engine core keeps up to
+    # this many micro-batches in flight (engine/core.py's batch queue)
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}"
+            )
         if self.data_parallel_size < 1:
             raise ValueError(
                 f"data_parallel_size must be at least 1, got {self.data_parallel_size}"

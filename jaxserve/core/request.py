@@ -86,6 +86,9 @@ class Request:
         # Tokens being sampled by steps in flight, not yet known (async scheduling): the next
         # step may already run on them; the model runner feeds them from the device.
         self.num_output_placeholders = 0
+        # In a micro-batch still in the pipeline (pipeline parallelism: the engine core's
+        # batch queue): not scheduled again until that micro-batch's output is in
+        self.in_pipeline = False
         self.spec_token_ids: list[int] = []  # drafts for the next step (speculative decoding)
         self.first_scheduled_time: float | None = None  # time.time() when first scheduled
         self.scheduled_time_sent = False

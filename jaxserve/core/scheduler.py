@@ -182,14 +182,17 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
         return self.num_unfinished_requests > 0
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, max_tokens: int | None = None) -> SchedulerOutput:
+    def schedule(
+        self, max_tokens: int | None = None, max_reqs: int | None = None
+    ) -> SchedulerOutput:
         """One step's plan: the running requests, then the waiting ones, then the output.
         max_tokens: a lower token budget for this step (the runner's start-up is still
-        compiling the forwards of larger steps: ModelRunner.max_step_tokens)."""
+        compiling the forwards of larger steps: ModelRunner.max_step_tokens); max_reqs: at
+        most this many requests (a pipeline's micro-batch, engine/core.py)."""
         budget = self.config.max_num_batched_tokens
         if max_tokens is not None:
             budget = min(budget, max_tokens)
-        plan = StepPlan(budget, 0)
+        plan = StepPlan(budget, 0, max_reqs=max_reqs)
         if self.spec_stats is not None:
             plan.draft_room = draft_room(self.running, budget, self.draft_step_tokens, self.config)
         if self.encoder_cache is not None:
@@ -442,7 +445,5 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
         )
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:
-        stats = self.spec_stats
-        if stats is not None:
-            self.spec_stats = SpecDecodingStats()
+        stats, self.spec_stats = self.spec_stats, self.spec_stats and SpecDecodingStats()
         return stats

@@ -35,6 +35,10 @@ class StepPlan:
     cached_reqs: list[CachedRequestData] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
     spec_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # At most this many requests (a pipeline's micro-batch); once reached the budget is held
+    # back (0) so the phases stop, and given back if a preemption unschedules one
+    max_reqs: int | None = None
+    held_budget: int = 0
 
     def schedule_running(
         self, request: Request, num_tokens: int, drafts: list[int], new_block_ids: list[int]
@@ -55,6 +59,8 @@ class StepPlan:
         self.num_scheduled[req_id] = 1
         self.budget -= 1
         self.cached_reqs.append(CachedRequestData(req_id, [], request.num_computed_tokens))
+        if self.max_reqs is not None:
+            self._hold_at_max()
 
     def schedule_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         """A request admitted from the waiting queue, sent in full (NewRequestData)."""
@@ -76,19 +82,29 @@ class StepPlan:
     def _schedule(self, req_id: str, num_tokens: int) -> None:
         self.num_scheduled[req_id] = num_tokens
         self.budget -= num_tokens
+        if self.max_reqs is not None:
+            self._hold_at_max()
+
+    def _hold_at_max(self) -> None:
+        if len(self.num_scheduled) >= self.max_reqs and self.budget > 0:
+            self.held_budget, self.budget = self.budget, 0
 
     def unschedule(self, victim: Request) -> None:
         """A request preempted in this step: undo what the step gave it earlier, if anything."""
         self.preempted.append(victim)
         if victim.request_id in self.num_scheduled:
-            self.budget += self.num_scheduled.pop(victim.request_id)
+            self.budget += self.num_scheduled.pop(victim.request_id) + self.held_budget
+            self.held_budget = 0
             self.spec_tokens.pop(victim.request_id, None)
             self.cached_reqs = [c for c in self.cached_reqs if c.req_id != victim.request_id]
 
 
 def num_tokens_to_schedule(request: Request, max_model_len: int) -> int:
     """Tokens a running request can run now: the rest of its prompt, or its last token
-    (known or a placeholder). Nothing when a placeholder may already be its last token."""
+    (known or a placeholder). Nothing when a placeholder may already be its last token, or
+    while it is in a micro-batch still in the pipeline."""
+    if request.in_pipeline:
+        return 0
     if request.num_output_placeholders:
         max_tokens = request.sampling_params.max_tokens
         n_out = request.num_output_tokens + request.num_output_placeholders

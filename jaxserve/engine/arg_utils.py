@@ -29,6 +29,7 @@ from jaxserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from jaxserve.config.pipeline import pp_layer_partition
 from jaxserve.config.pooler import pooler_config_from
 from jaxserve.distributed.mesh import check_local_devices
 from jaxserve.transformers_utils.config import (
@@ -60,6 +61,9 @@ class EngineArgs:
     # layers or experts of a real model's shapes for a benchmark
     hf_overrides: dict | str | None = None
     tensor_parallel_size: int = 1
+    # Pipeline stages, each its own layers (vLLM's split; config/pipeline.py), and up to this
+    # many micro-batches in flight in the engine core
+    pipeline_parallel_size: int = 1
     # Engine core processes, each with its own devices, scheduler and KV cache; new requests
     # go to the least loaded (engine/core_client.py::LoadBalancer)
     data_parallel_size: int = 1
@@ -205,7 +209,7 @@ class EngineArgs:
                 CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else MAX_NUM_BATCHED_TOKENS,
             ),
             policy=self.scheduling_policy,
-            async_scheduling=not (on_cpu or speculative)
+            async_scheduling=not (on_cpu or speculative or self.pipeline_parallel_size > 1)
             if self.async_scheduling is None
             else self.async_scheduling,
         )
@@ -235,7 +239,10 @@ class EngineArgs:
             self.enable_expert_parallel,
             self.data_parallel_size,
             self.nnodes,
+            self.pipeline_parallel_size,
         )
+        if parallel.pipeline_parallel_size > 1:
+            self._check_pipeline(model_config, speculative)
         check_local_devices(parallel.tensor_parallel_size, parallel.nnodes)
         return EngineConfig(
             model_path=str(path),
@@ -267,6 +274,18 @@ class EngineArgs:
                 self.limit_mm_per_prompt, self.allowed_local_media_path
             ),
         )
+
+    def _check_pipeline(self, model_config, speculative) -> None:
+        """ValueError for what pipeline parallelism cannot run with (yet)."""
+        pp = self.pipeline_parallel_size
+        pp_layer_partition(model_config.num_layers, pp)  # the split (or its override) fits
+        if speculative is not None:
+            raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
+        if self.async_scheduling:
+            raise ValueError(
+                "async_scheduling: with pipeline_parallel_size > 1 the engine core keeps "
+                f"{pp} micro-batches in flight instead (its batch queue)"
+            )
 
     def _lora(self, model_config) -> LoRAConfig | None:
         """--enable-lora's config; refused by name for the models it does not serve."""

@@ -91,7 +91,14 @@ class EngineCore(CoreControl):
             encoder_cache=self._encoder_cache(),
         )
         self.num_requests_added = 0  # since start-up (data-parallel balance, in get_state)
-        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        # The batch queue: steps dispatched and not yet fetched. With pipeline parallelism,
+        # one micro-batch per stage, each request in at most one of them; async scheduling is
+        # the one-stage case (the next step may run on the in-flight step's placeholders).
+        self.pipeline = config.parallel.pipeline_parallel_size > 1
+        self.max_in_flight = (
+            config.parallel.pipeline_parallel_size if self.pipeline
+            else 2 if config.scheduler.async_scheduling else 1
+        )  # fmt: skip
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
 
     def _encoder_cache(self) -> EncoderCacheManager | None:
@@ -201,20 +208,44 @@ class EngineCore(CoreControl):
         this call (the first step of a burst, in flight)."""
         dispatched = False
         if self.scheduler.has_unfinished_requests() and not self.scheduling_paused:
-            scheduler_output = self.scheduler.schedule(self.runner.max_step_tokens())
+            scheduler_output = self.scheduler.schedule(
+                self.runner.max_step_tokens(), self._micro_batch_reqs()
+            )
             pending = self.runner.dispatch(scheduler_output)
             if pending is not None:
                 self.in_flight.append((scheduler_output, pending))
                 dispatched = True
+                if self.pipeline:
+                    self._mark_in_pipeline(scheduler_output, True)
         self._sample_oldest()
         if not self.in_flight or (dispatched and len(self.in_flight) < self.max_in_flight):
             return self._outputs_outside_steps(dispatched)
+        num_in_flight = len(self.in_flight)
         scheduler_output, pending = self.in_flight.popleft()
         runner_output = self.runner.fetch(pending)
+        if self.pipeline:
+            self._mark_in_pipeline(scheduler_output, False)
         self.process_aborts_mid_step()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._sample_oldest()
-        return EngineCoreOutputs(outputs, self.scheduler.make_stats(), timestamp=time.time())
+        stats = self.scheduler.make_stats()
+        stats.num_batches_in_flight = num_in_flight
+        return EngineCoreOutputs(outputs, stats, timestamp=time.time())
+
+    def _micro_batch_reqs(self) -> int | None:
+        """With pipeline parallelism, a micro-batch's share of the requests: the unfinished
+        ones split evenly over the stages (balanced by count), so that pp micro-batches can be
+        in flight; None (no limit) otherwise."""
+        if not self.pipeline:
+            return None
+        s = self.scheduler
+        return max(1, -(-(len(s.running) + len(s.waiting)) // self.max_in_flight))
+
+    def _mark_in_pipeline(self, so: SchedulerOutput, value: bool) -> None:
+        requests = self.scheduler.requests
+        for req_id in so.num_scheduled_tokens:
+            if (request := requests.get(req_id)) is not None:
+                request.in_pipeline = value
 
     def _sample_oldest(self) -> None:
         """Dispatch the sampling of the oldest step in flight if it waits for a grammar

@@ -33,6 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='JSON of HF config fields set over the model\'s, e.g. {"num_hidden_layers": 2}',
     )  # fmt: skip
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages (JAXSERVE_PP_LAYER_PARTITION)")  # fmt: skip
     parser.add_argument(
         "-dp", "--data-parallel-size", type=int, default=1,
         help="engine core processes, each with its own -tp devices, scheduler and KV cache; "

@@ -103,6 +103,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     running_lora_adapters: dict[str, int] | None = None
     waiting_lora_adapters: dict[str, int] | None = None
     max_loras: int = 0
+    # Steps dispatched and not yet fetched when this step's output was taken, it included
+    # (the engine core's batch queue: pipeline_parallel_size micro-batches in steady decode)
+    num_batches_in_flight: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -41,6 +41,12 @@ def build_runner(
     (worker/simulated.py)."""
     if simulated := envs.JAXSERVE_SIMULATED_STEP:
         return SimulatedRunner(config, simulated)
+    if config.parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "pipeline_parallel_size > 1: the model runner has no pipeline stages yet; the "
+            "engine core's batch queue runs them over the simulated runner only "
+            "(JAXSERVE_SIMULATED_STEP, docs/distributed.md#pipeline-parallelism)"
+        )
     enable_persistent_compilation_cache()
     with timeline.phase("load weights"):
         loaded = load_model(

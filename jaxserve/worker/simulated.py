@@ -3,7 +3,11 @@ cannot hold (benchmarks/bench_dp_scale.py): each step takes the time a cost mode
 
     step time = base + per_token * scheduled tokens,
 
-one step at a time as on a device, and samples random tokens; everything else (scheduler, KV
+one step at a time as on a device, and samples random tokens. With pipeline_parallel_size
+= pp the step runs as pp stages of step time / pp each, on pp devices: a micro-batch's stage s
+starts once its stage s - 1 is done and stage s has finished the micro-batch before it, so
+up to pp micro-batches overlap (the engine core's batch queue keeps them in flight), and one
+alone leaves pp - 1 stages idle (the pipeline bubble). Everything else (scheduler, KV
 block manager, engine core processes, ZeroMQ, the DP coordinator and load balancer, the
 frontend) is the real thing. The engine core builds it instead of the real runner when
 $JAXSERVE_SIMULATED_STEP is "BASE_MS,PER_TOKEN_MS" (worker/build.py::build_runner); the model
@@ -42,7 +46,9 @@ class SimulatedRunner:
         self.config = config
         self.num_blocks = 0
         self.rng = np.random.default_rng(config.seed)
-        self.busy_until = 0.0
+        self.stages = config.parallel.pipeline_parallel_size
+        self.busy_until = [0.0] * self.stages  # when each stage's device is free
+        self.busy_total = 0.0  # seconds of stage work dispatched, over every stage
 
     def determine_num_blocks(self) -> int:
         return self.config.cache.num_gpu_blocks_override or DEFAULT_NUM_BLOCKS
@@ -63,9 +69,12 @@ class SimulatedRunner:
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             return None
-        start = max(time.monotonic(), self.busy_until)  # the device runs one step at a time
-        self.busy_until = start + self.base_s + self.per_token_s * so.total_num_scheduled_tokens
-        return SimulatedStep(req_ids, self.busy_until)
+        stage_s = (self.base_s + self.per_token_s * so.total_num_scheduled_tokens) / self.stages
+        ready = time.monotonic()
+        self.busy_total += stage_s * self.stages
+        for s in range(self.stages):  # each device runs one stage of one micro-batch at a time
+            ready = self.busy_until[s] = max(ready, self.busy_until[s]) + stage_s
+        return SimulatedStep(req_ids, ready)
 
     def dispatch_sample(self, pending: SimulatedStep, bitmask) -> SimulatedStep:
         return pending
