@@ -2,7 +2,8 @@
 
 - `GET /health`: 200 while the engine lives, 503 once it is dead (vLLM's).
 - `GET|POST /ping`: the same (vLLM's alias of /health, which SageMaker calls).
-- `GET /ready`: 200 while the engine lives, 503 once it is dead, with how far compilation has
+- `GET /ready`: 200 while the engine lives and generates, 503 once it is dead or while it is
+  paused or asleep (JAXSERVE_SERVER_DEV_MODE's /pause, /sleep), with how far compilation has
   gone: `{"ready": true, "fully_compiled": bool, "compiled": n, "total": m}`. The app only
   answers once the engine core is READY (it serves any step from then on), so ready is true
   as soon as routes answer; with background compilation (`jaxserve serve`'s default) the other
@@ -113,16 +114,19 @@ async def ready(request: Request) -> Response:
     alive = not serving_of(request).engine.errored
     status = await cache.get() if alive else cache.last  # a dead engine is not asked
     alive = alive and not serving_of(request).engine.errored  # (it may have died meanwhile)
+    # paused or asleep (the dev routes, engine/async_control.py): requests would only wait
+    paused = await serving_of(request).engine.is_paused()
     fully = bool(status and status["fully_compiled"])
     body = {
-        "ready": alive,
+        "ready": alive and not paused,
+        "paused": paused,
         "fully_compiled": fully,
         "compiled": status["compiled"] if status else None,
         "total": status["total"] if status else None,
     }
     if status and "engines" in status:
         body["engines"] = status["engines"]
-    ok = alive and (fully or flag in FALSE)
+    ok = alive and not paused and (fully or flag in FALSE)
     return MsgspecJSONResponse(body, status_code=200 if ok else 503)
 
 

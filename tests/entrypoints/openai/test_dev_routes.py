@@ -87,11 +87,14 @@ def test_pause_modes_and_resume(server):
     assert _post(server, "/pause").json() == {"status": "paused"}
     assert running.result(timeout=30)["finish_reason"] == "abort"
     assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": True}
+    ready = httpx.get(f"{server.url}/ready")  # a paused server takes no traffic
+    assert ready.status_code == 503 and ready.json()["paused"] is True
     waiting = pool.submit(_complete, server)  # new requests wait while paused
     time.sleep(0.4)
     assert not waiting.done()
     assert _post(server, "/resume").json() == {"status": "resumed"}
     assert waiting.result(timeout=30)["finish_reason"] == "length"
+    assert httpx.get(f"{server.url}/ready").status_code == 200
     # wait: the pause returns once what runs has finished, untouched
     seen = []
     running = pool.submit(_stream_tokens, server, 30, seen)

@@ -69,7 +69,7 @@ def expire(app) -> None:
 def test_ready_before_and_after_every_step_shape_is_compiled(stub):
     app, core = stub
     ready, compiled = run(app, ("GET", "/ready"), ("GET", "/ready?compiled=true"))
-    body = {"ready": True, "fully_compiled": False, "compiled": 23, "total": 100}
+    body = {"ready": True, "paused": False, "fully_compiled": False, "compiled": 23, "total": 100}
     assert (ready.status_code, ready.json()) == (200, body)  # serving: traffic may come
     assert (compiled.status_code, compiled.json()) == (503, body)  # not at full speed yet
     assert core.calls == 1  # one call for both probes; its answer is reused a while
@@ -81,7 +81,7 @@ def test_ready_before_and_after_every_step_shape_is_compiled(stub):
     core.status = FULLY
     expire(app)
     ready, compiled = run(app, ("GET", "/ready"), ("GET", "/ready?compiled=TRUE"))
-    body = {"ready": True, "fully_compiled": True, "compiled": 100, "total": 100}
+    body = {"ready": True, "paused": False, "fully_compiled": True, "compiled": 100, "total": 100}
     assert (ready.status_code, ready.json()) == (200, body)
     assert (compiled.status_code, compiled.json()) == (200, body)
     assert core.calls == 2
@@ -104,7 +104,13 @@ def test_probes_share_one_call_and_an_unanswered_one_keeps_the_last_answer(stub,
     core.status, core.delay = RuntimeError("no utility 'compile_status'"), 0.0
     app.state.compile_status = None  # nothing known yet
     ready, compiled = run(app, ("GET", "/ready"), ("GET", "/ready?compiled=true"))
-    body = {"ready": True, "fully_compiled": False, "compiled": None, "total": None}
+    body = {
+        "ready": True,
+        "paused": False,
+        "fully_compiled": False,
+        "compiled": None,
+        "total": None,
+    }
     assert (ready.status_code, ready.json()) == (200, body)
     assert (compiled.status_code, compiled.json()) == (503, body)
 
@@ -117,7 +123,7 @@ def test_data_parallel_engines_are_fully_compiled_only_when_every_one_is(stub):
     assert core.status["fully_compiled"] is True  # (the merged flag alone would say so)
     ready, compiled = run(app, ("GET", "/ready"), ("GET", "/ready?compiled=true"))
     assert ready.status_code == 200 and compiled.status_code == 503
-    assert ready.json() == {"ready": True, "fully_compiled": False, "compiled": 123,
+    assert ready.json() == {"ready": True, "paused": False, "fully_compiled": False, "compiled": 123,
                             "total": 200, "engines": [PARTLY, FULLY]}  # fmt: skip
 
 
@@ -131,7 +137,7 @@ def test_ping_and_health_then_503s_once_the_engine_is_dead(stub):
     *plain, ready, compiled = run(app, *probes_, ("GET", "/ready?compiled=true"))
     assert [r.status_code for r in plain] == [503] * 3
     assert ready.status_code == compiled.status_code == 503
-    assert ready.json() == {"ready": False, "fully_compiled": False, "compiled": 23,
+    assert ready.json() == {"ready": False, "paused": False, "fully_compiled": False, "compiled": 23,
                             "total": 100}  # fmt: skip
     assert core.calls == 1  # a dead engine is not asked
 
@@ -156,7 +162,7 @@ def test_real_engines_answer_compile_status_and_a_killed_one_turns_the_probes_50
                 app, ("GET", "/ready"), ("GET", "/ready?compiled=true"), ("POST", "/ping")
             )
             one = {"compiled": 0, "total": 0, "fully_compiled": True}
-            assert ready.json() == {"ready": True, "fully_compiled": True, "compiled": 0,
+            assert ready.json() == {"ready": True, "paused": False, "fully_compiled": True, "compiled": 0,
                                     "total": 0, "engines": [one, one]}  # fmt: skip
             assert ready.status_code == compiled.status_code == ping.status_code == 200
             engine.engine_core.group.procs[1].kill()
