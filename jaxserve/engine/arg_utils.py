@@ -243,7 +243,8 @@ class EngineArgs:
         )
         if parallel.pipeline_parallel_size > 1:
             self._check_pipeline(model_config, speculative)
-        check_local_devices(parallel.tensor_parallel_size, parallel.nnodes)
+        check_local_devices(parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+                            parallel.nnodes)  # fmt: skip
         return EngineConfig(
             model_path=str(path),
             model=model_config,
@@ -285,6 +286,21 @@ class EngineArgs:
             raise ValueError(
                 "async_scheduling: with pipeline_parallel_size > 1 the engine core keeps "
                 f"{pp} micro-batches in flight instead (its batch queue)"
+            )
+        images = getattr(model_config.hf_config, "multimodal_config", None) is not None
+        others = {
+            "enable_lora": self.enable_lora, "image inputs": images,
+            "runner='pooling'": self.runner == "pooling" or self.task is not None,
+            "kv_transfer_config": self.kv_transfer_config or self.kv_offloading_size,
+            "a hybrid model's linear attention": model_config.linear_attn is not None,
+            "nnodes > 1": self.nnodes > 1, "data_parallel_size > 1": self.data_parallel_size > 1,
+            "enable_sleep_mode": self.enable_sleep_mode,
+            "enable_prompt_embeds": self.enable_prompt_embeds,
+        }  # fmt: skip
+        refused = [name for name, on in others.items() if on]
+        if refused:
+            raise ValueError(
+                f"pipeline_parallel_size > 1 is not supported yet with {', '.join(refused)}"
             )
 
     def _lora(self, model_config) -> LoRAConfig | None:

@@ -47,6 +47,8 @@ class CoreControl:
     def _device(self) -> DeviceState:
         if self.config.parallel.nnodes > 1:
             raise ValueError("sleep, wake_up and weight updates are single-host only for now")
+        if self.config.parallel.pipeline_parallel_size > 1:
+            raise ValueError("sleep and weight updates are not supported with pipeline stages")
         if getattr(self.runner, "executables", None) is None:
             raise ValueError("a simulated runner holds no weights")
         if self._device_state is None:

@@ -108,6 +108,8 @@ class LlamaForCausalLM(nnx.Module):
         mm_embeds: jax.Array | None = None,
         mm_rows: jax.Array | None = None,
         mrope_positions: jax.Array | None = None,
+        hidden_in: jax.Array | None = None,
+        final_norm: bool = True,
     ) -> tuple[jax.Array, KVCaches] | tuple[jax.Array, KVCaches, jax.Array]:
         """input_ids, positions: i32[T] -> (final hidden states [T, D], updated kv_caches);
         aux_layers: also the inputs of those layers, concatenated [T, D * len(aux_layers)]
@@ -117,12 +119,14 @@ class LlamaForCausalLM(nnx.Module):
         (worker/lora_slots.py); mm_embeds [C, D], mm_rows i32[T]: a multimodal model's
         encoder cache and each token's row in it (-1: a text token, its own embedding);
         mrope_positions i32[3, T]: M-RoPE's positions (Qwen2.5-VL), which the rotary reads
-        instead of `positions`."""
+        instead of `positions`. A pipeline stage (worker/pipeline_runner.py) holds only its
+        layers: hidden_in [T, D], the stage before's output, in place of the embedding;
+        final_norm False: the hidden states leave un-normed (for the next stage)."""
         k_cache, v_cache = kv_caches
         num_blocks = k_cache.shape[0] // len(self.layers)
         block_size = k_cache.shape[1]
-        h = self.embed_tokens(input_ids)  # [T, D]
-        if self.embed_scale:  # HF rounds the scale to the weights' dtype first
+        h = self.embed_tokens(input_ids) if hidden_in is None else hidden_in  # [T, D]
+        if self.embed_scale and hidden_in is None:  # HF rounds the scale to the dtype first
             h = h * jnp.asarray(self.config.hidden_size**0.5, h.dtype)
         if mm_rows is not None:  # image placeholders: their encoder outputs
             picked = mm_embeds[jnp.maximum(mm_rows, 0)].astype(h.dtype)
@@ -140,7 +144,7 @@ class LlamaForCausalLM(nnx.Module):
             h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md, **lora)
         if aux_layers:
             return self.norm(h), (k_cache, v_cache), jnp.concatenate(aux, axis=-1)
-        return self.norm(h), (k_cache, v_cache)
+        return (self.norm(h) if final_norm else h), (k_cache, v_cache)
 
     @property
     def logits_head(self) -> jax.Array:

@@ -65,6 +65,7 @@ def load_model(
     enable_expert_parallel: bool = False,
     architecture: str | None = None,
     hf_overrides: dict | None = None,
+    mesh_of: Any = None,
 ) -> LoadedModel:
     """Load `model` (a name or path transformers_utils/model_path.py resolves) onto `mesh`
     (default: tp over local devices);
@@ -74,7 +75,8 @@ def load_model(
     quantization "int8" / "fp8": the decoder layers' linear kernels quantized as they load;
     enable_expert_parallel: a mixture of experts' experts split over the mesh;
     architecture: the model class to build instead of the config's (an EAGLE head's config
-    names a plain Llama); hf_overrides: fields set over the HF config's (--hf-overrides)."""
+    names a plain Llama); hf_overrides: fields set over the HF config's (--hf-overrides);
+    mesh_of: path -> the mesh that parameter goes on (pipeline stages; default: `mesh`)."""
     path = resolve_model_path(model, load_format)
     dummy = load_format == "dummy"
     hf_config = read_any_hf_config(path, hf_overrides)
@@ -107,7 +109,10 @@ def load_model(
 
     graphdef, state = _abstract_model(model_cls, config, replicas)
     targets = traverse_util.flatten_dict(nnx.to_pure_dict(state))  # path -> ShapeDtypeStruct
-    shardings = {p: param_sharding(p, config, mesh, targets[p].shape) for p in targets}
+    shardings = {
+        p: param_sharding(p, config, mesh_of(p) if mesh_of else mesh, targets[p].shape)
+        for p in targets
+    }
     if dummy:
         params = _dummy_params(targets, shardings)
     elif source is None:

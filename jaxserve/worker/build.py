@@ -12,12 +12,15 @@ from flax import nnx
 
 from jaxserve import envs
 from jaxserve.config import EngineConfig
+from jaxserve.config.pipeline import pp_layer_partition
+from jaxserve.distributed.mesh import make_mesh
 from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.models.loader import LoadedModel, load_model
 from jaxserve.startup import StartupTimeline
 from jaxserve.worker.buckets import BucketTable
 from jaxserve.worker.executables import ExecutableRegistry, enable_persistent_compilation_cache
 from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.pipeline_runner import PipelineRunner
 from jaxserve.worker.simulated import SimulatedRunner
 from jaxserve.worker.spec_decode.draft_model import DraftModelProposer
 from jaxserve.worker.spec_decode.eagle import EagleProposer
@@ -42,11 +45,7 @@ def build_runner(
     if simulated := envs.JAXSERVE_SIMULATED_STEP:
         return SimulatedRunner(config, simulated)
     if config.parallel.pipeline_parallel_size > 1:
-        raise ValueError(
-            "pipeline_parallel_size > 1: the model runner has no pipeline stages yet; the "
-            "engine core's batch queue runs them over the simulated runner only "
-            "(JAXSERVE_SIMULATED_STEP, docs/distributed.md#pipeline-parallelism)"
-        )
+        return build_pipeline_runner(config, timeline, executables)
     enable_persistent_compilation_cache()
     with timeline.phase("load weights"):
         loaded = load_model(
@@ -75,6 +74,34 @@ def build_runner(
     with timeline.phase("model runner"):
         proposer = make_proposer(config, loaded, draft)
         return ModelRunner(loaded, config, proposer, executables=executables)
+
+
+def build_pipeline_runner(
+    config: EngineConfig, timeline: StartupTimeline, executables: ExecutableRegistry | None
+) -> PipelineRunner:
+    """pp stages of tp devices each (this process's first pp * tp), every parameter loaded
+    straight onto its stage's: a layer's on its stage, the embedding on the first, the final
+    norm and LM head on the last (worker/pipeline_runner.py)."""
+    pp, tp = config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size
+    enable_persistent_compilation_cache()
+    devices = jax.local_devices()
+    meshes = [make_mesh(tp, devices[s * tp : (s + 1) * tp]) for s in range(pp)]
+    stages = pp_layer_partition(config.model.num_layers, pp)
+    stage_of = {i: s for s, layers in enumerate(stages) for i in layers}
+
+    def mesh_of(path: tuple):
+        if path[0] == "layers":
+            return meshes[stage_of[int(path[1])]]
+        return meshes[-1] if path[0] in ("norm", "lm_head") else meshes[0]
+
+    with timeline.phase("load weights"):
+        loaded = load_model(
+            config.model_path, dtype=config.model.dtype, mesh=meshes[0], load_tokenizer=False,
+            load_format=config.load_format, quantization=config.model.quantization,
+            hf_overrides=config.hf_overrides or None, mesh_of=mesh_of,
+        )  # fmt: skip
+    with timeline.phase("model runner"):
+        return PipelineRunner(loaded, config, stages, meshes, executables=executables)
 
 
 def make_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None) -> Proposer:

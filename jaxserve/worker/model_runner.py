@@ -55,13 +55,10 @@ from jaxserve.worker.step_types import PendingStep
 
 logger = logging.getLogger(__name__)
 
-# Per attention backend: whether a decode-only step (every scheduled request has one new
-# token; no drafts) runs a forward of its own, whose attention is the decode path alone. The
-# Pallas kernel's paths are two kernels: a forward choosing between them by lax.cond compiled
-# both into every step. The reference's decode-only forward was no faster on CPU (SmolLM2,
-# 2 cores, batch 8 / 32 at contexts 96 / 480: 0.96-1.01x the general forward's time;
-# benchmarks/results/cpu.md), so it keeps one forward per bucket and compiles no more; so
-# does the CPU kernel backend, whose general forward runs the reference's prefill path.
+# Per attention backend: whether a decode-only step (one new token a request, no drafts) runs
+# a forward of its own, the decode path alone (the Pallas kernel: else a lax.cond compiles both
+# kernels into every step). The reference's was no faster on CPU (0.96-1.01x the general
+# forward's; benchmarks/results/cpu.md), nor is the CPU kernel's: one forward per bucket.
 DECODE_ONLY_FORWARDS = {"pallas": True, "cpu": False, "reference": False}
 # The executables compiled per token bucket (name[1]): a step of T tokens runs them at T's.
 TOKEN_BUCKET_STEPS = ("forward", "prompt_logprobs", "pool")
@@ -347,10 +344,7 @@ class ModelRunner:
         if kv_meta is not None and kv_meta.loads:
             self.kv_caches = self.kv_copier.load(self.executables, self.kv_caches, kv_meta.loads)
             self.kv_connector.note_loaded(len(kv_meta.loads))
-        outs = self.executables["forward", batch.num_tokens, batch.forward.attn.decode_only](
-            self.params, self.kv_caches, self.last_tokens, batch.forward
-        )
-        last_hidden, hidden, self.kv_caches = outs[:3]
+        last_hidden, hidden, *features = self._forward(batch)
         kv_saves = None
         if kv_meta is not None and kv_meta.saves:  # read before the next step overwrites
             blocks = self.kv_copier.gather(
@@ -358,7 +352,7 @@ class ModelRunner:
             )
             kv_saves = ([h for _, h in kv_meta.saves], blocks)
         # The proposer follows the forward (EAGLE-3: from the features the forward returned).
-        features, feature_rows = outs[3:] if self.model_def.aux_layers else (hidden, last_hidden)
+        features, feature_rows = features if self.model_def.aux_layers else (hidden, last_hidden)
         self.proposer.mirror(batch, features, feature_rows)
         pooled = None
         if self.pooler is not None:  # each request's sum, first and last hidden state
@@ -368,6 +362,15 @@ class ModelRunner:
         if so.structured_output_req_ids or ib.sampling.has_bad_words[batch.rows].any():
             return pending  # sampled once every earlier token is known (grammars, bad words)
         return self.dispatch_sample(pending, None)
+
+    def _forward(self, batch) -> tuple:
+        """The step's forward: (last_hidden, hidden, *EAGLE-3 features), the KV cache updated
+        (a pipeline runs one per stage: pipeline_runner.py)."""
+        outs = self.executables["forward", batch.num_tokens, batch.forward.attn.decode_only](
+            self.params, self.kv_caches, self.last_tokens, batch.forward
+        )
+        self.kv_caches = outs[2]
+        return (*outs[:2], *outs[3:])
 
     def dispatch_sample(self, pending: PendingStep, bitmask: np.ndarray | None) -> PendingStep:
         """Start a dispatched step's sampling; bitmask: i32[num_reqs, ceil(V/32)] (or None),

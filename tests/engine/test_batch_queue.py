@@ -60,6 +60,6 @@ def test_what_pp_refuses(monkeypatch):
         EngineArgs(pipeline_parallel_size=2, async_scheduling=True, **ARGS).create_engine_config()
     with pytest.raises(ValueError, match="exceeds the model's 16 layers"):
         EngineArgs(pipeline_parallel_size=17, **ARGS).create_engine_config()
-    monkeypatch.delenv("JAXSERVE_SIMULATED_STEP", raising=False)
-    with pytest.raises(ValueError, match="no pipeline stages yet"):
-        LLMEngine.from_engine_args(EngineArgs(pipeline_parallel_size=2, **ARGS), multiprocess=False)
+    with pytest.raises(ValueError, match="not supported yet with enable_lora, enable_sleep_mode"):
+        EngineArgs(pipeline_parallel_size=2, enable_lora=True, enable_sleep_mode=True,
+                   **ARGS).create_engine_config()  # fmt: skip

@@ -123,8 +123,8 @@ def test_data_parallel_engines_are_fully_compiled_only_when_every_one_is(stub):
     assert core.status["fully_compiled"] is True  # (the merged flag alone would say so)
     ready, compiled = run(app, ("GET", "/ready"), ("GET", "/ready?compiled=true"))
     assert ready.status_code == 200 and compiled.status_code == 503
-    assert ready.json() == {"ready": True, "paused": False, "fully_compiled": False, "compiled": 123,
-                            "total": 200, "engines": [PARTLY, FULLY]}  # fmt: skip
+    assert ready.json() == {"ready": True, "paused": False, "fully_compiled": False,
+                            "compiled": 123, "total": 200, "engines": [PARTLY, FULLY]}  # fmt: skip
 
 
 def test_ping_and_health_then_503s_once_the_engine_is_dead(stub):
@@ -137,8 +137,8 @@ def test_ping_and_health_then_503s_once_the_engine_is_dead(stub):
     *plain, ready, compiled = run(app, *probes_, ("GET", "/ready?compiled=true"))
     assert [r.status_code for r in plain] == [503] * 3
     assert ready.status_code == compiled.status_code == 503
-    assert ready.json() == {"ready": False, "paused": False, "fully_compiled": False, "compiled": 23,
-                            "total": 100}  # fmt: skip
+    assert ready.json() == {"ready": False, "paused": False, "fully_compiled": False,
+                            "compiled": 23, "total": 100}  # fmt: skip
     assert core.calls == 1  # a dead engine is not asked
 
 
@@ -162,8 +162,8 @@ def test_real_engines_answer_compile_status_and_a_killed_one_turns_the_probes_50
                 app, ("GET", "/ready"), ("GET", "/ready?compiled=true"), ("POST", "/ping")
             )
             one = {"compiled": 0, "total": 0, "fully_compiled": True}
-            assert ready.json() == {"ready": True, "paused": False, "fully_compiled": True, "compiled": 0,
-                                    "total": 0, "engines": [one, one]}  # fmt: skip
+            assert ready.json() == {"ready": True, "paused": False, "fully_compiled": True,
+                                    "compiled": 0, "total": 0, "engines": [one, one]}  # fmt: skip
             assert ready.status_code == compiled.status_code == ping.status_code == 200
             engine.engine_core.group.procs[1].kill()
             deadline = time.monotonic() + 10
