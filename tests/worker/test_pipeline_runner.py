@@ -17,26 +17,34 @@ ENGINE = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def run(model, prompts=PROMPTS, *, state: dict | None = None, **engine_args) -> list:
-    """Greedy (tokens, logprobs) of each prompt; state: filled with the core's get_state."""
+    """Greedy (tokens, logprobs) of each prompt, stepping the engine; state: filled with the
+    core's get_state, the prompt tokens read from the prefix cache and the most micro-batches
+    in flight."""
     llm = LLM(str(model), **{**ENGINE, **engine_args})
+    engine = llm.llm_engine
     pp = engine_args.get("pipeline_parallel_size", 1)
     if pp > 1:  # each stage's weights and KV cache on devices of its own
-        runner = llm.llm_engine.engine_core.engine_core.runner
+        runner = engine.engine_core.engine_core.runner
         stages = zip(runner.stage_params, runner.kv_caches, strict=True)
         devices = [{d for x in [*p, *kv] for d in x.devices()} for p, kv in stages]
         assert len(devices) == pp and len(set().union(*devices)) == sum(map(len, devices))
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    core_state = llm.llm_engine.engine_core.call_utility("get_state")
-    llm.llm_engine.shutdown()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+    finished, in_flight = {}, 0
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        in_flight = max(in_flight, engine.scheduler_stats.num_batches_in_flight)
+    core_state = engine.engine_core.call_utility("get_state")
+    engine.shutdown()
     assert core_state["num_free_blocks"] == core_state["num_blocks"] - 1  # every block back
+    outs = [finished[str(i)] for i in range(len(prompts))]
     if state is not None:
-        state.update(core_state, cached_tokens=sum(o.num_cached_tokens for o in outs))
+        cached = sum(o.num_cached_tokens for o in outs)
+        state.update(core_state, cached_tokens=cached, max_in_flight=in_flight)
     results = []
     for o in outs:
-        ids = list(o.outputs[0].token_ids)
-        results.append(
-            (ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, ids, strict=False)])
-        )
+        ids, logprobs = list(o.outputs[0].token_ids), o.outputs[0].logprobs
+        results.append((ids, [lp[t].logprob for lp, t in zip(logprobs, ids, strict=True)]))
     return results
 
 
@@ -65,7 +73,9 @@ def test_pp_equals_one_stage(models, family):
     want = run(models[family])
     assert_same(run(models[family], pipeline_parallel_size=2), want)
     if family == "llama":
-        assert_same(run(models[family], pipeline_parallel_size=4), want)
+        state = {}  # 4 requests over 4 stages: one each, every stage busy
+        assert_same(run(models[family], state=state, pipeline_parallel_size=4), want)
+        assert state["max_in_flight"] == 4
         assert_same(run(models[family], pipeline_parallel_size=2, tensor_parallel_size=2), want)
 
 
