@@ -7,6 +7,8 @@
   kv_transfer.py  KVTransferConfig (--kv-transfer-config) and the KV connectors' names
   lora.py         LoRAConfig (--enable-lora and its limits)
   multimodal.py   MultiModalConfig (--limit-mm-per-prompt, --allowed-local-media-path)
+  pipeline.py     pipeline parallelism's layer split (--pipeline-parallel-size)
+  json_flag.py    json_object: a flag given as a dict or its JSON text
 
 The package imports nothing of jaxserve but `jaxserve.envs`: every layer may read a config.
 `from jaxserve.config import EngineConfig` etc. work for every public name below.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from typing import Any
+
+from jaxserve.config.json_flag import json_object
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,8 @@ class KVTransferConfig:
         """From a dict or its JSON (the CLI's string); vLLM fields jaxserve has no use for
         (kv_rank, kv_parallel_size, kv_buffer_device, kv_connector_module_path) are accepted
         and ignored with a warning, unknown ones are an error."""
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(config, dict) or "kv_connector" not in config:
+        config = json_object(config, "kv_transfer_config")
+        if "kv_connector" not in config:
             raise ValueError(f"kv_transfer_config needs a kv_connector, got {config!r}")
         config = dict(config)
         ignored = {"kv_rank", "kv_parallel_size", "kv_buffer_device", "kv_connector_module_path"}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+
+from jaxserve.config.json_flag import json_object
 
 # The modalities jaxserve takes, and vLLM's others, which a limit may only turn off (0).
 MODALITIES = ("image",)
@@ -53,18 +54,7 @@ class MultiModalConfig:
         """From EngineArgs' values: the limits as a dict or its JSON (vLLM's {"image": N}, or
         {"image": {"count": N, ...}} whose other keys size vLLM's memory profiling and are
         ignored here), over the defaults; the media path an existing directory."""
-        limits = limit_mm_per_prompt
-        if isinstance(limits, str):
-            try:
-                limits = json.loads(limits)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"limit_mm_per_prompt {limits!r} is not JSON: {e}") from None
-        if limits is None:
-            limits = {}
-        if not isinstance(limits, dict):
-            raise ValueError(
-                f'limit_mm_per_prompt must be a JSON object such as {{"image": 4}}, got {limits!r}'
-            )
+        limits = json_object(limit_mm_per_prompt, "limit_mm_per_prompt")
         limits = {k: v.get("count", v) if isinstance(v, dict) else v for k, v in limits.items()}
         path = allowed_local_media_path
         if path is not None:

@@ -7,6 +7,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jaxserve.config.json_flag import json_object
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 POOLING_TASKS = ("embed", "embedding", "classify", "score")  # vLLM's names: runner="pooling"
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
@@ -64,14 +66,8 @@ def pooler_config_from(
         if pooler_config is not None:
             raise ValueError("pooler_config needs runner='pooling'")
         return None
-    config = pooler_config
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"pooler_config {config!r} is not JSON: {e}") from None
     defaults = sentence_transformers_pooling(path)
-    config = {k.lower(): v for k, v in (config or {}).items()}
+    config = {k.lower(): v for k, v in json_object(pooler_config, "pooler_config").items()}
     unknown = sorted(set(config) - {"pooling_type", "normalize"})
     if unknown:
         raise ValueError(f"pooler_config: unknown fields {unknown}")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+
+from jaxserve.config.json_flag import json_object
 
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
@@ -65,14 +66,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, config: dict | str) -> SpeculativeConfig:
         """From `--speculative-config` JSON or its dict (vLLM's field names)."""
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config {config!r} is not JSON: {e}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
-        config = dict(config)
+        config = dict(json_object(config, "speculative_config"))
         method = config.pop("method", None)
         if config.get("model") == "ngram":  # vLLM's older spelling of method ngram
             del config["model"]

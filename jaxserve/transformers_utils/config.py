@@ -17,6 +17,7 @@ from typing import Any
 
 from jaxserve import envs
 from jaxserve.config import ModelConfig
+from jaxserve.config.json_flag import json_object
 from jaxserve.transformers_utils.gguf_file import gguf_reader
 from jaxserve.transformers_utils.model_path import resolve_model_path
 
@@ -78,20 +79,6 @@ def text_model_config(hf_config: Any) -> Any:
     if archs[0] in MULTIMODAL_MODELS:
         fields["multimodal_config"] = {k: v for k, v in vars(hf_config).items()}
     return HFConfig(**fields)
-
-
-def json_object(value: dict | str | None, name: str) -> dict:
-    """A flag's JSON object (a dict, its JSON text, or None: {}); ValueError names `name` and
-    the bad value."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} {value!r} is not JSON: {e}") from None
-    value = {} if value is None else value
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}")
-    return value
 
 
 def check_hf_overrides(overrides: dict | str | None) -> dict:
