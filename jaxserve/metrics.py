@@ -197,9 +197,11 @@ class PrometheusStatLogger:
         self.generation_tokens.labels(*labels).inc(it.num_generation_tokens)
         for t in it.time_to_first_tokens:
             self.ttft.labels(*labels).observe(t)
-        for t in it.inter_token_latencies:
-            self.itl.labels(*labels).observe(t)
-            self.tpot_old.labels(*labels).observe(t)
+        if it.inter_token_latencies:  # (one per running request and step: children looked up once)
+            itl, tpot_old = self.itl.labels(*labels), self.tpot_old.labels(*labels)
+            for t in it.inter_token_latencies:
+                itl.observe(t)
+                tpot_old.observe(t)
         for f in it.finished:
             self.success.labels(*labels, f.finish_reason).inc()
             self.e2e.labels(*labels).observe(f.e2e_latency)

@@ -445,5 +445,6 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
         )
 
     def _take_spec_stats(self) -> SpecDecodingStats | None:
-        stats, self.spec_stats = self.spec_stats, self.spec_stats and SpecDecodingStats()
+        stats = self.spec_stats
+        self.spec_stats = SpecDecodingStats() if stats is not None else None
         return stats

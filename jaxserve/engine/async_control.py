@@ -86,7 +86,7 @@ class AsyncControl:
             await self.resume_generation()
 
     async def is_sleeping(self) -> bool:
-        return _all(await self.call_utility("is_sleeping"))
+        return bool(await self.call_utility("is_sleeping"))  # (several engines: and-ed)
 
     # ------------------------------------------------------------------ weights
     async def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -103,7 +103,7 @@ class AsyncControl:
         return await self.call_utility("finish_weight_update")
 
     async def reset_prefix_cache(self) -> bool:
-        return _all(await self.call_utility("reset_prefix_cache"))
+        return bool(await self.call_utility("reset_prefix_cache"))
 
     async def collective_rpc(
         self, method: str, timeout: float | None = None, args: tuple = (),
@@ -115,8 +115,3 @@ class AsyncControl:
         if self.config.parallel.data_parallel_size > 1:  # one list per engine
             return [r for engine in result for r in engine]
         return result
-
-
-def _all(result: Any) -> bool:
-    """A boolean utility result (combine_results and-s several engines')."""
-    return bool(result)

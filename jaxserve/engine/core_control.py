@@ -87,10 +87,6 @@ class CoreControl:
     def is_sleeping(self) -> bool:
         return self._device_state is not None and bool(self._device_state.asleep)
 
-    def _check_kv_awake(self) -> None:
-        if self.is_sleeping():
-            raise ValueError("the engine is asleep: wake_up() first")
-
     # ------------------------------------------------------------------ weights
     def update_weights(self, weights: dict[str, Any]) -> dict:
         """New weights (name -> array), all in the engine's layout or all HF-named."""

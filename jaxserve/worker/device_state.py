@@ -133,10 +133,10 @@ class DeviceState:
     def names(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The engine's layout: each parameter's name -> its shape, dtype and sharding."""
         return {
-            name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.shardings[i])
+            name: jax.ShapeDtypeStruct(self.avals[i].shape, self.avals[i].dtype,
+                                       sharding=self.shardings[i])
             for name, i in self.index.items()
-            for a in (self.avals[i],)
-        }
+        }  # fmt: skip
 
     def update(self, weights: Mapping[str, Any]) -> dict[str, int]:
         """New weights, by the engine's names (adopted when they are already the parameter's

@@ -102,7 +102,6 @@ def test_update_weights_by_hf_names_equals_hf_on_the_new_weights(llm, models):
 
 def test_update_weights_in_the_engines_layout_adopts_the_arrays_without_a_copy(llm, models):
     a, b = models
-    want_b = None
     trainer = load_model(str(b), load_tokenizer=False)  # a JAX trainer's model: our layout
     state = nnx.state(trainer.model)
     arrays = [x for x in jax.tree.leaves(state)]
@@ -113,9 +112,8 @@ def test_update_weights_in_the_engines_layout_adopts_the_arrays_without_a_copy(l
     assert sorted(llm.collective_rpc(_buffers)[0]) == sorted(
         x.unsafe_buffer_pointer() for x in arrays
     )
-    want_b = assert_generate_matches_hf(llm, b, PROMPTS, max_tokens=8)
+    assert_generate_matches_hf(llm, b, PROMPTS, max_tokens=8)
     assert num_compilations() == compiled
-    assert want_b is not None
     llm.update_weights(_hf_state(a))
 
 
