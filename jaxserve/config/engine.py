@@ -93,8 +93,8 @@ class ParallelConfig:
     # Engines, each with its own tensor_parallel_size devices, scheduler and KV cache (not part
     # of an engine's executables: kept out of the config's repr, their cache key)
     data_parallel_size: int = dataclasses.field(default=1, repr=False)
-    # Hosts one model spans (multi-host tensor parallelism, distributed/multihost.py): each
-    # runs tensor_parallel_size / nnodes of the devices, one process per host
+    # Hosts one model spans (distributed/multihost.py): each runs tensor_parallel_size x
+    # pipeline_parallel_size / nnodes of the devices, one process per host
     nnodes: int = 1
     # Pipeline stages (config/pipeline.py splits the layers); the engine core keeps up to
     # this many micro-batches in flight (engine/core.py's batch queue)
@@ -113,10 +113,11 @@ class ParallelConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
-        if self.tensor_parallel_size < self.nnodes:
+        if self.tensor_parallel_size * self.pipeline_parallel_size < self.nnodes:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} cannot span nnodes="
-                f"{self.nnodes}: every node needs at least one device"
+                f"tensor_parallel_size={self.tensor_parallel_size} x pipeline_parallel_size="
+                f"{self.pipeline_parallel_size} cannot span nnodes={self.nnodes}: every node "
+                "needs at least one device"
             )
 
 

@@ -31,6 +31,43 @@ def make_mesh(tensor_parallel_size: int = 1, devices: list | None = None) -> Mes
     return Mesh(devs, (TP_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
+def pipeline_meshes(tensor_parallel_size: int, pipeline_parallel_size: int) -> list[Mesh]:
+    """Each pipeline stage's tp mesh, stage 0 first. The stages take the model's devices (one
+    process's first tp * pp, or over several processes each one's even share, in process
+    order) tp at a time from the LAST stage on: the last stage, which samples, is on the first
+    devices, rank 0's, where the engine core reads the sampled tokens. A stage spans whole
+    processes, or a process holds whole stages (validate_pipeline_layout)."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if jax.process_count() > 1:
+        per = tp * pp // jax.process_count()
+        devices = [
+            d
+            for p in range(jax.process_count())
+            for d in sorted((d for d in jax.devices() if d.process_index == p),
+                            key=lambda d: d.id)[:per]
+        ]  # fmt: skip
+    else:
+        devices = jax.local_devices()[: tp * pp]
+    if len(devices) < tp * pp:
+        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs "
+                         f"{tp * pp} devices; there are {len(devices)}")  # fmt: skip
+    return [make_mesh(tp, devices[(pp - 1 - s) * tp : (pp - s) * tp]) for s in range(pp)]
+
+
+def validate_pipeline_layout(tensor_parallel_size: int, pipeline_parallel_size: int,
+                             nnodes: int) -> None:  # fmt: skip
+    """ValueError unless tp x pp devices split over nnodes hosts evenly, each host holding
+    whole stages or each stage spanning whole hosts."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    per, rest = divmod(tp * pp, nnodes)
+    if rest or per == 0 or (per % tp and tp % per):
+        raise ValueError(
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} over nnodes={nnodes}: "
+            "each host must hold whole stages (tp x pp / nnodes a multiple of tp) or each "
+            "stage span whole hosts (tp a multiple of tp x pp / nnodes)"
+        )
+
+
 def devices_per_process(tensor_parallel_size: int, num_processes: int) -> list[int]:
     """How many devices each process (host) gives a model spread over num_processes: an even
     share, the first tensor_parallel_size % num_processes taking one more (e.g. a 9-head

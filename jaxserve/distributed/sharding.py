@@ -136,5 +136,6 @@ def put(tree: Any, sharding: NamedSharding) -> Any:
     process passed the same values, which over several hosts is a collective of its own and
     assumes each host has as many devices (every rank builds these the same way)."""
     return jax.tree.map(
-        lambda x: jax.make_array_from_callback(x.shape, sharding, x.__getitem__), tree
+        lambda x: jax.make_array_from_callback(x.shape, sharding, x.__getitem__, dtype=x.dtype),
+        tree,
     )

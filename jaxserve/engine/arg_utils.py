@@ -31,7 +31,7 @@ from jaxserve.config import (
 )
 from jaxserve.config.pipeline import pp_layer_partition
 from jaxserve.config.pooler import pooler_config_from
-from jaxserve.distributed.mesh import check_local_devices
+from jaxserve.distributed.mesh import check_local_devices, validate_pipeline_layout
 from jaxserve.transformers_utils.config import (
     check_generation_config,
     check_hf_overrides,
@@ -280,6 +280,7 @@ class EngineArgs:
         """ValueError for what pipeline parallelism cannot run with (yet)."""
         pp = self.pipeline_parallel_size
         pp_layer_partition(model_config.num_layers, pp)  # the split (or its override) fits
+        validate_pipeline_layout(self.tensor_parallel_size, pp, self.nnodes)
         if speculative is not None:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
         if self.async_scheduling:
@@ -293,7 +294,7 @@ class EngineArgs:
             "runner='pooling'": self.runner == "pooling" or self.task is not None,
             "kv_transfer_config": self.kv_transfer_config or self.kv_offloading_size,
             "a hybrid model's linear attention": model_config.linear_attn is not None,
-            "nnodes > 1": self.nnodes > 1, "data_parallel_size > 1": self.data_parallel_size > 1,
+            "data_parallel_size > 1": self.data_parallel_size > 1,
             "enable_sleep_mode": self.enable_sleep_mode,
             "enable_prompt_embeds": self.enable_prompt_embeds,
         }  # fmt: skip

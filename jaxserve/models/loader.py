@@ -127,7 +127,9 @@ def load_model(
             writer = weight_cache.Writer(entry) if cached is None else None
 
         def place(p, host):
-            params[p] = jax.make_array_from_callback(host.shape, shardings[p], host.__getitem__)
+            params[p] = jax.make_array_from_callback(
+                host.shape, shardings[p], host.__getitem__, dtype=host.dtype
+            )
             if writer is not None:
                 writer.add(p, host)
 
@@ -399,5 +401,7 @@ def _restore_orbax(
     for p in params:
         if replicate and "qkv_proj" in p:
             w = replicate_kv_heads(np.asarray(params[p]), config, kv_replicas)
-            params[p] = jax.make_array_from_callback(w.shape, shardings[p], w.__getitem__)
+            params[p] = jax.make_array_from_callback(
+                w.shape, shardings[p], w.__getitem__, dtype=w.dtype
+            )
     return params

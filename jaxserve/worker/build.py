@@ -13,7 +13,7 @@ from flax import nnx
 from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.config.pipeline import pp_layer_partition
-from jaxserve.distributed.mesh import make_mesh
+from jaxserve.distributed.mesh import pipeline_meshes
 from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.models.loader import LoadedModel, load_model
 from jaxserve.startup import StartupTimeline
@@ -79,13 +79,13 @@ def build_runner(
 def build_pipeline_runner(
     config: EngineConfig, timeline: StartupTimeline, executables: ExecutableRegistry | None
 ) -> PipelineRunner:
-    """pp stages of tp devices each (this process's first pp * tp), every parameter loaded
-    straight onto its stage's: a layer's on its stage, the embedding on the first, the final
-    norm and LM head on the last (worker/pipeline_runner.py)."""
+    """pp stages of tp devices each (distributed/mesh.py::pipeline_meshes: this process's
+    first pp * tp, or over several hosts each one's share), every parameter loaded straight
+    onto its stage's: a layer's on its stage, the embedding on the first, the final norm and
+    LM head on the last (worker/pipeline_runner.py)."""
     pp, tp = config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size
     enable_persistent_compilation_cache()
-    devices = jax.local_devices()
-    meshes = [make_mesh(tp, devices[s * tp : (s + 1) * tp]) for s in range(pp)]
+    meshes = pipeline_meshes(tp, pp)
     stages = pp_layer_partition(config.model.num_layers, pp)
     stage_of = {i: s for s, layers in enumerate(stages) for i in layers}
 

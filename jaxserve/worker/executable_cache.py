@@ -27,7 +27,7 @@ import os
 import pickle
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -123,17 +123,17 @@ def read(cache_dir: str, key: str) -> dict[tuple, Any] | None:
 
 
 def deserialize(
-    saved: dict[tuple, Any], names: list[tuple], devices: list, workers: int
+    saved: dict[tuple, Any], names: list[tuple], devices: Callable[[tuple], list], workers: int
 ) -> Iterator[tuple[tuple, Any]]:
-    """(name, executable) for each of `names`, in order, loaded onto `devices` from `saved` in
-    `workers` threads: XLA:CPU links each 30-layer forward's kernels as it loads (~1 s each),
-    and two threads halve that on 2 cores. Run it under `no_gc`."""
-    backend = devices[0].client
+    """(name, executable) for each of `names`, in order, loaded onto `devices(name)` from
+    `saved` in `workers` threads: XLA:CPU links each 30-layer forward's kernels as it loads
+    (~1 s each), and two threads halve that on 2 cores. Run it under `no_gc`."""
 
     def load(name: tuple) -> Any:
         blob, in_tree, out_tree = saved[name]
+        on = devices(name)
         return serialize_executable.deserialize_and_load(
-            blob, in_tree, out_tree, backend=backend, execution_devices=devices
+            blob, in_tree, out_tree, backend=on[0].client, execution_devices=on
         )
 
     with ThreadPoolExecutor(max_workers=workers) as pool:

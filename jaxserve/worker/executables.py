@@ -129,7 +129,7 @@ class ExecutableRegistry:
         self,
         lowerings: dict[tuple, Lowering],
         key: str,
-        devices: list,
+        devices: Callable[[tuple], list],
         urgent: Callable[[tuple], bool] | None = None,
         order: Callable[[tuple], Any] | None = None,
     ) -> None:

@@ -84,3 +84,11 @@ class InputBatch:
         """Whether `row` still belongs to `req_id` (a row freed by a finished request may have
         gone to another one while a step of the first was in flight)."""
         return self.req_id_to_row.get(req_id) == row
+
+    def fill_sampled(self, batch, sampled: np.ndarray) -> None:
+        """A step's sampled tokens (i32[num_reqs], batch: its StepBatch) in place of their
+        placeholders, unless a row has since gone to another request."""
+        kept = np.flatnonzero(batch.appends)
+        for i, pos in zip(kept, batch.append_positions, strict=True):
+            if self.holds(batch.req_ids[i], batch.rows[i]):
+                self.token_ids[batch.rows[i], pos] = sampled[i]

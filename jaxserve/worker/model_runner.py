@@ -197,10 +197,14 @@ class ModelRunner:
                 n: f for n, f in lowerings.items() if n[0] != "sample" or self._serves_any_step(n)
             }
         self.executables.compile_all(
-            lowerings, self.executables_key(), list(self.mesh.devices.flat),
+            lowerings, self.executables_key(), self.devices_of,
             urgent=self._serves_any_step if background else None,
             order=lambda n: n[1] if n[0] in TOKEN_BUCKET_STEPS else top,
         )  # fmt: skip
+
+    def devices_of(self, name: tuple) -> list:
+        """The devices step shape `name` runs on (a pipeline's differ by stage)."""
+        return list(self.mesh.devices.flat)
 
     def _serves_any_step(self, name: tuple) -> bool:
         """Whether step shape `name` is among those compile_all(background=True) waits for."""
@@ -418,11 +422,7 @@ class ModelRunner:
         for row in refill:  # a drafted row's kept tokens were not counted in the step
             self._fill_penalty_row(row)
         sampled = row_ids[final_row]  # each request's kept token
-        # Fill the placeholders, unless the row has since gone to another request.
-        kept = np.flatnonzero(batch.appends)
-        for i, pos in zip(kept, batch.append_positions, strict=True):
-            if ib.holds(batch.req_ids[i], batch.rows[i]):
-                ib.token_ids[batch.rows[i], pos] = sampled[i]
+        ib.fill_sampled(batch, sampled)
         result = ModelRunnerOutput(batch.req_ids, sampled)
         result.num_accepted_drafts = num_accepted
         if "prompt_logprobs" in fetched:

@@ -53,6 +53,13 @@ class BroadcastRunner:
                 _StepRef(self._step_of.pop(id(a))) if isinstance(a, PendingStep) else a
                 for a in args
             )
+            if name == "fetch" and getattr(self._runner, "followers_need_sampled", False):
+                # a pipeline whose last stage is rank 0's: its fetch runs no program, and the
+                # other ranks take the step's sampled tokens from it (pipeline_runner.py)
+                result = value(*args, **kwargs)
+                sampled = {"sampled": result.sampled_token_ids}
+                self._leader.send((name, refs, {**kwargs, **sampled}, None))
+                return result
             step = next(self._steps) if name in ("dispatch", "dispatch_sample") else None
             self._leader.send((name, refs, kwargs, step))
             result = value(*args, **kwargs)

@@ -17,6 +17,13 @@ dense then MoE layers).
 The block manager is shared: block b of every stage's cache holds the same tokens, of that
 stage's layers. Speculative decoding, LoRA, images, pooling and KV connectors are refused
 with pp > 1 (engine/arg_utils.py).
+
+Over several hosts (`--nnodes`, distributed/mesh.py::pipeline_meshes) every rank makes every
+runner call (worker/multihost.py) but runs only the programs of the stages on its devices; a
+hand-off between stages on different processes is a collective program of both stages'
+processes (distributed/stage_transfer.py). The last stage, which samples, is on rank 0's
+devices; the other ranks learn each step's sampled tokens from rank 0 (`fetch(sampled=)`), for
+their input batch.
 """
 
 from __future__ import annotations
@@ -26,18 +33,28 @@ import functools
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.scheduler_output import ModelRunnerOutput
+from jaxserve.distributed.stage_transfer import (
+    StageLink,
+    crosses_processes,
+    is_local,
+    mesh_processes,
+)
 from jaxserve.layers.attention import configure_attention
 from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.models.loader import LoadedModel
+from jaxserve.worker import executable_cache
 from jaxserve.worker.executables import ExecutableRegistry
 from jaxserve.worker.kv_cache import KVCacheSpec
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.step_functions import ModelDef
+from jaxserve.worker.step_types import PendingStep
 
 
 def stage_forward(model_def: ModelDef, params, kv_caches, hidden_in, inputs, *, last: bool):
@@ -77,11 +94,20 @@ class PipelineRunner(ModelRunner):
         stages: each stage's layers; meshes: each stage's devices."""
         self.stages, self.meshes = stages, meshes
         last = len(stages) - 1
+        self.local = [is_local(m) for m in meshes]  # the stages this process runs
+        self.samples = self.local[-1]  # this process samples (and reads the sampled tokens)
+        # whether a rank without the last stage needs rank 0's sampled tokens (multihost.py)
+        self.followers_need_sampled = len(mesh_processes(meshes[-1])) < jax.process_count()
         models = [stage_model(loaded.model, r, s == 0, s == last) for s, r in enumerate(stages)]
         # The sampler, the LM head and the step state live on the last stage's devices.
         super().__init__(dataclasses.replace(loaded, mesh=meshes[-1]), engine_config,
                          executables=executables)  # fmt: skip
-        self.head = jax.device_put(self.head, NamedSharding(meshes[-1], self.head.sharding.spec))
+        # Into stage s: None, a device_put within this process, or a link across processes.
+        self.links = [None] + [
+            StageLink(a, b) if crosses_processes(a, b) else None
+            for a, b in zip(meshes, meshes[1:], strict=False)
+        ]
+        self.head = self._head_on_last_stage(self.head)
         cc = engine_config.cache
         backend = engine_config.attention_backend
         self.kv_specs, self.stage_defs, self.stage_params, self.stage_jits = [], [], [], []
@@ -108,22 +134,44 @@ class PipelineRunner(ModelRunner):
             self.stage_jits.append(jitted)
         self.stage_rep = [NamedSharding(m, P()) for m in meshes]
 
+    def _head_on_last_stage(self, head: jax.Array) -> jax.Array:
+        """The LM head on the last stage's devices (a tied embedding is the first stage's):
+        copied, across processes by a one-off link program."""
+        src, spec = head.sharding.mesh, head.sharding.spec
+        if list(src.devices.flat) == list(self.meshes[-1].devices.flat):
+            return head
+        if not crosses_processes(src, self.meshes[-1]):
+            return jax.device_put(head, NamedSharding(self.meshes[-1], spec))
+        link = StageLink(src, self.meshes[-1])
+        if not link.involved:
+            return head
+        moved = link.move(head if is_local(src) else None, head.shape, head.dtype, spec)
+        return head if moved is None else moved
+
     # ------------------------------------------------------------------ start-up
     def kv_bytes_per_block(self) -> int:
         """The most one device holds of a block: its stage's layers."""
         return max(spec.bytes_per_block() for spec in self.kv_specs)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = [spec.allocate(num_blocks) for spec in self.kv_specs]
+        self.kv_caches = [
+            spec.allocate(num_blocks) if local else None
+            for spec, local in zip(self.kv_specs, self.local, strict=True)
+        ]
         self.num_blocks = num_blocks
 
     def lowerings(self) -> dict[tuple, Any]:
-        """ModelRunner's, with one forward per stage for every forward shape."""
-        out = {n: f for n, f in super().lowerings().items() if n[0] != "forward"}
+        """ModelRunner's (where this process samples), with one forward per stage of this
+        process for every forward shape, and the hand-offs across processes it takes part in."""
+        out = {}
+        if self.samples:
+            out = {n: f for n, f in super().lowerings().items() if n[0] != "forward"}
         d, dtype = self.config.hidden_size, self.config.dtype
         for t, decode_only in self.forward_variants():
             inputs = self._padding(t, decode_only, spec=True)
             for s, jitted in enumerate(self.stage_jits):
+                if not self.local[s]:
+                    continue
                 kv = jax.tree.map(
                     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                     self.kv_caches[s],
@@ -133,23 +181,72 @@ class PipelineRunner(ModelRunner):
                 out["forward", t, decode_only, s] = functools.partial(
                     jitted.lower, self.stage_params[s], kv, h, inputs
                 )
+        for t in self.buckets.tokens:
+            for s, link in enumerate(self.links):
+                if link is not None and link.involved:
+                    out["handoff", t, s] = functools.partial(
+                        link.program(P()).lower, link.union_shape((t, d), dtype, P())
+                    )
         return out
+
+    def devices_of(self, name: tuple) -> list:
+        """The devices step shape `name` runs on: its stage's, a hand-off's two stages'."""
+        if name[0] == "forward":
+            return list(self.meshes[name[3]].devices.flat)
+        if name[0] == "handoff":
+            return list(self.links[name[2]].union.devices.flat)
+        return super().devices_of(name)
+
+    def executables_key(self) -> str:
+        """ModelRunner's, with the stages' devices and this process (whose stages it runs)."""
+        return executable_cache.signature(
+            runner=super().executables_key(), stages=repr(self.meshes),
+            process=jax.process_index(),
+        )  # fmt: skip
 
     def dummy_step(self) -> None:
         raise RuntimeError("data parallelism is not supported with pipeline parallelism")
 
     # ------------------------------------------------------------------ a serving step
     def _forward(self, batch) -> tuple:
-        """Every stage's forward in turn, each stage's output moved to the next one's devices
-        (all asynchronous); (last_hidden, hidden) of the last stage."""
-        name = (batch.num_tokens, batch.forward.attn.decode_only)
+        """This process's stages' forwards in turn, each stage's output handed to the next
+        one's devices (all asynchronous); (last_hidden, hidden) of the last stage, or
+        (None, None) where this process does not run it."""
+        t = batch.num_tokens
+        name = (t, batch.forward.attn.decode_only)
+        shape, dtype, last = (t, self.config.hidden_size), self.config.dtype, len(self.stages) - 1
         hidden = None
         for s in range(len(self.stages)):
-            if hidden is not None:
+            link = self.links[s]
+            if link is not None:  # a collective of both stages' processes
+                if link.involved:
+                    hidden = link.move(hidden, shape, dtype, P(), self.executables["handoff", t, s])
+            elif hidden is not None:
                 hidden = jax.device_put(hidden, self.stage_rep[s])
+            if not self.local[s]:
+                hidden = None
+                continue
             outs = self.executables["forward", *name, s](
                 self.stage_params[s], self.kv_caches[s], hidden, batch.forward
             )
             self.kv_caches[s] = outs[-1]
-            hidden = outs[0] if s < len(self.stages) - 1 else outs[:2]
-        return hidden
+            hidden = outs[0] if s < last else outs[:2]
+        return hidden if self.samples else (None, None)
+
+    def dispatch_sample(self, pending: PendingStep, bitmask: np.ndarray | None) -> PendingStep:
+        """ModelRunner's, where this process holds the last stage (else nothing to sample)."""
+        return super().dispatch_sample(pending, bitmask) if self.samples else pending
+
+    def fetch(
+        self, pending: PendingStep, sampled: np.ndarray | None = None
+    ) -> ModelRunnerOutput | None:
+        """ModelRunner's where this process samples; elsewhere the input batch takes the
+        step's sampled tokens from rank 0 (`sampled`: i32[num_reqs], BroadcastRunner's)."""
+        if self.samples:
+            return super().fetch(pending)
+        self.input_batch.fill_sampled(pending.batch, sampled)
+        return None
+
+    def _fill_penalty_row(self, row: int) -> None:
+        if self.samples:  # the penalty state is the sampler's, on the last stage
+            super()._fill_penalty_row(row)

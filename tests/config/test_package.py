@@ -30,5 +30,7 @@ def test_parallel_config_checks_no_devices():
     """Whether this process has the devices is checked where the engine config is resolved
     (distributed/mesh.py::check_local_devices, tests/engine/test_arg_utils.py)."""
     assert ParallelConfig(tensor_parallel_size=64, nnodes=2).nnodes == 2
-    with pytest.raises(ValueError, match="tensor_parallel_size=1 cannot span nnodes=2"):
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=1 x pipeline_parallel_size=1 cannot span nnodes=2"
+    ):
         ParallelConfig(tensor_parallel_size=1, nnodes=2)

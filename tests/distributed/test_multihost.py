@@ -29,13 +29,20 @@ def test_devices_per_process_share_evenly_first_ranks_take_the_rest():
     assert devices_per_process(8, 2) == [4, 4]
 
 
-def start_follower(model_dir: str, port: int, log) -> subprocess.Popen:
+def start_follower(model_dir: str, port: int, log, *parallel: str) -> subprocess.Popen:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
     return subprocess.Popen(
         [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", model_dir, "--headless",
-         "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "-tp", "3", *flags],
+         "--nnodes", "2", "--node-rank", "1", "--master-port", str(port),
+         *(parallel or ("-tp", "3")), *flags],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pp_model_dir(tmp_path_factory):
+    # 3 layers (stages of 2 and 1), 2 KV heads (one a device at tp 2), a tied LM head
+    return str(make_tiny_hf("llama", tmp_path_factory.mktemp("tiny-pp"), tie_word_embeddings=True))
 
 
 @pytest.fixture(scope="module")
@@ -53,27 +60,45 @@ def model_dir(tmp_path_factory):
     )
 
 
-def test_two_processes_give_one_processs_tokens_and_a_lost_rank_fails_fast(model_dir, tmp_path):
-    greedy = SamplingParams(temperature=0.0, max_tokens=16)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, logprobs=2,
-                            prompt_logprobs=1, presence_penalty=0.5)  # fmt: skip
-    one = LLM(model_dir, **ENGINE)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, logprobs=2,
+                        prompt_logprobs=1, presence_penalty=0.5)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"tensor_parallel_size": 3},
+        # a stage on each process (tp 2 each), the hand-off a collective between them; the
+        # tied LM head moved from the first stage (rank 1's devices) to the last (rank 0's)
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+    ],
+    ids=["tp3", "tp2-pp2"],
+)
+def test_two_processes_give_one_processs_tokens_and_a_lost_rank_fails_fast(
+    request, tmp_path, parallel
+):
+    pipeline = "pipeline_parallel_size" in parallel
+    model = request.getfixturevalue("pp_model_dir" if pipeline else "model_dir")
+    one = LLM(model, **ENGINE)
     try:
-        want = [one.generate(PROMPTS, p, use_tqdm=False) for p in (greedy, seeded)]
+        want = [one.generate(PROMPTS, p, use_tqdm=False) for p in (GREEDY, SEEDED)]
     finally:
         one.llm_engine.shutdown()
 
     port = free_ports(3)
     log = open(tmp_path / "follower.log", "w")  # noqa: SIM115 (closed below)
-    follower = start_follower(model_dir, port, log)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in parallel.items()]
+    follower = start_follower(model, port, log, *flags)
     try:
-        llm = LLM(model_dir, tensor_parallel_size=3, nnodes=2, master_port=port, **ENGINE)
+        llm = LLM(model, nnodes=2, master_port=port, **parallel, **ENGINE)
     except BaseException:
         follower.kill()
         raise
     try:
-        assert llm.llm_engine.config.parallel.nnodes == 2
-        got = [llm.generate(PROMPTS, p, use_tqdm=False) for p in (greedy, seeded)]
+        config = llm.llm_engine.config.parallel
+        assert config.nnodes == 2 and config.pipeline_parallel_size == (2 if pipeline else 1)
+        got = [llm.generate(PROMPTS, p, use_tqdm=False) for p in (GREEDY, SEEDED)]
         for mine, ref in zip(got, want, strict=True):
             for a, b in zip(mine, ref, strict=True):
                 assert a.outputs[0].token_ids == b.outputs[0].token_ids

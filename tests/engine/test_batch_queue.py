@@ -63,3 +63,6 @@ def test_what_pp_refuses(monkeypatch):
     with pytest.raises(ValueError, match="not supported yet with enable_lora, enable_sleep_mode"):
         EngineArgs(pipeline_parallel_size=2, enable_lora=True, enable_sleep_mode=True,
                    **ARGS).create_engine_config()  # fmt: skip
+    # over several hosts each host holds whole stages or each stage spans whole hosts
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 over nnodes=2: each host"):
+        EngineArgs(pipeline_parallel_size=3, nnodes=2, **ARGS).create_engine_config()
