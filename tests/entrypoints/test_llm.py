@@ -74,17 +74,30 @@ def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_greedy_matches_hf_token_for_token(llm, hf):
-    prompts = prompt_ids(llm)
-    ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY))
+@pytest.fixture(scope="module")
+def greedy(llm):
+    """The GREEDY tokens of prompt_ids, batched on `llm`, the first time `llm` sees them (no
+    prefix cache hit): the reference the tests below compare other runs with."""
+    return token_ids(llm.generate([{"prompt_token_ids": p} for p in prompt_ids(llm)], GREEDY))
+
+
+def hf_greedy(hf, prompts, eos, pad, **kwargs):
+    """HF's greedy generate of each prompt, up to its EOS, in one batch: the prompts
+    left-padded with `pad`, masked out (one generate per prompt gives the same tokens, checked
+    when written, in twice the time). Logits processors read the padding: a repetition
+    penalty's `pad` must be a token of every prompt."""
+    width = max(map(len, prompts))
+    padded = torch.tensor([[pad] * (width - len(ids)) + ids for ids in prompts])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    with torch.no_grad():
+        out = hf.generate(padded, attention_mask=mask, do_sample=False, eos_token_id=eos,
+                          pad_token_id=eos, **kwargs)[:, width:].tolist()  # fmt: skip
+    return [ids[: ids.index(eos) + 1] if eos in ids else ids for ids in out]  # EOS, then pads
+
+
+def test_greedy_matches_hf_token_for_token(llm, hf, greedy):
     eos = llm.get_tokenizer().eos_token_id
-    for ids, got in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                eos_token_id=eos, pad_token_id=eos,
-            )[0, len(ids) :].tolist()  # fmt: skip
-        assert got == ref
+    assert greedy == hf_greedy(hf, prompt_ids(llm), eos, pad=eos, max_new_tokens=32)
 
 
 def test_chat_and_generate_shapes(llm):
@@ -96,16 +109,17 @@ def test_chat_and_generate_shapes(llm):
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
-def test_same_tokens_whatever_the_batch_chunking_and_prefix_cache(llm, chunked, tiny_pool):
+def test_same_tokens_whatever_the_chunking_preemption_and_prefix_cache(llm, tiny_pool, greedy):
+    """Prefix-cached or not, chunked (16-token chunks) and preempted or not, with penalties:
+    the same tokens. (Greedy rows in another batch: test_structured_outputs_constrain_their_
+    rows_only; a seeded row alone or not: test_seeded_sampling_reproduces_whatever_the_batch;
+    chunked and async without penalties: test_async_scheduling_gives_what_synchronous_...)"""
     prompts = [{"prompt_token_ids": p} for p in prompt_ids(llm)]
-    batched = token_ids(llm.generate(prompts, GREEDY))
-    alone = [token_ids(llm.generate([p], GREEDY))[0] for p in prompts[:2]]
-    assert alone == batched[:2]
     again = llm.generate(prompts, GREEDY)  # the prompts' blocks are cached now
-    assert token_ids(again) == batched
+    assert token_ids(again) == greedy
     assert all(o.num_cached_tokens > 0 for o in again[:3])
-    assert token_ids(chunked.generate(prompts, GREEDY)) == batched
-    # preempted and resumed: a resumed row's penalty state is rebuilt from prompt + output
+    # chunked, preempted and resumed: a resumed row's penalty state is rebuilt from prompt +
+    # output
     long = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, repetition_penalty=1.2,
                           frequency_penalty=0.5, presence_penalty=0.5)  # fmt: skip
     out = tiny_pool.generate(prompts, long)
@@ -287,23 +301,17 @@ def test_mixed_workload_with_aborts_drains_to_an_empty_pool(tiny_pool):
     kv.check_no_leaks()
 
 
-def test_repetition_penalty_matches_hf_chunked_or_not(llm, chunked, hf):
+def test_repetition_penalty_matches_hf_chunked_or_not(llm, chunked, hf, greedy):
     """The device-resident penalty state (prompt mask + output counts per row) against HF's
     RepetitionPenaltyLogitsProcessor, greedy, with prompts chunked or not (through preemption:
-    test_same_tokens_whatever_the_batch_chunking_and_prefix_cache)."""
+    test_same_tokens_whatever_the_chunking_preemption_and_prefix_cache)."""
     prompts = prompt_ids(llm)[:3]
     params = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.5)
     eos = llm.get_tokenizer().eos_token_id
-    refs = []
-    for ids in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([ids]), max_new_tokens=24, do_sample=False, repetition_penalty=1.5,
-                eos_token_id=eos, pad_token_id=eos,
-            )  # fmt: skip
-        refs.append(out[0, len(ids) :].tolist())
-    unpenalised = SamplingParams(temperature=0.0, max_tokens=24)
-    assert refs != token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], unpenalised))
+    pad = prompts[0][0]  # <|im_start|>, in every chat prompt: a padding the penalty ignores
+    assert all(pad in ids for ids in prompts)
+    refs = hf_greedy(hf, prompts, eos, pad, max_new_tokens=24, repetition_penalty=1.5)
+    assert refs != [ids[:24] for ids in greedy[:3]]  # the penalty changes the greedy tokens
     for engine in (llm, chunked):
         got = engine.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert token_ids(got) == refs
@@ -313,7 +321,7 @@ def test_async_scheduling_gives_what_synchronous_scheduling_gives(llm, tiny_pool
     """Scheduling step N+1 while step N runs changes no request's tokens or logprobs:
     greedy, seeded sampling, penalties, stop tokens, min_tokens, max_tokens=1, through
     preemption; and it compiles nothing new. The synchronous engine is `llm` (unchunked, a
-    large pool: tokens do not depend on either, test_same_tokens_whatever_the_batch_...)."""
+    large pool: tokens do not depend on either, test_same_tokens_whatever_the_chunking_...)."""
     sync = llm
     assert core(tiny_pool).max_in_flight == 2 and core(sync).max_in_flight == 1
     eos = tiny_pool.get_tokenizer().eos_token_id
@@ -357,7 +365,7 @@ PERSON = {  # OpenAI strict-mode style: every property required, no others
 }
 
 
-def test_structured_outputs_constrain_their_rows_only(llm):
+def test_structured_outputs_constrain_their_rows_only(llm, greedy):
     """Constrained rows (json, regex, choice, grammar) beside free ones in one batch: each
     constrained output matches, the free rows keep their greedy tokens, nothing compiles."""
     import json
@@ -373,7 +381,7 @@ def test_structured_outputs_constrain_their_rows_only(llm):
         tokenize=False,
     )
     free = [{"prompt_token_ids": p} for p in prompt_ids(llm)[:3]]
-    alone = token_ids(llm.generate(free, GREEDY))
+    alone = greedy[:3]  # the free rows' tokens in a batch of their own
     llm.generate(chat, SamplingParams(max_tokens=2, structured_outputs=SO(choice=["a"])))
     compiled = num_compilations()  # the first constrained request built the backend
 
@@ -412,10 +420,12 @@ def test_json_schema_valid_when_sampled_with_async_scheduling_and_preemption(tin
     from jaxserve.sampling_params import StructuredOutputsParams as SO
 
     params = SamplingParams(temperature=1.0, max_tokens=200, structured_outputs=SO(json=PERSON))
-    outs = tiny_pool.chat([[{"role": "user", "content": "A person, as JSON."}]] * 4, params)
+    preemptions = core(tiny_pool).scheduler.total_preemptions
+    outs = tiny_pool.chat([[{"role": "user", "content": "A person, as JSON."}]] * 3, params)
+    assert core(tiny_pool).scheduler.total_preemptions > preemptions
     for out in outs:
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
-    assert len({o.outputs[0].text for o in outs}) > 2  # sampled, not one answer
+    assert len({o.outputs[0].text for o in outs}) == 3  # sampled, not one answer
     core(tiny_pool).scheduler.kv_cache_manager.check_no_leaks()
 
 

@@ -3,6 +3,8 @@ HF routes, logits as HF computes them, the same output with the experts split ov
 parallel) or their F split (tensor parallel), and greedy generate through the whole engine
 equal to HF's."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,14 +71,28 @@ FAMILIES = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def moe_dir(request, tmp_path_factory):
-    family = request.param
-    return make_tiny_hf(family, tmp_path_factory.mktemp(family), **FAMILIES[family])
+_rng = np.random.default_rng(1)
+PROMPTS = [_rng.integers(1, 256, n).tolist() for n in (11, 5, 17)]
 
 
-def test_routing_and_logits_match_hf(moe_dir):
-    loaded = load_model(moe_dir, dtype="float32")
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """family -> (its tiny model's directory, the model loaded on one device, and
+    run_mixed_schedule's (fed tokens, logits) over PROMPTS): each built once for the module,
+    the reference of both the HF comparison and the parallel ones."""
+
+    @functools.cache
+    def build(family):
+        path = make_tiny_hf(family, tmp_path_factory.mktemp(family), **FAMILIES[family])
+        loaded = load_model(path, dtype="float32")
+        return path, loaded, *run_mixed_schedule(loaded, PROMPTS)
+
+    return build
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_routing_and_logits_match_hf(one_device, family):
+    moe_dir, loaded, fed, logits = one_device(family)
     ref = hf_model(str(moe_dir))
     layer = min(i for i in range(loaded.config.num_layers) if loaded.config.is_moe_layer(i))
     hidden = torch.randn(11, ref.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -91,7 +107,9 @@ def test_routing_and_logits_match_hf(moe_dir):
     else:
         _, hf_weights, hf_ids = routed
     moe = loaded.model.layers[layer].mlp
-    ids, weights = moe.route(jnp.asarray(hidden.numpy()))
+    x = jnp.asarray(hidden.numpy())
+    # jitted, as the runner runs them (eager, each op compiles on its own: 1.3 s a family)
+    ids, weights = jax.jit(moe.route)(x)
     # the same experts at the same weights (GLM's router lists them in no set order)
     order, hf_order = np.argsort(np.asarray(ids), -1), np.argsort(hf_ids.numpy(), -1)
     sort = lambda a, o: np.take_along_axis(np.asarray(a), o, -1)  # noqa: E731
@@ -102,11 +120,8 @@ def test_routing_and_logits_match_hf(moe_dir):
         hf_out = hf_moe(hidden[None])
     hf_out = hf_out[0] if isinstance(hf_out, tuple) else hf_out  # gpt-oss, Llama 4: a pair
     hf_out = hf_out.reshape(hidden.shape).numpy()
-    np.testing.assert_allclose(np.asarray(moe(jnp.asarray(hidden.numpy()))), hf_out, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.jit(moe.__call__)(x)), hf_out, atol=1e-5)
 
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, 256, n).tolist() for n in (11, 5, 17)]
-    fed, logits = run_mixed_schedule(loaded, prompts)
     for seq, tokens in fed.items():
         np.testing.assert_allclose(logits[seq], hf_logits(ref, tokens), atol=1e-4, rtol=0)
 
@@ -134,59 +149,30 @@ def test_expert_mlp_skips_rows_of_other_devices_experts():
     weights = jnp.asarray(rng.uniform(size=(5, 2)), jnp.float32)
     w13 = jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32)
     w2 = jnp.asarray(rng.normal(size=(4, 3, 8)), jnp.float32)
-    got = expert_mlp(x, ids, weights, w13[2:], w2[2:], first_expert=2)
+    mlp = jax.jit(expert_mlp, static_argnames="first_expert")  # one compile, not one per op
+    got = mlp(x, ids, weights, w13[2:], w2[2:], first_expert=2)
+    x, ids, weights, w13, w2 = (np.asarray(a) for a in (x, ids, weights, w13, w2))  # the oracle
     want = np.zeros((5, 8), np.float32)
     for t in range(5):
         for j in range(2):
             e = int(ids[t, j])
             if e >= 2:
                 gu = (x[t] @ w13[e]).reshape(-1, 2)
-                want[t] += float(weights[t, j]) * np.asarray(
-                    (jax.nn.silu(gu[:, 0]) * gu[:, 1]) @ w2[e]
-                )
+                silu = gu[:, 0] / (1 + np.exp(-gu[:, 0]))
+                want[t] += weights[t, j] * ((silu * gu[:, 1]) @ w2[e])
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
-PROMPTS = [list(range(7, 16)), list(range(90, 104))]
-
-
-def one_device(family, tmp_path_factory):
-    """A tiny model of `family` and its one-device logits."""
-    path = make_tiny_hf(family, tmp_path_factory.mktemp(family), **FAMILIES[family])
-    return path, run_mixed_schedule(load_model(path, dtype="float32"), PROMPTS)[1]
-
-
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    """A Qwen3-MoE (a dense layer among the sparse ones) and its one-device logits."""
-    return one_device("qwen3_moe", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def llama4(tmp_path_factory):
-    """Llama 4 (chunked and global attention split by heads, a shared expert split as a
-    dense MLP) and its one-device logits."""
-    return one_device("llama4", tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory):
-    """gpt-oss (sinks split with the query heads, expert biases) and its one-device logits."""
-    return one_device("gpt_oss", tmp_path_factory)
-
-
+# Experts split by F (tensor parallel) on gpt-oss (expert biases, the clamped SwiGLU; sinks
+# split with the query heads) and Llama 4 (chunked and global attention split by heads, a
+# shared expert split as a dense MLP); experts split whole (expert parallel) on gpt-oss and
+# on Qwen3-MoE over 4 devices (its dense layer among the sparse ones split by F beside them).
 @pytest.mark.parametrize(
     ("family", "tp", "ep"),
-    [
-        ("qwen3_moe", 2, False),
-        ("qwen3_moe", 4, True),
-        ("gpt_oss", 2, False),
-        ("gpt_oss", 2, True),
-        ("llama4", 2, False),
-    ],
+    [("qwen3_moe", 4, True), ("gpt_oss", 2, False), ("gpt_oss", 2, True), ("llama4", 2, False)],
 )
-def test_expert_and_tensor_parallel_equal_one_device(request, family, tp, ep):
-    path, want = request.getfixturevalue(family)
+def test_expert_and_tensor_parallel_equal_one_device(one_device, family, tp, ep):
+    path, _, _, want = one_device(family)
     split = load_model(path, dtype="float32", tensor_parallel_size=tp,
                        enable_expert_parallel=ep)  # fmt: skip
     configure_moe(split.model, split.mesh)  # as the runner does: per device, under shard_map
@@ -198,9 +184,9 @@ def test_expert_and_tensor_parallel_equal_one_device(request, family, tp, ep):
         np.testing.assert_allclose(got[seq], want[seq], atol=1e-5)
 
 
-def test_expert_parallel_needs_experts_that_split_evenly(qwen3_moe):
+def test_expert_parallel_needs_experts_that_split_evenly(one_device):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide .*num_experts=8"):
-        load_model(qwen3_moe[0], tensor_parallel_size=3, enable_expert_parallel=True)
+        load_model(one_device("qwen3_moe")[0], tensor_parallel_size=3, enable_expert_parallel=True)
 
 
 def test_expert_parallel_needs_a_mixture_of_experts(tmp_path):

@@ -68,46 +68,62 @@ def token_ids(outputs):
 
 
 @pytest.mark.slow
-def test_greedy_and_seeded_outputs_equal_decoding_without_speculation(plain, ngram):
+def test_greedy_outputs_equal_decoding_without_speculation(plain, ngram):
+    """Greedy drafted requests (a stop string, short and long prompts) give the tokens, text
+    and finish reasons of decoding without speculation. (Seeded sampled ones, top-k / top-p
+    and penalties among them: the test below.)"""
     counter = AcceptCounter(ngram)
     greedy = SamplingParams(temperature=0.0, max_tokens=32)
     stop = SamplingParams(temperature=0.0, max_tokens=32, stop=["farm"], min_tokens=3)
-    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=32, seed=7)
     # the rewrite stops at "farm", inside a run of accepted drafts; the rest run to 32
-    for params in [[stop, greedy, greedy, greedy], sampled]:
-        want = plain.chat(CHATS, params, use_tqdm=False)
-        got = ngram.chat(CHATS, params, use_tqdm=False)
-        assert token_ids(got) == token_ids(want)
-        assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
-        assert [o.outputs[0].finish_reason for o in got] == [
-            o.outputs[0].finish_reason for o in want
-        ]
-        if params is not sampled:
-            assert got[0].outputs[0].stop_reason == "farm"
+    params = [stop, greedy, greedy, greedy]
+    want = plain.chat(CHATS, params, use_tqdm=False)
+    got = ngram.chat(CHATS, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(want)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    assert got[0].outputs[0].stop_reason == "farm"
     # The rewrite and the repetition are mostly drafts, accepted.
-    assert counter.accepted > 45 and counter.accepted / counter.drafted > 0.4  # 71 / 107
+    assert counter.accepted > 25 and counter.accepted / counter.drafted > 0.5  # 35 / 52
     core(ngram).scheduler.kv_cache_manager.check_no_leaks()
     assert core(ngram).get_state()["num_free_blocks"] == core(ngram).num_blocks - 1
 
 
 @pytest.mark.slow
 def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, ngram):
-    """Drafted requests (with penalties, logprobs, min_p and logit bias, a grammar) share
-    steps: every output equals decoding without speculation, logprobs included (one per
-    token, accepted drafts' too), and no step compiles."""
+    """Drafted requests (with penalties, logprobs, seeded sampling through top-k, top-p,
+    min_p and logit bias, a grammar) share steps: every output equals decoding without
+    speculation, logprobs included (one per token, accepted drafts' too), and no step
+    compiles."""
     ngram.chat(CHATS[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # grammar backend
     compiled = num_compilations()
     mixes = [
         SamplingParams(temperature=0.0, max_tokens=40),
         SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, max_tokens=20, logprobs=3),
-        SamplingParams(temperature=0.7, min_p=0.05, logit_bias={13: 2.0}, seed=1,
-                       max_tokens=30),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, logit_bias={13: 2.0},
+                       seed=1, max_tokens=30),
         SamplingParams(temperature=0.0, max_tokens=20,
                        structured_outputs=StructuredOutputsParams(regex="(fox|dog)( (fox|dog))*")),
     ]  # fmt: skip
     chats = [CHATS[i % 2] for i in range(len(mixes))]
-    want = plain.chat(chats, mixes, use_tqdm=False)
+    # Penalised requests are drafted too: each draft row counts the drafts before it, and a
+    # seeded sampled one reproduces bit for bit.
+    penalised = [
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, max_tokens=40, frequency_penalty=0.5,
+                       presence_penalty=0.3, seed=3),
+    ]  # fmt: skip
+    # A constrained request is drafted too: drafts are cut to what its grammar accepts and
+    # each draft row is masked as the grammar stands after the drafts before it.
+    sentence = "The quick brown fox jumps over the lazy dog. The lazy dog sleeps"
+    regex = StructuredOutputsParams(regex=sentence)
+    constrained = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=regex)
+    # every reference in one batch (without speculation, a request's tokens do not depend on
+    # its batch: tests/entrypoints/test_llm.py)
+    want = plain.chat([*chats, *CHATS[:2], CHATS[1]], [*mixes, *penalised, constrained],
+                      use_tqdm=False)  # fmt: skip
+    want, want_penalised, (want_constrained,) = want[:5], want[5:7], want[7:]
     got = ngram.chat(chats, mixes, use_tqdm=False)
     assert num_compilations() == compiled
     assert token_ids(got) == token_ids(want)
@@ -124,26 +140,13 @@ def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, 
     alone = ngram.chat(chats[2:3], mixes[2], use_tqdm=False)[0].outputs[0]
     assert counter.accepted > 0 and alone.token_ids == got[2].outputs[0].token_ids
     assert [sorted(p) for p in alone.logprobs] == [sorted(p) for p in lp_want]
-    # Penalised requests are drafted too: each draft row counts the drafts before it, and a
-    # seeded sampled one reproduces bit for bit.
-    penalised = [
-        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2),
-        SamplingParams(temperature=0.8, max_tokens=40, frequency_penalty=0.5,
-                       presence_penalty=0.3, seed=3),
-    ]  # fmt: skip
     counter = AcceptCounter(ngram)
     got = ngram.chat(CHATS[:2], penalised, use_tqdm=False)
-    assert token_ids(got) == token_ids(plain.chat(CHATS[:2], penalised, use_tqdm=False))
+    assert token_ids(got) == token_ids(want_penalised)
     assert counter.accepted > 0, vars(counter)  # penalties make the prompt's text less likely
-    # A constrained request is drafted too: drafts are cut to what its grammar accepts and
-    # each draft row is masked as the grammar stands after the drafts before it.
-    sentence = "The quick brown fox jumps over the lazy dog. The lazy dog sleeps"
-    params = SamplingParams(temperature=0.0, max_tokens=30,
-                            structured_outputs=StructuredOutputsParams(regex=sentence))  # fmt: skip
     counter = AcceptCounter(ngram)
-    got = ngram.chat(CHATS[1:2], params, use_tqdm=False)[0].outputs[0]
-    want = plain.chat(CHATS[1:2], params, use_tqdm=False)[0].outputs[0]
+    got = ngram.chat(CHATS[1:2], constrained, use_tqdm=False)[0].outputs[0]
+    want = want_constrained.outputs[0]
     assert got.token_ids == want.token_ids and got.text == sentence
     assert counter.accepted > 5, vars(counter)
-    core(ngram).scheduler.kv_cache_manager.check_no_leaks()
     core(ngram).scheduler.kv_cache_manager.check_no_leaks()
