@@ -88,7 +88,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(default: this machine only: 127.0.0.1 ::1 localhost)",
     )  # fmt: skip
     for flag, kind, default, what in (
-        ("--nnodes", int, 1, "hosts one model's -tp devices span (jax.distributed)"),
+        ("--nnodes", int, 1, "hosts one model's -tp x -pp devices span (jax.distributed)"),
         ("--node-rank", int, 0, "this host's rank; 0 runs the scheduler and the API server"),
         ("--master-addr", str, "127.0.0.1", "rank 0's address (JAX's coordinator, step calls)"),
         ("--master-port", int, 29501, "JAX's coordinator port; step calls use the next one"),
