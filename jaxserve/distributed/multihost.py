@@ -100,9 +100,11 @@ class Leader:
         _heartbeats(self.calls)
         self.calls.bind(f"tcp://*:{master_port + CALL_PORT_OFFSET}")
         self.followers: list[bytes] = []
+        self.follower_blocks: dict[int, int] = {}  # rank -> the KV blocks its devices fit
 
     def wait_for_followers(self) -> None:
-        """Every follower says it is loaded (from then on a closed connection is a lost rank)."""
+        """Every follower says it is loaded, with the KV blocks its devices fit (from then on a
+        closed connection is a lost rank); ValueError if one's devices fit too few."""
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while len(self.followers) < self.num_followers:
             if not self.calls.poll(1000):
@@ -110,9 +112,13 @@ class Leader:
                     raise TimeoutError(f"{len(self.followers)} of {self.num_followers} follower "
                                        f"ranks joined in {JOIN_TIMEOUT_S:.0f} s")  # fmt: skip
                 continue
-            identity, rank = self.calls.recv_multipart()
+            identity, frame = self.calls.recv_multipart()
+            rank, num_blocks = pickle.loads(frame)
+            if isinstance(num_blocks, str):  # its budget holds too few blocks
+                raise ValueError(f"follower rank {rank}: {num_blocks}")
             self.followers.append(identity)
-            logger.info("follower rank %s joined", rank.decode())
+            self.follower_blocks[rank] = num_blocks
+            logger.info("follower rank %d joined (its devices fit %d KV blocks)", rank, num_blocks)
         _watch_disconnect(self.calls, self.on_lost, "a follower rank")
 
     def send(self, message: tuple) -> None:
@@ -143,9 +149,10 @@ class FollowerChannel:
         self.calls.connect(f"tcp://{master_addr}:{master_port + CALL_PORT_OFFSET}")
         self.ending = threading.Event()  # rank 0 said "shutdown": its going away is no loss
 
-    def ready(self) -> None:
-        """Tell rank 0 this rank is loaded: from then on a lost rank 0 ends this process."""
-        self.calls.send(str(self.rank).encode())
+    def ready(self, num_blocks: int | str) -> None:
+        """Tell rank 0 this rank is loaded, with the KV blocks its devices fit (or why they
+        fit too few): from then on a lost rank 0 ends this process."""
+        self.calls.send(pickle.dumps((self.rank, num_blocks)))
         _watch_disconnect(self.calls, self._lost_leader, "rank 0")
 
     def recv(self) -> tuple:

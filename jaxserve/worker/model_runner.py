@@ -158,9 +158,10 @@ class ModelRunner:
         return self.kv.bytes_per_block() + self.proposer.kv_bytes_per_block(self.kv.block_size)
 
     def determine_num_blocks(self) -> int:
-        """Blocks that fit the budget (per device), after weights and compiled steps."""
+        """Blocks that fit the budget (per device: this process's), after weights and compiled
+        steps."""
         return determine_num_blocks(
-            self.engine_config.cache, self.mesh.devices.flat[0], self.kv_bytes_per_block(),
+            self.engine_config.cache, self.mesh.local_devices[0], self.kv_bytes_per_block(),
             self.max_blocks_per_req + 1, self.max_model_len, self.kv.state_bytes(),
         )  # fmt: skip
 

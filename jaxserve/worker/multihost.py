@@ -3,7 +3,8 @@ channel): rank 0's runner is a `BroadcastRunner`, which sends each call that run
 devices to the follower ranks before making it, and each follower (`run_follower`, the process
 `jaxserve serve --headless` starts on the other hosts) makes the same call on its own runner,
 so every rank runs the same programs in the same order on the same host inputs and keeps the
-same input batch. Only rank 0's results leave.
+same input batch. Only rank 0's results leave. The KV cache gets the fewest blocks that fit
+on any rank's devices: each follower sizes its own as it joins.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class BroadcastRunner:
         self._step_of: dict[int, int] = {}  # id(PendingStep) -> its step number
         leader.wait_for_followers()
 
+    def determine_num_blocks(self) -> int:
+        """The fewest KV blocks that fit on any rank's devices (each follower sized its own
+        when it joined)."""
+        return min(self._runner.determine_num_blocks(), *self._leader.follower_blocks.values())
+
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._runner, name)
         if name not in BROADCAST_CALLS:
@@ -78,8 +84,12 @@ def run_follower(args: Any) -> int:
     initialize(args.nnodes, rank, args.master_addr, args.master_port)
     config = args.create_engine_config()
     runner = build_runner(config, StartupTimeline())
+    try:  # what fits on this rank's devices: rank 0 sizes the cache for the fewest
+        num_blocks: int | str = runner.determine_num_blocks()
+    except ValueError as e:
+        num_blocks = str(e)
     channel = FollowerChannel(rank, args.master_addr, args.master_port)
-    channel.ready()
+    channel.ready(num_blocks)
     pending: dict[int, Any] = {}
     while True:
         name, refs, kwargs, step = channel.recv()

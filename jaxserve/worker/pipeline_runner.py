@@ -51,7 +51,7 @@ from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.models.loader import LoadedModel
 from jaxserve.worker import executable_cache
 from jaxserve.worker.executables import ExecutableRegistry
-from jaxserve.worker.kv_cache import KVCacheSpec
+from jaxserve.worker.kv_cache import KVCacheSpec, determine_num_blocks
 from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.step_functions import ModelDef
 from jaxserve.worker.step_types import PendingStep
@@ -152,6 +152,22 @@ class PipelineRunner(ModelRunner):
     def kv_bytes_per_block(self) -> int:
         """The most one device holds of a block: its stage's layers."""
         return max(spec.bytes_per_block() for spec in self.kv_specs)
+
+    def determine_num_blocks(self) -> int:
+        """The fewest blocks that fit on a stage of this process (ModelRunner's budget rule on
+        each stage's devices: the first stage holds the embedding, the last the LM head)."""
+        cc, per_block = self.engine_config.cache, self.kv_bytes_per_block()
+        return min(
+            determine_num_blocks(
+                cc,
+                mesh.local_devices[0],
+                per_block,
+                self.max_blocks_per_req + 1,
+                self.max_model_len,
+            )  # fmt: skip
+            for mesh, local in zip(self.meshes, self.local, strict=True)
+            if local
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = [

@@ -29,13 +29,15 @@ def test_devices_per_process_share_evenly_first_ranks_take_the_rest():
     assert devices_per_process(8, 2) == [4, 4]
 
 
-def start_follower(model_dir: str, port: int, log, *parallel: str) -> subprocess.Popen:
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
+def start_follower(
+    model_dir: str, port: int, log, *parallel: str, engine=ENGINE, env=None
+) -> subprocess.Popen:
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine.items()]
     return subprocess.Popen(
         [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", model_dir, "--headless",
          "--nnodes", "2", "--node-rank", "1", "--master-port", str(port),
          *(parallel or ("-tp", "3")), *flags],
-        stdout=log, stderr=subprocess.STDOUT,
+        stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
 
 
@@ -60,6 +62,7 @@ def model_dir(tmp_path_factory):
     )
 
 
+FOLLOWER_KV_GIB = 0.0005  # 512 KiB of KV cache a device: a few hundred of the tiny model's blocks
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, logprobs=2,
                         prompt_logprobs=1, presence_penalty=0.5)  # fmt: skip
@@ -76,7 +79,7 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, logpr
     ids=["tp3", "tp2-pp2"],
 )
 def test_two_processes_give_one_processs_tokens_and_a_lost_rank_fails_fast(
-    request, tmp_path, parallel
+    request, tmp_path, monkeypatch, parallel
 ):
     pipeline = "pipeline_parallel_size" in parallel
     model = request.getfixturevalue("pp_model_dir" if pipeline else "model_dir")
@@ -89,15 +92,24 @@ def test_two_processes_give_one_processs_tokens_and_a_lost_rank_fails_fast(
     port = free_ports(3)
     log = open(tmp_path / "follower.log", "w")  # noqa: SIM115 (closed below)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in parallel.items()]
-    follower = start_follower(model, port, log, *flags)
+    engine, env = ENGINE, None
+    if pipeline:  # the cache sized by each rank's budget: the follower's is the smaller
+        engine = {k: v for k, v in ENGINE.items() if k != "num_gpu_blocks_override"}
+        monkeypatch.setenv("JAXSERVE_CPU_KVCACHE_SPACE", str(4 * FOLLOWER_KV_GIB))
+        env = {**os.environ, "JAXSERVE_CPU_KVCACHE_SPACE": str(FOLLOWER_KV_GIB)}
+    follower = start_follower(model, port, log, *flags, engine=engine, env=env)
     try:
-        llm = LLM(model, nnodes=2, master_port=port, **parallel, **ENGINE)
+        llm = LLM(model, nnodes=2, master_port=port, **parallel, **engine)
     except BaseException:
         follower.kill()
         raise
     try:
         config = llm.llm_engine.config.parallel
         assert config.nnodes == 2 and config.pipeline_parallel_size == (2 if pipeline else 1)
+        if pipeline:  # the blocks that fit the follower's budget, not rank 0's 4x larger one
+            (per_block,) = llm.collective_rpc("kv_bytes_per_block")
+            state = llm.llm_engine.engine_core.call_utility("get_state")
+            assert state["num_free_blocks"] + 1 == int(FOLLOWER_KV_GIB * 2**30) // per_block
         got = [llm.generate(PROMPTS, p, use_tqdm=False) for p in (GREEDY, SEEDED)]
         for mine, ref in zip(got, want, strict=True):
             for a, b in zip(mine, ref, strict=True):
