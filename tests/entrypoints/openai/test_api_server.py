@@ -86,7 +86,7 @@ class Server:
                     break
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # polled often: every server start of the suite waits here
 
     def tail(self, lines: int = 40) -> str:
         """The last lines of the server's output."""
@@ -334,7 +334,7 @@ def test_disconnected_non_streaming_request_is_aborted(server):
     aborted = server.metric("request_success_total", 'finished_reason="abort"')
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(),
-                   timeout=httpx.Timeout(5, read=1.5))  # fmt: skip
+                   timeout=httpx.Timeout(5, read=1.0))  # fmt: skip
     gone = time.monotonic()
     while server.metric("num_requests_running") != 0:
         assert time.monotonic() - gone < 1.0, "the disconnected request still runs"

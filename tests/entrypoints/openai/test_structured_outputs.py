@@ -70,49 +70,71 @@ def test_json_schema_always_validates_over_8_concurrent_sampled_requests(client)
 
 
 def test_regex_choice_json_object_and_legacy_fields_match(client):
-    for i in range(4):
-        r = client.completions.create(
+    # every request at once (one batch, not ten in turn): each is checked on its own
+    def regex(i):
+        return client.completions.create(
             model=MODEL, prompt="My phone number is", temperature=1.0, max_tokens=30, seed=i,
             extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}},
-        )  # fmt: skip
-        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", r.choices[0].text)
-        r = client.chat.completions.create(
+        ).choices[0].text  # fmt: skip
+
+    def choice(i):
+        return client.chat.completions.create(
             model=MODEL, messages=ASK, temperature=1.0, max_tokens=10, seed=i,
             extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
-        )  # fmt: skip
-        assert r.choices[0].message.content in ("positive", "negative")
-    legacy = client.chat.completions.create(
-        model=MODEL, messages=ASK, temperature=0, max_tokens=10,
-        extra_body={"guided_choice": ["alpha", "beta"]},
-    )  # fmt: skip
-    assert legacy.choices[0].message.content in ("alpha", "beta")
-    obj = client.chat.completions.create(
-        model=MODEL, temperature=0, max_tokens=120, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": 'Reply with {"answer": 2 + 2} as JSON.'}],
-    )  # fmt: skip
-    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+        ).choices[0].message.content  # fmt: skip
+
+    def legacy():
+        return client.chat.completions.create(
+            model=MODEL, messages=ASK, temperature=0, max_tokens=10,
+            extra_body={"guided_choice": ["alpha", "beta"]},
+        ).choices[0].message.content  # fmt: skip
+
+    def obj():
+        return client.chat.completions.create(
+            model=MODEL, temperature=0, max_tokens=120, response_format={"type": "json_object"},
+            messages=[{"role": "user", "content": 'Reply with {"answer": 2 + 2} as JSON.'}],
+        ).choices[0].message.content  # fmt: skip
+
+    with ThreadPoolExecutor(10) as pool:
+        regexes = [pool.submit(regex, i) for i in range(4)]
+        choices = [pool.submit(choice, i) for i in range(4)]
+        legacy_text, obj_text = pool.submit(legacy), pool.submit(obj)
+        for text in regexes:
+            assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", text.result())
+        for text in choices:
+            assert text.result() in ("positive", "negative")
+        assert legacy_text.result() in ("alpha", "beta")
+        assert isinstance(json.loads(obj_text.result()), dict)
 
 
 def test_named_and_required_tool_calls_always_have_valid_arguments(client):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    for i in range(2):
-        named = client.chat.completions.create(
+
+    def named(i):
+        return client.chat.completions.create(
             model=MODEL, messages=TOOL_ASK, tools=[WEATHER, TIME], temperature=1.0, seed=i,
             max_tokens=100, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        )  # fmt: skip
-        choice = named.choices[0]
+        ).choices[0]  # fmt: skip
+
+    def required(i):
+        return client.chat.completions.create(
+            model=MODEL, messages=TOOL_ASK, tools=[WEATHER, TIME], temperature=1.0, seed=i,
+            max_tokens=150, tool_choice="required", parallel_tool_calls=False,
+        ).choices[0]  # fmt: skip
+
+    with ThreadPoolExecutor(4) as pool:  # all four at once (one batch), each checked alone
+        named_futures = [pool.submit(named, i) for i in range(2)]
+        required_futures = [pool.submit(required, i) for i in range(2)]
+        named_choices = [f.result() for f in named_futures]
+        required_choices = [f.result() for f in required_futures]
+    for choice in named_choices:
         assert choice.finish_reason == "stop" and choice.message.content == ""
         (call,) = choice.message.tool_calls
         assert call.function.name == "get_weather" and re.fullmatch(
             r"chatcmpl-tool-[0-9a-f]{32}", call.id
         )
         jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
-
-        required = client.chat.completions.create(
-            model=MODEL, messages=TOOL_ASK, tools=[WEATHER, TIME], temperature=1.0, seed=i,
-            max_tokens=150, tool_choice="required", parallel_tool_calls=False,
-        )  # fmt: skip
-        choice = required.choices[0]  # (one call: a 135M model may repeat calls endlessly)
+    for choice in required_choices:  # (one call: a 135M model may repeat calls endlessly)
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         for call in choice.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
