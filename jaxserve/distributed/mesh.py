@@ -15,12 +15,7 @@ def make_mesh(tensor_parallel_size: int = 1, devices: list | None = None) -> Mes
     The axis is Auto (sharding propagated by XLA), the same on jax 0.10 and 0.11.
     """
     if devices is None and jax.process_count() > 1:
-        counts = devices_per_process(tensor_parallel_size, jax.process_count())
-        by_process = [
-            sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-            for p in range(jax.process_count())
-        ]
-        devices = [d for local, n in zip(by_process, counts, strict=True) for d in local[:n]]
+        devices = spread_devices(tensor_parallel_size)
     devices = list(devices if devices is not None else jax.local_devices())
     if tensor_parallel_size < 1 or tensor_parallel_size > len(devices):
         raise ValueError(
@@ -38,16 +33,8 @@ def pipeline_meshes(tensor_parallel_size: int, pipeline_parallel_size: int) -> l
     devices, rank 0's, where the engine core reads the sampled tokens. A stage spans whole
     processes, or a process holds whole stages (validate_pipeline_layout)."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    if jax.process_count() > 1:
-        per = tp * pp // jax.process_count()
-        devices = [
-            d
-            for p in range(jax.process_count())
-            for d in sorted((d for d in jax.devices() if d.process_index == p),
-                            key=lambda d: d.id)[:per]
-        ]  # fmt: skip
-    else:
-        devices = jax.local_devices()[: tp * pp]
+    multi = jax.process_count() > 1
+    devices = spread_devices(tp * pp) if multi else jax.local_devices()[: tp * pp]
     if len(devices) < tp * pp:
         raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs "
                          f"{tp * pp} devices; there are {len(devices)}")  # fmt: skip
@@ -66,6 +53,17 @@ def validate_pipeline_layout(tensor_parallel_size: int, pipeline_parallel_size: 
             "each host must hold whole stages (tp x pp / nnodes a multiple of tp) or each "
             "stage span whole hosts (tp a multiple of tp x pp / nnodes)"
         )
+
+
+def spread_devices(num_devices: int) -> list:
+    """num_devices over every process of the JAX cluster: each one's `devices_per_process`
+    share of its devices (lowest ids first), in process order."""
+    counts = devices_per_process(num_devices, jax.process_count())
+    by_process = [
+        sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+        for p in range(jax.process_count())
+    ]
+    return [d for local, n in zip(by_process, counts, strict=True) for d in local[:n]]
 
 
 def devices_per_process(tensor_parallel_size: int, num_processes: int) -> list[int]:

@@ -156,15 +156,9 @@ class PipelineRunner(ModelRunner):
     def determine_num_blocks(self) -> int:
         """The fewest blocks that fit on a stage of this process (ModelRunner's budget rule on
         each stage's devices: the first stage holds the embedding, the last the LM head)."""
-        cc, per_block = self.engine_config.cache, self.kv_bytes_per_block()
+        sizes = (self.kv_bytes_per_block(), self.max_blocks_per_req + 1, self.max_model_len)
         return min(
-            determine_num_blocks(
-                cc,
-                mesh.local_devices[0],
-                per_block,
-                self.max_blocks_per_req + 1,
-                self.max_model_len,
-            )  # fmt: skip
+            determine_num_blocks(self.engine_config.cache, mesh.local_devices[0], *sizes)
             for mesh, local in zip(self.meshes, self.local, strict=True)
             if local
         )
@@ -197,11 +191,12 @@ class PipelineRunner(ModelRunner):
                 out["forward", t, decode_only, s] = functools.partial(
                     jitted.lower, self.stage_params[s], kv, h, inputs
                 )
-        for t in self.buckets.tokens:
-            for s, link in enumerate(self.links):
-                if link is not None and link.involved:
+        for s, link in enumerate(self.links):
+            if link is not None and link.involved:
+                program = link.program(P())
+                for t in self.buckets.tokens:
                     out["handoff", t, s] = functools.partial(
-                        link.program(P()).lower, link.union_shape((t, d), dtype, P())
+                        program.lower, link.union_shape((t, d), dtype, P())
                     )
         return out
 
