@@ -1,11 +1,11 @@
 """Prompt embeddings (--enable-prompt-embeds): a prompt sent as its token embeddings gives the
 token prompt's tokens and logprobs, mixed with token prompts in one batch, on the Python API
-and over /v1/completions (base64 of a torch.save'd tensor, read without unpickling code);
-what they cannot be used with is refused by name."""
+and over /v1/completions (base64 of a torch.save'd tensor, read without unpickling code:
+openai/test_prompt_embeds_archive.py); what they cannot be used with, or more positions than
+max_model_len, is refused by name."""
 
 import base64
 import io
-import pickle
 
 import numpy as np
 import pytest
@@ -13,7 +13,6 @@ import torch
 from safetensors.numpy import load_file
 
 from jaxserve.entrypoints.llm import LLM
-from jaxserve.entrypoints.openai.prompt_embeds import decode_prompt_embeds
 from jaxserve.sampling_params import SamplingParams
 from tests.entrypoints.test_classify_score import post_all
 from tests.helpers import make_tiny_hf
@@ -84,25 +83,6 @@ def saved(tensor: torch.Tensor) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def test_torch_save_is_read_without_unpickling_code(table):
-    t = torch.from_numpy(table[:5])
-    np.testing.assert_array_equal(decode_prompt_embeds(saved(t)), table[:5])
-    bf16 = decode_prompt_embeds(saved(t.to(torch.bfloat16)))
-    np.testing.assert_array_equal(bf16, t.to(torch.bfloat16).float().numpy())
-    np.testing.assert_array_equal(decode_prompt_embeds(saved(t.T.contiguous().T)), table[:5])
-
-    class Evil:
-        def __reduce__(self):
-            return (eval, ("1 + 1",))
-
-    buffer = io.BytesIO()
-    torch.save({"x": Evil()}, buffer, pickle_module=pickle)
-    with pytest.raises(ValueError, match=r"eval is not a tensor's part"):
-        decode_prompt_embeds(base64.b64encode(buffer.getvalue()).decode())
-    with pytest.raises(ValueError, match="base64 of a torch.save'd tensor"):
-        decode_prompt_embeds("bm90IGEgemlw")  # "not a zip"
-
-
 def test_completions_take_base64_prompt_embeds_beside_token_prompts(llm, table):
     body = {
         "model": "m",
@@ -111,13 +91,16 @@ def test_completions_take_base64_prompt_embeds_beside_token_prompts(llm, table):
         "logprobs": 0,
         "return_tokens_as_token_ids": True,
     }  # (the tiny model has no tokenizer)
-    token, embeds, refused, echo = post_all(llm, [
+    token, embeds, refused, echo, expanded, long = post_all(llm, [
         ("/v1/completions", {**body, "prompt": IDS[0]}),
         ("/v1/completions", {**body, "prompt": [IDS[1]], "prompt_embeds": saved(
             torch.from_numpy(table[IDS[0]]))}),
         ("/v1/completions", {**body, "prompt_embeds": ["eA=="]}),
         ("/v1/completions", {**body, "prompt_embeds": saved(torch.from_numpy(table[IDS[0]])),
                              "echo": True}),
+        # stride 0: 1 KB that would be 51 MB as an array; more positions than max_model_len
+        ("/v1/completions", {**body, "prompt_embeds": saved(torch.zeros(1).expand(200000, 64))}),
+        ("/v1/completions", {**body, "prompt_embeds": saved(torch.zeros(65, 64))}),
     ])  # fmt: skip
     assert token.status_code == embeds.status_code == 200, embeds.text
     choices = embeds.json()["choices"]  # the token prompts first, then the embeddings
@@ -128,3 +111,8 @@ def test_completions_take_base64_prompt_embeds_beside_token_prompts(llm, table):
                                                                       abs=1e-4)  # fmt: skip
     assert refused.status_code == 400 and "prompt_embeds" in refused.json()["error"]["message"]
     assert echo.status_code == 400 and "echo cannot be used" in echo.json()["error"]["message"]
+    assert expanded.status_code == long.status_code == 400
+    assert "got shape (200000, 64)" in expanded.json()["error"]["message"]
+    assert (
+        "1 to 64 positions (max_model_len), got shape (65, 64)" in long.json()["error"]["message"]
+    )

@@ -56,20 +56,25 @@ class OpenAIServingCompletion(OpenAIServing):
         return request_id, validated, params
 
     def _prompt_embeds(self, request: CompletionRequest) -> list:
-        """The request's prompt_embeds, decoded (prompt_embeds.py); ValueError for what
-        they cannot be used with."""
+        """The request's prompt_embeds, decoded (prompt_embeds.py) within [max_model_len,
+        hidden size]; ValueError, before anything is decoded, without --enable-prompt-embeds
+        and for what they cannot be used with."""
         if request.prompt_embeds is None:
             return []
+        processor = self.engine.input_processor
+        if processor.prompt_embeds_size is None:
+            raise ValueError("prompt_embeds are refused: the server needs --enable-prompt-embeds")
         encoded = request.prompt_embeds
-        embeds = [
-            decode_prompt_embeds(e) for e in ([encoded] if isinstance(encoded, str) else encoded)
-        ]
-        if not embeds:
+        encoded = [encoded] if isinstance(encoded, str) else encoded
+        if not encoded:
             raise ValueError("prompt_embeds must not be empty")
         for field in ("echo", "use_beam_search"):
             if getattr(request, field):
                 raise ValueError(f"{field} cannot be used with prompt_embeds")
-        return embeds
+        hidden, positions = processor.prompt_embeds_size, processor.max_model_len
+        return [
+            decode_prompt_embeds(e, hidden_size=hidden, max_positions=positions) for e in encoded
+        ]
 
     async def completion(self, request: CompletionRequest, prepared) -> CompletionResponse:
         request_id, prompts, params = prepared
