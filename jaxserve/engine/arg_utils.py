@@ -141,9 +141,11 @@ class EngineArgs:
     # "max_new_tokens": ..} (or its JSON) over what generation_config gives
     override_generation_config: dict | str | None = None
     # Image inputs (vLLM's flags; config/multimodal.py): {"image": N} (or its JSON), the most
-    # images one prompt may carry (default 999); the directory file:// image URLs may name
+    # images one prompt may carry (default 999); the directory file:// image URLs may name;
+    # the only hosts http(s) image URLs may name (None: any)
     limit_mm_per_prompt: dict | str | None = None
     allowed_local_media_path: str | None = None
+    allowed_media_domains: list[str] | None = None
 
     def tokenizer_source(self) -> str:
         """Where the frontend reads the tokenizer: --tokenizer, else the model (as the engine
@@ -272,7 +274,7 @@ class EngineArgs:
                 self.generation_config, self.override_generation_config
             ),
             multimodal=MultiModalConfig.parse(
-                self.limit_mm_per_prompt, self.allowed_local_media_path
+                self.limit_mm_per_prompt, self.allowed_local_media_path, self.allowed_media_domains
             ),
         )
 

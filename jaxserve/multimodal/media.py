@@ -1,11 +1,14 @@
 """Images from what a chat message names: bytes, data: URLs, http(s):// and file:// URLs.
 
 Every failure is a ValueError naming the URL (a data URL by its header only) and the
-problem, which the HTTP server answers with a 400: a payload that is not an image, an image
-over Pillow's pixel limit (a decompression bomb), a body over `max_bytes` (counted as it
-streams in, after any Content-Encoding is undone), a fetch past `timeout` seconds in all, a
-status other than 2xx, a redirect when JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS is off, a local
-file outside --allowed-local-media-path, any other scheme. Decoding runs in a worker thread
+problem, which the HTTP server answers with a 400: a payload that is not an image (of
+IMAGE_FORMATS), an image of more than MAX_DECODED_PIXELS as decoded, a body over
+`max_bytes` (counted as it streams in, after any Content-Encoding is undone), a URL a rule
+of url_policy.py refuses (on any redirect hop), a status other than 2xx, a redirect when
+JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS is off, a local file outside --allowed-local-media-path,
+any other scheme. A fetch that fails on the network, or takes past `timeout` seconds in
+all, is "could not fetch image from URL ..." whatever the cause, so the server's answers
+tell nothing of hosts and ports it can reach. Decoding runs in a worker thread
 (`asyncio.to_thread`), never on the event loop.
 """
 
@@ -16,6 +19,8 @@ import base64
 import binascii
 import concurrent.futures
 import io
+import logging
+import re
 import threading
 import urllib.parse
 import urllib.request
@@ -23,12 +28,34 @@ import warnings
 from pathlib import Path
 
 import httpx
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from jaxserve import envs
+from jaxserve.multimodal.url_policy import MediaURLRefused, check_url, checked_client
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # --max-image-bytes' default; LLM.chat's limit
+# The most pixels an image is decoded to (64 MiB: Pillow holds RGB and RGBA at 4 bytes a
+# pixel), well above the 12.8M Qwen2.5-VL's processor keeps by default. A JPEG over it is
+# decoded at 1/2, 1/4 or 1/8 scale, the least that fits (a 24-megapixel photo at 1/2: 6M);
+# other formats have no reduced decode and are refused (a 9000x9000 PNG is 81M).
+MAX_DECODED_PIXELS = 4096 * 4096
+# Pillow's formats taken (JPEG includes the multi-picture JPEGs phones write): not EPS,
+# whose decoding runs Ghostscript, nor other rarely sent kinds.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+MAX_CONCURRENT_FETCHES = 4  # images of one fetch_images call (one request) in flight at once
+MAX_REDIRECTS = 10  # hops one image URL may take, each checked as the first
 _open_lock = threading.Lock()  # warnings.catch_warnings is process-wide state
+_OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Answered(ValueError):
+    """A fetch the host answered, wrongly (a status, a size, too many redirects)."""
 
 
 def describe_url(url: str, limit: int = 200) -> str:
@@ -38,24 +65,63 @@ def describe_url(url: str, limit: int = 200) -> str:
     return url if len(url) <= limit else url[:limit] + "..."
 
 
-def load_image(data: bytes) -> Image.Image:
-    """PNG, JPEG, WebP or anything else Pillow reads, fully decoded, as RGB (transparency
-    over white, as vLLM does). ValueError if it is not an image or has more pixels than
-    Pillow's Image.MAX_IMAGE_PIXELS (a decompression bomb)."""
+def load_image(data: bytes, max_pixels: int = MAX_DECODED_PIXELS) -> Image.Image:
+    """JPEG, PNG, WebP, GIF, BMP or TIFF bytes as an RGB image (transparency over white, as
+    vLLM does), decoded to at most max_pixels: its header's size is read first, a JPEG
+    over the bound is decoded at a reduced scale (Pillow's `draft`), anything else over it
+    is refused before it is decoded. Only the RGB image is kept. ValueError if it is not an
+    image or is too large."""
+    buf = io.BytesIO(data)
     try:
         with _open_lock, warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))  # reads the header only
+            # Pillow's warning past ~89M pixels is moot: _reduce bounds the decoded size
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(buf, formats=IMAGE_FORMATS)  # reads the header only
+        _reduce(image, max_pixels)
         image.load()
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+        return _rgb(image)
+    except (_TooLarge, Image.DecompressionBombError) as e:
         raise ValueError(f"image_url payload is too large an image: {e}") from None
+    except UnidentifiedImageError:
+        raise ValueError(
+            f"image_url payload is not an image: not one of {', '.join(IMAGE_FORMATS)}"
+        ) from None
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, ValueError, ...)
-        raise ValueError(f"image_url payload is not an image: {e}") from None
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
+        what = _OBJECT_REPR.sub("the image", str(e))  # no object addresses in a reply
+        raise ValueError(f"image_url payload is not an image: {what}") from None
+    finally:
+        buf.close()  # a loaded image needs its bytes no more
+
+
+def _reduce(image: Image.Image, max_pixels: int) -> None:
+    """Sets `image` (opened, not loaded) to decode at the least scale of 1, 1/2, 1/4, 1/8
+    that has at most max_pixels, where its format can (JPEG); _TooLarge if it still has
+    more."""
+    w, h = image.size
+    k = next((k for k in (1, 2, 4, 8) if -(-w // k) * -(-h // k) <= max_pixels), 8)
+    if k > 1:
+        image.draft(None, (max(1, w // k), max(1, h // k)))  # a no-op but for JPEG
+    if image.size[0] * image.size[1] > max_pixels:
+        raise _TooLarge(
+            f"{w}x{h} pixels, over the {max_pixels} an image is decoded to (a JPEG is "
+            "decoded at down to 1/8 scale, other formats at full size)"
+        )
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """The loaded `image` as RGB: itself when it is, else a converted copy (`image` closed,
+    its memory freed); transparent pixels over white."""
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA") if image.mode != "RGBA" else image
+        out = Image.new("RGB", image.size, (255, 255, 255))
+        out.paste(rgba, mask=rgba)  # its alpha band
+        rgba.close()
+    else:
+        out = image.convert("RGB")
+    image.close()
+    return out
 
 
 def decode_data_url(url: str) -> bytes:
@@ -81,16 +147,21 @@ async def fetch_image(
     max_bytes: int,
     timeout: float,
     allowed_local_media_path: str | None,
+    allowed_media_domains: tuple[str, ...] | None = None,
     client: httpx.AsyncClient | None = None,
 ) -> Image.Image:
     """The image `url` names (data:, http(s)://, file://); at most max_bytes of it, fetched
-    within timeout seconds in all. client: the one to fetch http(s) URLs with (default: a
-    new one)."""
-    scheme = urllib.parse.urlsplit(url).scheme.lower() if isinstance(url, str) else ""
+    within timeout seconds in all. allowed_media_domains: the hosts an http(s) URL may
+    name (None: any). client: one of url_policy.checked_client to fetch http(s) URLs with
+    (default: a new one)."""
+    try:
+        scheme = urllib.parse.urlsplit(url).scheme.lower() if isinstance(url, str) else ""
+    except ValueError as e:  # urllib's "Invalid IPv6 URL"
+        raise ValueError(f"image URL {describe_url(url)} is not a valid URL: {e}") from None
     if scheme == "data":
         data = await asyncio.to_thread(decode_data_url, url)
     elif scheme in ("http", "https"):
-        data = await _download(url, max_bytes, timeout, client)
+        data = await _download(url, max_bytes, timeout, allowed_media_domains, client)
     elif scheme == "file":
         data = await asyncio.to_thread(_read_local, url, allowed_local_media_path, max_bytes)
     else:
@@ -107,17 +178,30 @@ async def fetch_image(
 
 
 async def fetch_images(
-    urls: list[str], *, max_bytes: int, timeout: float, allowed_local_media_path: str | None
+    urls: list[str],
+    *,
+    max_bytes: int,
+    timeout: float,
+    allowed_local_media_path: str | None,
+    allowed_media_domains: tuple[str, ...] | None = None,
 ) -> list[Image.Image]:
-    """fetch_image of every URL, concurrently, in order; the first failure cancels the rest."""
-    async with httpx.AsyncClient() as client:
-        tasks = [
-            asyncio.ensure_future(fetch_image(
-                url, max_bytes=max_bytes, timeout=timeout,
-                allowed_local_media_path=allowed_local_media_path, client=client,
-            ))
-            for url in urls
-        ]  # fmt: skip
+    """fetch_image of every URL, at most MAX_CONCURRENT_FETCHES at a time, in order; the
+    first failure cancels the rest."""
+    gate = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
+
+    async def one(url: str) -> Image.Image:
+        async with gate:
+            return await fetch_image(
+                url,
+                max_bytes=max_bytes,
+                timeout=timeout,
+                allowed_local_media_path=allowed_local_media_path,
+                allowed_media_domains=allowed_media_domains,
+                client=client,
+            )
+
+    async with _client() as client:
+        tasks = [asyncio.ensure_future(one(url)) for url in urls]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -127,65 +211,92 @@ async def fetch_images(
 
 
 def load_image_urls(
-    urls: list[str], *, max_bytes: int, timeout: float, allowed_local_media_path: str | None
+    urls: list[str],
+    *,
+    max_bytes: int,
+    timeout: float,
+    allowed_local_media_path: str | None,
+    allowed_media_domains: tuple[str, ...] | None = None,
 ) -> list[Image.Image]:
     """fetch_images for synchronous callers (LLM.chat): its own event loop, in a thread of its
     own, so it works where the caller already runs one (a notebook)."""
     coro = fetch_images(
-        urls, max_bytes=max_bytes, timeout=timeout,
+        urls,
+        max_bytes=max_bytes,
+        timeout=timeout,
         allowed_local_media_path=allowed_local_media_path,
-    )  # fmt: skip
+        allowed_media_domains=allowed_media_domains,
+    )
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxserve-media") as pool:
         return pool.submit(asyncio.run, coro).result()
 
 
-def load_image_url(
-    url: str, *, max_bytes: int, timeout: float, allowed_local_media_path: str | None
-) -> Image.Image:
-    """One image, synchronously (load_image_urls)."""
-    (image,) = load_image_urls(
-        [url], max_bytes=max_bytes, timeout=timeout,
-        allowed_local_media_path=allowed_local_media_path,
-    )  # fmt: skip
+def load_image_url(url: str, **limits) -> Image.Image:
+    """One image, synchronously (load_image_urls, with its keyword arguments)."""
+    (image,) = load_image_urls([url], **limits)
     return image
 
 
+def _client() -> httpx.AsyncClient:
+    return checked_client(envs.JAXSERVE_MEDIA_URL_ALLOW_PRIVATE_IPS, MAX_CONCURRENT_FETCHES)
+
+
 async def _download(
-    url: str, max_bytes: int, timeout: float, client: httpx.AsyncClient | None
+    url: str,
+    max_bytes: int,
+    timeout: float,
+    allowed_domains: tuple[str, ...] | None,
+    client: httpx.AsyncClient | None,
 ) -> bytes:
+    """The body `url` answers with, following redirects hop by hop, each hop's URL and
+    address checked (url_policy.py)."""
     what = f"could not fetch image from URL {describe_url(url)}"
     redirects = envs.JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS
     owned = client is None
-    client = client or httpx.AsyncClient()
+    client = client or _client()
+    hops: list[httpx.URL] = []
     try:
+        hops.append(httpx.URL(url))
         async with asyncio.timeout(timeout):
-            async with client.stream(
-                "GET", url, follow_redirects=redirects, timeout=timeout
-            ) as response:
-                if not response.is_success:
-                    hint = ""
-                    if response.is_redirect and not redirects:
-                        hint = " (a redirect: JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS is off)"
-                    raise ValueError(f"{what}: HTTP status {response.status_code}{hint}")
-                length = response.headers.get("content-length", "")
-                if length.isdigit() and int(length) > max_bytes:
-                    raise ValueError(f"{what}: it is {length} bytes, over {max_bytes} bytes")
-                chunks, size = [], 0
-                async for chunk in response.aiter_bytes():
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise ValueError(f"{what}: it is larger than {max_bytes} bytes")
-                    chunks.append(chunk)
-                return b"".join(chunks)
-    except TimeoutError:
-        raise ValueError(f"{what}: timed out after {timeout:g} s") from None
-    except httpx.TimeoutException:
-        raise ValueError(f"{what}: timed out after {timeout:g} s") from None
-    except httpx.HTTPError as e:
-        raise ValueError(f"{what}: {type(e).__name__}: {e}") from None
+            while len(hops) <= MAX_REDIRECTS + 1:
+                check_url(hops[-1], allowed_domains)
+                async with client.stream("GET", hops[-1], timeout=timeout) as response:
+                    if not (redirects and response.next_request is not None):
+                        return await _body(response, what, max_bytes)
+                    hops.append(response.next_request.url)
+        raise _Answered(f"{what}: more than {MAX_REDIRECTS} redirects")
+    except MediaURLRefused as e:
+        hop = f" (redirected to {describe_url(str(hops[-1]))})" if len(hops) > 1 else ""
+        raise ValueError(f"image URL {describe_url(url)} refused{hop}: {e.rule}") from None
+    except httpx.InvalidURL as e:
+        raise ValueError(f"image URL {describe_url(url)} is not a valid URL: {e}") from None
+    except _Answered:
+        raise
+    except Exception as e:  # the network's (httpx's, httpcore's, OSError) or the timeout's
+        logger.debug("%s: %s: %s", what, type(e).__name__, e)
+        raise ValueError(what) from None
     finally:
         if owned:
             await client.aclose()
+
+
+async def _body(response: httpx.Response, what: str, max_bytes: int) -> bytes:
+    """A 2xx response's body, at most max_bytes of it."""
+    if not response.is_success:
+        hint = ""
+        if response.is_redirect:
+            hint = " (a redirect: JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS is off)"
+        raise _Answered(f"{what}: HTTP status {response.status_code}{hint}")
+    length = response.headers.get("content-length", "")
+    if length.isdigit() and int(length) > max_bytes:
+        raise _Answered(f"{what}: it is {length} bytes, over {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _Answered(f"{what}: it is larger than {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _read_local(url: str, allowed_local_media_path: str | None, max_bytes: int) -> bytes:

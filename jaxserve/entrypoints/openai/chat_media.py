@@ -122,14 +122,17 @@ def load_images(
 ) -> list[Any]:
     """extract_images' sources as images, synchronously (LLM.chat): PIL images as they are,
     URLs fetched concurrently with the server's limits (each within
-    $JAXSERVE_IMAGE_FETCH_TIMEOUT s and max_bytes; file:// under allowed_local_media_path)."""
+    $JAXSERVE_IMAGE_FETCH_TIMEOUT s and max_bytes; file:// under allowed_local_media_path;
+    http(s) to allowed_media_domains' hosts and public addresses)."""
     urls = [s for s in sources if isinstance(s, str)]
-    fetched = iter(
-        load_image_urls(
-            urls, max_bytes=max_bytes, timeout=envs.JAXSERVE_IMAGE_FETCH_TIMEOUT,
-            allowed_local_media_path=multimodal_config(config).allowed_local_media_path,
-        ) if urls else ()
-    )  # fmt: skip
+    mm = multimodal_config(config)
+    limits = {
+        "max_bytes": max_bytes,
+        "timeout": envs.JAXSERVE_IMAGE_FETCH_TIMEOUT,
+        "allowed_local_media_path": mm.allowed_local_media_path,
+        "allowed_media_domains": mm.allowed_media_domains,
+    }
+    fetched = iter(load_image_urls(urls, **limits) if urls else ())
     return [next(fetched) if isinstance(s, str) else s for s in sources]
 
 

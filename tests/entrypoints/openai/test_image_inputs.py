@@ -1,8 +1,10 @@
 """Image inputs through the OpenAI chat API (the real starlette app, in process, over a
 stand-in engine core) and LLM.chat: vLLM's content parts, its 400s (too many images, a text-
-only model, unreachable or non-image URLs, local files without --allowed-local-media-path),
-the images reaching the engine in order with the model's markers in the prompt, and the
-flags (--limit-mm-per-prompt, --allowed-local-media-path, --max-image-bytes)."""
+only model, unreachable or non-image URLs, local files without --allowed-local-media-path,
+URLs to non-public addresses or outside --allowed-media-domains), the images reaching the
+engine in order with the model's markers in the prompt, and the flags
+(--limit-mm-per-prompt, --allowed-local-media-path, --allowed-media-domains,
+--max-image-bytes)."""
 
 from __future__ import annotations
 
@@ -25,10 +27,11 @@ from jaxserve.entrypoints.openai import serving_chat
 from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.entrypoints.openai.chat_media import default_chat_template, model_chat_template
 from jaxserve.entrypoints.openai.server_setup import check_server_args
+from jaxserve.multimodal.url_policy import ALLOW_PRIVATE_ENV
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.engine.test_kv_transfer_params import FakeCore, config
-from tests.multimodal.test_media import MediaServer, data_url, image_bytes
+from tests.multimodal.test_media import Listener, MediaServer, data_url, image_bytes
 
 # Renders each content part in order: an image part as LLaVA's marker ("openai" format).
 PARTS_TEMPLATE = (
@@ -45,20 +48,27 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def media_server():
+def shared_server():
     server = MediaServer()
     yield server
     server.close()
 
 
-def vision_config(limit: int = 2, path: str | None = None, model_type: str = "llava"):
+@pytest.fixture
+def media_server(shared_server, monkeypatch):
+    """The module's MediaServer, reachable: loopback addresses allowed by the env var."""
+    monkeypatch.setenv(ALLOW_PRIVATE_ENV, "1")
+    return shared_server
+
+
+def vision_config(limit: int = 2, path: str | None = None, model_type: str = "llava", domains=None):
     """A stand-in EngineConfig of a vision-language model (what the frontend reads of one)."""
     cfg = config(max_model_len=256)
     cfg.model.architecture = "LlavaForConditionalGeneration"
     cfg.model.hf_config = SimpleNamespace(
         multimodal_config={"model_type": model_type, "image_token_index": 0}
     )
-    cfg.multimodal = MultiModalConfig({"image": limit}, path)
+    cfg.multimodal = MultiModalConfig({"image": limit}, path, domains)
     return cfg
 
 
@@ -147,9 +157,49 @@ def test_the_engines_own_refusal_of_images_is_a_400(tokenizer, media_server, mon
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_unreachable_url_is_a_400_naming_it(tokenizer, stream):
+def test_an_unreachable_url_is_a_400_naming_it(tokenizer, stream, monkeypatch):
+    monkeypatch.setenv(ALLOW_PRIVATE_ENV, "1")
     (r,) = serve(tokenizer, vision_config(), [ask(UNREACHABLE, "hi", stream=stream)])
-    assert error(r).startswith(f"could not fetch image from URL {UNREACHABLE}: ")
+    assert error(r) == f"could not fetch image from URL {UNREACHABLE}"  # not why
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_default_server_refuses_a_loopback_url_without_connecting(tokenizer, stream, monkeypatch):
+    monkeypatch.delenv(ALLOW_PRIVATE_ENV, raising=False)
+    listener = Listener()
+    try:
+        url = f"http://127.0.0.1:{listener.port}/x.png"
+        (r,) = serve(tokenizer, vision_config(), [ask(url, "hi", stream=stream)])
+        assert error(r) == (
+            f"image URL {url} refused: its address 127.0.0.1 is not public (set "
+            f"{ALLOW_PRIVATE_ENV}=1 to allow)"
+        )
+        assert listener.connections() == 0
+    finally:
+        listener.close()
+
+
+def test_allowed_media_domains_hold_on_every_hop(tokenizer, media_server):
+    port = media_server.port
+    cfg = vision_config(domains=("localhost",))
+    outside = f"http://127.0.0.1:{port}/img.png"
+    to_outside = f"http://localhost:{port}/to?{outside}"
+    seen: list = []
+    hits = len(media_server.hits)
+    ok, refused, redirected = serve(
+        tokenizer, cfg, [ask(f"http://localhost:{port}/img.png"), ask(outside),
+                         ask(to_outside)], seen,
+    )  # fmt: skip
+    assert ok.status_code == 200, ok.text
+    assert seen[0]["multi_modal_data"]["image"][0].size == (8, 6)
+    assert error(refused) == (
+        f"image URL {outside} refused: its host '127.0.0.1' is not in --allowed-media-domains"
+    )
+    assert error(redirected) == (
+        f"image URL {to_outside} refused (redirected to {outside}): its host '127.0.0.1' is "
+        "not in --allowed-media-domains"
+    )
+    assert sorted(media_server.hits[hits:]) == ["/img.png", f"/to?{outside}"]
 
 
 def test_payloads_that_are_no_images_are_400s(tokenizer, media_server):
@@ -157,7 +207,7 @@ def test_payloads_that_are_no_images_are_400s(tokenizer, media_server):
     bodies = [ask(text, "hi"), ask(data_url(b"hello"), "hi"), ask(f"{media_server.url}/404.png"),
               ask("data:text/plain;base64,aGk=")]  # fmt: skip
     http_text, data, missing, plain = serve(tokenizer, vision_config(), bodies)
-    assert error(http_text).startswith("image_url payload is not an image: cannot identify")
+    assert error(http_text).startswith("image_url payload is not an image: not one of JPEG")
     assert text in error(http_text)
     assert "not an image" in error(data) and "data:image/png;base64,..." in error(data)
     assert error(missing).endswith("/404.png: HTTP status 404")
@@ -295,16 +345,20 @@ def test_a_processors_chat_template_is_found_beside_the_model(tmp_path):
 
 def test_the_flags_reach_engine_args_and_are_checked_early(tmp_path):
     args = parse_args(["serve", "--limit-mm-per-prompt", '{"image": 2}', "--max-image-bytes",
-                       "1000", "--allowed-local-media-path", str(tmp_path)])  # fmt: skip
+                       "1000", "--allowed-local-media-path", str(tmp_path),
+                       "--allowed-media-domains", "a.example", "B.example"])  # fmt: skip
     check_server_args(args)
     engine_args = engine_args_from(args)
     assert engine_args.limit_mm_per_prompt == '{"image": 2}'
+    assert engine_args.allowed_media_domains == ["a.example", "B.example"]
+    assert parse_args(["serve"]).allowed_media_domains is None
     assert engine_args.allowed_local_media_path == str(tmp_path) and args.max_image_bytes == 1000
     assert parse_args(["serve"]).max_image_bytes == 20 * 1024 * 1024
     for flags, message in [
         (["--limit-mm-per-prompt", '{"audio": 1}'], "jaxserve takes no audio inputs"),
         (["--limit-mm-per-prompt", "{image: 1}"], "is not JSON"),
         (["--allowed-local-media-path", str(tmp_path / "no")], "does not exist"),
+        (["--allowed-media-domains", "https://a.example"], "is not a host name"),
         (["--max-image-bytes", "0"], "--max-image-bytes must be positive, got 0"),
     ]:
         with pytest.raises(SystemExit, match=message):
@@ -312,9 +366,11 @@ def test_the_flags_reach_engine_args_and_are_checked_early(tmp_path):
 
 
 def test_engine_args_build_the_multimodal_config(tmp_path):
-    config = EngineArgs(limit_mm_per_prompt='{"image": 3}',
-                        allowed_local_media_path=str(tmp_path)).create_engine_config()  # fmt: skip
-    assert config.multimodal == MultiModalConfig({"image": 3}, str(tmp_path))
+    config = EngineArgs(limit_mm_per_prompt='{"image": 3}', allowed_local_media_path=str(tmp_path),
+                        allowed_media_domains=["A.example"]).create_engine_config()  # fmt: skip
+    assert config.multimodal == MultiModalConfig({"image": 3}, str(tmp_path), ("a.example",))
     assert EngineArgs().create_engine_config().multimodal.limit("image") == 999
     with pytest.raises(ValueError, match=r"limit_mm_per_prompt\['image'\] must be a non-negative"):
         EngineArgs(limit_mm_per_prompt={"image": -2}).create_engine_config()
+    with pytest.raises(ValueError, match="'http://a.example' is not a host name"):
+        EngineArgs(allowed_media_domains=["http://a.example"]).create_engine_config()

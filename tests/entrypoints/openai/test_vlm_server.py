@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from jaxserve.multimodal.url_policy import ALLOW_PRIVATE_ENV
 from tests.entrypoints.openai.test_api_server import Server
 from tests.models.test_vlm import Family
 from tests.multimodal.test_media import data_url
@@ -61,7 +62,8 @@ def media_url():
 @pytest.fixture(scope="module", params=["llava", "qwen", "gemma3"])
 def served(request, tmp_path_factory):
     family = Family(request.param, tmp_path_factory)
-    server = Server(str(family.dir), defaults=FLAGS)
+    # media_url is a loopback server: image URLs to it allowed
+    server = Server(str(family.dir), defaults=FLAGS, env={ALLOW_PRIVATE_ENV: "1"})
     yield family, server
     server.stop()
 
