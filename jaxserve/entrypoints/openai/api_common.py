@@ -14,10 +14,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from jaxserve.entrypoints.openai.json_limits import BodyLimits
 from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from jaxserve.entrypoints.openai.request_body import (
     RequestTooLarge,
-    check_content_type,
     decode_json,
     read_body,
 )
@@ -28,11 +28,15 @@ from jaxserve.entrypoints.openai.serving_engine import (
     error_body,
     error_status,
 )
+from jaxserve.entrypoints.openai.template_worker import PREPARE_TURN
 from jaxserve.tracing import extract_trace_headers
 
 logger = logging.getLogger("jaxserve.api_server")
 
 _json = msgspec.json.Encoder()
+# Threads that decode bodies and prepare requests (app.state.cpu): most wait (for a chat
+# template's child, or their turn), so there are enough that a few slow renders leave room.
+PREPARE_THREADS = 32
 
 
 class MsgspecJSONResponse(Response):
@@ -58,17 +62,25 @@ def serving_of(request: Request) -> OpenAIServing:
 
 
 async def off_loop(request: Request, fn, *args) -> Any:
-    """fn(*args) on the app's tokenizer thread (one thread: HF tokenizers are not meant to be
-    shared across threads)."""
-    return await asyncio.get_running_loop().run_in_executor(request.app.state.cpu, fn, *args)
+    """fn(*args) on one of the app's PREPARE_THREADS, holding PREPARE_TURN (one at a time:
+    HF tokenizers are not meant to be shared across threads) except while it waits for a
+    chat template's render (template_worker.py), so a slow render holds up no one else."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(request.app.state.cpu, PREPARE_TURN.run, fn, *args)
 
 
 async def decode_body(request: Request, cls: type):
-    """The body as `cls`: JSON only, at most --max-request-body-bytes, depth and integer
-    width checked (request_body.py); decoded on the tokenizer thread, off the event loop."""
-    check_content_type(request)
-    body = await read_body(request, request.app.state.max_request_body_bytes)
-    return await off_loop(request, decode_json, body, cls)
+    """The body as `cls`: at most --max-request-body-bytes, its structure bounded before it
+    is decoded, as it is read (request_body.py); scanned and decoded on a prepare thread,
+    off the event loop, without the turn (no tokenizer). (That it is declared JSON is
+    middleware.py's, for every POST.)"""
+    loop, cpu, limits = asyncio.get_running_loop(), request.app.state.cpu, BodyLimits()
+
+    async def check(so_far: bytearray) -> None:
+        await loop.run_in_executor(cpu, limits.feed, so_far)
+
+    body = await read_body(request, request.app.state.max_request_body_bytes, check)
+    return await loop.run_in_executor(cpu, decode_json, body, cls, limits)
 
 
 async def run_until_disconnected(request: Request, coro) -> Any:

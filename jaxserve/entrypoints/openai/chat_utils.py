@@ -8,7 +8,7 @@
 - `template_messages`: messages as chat templates take them (assistant tool_calls with
   their arguments as dicts, content strings or lists of text and image parts per the
   content format).
-- `render_chat`: the chat template over them, in template_worker's bounded child process,
+- `render_chat`: the chat template over them, in one of template_worker's bounded children,
   with the request's chat_template_kwargs checked (`check_template_kwargs`).
 - `ChoiceParser`: one choice's text -> reasoning, content and tool calls, whole or as
   streamed deltas (the reasoning parser first, then the tool parser on the content).
@@ -182,10 +182,13 @@ def render_chat(
     add_generation_prompt: bool,
     continue_final_message: bool,
     kwargs: dict[str, Any] | None,
+    request_template: bool = False,
 ) -> str:
     """What tokenizer.apply_chat_template(..., tokenize=False) gives (template None: the
-    tokenizer's), rendered in the bounded child process: ValueError if the template fails,
-    runs past $JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S or outgrows the child's memory."""
+    tokenizer's), rendered in a bounded child process: ValueError if the template fails,
+    runs past $JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S or outgrows the child's memory.
+    request_template: `template` is the request's own (it renders in the children kept for
+    those, template_worker.py)."""
     special = tokenizer.special_tokens_map
     check_template_kwargs(kwargs, list(special))
     if continue_final_message and add_generation_prompt:
@@ -203,7 +206,8 @@ def render_chat(
         "continue_final_message": continue_final_message,
         "kwargs": {**special, **(kwargs or {})},
     }
-    return shared_renderer().render(job, envs.JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S)
+    timeout = envs.JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S
+    return shared_renderer().render(job, timeout, request_template=request_template)
 
 
 def template_messages(

@@ -145,6 +145,7 @@ class OpenAIServingChat(OpenAIServing):
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             kwargs=template_kwargs(request),
+            request_template=request.chat_template is not None,
         )
         self.engine.input_processor.check_text_length(text)
         mm = self.engine.input_processor.multimodal_processor if image_urls else None
@@ -202,16 +203,19 @@ class OpenAIServingChat(OpenAIServing):
 
     async def load_images(self, prepared):
         """prepare_chat's result with its image URLs fetched (concurrently, each within
-        $JAXSERVE_IMAGE_FETCH_TIMEOUT s and --max-image-bytes): the PIL images, in order."""
+        $JAXSERVE_IMAGE_FETCH_TIMEOUT s and --max-image-bytes, --allowed-media-domains and
+        the address rules checked on every hop): the PIL images, in order."""
         request_id, prompts, params = prepared
         data = prompts[0].pop("multi_modal_data", None)
         if data is not None:
             mm = multimodal_config(self.engine.config)
             images = await fetch_images(
-                data["image"], max_bytes=self.max_image_bytes,
+                data["image"],
+                max_bytes=self.max_image_bytes,
                 timeout=envs.JAXSERVE_IMAGE_FETCH_TIMEOUT,
                 allowed_local_media_path=mm.allowed_local_media_path,
-            )  # fmt: skip
+                allowed_media_domains=mm.allowed_media_domains,
+            )
             # Processed (and the expanded prompt checked) before any response starts: a
             # problem is a 400 for a stream too, and the engine gets the features as they are.
             ip = self.engine.input_processor

@@ -1,4 +1,5 @@
-"""Chat templates rendered in a child process, bounded in time and memory.
+"""Chat templates rendered in child processes, bounded in time and memory, none waiting on
+another.
 
 A chat template is a program (Jinja in transformers' sandbox), and one from a request
 (--trust-request-chat-template) or a loop over a long conversation can run for minutes:
@@ -7,8 +8,15 @@ C-level allocation of 10 GB. A Python thread cannot be stopped, so the render ru
 process (transformers' own `render_jinja_template`, so the text is what `apply_chat_template`
 gives): the child's address space is capped (RLIMIT_AS: a huge string is a MemoryError, not
 the host's memory), and a render that passes its deadline has the child killed and a fresh
-one started. Either way the request gets a ValueError (a 400); other requests are not
-affected beyond waiting for the deadline on the tokenizer thread.
+one started. Either way the request gets a ValueError (a 400).
+
+Renders do not take turns: `RendererPool` keeps up to MAX_RENDERERS children (about 60 MB
+each, each capped at DEFAULT_MEMORY_BYTES more), one render at a time in each, started as
+renders overlap (a spare is always importing while one is free to start); requests' own
+templates use at most REQUEST_TEMPLATE_RENDERERS of them at once, so the server's template
+always has a child. The app's prepare threads run one at a time (`PREPARE_TURN`: the HF
+tokenizer is not meant to be shared across threads) except while one waits for its render,
+so a slow render holds up only its own request.
 
 The child is this file run as a script; it imports only transformers' chat-template helpers
 and msgspec. Frames on its stdin/stdout: a 4-byte big-endian length, then msgpack.
@@ -16,6 +24,7 @@ and msgspec. Frames on its stdin/stdout: a 4-byte big-endian length, then msgpac
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import struct
@@ -28,6 +37,8 @@ from typing import Any
 import msgspec
 
 DEFAULT_MEMORY_BYTES = 1 << 30  # address space the child may add to what it has after imports
+MAX_RENDERERS = 4  # child processes at most
+REQUEST_TEMPLATE_RENDERERS = 2  # of them, rendering requests' own templates at once
 _START_TIMEOUT_S = 120.0  # the child's imports (transformers), on a busy host
 _HEADER = struct.Struct(">I")
 
@@ -128,16 +139,116 @@ class TemplateRenderer:
         return b"".join(chunks)
 
 
-_shared: TemplateRenderer | None = None
+class PrepareTurn:
+    """A lock the app's prepare threads hold while they run (api_common.off_loop), so the
+    tokenizer is used by one thread at a time; `released()` lets it go while this thread
+    waits for something that does not touch the tokenizer (a chat template's child)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held = threading.local()
+
+    def run(self, fn, *args):
+        """fn(*args), holding the turn."""
+        with self._lock:
+            self._held.value = True
+            try:
+                return fn(*args)
+            finally:
+                self._held.value = False
+
+    @contextlib.contextmanager
+    def released(self):
+        """The turn given up (if this thread holds it) for the block, then taken back."""
+        if not getattr(self._held, "value", False):
+            yield
+            return
+        self._held.value = False
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self._held.value = True
+
+
+PREPARE_TURN = PrepareTurn()
+
+
+class RendererPool:
+    """Up to `size` TemplateRenderers, each rendering for one caller at a time; at most
+    `request_templates` of them for requests' own templates at once."""
+
+    def __init__(
+        self, size: int = MAX_RENDERERS, request_templates: int = REQUEST_TEMPLATE_RENDERERS
+    ):
+        self.size, self.request_templates = size, request_templates
+        self._idle: list[TemplateRenderer] = []
+        self._started = 0  # idle and busy
+        self._request_busy = 0
+        self._changed = threading.Condition()
+
+    def start(self, n: int = 2) -> None:
+        """Start n children now (their imports take a second or two), not on first use."""
+        with self._changed:
+            while self._started < min(n, self.size):
+                self._idle.append(self._new())
+
+    def close(self) -> None:
+        """Kill the idle children (a busy one finishes its render; it exits with this
+        process, when its stdin closes)."""
+        with self._changed:
+            idle, self._idle = self._idle, []
+            self._started -= len(idle)
+        for renderer in idle:
+            renderer.close()
+
+    def render(self, job: dict[str, Any], timeout_s: float, request_template: bool = False):
+        """TemplateRenderer.render in a free child (started if none is and there is room;
+        else the first one freed), the caller's PREPARE_TURN given up meanwhile.
+        request_template: the job's template is the request's own."""
+        with PREPARE_TURN.released():
+            renderer = self._take(request_template)
+            try:
+                return renderer.render(job, timeout_s)
+            finally:
+                self._give_back(renderer, request_template)
+
+    def _take(self, request_template: bool) -> TemplateRenderer:
+        with self._changed:
+            while (request_template and self._request_busy >= self.request_templates) or not (
+                self._idle or self._started < self.size
+            ):
+                self._changed.wait()
+            self._request_busy += request_template
+            renderer = self._idle.pop() if self._idle else self._new()
+            if not self._idle and self._started < self.size:
+                self._idle.append(self._new())  # a spare, importing meanwhile
+            return renderer
+
+    def _give_back(self, renderer: TemplateRenderer, request_template: bool) -> None:
+        with self._changed:
+            self._request_busy -= request_template
+            self._idle.append(renderer)
+            self._changed.notify_all()
+
+    def _new(self) -> TemplateRenderer:
+        renderer = TemplateRenderer()
+        renderer.start()
+        self._started += 1
+        return renderer
+
+
+_shared: RendererPool | None = None
 _shared_lock = threading.Lock()
 
 
-def shared_renderer() -> TemplateRenderer:
-    """The process's renderer (the child is stateless: every job carries its template)."""
+def shared_renderer() -> RendererPool:
+    """The process's renderers (a child is stateless: every job carries its template)."""
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = TemplateRenderer()
+            _shared = RendererPool()
         return _shared
 
 
