@@ -14,8 +14,8 @@ calls): sleep and wake, new weights, scheduling paused in place, and calls on th
   pause_scheduler / resume_scheduler
                                  nothing new is scheduled; the requests keep their place and
                                  their KV blocks (vLLM's pause mode "keep")
-  collective_rpc(method, ...)    a runner method on every worker (one here: multi-host ranks
-                                 are not reached)
+  collective_rpc(method, ...)    a read-only runner method (COLLECTIVE_RPC_METHODS) on
+                                 every worker (one here: multi-host ranks are not reached)
 
 The step executables take the weights and the KV cache as arguments, in the layouts they were
 compiled for; everything here keeps those layouts, so nothing recompiles.
@@ -35,6 +35,11 @@ from jaxserve.ipc.messages import EngineCoreOutput
 from jaxserve.worker.device_state import DeviceState, device_bytes
 
 logger = logging.getLogger(__name__)
+
+# What collective_rpc calls on the runner by name (an HTTP client's /collective_rpc too): read
+# only. Never initialize_kv_cache, compile_all, dispatch, ...: they reallocate the cache,
+# recompile or step outside the core's loop, and would end the engine.
+COLLECTIVE_RPC_METHODS = ("kv_bytes_per_block", "max_step_tokens", "ready_token_buckets")
 
 
 class CoreControl:
@@ -163,13 +168,19 @@ class CoreControl:
     def collective_rpc(
         self, method: str | bytes, args: list | None = None, kwargs: dict | None = None
     ) -> list:
-        """`method` of the runner (a name), or a function pickled by the frontend (bytes:
-        called with the runner first), run on every worker; their results, one per worker."""
+        """`method` of the runner, one of COLLECTIVE_RPC_METHODS by name, or a function
+        pickled by LLM.collective_rpc (bytes: called with the runner first; the HTTP route and
+        AsyncLLM send names only), run on every worker; their results, one per worker."""
         if isinstance(method, bytes):
             fn = pickle.loads(method)  # noqa: S301 (the engine's own frontend sent it)
             return [fn(self.runner, *(args or ()), **(kwargs or {}))]
-        if method.startswith("_") or not callable(getattr(self.runner, method, None)):
-            raise ValueError(f"the model runner has no method {method!r}")
+        if method not in COLLECTIVE_RPC_METHODS:
+            raise ValueError(
+                f"collective_rpc: {method!r} is not a runner method it calls; it calls "
+                f"{', '.join(COLLECTIVE_RPC_METHODS)}"
+            )
+        if not callable(getattr(self.runner, method, None)):
+            raise ValueError(f"this engine's runner has no method {method!r}")
         return [getattr(self.runner, method)(*(args or ()), **(kwargs or {}))]
 
 

@@ -1,8 +1,24 @@
-"""The app's ASGI middleware: CORS (only when --allowed-origins is given) outside the API-key
-check, so a browser's preflight is answered before any key is asked for."""
+"""The app's ASGI middleware, one rule in one place for every route:
+
+- CORS (only when --allowed-origins is given), outermost, so a browser's preflight is answered
+  before any key is asked for.
+- With an API key (--api-key or JAXSERVE_API_KEY), every request needs it except PUBLIC's:
+  the probes a load balancer or Kubernetes calls without credentials. That covers routes
+  added later and paths that do not exist (a keyless request to one is a 401, not a 404).
+  `Authorization: Bearer KEY`, the scheme in any case (as vLLM reads it); Anthropic's
+  Messages API (/v1/messages...) also takes the key as its clients send it, in x-api-key.
+- Every POST but PUBLIC's declares its body `Content-Type: application/json` (parameters such
+  as charset may follow), with a body or without: a web page can send a cross-site POST
+  without a CORS preflight only as text/plain, urlencoded or multipart (GET and HEAD change
+  nothing; any other method needs a preflight anyway), so no page reaches the model, /sleep
+  or /collective_rpc from a developer's browser.
+
+Refusals are each API's error JSON: OpenAI's, Anthropic's on /v1/messages.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Any
 
@@ -13,39 +29,77 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from jaxserve.entrypoints.openai.protocol_anthropic import ERROR_TYPES
+
+# path -> the methods served there without the API key and with any body: the probes
+# (probes.py; vLLM's /ping takes POST too, as SageMaker sends it), /metrics and /version
+PUBLIC = {
+    "/health": ("GET", "HEAD"),
+    "/ping": ("GET", "HEAD", "POST"),
+    "/ready": ("GET", "HEAD"),
+    "/metrics": ("GET", "HEAD"),
+    "/version": ("GET", "HEAD"),
+}
+ANTHROPIC_PREFIX = "/v1/messages"
 
 _json = msgspec.json.Encoder()
 
 
-class APIKeyMiddleware:
-    """Bearer-token check on /v1 paths (pure ASGI, so streaming passes through untouched);
-    Anthropic's Messages API (/v1/messages...) takes the key as its clients send it too, in
-    an x-api-key header, and answers a 401 in Anthropic's error shape."""
+def _digest(value: bytes) -> bytes:
+    """Compared in constant time, whatever the lengths (a digest's is fixed)."""
+    return hashlib.sha256(value).digest()
 
-    def __init__(self, app: ASGIApp, api_key: str):
+
+def content_type_error(given: bytes | None) -> str | None:
+    """What is wrong with a POST's Content-Type header, or None if it declares JSON."""
+    media_type = (given or b"").split(b";", 1)[0].strip().lower()
+    if media_type == b"application/json":
+        return None
+    shown = repr(given.decode("latin-1")) if given is not None else "no Content-Type"
+    return f"Unsupported Media Type: only 'application/json' is allowed, got {shown}"
+
+
+class GateMiddleware:
+    """The API key (when one is set) and the JSON Content-Type of POSTs, on every path but
+    PUBLIC's (pure ASGI, so streaming passes through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.key = api_key.encode()
+        self.key = _digest(api_key.encode()) if api_key else None
 
-    def authorized(self, scope: Scope, anthropic: bool = False) -> bool:
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):  # constant time
+    def authorized(self, headers: dict[bytes, bytes], anthropic: bool) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(_digest(token.strip()), self.key):
             return True
-        return anthropic and hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+        given = headers.get(b"x-api-key")
+        return anthropic and given is not None and hmac.compare_digest(_digest(given), self.key)
+
+    def refusal(self, scope: Scope, anthropic: bool) -> tuple[int, str, str] | None:
+        """(status, message, OpenAI error type) of a request refused here, or None."""
+        headers = dict(scope["headers"])
+        if self.key is not None and not self.authorized(headers, anthropic):
+            return 401, "Unauthorized: a valid API key is required", "AuthenticationError"
+        if scope["method"] == "POST":
+            error = content_type_error(headers.get(b"content-type"))
+            if error is not None:
+                return 400, error, "BadRequestError"
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["path"].startswith("/v1")
-        anthropic = guarded and scope["path"].startswith("/v1/messages")
-        if guarded and not self.authorized(scope, anthropic):
-            message = "Unauthorized: a valid API key is required"
-            body = _json.encode(ErrorResponse(ErrorInfo(message, "AuthenticationError", 401)))
-            if anthropic:
-                error = {"type": "authentication_error", "message": message}
-                body = _json.encode({"type": "error", "error": error})
-            await Response(body, 401, media_type="application/json")(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] in PUBLIC.get(scope["path"], ()):
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        anthropic = scope["path"].startswith(ANTHROPIC_PREFIX)
+        refused = self.refusal(scope, anthropic)
+        if refused is None:
+            await self.app(scope, receive, send)
+            return
+        status, message, kind = refused
+        body = _json.encode(ErrorResponse(ErrorInfo(message, kind, status)))
+        if anthropic:
+            error = {"type": ERROR_TYPES[status], "message": message}
+            body = _json.encode({"type": "error", "error": error})
+        await Response(body, status, media_type="application/json")(scope, receive, send)
 
 
 def cors_middleware(cors: dict[str, Any] | None) -> list[Middleware]:
@@ -68,6 +122,6 @@ def cors_middleware(cors: dict[str, Any] | None) -> list[Middleware]:
 
 
 def app_middleware(api_key: str | None, cors: dict[str, Any] | None) -> list[Middleware]:
-    """Outermost first: CORS, then the API key."""
-    keyed = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
-    return cors_middleware(cors) + keyed
+    """Outermost first: CORS, then the gate (installed with or without a key: the
+    Content-Type rule holds either way)."""
+    return [*cors_middleware(cors), Middleware(GateMiddleware, api_key=api_key or None)]

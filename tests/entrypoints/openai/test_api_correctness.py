@@ -17,7 +17,14 @@ from tests.require import import_or_skip
 
 openai = import_or_skip("openai")  # absent on the GPU machine: skip (fail in CI: require.py)
 
-from tests.entrypoints.openai.test_api_server import CHAT, KEY, MODEL, auth, sse_events  # noqa: E402
+from tests.entrypoints.openai.test_api_server import (  # noqa: E402
+    CHAT,
+    KEY,
+    MODEL,
+    auth,
+    keyed_post,
+    sse_events,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -191,7 +198,7 @@ def test_continuous_usage_stats(server, path):
 
 
 def test_prompt_logprobs_without_echo(server):
-    count = httpx.post(f"{server.url}/tokenize", json={"prompt": "The capital of France"}).json()
+    count = keyed_post(server, "/tokenize", {"prompt": "The capital of France"}).json()
     r = post(server, "completions", {"prompt": "The capital of France", "max_tokens": 2,
                                      "prompt_logprobs": 1})  # fmt: skip
     assert r.status_code == 200

@@ -123,6 +123,12 @@ def auth() -> dict:
     return {"Authorization": f"Bearer {KEY}"}
 
 
+def keyed_post(server, path: str, body: dict) -> httpx.Response:
+    """POST `body` as JSON with the key (a keyed server asks for it on every route but the
+    probes)."""
+    return httpx.post(f"{server.url}{path}", json=body, headers=auth())
+
+
 def sse_events(response: httpx.Response) -> list:
     """Every `data:` payload of an SSE response, decoded ([DONE] kept as the string)."""
     events = []
@@ -179,7 +185,7 @@ def test_completion_stream_through_the_openai_client(client):
 
 def test_n_logprobs_echo_and_usage(client, server):
     prompt = "Once upon a time"
-    count = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["count"]
+    count = keyed_post(server, "/tokenize", {"prompt": prompt}).json()["count"]
     out = client.completions.create(
         model=MODEL,
         prompt=[prompt, "Hello"],
@@ -192,7 +198,7 @@ def test_n_logprobs_echo_and_usage(client, server):
     assert out.usage.completion_tokens == 30
     assert (
         out.usage.prompt_tokens
-        == count + httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello"}).json()["count"]
+        == count + keyed_post(server, "/tokenize", {"prompt": "Hello"}).json()["count"]
     )
 
     lp = client.completions.create(
@@ -299,13 +305,13 @@ def test_models_version_tokenize_detokenize_health(server):
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] == 512
     assert {"created", "owned_by"} <= set(card)
     assert "version" in httpx.get(f"{server.url}/version").json()
-    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    tok = keyed_post(server, "/tokenize", {"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
-    back = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    back = keyed_post(server, "/detokenize", {"tokens": tok["tokens"]}).json()
     assert back["prompt"].endswith("Hello world")
-    chat_tok = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}).json()
+    chat_tok = keyed_post(server, "/tokenize", {"messages": CHAT}).json()
     assert chat_tok["count"] > tok["count"]
-    assert httpx.post(f"{server.url}/detokenize", json={"tokens": [10**8]}).status_code == 400
+    assert keyed_post(server, "/detokenize", {"tokens": [10**8]}).status_code == 400
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 

@@ -1,7 +1,8 @@
 """The development routes (JAXSERVE_SERVER_DEV_MODE=1) of a real server, its engine core in
 its own process: pause / resume in vLLM's three modes, sleep / wake_up, vLLM's weight
 transfer (shared memory, a shared directory) checked against HF on the new weights, and
-collective_rpc."""
+collective_rpc (only its listed runner methods: the engine survives the others). The server
+runs with an API key, as the development routes require."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.entrypoints.openai.test_api_server import TINY_ENV, Server
+from tests.entrypoints.openai.test_api_server import KEY, TINY_ENV, Server, auth
 from tests.helpers import hf_model
 
 PROMPT = [1, 5, 9, 42, 7, 300, 12]
@@ -23,7 +24,7 @@ PROMPT = [1, 5, 9, 42, 7, 300, 12]
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    s = Server(*tiny_model, "--enable-sleep-mode",
+    s = Server(*tiny_model, "--enable-sleep-mode", "--api-key", KEY,
                env={**TINY_ENV, "JAXSERVE_SERVER_DEV_MODE": "1"})  # fmt: skip
     yield s
     s.stop()
@@ -46,13 +47,19 @@ def new_weights(tiny_model, tmp_path_factory) -> tuple[dict[str, np.ndarray], ob
 def _complete(server, max_tokens: int = 8, **extra) -> dict:
     body = {"model": "smol", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, **extra}  # fmt: skip
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(), timeout=60)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
 
 def _post(server, path: str, body: dict | None = None, **params) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, params=params, timeout=60)
+    """A POST declared JSON, with a body or without (the server refuses any other)."""
+    headers = {**auth(), "content-type": "application/json"}
+    return httpx.post(f"{server.url}{path}", json=body, params=params, headers=headers, timeout=60)
+
+
+def _get(server, path: str) -> httpx.Response:
+    return httpx.get(f"{server.url}{path}", headers=auth(), timeout=60)
 
 
 def _hf_text(model, tokenizer, max_tokens: int = 8) -> str:
@@ -66,7 +73,8 @@ def _stream_tokens(server, max_tokens: int, seen: list) -> dict:
     body = {"model": "smol", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     last, text = None, ""
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=auth(),
+                      timeout=60) as r:  # fmt: skip
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 choice = json.loads(line[6:])["choices"][0]
@@ -86,7 +94,7 @@ def test_pause_modes_and_resume(server):
         time.sleep(0.01)
     assert _post(server, "/pause").json() == {"status": "paused"}
     assert running.result(timeout=30)["finish_reason"] == "abort"
-    assert httpx.get(f"{server.url}/is_paused").json() == {"is_paused": True}
+    assert _get(server, "/is_paused").json() == {"is_paused": True}
     ready = httpx.get(f"{server.url}/ready")  # a paused server takes no traffic
     assert ready.status_code == 503 and ready.json()["paused"] is True
     waiting = pool.submit(_complete, server)  # new requests wait while paused
@@ -122,9 +130,9 @@ def test_pause_modes_and_resume(server):
 def test_sleep_and_wake_up(server):
     want = _complete(server)["text"]
     assert _post(server, "/sleep", level=1).status_code == 200
-    assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": True}
+    assert _get(server, "/is_sleeping").json() == {"is_sleeping": True}
     assert _post(server, "/wake_up").status_code == 200
-    assert httpx.get(f"{server.url}/is_sleeping").json() == {"is_sleeping": False}
+    assert _get(server, "/is_sleeping").json() == {"is_sleeping": False}
     assert _complete(server)["text"] == want
     assert _post(server, "/sleep", level=3).status_code == 400
 
@@ -196,4 +204,10 @@ def test_collective_rpc_and_world_size(server):
     assert r.status_code == 200 and isinstance(r.json()["results"][0], int)
     r = _post(server, "/collective_rpc", {"method": "_private"})
     assert r.status_code == 400 and "_private" in r.text
-    assert httpx.get(f"{server.url}/get_world_size").json() == {"world_size": 1}
+    # what would reallocate the KV cache: refused, and the engine serves on
+    r = _post(server, "/collective_rpc", {"method": "initialize_kv_cache", "args": [1]})
+    assert r.status_code == 400 and "'initialize_kv_cache' is not a runner method" in r.text
+    r = _post(server, "/collective_rpc", {"method": "max_step_tokens", "timeout": -1})
+    assert r.status_code == 400 and "'timeout'" in r.json()["error"]
+    assert _complete(server)["finish_reason"] == "length"
+    assert _get(server, "/get_world_size").json() == {"world_size": 1}
