@@ -6,7 +6,9 @@ pause_generation(mode):
   "wait"   the in-flight requests run to their end
   "keep"   they stay in the engine, their KV blocks kept, and continue on resume
 While paused, new requests wait (in `generate`) until resume_generation; clear_cache empties
-the prefix cache once the engine is idle (not with "keep", whose requests hold blocks).
+the prefix cache once the engine is idle (not with "keep", whose requests hold blocks). While
+asleep (sleep until a full wake_up), new requests, and those waiting, fail at once with
+EngineAsleepError (docs/rl.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+
+from jaxserve.engine.exceptions import EngineAsleepError
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +28,28 @@ DRAIN_POLL_S = 0.01
 class AsyncControl:
     """Needs the AsyncLLM's `collectors` (requests in flight), `config` and `call_utility`."""
 
-    _resumed: asyncio.Event | None = None
+    _changed: asyncio.Event | None = None  # set (and replaced) when pause or sleep changes
     _pause_mode: str | None = None
     _paused_by_sleep = False
+    _asleep = False
 
     async def wait_until_resumed(self) -> None:
-        """Where `generate` waits while generation is paused."""
-        if self._resumed is not None:
-            await self._resumed.wait()
+        """Where `generate` waits while generation is paused; EngineAsleepError at once
+        while the engine sleeps (or once it falls asleep)."""
+        while True:
+            if self._asleep:
+                raise EngineAsleepError()
+            if self._pause_mode is None:
+                return
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        """Wake the waiting requests to look at the state again."""
+        if self._changed is not None:
+            self._changed.set()
+        self._changed = asyncio.Event()
 
     async def pause_generation(
         self, mode: str = "abort", clear_cache: bool = True, *,
@@ -44,9 +62,6 @@ class AsyncControl:
             raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         if self._pause_mode is not None:
             return
-        if self._resumed is None:
-            self._resumed = asyncio.Event()
-        self._resumed.clear()
         self._pause_mode = mode
         if mode == "keep":
             await self.call_utility("pause_scheduler")
@@ -66,7 +81,7 @@ class AsyncControl:
             await self.call_utility("resume_scheduler")
         self._pause_mode = None
         self._paused_by_sleep = False
-        self._resumed.set()
+        self._notify()
         logger.info("generation resumed")
 
     async def is_paused(self) -> bool:
@@ -74,15 +89,30 @@ class AsyncControl:
 
     # ------------------------------------------------------------------ sleep
     async def sleep(self, level: int = 1) -> None:
-        """Pause (aborting what runs, unless paused already), then free the device memory."""
-        if self._pause_mode is None:
-            await self.pause_generation("abort")
-            self._paused_by_sleep = True
-        await self.call_utility("sleep", level)
+        """Pause (aborting what runs, unless paused already), then free the device memory.
+        From the start, requests fail at once (EngineAsleepError); if the engine cannot
+        sleep, all is as before."""
+        self._asleep = True
+        self._notify()
+        try:
+            if self._pause_mode is None:
+                await self.pause_generation("abort")
+                self._paused_by_sleep = True
+            await self.call_utility("sleep", level)
+        except Exception:
+            await self._awake()
+            raise
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake (the parts `tags` names); requests are taken again once all of it is awake."""
         await self.call_utility("wake_up", tags)
-        if self._paused_by_sleep and not await self.is_sleeping():
+        if not await self.is_sleeping():
+            await self._awake()
+
+    async def _awake(self) -> None:
+        self._asleep = False
+        self._notify()
+        if self._paused_by_sleep:
             await self.resume_generation()
 
     async def is_sleeping(self) -> bool:
@@ -109,7 +139,11 @@ class AsyncControl:
         self, method: str, timeout: float | None = None, args: tuple = (),
         kwargs: dict | None = None,
     ) -> list:  # fmt: skip
-        """A model-runner method on every worker of every engine: their results."""
+        """A model-runner method on every worker of every engine: their results. By name only
+        (engine/core_control.py's COLLECTIVE_RPC_METHODS): functions are LLM.collective_rpc's,
+        never sent from a server."""
+        if not isinstance(method, str):
+            raise ValueError(f"collective_rpc takes a method name, got {type(method).__name__}")
         call = self.call_utility("collective_rpc", method, list(args), kwargs or {})
         result = await asyncio.wait_for(call, timeout)
         if self.config.parallel.data_parallel_size > 1:  # one list per engine

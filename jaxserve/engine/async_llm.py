@@ -258,6 +258,17 @@ class AsyncLLM(AsyncControl):
     async def call_utility(self, method: str, *args: Any) -> Any:
         return await self.engine_core.call_utility_async(method, *args)
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Load an adapter into every engine's host cache, checked (vLLM's add_lora):
+        ValueError naming what is wrong with it (a tensor of the wrong shape, a NaN, a file
+        that is no safetensors file), before any request names it."""
+        try:
+            await self.call_utility("add_lora", lora)
+        except EngineDeadError:
+            raise
+        except RuntimeError as e:  # the engine's failure message: "ValueError: adapter ..."
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} cannot be loaded: {e}") from None
+
     async def remove_lora(self, lora_int_id: int) -> None:
         """Drop an adapter's weights from every engine's slots and host cache (requests
         running with it finish first: the engines keep what those still need)."""

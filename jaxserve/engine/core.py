@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 import jax
+import msgspec
 import numpy as np
 
 from jaxserve.config import EngineConfig
@@ -31,6 +32,7 @@ from jaxserve.distributed.kv_transfer.base import BlockLayout, KVConnectorBase
 from jaxserve.distributed.multihost import Leader
 from jaxserve.engine.core_control import CoreControl
 from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from jaxserve.lora_request import LoRARequest
 from jaxserve.startup import StartupTimeline
 from jaxserve.structured_output import StructuredOutputManager
 from jaxserve.worker.build import build_runner
@@ -302,6 +304,15 @@ class EngineCore(CoreControl):
     def _live_loras(self) -> set[int]:
         """The LoRA adapters (lora_int_id) of the requests the scheduler holds."""
         return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}
+
+    def add_lora(self, lora: LoRARequest | dict) -> bool:
+        """Load and check an adapter into the host cache (a utility call: a server's
+        /v1/load_lora_adapter, vLLM's add_lora), so bad weights are refused before any
+        request names them; raises what models/lora.py::load_adapter raises."""
+        if getattr(self.runner, "lora", None) is None:
+            raise ValueError("this engine was started without enable_lora")
+        self.runner.lora.add_adapter(msgspec.convert(lora, LoRARequest), self._live_loras)
+        return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter's host copy and device slot (a utility call), once the requests

@@ -387,7 +387,7 @@ class EngineCoreProc(EngineCore):
 
 
 UTILITY_METHODS = frozenset({
-    "reset_prefix_cache", "get_state", "remove_lora", "compile_status",
+    "reset_prefix_cache", "get_state", "add_lora", "remove_lora", "compile_status",
     # engine/core_control.py
     "sleep", "wake_up", "is_sleeping", "update_weights", "reload_weights", "weight_layout",
     "init_weight_transfer_engine", "start_weight_update", "update_weights_from",

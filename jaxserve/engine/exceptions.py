@@ -18,3 +18,14 @@ class RequestFailedError(RuntimeError):
     """One request failed while it was served (an exception in its own work in the engine
     core or the output processor: finish_reason "error"); the engine and every other request
     go on. A 500 over HTTP, with the error's message."""
+
+
+class EngineAsleepError(RuntimeError):
+    """A request sent while the engine sleeps (AsyncLLM.sleep, until wake_up): it fails at
+    once, where it would otherwise wait for the wake-up; the engine stays up. A 503 over
+    HTTP."""
+
+    def __init__(self):
+        super().__init__(
+            "the engine is asleep: wake it up first (POST /wake_up, AsyncLLM.wake_up())"
+        )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig
@@ -30,6 +31,9 @@ LORA_PROJECTIONS = {
     "down_proj": ("mlp", ("down_proj",)),
 }
 _NAME = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_FUSED_OF = {part: fused for fused, (_, parts) in LORA_PROJECTIONS.items() for part in parts}
+# the dtypes an adapter's tensors may have (they are read as float32)
+_FLOAT_DTYPES = tuple(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
 
 # (layer, fused projection) -> (A [in, parts * R], B [parts * R, out]), one slot's arrays
 AdapterWeights = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
@@ -52,19 +56,32 @@ def load_adapter(
     path: str, config: ModelConfig, *, max_rank: int, kv_replicas: int = 1, dtype=np.float32
 ) -> AdapterWeights:
     """The adapter at `path` as one slot's arrays for every (layer, fused projection)
-    (FileNotFoundError / ValueError as `read_adapter_config`, and ValueError for a tensor
-    that names no projection of this model or has the wrong shape)."""
+    (FileNotFoundError / ValueError as `read_adapter_config`, and ValueError naming the
+    tensor for one that names no projection of this model, has the wrong shape, is not
+    floating point or holds a NaN or an infinity; a file that is no safetensors file)."""
     adapter = read_adapter_config(path, max_rank)
-    source = SafetensorsSource(Path(path))
-    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
-    for name in source.names():
-        m = _NAME.search(name)
-        if m is None or int(m[1]) >= config.num_layers:
-            raise ValueError(f"adapter {path!r}: tensor {name!r} is not a LoRA weight of a "
-                             f"projection of this {config.num_layers}-layer model")  # fmt: skip
-        found.setdefault((int(m[1]), m[3]), {})[m[4]] = np.asarray(source.get(name), np.float32)
+    source = SafetensorsSource(Path(path))  # ValueError for a corrupt file
     dims = projection_dims(config, kv_replicas)
     r = adapter.r
+    found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for name in source.names():
+        layer, part, ab = _lora_weight(name, path, config)
+        d_in = dims[_FUSED_OF[part]][0]
+        want = (r, d_in) if ab == "A" else (_part_out(part, config), r)
+        tensor = source.get(name)
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"adapter {path!r}: tensor {name!r} is {tensor.dtype}, not a "
+                             "floating-point type (F16, BF16, F32, F64)")  # fmt: skip
+        if tensor.shape != want:
+            raise ValueError(
+                f"adapter {path!r}: tensor {name!r} has shape {tensor.shape}, expected {want} "
+                f"(rank {r}; this model's {part} takes {d_in} inputs to {_part_out(part, config)}"
+                " outputs)"
+            )
+        tensor = np.asarray(tensor, np.float32)
+        if not np.isfinite(tensor).all():
+            raise ValueError(f"adapter {path!r}: tensor {name!r} holds NaN or infinite values")
+        found.setdefault((layer, part), {})[ab] = tensor
     out: AdapterWeights = {}
     for layer in range(config.num_layers):
         for fused, (_, parts) in LORA_PROJECTIONS.items():
@@ -72,19 +89,12 @@ def load_adapter(
             a = np.zeros((d_in, len(parts) * max_rank), np.float32)
             bs = []  # per part: its B^T [out_part, parts * R], zero outside its own rows
             for i, part in enumerate(parts):
-                ab = found.pop((layer, part), None)
-                part_out = _part_out(part, config)
-                b = np.zeros((part_out, len(parts) * max_rank), np.float32)
+                ab = found.get((layer, part))
+                b = np.zeros((_part_out(part, config), len(parts) * max_rank), np.float32)
                 if ab is not None:
                     if set(ab) != {"A", "B"}:
                         raise ValueError(f"adapter {path!r}: layer {layer} {part} lacks lora_A "
                                          "or lora_B")  # fmt: skip
-                    if ab["A"].shape != (r, d_in) or ab["B"].shape != (part_out, r):
-                        raise ValueError(
-                            f"adapter {path!r}: layer {layer} {part}'s lora_A {ab['A'].shape} / "
-                            f"lora_B {ab['B'].shape} do not fit rank {r}, in {d_in}, out "
-                            f"{part_out}"
-                        )
                     a[:, i * max_rank : i * max_rank + r] = ab["A"].T
                     b[:, i * max_rank : i * max_rank + r] = ab["B"] * adapter.scaling
                 bs.append(b)
@@ -95,11 +105,19 @@ def load_adapter(
             else:
                 b_fused = bs[0]
             out[layer, fused] = (a.astype(dtype), np.ascontiguousarray(b_fused.T).astype(dtype))
-    if found:
-        (layer, part), _ = next(iter(found.items()))
-        raise ValueError(f"adapter {path!r}: layer {layer} {part} is not a projection LoRA "
-                         "applies to here")  # fmt: skip
     return out
+
+
+def _lora_weight(name: str, path: str, config: ModelConfig) -> tuple[int, str, str]:
+    """A PEFT tensor name -> (layer, PEFT module, "A" | "B"); ValueError for a name that is
+    no LoRA weight of a projection of this model."""
+    m = _NAME.search(name)
+    if m is None or int(m[1]) >= config.num_layers or m[3] not in _FUSED_OF:
+        raise ValueError(f"adapter {path!r}: tensor {name!r} is not a LoRA weight of a "
+                         f"projection of this {config.num_layers}-layer model")  # fmt: skip
+    if LORA_PROJECTIONS[_FUSED_OF[m[3]]][0] != m[2]:
+        raise ValueError(f"adapter {path!r}: tensor {name!r}: {m[3]} is not under {m[2]}")
+    return int(m[1]), m[3], m[4]
 
 
 def _part_out(part: str, config: ModelConfig) -> int:

@@ -5,16 +5,23 @@ no step compiled after start-up."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import jax
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.engine.exceptions import EngineAsleepError
 from jaxserve.entrypoints.llm import LLM
+from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.models.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.executables import num_compilations
+from tests.engine.test_kv_transfer_params import FakeCore, config
 from tests.helpers import assert_generate_matches_hf, engines_in_process, hf_model, make_tiny_hf
 
 PROMPTS = [[1, 5, 9, 42, 7], [3, 100, 4]]
@@ -145,3 +152,88 @@ def test_sleep_needs_sleep_mode(models):
         with pytest.raises(ValueError, match="enable_sleep_mode"):
             engine.sleep(1)
         engine.llm_engine.shutdown()
+
+
+# ---------------------------------------------------------------------- AsyncLLM, the server
+class SleepyCore(FakeCore):
+    """A stand-in core that sleeps and wakes as the real one answers its utility calls (each
+    request finishes at once with one token); `can_sleep` False: sleep is refused, as
+    without enable_sleep_mode."""
+
+    asleep = False
+    can_sleep = True
+
+    async def call_utility_async(self, method: str, *args):
+        if method == "sleep":
+            if not self.can_sleep:
+                raise RuntimeError("ValueError: sleep needs enable_sleep_mode=True")
+            self.asleep = True
+        elif method == "wake_up":
+            self.asleep = args[0] == ["weights"]  # the KV cache still asleep
+        return self.asleep if method == "is_sleeping" else True
+
+
+async def _tokens(engine: AsyncLLM, request_id: str) -> list[int]:
+    """The request's tokens; a hang (what a request to a sleeping engine did) fails the test."""
+
+    async def run():
+        return [t async for o in engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(
+            max_tokens=1), request_id) for t in o.outputs[0].token_ids]  # fmt: skip
+
+    return await asyncio.wait_for(run(), 60)
+
+
+def test_a_request_to_a_sleeping_engine_fails_at_once_and_runs_after_wake_up():
+    async def main():
+        core = SleepyCore()
+        engine = AsyncLLM(config(), core)
+        await engine.pause_generation("keep")
+        paused = asyncio.create_task(_tokens(engine, "paused"))  # waits for resume
+        await asyncio.sleep(0)
+        await engine.sleep(1)
+        with pytest.raises(EngineAsleepError, match="the engine is asleep"):
+            await paused  # a waiting request fails as the engine falls asleep
+        with pytest.raises(EngineAsleepError):
+            await _tokens(engine, "asleep")
+        await engine.wake_up(["weights"])
+        with pytest.raises(EngineAsleepError):
+            await _tokens(engine, "half-awake")
+        await engine.wake_up()
+        assert await engine.is_paused()  # paused before it slept: paused still
+        await engine.resume_generation()
+        assert await _tokens(engine, "awake") == [7]
+        await engine.sleep(2)  # not paused before: wake_up resumes
+        await engine.wake_up()
+        assert await _tokens(engine, "again") == [7]
+        core.can_sleep = False  # a refused sleep leaves the engine serving
+        with pytest.raises(RuntimeError, match="enable_sleep_mode"):
+            await engine.sleep(1)
+        assert await _tokens(engine, "not-asleep") == [7]
+        engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_the_server_answers_503_to_a_request_while_asleep():
+    engine = AsyncLLM(config(), SleepyCore(), tokenizer=None)
+    app = build_app(engine, ["m"], log_stats_interval=None)
+    body = {"model": "m", "prompt": [1, 2], "max_tokens": 1}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            await engine.sleep(1)
+            asleep = [await client.post("/v1/completions", json={**body, "stream": s})
+                      for s in (False, True)]  # fmt: skip
+            await engine.wake_up()
+            return asleep, await client.post("/v1/completions", json=body)
+
+    try:
+        (whole, streamed), awake = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.shutdown()
+        app.state.cpu.shutdown(wait=False)
+    assert whole.status_code == 503 and "the engine is asleep" in whole.json()["error"]["message"]
+    # a stream has begun: its one event is the error
+    assert "the engine is asleep" in streamed.text and '"code":503' in streamed.text
+    assert awake.status_code == 200, awake.text

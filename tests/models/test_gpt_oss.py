@@ -61,7 +61,7 @@ def test_mxfp4_checkpoint_matches_transformers(mxfp4_dir):
     ref = AutoModelForCausalLM.from_pretrained(
         mxfp4_dir, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
     ).eval()
-    loaded = load_model(mxfp4_dir, dtype="float32")
+    loaded = load_model(mxfp4_dir, dtype="float32", quantization="mxfp4")  # vLLM's -q name
     w13 = np.asarray(loaded.model.layers[1].mlp.w13[...])
     np.testing.assert_array_equal(
         w13, ref.model.layers[1].mlp.experts.gate_up_proj.detach().numpy()

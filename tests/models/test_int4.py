@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxserve.config.quantization import CHECKPOINT_METHODS
 from jaxserve.distributed.mesh import make_mesh
+from jaxserve.entrypoints.cli import parse_args
+from jaxserve.entrypoints.cli_args import engine_args_from
 from jaxserve.models.loader import load_model
 from tests.models.test_llama_parity import run_mixed_schedule
 
@@ -182,11 +185,16 @@ def test_act_order_layers_gather_their_input_by_group(tmp_path):
 
 
 def test_quantization_flag_names_the_checkpoints_own_method():
-    """vLLM's --quantization gptq / gptq_marlin / awq / awq_marlin / compressed-tensors select
-    the checkpoint's own method, and name a mismatch."""
+    """vLLM's --quantization gptq / gptq_marlin / awq / awq_marlin / compressed-tensors / mxfp4
+    (every one a -q choice) select the checkpoint's own method, and name a mismatch (gpt-oss's
+    mxfp4 served: test_gpt_oss.py)."""
+    for flag in CHECKPOINT_METHODS:
+        assert engine_args_from(parse_args(["serve", "m", "-q", flag])).quantization == flag
     for flag in ("gptq", "gptq_marlin"):
         assert load_model(DATA / "gptq-w4-g32", quantization=flag).config.quantization == "int4"
     with pytest.raises(ValueError, match="quantization 'awq': .* names 'gptq'"):
         load_model(DATA / "gptq-w4-g32", quantization="awq")
+    with pytest.raises(ValueError, match="quantization 'mxfp4': .* names 'gptq'"):
+        load_model(DATA / "gptq-w4-g32", quantization="mxfp4")
     with pytest.raises(ValueError, match="quantization 'gptq': .* names 'compressed-tensors'"):
         load_model(DATA / "ct-w4a16-g32", quantization="gptq")

@@ -48,6 +48,7 @@ def test_slot_arrays_are_padded_and_scaled(config, tmp_path):
     [
         ("base_model.model.lm_head.lora_A.weight", "not a LoRA weight of a projection"),
         ("base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight", "3-layer model"),
+        ("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", "q_proj is not under mlp"),
     ],
 )
 def test_foreign_tensors_are_refused(config, tmp_path, name, message):
@@ -56,14 +57,27 @@ def test_foreign_tensors_are_refused(config, tmp_path, name, message):
         load_adapter(path, config, max_rank=8)
 
 
-def test_wrong_shape_is_refused(config, tmp_path):
-    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    path = adapter(
-        tmp_path / "shape",
-        {
-            f"{prefix}.lora_A.weight": np.ones((4, 32), np.float32),
-            f"{prefix}.lora_B.weight": np.ones((64, 4), np.float32),
-        },
-    )
-    with pytest.raises(ValueError, match="do not fit rank 4"):
+Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(
+    "a, message",
+    [
+        (np.ones((4, 32), np.float32), r"lora_A.weight' has shape \(4, 32\), expected \(4, 64\)"),
+        (np.full((4, 64), np.nan, np.float32), "lora_A.weight' holds NaN or infinite values"),
+        (np.full((4, 64), np.inf, np.float16), "lora_A.weight' holds NaN or infinite values"),
+        (np.ones((4, 64), np.int32), "lora_A.weight' is int32, not a floating-point type"),
+    ],
+)
+def test_a_bad_tensor_is_refused_by_name(config, tmp_path, a, message):
+    b = np.ones((64, 4), np.float32)
+    path = adapter(tmp_path / "bad", {f"{Q}.lora_A.weight": a, f"{Q}.lora_B.weight": b})
+    with pytest.raises(ValueError, match=f"{Q}.{message}"):
+        load_adapter(path, config, max_rank=8)
+
+
+def test_a_file_that_is_not_safetensors_is_refused(config, tmp_path):
+    path = adapter(tmp_path / "garbage", {f"{Q}.lora_A.weight": np.ones((4, 64), np.float32)})
+    (tmp_path / "garbage" / "adapter_model.safetensors").write_bytes(b"\x07" * 100)
+    with pytest.raises(ValueError, match="corrupt safetensors file .*adapter_model.safetensors"):
         load_adapter(path, config, max_rank=8)

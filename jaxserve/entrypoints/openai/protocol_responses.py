@@ -11,9 +11,63 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
+
+# ---------------------------------------------------------------------- bounded settings
+# The settings a response echoes (and the store keeps) are typed and bounded here, so the
+# decoder refuses an unknown key, a value out of its set or an oversized metadata with a 400
+# naming it (`$.reasoning.summary`), before any of it is kept.
+Effort = Literal["low", "medium", "high"]  # the chat template's reasoning_effort
+Summary = Literal["auto", "concise", "detailed"]
+# OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, values of at most 512
+Metadata = Annotated[
+    dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+    Meta(max_length=16),
+]
+
+
+class Reasoning(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    effort: Effort | None = None
+    summary: Summary | None = None  # accepted, echoed (no summaries are written)
+    generate_summary: Summary | None = None  # OpenAI's older name of summary
+
+
+class _Format(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
+    """text.format: {"type": "text" | "json_object" | "json_schema", ...}."""
+
+
+class TextFormat(_Format, tag="text"):
+    pass
+
+
+class JsonObjectFormat(_Format, tag="json_object"):
+    pass
+
+
+class JsonSchemaFormat(_Format, kw_only=True, tag="json_schema"):
+    schema: dict[str, Any]  # a JSON schema object (structured outputs compile it)
+    name: Annotated[str, Meta(max_length=64)] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
+    format: TextFormat | JsonObjectFormat | JsonSchemaFormat = msgspec.field(
+        default_factory=TextFormat
+    )
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, echoed
+
+
+class FunctionToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    name: Annotated[str, Meta(min_length=1)]
+
+
+ToolChoice = Literal["none", "auto", "required"] | FunctionToolChoice
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
@@ -28,20 +82,20 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     # {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}
-    text: dict[str, Any] | None = None
+    text: TextConfig | None = None
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "name", "parameters"...}
-    tool_choice: str | dict[str, Any] | None = None  # none/auto/required/{"type","name"}
+    tool_choice: ToolChoice | None = None  # none/auto/required/{"type","name"}
     parallel_tool_calls: bool = True
-    reasoning: dict[str, Any] | None = None  # {"effort"}: the chat template's reasoning_effort
+    reasoning: Reasoning | None = None  # {"effort"}: the chat template's reasoning_effort
     stream: bool = False
     store: bool = True  # kept only with JAXSERVE_ENABLE_RESPONSES_API_STORE (echoed false else)
     previous_response_id: str | None = None
     user: str | None = None  # accepted, echoed
-    metadata: dict[str, str] | None = None  # accepted, echoed
+    metadata: Metadata | None = None  # accepted, echoed
     include: list[str] | None = None  # accepted (nothing extra to include)
     truncation: str | None = None  # "disabled" only (no "auto" truncation)
     background: bool = False  # refused: needs a store that runs requests on its own
-    service_tier: str | None = None  # accepted, echoed
+    service_tier: ServiceTier | None = None  # accepted, echoed
     # vLLM's sampling extensions
     top_k: int | None = None
     seed: int | None = None
@@ -127,10 +181,10 @@ class ResponsesResponse(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
-    tool_choice: str | dict[str, Any] = "auto"
+    tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
-    text: dict[str, Any] = msgspec.field(default_factory=lambda: {"format": {"type": "text"}})
-    reasoning: dict[str, Any] | None = None
+    text: TextConfig = msgspec.field(default_factory=TextConfig)
+    reasoning: Reasoning | None = None
     previous_response_id: str | None = None
     store: bool = False
     user: str | None = None
@@ -205,12 +259,25 @@ def to_messages(items: list[Any], where: str = "input") -> list[dict[str, Any]]:
                 {"role": "tool", "tool_call_id": _string(item, "call_id", at), "content": output}
             )
         elif kind == "reasoning":
-            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
-            texts = [p.get("text") for p in parts if isinstance(p, dict)]
-            reasoning = "".join(t for t in texts if isinstance(t, str)) or None
+            texts = [_texts(item, field, at) for field in ("content", "summary")]
+            reasoning = "".join(t for part in texts for t in part) or None
         else:
             raise ValueError(f"{at}.type must be {_ITEMS}, got {kind!r:.100}")
     return messages
+
+
+def _texts(item: dict, field: str, at: str) -> list[str]:
+    """A reasoning item's content or summary: its parts' texts ([] when absent)."""
+    parts = item.get(field)
+    if parts is None:
+        return []
+    if not isinstance(parts, list) or not all(
+        isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+    ):
+        raise ValueError(
+            f'{at}.{field} must be a list of parts ({{"type", "text"}}), got {parts!r:.100}'
+        )
+    return [p["text"] for p in parts]
 
 
 def _string(item: dict, field: str, at: str) -> str:
@@ -265,41 +332,20 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
-def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
     """{"type": "function", "name"} -> chat's {"type": "function", "function": {"name"}}."""
-    if not isinstance(choice, dict):
-        return choice  # none / auto / required (chat_utils.check_tools checks the rest)
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-        raise ValueError(
-            'tool_choice must be none, auto, required or {"type": "function", "name": ...}, '
-            f"got {choice!r:.200}"
-        )
-    return {"type": "function", "function": {"name": choice["name"]}}
+    if not isinstance(choice, FunctionToolChoice):
+        return choice  # none / auto / required
+    return {"type": "function", "function": {"name": choice.name}}
 
 
-def text_format(request: ResponsesRequest) -> dict[str, Any]:
-    """text.format (default {"type": "text"}), checked."""
-    text = request.text if request.text is not None else {}
-    fmt = text.get("format", {"type": "text"}) if isinstance(text, dict) else None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind not in ("text", "json_object", "json_schema"):
-        raise ValueError(
-            f"text.format.type must be text, json_object or json_schema, got {kind!r:.100}"
-        )
-    if kind == "json_schema" and not isinstance(fmt.get("schema"), dict):
-        raise ValueError(
-            'text.format of type "json_schema" needs a schema (a JSON schema object), '
-            f"got {fmt.get('schema')!r:.200}"
-        )
-    return fmt
-
-
-def response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+def response_format(text: TextConfig | None) -> dict[str, Any] | None:
     """text.format -> chat's response_format (the same structured outputs)."""
-    if fmt["type"] == "json_schema":
-        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    fmt = text.format if text is not None else TextFormat()
+    if isinstance(fmt, JsonSchemaFormat):
+        spec = {k: v for k, v in msgspec.structs.asdict(fmt).items() if v is not None}
         return {"type": "json_schema", "json_schema": spec}
-    return None if fmt["type"] == "text" else {"type": fmt["type"]}
+    return {"type": "json_object"} if isinstance(fmt, JsonObjectFormat) else None
 
 
 def echo_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:

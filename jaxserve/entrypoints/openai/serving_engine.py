@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.engine.exceptions import EngineDeadError
+from jaxserve.engine.exceptions import EngineAsleepError, EngineDeadError
 from jaxserve.entrypoints.openai.protocol import (
     MAX_PROMPTS_PER_REQUEST,
     MAX_SEQUENCES_PER_REQUEST,
@@ -267,7 +267,7 @@ def error_body(e: BaseException) -> ErrorResponse:
 
 
 def error_status(e: BaseException) -> tuple[int, str]:
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, (EngineDeadError, EngineAsleepError)):
         return 503, "ServiceUnavailableError"
     if isinstance(e, ModelNotFound):
         return 404, "NotFoundError"

@@ -132,6 +132,16 @@ class OpenAIServingModels:
         self.lora_requests[name] = lora
         return lora
 
+    async def load_start_up_adapters(self) -> None:
+        """--lora-modules' weights loaded and checked by the engines (AsyncLLM.add_lora) as
+        the server starts: a bad adapter stops it, named, rather than failing each request
+        that names it."""
+        for lora in list(self.lora_requests.values()):
+            try:
+                await self.engine.add_lora(lora)
+            except ValueError as e:
+                raise ValueError(f"--lora-modules {lora.lora_name}: {e}") from None
+
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names: None for a base model's name (or no name);
         ModelNotFound (a 404) for a name that is neither."""
@@ -163,9 +173,12 @@ class OpenAIServingModels:
     async def load_lora_adapter(
         self, request: LoadLoRAAdapterRequest, executor: Executor | None = None
     ) -> str:
-        """Add an adapter under a new name (its config read on `executor`, off the event
-        loop). ValueError (a 400): LoRA off, a name in use, an adapter this engine does not
-        serve (rank above --max-lora-rank, ...); ModelNotFound (a 404): no adapter there."""
+        """Add an adapter under a new name: its config read on `executor` (off the event
+        loop), then its weights loaded and checked by the engines (AsyncLLM.add_lora, as
+        vLLM's), so a bad one is refused here and never listed. ValueError (a 400): LoRA off,
+        a name in use, an adapter this engine does not serve (rank above --max-lora-rank,
+        ...), a tensor of the wrong shape or dtype, a NaN, a file that is no safetensors
+        file; ModelNotFound (a 404): no adapter there."""
         name, path = request.lora_name, request.lora_path
         if not name or not path:
             raise ValueError("Both 'lora_name' and 'lora_path' must be provided.")
@@ -182,7 +195,9 @@ class OpenAIServingModels:
                 )
             except FileNotFoundError as e:
                 raise ModelNotFound(str(e)) from None
-            lora = self._add(name, path)
+            lora = LoRARequest(name, next(self._ids), path)
+            await self.engine.add_lora(lora)  # ValueError naming what is wrong with it
+            self.lora_requests[name] = lora
         logger.info("loaded LoRA adapter %r (id %d) from %s", name, lora.lora_int_id, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 

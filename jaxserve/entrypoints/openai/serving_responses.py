@@ -44,6 +44,7 @@ from jaxserve.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
+    TextConfig,
     chat_tool_choice,
     chat_tools,
     echo_tools,
@@ -51,7 +52,6 @@ from jaxserve.entrypoints.openai.protocol_responses import (
     item_id,
     now,
     response_format,
-    text_format,
     to_messages,
 )
 from jaxserve.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
@@ -100,9 +100,7 @@ class OpenAIServingResponses:
             raise ValueError(
                 f"max_output_tokens must be at least 1, got {request.max_output_tokens}"
             )
-        effort = (request.reasoning or {}).get("effort")
-        if effort not in (None, "low", "medium", "high"):
-            raise ValueError(f"reasoning.effort must be low, medium or high, got {effort!r:.100}")
+        effort = request.reasoning.effort if request.reasoning is not None else None
         history: list = []
         if request.previous_response_id is not None:
             history = self._history(request.previous_response_id)
@@ -117,7 +115,7 @@ class OpenAIServingResponses:
             priority=request.priority, user=request.user, tools=chat_tools(request.tools),
             tool_choice=chat_tool_choice(request.tool_choice),
             parallel_tool_calls=request.parallel_tool_calls,
-            response_format=response_format(text_format(request)), reasoning_effort=effort,
+            response_format=response_format(request.text), reasoning_effort=effort,
         )  # fmt: skip
         prepared = self.chat.prepare_chat(chat)
         store = self.store is not None and request.store
@@ -212,7 +210,7 @@ class OpenAIServingResponses:
             output=list(items), status=status, instructions=r.instructions,
             max_output_tokens=r.max_output_tokens, temperature=r.temperature, top_p=r.top_p,
             tools=echo_tools(r.tools), tool_choice=r.tool_choice or ("auto" if r.tools else "none"),
-            parallel_tool_calls=r.parallel_tool_calls, text={"format": text_format(r)},
+            parallel_tool_calls=r.parallel_tool_calls, text=r.text or TextConfig(),
             reasoning=r.reasoning, previous_response_id=r.previous_response_id,
             store=context.store, user=r.user, metadata=r.metadata,
             service_tier=r.service_tier or "auto",

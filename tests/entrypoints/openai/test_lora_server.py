@@ -10,9 +10,13 @@ import asyncio
 import json
 import re
 import shutil
+from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
+from starlette.testclient import TestClient
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.cli import parse_args
@@ -27,6 +31,7 @@ from tests.helpers import make_tiny_adapter, make_tiny_hf, make_tiny_tokenizer
 BASE = "tiny-base"
 ADAPTERS = ("alpha", "beta")  # --lora-modules
 RUNTIME_ENV = {"JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+BAD_TENSOR = "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"
 FLAGS = ["--served-model-name", BASE, "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
          "--max-model-len", "128", "--num-gpu-blocks-override", "64"]  # fmt: skip
 # Greedy, a fixed length, the sampled token ids in logprobs.tokens ("token_id:N").
@@ -37,7 +42,9 @@ GREEDY = {"prompt": "Hello, adapters", "max_tokens": 12, "temperature": 0, "igno
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict:
     """The tiny base model (byte tokenizer) and its adapters: alpha, beta (--lora-modules),
-    gamma (loaded at run time), and a copy of gamma whose config says rank 64."""
+    gamma (loaded at run time), a copy of gamma whose config says rank 64, and copies of
+    gamma with bad weights: a tensor of the wrong shape, one with a NaN, a file that is no
+    safetensors file."""
     root = tmp_path_factory.mktemp("lora")
     model = root / "base"
     vocab = make_tiny_tokenizer(model)
@@ -48,6 +55,13 @@ def paths(tmp_path_factory) -> dict:
     out["rank64"] = shutil.copytree(out["gamma"], root / "rank64")
     config_file = out["rank64"] / "adapter_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "r": 64}))
+    for name, change in (("shape", lambda t: t[:, :-1]), ("nan", lambda t: t * np.nan)):
+        out[name] = shutil.copytree(out["gamma"], root / name)
+        weights = load_file(out[name] / "adapter_model.safetensors")
+        weights[BAD_TENSOR] = np.ascontiguousarray(change(weights[BAD_TENSOR]))
+        save_file(weights, out[name] / "adapter_model.safetensors")
+    out["garbage"] = shutil.copytree(out["gamma"], root / "garbage")
+    (out["garbage"] / "adapter_model.safetensors").write_bytes(b"\x07" * 1000)
     return out
 
 
@@ -151,6 +165,26 @@ def test_runtime_load_and_unload(server, paths):
     assert token_ids(complete(server, "gamma")) == gamma
 
 
+@pytest.mark.parametrize(
+    "adapter, says",
+    [
+        ("shape", f"tensor '{BAD_TENSOR}' has shape (8, 127), expected (8, 128)"),
+        ("nan", f"tensor '{BAD_TENSOR}' holds NaN or infinite values"),
+        ("garbage", "corrupt safetensors file"),
+    ],
+)
+def test_an_adapter_with_bad_weights_is_refused_at_load_and_never_listed(
+    server, paths, adapter, says
+):
+    r = post(server, "load_lora_adapter", {"lora_name": adapter, "lora_path": str(paths[adapter])})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert f"LoRA adapter '{adapter}' cannot be loaded" in message and says in message
+    assert adapter not in [c["id"] for c in httpx.get(f"{server.url}/v1/models").json()["data"]]
+    assert complete(server, adapter).status_code == 404
+    assert token_ids(complete(server, "alpha"))  # the others still serve
+
+
 def test_metrics_report_lora_requests_info(server):
     token_ids(complete(server, "alpha"))
     text = httpx.get(f"{server.url}/metrics").text
@@ -251,3 +285,22 @@ def test_the_runtime_routes_exist_only_with_the_env(monkeypatch, env):
     else:
         assert load.status_code == 400 and "--enable-lora" in load.json()["error"]["message"]
         assert unload.status_code == 404
+
+
+class BadAdapterCore(FakeCore):
+    """Its engine refuses every adapter, as an engine refuses bad weights."""
+
+    async def call_utility_async(self, method: str, *args):
+        assert method == "add_lora"
+        raise RuntimeError(f"ValueError: adapter {args[0].lora_path!r}: tensor 'x' holds NaN")
+
+
+def test_start_up_stops_on_an_adapter_with_bad_weights():
+    engine_config = config()
+    engine_config.lora = SimpleNamespace(max_lora_rank=16)  # --enable-lora
+    engine = AsyncLLM(engine_config, BadAdapterCore())
+    app = build_app(engine, ["m"], log_stats_interval=None,
+                    lora_modules=[LoRAModulePath("a", "/adapters/a")])  # fmt: skip
+    says = "--lora-modules a: .*'/adapters/a': tensor 'x'"
+    with pytest.raises(ValueError, match=says), TestClient(app):
+        pass

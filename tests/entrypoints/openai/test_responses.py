@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 
 import httpx
 import msgspec
@@ -24,9 +25,11 @@ from pydantic import TypeAdapter  # noqa: E402
 
 from jaxserve.engine.async_llm import AsyncLLM  # noqa: E402
 from jaxserve.entrypoints.openai.api_server import build_app  # noqa: E402
+from jaxserve.entrypoints.openai.protocol_responses import ResponsesResponse  # noqa: E402
 from jaxserve.entrypoints.openai.responses_store import (  # noqa: E402
     ResponsesStore,
     StoredResponse,
+    entry_size,
 )
 from tests.engine.test_request_failures import (  # noqa: E402
     CORE_ERROR,
@@ -182,11 +185,12 @@ def test_function_call_round_trip_matches_chat(client):
         ({"tools": [{"type": "web_search"}]}, "only function tools"),
         ({"tools": [FLAT_WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
          "'nope', which is not in tools"),
-        ({"tool_choice": {"type": "mcp"}}, 'tool_choice must be none, auto, required or {"type"'),
-        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "needs a schema"),
-        ({"text": {"format": {"type": "yaml"}}}, "text.format.type must be text, json_object"),
+        ({"tool_choice": {"type": "mcp"}}, "Invalid enum value 'mcp' - at `$.tool_choice.type`"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}},
+         "missing required field `schema` - at `$.text.format`"),
+        ({"text": {"format": {"type": "yaml"}}}, "Invalid value 'yaml' - at `$.text.format.type`"),
         ({"max_output_tokens": 0}, "max_output_tokens must be at least 1"),
-        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort must be low, medium or high"),
+        ({"reasoning": {"effort": "extreme"}}, "'extreme' - at `$.reasoning.effort`"),
         ({"background": True}, "background is not supported"),
         ({"truncation": "auto"}, 'truncation must be "disabled"'),
         ({"model": "nope"}, "nope"),
@@ -318,21 +322,91 @@ def test_without_the_store_store_true_is_accepted_and_continuing_is_a_400(serve)
     assert len(core.requests) == 1  # the refused request reached no engine
 
 
+def stored(history: list) -> StoredResponse:
+    return StoredResponse(ResponsesResponse(id="resp_x", created_at=0, model="m", output=[]),
+                          history)  # fmt: skip
+
+
 def test_the_store_is_bounded_in_entries_and_bytes_least_recently_used_first():
     def entry(size: int) -> StoredResponse:
-        return StoredResponse({"id": "x"}, [{"role": "user", "content": "a" * size}])
+        return stored([{"role": "user", "content": "a" * size}])
 
-    small = len(msgspec.json.encode(entry(10)))
+    small = entry_size("a", msgspec.json.encode(entry(10)))
     store = ResponsesStore(max_entries=2, max_bytes=2 * small + 10)
     store.put("a", entry(10))
     store.put("b", entry(10))
-    assert store.get("a") is not None  # a is now the most recently used
+    assert store.get("a") == entry(10)  # a is now the most recently used
     store.put("c", entry(10))  # a third entry: b goes
     assert store.get("b") is None and store.get("a") is not None and len(store) == 2
-    store.put("d", entry(10 + small))  # twice a small one's bytes: c and a go (c was older)
-    assert store.get("d") is not None and len(store) == 1 and store.nbytes == 2 * small
+    store.put("d", entry(10 + small))  # over a small one's size: c and a go (c was older)
+    assert store.get("d") == entry(10 + small) and len(store) == 1
+    assert store.nbytes == entry_size("d", msgspec.json.encode(entry(10 + small)))
     store.put("e", entry(10 + 3 * small))  # larger than the whole store: not kept
     assert store.get("e") is None and store.get("d") is not None
+
+
+def test_the_memory_the_store_holds_stays_within_its_cap():
+    """Entries of many tiny objects (10,000 `{}` in an input item: 30 KB of JSON, 0.7 MB as
+    Python objects): what the store holds after 30 of them, as tracemalloc counts it, stays
+    within its 256 KiB cap, and its count is at least what it holds. (Held as the objects,
+    8 such entries took 5.8 MB.)"""
+    cap = 2**18
+    store = ResponsesStore(max_bytes=cap)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(30):
+            item = {"role": "user", "content": "hi", "x": [{} for _ in range(10_000)]}
+            store.put(f"resp_{i}", stored([item]))
+        del item
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 4 < len(store) < 30 and store.nbytes <= cap
+    assert held <= store.nbytes + 16 * 1024  # (the interpreter keeps up to 80 freed dicts)
+    last = store.get("resp_29")
+    assert last.history[0]["x"] == [{}] * 10_000 and last.response.id == "resp_x"
+
+
+def test_free_form_settings_are_bounded_with_400s_naming_them(serve):
+    app, core = serve(store=False)
+    too_many = {str(i): "v" for i in range(17)}
+    bad = [
+        ({"metadata": too_many}, "Expected `object` of length <= 16 - at `$.metadata`"),
+        ({"metadata": {"k" * 65: "v"}}, "length <= 64 - at `key` in `$.metadata`"),
+        ({"metadata": {"k": "v" * 513}}, "length <= 512 - at `$.metadata[...]`"),
+        ({"metadata": {"k": [{}]}}, "Expected `str`, got `array` - at `$.metadata[...]`"),
+        ({"reasoning": {"summary": 5}}, "Expected `str | null`, got `int` - at "
+         "`$.reasoning.summary`"),
+        ({"reasoning": {"effort": "low", "x": [{}]}}, "unknown field `x` - at `$.reasoning`"),
+        ({"text": {"format": {"type": "text", "x": [{}]}}}, "unknown field `x` - at "
+         "`$.text.format`"),
+        ({"text": {"x": [{}]}}, "unknown field `x` - at `$.text`"),
+        ({"tool_choice": {"type": "function", "name": "f", "x": [{}]}},
+         "unknown field `x` - at `$.tool_choice`"),
+        ({"service_tier": "x" * 100}, "at `$.service_tier`"),
+        ({"input": [{"type": "reasoning", "summary": 5}]},
+         'input[0].summary must be a list of parts ({"type", "text"}), got 5'),
+        ({"input": [{"type": "reasoning", "content": [{"text": 5}]}]},
+         "input[0].content must be a list of parts"),
+    ]  # fmt: skip
+    calls = [("POST", "/v1/responses", {"input": "hi", **body}) for body, _ in bad]
+    for r, (_, message) in zip(exchange(app, calls), bad, strict=True):
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert not core.requests  # none reached the engine
+    at_the_bounds = {
+        "metadata": {f"{i:064d}": "v" * 512 for i in range(16)},
+        "reasoning": {"effort": "low", "summary": "auto"},
+        "text": {"format": {"type": "json_object"}, "verbosity": "low"},
+        "service_tier": "flex",
+        "input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "Hm."}]},
+                  {"role": "user", "content": "hi"}],
+    }  # fmt: skip
+    (ok,) = exchange(app, [("POST", "/v1/responses", at_the_bounds)])
+    assert ok.status_code == 200, ok.text
+    response = Response.model_validate(ok.json())
+    assert response.metadata == at_the_bounds["metadata"]
+    assert response.reasoning.summary == "auto" and response.service_tier == "flex"
 
 
 def test_reasoning_comes_first_as_a_reasoning_item_whole_and_streamed(serve):
