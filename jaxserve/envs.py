@@ -25,9 +25,11 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S: float = 5.0
     JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING: bool = False
     JAXSERVE_ENABLE_RESPONSES_API_STORE: bool = False
+    JAXSERVE_RESPONSES_STORE_MAX_BYTES: int = 256 * 2**20
     JAXSERVE_SERVER_DEV_MODE: bool = False
     JAXSERVE_IMAGE_FETCH_TIMEOUT: float = 5.0
     JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS: bool = True
+    JAXSERVE_MEDIA_URL_ALLOW_PRIVATE_IPS: bool = False
     JAXSERVE_COMPILE_CACHE: str = "~/.cache/jaxserve/xla"
     JAXSERVE_WEIGHT_CACHE: str | None = "~/.cache/jaxserve/weights"
     JAXSERVE_KERNEL_CACHE: str = "~/.cache/jaxserve/kernels"
@@ -73,7 +75,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # GiB of host memory for the KV cache on CPU when no --kv-cache-memory-bytes or
     # --num-gpu-blocks-override is given (vLLM's VLLM_CPU_KVCACHE_SPACE).
     "JAXSERVE_CPU_KVCACHE_SPACE": lambda: float(os.environ.get("JAXSERVE_CPU_KVCACHE_SPACE", "1")),
-    # The API key the HTTP server requires on /v1 when --api-key is not given; unset: none.
+    # The API key the HTTP server requires on every route but its probes when --api-key is not
+    # given (entrypoints/openai/middleware.py); unset: none.
     "JAXSERVE_API_KEY": lambda: os.environ.get("JAXSERVE_API_KEY"),
     # Seconds between the HTTP server's throughput log lines.
     "JAXSERVE_LOG_STATS_INTERVAL": lambda: float(
@@ -95,9 +98,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "JAXSERVE_ENABLE_RESPONSES_API_STORE": lambda: (
         os.environ.get("JAXSERVE_ENABLE_RESPONSES_API_STORE", "0").strip().lower() in ("1", "true")
     ),
+    # The bytes the response store may hold (each response as its JSON, plus a small
+    # overhead; least recently used evicted first): entrypoints/openai/responses_store.py.
+    "JAXSERVE_RESPONSES_STORE_MAX_BYTES": lambda: int(
+        os.environ.get("JAXSERVE_RESPONSES_STORE_MAX_BYTES", str(256 * 2**20))
+    ),
     # "1" or "true": the server's development routes (vLLM's VLLM_SERVER_DEV_MODE): /sleep,
     # /wake_up, /pause, /resume, weight transfer, /collective_rpc, /reset_prefix_cache
-    # (entrypoints/openai/dev_routes.py). For trainers on a trusted network only.
+    # (entrypoints/openai/dev_routes.py); the server refuses them without an API key. For
+    # trainers on a trusted network only.
     "JAXSERVE_SERVER_DEV_MODE": lambda: (
         os.environ.get("JAXSERVE_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     ),
@@ -112,6 +121,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS": lambda: (
         os.environ.get("JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower()
         not in ("0", "false")
+    ),
+    # "1" or "true": image URLs may reach loopback, private, link-local and other non-public
+    # addresses (multimodal/url_policy.py; newer vLLM's VLLM_MEDIA_URL_ALLOW_PRIVATE_IPS).
+    # Cloud metadata addresses stay refused.
+    "JAXSERVE_MEDIA_URL_ALLOW_PRIVATE_IPS": lambda: (
+        os.environ.get("JAXSERVE_MEDIA_URL_ALLOW_PRIVATE_IPS", "0").strip().lower() in ("1", "true")
     ),
     # jax's persistent compilation cache, and the runner's saved executables under its
     # executables/ (worker/).

@@ -130,10 +130,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "gptq_marlin",
             "awq",
             "awq_marlin",
+            "mxfp4",
         ],  # fmt: skip
         help="weight-only quantization of the linear layers: int8 / fp8 computed at load, gguf "
         "(a GGUF file's blocks kept); compressed-tensors, gptq, awq (and vLLM's gptq_marlin, "
-        "awq_marlin): the checkpoint's own, read from it (automatic; named, it must match)",
+        "awq_marlin), mxfp4 (gpt-oss's experts): the checkpoint's own, read from it "
+        "(automatic; named, it must match)",
     )
     parser.add_argument(
         "--background-compile", action=argparse.BooleanOptionalAction, default=False,
@@ -177,6 +179,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="let requests name images under DIR as file:// URLs (a security risk: trusted "
         "clients only)",
     )  # fmt: skip
+    parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="the only hosts http(s) image URLs may name, on every redirect (default: any "
+        "public host)",
+    )
     parser.add_argument(
         "--reasoning-parser",
         default=None,

@@ -9,7 +9,6 @@ import asyncio
 import itertools
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 
 from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS
@@ -19,6 +18,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from jaxserve.ipc.serialization import MsgpackDecoder, MsgpackEncoder
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
@@ -61,8 +61,9 @@ class FakeCore:
         self.pending: list[EngineCoreOutput] = []
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        for r in requests:  # over the wire, as the real clients send them
-            r = msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=EngineCoreRequest)
+        for r in requests:  # over the wire, as the real clients send them (arrays too)
+            frames = [bytes(f) for f in MsgpackEncoder().encode(r)]
+            r = MsgpackDecoder(EngineCoreRequest).decode(frames)
             self.requests.append(r)
             out = EngineCoreOutput(r.request_id, [7], "length", num_cached_tokens=self.cached)
             out.kv_transfer_params = handed_back(r)

@@ -34,6 +34,7 @@ from jaxserve import envs
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai import serving_messages
 from jaxserve.entrypoints.openai.api_common import (
+    PREPARE_THREADS,
     MsgspecJSONResponse,
     decode_body,
     error_response,
@@ -62,6 +63,7 @@ from jaxserve.entrypoints.openai.server_setup import (  # noqa: F401 (multi_serv
     cors_settings,
     load_chat_template,
     ready_message,
+    return_freed_memory,
 )
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -246,6 +248,7 @@ def build_app(
         if log_stats_interval is not None:  # (API servers after the first: see their loads)
             tasks.append(asyncio.create_task(periodic_log()))
         try:
+            await registry.load_start_up_adapters()  # bad weights: no start
             yield
         finally:
             for task in tasks:
@@ -272,7 +275,7 @@ def build_app(
     ]
     if envs.JAXSERVE_SERVER_DEV_MODE:  # /sleep, /pause, weight transfer, .. (dev_routes.py)
         logger.warning("development routes on (JAXSERVE_SERVER_DEV_MODE): trusted networks only")
-        routes += dev_routes()
+        routes += dev_routes(api_key)  # (none without an API key: a ValueError)
     if envs.JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING:
         logger.warning("runtime LoRA loading and unloading is on: for local development only")
         routes += [Route(f"/v1/{op}_lora_adapter", lora_adapters, methods=["POST"])
@@ -297,7 +300,7 @@ def build_app(
     app.state.serving_score = OpenAIServingScore(engine, served_model_names, **details)
     app.state.serving = OpenAIServing(engine, served_model_names, **details)
     app.state.serving_messages = serving_messages.ServingMessages(app.state.serving_chat)
-    app.state.cpu = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-tokenize")
+    app.state.cpu = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="jaxserve-tokenize")
     app.state.engine_died = False
     app.state.max_request_body_bytes = max_request_body_bytes
     app.state.on_engine_death = None  # run_server: stop uvicorn
@@ -325,6 +328,7 @@ def serve_http(
     (then exit 1). log_prefix: before uvicorn's log lines (its access lines too)."""
     from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME
 
+    return_freed_memory()
     api_key = args.api_key or envs.JAXSERVE_API_KEY
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(

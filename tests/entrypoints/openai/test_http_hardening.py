@@ -1,14 +1,16 @@
 """The HTTP layer of `jaxserve serve` against hostile requests, in process (build_app over
-AsyncLLM and a stand-in engine core: no model, no server): non-JSON bodies, bodies too large
-or nested too deep, integers too wide for the core's wire, CORS only when configured, no API
-key in the start-up log, /detokenize off the event loop, request chat templates only when
-trusted, chat_template_kwargs plain data, and chat templates that would run for minutes or
-take 10 GB failing alone."""
+AsyncLLM and a stand-in engine core: no model, no server): non-JSON bodies, bodies too large,
+nested too deep or holding too many values, integers too wide for the core's wire, CORS only
+when configured, no API key in the start-up log, /detokenize off the event loop, request chat
+templates only when trusted, chat_template_kwargs plain data, and chat templates that would
+run for minutes or take 10 GB failing alone, holding up no other request."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -19,6 +21,7 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.cli import build_parser
 from jaxserve.entrypoints.openai.api_server import build_app, cors_settings, ready_message
 from jaxserve.entrypoints.openai.server_setup import check_server_args
+from jaxserve.entrypoints.openai.template_worker import TemplateRenderer
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.engine.test_kv_transfer_params import FakeCore, config
 
@@ -31,9 +34,9 @@ def tokenizer():
     return read_tokenizer(None)  # the bundled default model's (it has a chat template)
 
 
-def serve(tokenizer, requests: list[dict], **app_kwargs) -> list[httpx.Response]:
-    """The responses of an app over a stand-in core to `requests` (httpx request kwargs),
-    sent concurrently."""
+def serve(tokenizer, requests: list, **app_kwargs) -> list[httpx.Response]:
+    """The responses of an app over a stand-in core to `requests` (httpx request kwargs, or
+    async functions of the client that return a response), sent concurrently."""
     cfg = config(max_model_len=256)
     cfg.model.vocab_size = len(tokenizer)
     engine = AsyncLLM(cfg, FakeCore(), tokenizer=tokenizer)
@@ -42,7 +45,9 @@ def serve(tokenizer, requests: list[dict], **app_kwargs) -> list[httpx.Response]
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await asyncio.gather(*(client.request(**r) for r in requests))
+            return await asyncio.gather(
+                *(client.request(**r) if isinstance(r, dict) else r(client) for r in requests)
+            )
 
     try:
         return asyncio.run(main())
@@ -140,6 +145,48 @@ def test_integers_too_wide_for_64_bits_are_a_400_naming_the_field(tokenizer, fie
     assert "64-bit" not in ok.text
 
 
+def test_structure_too_large_is_refused_naming_the_field(tokenizer):
+    empties = b'{"messages": [' + b",".join([b"{}"] * 3_800_000) + b"]}"  # 11.4 MB
+    kwargs = {"messages": CHAT, "chat_template_kwargs": {"x": list(range(1_000_000))}}
+    chat_r, tokenize_r, kwargs_r = serve(
+        tokenizer,
+        [post("/v1/chat/completions", empties), post("/tokenize", empties),
+         post("/v1/chat/completions", kwargs)],
+    )  # fmt: skip
+    for r in (chat_r, tokenize_r):
+        assert r.status_code == 400
+        assert message(r) == "messages: the body holds more than 65536 arrays and objects"
+    assert kwargs_r.status_code == 400
+    assert message(kwargs_r) == (
+        "chat_template_kwargs: more than 4096 values (the limit for this field)"
+    )
+
+
+def test_a_body_past_a_limit_is_refused_before_the_rest_is_read(tokenizer):
+    sent = []
+
+    async def chunks():  # 10 MiB of {}s, chunked
+        yield b'{"messages": ['
+        for _ in range(40):
+            sent.append(1)
+            yield b"{}," * (2**18 // 3)
+        yield b"{}]}"
+
+    big = {"method": "POST", "url": "/tokenize", "content": chunks(),
+           "headers": {"content-type": "application/json"}}  # fmt: skip
+    (r,) = serve(tokenizer, [big])
+    assert r.status_code == 400
+    assert message(r) == "messages: the body holds more than 65536 arrays and objects"
+    assert len(sent) < 40
+
+
+def test_a_prompt_of_a_million_token_ids_passes_the_structure_limits(tokenizer):
+    (r,) = serve(tokenizer, [post("/v1/completions", {"prompt": [1] * 1_000_000})])
+    assert r.status_code == 400  # the stand-in model's max_model_len is 256
+    assert "maximum context length is 256 tokens" in message(r)
+    assert "1000000" in message(r)
+
+
 # ---------------------------------------------------------------------- CORS, key, log
 def preflight(origin: str) -> dict:
     headers = {"origin": origin, "access-control-request-method": "POST",
@@ -202,7 +249,7 @@ def test_detokenize_decodes_on_the_tokenizer_thread(tokenizer, monkeypatch):
     ok, bad = serve(tokenizer, [post("/detokenize", {"tokens": ids}),
                                 post("/detokenize", {"tokens": [1, len(tokenizer)]})])  # fmt: skip
     assert ok.json() == {"prompt": "Hello there"}
-    assert threads == ["jaxserve-tokenize_0"]
+    assert len(threads) == 1 and threads[0].startswith("jaxserve-tokenize")
     assert bad.status_code == 400 and "out of vocabulary" in message(bad)
 
 
@@ -264,3 +311,70 @@ def test_a_runaway_template_fails_alone(tokenizer, monkeypatch):
     assert huge.status_code == 400 and "more than 1073741824 bytes of memory" in message(huge)
     assert plain_response.status_code == 200
     assert after.status_code == 200  # a fresh renderer took over
+
+
+def test_a_slow_request_template_holds_up_no_other_chat(tokenizer, monkeypatch):
+    """A plain chat sent while a trusted request's template is still rendering is answered
+    before that render ends (the render waits for it: a stand-in for a template that runs
+    for seconds; with renders taking turns, this would wait out the minute)."""
+    slow_template = "{# slow #}{{ messages[0].content }}"
+    started, plain_done = threading.Event(), threading.Event()
+    render = TemplateRenderer.render
+
+    def render_slowly(self, job, timeout_s):
+        if job["template"] == slow_template:
+            started.set()
+            plain_done.wait(60)
+        return render(self, job, timeout_s)
+
+    monkeypatch.setattr(TemplateRenderer, "render", render_slowly)
+    answered = []
+
+    async def slow(client):
+        r = await client.request(**chat(chat_template=slow_template))
+        answered.append("slow")
+        return r
+
+    async def plain(client):
+        await asyncio.to_thread(started.wait, 60)
+        r = await client.request(**chat())
+        answered.append("plain")
+        plain_done.set()
+        return r
+
+    slow_r, plain_r = serve(tokenizer, [slow, plain], trust_request_chat_template=True)
+    assert slow_r.status_code == 200 and plain_r.status_code == 200, (slow_r.text, plain_r.text)
+    assert answered == ["plain", "slow"]
+
+
+# ---------------------------------------------------------------------- memory
+FREE_LARGE_BLOCKS = """
+import re, sys
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\\s+(\\d+)", f.read()).group(1)) // 1024
+if sys.argv[1] == "set":
+    from jaxserve.entrypoints.openai.server_setup import return_freed_memory
+    assert return_freed_memory()
+block = bytearray(8 << 20)
+del block  # a large block freed: glibc raises its mmap threshold past 1 MiB
+before, kept, large = rss_mib(), [], []
+for _ in range(64):  # 1 MiB temporaries, each followed by a small block that outlives it
+    large.append(bytearray(1 << 20))
+    kept.append(bytearray(4096))
+del large
+print(rss_mib() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator, /proc")
+def test_the_server_process_returns_freed_large_blocks_to_the_system():
+    """What serve_http sets up (server_setup.return_freed_memory): a request's large
+    temporaries, freed, leave the process's memory; under glibc's default they stayed."""
+    kept = {}
+    for mode in ("default", "set"):
+        run = subprocess.run([sys.executable, "-c", FREE_LARGE_BLOCKS, mode],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        kept[mode] = int(run.stdout)
+    assert kept["default"] >= 32 and kept["set"] <= 8, kept
