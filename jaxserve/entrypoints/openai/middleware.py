@@ -26,7 +26,7 @@ import msgspec
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from jaxserve.entrypoints.openai.protocol_anthropic import ERROR_TYPES
@@ -41,6 +41,7 @@ PUBLIC = {
     "/version": ("GET", "HEAD"),
 }
 ANTHROPIC_PREFIX = "/v1/messages"
+DRAIN_BYTES = 1 << 20  # a refused request's unread body the server still reads, to keep it
 
 _json = msgspec.json.Encoder()
 
@@ -86,7 +87,12 @@ class GateMiddleware:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in PUBLIC.get(scope["path"], ()):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        unread = UnreadBody(scope)
+        receive, send = unread.receive(receive), unread.send(send)
+        if scope["method"] in PUBLIC.get(scope["path"], ()):
             await self.app(scope, receive, send)
             return
         anthropic = scope["path"].startswith(ANTHROPIC_PREFIX)
@@ -100,6 +106,47 @@ class GateMiddleware:
             error = {"type": ERROR_TYPES[status], "message": message}
             body = _json.encode({"type": "error", "error": error})
         await Response(body, status, media_type="application/json")(scope, receive, send)
+
+
+class UnreadBody:
+    """A response sent before its request's body is read (a refusal: no key, a body too
+    large or past a json_limits bound) closes the connection when more than DRAIN_BYTES of
+    the body are still to come. Keeping it open, the server would read and parse all of it
+    (up to --max-request-body-bytes) only to discard it: 6 ms of the API process for each
+    11 MB body sent without a key, 0.4-0.8 ms when closed. Clients still read the answer
+    (httpx, requests and curl were seen to)."""
+
+    def __init__(self, scope: Scope):
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"").strip()
+        self.left = int(length) if length.isdigit() else None  # None: chunked, or no body
+        self.chunked = b"transfer-encoding" in headers
+        self.done = False
+
+    def receive(self, receive: Receive) -> Receive:
+        async def counting() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                if self.left is not None:
+                    self.left -= len(message.get("body", b""))
+                self.done = not message.get("more_body", False)
+            return message
+
+        return counting
+
+    def send(self, send: Send) -> Send:
+        async def closing(message: Message) -> None:
+            if message["type"] == "http.response.start" and self.large_rest():
+                headers = [*message.get("headers", ()), (b"connection", b"close")]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        return closing
+
+    def large_rest(self) -> bool:
+        if self.done:
+            return False
+        return self.chunked if self.left is None else self.left > DRAIN_BYTES
 
 
 def cors_middleware(cors: dict[str, Any] | None) -> list[Middleware]:

@@ -121,6 +121,30 @@ def test_without_the_key_only_the_probes_answer(app):
         assert r.status_code == 200, (method, path, r.status_code)
 
 
+def test_a_refusal_before_a_large_body_is_read_closes_the_connection(app):
+    """The server does not read (and parse) megabytes it will discard: a refusal sent while
+    more than DRAIN_BYTES of the body are still to come says Connection: close; one after a
+    small body, or after the body was read, keeps the connection."""
+    empties = b'{"messages": [' + b",".join([b"{}"] * 1_000_000) + b"]}"  # 3 MB
+
+    async def chunked():  # as a socket delivers it: refused by the scan after its first MiB
+        for at in range(0, len(empties), 1 << 16):
+            yield empties[at : at + (1 << 16)]
+
+    keyless, small, scanned, served = send(
+        app,
+        {"method": "POST", "url": "/tokenize", "headers": JSON, "content": empties},
+        {"method": "POST", "url": "/tokenize", "headers": JSON, "content": "{}"},
+        {"method": "POST", "url": "/tokenize", "headers": {**AUTH, **JSON}, "content": chunked()},
+        rpc({"method": "max_step_tokens"}),
+    )
+    assert keyless.status_code == 401 and keyless.headers.get("connection") == "close"
+    assert small.status_code == 401 and "connection" not in small.headers
+    assert scanned.status_code == 400 and scanned.headers.get("connection") == "close"
+    assert "messages" in scanned.json()["error"]["message"]
+    assert served.status_code == 200 and "connection" not in served.headers
+
+
 @pytest.mark.parametrize("header", [f"bearer {KEY}", f"BEARER {KEY}", f"Bearer  {KEY} "])
 def test_the_bearer_scheme_is_read_in_any_case(app, header):
     (r,) = send(app, {"method": "GET", "url": "/v1/models", "headers": {"authorization": header}})
