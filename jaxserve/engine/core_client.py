@@ -341,7 +341,7 @@ class SyncMPClient(EngineCoreClient):
             try:
                 self._send(engine, EngineCoreRequestType.UTILITY,
                            UtilityRequest(call_id, method, list(args)))  # fmt: skip
-            except EngineDeadError:
+            except Exception:  # a dead engine, or arguments the wire cannot carry
                 self._pending.pop(call_id, None)
                 raise
             futures.append(future)

@@ -320,9 +320,9 @@ class LLM:
         self, method: str | Callable, timeout: float | None = None, args: tuple = (),
         kwargs: dict | None = None,
     ) -> list:  # fmt: skip
-        """Run a model-runner method (a name), or `method(runner, *args, **kwargs)`, on every
-        worker; their results (vLLM's). timeout is accepted for vLLM's signature: the call
-        waits for the core."""
+        """Run a model-runner method (a name: one of core_control.COLLECTIVE_RPC_METHODS), or
+        `method(runner, *args, **kwargs)`, on every worker; their results (vLLM's). timeout
+        is accepted for vLLM's signature: the call waits for the core."""
         if callable(method):
             method = pickle.dumps(method)  # by reference: the core process imports it
         return self._utility("collective_rpc", method, list(args), kwargs or {})

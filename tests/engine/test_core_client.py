@@ -95,6 +95,9 @@ def test_aborts_utilities_and_bad_requests_leave_the_core_serving(mp_llm):
     assert outputs[0].finish_reason == "error" and "ValidationError" in outputs[0].stop_reason
     with pytest.raises(RuntimeError, match="no utility 'shutdown'"):
         engine.engine_core.call_utility("shutdown")
+    with pytest.raises(OverflowError):  # arguments the wire cannot carry: no waiter left behind
+        client.call_utility("collective_rpc", "max_step_tokens", [2**64], {})
+    assert client._pending == {}
     with pytest.raises(ValueError, match="token id 999 is out of vocabulary"):
         mp_llm.generate([{"prompt_token_ids": [1, 999]}], GREEDY)
     assert engine.reset_prefix_cache() is True

@@ -222,7 +222,7 @@ COMPLETION = {
         ),
     ),
     # without --enable-prompt-embeds a 400 naming it (with it: tests/entrypoints/
-    # test_prompt_embeds.py); the base64 torch.save decodes first
+    # test_prompt_embeds.py), before the payload is decoded
     "prompt_embeds": ({"prompt_embeds": SAVED_ZEROS}, REFUSED),
     "length_penalty": (  # its effect on the ranking: tests/entrypoints/test_beam_search.py
         {"use_beam_search": True, "n": 2, "max_tokens": 2, "length_penalty": 0.5},
