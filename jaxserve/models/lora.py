@@ -70,8 +70,10 @@ def load_adapter(
         want = (r, d_in) if ab == "A" else (_part_out(part, config), r)
         tensor = source.get(name)
         if tensor.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"adapter {path!r}: tensor {name!r} is {tensor.dtype}, not a "
-                             "floating-point type (F16, BF16, F32, F64)")  # fmt: skip
+            raise ValueError(
+                f"adapter {path!r}: tensor {name!r} is {tensor.dtype}, not a "
+                "floating-point type (F16, BF16, F32, F64)"
+            )
         if tensor.shape != want:
             raise ValueError(
                 f"adapter {path!r}: tensor {name!r} has shape {tensor.shape}, expected {want} "
@@ -113,8 +115,10 @@ def _lora_weight(name: str, path: str, config: ModelConfig) -> tuple[int, str, s
     no LoRA weight of a projection of this model."""
     m = _NAME.search(name)
     if m is None or int(m[1]) >= config.num_layers or m[3] not in _FUSED_OF:
-        raise ValueError(f"adapter {path!r}: tensor {name!r} is not a LoRA weight of a "
-                         f"projection of this {config.num_layers}-layer model")  # fmt: skip
+        raise ValueError(
+            f"adapter {path!r}: tensor {name!r} is not a LoRA weight of a "
+            f"projection of this {config.num_layers}-layer model"
+        )
     if LORA_PROJECTIONS[_FUSED_OF[m[3]]][0] != m[2]:
         raise ValueError(f"adapter {path!r}: tensor {name!r}: {m[3]} is not under {m[2]}")
     return int(m[1]), m[3], m[4]

@@ -41,6 +41,7 @@ from jaxserve.multimodal.media import (
     load_image_url,
 )
 from jaxserve.multimodal.url_policy import ALLOW_PRIVATE_ENV, address_problem
+from tests.require import require_or_skip
 
 LIMITS = {"max_bytes": 1 << 20, "timeout": 5.0, "allowed_local_media_path": None}
 PUBLIC = "93.184.215.14"  # a public address the tests' resolver gives their host names
@@ -519,11 +520,11 @@ def test_every_redirect_hop_is_checked(default_rules, public_names, shared_serve
     assert refusal(to_file).endswith("only http and https URLs are fetched, not 'file'")
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="makes its certificate with openssl")
 def test_https_verifies_the_url_host_name_while_dialling_the_checked_address(
     default_rules, public_names, tmp_path, monkeypatch
 ):
     """TLS (SNI and the certificate's check) uses the URL's name, not the address dialled."""
+    require_or_skip(None if shutil.which("openssl") else "no openssl to make a certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",

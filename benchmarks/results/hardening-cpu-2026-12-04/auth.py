@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+import server  # this folder's server.py
 
 PORT, KEY = 8125, "K"
 URL = f"http://127.0.0.1:{PORT}"
@@ -47,6 +48,9 @@ def status(method: str, path: str, headers: dict, body: dict | None = None) -> i
     ).status_code
 
 
+LOG = os.path.join(tempfile.gettempdir(), "hardening-auth-serve.log")
+
+
 def main() -> None:
     env = {**os.environ, "JAXSERVE_SERVER_DEV_MODE": "1"}
     env.pop("JAXSERVE_API_KEY", None)
@@ -57,18 +61,9 @@ def main() -> None:
     print("dev mode without a key:", refused_start)
 
     command = [JAXSERVE, "serve", "--port", str(PORT), "--api-key", KEY]
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    started = time.monotonic()
+    proc = server.start(command, LOG, URL, env)
     try:
-        started = time.monotonic()
-        while True:
-            assert proc.poll() is None, f"the server exited: see {log.name}"
-            try:
-                if httpx.get(URL + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
         print(f"server ready in {time.monotonic() - started:.0f} s")
         auth = {"authorization": f"Bearer {KEY}"}
         result = {
@@ -111,7 +106,6 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-        log.close()
     print(json.dumps(result, indent=1))
     (HERE / "auth.json").write_text(json.dumps(result, indent=1) + "\n")
 

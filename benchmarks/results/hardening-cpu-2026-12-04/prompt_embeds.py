@@ -20,11 +20,11 @@ import platform
 import re
 import signal
 import subprocess
-import sys
 import time
 import zipfile
 
 import httpx
+import server  # this folder's server.py
 import torch
 
 PORT = 8123
@@ -80,19 +80,7 @@ def vm(pid: int) -> dict[str, int]:
 
 def start(flags: list[str]) -> tuple[subprocess.Popen, int, str]:
     log_path = os.path.join("/tmp", f"prompt_embeds_serve_{len(flags)}.log")
-    with open(log_path, "w") as log:  # (the child keeps its own descriptor)
-        proc = subprocess.Popen([JAXSERVE, "serve", "--port", str(PORT), *flags],
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server exited: see {log_path}")
-        try:
-            if httpx.get(f"{URL}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
+    proc = server.start([JAXSERVE, "serve", "--port", str(PORT), *flags], log_path, URL)
     with open(log_path) as f:
         text = f.read()
     found = re.findall(r"Started server process \[(\d+)\]", text)

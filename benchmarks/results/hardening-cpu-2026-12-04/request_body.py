@@ -33,7 +33,6 @@ import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import server as serve_  # this folder's server.py
 
 PORT, KEY = 8124, "K"
 URL = f"http://127.0.0.1:{PORT}"
@@ -245,24 +245,18 @@ def beside_a_spinner() -> dict:
             "plain_chat_beside_it_s": round(beside, 3)}  # fmt: skip
 
 
+LOG = os.path.join(tempfile.gettempdir(), "hardening-request-body-serve.log")
+
+
 def main() -> None:
     env = {**os.environ, "JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S": "30"}
     env.pop("JAXSERVE_API_KEY", None)
     command = [JAXSERVE, "serve", "--port", str(PORT), "--api-key", KEY,
                "--trust-request-chat-template"]  # fmt: skip
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     sink_proc = mp.Process(target=sink, args=(PORT + 1,), daemon=True)
     sink_proc.start()
+    proc = serve_.start(command, LOG, URL, env)
     try:
-        while True:
-            assert proc.poll() is None, f"the server exited: see {log.name}"
-            try:
-                if httpx.get(URL + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
         _, r = post("/tokenize", {"prompt": "The quick brown fox jumps over the lazy dog. " * 8})
         ids = r.json()["tokens"][:32]
         assert len(ids) == 32

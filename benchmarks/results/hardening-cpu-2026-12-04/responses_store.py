@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import server  # this folder's server.py
 
 PORT, CAP, N = 8126, 32 * 2**20, 40
 URL = f"http://127.0.0.1:{PORT}"
@@ -70,17 +70,8 @@ def run(cap: int, n: int, extra_env: dict[str, str]) -> dict:
     env = {**os.environ, "JAXSERVE_ENABLE_RESPONSES_API_STORE": "1",
            "JAXSERVE_RESPONSES_STORE_MAX_BYTES": str(cap), **extra_env}  # fmt: skip
     command = [JAXSERVE, "serve", "--port", str(PORT)]
-    log = open(HERE / "responses_store-server.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = server.start(command, str(HERE / "responses_store-server.log"), URL, env)
     try:
-        while True:
-            assert proc.poll() is None, "the server exited: see responses_store-server.log"
-            try:
-                if httpx.get(URL + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
         client = httpx.Client(timeout=300, headers={"content-type": "application/json"})
         warm = client.post(URL + "/v1/responses", json={"input": "hi", "max_output_tokens": 1})
         assert warm.status_code == 200, warm.text

@@ -75,9 +75,10 @@ class GateMiddleware:
         given = headers.get(b"x-api-key")
         return anthropic and given is not None and hmac.compare_digest(_digest(given), self.key)
 
-    def refusal(self, scope: Scope, anthropic: bool) -> tuple[int, str, str] | None:
+    def refusal(
+        self, scope: Scope, headers: dict[bytes, bytes], anthropic: bool
+    ) -> tuple[int, str, str] | None:
         """(status, message, OpenAI error type) of a request refused here, or None."""
-        headers = dict(scope["headers"])
         if self.key is not None and not self.authorized(headers, anthropic):
             return 401, "Unauthorized: a valid API key is required", "AuthenticationError"
         if scope["method"] == "POST":
@@ -90,13 +91,14 @@ class GateMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        unread = UnreadBody(scope)
+        headers = dict(scope["headers"])
+        unread = UnreadBody(headers)
         receive, send = unread.receive(receive), unread.send(send)
         if scope["method"] in PUBLIC.get(scope["path"], ()):
             await self.app(scope, receive, send)
             return
         anthropic = scope["path"].startswith(ANTHROPIC_PREFIX)
-        refused = self.refusal(scope, anthropic)
+        refused = self.refusal(scope, headers, anthropic)
         if refused is None:
             await self.app(scope, receive, send)
             return
@@ -116,8 +118,7 @@ class UnreadBody:
     11 MB body sent without a key, 0.4-0.8 ms when closed. Clients still read the answer
     (httpx, requests and curl were seen to)."""
 
-    def __init__(self, scope: Scope):
-        headers = dict(scope["headers"])
+    def __init__(self, headers: dict[bytes, bytes]):
         length = headers.get(b"content-length", b"").strip()
         self.left = int(length) if length.isdigit() else None  # None: chunked, or no body
         self.chunked = b"transfer-encoding" in headers

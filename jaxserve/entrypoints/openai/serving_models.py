@@ -125,12 +125,9 @@ class OpenAIServingModels:
         for m in lora_modules:
             if m.name in self.base_model_names or m.name in self.lora_requests:
                 raise ValueError(f"--lora-modules: the name {m.name!r} is taken")
-            self._add(m.name, m.path, m.base_model_name)
-
-    def _add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
-        lora = LoRARequest(name, next(self._ids), path, base_model_name)
-        self.lora_requests[name] = lora
-        return lora
+            self.lora_requests[m.name] = LoRARequest(
+                m.name, next(self._ids), m.path, m.base_model_name
+            )
 
     async def load_start_up_adapters(self) -> None:
         """--lora-modules' weights loaded and checked by the engines (AsyncLLM.add_lora) as

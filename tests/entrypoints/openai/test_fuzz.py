@@ -289,7 +289,11 @@ class Case:
             if len(self.body) <= 600
             else self.body[:600] + b"...(%d bytes)" % len(self.body)
         )
-        return f"POST {ROUTES[self.route][0]} [{self.content_type}] ({self.note}) {body!r}"
+        return f"POST {self.path} [{self.content_type}] ({self.note}) {body!r}"
+
+    @property
+    def path(self) -> str:
+        return ROUTES[self.route][0]
 
 
 @st.composite
@@ -383,7 +387,7 @@ class Server:
     @staticmethod
     async def _send(http: httpx.AsyncClient, case: Case) -> Result:
         headers = {} if case.content_type is None else {"content-type": case.content_type}
-        post = http.post(ROUTES[case.route][0], content=case.body, headers=headers)
+        post = http.post(case.path, content=case.body, headers=headers)
         try:
             r = await asyncio.wait_for(post, TIMEOUT_S)
         except TimeoutError:

@@ -23,7 +23,6 @@ CI runs a fixed, derandomized set of examples; JAXSERVE_FUZZ_EXAMPLES=N runs N r
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
 import functools
@@ -39,7 +38,6 @@ import zipfile
 import zlib
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -53,6 +51,7 @@ from jaxserve.engine.exceptions import EngineDeadError
 from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
 from tests.engine.test_kv_transfer_params import FakeCore
+from tests.entrypoints.openai import test_fuzz as fuzz
 from tests.entrypoints.openai.test_fuzz import SEEDS, EngineBroken, encode, hostile, pick, texts
 from tests.helpers import TINY, make_tiny_hf, make_tiny_tokenizer
 from tests.multimodal.tiny_vlm import draw_image, make_tiny_llava
@@ -275,10 +274,15 @@ class Case:
     route: str
     body: bytes
     note: str
+    content_type = "application/json"
 
     def __repr__(self) -> str:
         body = self.body if len(self.body) <= 400 else self.body[:400] + b"..."
-        return f"POST {PATHS[self.route]} ({self.note}) {body!r}"
+        return f"POST {self.path} ({self.note}) {body!r}"
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.route]
 
 
 def _finish(rnd, draw, route: str, body: dict, notes: list[str]) -> Case:
@@ -357,48 +361,22 @@ def _status(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-@dataclasses.dataclass
-class Result:
-    status: int | None
-    content_type: str
-    body: bytes
+class Server(fuzz.Server):
+    """test_fuzz's app driver, measuring each batch's peak RSS; real: over a real engine
+    (whose state is checked), else over the stand-in core."""
 
-
-class Server:
     def __init__(self, client: TestClient, engine: AsyncLLM, real: bool):
-        self.client, self.engine, self.real = client, engine, real
-        self.idle = self.state()
+        self.real = real
+        super().__init__(client, engine)
 
-    def send(self, batch: list[Case]) -> tuple[list[Result], int]:
+    def send(self, batch: list[Case]) -> tuple[list[fuzz.Result], int]:
         """The answers, and how much the batch raised the process's peak RSS."""
         before = peak_rss_reset()
-        results = self.client.portal.call(self._send_all, batch)
+        results = super().send(batch)
         return results, _status("VmHWM") - before
 
-    async def _send_all(self, batch: list[Case]) -> list[Result]:
-        transport = httpx.ASGITransport(self.client.app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://fuzz") as http:
-            return await asyncio.gather(*(self._send(http, case) for case in batch))
-
-    @staticmethod
-    async def _send(http: httpx.AsyncClient, case: Case) -> Result:
-        headers = {"content-type": "application/json"}
-        try:
-            r = await asyncio.wait_for(
-                http.post(PATHS[case.route], content=case.body, headers=headers), TIMEOUT_S
-            )
-        except TimeoutError:
-            return Result(None, "", b"")
-        return Result(r.status_code, r.headers.get("content-type", ""), r.content)
-
     def state(self) -> dict | None:
-        if not self.real:
-            return None
-
-        async def get_state() -> dict:
-            return await asyncio.wait_for(self.engine.call_utility("get_state"), TIMEOUT_S)
-
-        return self.client.portal.call(get_state)
+        return super().state() if self.real else None
 
 
 @pytest.fixture(scope="module")
@@ -468,7 +446,7 @@ def stream_error(event: Any) -> str | None:
     return str(event)[:300] if kind in SERVER_FAULTS or kind is None else None
 
 
-def problem(case: Case, r: Result) -> str | None:
+def problem(case: Case, r: fuzz.Result) -> str | None:
     if r.status is None:
         return f"no answer within {TIMEOUT_S} s"
     if not (r.status == 200 or 400 <= r.status < 500):
@@ -498,7 +476,7 @@ def problem(case: Case, r: Result) -> str | None:
 
 def check_batch(server: Server, batch: list[Case], results, growth: int) -> None:
     photos = sum(case.note.count("24 MP jpeg") for case in batch if case.route == "images")
-    if server.client.get("/health").status_code != 200:
+    if server.health() != 200:
         raise EngineBroken(f"/health is not 200 after {batch}")
     if server.real:
         try:
