@@ -57,6 +57,7 @@ from jaxserve.entrypoints.openai.protocol import (
 from jaxserve.entrypoints.openai.request_body import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
 )
+from jaxserve.entrypoints.openai.serve_options import ServeOptions
 from jaxserve.entrypoints.openai.server_setup import (  # noqa: F401 (multi_server's too)
     bind_socket,
     check_server_args,
@@ -225,6 +226,7 @@ def build_app(
     cors: dict[str, Any] | None = None,
     lora_modules: list[LoRAModulePath] | None = None,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    options: ServeOptions | None = None,
 ) -> Starlette:
     """The app over `engine`. cors: middleware.cors_middleware's settings (None: no CORS
     headers at all); lora_modules: the adapters served beside the base model (checked
@@ -286,7 +288,12 @@ def build_app(
         routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers
     )
     registry = OpenAIServingModels(engine, served_model_names, lora_modules or ())
-    details = {"enable_prompt_tokens_details": enable_prompt_tokens_details, "models": registry}
+    options = options or ServeOptions()
+    details = {
+        "enable_prompt_tokens_details": enable_prompt_tokens_details,
+        "models": registry,
+        "options": options,
+    }
     app.state.serving_chat = OpenAIServingChat(
         engine, served_model_names, chat_template=chat_template,
         chat_template_content_format=chat_template_content_format,
@@ -306,6 +313,7 @@ def build_app(
     app.state.on_engine_death = None  # run_server: stop uvicorn
     app.state.prometheus = prometheus
     app.state.log_stats = log_stats
+    app.state.options = options
     return app
 
 
@@ -348,6 +356,7 @@ def serve_http(
         cors=cors_settings(args),
         lora_modules=args.lora_modules,
         max_image_bytes=args.max_image_bytes,
+        options=ServeOptions.from_args(args),
     )
     timeline = engine.engine_core.timeline
     logger.info("start-up: ready in %.1f s (%s)", time.perf_counter() - started, timeline.summary())

@@ -43,6 +43,7 @@ from jaxserve.entrypoints.openai.protocol import (
     random_id,
     to_sampling_params,
 )
+from jaxserve.entrypoints.openai.serve_options import ServeOptions
 from jaxserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
@@ -82,14 +83,18 @@ class OpenAIServingChat(OpenAIServing):
         trust_request_chat_template: bool = False,
         models: OpenAIServingModels | None = None,
         max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        options: ServeOptions | None = None,
     ):
         """chat_template: None: the tokenizer's, else the model directory's
         (chat_media.default_chat_template); max_image_bytes: the most bytes one image of a
         message may have."""
         super().__init__(
-            engine, served_model_names, models=models,
+            engine,
+            served_model_names,
+            models=models,
             enable_prompt_tokens_details=enable_prompt_tokens_details,
-        )  # fmt: skip
+            options=options,
+        )
         self.chat_template = chat_template or default_chat_template(self.tokenizer, engine.config)
         self.max_image_bytes = max_image_bytes
         self.trust_request_chat_template = trust_request_chat_template

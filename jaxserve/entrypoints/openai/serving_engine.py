@@ -29,6 +29,7 @@ from jaxserve.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from jaxserve.entrypoints.openai.serve_options import ServeOptions
 from jaxserve.entrypoints.openai.serving_models import ModelNotFound, OpenAIServingModels
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PositionLogprobs, RequestOutput
@@ -69,10 +70,13 @@ class OpenAIServing:
         *,
         enable_prompt_tokens_details: bool = False,
         models: OpenAIServingModels | None = None,
+        options: ServeOptions | None = None,
     ):
         """models: the registry of served names and LoRA adapters, shared by the app's APIs
-        (default: one of served_model_names alone)."""
+        (default: one of served_model_names alone); options: the serve flags that change
+        answers (default: all off)."""
         self.engine = engine
+        self.options = options or ServeOptions()
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.model_names = served_model_names
         self.models = models or OpenAIServingModels(engine, served_model_names)
