@@ -45,6 +45,36 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_TEST_REQUIRE_ALL: bool = False
 
 
+# jaxserve's variables that have a vLLM twin: each reads vLLM's name when its own is unset, so
+# a vLLM deployment's environment (VLLM_API_KEY first) keeps its meaning here
+VLLM_NAMES: dict[str, str] = {
+    "JAXSERVE_ENABLE_MULTIPROCESSING": "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "JAXSERVE_LOG_LEVEL": "VLLM_LOGGING_LEVEL",
+    "JAXSERVE_CPU_KVCACHE_SPACE": "VLLM_CPU_KVCACHE_SPACE",
+    "JAXSERVE_API_KEY": "VLLM_API_KEY",
+    "JAXSERVE_LOG_STATS_INTERVAL": "VLLM_LOG_STATS_INTERVAL",
+    "JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S": "VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT",
+    "JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING": "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "JAXSERVE_ENABLE_RESPONSES_API_STORE": "VLLM_ENABLE_RESPONSES_API_STORE",
+    "JAXSERVE_SERVER_DEV_MODE": "VLLM_SERVER_DEV_MODE",
+    "JAXSERVE_IMAGE_FETCH_TIMEOUT": "VLLM_IMAGE_FETCH_TIMEOUT",
+    "JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS": "VLLM_MEDIA_URL_ALLOW_REDIRECTS",
+    "JAXSERVE_PP_LAYER_PARTITION": "VLLM_PP_LAYER_PARTITION",
+}
+
+
+def _get(name: str, default: str | None = None) -> str | None:
+    """The variable `name`, else (unset or empty) its vLLM twin's (VLLM_NAMES), else
+    `default`. vLLM's
+    VLLM_CPU_KVCACHE_SPACE=0 means its default, as unset."""
+    value = os.environ.get(name)
+    if not value and os.environ.get(VLLM_NAMES.get(name, "")):  # unset or empty: vLLM's
+        value = os.environ[VLLM_NAMES[name]]
+        if name == "JAXSERVE_CPU_KVCACHE_SPACE" and value == "0":
+            value = None
+    return default if value is None else value
+
+
 def _cache_dir(name: str) -> str:
     """~/.cache/jaxserve/<name>, resolved when read (HOME may be set by then)."""
     return os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", name)
@@ -64,39 +94,35 @@ def _optional_cache(variable: str, name: str) -> Callable[[], str | None]:
 
 environment_variables: dict[str, Callable[[], Any]] = {
     # Run the engine core in its own process (LLM / LLMEngine); "0": in the caller's process.
-    "JAXSERVE_ENABLE_MULTIPROCESSING": lambda: (
-        os.environ.get("JAXSERVE_ENABLE_MULTIPROCESSING", "1") != "0"
-    ),
+    "JAXSERVE_ENABLE_MULTIPROCESSING": lambda: _get("JAXSERVE_ENABLE_MULTIPROCESSING", "1") != "0",
     # Log level of the engine core and DP coordinator processes (logging's level names).
-    "JAXSERVE_LOG_LEVEL": lambda: os.environ.get("JAXSERVE_LOG_LEVEL", "INFO"),
+    "JAXSERVE_LOG_LEVEL": lambda: _get("JAXSERVE_LOG_LEVEL", "INFO"),
     # Seconds an engine core asked to shut down lets in-flight requests finish before it
     # aborts them (engine/core_proc.py).
     "JAXSERVE_SHUTDOWN_TIMEOUT": lambda: float(os.environ.get("JAXSERVE_SHUTDOWN_TIMEOUT", "30")),
     # GiB of host memory for the KV cache on CPU when no --kv-cache-memory-bytes or
     # --num-gpu-blocks-override is given (vLLM's VLLM_CPU_KVCACHE_SPACE).
-    "JAXSERVE_CPU_KVCACHE_SPACE": lambda: float(os.environ.get("JAXSERVE_CPU_KVCACHE_SPACE", "1")),
+    "JAXSERVE_CPU_KVCACHE_SPACE": lambda: float(_get("JAXSERVE_CPU_KVCACHE_SPACE", "1")),
     # The API key the HTTP server requires on every route but its probes when --api-key is not
     # given (entrypoints/openai/middleware.py); unset: none.
-    "JAXSERVE_API_KEY": lambda: os.environ.get("JAXSERVE_API_KEY"),
+    "JAXSERVE_API_KEY": lambda: _get("JAXSERVE_API_KEY"),
     # Seconds between the HTTP server's throughput log lines.
-    "JAXSERVE_LOG_STATS_INTERVAL": lambda: float(
-        os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", "10")
-    ),
+    "JAXSERVE_LOG_STATS_INTERVAL": lambda: float(_get("JAXSERVE_LOG_STATS_INTERVAL", "10")),
     # Seconds a chat template may take to render before its request fails (a 400) and the
     # renderer process is replaced (entrypoints/openai/template_worker.py).
     "JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S": lambda: float(
-        os.environ.get("JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S", "5")
+        _get("JAXSERVE_CHAT_TEMPLATE_TIMEOUT_S", "5")
     ),
     # "1" or "true": `jaxserve serve` adds POST /v1/load_lora_adapter and
     # /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; docs/lora.md).
     "JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING": lambda: (
-        os.environ.get("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+        _get("JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
     ),
     # "1" or "true": /v1/responses keeps responses in memory (bounded, least recently used
     # evicted: entrypoints/openai/responses_store.py) for previous_response_id and
     # GET /v1/responses/{id} (vLLM's VLLM_ENABLE_RESPONSES_API_STORE).
     "JAXSERVE_ENABLE_RESPONSES_API_STORE": lambda: (
-        os.environ.get("JAXSERVE_ENABLE_RESPONSES_API_STORE", "0").strip().lower() in ("1", "true")
+        _get("JAXSERVE_ENABLE_RESPONSES_API_STORE", "0").strip().lower() in ("1", "true")
     ),
     # The bytes the response store may hold (each response as its JSON, plus a small
     # overhead; least recently used evicted first): entrypoints/openai/responses_store.py.
@@ -108,19 +134,16 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # (entrypoints/openai/dev_routes.py); the server refuses them without an API key. For
     # trainers on a trusted network only.
     "JAXSERVE_SERVER_DEV_MODE": lambda: (
-        os.environ.get("JAXSERVE_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
+        _get("JAXSERVE_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     ),
     # Seconds an image URL of a chat message may take to fetch, in all (connecting, every
     # redirect, the body); past it the request fails with a 400 (vLLM's
     # VLLM_IMAGE_FETCH_TIMEOUT; multimodal/media.py).
-    "JAXSERVE_IMAGE_FETCH_TIMEOUT": lambda: float(
-        os.environ.get("JAXSERVE_IMAGE_FETCH_TIMEOUT", "5")
-    ),
+    "JAXSERVE_IMAGE_FETCH_TIMEOUT": lambda: float(_get("JAXSERVE_IMAGE_FETCH_TIMEOUT", "5")),
     # "0" or "false": an image URL that answers with a redirect fails instead of being
     # followed (vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS).
     "JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS": lambda: (
-        os.environ.get("JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower()
-        not in ("0", "false")
+        _get("JAXSERVE_MEDIA_URL_ALLOW_REDIRECTS", "1").strip().lower() not in ("0", "false")
     ),
     # "1" or "true": image URLs may reach loopback, private, link-local and other non-public
     # addresses (multimodal/url_policy.py; newer vLLM's VLLM_MEDIA_URL_ALLOW_PRIVATE_IPS).
@@ -145,7 +168,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "JAXSERVE_SIMULATED_STEP": lambda: os.environ.get("JAXSERVE_SIMULATED_STEP"),
     # Pipeline parallelism's layers per stage, comma-separated ("7,9,9,5"), instead of vLLM's
     # even split (config/pipeline.py; vLLM's VLLM_PP_LAYER_PARTITION).
-    "JAXSERVE_PP_LAYER_PARTITION": lambda: os.environ.get("JAXSERVE_PP_LAYER_PARTITION") or None,
+    "JAXSERVE_PP_LAYER_PARTITION": lambda: _get("JAXSERVE_PP_LAYER_PARTITION") or None,
     # "mosaic" or "triton": the Pallas GPU attention kernel, whatever
     # pallas_kernels/paged_attention/kernel_choice.json measured for the device (choice.py).
     "JAXSERVE_PALLAS_KERNEL": lambda: os.environ.get("JAXSERVE_PALLAS_KERNEL") or None,

@@ -86,7 +86,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"  # auto | bfloat16 | fp8 (e4m3) | fp8_e4m3 | fp8_e5m2
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # -1: the whole vocabulary (vLLM's); above it: the vocabulary
     scheduling_policy: str = "fcfs"
     # Schedule step N+1 while step N runs. Default: on with an accelerator; off on CPU, where
     # the "device" is the host's own cores and the overlap slows the step it runs beside
@@ -254,7 +254,10 @@ class EngineArgs:
             scheduler=scheduler,
             parallel=parallel,
             seed=self.seed,
-            max_logprobs=self.max_logprobs,
+            # vLLM's -1 (no cap) or a cap past the vocabulary: every token (top-K over V)
+            max_logprobs=model_config.vocab_size
+            if self.max_logprobs == -1
+            else min(self.max_logprobs, model_config.vocab_size),
             attention_backend=attention_backend,
             load_format=self.load_format,
             hf_overrides=hf_overrides,

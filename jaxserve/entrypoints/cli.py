@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 
 from jaxserve.entrypoints.cli_args import add_engine_args, engine_args_from
+from jaxserve.entrypoints.serve_args import add_serving_flags, apply_serve_flags
+from jaxserve.entrypoints.vllm_flags import add_vllm_flags, normalize_argv
 from jaxserve.version import __version__
 
 _STARTED = time.perf_counter()  # `jaxserve serve` logs its start-up time from here
@@ -22,6 +25,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    apply_serve_flags(args)
     if args.headless or args.node_rank > 0:
         if not (args.headless and args.node_rank > 0):
             raise SystemExit(
@@ -75,7 +79,11 @@ def _client(args: argparse.Namespace) -> int:
 
 
 def _add_serve_parser(sub) -> None:
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        usage="jaxserve serve [model] [options]",
+    )
     serve.add_argument(
         "model",
         nargs="?",
@@ -96,13 +104,16 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 (or $JAXSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' (one of these keys) on every route but the "
+        "probes (or $JAXSERVE_API_KEY, $VLLM_API_KEY)",
     )
     serve.add_argument("--chat-template", default=None, help="a Jinja template or a file")
     serve.add_argument(
         "--trust-request-chat-template",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="let a request's own chat_template be rendered (off: such requests get a 400)",
     )
     serve.add_argument(
@@ -123,7 +134,10 @@ def _add_serve_parser(sub) -> None:
             help=f"CORS, a JSON list: {what}; no CORS headers without --allowed-origins",
         )  # fmt: skip
     serve.add_argument(
-        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)"
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="CORS: allow credentials (cookies)",
     )
     serve.add_argument(
         "--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
@@ -139,7 +153,8 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='tool_choice "auto": parse tool calls out of the text (needs --tool-call-parser)',
     )
     serve.add_argument(
@@ -149,7 +164,8 @@ def _add_serve_parser(sub) -> None:
     )
     serve.add_argument(
         "--enable-prompt-tokens-details",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="usage.prompt_tokens_details.cached_tokens: prompt tokens found in the prefix "
         "cache (or loaded by a KV connector)",
     )
@@ -172,7 +188,9 @@ def _add_serve_parser(sub) -> None:
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    add_serving_flags(serve)
     add_engine_args(serve)
+    add_vllm_flags(serve)  # the rest of vLLM's: accepted (no effect) or refused by name
     serve.set_defaults(func=_serve, background_compile=True)
 
 
@@ -286,6 +304,12 @@ def _add_collect_env_parser(sub) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # vLLM's spellings: --max_model_len, --cfg.key V, -O3, --config
+        try:
+            argv = normalize_argv(argv)
+        except (OSError, ValueError) as e:
+            parser.error(str(e))
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "func", None) is _bench:
         args.bench_args = rest

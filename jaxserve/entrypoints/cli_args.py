@@ -65,7 +65,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='JSON, e.g. {"pooling_type": "MEAN", "normalize": false} (LAST, MEAN or CLS)',
     )  # fmt: skip
     parser.add_argument(
-        "--enable-expert-parallel", action="store_true",
+        "--enable-expert-parallel", "-ep", action=argparse.BooleanOptionalAction, default=False,
         help="mixture of experts: whole experts per device (tensor_parallel_size of them)",
     )  # fmt: skip
     parser.add_argument(

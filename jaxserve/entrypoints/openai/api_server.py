@@ -65,6 +65,7 @@ from jaxserve.entrypoints.openai.server_setup import (  # noqa: F401 (multi_serv
     load_chat_template,
     ready_message,
     return_freed_memory,
+    uvicorn_settings,
 )
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -214,7 +215,7 @@ def build_app(
     engine: AsyncLLM,
     served_model_names: list[str],
     *,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     chat_template: str | None = None,
     chat_template_content_format: str = "auto",
     enable_auto_tools: bool = False,
@@ -275,6 +276,7 @@ def build_app(
         Route("/v1/messages", serving_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", serving_messages.count_tokens, methods=["POST"]),
     ]
+    options = options or ServeOptions()
     if envs.JAXSERVE_SERVER_DEV_MODE:  # /sleep, /pause, weight transfer, .. (dev_routes.py)
         logger.warning("development routes on (JAXSERVE_SERVER_DEV_MODE): trusted networks only")
         routes += dev_routes(api_key)  # (none without an API key: a ValueError)
@@ -282,13 +284,12 @@ def build_app(
         logger.warning("runtime LoRA loading and unloading is on: for local development only")
         routes += [Route(f"/v1/{op}_lora_adapter", lora_adapters, methods=["POST"])
                    for op in ("load", "unload")]  # fmt: skip
-    middleware = app_middleware(api_key, cors)
+    middleware = app_middleware(api_key, cors, options.root_path)
     handlers = {HTTPException: http_error}
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers
     )
     registry = OpenAIServingModels(engine, served_model_names, lora_modules or ())
-    options = options or ServeOptions()
     details = {
         "enable_prompt_tokens_details": enable_prompt_tokens_details,
         "models": registry,
@@ -337,7 +338,7 @@ def serve_http(
     from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME
 
     return_freed_memory()
-    api_key = args.api_key or envs.JAXSERVE_API_KEY
+    api_key = args.api_key or envs.JAXSERVE_API_KEY  # (JAXSERVE_API_KEY, else VLLM_API_KEY)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     app = build_app(
         engine,
@@ -349,7 +350,7 @@ def serve_http(
         tool_parser=args.tool_call_parser,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_stats_interval=envs.JAXSERVE_LOG_STATS_INTERVAL
-        if engine.engine_core.client_index == 0
+        if engine.engine_core.client_index == 0 and not args.disable_log_stats
         else None,
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_body_bytes=args.max_request_body_bytes,
@@ -366,7 +367,7 @@ def serve_http(
         formatter["fmt"] = log_prefix + formatter["fmt"]
     config = uvicorn.Config(
         app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-        log_config=log_config,
+        log_config=log_config, **uvicorn_settings(args),
     )  # fmt: skip
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make
     # that a no-op, so a drained shutdown exits 0 rather than as killed by SIGTERM.

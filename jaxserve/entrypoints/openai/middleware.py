@@ -2,7 +2,10 @@
 
 - CORS (only when --allowed-origins is given), outermost, so a browser's preflight is answered
   before any key is asked for.
-- With an API key (--api-key or JAXSERVE_API_KEY), every request needs it except PUBLIC's:
+- With --root-path (a proxy's path prefix), every route answers with and without it, as
+  vLLM's do: the prefix is stripped before routing and before the rules below.
+- With an API key (--api-key, which may give several, JAXSERVE_API_KEY or VLLM_API_KEY),
+  every request needs one except PUBLIC's:
   the probes a load balancer or Kubernetes calls without credentials. That covers routes
   added later and paths that do not exist (a keyless request to one is a 401, not a 404).
   `Authorization: Bearer KEY`, the scheme in any case (as vLLM reads it); Anthropic's
@@ -20,9 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+from starlette._utils import get_route_path
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
@@ -64,22 +69,29 @@ class GateMiddleware:
     """The API key (when one is set) and the JSON Content-Type of POSTs, on every path but
     PUBLIC's (pure ASGI, so streaming passes through untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None):
+    def __init__(self, app: ASGIApp, api_key: str | Sequence[str] | None, root_path: str = ""):
         self.app = app
-        self.key = _digest(api_key.encode()) if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+        self.keys = [_digest(key.encode()) for key in keys if key] or None
+        self.root_path = root_path.rstrip("/")
 
     def authorized(self, headers: dict[bytes, bytes], anthropic: bool) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(_digest(token.strip()), self.key):
+        if scheme.lower() == b"bearer" and self._known(token.strip()):
             return True
         given = headers.get(b"x-api-key")
-        return anthropic and given is not None and hmac.compare_digest(_digest(given), self.key)
+        return anthropic and given is not None and self._known(given)
+
+    def _known(self, given: bytes) -> bool:
+        """One of the keys (every one compared, so the time tells nothing of which)."""
+        digest = _digest(given)
+        return sum(hmac.compare_digest(digest, key) for key in self.keys) > 0
 
     def refusal(
         self, scope: Scope, headers: dict[bytes, bytes], anthropic: bool
     ) -> tuple[int, str, str] | None:
         """(status, message, OpenAI error type) of a request refused here, or None."""
-        if self.key is not None and not self.authorized(headers, anthropic):
+        if self.keys is not None and not self.authorized(headers, anthropic):
             return 401, "Unauthorized: a valid API key is required", "AuthenticationError"
         if scope["method"] == "POST":
             error = content_type_error(headers.get(b"content-type"))
@@ -91,13 +103,16 @@ class GateMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.root_path:  # starlette routes scope["path"] less this prefix, when it has it
+            scope = dict(scope, root_path=self.root_path)
+        path = get_route_path(scope)
         headers = dict(scope["headers"])
         unread = UnreadBody(headers)
         receive, send = unread.receive(receive), unread.send(send)
-        if scope["method"] in PUBLIC.get(scope["path"], ()):
+        if scope["method"] in PUBLIC.get(path, ()):
             await self.app(scope, receive, send)
             return
-        anthropic = scope["path"].startswith(ANTHROPIC_PREFIX)
+        anthropic = path.startswith(ANTHROPIC_PREFIX)
         refused = self.refusal(scope, headers, anthropic)
         if refused is None:
             await self.app(scope, receive, send)
@@ -169,7 +184,10 @@ def cors_middleware(cors: dict[str, Any] | None) -> list[Middleware]:
     ]
 
 
-def app_middleware(api_key: str | None, cors: dict[str, Any] | None) -> list[Middleware]:
+def app_middleware(
+    api_key: str | Sequence[str] | None, cors: dict[str, Any] | None, root_path: str = ""
+) -> list[Middleware]:
     """Outermost first: CORS, then the gate (installed with or without a key: the
-    Content-Type rule holds either way)."""
-    return [*cors_middleware(cors), Middleware(GateMiddleware, api_key=api_key or None)]
+    Content-Type rule holds either way; it also applies --root-path)."""
+    gate = Middleware(GateMiddleware, api_key=api_key or None, root_path=root_path)
+    return [*cors_middleware(cors), gate]

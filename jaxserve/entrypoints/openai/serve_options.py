@@ -19,6 +19,9 @@ class ServeOptions:
     enable_server_load_tracking: bool = False
     # GET /tokenizer_info answers the tokenizer's configuration (--enable-tokenizer-info-endpoint)
     enable_tokenizer_info_endpoint: bool = False
+    # Chat template arguments under each request's chat_template_kwargs
+    # (--default-chat-template-kwargs)
+    default_chat_template_kwargs: dict | None = None
     # The prefix a proxy strips before forwarding (--root-path): routes answer under it too
     root_path: str = ""
 

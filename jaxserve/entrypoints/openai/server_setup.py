@@ -4,6 +4,7 @@ binding the socket, the settings the flags give the app, and the "try: curl ..."
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import socket
 from typing import Any
@@ -129,6 +130,29 @@ def cors_settings(args) -> dict[str, Any] | None:
         "allow_headers": args.allowed_headers,
         "allow_credentials": args.allow_credentials,
     }
+
+
+def uvicorn_settings(args) -> dict[str, Any]:
+    """uvicorn.Config's settings from vLLM's flags: TLS (--ssl-*), the access log
+    (--disable-uvicorn-access-log, --disable-access-log-for-endpoints) and h11's limit on a
+    request's head (--h11-max-incomplete-event-size)."""
+    settings: dict[str, Any] = {
+        "access_log": not args.disable_uvicorn_access_log,
+        "h11_max_incomplete_event_size": args.h11_max_incomplete_event_size,
+    }
+    if args.ssl_keyfile or args.ssl_certfile:
+        settings.update(
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+        )  # fmt: skip
+        if args.ssl_ciphers:
+            settings["ssl_ciphers"] = args.ssl_ciphers
+    if args.disable_access_log_for_endpoints:
+        quiet = {p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()}
+        logging.getLogger("uvicorn.access").addFilter(
+            lambda record: not (len(record.args or ()) > 2 and record.args[2] in quiet)
+        )
+    return settings
 
 
 def ready_message(args, model: str, *, keyed: bool) -> str:
