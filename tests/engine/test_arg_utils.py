@@ -16,6 +16,15 @@ def model_dir(tmp_path_factory):
     return str(make_tiny_hf("llama", tmp_path_factory.mktemp("tiny")))
 
 
+@pytest.mark.parametrize("given", [-1, 10**6])
+def test_max_logprobs_of_no_cap_or_past_the_vocabulary_is_the_vocabulary(model_dir, given):
+    """vLLM starts with either (its -1: no cap); the step's top-K is over the vocabulary."""
+    config = EngineArgs(model=model_dir, max_logprobs=given).create_engine_config()
+    assert config.max_logprobs == config.model.vocab_size
+    with pytest.raises(ValueError, match="max_logprobs must be non-negative, got -2"):
+        EngineArgs(model=model_dir, max_logprobs=-2).create_engine_config()
+
+
 def test_defaults_are_vllms_with_cpu_limits(model_dir):
     config = EngineArgs(model=model_dir).create_engine_config()
     assert isinstance(config, EngineConfig)
@@ -59,7 +68,7 @@ def test_default_model_by_name_or_none():
         ({"nnodes": 2, "data_parallel_size": 2}, "data parallelism over several hosts is not"),
         ({"nnodes": 2, "tensor_parallel_size": 2}, "nnodes=2 but 1 processes joined the JAX"),
         ({"scheduling_policy": "lifo"}, "scheduling_policy must be 'fcfs' or 'priority'"),
-        ({"max_logprobs": -1}, "max_logprobs must be non-negative, got -1"),
+        ({"max_logprobs": -3}, "max_logprobs must be non-negative, got -3"),
         ({"dtype": "int8"}, "dtype 'int8' is not one of auto"),
         ({"load_format": "pt"}, "load_format 'pt' is not one of auto, dummy"),
         ({"kv_transfer_allowed_hosts": "10.0.0.5"}, "kv_transfer_allowed_hosts must be a list"),

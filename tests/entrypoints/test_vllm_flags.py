@@ -112,7 +112,7 @@ def test_structured_outputs_backends_and_max_logprobs_past_the_vocabulary(capsys
     _, error = parse("--structured-outputs-config", '{"backend": "nope"}', capsys=capsys)
     assert "backend 'nope'" in error
     args, _ = parse("--max-logprobs", "1000000")
-    assert args.max_logprobs == 1000000  # the engine caps it at the vocabulary (test_llm.py)
+    assert args.max_logprobs == 1000000  # the engine: the vocabulary (test_arg_utils.py)
 
 
 def test_vllm_environment_variables_are_read_when_jaxserve_s_are_unset(monkeypatch):
