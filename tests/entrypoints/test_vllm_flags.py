@@ -128,7 +128,7 @@ def test_vllm_environment_variables_are_read_when_jaxserve_s_are_unset(monkeypat
 
 def test_the_docs_list_every_vllm_twin_and_every_no_op_flag():
     variables = (DOCS / "environment_variables.md").read_text()
-    for ours, theirs in envs.VLLM_NAMES.items():
+    for theirs in envs.VLLM_NAMES.values():
         assert f"`{theirs}`" in variables, theirs
     serving = (DOCS / "serving.md").read_text()
     names = {f["dest"]: f["flags"][0] for f in vllm_flags()}
