@@ -7,6 +7,9 @@ import argparse
 import dataclasses
 
 
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The engine flags, vLLM's names; each dest is the EngineArgs field of the same name
     (`engine_args_from`). The model is not among them: serve takes it as a positional
@@ -41,7 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "each request goes to the least loaded",
     )  # fmt: skip
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        "--dtype",
+        default="auto",
+        type=lambda v: _DTYPE_ALIASES.get(v, v),
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the weights' and activations' dtype (vLLM's half = float16, float = float32)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -86,13 +86,14 @@ def test_a_vllm_launch_line_parses_with_vllm_spellings():
         "--enforce-eager", "--enable-chunked-prefill", "--max_model_len", "2048",
         "--root-path", "/llm", "--structured-outputs-config.backend", "xgrammar", "-O3",
         "--gpu_memory_utilization=0.5", "-asc", "1", "--no-enable-prefix-caching",
-        "--hf-overrides.num_hidden_layers", "2", "--api-key", "k1", "k2",
+        "--hf-overrides.num_hidden_layers", "2", "--api-key", "k1", "k2", "--dtype", "half",
     )  # fmt: skip
     assert error is None
     assert (args.max_model_len, args.root_path, args.gpu_memory_utilization) == (2048, "/llm", 0.5)
     assert args.structured_outputs_config == {"backend": "xgrammar"}
     assert json.loads(args.hf_overrides) == {"num_hidden_layers": 2}
     assert args.api_key == ["k1", "k2"] and args.enable_prefix_caching is False
+    assert args.dtype == "float16"
     ignored = [flag for flag, _ in args.vllm_ignored_flags]
     assert ignored == ["--enforce-eager", "--enable-chunked-prefill", "--optimization-level"]
 
