@@ -16,6 +16,7 @@ summed over the processes, the gauges (one engine's queue and KV cache) as last 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import os
 import time
@@ -36,7 +37,17 @@ LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 # vLLM's 1-2-5 buckets for token counts
 TOKEN_BUCKETS = [m * 10**e for e in range(7) for m in (1, 2, 5)]
+ITERATION_TOKENS_BUCKETS = [1, *(2**e for e in range(3, 15))]  # 1, 8, 16, ..., 16384
+REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Why a request waits: no room in the batch yet, or held back by something else (vLLM's;
+# SchedulerStats.num_deferred_reqs counts the second)
+WAITING_REASONS = ("capacity", "deferred")
+# vLLM's reasons for refusing a request at admission (--max-num-queued-reqs / -tokens).
+# jaxserve bounds its queue by memory only and never refuses one: the series stay at 0,
+# exported with vLLM's labels for the dashboards and alerts that read them.
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 
 @dataclasses.dataclass
@@ -50,6 +61,9 @@ class FinishedRequestStats:
     prefill_time: float | None = None  # first scheduled -> first token
     decode_time: float | None = None  # first token -> last token
     inference_time: float | None = None  # first scheduled -> last token
+    num_preemptions: int = 0  # times its requests were preempted (its children's summed)
+    n: int | None = None  # its sampling parameters (None: a pooling request, which has none)
+    max_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -57,7 +71,9 @@ class IterationStats:
     """What one batch of core outputs meant for the frontend's requests."""
 
     num_prompt_tokens: int = 0  # prompts of requests that got their first token
+    num_computed_prompt_tokens: int = 0  # of those, the ones not found in a cache
     num_generation_tokens: int = 0
+    engine_step: bool = False  # it holds an engine step's outputs (not an abort's alone)
     time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)
     inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
     finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
@@ -142,6 +158,9 @@ class PrometheusStatLogger:
             ("request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS),
             ("request_inference_time_seconds", "First scheduled to last.", LATENCY_BUCKETS),
             ("request_time_per_output_token_seconds", "Decode time per token.", ITL_BUCKETS),
+            ("request_params_n", "The n request parameter.", REQUEST_PARAMS_N_BUCKETS),
+            ("request_params_max_tokens", "The max_tokens request parameter.", TOKEN_BUCKETS),
+            ("request_num_preemptions", "Times a request was preempted.", PREEMPTIONS_BUCKETS),
         ]
         self.per_request = {name: metric(h, name, doc, buckets=b) for name, doc, b in per_request}
         # vLLM's deprecated names its example dashboard still reads: the same values
@@ -163,23 +182,66 @@ class PrometheusStatLogger:
             registry=self.registry,
             **({"multiprocess_mode": "mostrecent"} if multiprocess_dir() else {}),
         )  # fmt: skip
+        self.waiting_by_reason = metric(
+            g, "num_requests_waiting_by_reason", "Waiting requests by reason: 'capacity' "
+            "(no room in the batch yet) or 'deferred' (held back by something else).",
+            extra=["reason"],
+        )  # fmt: skip
+        self.admission_rejections = prom.Counter(
+            f"{PREFIX}admission_rejections", "Requests refused at admission by a queue limit.",
+            ["model_name", "reason"], registry=self.registry,
+        )  # fmt: skip
+        self.iteration_tokens = metric(
+            h, "iteration_tokens_total", "Tokens per engine step: prompts computed, generated.",
+            buckets=ITERATION_TOKENS_BUCKETS,
+        )  # fmt: skip
+        self.cache_info: prom.Gauge | None = None  # log_cache_config
         self.model_name = model_name
         self.num_engines = num_engines
         exported = (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
                     self.generation_tokens, self.prefix_queries, self.prefix_hits,
                     self.preemptions, self.ttft, self.itl, self.e2e, self.queue,
-                    self.tpot_old, self.gpu_cache_old, *self.per_request.values())  # fmt: skip
+                    self.tpot_old, self.gpu_cache_old, *self.per_request.values(),
+                    self.iteration_tokens)  # fmt: skip
         for engine in map(str, range(num_engines)):  # exported as 0 from the start
             for m in exported:
                 m.labels(model_name, engine)
             for reason in FINISH_REASONS:
                 self.success.labels(model_name, engine, reason)
+            for reason in WAITING_REASONS:
+                self.waiting_by_reason.labels(model_name, engine, reason)
+        for reason in ADMISSION_REASONS:  # never counted: see ADMISSION_REASONS
+            self.admission_rejections.labels(model_name, reason)
+
+    def log_cache_config(self, config, num_blocks: list[int] | None) -> None:
+        """vLLM's cache_config_info: a gauge at 1 per engine whose labels are the KV cache's
+        configuration (config: the EngineConfig; num_blocks: each engine's KV-cache blocks,
+        None when the core did not say), with its size in tokens and the concurrency it
+        allows at max_model_len, as the start-up log has them."""
+        cache = config.cache
+        labels = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
+        self.cache_info = prom.Gauge(
+            f"{PREFIX}cache_config_info", "Information of the LLMEngine CacheConfig",
+            [*labels, "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency",
+             "engine"], registry=self.registry,
+            **({"multiprocess_mode": "mostrecent"} if multiprocess_dir() else {}),
+        )  # fmt: skip
+        max_model_len = config.scheduler.max_model_len
+        for engine in range(self.num_engines):
+            blocks = num_blocks[engine] if num_blocks else None
+            tokens = None if blocks is None else blocks * cache.block_size
+            concurrency = None if tokens is None else round(tokens / max_model_len, 2)
+            values = [*labels.values(), blocks, tokens, concurrency, engine]
+            self.cache_info.labels(*map(str, values)).set(1)
 
     def record(self, sched: SchedulerStats | None, it: IterationStats, engine: int = 0) -> None:
         labels = (self.model_name, str(engine))
         if sched is not None:
             self.running.labels(*labels).set(sched.num_running_reqs)
             self.waiting.labels(*labels).set(sched.num_waiting_reqs)
+            by_reason, deferred = self.waiting_by_reason, sched.num_deferred_reqs
+            by_reason.labels(*labels, "capacity").set(sched.num_waiting_reqs - deferred)
+            by_reason.labels(*labels, "deferred").set(deferred)
             self.kv_usage.labels(*labels).set(sched.kv_cache_usage)
             self.gpu_cache_old.labels(*labels).set(sched.kv_cache_usage)
             self.prefix_queries.labels(*labels).inc(sched.prefix_cache_queries)
@@ -195,6 +257,10 @@ class PrometheusStatLogger:
                 self.lora_info.labels(str(sched.max_loras), waiting, running).set_to_current_time()
         self.prompt_tokens.labels(*labels).inc(it.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(it.num_generation_tokens)
+        if it.engine_step:  # (vLLM's: one observation per step that had outputs)
+            self.iteration_tokens.labels(*labels).observe(
+                it.num_computed_prompt_tokens + it.num_generation_tokens
+            )
         for t in it.time_to_first_tokens:
             self.ttft.labels(*labels).observe(t)
         if it.inter_token_latencies:  # (one per running request and step: children looked up once)
@@ -222,6 +288,9 @@ class PrometheusStatLogger:
                 if f.decode_time is not None and f.max_generation_tokens > 1
                 else None
             ),
+            "request_params_n": f.n,
+            "request_params_max_tokens": f.max_tokens,
+            "request_num_preemptions": f.num_preemptions,
         }
         for name, value in values.items():
             if value is not None:
@@ -245,9 +314,27 @@ class PrometheusStatLogger:
 
     def engine_dead(self) -> None:
         """The gauges read 0 once the engine core is gone: nothing runs or waits any more."""
-        for gauge in (self.running, self.waiting, self.kv_usage):
-            for engine in range(self.num_engines):
+        for engine in range(self.num_engines):
+            for gauge in (self.running, self.waiting, self.kv_usage):
                 gauge.labels(self.model_name, str(engine)).set(0)
+            for reason in WAITING_REASONS:
+                self.waiting_by_reason.labels(self.model_name, str(engine), reason).set(0)
+
+    def load_report(self) -> dict[str, float]:
+        """vLLM's ORCA named metrics, from the gauges: the requests waiting (summed over the
+        engines) and the KV-cache usage (their mean: the engines' caches are the same size)."""
+        if multiprocess_dir():  # the engines' stats may reach another API server: every one's
+            from prometheus_client import multiprocess
+
+            gauges = glob.glob(os.path.join(multiprocess_dir(), "gauge_mostrecent_*.db"))
+            families = multiprocess.MultiProcessCollector.merge(gauges, accumulate=False)
+        else:  # (these two alone: reading the whole registry takes milliseconds)
+            families = [*self.waiting.collect(), *self.kv_usage.collect()]
+        values = {f.name: [s.value for s in f.samples] for f in families}
+        waiting = values.get(f"{PREFIX}num_requests_waiting") or [0.0]
+        usage = values.get(f"{PREFIX}kv_cache_usage_perc") or [0.0]
+        return {"num_requests_waiting": float(sum(waiting)),
+                "kv_cache_usage_perc": float(sum(usage) / len(usage))}  # fmt: skip
 
     def exposition(self) -> bytes:
         registry = self.registry

@@ -178,3 +178,101 @@ def test_vllms_grafana_dashboard_queries_return_series():
             assert series, f"{name} has no series for {query}"
             if name.endswith(("_sum", "_count")) and "request_" in name:
                 assert any(s.value > 0 for s in series), name  # observed, not only declared
+
+
+# ---------------------------------------------------------------------- vLLM 0.32's series
+def samples(prom: PrometheusStatLogger) -> dict[tuple, float]:
+    """{(sample name, its labels but model_name and engine, sorted): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {}
+    for family in text_string_to_metric_families(prom.exposition().decode()):
+        for s in family.samples:
+            labels = sorted(
+                (k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")
+            )
+            got[(s.name, *labels)] = s.value
+    return got
+
+
+def test_vllms_newer_series_exist_at_zero_with_its_labels():
+    """What vLLM 0.32's test_metrics.py expects on a server that has served nothing yet,
+    admission rejections included (jaxserve never refuses a request at admission)."""
+    got = samples(PrometheusStatLogger("m"))
+    for key in [
+        ("vllm:num_requests_waiting_by_reason", ("reason", "capacity")),
+        ("vllm:num_requests_waiting_by_reason", ("reason", "deferred")),
+        ("vllm:admission_rejections_total", ("reason", "max_num_queued_reqs")),
+        ("vllm:admission_rejections_total", ("reason", "max_num_queued_tokens")),
+        ("vllm:iteration_tokens_total_count",),
+        ("vllm:request_params_n_count",),
+        ("vllm:request_params_max_tokens_sum",),
+        ("vllm:request_num_preemptions_count",),
+    ]:
+        assert got[key] == 0.0, key
+    assert ("vllm:request_params_n_bucket", ("le", "20.0")) in got  # vLLM's buckets
+    assert ("vllm:iteration_tokens_total_bucket", ("le", "16384.0")) in got
+    assert ("vllm:request_num_preemptions_bucket", ("le", "3.0")) in got
+
+
+def test_waiting_requests_by_reason_sum_to_the_waiting_ones():
+    prom = PrometheusStatLogger("m")
+    prom.record(SchedulerStats(num_waiting_reqs=5, num_deferred_reqs=2), IterationStats())
+    got = samples(prom)
+    assert got[("vllm:num_requests_waiting",)] == 5.0
+    assert got[("vllm:num_requests_waiting_by_reason", ("reason", "capacity"))] == 3.0
+    assert got[("vllm:num_requests_waiting_by_reason", ("reason", "deferred"))] == 2.0
+    prom.engine_dead()
+    assert samples(prom)[("vllm:num_requests_waiting_by_reason", ("reason", "deferred"))] == 0
+
+
+def test_iteration_tokens_and_request_parameters():
+    """One observation per engine step with outputs (the prompt tokens computed, not those
+    found in a cache, plus the tokens generated); n, max_tokens and preemptions per finished
+    request, a pooling request's parameters not (it has none)."""
+    prom = PrometheusStatLogger("m")
+    step = IterationStats(num_prompt_tokens=50, num_computed_prompt_tokens=34,
+                          num_generation_tokens=3, engine_step=True)  # fmt: skip
+    prom.record(None, step)
+    prom.record(None, IterationStats(engine_step=True, num_generation_tokens=2))
+    sampled = FinishedRequestStats("length", 1.0, 0.1, 50, 14, 7, n=2, max_tokens=7,
+                                   num_preemptions=3)  # fmt: skip
+    pooled = FinishedRequestStats("length", 1.0, 0.1, 50, 1, 1)
+    prom.record(None, IterationStats(finished=[sampled, pooled]))  # an abort's: no step
+    got = samples(prom)
+    assert got[("vllm:iteration_tokens_total_sum",)] == 34 + 3 + 2
+    assert got[("vllm:iteration_tokens_total_count",)] == 2
+    assert got[("vllm:request_params_n_sum",)] == 2 and got[("vllm:request_params_n_count",)] == 1
+    assert got[("vllm:request_params_max_tokens_sum",)] == 7
+    assert got[("vllm:request_params_max_tokens_count",)] == 1
+    assert got[("vllm:request_num_preemptions_sum",)] == 3
+    assert got[("vllm:request_num_preemptions_count",)] == 2
+    assert got[("vllm:request_num_preemptions_bucket", ("le", "1.0"))] == 1
+
+
+def test_cache_config_info_labels_the_kv_cache_of_each_engine():
+    from types import SimpleNamespace
+
+    from jaxserve.config.engine import CacheConfig
+
+    prom = PrometheusStatLogger("m", num_engines=2)
+    config = SimpleNamespace(
+        cache=CacheConfig(block_size=16), scheduler=SimpleNamespace(max_model_len=1024)
+    )
+    prom.log_cache_config(config, [100, 80])
+    info = [k for k in samples(prom) if k[0] == "vllm:cache_config_info"]
+    assert len(info) == 2
+    first = dict(info[0][1:])
+    assert first["block_size"] == "16" and first["enable_prefix_caching"] == "True"
+    assert first["num_gpu_blocks"] == "100" and first["kv_cache_size_tokens"] == "1600"
+    assert first["kv_cache_max_concurrency"] == "1.56"  # 1600 tokens / 1024
+    assert dict(info[1][1:])["kv_cache_size_tokens"] == "1280"
+
+
+def test_load_report_reads_the_gauges():
+    """The ORCA named metrics: waiting summed over the engines, KV usage their mean."""
+    prom = PrometheusStatLogger("m", num_engines=2)
+    assert prom.load_report() == {"num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
+    prom.record(SchedulerStats(num_waiting_reqs=3, kv_cache_usage=0.5), IterationStats(), 0)
+    prom.record(SchedulerStats(num_waiting_reqs=1, kv_cache_usage=0.25), IterationStats(), 1)
+    assert prom.load_report() == {"num_requests_waiting": 4.0, "kv_cache_usage_perc": 0.375}

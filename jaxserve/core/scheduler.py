@@ -38,30 +38,30 @@ import time
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.encoder_cache_manager import EncoderCacheManager
-from jaxserve.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_connector import SchedulerKVConnector
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
 from jaxserve.core.scheduler_gates import EncoderGate, GrammarGate
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler_remote import RemoteKVLoads
+from jaxserve.core.scheduler_stats import StatsReport
 from jaxserve.core.scheduler_utils import (
     StepPlan,
     decodes_in_place,
     draft_room,
     drafts_to_schedule,
     lora_gate,
-    lora_stats,
     num_tokens_to_schedule,
     update_request_from_step,
 )
-from jaxserve.ipc.messages import EngineCoreOutput, SchedulerStats, SpecDecodingStats
+from jaxserve.ipc.messages import EngineCoreOutput, SpecDecodingStats
 from jaxserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
+class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
     """The engine core's request states (waiting, running, waiting for remote KV) and each
     step's plan; see the module docstring for the order of things."""
 
@@ -278,6 +278,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
                 break
         for request in reversed(skipped):
             self.waiting.prepend_request(request)
+        self.num_skipped = len(skipped)  # (deferred: scheduler_stats.py)
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         """Schedule the waiting request at the head of the queue: its prefix-cache hit, the
@@ -428,23 +429,3 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate):
                 except Exception as e:  # its response would lack the connector's params
                     outputs[-1] = self._fail(request, e)
         return outputs
-
-    def make_stats(self) -> SchedulerStats:
-        stats: PrefixCacheStats = self.kv_cache_manager.make_prefix_cache_stats()
-        preemptions, self.num_preemptions = self.num_preemptions, 0
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_queries=stats.queries,
-            prefix_cache_hits=stats.hits,
-            num_preemptions=preemptions,
-            spec_decoding=self._take_spec_stats(),
-            kv_connector=self.connector.take_stats() if self.connector is not None else None,
-            **lora_stats(self.running, self.waiting, self.max_loras),
-        )
-
-    def _take_spec_stats(self) -> SpecDecodingStats | None:
-        stats = self.spec_stats
-        self.spec_stats = SpecDecodingStats() if stats is not None else None
-        return stats

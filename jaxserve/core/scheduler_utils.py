@@ -266,6 +266,7 @@ def make_engine_core_output(
         num_cached_tokens=request.num_cached_tokens,
         pooled=runner_output.pooled.get(request.request_id) if runner_output.pooled else None,
         scheduled_time=None if request.scheduled_time_sent else request.take_scheduled_time(),
+        num_preemptions=request.num_preemptions,
     )
 
 

@@ -151,6 +151,13 @@ class AsyncLLM(AsyncControl):
     def is_running(self) -> bool:
         return not self.errored
 
+    @property
+    def num_blocks(self) -> list[int] | None:
+        """Each engine's KV-cache blocks, as they reported them when ready (None: a client
+        without that report, such as a test's stand-in core)."""
+        info = getattr(self.engine_core, "info", None)
+        return None if info is None else info.num_blocks
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

@@ -47,7 +47,7 @@ def child_request_id(index: int, request_id: str) -> str:
 def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedRequestStats:
     """A finished request for the metrics; with n children, abort if any was aborted, else
     stop if any stopped, else length (a failed request: error)."""
-    m = state.metrics
+    m, params, sampled = state.metrics, state.params, state.pooled is None
     lengths = [len(c.token_ids) for c in state.children.values()]
     first, scheduled, last = m.first_token_time, m.first_scheduled_time, m.last_token_time
     return FinishedRequestStats(
@@ -56,6 +56,8 @@ def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedReq
         prefill_time=first - scheduled if first is not None and scheduled is not None else None,
         decode_time=last - first if first is not None and last is not None else None,
         inference_time=last - scheduled if last is not None and scheduled is not None else None,
+        num_preemptions=sum(c.num_preemptions for c in state.children.values()),
+        n=params.n if sampled else None, max_tokens=params.max_tokens if sampled else None,
     )  # fmt: skip
 
 
@@ -70,6 +72,7 @@ class ChildState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # for DELTA outputs
     finish_sent: bool = False  # for DELTA outputs: its last output went out
+    num_preemptions: int = 0  # times the core preempted it (the metrics)
 
 
 @dataclasses.dataclass
@@ -163,6 +166,7 @@ class OutputProcessor:
         given. A request whose output raises here fails alone (see the module docstring)."""
         now = time.time()
         stats = stats if stats is not None else IterationStats()
+        stats.engine_step |= bool(outputs)
         to_abort: list[str] = []
         touched: dict[str, RequestState] = {}
         failed: dict[str, RequestState] = {}
@@ -229,10 +233,15 @@ class OutputProcessor:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
                 stats.num_prompt_tokens += len(state.prompt_token_ids)
+                stats.num_computed_prompt_tokens += (
+                    len(state.prompt_token_ids) - state.num_cached_tokens
+                )
                 stats.time_to_first_tokens.append(now - state.metrics.arrival_time)
             elif state.metrics.last_token_time is not None:
                 stats.inter_token_latencies.append(now - state.metrics.last_token_time)
         state.metrics.last_token_time = now
+        if out.num_preemptions:
+            child.num_preemptions = out.num_preemptions
         child.token_ids += out.new_token_ids
         if out.logprobs is not None and child.logprobs is not None:
             for position in out.logprobs:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names
 
 

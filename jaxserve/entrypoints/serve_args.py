@@ -68,10 +68,11 @@ def add_serving_flags(serve: argparse.ArgumentParser) -> None:
     """The flags above, each vLLM's name, default and meaning."""
     flag = argparse.BooleanOptionalAction
     for name, what in (
-        ("--enable-force-include-usage", "every streamed chunk carries usage (null until the "
-         "last), as if the request asked stream_options.include_usage"),
+        ("--enable-force-include-usage", "every streamed chunk carries usage (the counts so "
+         "far) and a usage chunk ends the stream, as if each request asked for it"),
         ("--return-tokens-as-token-ids", 'logprobs name tokens as "token_id:N"'),
-        ("--enable-server-load-tracking", "GET /load: the requests this server is serving"),
+        ("--enable-server-load-tracking", "GET /load counts the requests this server is "
+         "serving (off: it answers 0, as vLLM)"),
         ("--enable-tokenizer-info-endpoint", "GET /tokenizer_info: the tokenizer's settings "
          "and chat template"),
         ("--disable-uvicorn-access-log", "no access log line per request"),

@@ -174,7 +174,7 @@ AT_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     "fingerprint_mode": ((), "jaxserve sends no system fingerprint"),
     "fingerprint_value": ((), "jaxserve sends no system fingerprint"),
     "trust_request_mm_kwargs": ((), "requests carry no multimodal processor arguments"),
-    "response_role": ((), "chat answers have the assistant role"),
+    "response_role": ((), "an answer after a generation prompt is the assistant's"),
     "exclude_tools_when_tool_choice_none": ((), "tools are rendered whatever the choice"),
     "tool_strict_level": ((), "strict tools are constrained as a whole"),
     "tool_server": ((), "jaxserve runs no built-in tools"),

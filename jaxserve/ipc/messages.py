@@ -53,6 +53,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # The finished output only: what a KV connector tells the next instance (the prefill
     # instance's {"do_remote_prefill": true, "remote_host": ..., ...}), sent on by the proxy.
     kv_transfer_params: dict[str, Any] | None = None
+    num_preemptions: int = 0  # times it was preempted so far (last: omitted while 0)
 
     @property
     def finished(self) -> bool:
@@ -92,7 +93,7 @@ class KVConnectorStats(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
+    num_waiting_reqs: int = 0  # the queue and the requests waiting for remote KV (vLLM's)
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     prefix_cache_queries: int = 0  # tokens looked up since the last stats
     prefix_cache_hits: int = 0  # tokens found
@@ -106,6 +107,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Steps dispatched and not yet fetched when this step's output was taken, it included
     # (the engine core's batch queue: pipeline_parallel_size micro-batches in steady decode)
     num_batches_in_flight: int = 0
+    # Of num_waiting_reqs, those held back by something else than room in the batch: a grammar
+    # still compiling, KV coming from another instance, no LoRA slot (vLLM's "deferred")
+    num_deferred_reqs: int = 0
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True):

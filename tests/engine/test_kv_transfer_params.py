@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxserve.config import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS
+from jaxserve.config.engine import CacheConfig
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.llm_engine import LLMEngine
@@ -30,6 +31,7 @@ def config(max_model_len: int = 64):
         model=SimpleNamespace(vocab_size=100, hf_config=None, hidden_size=8),
         scheduler=SimpleNamespace(max_model_len=max_model_len),
         parallel=SimpleNamespace(data_parallel_size=1),
+        cache=CacheConfig(),  # blocks of 16, prefix caching on
         max_logprobs=20,
         pooler=None,
         reasoning_parser=None,

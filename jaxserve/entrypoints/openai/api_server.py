@@ -39,20 +39,19 @@ from jaxserve.entrypoints.openai.api_common import (
     decode_body,
     error_response,
     generate_route,
-    off_loop,
     serving_of,
 )
 from jaxserve.entrypoints.openai.dev_routes import dev_routes
+from jaxserve.entrypoints.openai.invocations import invocation_routes
+from jaxserve.entrypoints.openai.load_tracking import load_middleware, load_routes, with_load_report
 from jaxserve.entrypoints.openai.middleware import app_middleware
 from jaxserve.entrypoints.openai.probes import probe_routes
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     EmbeddingRequest,
     ErrorInfo,
     ErrorResponse,
-    TokenizeRequest,
 )
 from jaxserve.entrypoints.openai.request_body import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -81,6 +80,7 @@ from jaxserve.entrypoints.openai.serving_models import (
 )
 from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxserve.entrypoints.openai.serving_score import OpenAIServingScore, score_routes
+from jaxserve.entrypoints.openai.serving_tokenization import tokenization_routes
 from jaxserve.entrypoints.openai.template_worker import shared_renderer
 from jaxserve.metrics import PrometheusStatLogger, make_log_stats
 from jaxserve.multimodal.media import DEFAULT_MAX_IMAGE_BYTES
@@ -91,16 +91,18 @@ logger = logging.getLogger("jaxserve.api_server")
 
 async def completions(request: Request) -> Response:
     s = request.app.state.serving_completion
-    return await generate_route(
+    response = await generate_route(
         request, CompletionRequest, s.prepare_completion, s.completion, s.completion_stream
     )
+    return with_load_report(request, response)  # (ORCA, when asked: load_tracking.py)
 
 
 async def chat_completions(request: Request) -> Response:
     s = request.app.state.serving_chat
-    return await generate_route(
+    response = await generate_route(
         request, ChatCompletionRequest, s.prepare_chat, s.chat, s.chat_stream, s.load_images
     )
+    return with_load_report(request, response)
 
 
 async def embeddings(request: Request) -> Response:
@@ -137,53 +139,6 @@ async def version(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     body = request.app.state.prometheus.exposition()
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-async def tokenize(request: Request) -> Response:
-    s = serving_of(request)
-    try:
-        body = await decode_body(request, TokenizeRequest)
-        s.check_model(body.model)
-        if s.tokenizer is None:
-            raise ValueError("this model has no tokenizer")
-        if body.messages is not None:
-            chat = ChatCompletionRequest(
-                messages=body.messages, add_generation_prompt=body.add_generation_prompt
-            )
-            txt, tokens = await off_loop(request, request.app.state.serving_chat.chat_prompt, chat)
-            if body.add_special_tokens:  # vLLM's default for messages: false
-                tokens = (await off_loop(request, lambda: s.tokenizer(txt))).input_ids
-        elif body.prompt is not None:
-            s.engine.input_processor.check_text_length(body.prompt)
-            special = body.add_special_tokens is not False
-            encoded = await off_loop(
-                request, lambda: s.tokenizer(body.prompt, add_special_tokens=special)
-            )
-            tokens = encoded.input_ids
-        else:
-            raise ValueError("tokenize needs prompt or messages")
-    except Exception as e:
-        return error_response(e)
-    return MsgspecJSONResponse(
-        {"count": len(tokens), "max_model_len": s.max_model_len, "tokens": tokens}
-    )
-
-
-async def detokenize(request: Request) -> Response:
-    s = serving_of(request)
-    try:
-        body = await decode_body(request, DetokenizeRequest)
-        s.check_model(body.model)
-        vocab = s.engine.config.model.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (size {vocab})")
-        if s.tokenizer is None:
-            raise ValueError("this model has no tokenizer")
-        text = await off_loop(request, s.tokenizer.decode, body.tokens)
-    except Exception as e:
-        return error_response(e)
-    return MsgspecJSONResponse({"prompt": text})
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -235,6 +190,7 @@ def build_app(
     the routes that load and unload adapters too."""
     num_engines = engine.config.parallel.data_parallel_size
     prometheus = PrometheusStatLogger(served_model_names[0], num_engines)
+    prometheus.log_cache_config(engine.config, engine.num_blocks)
     log_stats = make_log_stats(num_engines)
     engine.stat_loggers += [prometheus, log_stats]
 
@@ -271,10 +227,11 @@ def build_app(
         *probe_routes(),  # /health, /ping, /ready (probes.py)
         Route("/version", version, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
+        *tokenization_routes(),  # /tokenize, /detokenize, /tokenizer_info
         Route("/v1/messages", serving_messages.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", serving_messages.count_tokens, methods=["POST"]),
+        *load_routes(),  # /load (load_tracking.py)
+        *invocation_routes(),  # SageMaker's /invocations (invocations.py)
     ]
     options = options or ServeOptions()
     if envs.JAXSERVE_SERVER_DEV_MODE:  # /sleep, /pause, weight transfer, .. (dev_routes.py)
@@ -284,7 +241,7 @@ def build_app(
         logger.warning("runtime LoRA loading and unloading is on: for local development only")
         routes += [Route(f"/v1/{op}_lora_adapter", lora_adapters, methods=["POST"])
                    for op in ("load", "unload")]  # fmt: skip
-    middleware = app_middleware(api_key, cors, options.root_path)
+    middleware = [*app_middleware(api_key, cors, options.root_path), *load_middleware(options)]
     handlers = {HTTPException: http_error}
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers
@@ -315,6 +272,7 @@ def build_app(
     app.state.prometheus = prometheus
     app.state.log_stats = log_stats
     app.state.options = options
+    app.state.server_load = 0  # requests in flight (--enable-server-load-tracking)
     return app
 
 

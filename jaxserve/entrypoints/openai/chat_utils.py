@@ -4,7 +4,8 @@
   tools, a named tool that is not in tools, "auto" without --enable-auto-tool-choice and
   --tool-call-parser, a named or required choice beside another output constraint.
 - `tool_choice_constraint`: "required" and a named function are structured outputs (a JSON
-  array of calls, or the function's parameters), so the output always parses.
+  array of calls, or the function's parameters: tool_schema.py), so the output parses unless
+  max_tokens cuts it short, and then it is no call (vLLM's).
 - `template_messages`: messages as chat templates take them (assistant tool_calls with
   their arguments as dicts, content strings or lists of text and image parts per the
   content format).
@@ -32,9 +33,9 @@ from jaxserve.entrypoints.openai.protocol import (
     random_tool_call_id,
 )
 from jaxserve.entrypoints.openai.template_worker import shared_renderer
+from jaxserve.entrypoints.openai.tool_schema import required_calls_schema, tool_parameters
 from jaxserve.sampling_params import StructuredOutputsParams
 
-_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
@@ -101,30 +102,11 @@ def tool_choice_constraint(request: ChatCompletionRequest) -> StructuredOutputsP
     choice = tool_choice(request)
     functions = {t["function"]["name"]: t["function"] for t in request.tools or []}
     if isinstance(choice, dict):
-        return StructuredOutputsParams(json=_parameters(functions[choice["function"]["name"]]))
+        return StructuredOutputsParams(json=tool_parameters(functions[choice["function"]["name"]]))
     if choice != "required":
         return None
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "parameters": _parameters(fn)},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for name, fn in functions.items()
-    ]
-    schema = {
-        "type": "array",
-        "minItems": 1,
-        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
-    }
-    if request.parallel_tool_calls is False:
-        schema["maxItems"] = 1  # one call: nothing to cut afterwards
-    return StructuredOutputsParams(json=schema)
-
-
-def _parameters(function: dict) -> dict:
-    return function.get("parameters") or {"type": "object", "properties": {}}
+    parallel = request.parallel_tool_calls is not False
+    return StructuredOutputsParams(json=required_calls_schema(functions, parallel=parallel))
 
 
 # ---------------------------------------------------------------------- messages
@@ -219,16 +201,16 @@ def template_messages(
 
 
 def _template_message(i: int, message: Any, fmt: str, placeholder: str | None) -> dict[str, Any]:
-    """A known role; content a string or text and image parts per `fmt` (null -> ""; as one
-    string, the image markers first, as vLLM puts them); assistant
-    tool_calls with arguments as dicts; reasoning_content renamed reasoning (vLLM), and an
-    assistant's reasoning also as `thinking`, the field gpt-oss's template renders as the
-    analysis channel."""
+    """Any role (a custom one reaches the template as it is, as in vLLM); content a string
+    or text and image parts per `fmt` (null -> ""; as one string, the image markers first,
+    as vLLM puts them); assistant tool_calls with arguments as dicts; reasoning_content
+    renamed reasoning (vLLM), and an assistant's reasoning also as `thinking`, the field
+    gpt-oss's template renders as the analysis channel."""
     if not isinstance(message, dict):
         raise ValueError(f"messages[{i}] must be an object, got {type(message).__name__}")
     role = message.get("role")
-    if role not in _ROLES:
-        raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {role!r}")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"messages[{i}].role must be a non-empty string, got {role!r:.100}")
     out = dict(message)
     content = message.get("content")
     parts: list[dict[str, str]] = []  # {"type": "text", "text"} or {"type": "image"}
@@ -318,9 +300,11 @@ class ChoiceParser:
             reasoning, content = self.reasoner.extract_reasoning(text, self.request)
         calls: list[ToolCall] = []
         if self.named is not None:
-            calls, content = [ToolCall(FunctionCall(self.named, content or ""))], ""
+            # Arguments cut short (by max_tokens or a stop string) are no call (vLLM's)
+            calls = [ToolCall(FunctionCall(self.named, content))] if _is_json(content) else []
+            content = ""
         elif self.choice == "required":
-            calls, content = _required_calls(content or ""), None
+            calls, content = _required_calls(content or ""), ""  # (vLLM's "", not null)
         elif self.tool_parser is not None and content:
             info = self.tool_parser.extract_tool_calls(content, self.request)
             if info.tools_called:
@@ -375,11 +359,7 @@ class ChoiceParser:
                 out.reasoning = out.reasoning_content = d.reasoning
                 if d.content:
                     self._content_delta(d.content, out)
-        if self.named is not None and not self.named_sent:
-            self.named_sent = True
-            out.tool_calls = [DeltaToolCall(0, random_tool_call_id(), "function",
-                                            DeltaFunctionCall(self.named, ""))]  # fmt: skip
-        elif self.choice == "required":
+        if self.choice == "required":  # (a named call streamed as it came; nothing: no call)
             calls = _required_calls(self.content)
             if self.request.parallel_tool_calls is False:
                 calls = calls[:1]
@@ -408,6 +388,14 @@ class ChoiceParser:
 
 def _has_news(m: DeltaMessage) -> bool:
     return bool(m.content or m.reasoning or m.tool_calls)
+
+
+def _is_json(text: str | None) -> bool:
+    try:
+        json.loads(text or "")
+    except (ValueError, RecursionError):  # (JSONDecodeError; nested past Python's stack)
+        return False
+    return True
 
 
 def _required_calls(text: str) -> list[ToolCall]:

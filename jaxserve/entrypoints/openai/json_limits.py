@@ -39,7 +39,7 @@ DEFAULT_FIELD_VALUES = 4096  # a top-level field FIELD_VALUES does not name
 _TOKEN_FIELDS = ("prompt", "input", "tokens", "allowed_token_ids", "stop_token_ids", "logit_bias")
 # conversations, tool definitions, the texts a pooling request scores, JSON schemas
 _LIST_FIELDS = ("messages", "tools", "system", "documents", "text_1", "text_2")
-_SCHEMA_FIELDS = ("response_format", "structured_outputs", "guided_json", "text")
+_SCHEMA_FIELDS = ("response_format", "structured_outputs", "guided_json", "text", "output_config")
 FIELD_VALUES = {
     **dict.fromkeys(_TOKEN_FIELDS, MAX_VALUES),
     **dict.fromkeys(_LIST_FIELDS + _SCHEMA_FIELDS, 1 << 18),
@@ -267,9 +267,10 @@ class _Scan:
             i = int(np.argmax(bad))
             token = self.body[int(start[i] - negative[i]) : int(end[i])].decode()
             shown = token if len(token) <= 40 else f"of {n[i]} digits"
+            bound = "greater_than_equal" if negative[i] else "less_than_equal"  # vLLM's names
             raise self._error(
                 int(start[i]),
-                f"the integer {shown} is outside the 64-bit range [-2**63, 2**64 - 1]",
+                f"the integer {shown} is outside the 64-bit range [-2**63, 2**64 - 1] ({bound})",
             )
 
     def _name(self, field: int) -> str:

@@ -1,7 +1,8 @@
 """OpenAI request and response bodies as msgspec Structs (vLLM's fields and defaults).
 
 Requests decode with `decode_request(body, type)`: a wrong type is a ValidationError that
-names the field (`Expected int, got str - at $.max_tokens`); unknown fields are ignored and
+names the field (`Expected int, got str - at $.max_tokens`), but a boolean may come as
+"true" or 1, as vLLM reads it (request_values.lax_bools); unknown fields are ignored and
 logged (vLLM's words). `to_sampling_params` turns a request into SamplingParams, whose own
 checks name bad values.
 """
@@ -27,6 +28,26 @@ from jaxserve.chat_messages import (  # noqa: F401
     FunctionCall,
     ToolCall,
     random_tool_call_id,
+)
+
+# The completion and chat answers (with vLLM's nulls) live beside this module.
+from jaxserve.entrypoints.openai.protocol_output import (  # noqa: F401
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionResponse,
+    CompletionStreamChoice,
+    PromptTokensDetails,
+    ResponseMessage,
+    UsageInfo,
+)
+from jaxserve.entrypoints.openai.request_values import (
+    lax_bools,
+    logit_bias_ids,
+    out_of_int64,
 )
 from jaxserve.sampling_params import (
     RequestOutputKind,
@@ -74,7 +95,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
-    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
+    # logprobs' tokens as "token_id:N"; None: --return-tokens-as-token-ids decides
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None  # prompt_token_ids and token_ids in the answer
+    logprob_token_ids: list[int] | None = None  # refused (UNSUPPORTED)
     priority: int = 0
     cache_salt: str | None = None  # prefix-cache entries shared only within one salt
     user: str | None = None  # accepted, ignored
@@ -110,8 +134,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    echo: bool = False  # the last message's content first, when its role is the answer's
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # unset: auto with tools, else none
     parallel_tool_calls: bool = True  # false: only the first call is returned
@@ -120,6 +145,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None  # the templated prompt as prompt_text
     mm_processor_kwargs: dict[str, Any] | None = None  # the image processor's options
     # OpenAI's; given to the chat template as `reasoning_effort` (gpt-oss's reads it)
     reasoning_effort: Literal["low", "medium", "high"] | None = None
@@ -129,11 +155,19 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's TokenizeCompletionRequest (prompt) and TokenizeChatRequest (messages, with the
+    chat fields below) in one (serving_tokenization.py)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False  # the tokens' strings too, as token_strs
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -142,43 +176,6 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 # ---------------------------------------------------------------------- responses
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache (or loaded from a peer)
-
-
-class UsageInfo(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    # Only with --enable-prompt-tokens-details (left out otherwise)
-    prompt_tokens_details: PromptTokensDetails | msgspec.UnsetType = msgspec.UNSET
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
-
-
-class CompletionChoice(msgspec.Struct):
-    index: int
-    text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # Only when asked for (left out otherwise): [None, {token id: logprob}, ...]
-    prompt_logprobs: list[dict[str, Any] | None] | msgspec.UnsetType = msgspec.UNSET
-
-
-class CompletionResponse(msgspec.Struct):  # also each streamed chunk
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    object: str = "text_completion"
-    # Only when the engine's KV connector set them (a prefill instance's, for the decoder)
-    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
-
-
 class ExtractedToolCallInformation(msgspec.Struct):
     """A tool parser's reading of a whole completion: the calls, and any plain content."""
 
@@ -187,40 +184,21 @@ class ExtractedToolCallInformation(msgspec.Struct):
     content: str | None = None
 
 
-class ChatChoice(msgspec.Struct):
-    index: int
-    message: ChatMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+class ModelPermission(msgspec.Struct):
+    """OpenAI's legacy permission record, as vLLM sends one with every model: fixed values."""
 
-
-class ChatCompletionResponse(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    object: str = "chat.completion"
-    prompt_logprobs: list[dict[str, Any] | None] | msgspec.UnsetType = msgspec.UNSET
-    kv_transfer_params: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET  # as above
-
-
-class ChatStreamChoice(msgspec.Struct):
-    index: int
-    delta: ChatMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    object: str = "chat.completion.chunk"
+    id: str = msgspec.field(default_factory=lambda: random_id("modelperm"))
+    object: str = "model_permission"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: None = None
+    is_blocking: bool = False
 
 
 class ModelCard(msgspec.Struct):
@@ -234,6 +212,7 @@ class ModelCard(msgspec.Struct):
     root: str | None = None
     parent: str | None = None
     object: str = "model"
+    permission: list[ModelPermission] = msgspec.field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(msgspec.Struct):
@@ -258,6 +237,8 @@ def random_id(prefix: str) -> str:
 
 UNSUPPORTED = {
     "suffix": "suffix is not supported by jaxserve yet",
+    "logprob_token_ids": "logprob_token_ids is not supported by jaxserve yet: its engine "
+    "returns the logprobs of the sampled and the top-k tokens only (logprobs, top_logprobs)",
     "functions": "functions is deprecated by OpenAI and not supported: use tools",
     "function_call": "function_call is deprecated by OpenAI and not supported: use tool_choice",
 }
@@ -267,7 +248,7 @@ def check_supported(request: _SamplingFields) -> None:
     """ValueError for fields this engine cannot honour (rather than ignoring them) and for
     values no SamplingParams field checks."""
     for field, message in UNSUPPORTED.items():
-        if getattr(request, field, None) not in (None, False):
+        if getattr(request, field, None) not in (None, False, []):
             raise ValueError(message)
     if request.best_of is not None and request.best_of != request.n:
         raise ValueError(
@@ -277,8 +258,8 @@ def check_supported(request: _SamplingFields) -> None:
         raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
     for field in request.__struct_fields__:  # JSON ints are unbounded; msgpack's are not
         value = getattr(request, field)
-        if isinstance(value, int) and not -(2**63) <= value < 2**63:
-            raise ValueError(f"{field} must be a 64-bit signed integer, got {value}")
+        if isinstance(value, int) and (refusal := out_of_int64(field, value)):
+            raise ValueError(refusal)
     if request.stream_options is not None and not request.stream:
         raise ValueError("stream_options is only allowed when stream is true")
 
@@ -352,12 +333,6 @@ def to_sampling_params(
             value = defaults.get(name)
         if value is not None:
             fields[name] = value
-    logit_bias = None
-    if request.logit_bias:
-        try:
-            logit_bias = {int(k): float(v) for k, v in request.logit_bias.items()}
-        except ValueError as e:
-            raise ValueError(f"logit_bias keys must be token ids: {e}") from None
     return SamplingParams(
         **fields,
         n=request.n,
@@ -372,7 +347,7 @@ def to_sampling_params(
         prompt_logprobs=request.prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,
-        logit_bias=logit_bias,
+        logit_bias=logit_bias_ids(request.logit_bias),
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words,
         truncate_prompt_tokens=request.truncate_prompt_tokens,
@@ -387,7 +362,11 @@ def decode_request(body: bytes, cls: type[msgspec.Struct]) -> Any:
     try:
         return msgspec.json.decode(body, type=_strict(cls))
     except msgspec.ValidationError:
-        request = msgspec.json.decode(body, type=cls)  # a real error raises here
+        try:
+            request = msgspec.json.decode(body, type=cls)
+        except msgspec.ValidationError:  # booleans as "true" or 1 (vLLM's lax mode), or real
+            body = lax_bools(body, cls) or body
+            request = msgspec.json.decode(body, type=cls)
     fields = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
     ignored = set(fields) - set(cls.__struct_fields__)
     if ignored:

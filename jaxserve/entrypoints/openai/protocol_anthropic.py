@@ -6,20 +6,37 @@ message; each user turn's `tool_result` blocks `tool` messages (before the rest 
 an assistant's `tool_use` blocks its `tool_calls`, its `thinking` blocks its reasoning;
 `image` blocks `image_url` parts (a base64 source as a data: URL); `tools` functions;
 `tool_choice` auto / any / tool / none as chat's default / required / a named function / none;
-a final assistant turn is continued (Anthropic's prefill). The chat path then renders, checks
-and runs it: the same template, tool parser and 400s as /v1/chat/completions. A bad block is
-a ValueError naming where it is (a 400).
+`output_config.format` (a JSON schema) a json_schema response_format (structured outputs) and
+`output_config.effort` the chat template's `reasoning_effort`, as vLLM maps them; a final
+assistant turn is continued (Anthropic's prefill). The chat path then renders, checks and runs
+it: the same template, tool parser and 400s as /v1/chat/completions. A bad block is a
+ValueError naming where it is (a 400).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
+
+Effort = Literal["low", "medium", "high", "xhigh", "max"]  # vLLM's AnthropicEffort
+
+
+class JsonOutputFormat(msgspec.Struct, kw_only=True):
+    """output_config.format: the answer is JSON matching `schema`."""
+
+    type: Literal["json_schema"] = "json_schema"
+    schema: dict[str, Any] | None = None  # None or {}: no constraint (vLLM's)
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    effort: Effort | None = None  # the chat template's reasoning_effort
+    format: JsonOutputFormat | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -30,6 +47,8 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     system: str | list[Any] | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -40,11 +59,28 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # accepted ({"user_id"}), not used
     stream: bool = False
+    # vLLM's extensions, as on /v1/chat/completions
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Usage(msgspec.Struct):
+    """The cache fields only with --enable-prompt-tokens-details (vLLM's): then
+    input_tokens is the prompt less the tokens read from and written to the prefix cache
+    (Anthropic's three parts of a prompt)."""
+
     input_tokens: int
     output_tokens: int
+    cache_creation_input_tokens: int | UnsetType = UNSET
+    cache_read_input_tokens: int | UnsetType = UNSET
+
+
+def usage(prompt_tokens: int, output_tokens: int, cache: tuple[int, int] | None) -> Usage:
+    """cache: (tokens read from the prefix cache, tokens written to it), or None."""
+    if cache is None:
+        return Usage(prompt_tokens, output_tokens)
+    read, written = cache
+    return Usage(max(0, prompt_tokens - read - written), output_tokens, written, read)
 
 
 class MessagesResponse(msgspec.Struct, kw_only=True):
@@ -56,6 +92,8 @@ class MessagesResponse(msgspec.Struct, kw_only=True):
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage
+    # what the engine's KV connector hands on (disaggregated prefill); absent when none
+    kv_transfer_params: dict[str, Any] | UnsetType = UNSET
 
 
 class AnthropicErrorInfo(msgspec.Struct):
@@ -126,13 +164,28 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
             "top_p": body.top_p,
             "top_k": body.top_k,
             "stream": body.stream,
+            "cache_salt": body.cache_salt,
+            "kv_transfer_params": body.kv_transfer_params,
         }
     choice, parallel = _tool_choice(body.tool_choice)
     return ChatCompletionRequest(
         messages=messages, model=body.model, tools=_tools(body.tools), tool_choice=choice,
         parallel_tool_calls=parallel, add_generation_prompt=not prefill,
-        continue_final_message=prefill, **fields,
+        continue_final_message=prefill, **_output_config(body), **fields,
     )  # fmt: skip
+
+
+def _output_config(body: CountTokensRequest) -> dict[str, Any]:
+    """The chat fields of output_config (and chat_template_kwargs, over its effort)."""
+    config = body.output_config or OutputConfig()
+    kwargs = body.chat_template_kwargs
+    if config.effort is not None:
+        kwargs = {"reasoning_effort": config.effort, **(kwargs or {})}
+    fields: dict[str, Any] = {"chat_template_kwargs": kwargs}
+    if config.format is not None and config.format.schema:
+        spec = {"name": "json_schema", "schema": config.format.schema}
+        fields["response_format"] = {"type": "json_schema", "json_schema": spec}
+    return fields
 
 
 def _system(system: str | list[Any] | None) -> list[dict[str, Any]]:
@@ -239,7 +292,7 @@ def _tool_result(where: str, block: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
+    if not tools:  # [] as no tools (chat refuses an empty list)
         return None
     out = []
     for i, tool in enumerate(tools):

@@ -20,7 +20,8 @@ from msgspec import Meta
 # The settings a response echoes (and the store keeps) are typed and bounded here, so the
 # decoder refuses an unknown key, a value out of its set or an oversized metadata with a 400
 # naming it (`$.reasoning.summary`), before any of it is kept.
-Effort = Literal["low", "medium", "high"]  # the chat template's reasoning_effort
+# OpenAI's ReasoningEffort: the chat template's reasoning_effort ("none": enable_thinking false)
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 Summary = Literal["auto", "concise", "detailed"]
 # OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, values of at most 512
 Metadata = Annotated[
@@ -29,10 +30,14 @@ Metadata = Annotated[
 ]
 
 
-class Reasoning(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class Reasoning(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's Reasoning, echoed with every field (nulls too, as vLLM's)."""
+
+    context: Literal["auto", "current_turn", "all_turns"] | None = None  # accepted, echoed
     effort: Effort | None = None
-    summary: Summary | None = None  # accepted, echoed (no summaries are written)
     generate_summary: Summary | None = None  # OpenAI's older name of summary
+    mode: Annotated[str, Meta(max_length=64)] | None = None  # accepted, echoed
+    summary: Summary | None = None  # accepted, echoed (no summaries are written)
 
 
 class _Format(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, omit_defaults=True):
@@ -86,20 +91,54 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "name", "parameters"...}
     tool_choice: ToolChoice | None = None  # none/auto/required/{"type","name"}
     parallel_tool_calls: bool = True
-    reasoning: Reasoning | None = None  # {"effort"}: the chat template's reasoning_effort
+    max_tool_calls: int | None = None  # accepted, echoed
+    # {"effort"}: the chat template's reasoning_effort, and its enable_thinking (false for
+    # "none") unless chat_template_kwargs sets it (vLLM's)
+    reasoning: Reasoning | None = None
     stream: bool = False
     store: bool = True  # kept only with JAXSERVE_ENABLE_RESPONSES_API_STORE (echoed false else)
     previous_response_id: str | None = None
     user: str | None = None  # accepted, echoed
     metadata: Metadata | None = None  # accepted, echoed
-    include: list[str] | None = None  # accepted (nothing extra to include)
+    # "message.output_text.logprobs": output_text's logprobs (with top_logprobs each)
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     truncation: str | None = None  # "disabled" only (no "auto" truncation)
     background: bool = False  # refused: needs a store that runs requests on its own
     service_tier: ServiceTier | None = None  # accepted, echoed
-    # vLLM's sampling extensions
+    prompt_cache_key: str | None = None  # accepted, not used (as vLLM)
+    # vLLM's extensions: the response's raw prompt and output (text and token ids) as
+    # input_messages / output_messages; chat's sampling and template fields (CHAT_FIELDS)
+    enable_response_messages: bool = False
     top_k: int | None = None
     seed: int | None = None
     priority: int = 0
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
+# ResponsesRequest's fields a ChatCompletionRequest takes as they are
+CHAT_FIELDS = (
+    "model", "stream", "temperature", "top_p", "top_k", "seed", "priority", "user",
+    "parallel_tool_calls", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "include_stop_str_in_output", "logit_bias", "structured_outputs", "cache_salt",
+    "kv_transfer_params", "include_reasoning", "mm_processor_kwargs",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------- output items
@@ -145,12 +184,18 @@ OutputItem = OutputMessage | FunctionCallItem | ReasoningItem
 
 # ---------------------------------------------------------------------- the response
 class InputTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0
-    cache_write_tokens: int = 0
+    cached_tokens: int = 0  # read from the prefix cache
+    cache_write_tokens: int = 0  # written to it (cache_usage.py)
+    # vLLM's per-turn counts of its multi-turn tool loops: empty for one turn, as vLLM's
+    input_tokens_per_turn: list[int] = msgspec.field(default_factory=list)
+    cached_tokens_per_turn: list[int] = msgspec.field(default_factory=list)
 
 
 class OutputTokensDetails(msgspec.Struct):
     reasoning_tokens: int = 0
+    tool_output_tokens: int = 0
+    output_tokens_per_turn: list[int] = msgspec.field(default_factory=list)
+    tool_output_tokens_per_turn: list[int] = msgspec.field(default_factory=list)
 
 
 class ResponseUsage(msgspec.Struct):
@@ -165,6 +210,15 @@ class IncompleteDetails(msgspec.Struct):
     reason: str  # "max_output_tokens"
 
 
+class RawMessage(msgspec.Struct):
+    """enable_response_messages: the raw prompt (the rendered chat template) or output, as
+    text and token ids (vLLM's ResponseRawMessageAndToken)."""
+
+    message: str
+    tokens: list[int]
+    type: str = "raw_message_tokens"
+
+
 class ResponsesResponse(msgspec.Struct, kw_only=True):
     id: str
     created_at: int
@@ -175,23 +229,34 @@ class ResponsesResponse(msgspec.Struct, kw_only=True):
     incomplete_details: IncompleteDetails | None = None
     error: dict[str, Any] | None = None
     object: str = "response"
-    # the request's settings, echoed
+    # the request's settings, echoed (the sampling ones as the engine ran them, as vLLM's)
     instructions: str | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = None
     tools: list[dict[str, Any]] = msgspec.field(default_factory=list)
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = msgspec.field(default_factory=TextConfig)
     reasoning: Reasoning | None = None
     previous_response_id: str | None = None
+    prompt: None = None  # OpenAI's prompt templates: not served (vLLM's null)
     store: bool = False
     user: str | None = None
     metadata: dict[str, str] | None = None
     truncation: str = "disabled"
     background: bool = False
     service_tier: str = "auto"
+    # vLLM's: what the KV connector hands on (ec_: vLLM's encoder-cache transfer, none here)
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: None = None
+    # with enable_response_messages: [RawMessage] each (null without, as vLLM's)
+    input_messages: list[RawMessage] | None = None
+    output_messages: list[RawMessage] | None = None
 
 
 def item_id(prefix: str) -> str:
@@ -316,8 +381,9 @@ def _content(content: Any, at: str) -> str | list[dict[str, Any]]:
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools -> chat's {"type": "function", "function": {...}}."""
-    if tools is None:
+    """Responses' flat function tools -> chat's {"type": "function", "function": {...}};
+    none (or []) -> None."""
+    if not tools:
         return None
     out = []
     for i, tool in enumerate(tools):
@@ -332,11 +398,33 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
-def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
-    """{"type": "function", "name"} -> chat's {"type": "function", "function": {"name"}}."""
+def chat_tool_choice(choice: ToolChoice | None, tools: list | None) -> str | dict[str, Any] | None:
+    """{"type": "function", "name"} -> chat's {"type": "function", "function": {"name"}}.
+    Without tools: none, unless it asks for a call (a 400 in vLLM's words)."""
+    if not tools:
+        if choice == "required":
+            raise ValueError("Tool choice 'required' must be specified with 'tools' parameter.")
+        if isinstance(choice, FunctionToolChoice):
+            raise ValueError("Tool choice 'function' not found in 'tools' parameter.")
+        return None
     if not isinstance(choice, FunctionToolChoice):
         return choice  # none / auto / required
     return {"type": "function", "function": {"name": choice.name}}
+
+
+def echo_tool_choice(choice: ToolChoice | None, tools: list | None) -> ToolChoice:
+    """The tool_choice the response shows: auto by default, none without tools (vLLM's)."""
+    return (choice or "auto") if tools else "none"
+
+
+def template_kwargs(request: ResponsesRequest) -> dict[str, Any] | None:
+    """chat_template_kwargs over reasoning.effort as the template's reasoning_effort and
+    enable_thinking (false for "none": templates such as Qwen3's read it)."""
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    if effort is None:
+        return request.chat_template_kwargs
+    implied = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    return {**implied, **(request.chat_template_kwargs or {})}
 
 
 def response_format(text: TextConfig | None) -> dict[str, Any] | None:

@@ -9,13 +9,14 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
-    # Every streamed chunk carries `usage` (null until the last), as if each request asked
-    # for stream_options.include_usage (--enable-force-include-usage)
+    # Every streamed chunk carries `usage` (the counts so far), then a usage chunk, as if each
+    # request asked for stream_options' include_usage and continuous_usage_stats (vLLM's
+    # --enable-force-include-usage)
     enable_force_include_usage: bool = False
     # Logprobs name tokens as "token_id:N" instead of their text (--return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool = False
-    # GET /load answers the number of requests in flight; responses carry the ORCA
-    # endpoint-load-metrics header when asked (--enable-server-load-tracking)
+    # GET /load counts the requests in flight, else answers 0 (--enable-server-load-tracking;
+    # load_tracking.py: the ORCA header is answered either way, as vLLM's)
     enable_server_load_tracking: bool = False
     # GET /tokenizer_info answers the tokenizer's configuration (--enable-tokenizer-info-endpoint)
     enable_tokenizer_info_endpoint: bool = False
@@ -24,6 +25,9 @@ class ServeOptions:
     default_chat_template_kwargs: dict | None = None
     # The prefix a proxy strips before forwarding (--root-path): routes answer under it too
     root_path: str = ""
+    # The model as the user named it (serve's model argument: a hub id, a path), /v1/models'
+    # root; None: the bundled default's hub name, or the model's path
+    model: str | None = None
 
     @classmethod
     def from_args(cls, args) -> ServeOptions:

@@ -14,6 +14,7 @@ import msgspec
 
 from jaxserve import envs
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.chat_echo import echoed, response_role
 from jaxserve.entrypoints.openai.chat_media import (
     check_image_count,
     default_chat_template,
@@ -43,6 +44,7 @@ from jaxserve.entrypoints.openai.protocol import (
     random_id,
     to_sampling_params,
 )
+from jaxserve.entrypoints.openai.request_values import logprobs_count
 from jaxserve.entrypoints.openai.serve_options import ServeOptions
 from jaxserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -122,8 +124,16 @@ class OpenAIServingChat(OpenAIServing):
         """The prompt text and its token ids: the messages through the chat template (a
         request's own only with --trust-request-chat-template), rendered bounded in time
         and memory (chat_utils.render_chat); each image part as the model's marker."""
-        text, ids, _ = self.render(request)
+        text, ids, _ = self.render(self.with_default_kwargs(request))
         return text, ids
+
+    def with_default_kwargs(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
+        """The request with --default-chat-template-kwargs under its own chat_template_kwargs."""
+        defaults = self.options.default_chat_template_kwargs
+        if not defaults:
+            return request
+        kwargs = {**defaults, **(request.chat_template_kwargs or {})}
+        return msgspec.structs.replace(request, chat_template_kwargs=kwargs)
 
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int], list[str]]:
         """chat_prompt's text and ids, and the URLs of the messages' images, in order
@@ -159,25 +169,21 @@ class OpenAIServingChat(OpenAIServing):
 
     def prepare_chat(self, request: ChatCompletionRequest):
         self.check_runner("Chat Completions")
+        request = self.with_default_kwargs(request)
         lora_request = self.check_model(request.model)
         check_supported(request)
         if request.use_beam_search:
             raise ValueError("use_beam_search is supported on /v1/completions only")
         check_tools(request, auto_tools=self.auto_tools)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise ValueError("top_logprobs needs logprobs to be true")
-        max_logprobs = self.engine.input_processor.max_logprobs
-        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= max_logprobs:
-            raise ValueError(
-                f"top_logprobs must be in [0, max_logprobs={max_logprobs}], "
-                f"got {request.top_logprobs}"
-            )
+        request = self._resolve_logprobs(request)
         if self.tool_parser_cls is not None and request.tools:
             request = self.tool_parser_cls(self.tokenizer).adjust_request(request)
         if self.reasoning_parser_cls is not None:
             request = self.reasoning_parser_cls(self.tokenizer).adjust_request(request)
         text, ids, image_urls = self.render(request)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if request.echo and request.prompt_logprobs is None and not request.stream:
+            request = msgspec.structs.replace(request, prompt_logprobs=logprobs or 0)  # vLLM's
         max_tokens = request.max_tokens
         if request.max_completion_tokens is not None:
             if request.max_completion_tokens < 1:
@@ -205,6 +211,27 @@ class OpenAIServingChat(OpenAIServing):
             validated[0]["multi_modal_data"] = {"image": image_urls}
             validated[0]["mm_processor_kwargs"] = request.mm_processor_kwargs
         return request_id, validated, params
+
+    def _resolve_logprobs(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
+        """The request with top_logprobs and prompt_logprobs counted (-1: the vocabulary) and
+        checked as vLLM checks them: top_logprobs above 0 needs logprobs, at most
+        --max-logprobs; prompt_logprobs above 0 are not streamed, so a stream refuses them."""
+        vocab = self.engine.input_processor.vocab_size
+        top = logprobs_count("top_logprobs", request.top_logprobs, vocab)
+        prompt = logprobs_count("prompt_logprobs", request.prompt_logprobs, vocab)
+        if top and not request.logprobs:
+            raise ValueError(f"top_logprobs={request.top_logprobs} needs logprobs to be true")
+        max_logprobs = self.engine.input_processor.max_logprobs
+        if top is not None and top > max_logprobs:
+            raise ValueError(
+                f"top_logprobs must be at most max_logprobs={max_logprobs} (-1: the whole "
+                f"vocabulary, {vocab}), got {request.top_logprobs}"
+            )
+        if prompt and request.stream:
+            raise ValueError(
+                f"prompt_logprobs={request.prompt_logprobs} is not available when stream is true"
+            )
+        return msgspec.structs.replace(request, top_logprobs=top, prompt_logprobs=prompt)
 
     async def load_images(self, prepared):
         """prepare_chat's result with its image URLs fetched (concurrently, each within
@@ -237,22 +264,34 @@ class OpenAIServingChat(OpenAIServing):
         (out,) = await self._gather(
             request_id, prompts, params, request.priority, request.kv_transfer_params
         )
-        choices = []
+        choices, role, echo = [], response_role(request), echoed(request)
         for c in out.outputs:
             logprobs = self._chat_logprobs(c, request)
             message, called = self._choice_parser(request).full(c.text)
+            message.role = role
+            if request.echo:
+                message.content = echo + (message.content or "")
             if not request.include_reasoning:
                 message.reasoning = message.reasoning_content = None
             finish_reason = (
                 "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
             )
-            choices.append(ChatChoice(c.index, message, logprobs, finish_reason, c.stop_reason))
+            token_ids = list(c.token_ids) if request.return_token_ids else None
+            choices.append(
+                ChatChoice(c.index, message, logprobs, finish_reason, c.stop_reason, token_ids)
+            )
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         usage = self._usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)
         response = ChatCompletionResponse(
-            request_id, int(time.time()), self._name(request.model), choices, usage
+            request_id,
+            int(time.time()),
+            self._name(request.model),
+            choices,
+            usage,
+            prompt_token_ids=list(out.prompt_token_ids) if request.return_token_ids else None,
+            prompt_text=out.prompt if request.return_prompt_text else None,
         )
-        if request.prompt_logprobs is not None:
+        if params.prompt_logprobs is not None:  # asked for, or echo's (vLLM's)
             response.prompt_logprobs = prompt_logprobs_json(out)
         if out.kv_transfer_params is not None:
             response.kv_transfer_params = out.kv_transfer_params
@@ -261,19 +300,29 @@ class OpenAIServingChat(OpenAIServing):
     async def chat_stream(self, request: ChatCompletionRequest, prepared) -> AsyncIterator[bytes]:
         request_id, prompts, params = prepared
         created, model = int(time.time()), self._name(request.model)
-        include_usage, continuous = usage_options(request)
+        include_usage, continuous = usage_options(request, self.options.enable_force_include_usage)
         prompt_tokens, completion_tokens = len(prompts[0]["prompt_token_ids"]), 0
         cached = 0
+        ids, text = prompts[0]["prompt_token_ids"], prompts[0]["prompt"]  # the role chunk's
+        firsts = {
+            "prompt_token_ids": list(ids) if request.return_token_ids else None,
+            "prompt_text": text if request.return_prompt_text else None,
+        }
 
-        def chunk(choices, usage=None):
-            if usage is None and continuous:
-                usage = UsageInfo.of(prompt_tokens, completion_tokens)
-            return sse(ChatCompletionChunk(request_id, created, model, choices, usage))
+        def chunk(choices, usage=None, **fields):
+            if usage is None and continuous:  # vLLM's continuous usage has this null
+                usage = UsageInfo.of(
+                    prompt_tokens, completion_tokens, completion_tokens_details=None
+                )
+            return sse(ChatCompletionChunk(request_id, created, model, choices, usage, **fields))
 
         parsers = [self._choice_parser(request) for _ in range(params.n)]
+        role, echo = response_role(request), echoed(request)
         try:
             for i in range(params.n):  # the role first, once per choice
-                yield chunk([ChatStreamChoice(i, ChatMessage("assistant", ""))])
+                yield chunk([ChatStreamChoice(i, ChatMessage(role, ""))], **firsts)
+            for i in range(params.n if echo else 0):  # then what echo repeats
+                yield chunk([ChatStreamChoice(i, ChatMessage(content=echo))])
             async for _, out in self._merged(
                 request_id, prompts, params, request.priority, request.kv_transfer_params
             ):
@@ -291,15 +340,15 @@ class OpenAIServingChat(OpenAIServing):
                             finish_reason = "tool_calls"
                     if delta is not None and not request.include_reasoning:
                         delta.reasoning = delta.reasoning_content = None
-                    # Held-back text still sends its tokens' logprobs, when asked for.
-                    has_logprobs = bool(request.logprobs and c.token_ids)
-                    if delta is None and finish_reason is None and not has_logprobs:
+                    # Held-back text still sends its tokens' logprobs and ids, when asked for.
+                    held = bool((request.logprobs or request.return_token_ids) and c.token_ids)
+                    if delta is None and finish_reason is None and not held:
                         continue
                     logprobs = self._chat_logprobs(c, request)
-                    delta = delta or ChatMessage(content="")
-                    yield chunk(
-                        [ChatStreamChoice(c.index, delta, logprobs, finish_reason, c.stop_reason)]
-                    )
+                    ids = list(c.token_ids) if request.return_token_ids else None
+                    delta, stop = delta or ChatMessage(), c.stop_reason
+                    choice = ChatStreamChoice(c.index, delta, logprobs, finish_reason, stop, ids)
+                    yield chunk([choice])
             if include_usage:
                 yield chunk([], self._usage(prompt_tokens, completion_tokens, cached))
         except Exception as e:
@@ -308,13 +357,16 @@ class OpenAIServingChat(OpenAIServing):
 
     def _choice_parser(self, request: ChatCompletionRequest) -> ChoiceParser:
         return ChoiceParser(
-            request, self.tool_parser_cls, self.reasoning_parser_cls, self.tokenizer
+            self.with_default_kwargs(request),
+            self.tool_parser_cls,
+            self.reasoning_parser_cls,
+            self.tokenizer,
         )
 
     def _chat_logprobs(self, c: CompletionOutput, request: ChatCompletionRequest) -> dict | None:
         if not request.logprobs:
             return None
-        k, as_id = request.top_logprobs or 0, request.return_tokens_as_token_ids
+        k, as_id = request.top_logprobs or 0, self.tokens_as_ids(request)
         content = []
         for token_id, position in zip(c.token_ids, c.logprobs or [], strict=True):
             chosen = position[token_id]

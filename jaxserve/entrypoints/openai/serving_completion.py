@@ -13,13 +13,16 @@ from jaxserve.entrypoints.beam_search import BeamSearch, beam_search_async, chec
 from jaxserve.entrypoints.openai.prompt_embeds import decode_prompt_embeds
 from jaxserve.entrypoints.openai.protocol import (
     CompletionChoice,
+    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    CompletionStreamChoice,
     UsageInfo,
     check_supported,
     random_id,
     to_sampling_params,
 )
+from jaxserve.entrypoints.openai.request_values import logprobs_count
 from jaxserve.entrypoints.openai.serving_engine import (
     SSE_DONE,
     TRACE_HEADERS,
@@ -27,7 +30,6 @@ from jaxserve.entrypoints.openai.serving_engine import (
     error_body,
     prompt_logprobs_json,
     sse,
-    top_logprobs,
     usage_options,
 )
 from jaxserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -39,10 +41,17 @@ class OpenAIServingCompletion(OpenAIServing):
         lora_request = self.check_model(request.model)
         self.check_runner("Completions")
         check_supported(request)
-        embeds = self._prompt_embeds(request)
-        prompts = (
-            [] if request.prompt is None and embeds else self.completion_prompts(request.prompt)
+        no_prompt = request.prompt in (None, "")
+        if no_prompt and not request.prompt_embeds:  # vLLM's words
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        vocab = self.engine.input_processor.vocab_size  # -1: every token (vLLM's)
+        request = msgspec.structs.replace(
+            request,
+            logprobs=logprobs_count("logprobs", request.logprobs, vocab),
+            prompt_logprobs=logprobs_count("prompt_logprobs", request.prompt_logprobs, vocab),
         )
+        embeds = self._prompt_embeds(request)
+        prompts = [] if no_prompt else self.completion_prompts(request.prompt)
         params = to_sampling_params(
             request, self.defaults, max_tokens=request.max_tokens, logprobs=request.logprobs
         )
@@ -83,68 +92,92 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await self._gather(
             request_id, prompts, params, request.priority, request.kv_transfer_params
         )
+        with_ids = bool(request.return_token_ids)
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for p, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                text, logprobs = c.text, None
-                if request.echo:
-                    text = self._prompt_text(out) + text
-                if request.logprobs is not None:
-                    logprobs = self._completion_logprobs(out, c, request.echo, request)
-                choice = CompletionChoice(
-                    p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
+                text, logprobs = self._piece(request, out, c, request.echo, out.prompt_logprobs)
+                choices.append(
+                    CompletionChoice(
+                        p * params.n + c.index,
+                        text,
+                        logprobs,
+                        c.finish_reason,
+                        c.stop_reason,
+                        token_ids=list(c.token_ids) if with_ids else None,
+                        prompt_logprobs=prompt_logprobs_json(out),  # with echo's too (vLLM)
+                        prompt_token_ids=list(out.prompt_token_ids) if with_ids else None,
+                    )
                 )
-                if request.prompt_logprobs is not None:
-                    choice.prompt_logprobs = prompt_logprobs_json(out)
-                choices.append(choice)
         cached = sum(out.num_cached_tokens for out in finals)
         usage = self._usage(prompt_tokens, completion_tokens, cached)
-        response = CompletionResponse(
-            request_id, int(time.time()), self._name(request.model), choices, usage
+        return CompletionResponse(
+            request_id,
+            int(time.time()),
+            self._name(request.model),
+            choices,
+            usage,
+            kv_transfer_params=finals[0].kv_transfer_params,
         )
-        if finals[0].kv_transfer_params is not None:
-            response.kv_transfer_params = finals[0].kv_transfer_params
-        return response
 
     async def completion_stream(self, request: CompletionRequest, prepared) -> AsyncIterator[bytes]:
+        """vLLM's chunks: a choice's first carries its prompt's token ids (with echo, or with
+        return_token_ids), each its own new token ids (return_token_ids); usage per chunk with
+        continuous_usage_stats or --enable-force-include-usage, and a usage chunk at the end."""
         request_id, prompts, params = prepared
         if request.use_beam_search:  # one chunk per choice once the search ends (as vLLM)
             async for chunk in self._beam_search_stream(request, prepared):
                 yield chunk
             return
         created, model = int(time.time()), self._name(request.model)
-        include_usage, continuous = usage_options(request)
-        prompt_tokens, completion_tokens = 0, 0
-        echoed, cached = set(), {}
+        include_usage, continuous = usage_options(request, self.options.enable_force_include_usage)
+        with_ids = bool(request.return_token_ids)
+        prompt_tokens: dict[int, int] = {}  # per prompt
+        cached: dict[int, int] = {}
+        prompt_lps: dict[int, list] = {}  # a prompt's logprobs come with its first output only
+        generated: dict[int, int] = {}  # per choice: tokens so far
+        offsets: dict[int, int] = {}  # per choice: the text_offset of its next token
         try:
             async for p, out in self._merged(
                 request_id, prompts, params, request.priority, request.kv_transfer_params
             ):
-                cached[p] = out.num_cached_tokens
-                if p not in echoed:
-                    echoed.add(p)
-                    prompt_tokens += len(out.prompt_token_ids)
+                cached[p], prompt_tokens[p] = out.num_cached_tokens, len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:
+                    prompt_lps[p] = out.prompt_logprobs
                 for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    text = c.text
-                    if request.echo and (p, c.index) not in echoed:
-                        echoed.add((p, c.index))
-                        text = self._prompt_text(out) + text
-                    if not text and c.finish_reason is None and not c.token_ids:
+                    i = p * params.n + c.index
+                    first = i not in generated
+                    echo = request.echo and first
+                    if not echo and not c.text and c.finish_reason is None and not c.token_ids:
                         continue
-                    logprobs = None
-                    if request.logprobs is not None:
-                        logprobs = self._completion_logprobs(out, c, False, request)
-                    choice = CompletionChoice(
-                        p * params.n + c.index, text, logprobs, c.finish_reason, c.stop_reason
+                    generated[i] = generated.get(i, 0) + len(c.token_ids)
+                    text, logprobs = self._piece(
+                        request, out, c, echo, prompt_lps.get(p), offsets.get(i, 0)
                     )
-                    usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
-                    yield sse(CompletionResponse(request_id, created, model, [choice], usage))
+                    if logprobs is not None and logprobs["tokens"]:
+                        offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    choice = CompletionStreamChoice(
+                        i,
+                        text,
+                        logprobs,
+                        c.finish_reason,
+                        c.stop_reason,
+                        prompt_token_ids=(
+                            list(out.prompt_token_ids) if first and (echo or with_ids) else None
+                        ),
+                        token_ids=list(c.token_ids) if with_ids else None,
+                    )
+                    chunk = CompletionChunk(request_id, created, model, [choice])
+                    if continuous:  # the choice's own counts (vLLM's)
+                        chunk.usage = UsageInfo.of(prompt_tokens[p], generated[i])
+                    yield sse(chunk)
             if include_usage:
-                usage = self._usage(prompt_tokens, completion_tokens, sum(cached.values()))
-                yield sse(CompletionResponse(request_id, created, model, [], usage))
+                usage = self._usage(
+                    sum(prompt_tokens.values()), sum(generated.values()), sum(cached.values())
+                )
+                yield sse(CompletionChunk(request_id, created, model, [], usage))
         except Exception as e:
             yield sse(error_body(e))
         yield SSE_DONE
@@ -176,15 +209,26 @@ class OpenAIServingCompletion(OpenAIServing):
             return final
 
         await beam_search_async(search, run_one)
+        with_ids = bool(request.return_token_ids)
         choices, completion_tokens = [], 0
         for p, result in enumerate(search.results()):
+            prompt_ids = prompts[p]["prompt_token_ids"]
             for j, beam in enumerate(result.sequences):
                 ids = beam.output_token_ids
                 completion_tokens += len(ids)
                 text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-                if request.echo:
+                if request.echo and not with_ids:  # with token ids: those tell the prompt
                     text = (prompts[p]["prompt"] or "") + text
-                choices.append(CompletionChoice(p * params.n + j, text, None, beam.finish_reason))
+                choices.append(
+                    CompletionChoice(
+                        p * params.n + j,
+                        text,
+                        None,
+                        beam.finish_reason,
+                        token_ids=list(ids) if with_ids else None,
+                        prompt_token_ids=list(prompt_ids) if with_ids else None,
+                    )
+                )
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         usage = self._usage(prompt_tokens, completion_tokens, 0)
         return CompletionResponse(
@@ -192,12 +236,26 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     async def _beam_search_stream(self, request: CompletionRequest, prepared):
+        include_usage, continuous = usage_options(request, self.options.enable_force_include_usage)
         try:
-            response = await self._beam_search(request, prepared)
-            for choice in response.choices:
-                yield sse(msgspec.structs.replace(response, choices=[choice], usage=None))
-            if usage_options(request)[0]:
-                yield sse(msgspec.structs.replace(response, choices=[]))
+            r = await self._beam_search(request, prepared)
+            usage = self._usage(r.usage.prompt_tokens, r.usage.completion_tokens, 0)
+            for c in r.choices:
+                choice = CompletionStreamChoice(
+                    c.index,
+                    c.text,
+                    None,
+                    c.finish_reason,
+                    c.stop_reason,
+                    c.prompt_token_ids,
+                    c.token_ids,
+                )
+                chunk = CompletionChunk(r.id, r.created, r.model, [choice])
+                if continuous:
+                    chunk.usage = usage
+                yield sse(chunk)
+            if include_usage:
+                yield sse(CompletionChunk(r.id, r.created, r.model, [], usage))
         except Exception as e:
             yield sse(error_body(e))
         yield SSE_DONE
@@ -207,35 +265,55 @@ class OpenAIServingCompletion(OpenAIServing):
             return out.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
-    def _completion_logprobs(
-        self, out: RequestOutput, c: CompletionOutput, echo: bool, request: CompletionRequest
-    ) -> dict:
-        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
-        k, as_id = request.logprobs, request.return_tokens_as_token_ids
-        ids: list[int] = []
-        positions: list[PositionLogprobs | None] = []
+    def _piece(
+        self,
+        request: CompletionRequest,
+        out: RequestOutput,
+        c: CompletionOutput,
+        echo: bool,
+        prompt_logprobs: list | None = None,
+        offset: int = 0,
+    ) -> tuple[str, dict | None]:
+        """A choice's text and legacy logprobs (from text_offset `offset` on): its new tokens',
+        after its prompt's with echo. With return_token_ids the prompt's text is left out (as
+        vLLM does: prompt_token_ids tell it)."""
+        text, ids, positions = c.text, list(c.token_ids), list(c.logprobs or ())
         if echo:
-            ids += out.prompt_token_ids
-            positions += out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        ids += c.token_ids
-        positions += c.logprobs or []
-        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+            text = ("" if request.return_token_ids else self._prompt_text(out)) + text
+            ids = [*out.prompt_token_ids, *ids]
+            positions = [*(prompt_logprobs or [None] * len(out.prompt_token_ids)), *positions]
+        if request.logprobs is None:
+            return text, None
+        as_id = self.tokens_as_ids(request)
+        return text, self._completion_logprobs(ids, positions, request.logprobs, as_id, offset)
+
+    def _completion_logprobs(
+        self,
+        ids: list[int],
+        positions: list[PositionLogprobs | None],
+        k: int,
+        as_id: bool,
+        offset: int = 0,
+    ) -> dict:
+        """OpenAI's legacy shape for tokens `ids` and their positions' logprobs (None: none, as
+        a prompt's first token has): tokens, token_logprobs, top_logprobs and text_offset
+        (from `offset` on). A position's top_logprobs are its first k + 1 entries (all for k
+        -1): the token itself first, then the most likely others (vLLM's order)."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
         for token_id, position in zip(ids, positions, strict=True):
-            text = self._token_text(token_id, position.get(token_id) if position else None, as_id)
+            chosen = position.get(token_id) if position else None
+            text = self._token_text(token_id, chosen, as_id)
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-            if position is None:
+            if chosen is None:
                 token_logprobs.append(None)
                 top.append(None)
                 continue
-            token_logprobs.append(position[token_id].logprob)
-            chosen = [(token_id, position[token_id])]  # always there, as in vLLM
+            token_logprobs.append(max(chosen.logprob, -9999.0))
+            listed = position.items() if k < 0 else itertools.islice(position.items(), k + 1)
             top.append(
-                {
-                    self._token_text(t, lp, as_id): lp.logprob
-                    for t, lp in [*top_logprobs(position, k), *chosen]
-                }
+                {self._token_text(t, lp, as_id): max(lp.logprob, -9999.0) for t, lp in listed}
             )
         return {
             "tokens": tokens,

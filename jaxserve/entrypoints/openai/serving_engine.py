@@ -80,6 +80,8 @@ class OpenAIServing:
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.model_names = served_model_names
         self.models = models or OpenAIServingModels(engine, served_model_names)
+        if self.options.model is not None:  # the registry's root is the name the user gave
+            self.models.model_id = self.options.model
         self.tokenizer = engine.get_tokenizer()
         self.defaults = engine.default_sampling
         self.max_model_len = engine.config.scheduler.max_model_len
@@ -221,6 +223,12 @@ class OpenAIServing:
             usage.prompt_tokens_details = PromptTokensDetails(cached_tokens)
         return usage
 
+    def tokens_as_ids(self, request) -> bool:
+        """Whether logprobs name tokens "token_id:N": the request's return_tokens_as_token_ids,
+        else --return-tokens-as-token-ids."""
+        asked = request.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids if asked is None else asked
+
     def _token_text(self, token_id: int, lp, as_id: bool = False) -> str:
         """A logprob's token as text, or "token_id:N" (return_tokens_as_token_ids)."""
         if as_id:
@@ -230,8 +238,11 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
 
 
-def usage_options(request) -> tuple[bool, bool]:
-    """(usage chunk at the end, usage in every chunk) from stream_options."""
+def usage_options(request, force: bool = False) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage in every chunk) from stream_options; force
+    (--enable-force-include-usage): both, whatever the request asked (vLLM's)."""
+    if force:
+        return True, True
     options = request.stream_options
     if options is None or not options.include_usage:
         return False, False
@@ -260,8 +271,10 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, Any] | None] | No
 
 def top_logprobs(position: PositionLogprobs, k: int) -> list:
     """The top-k (token id, Logprob) of a position, best first (the chosen token is in the
-    dict too, with its own rank, which may be past k)."""
-    ranked = [(t, lp) for t, lp in position.items() if lp.rank is not None and lp.rank <= k]
+    dict too, with its own rank, which may be past k); k -1: all of them (vLLM's)."""
+    ranked = [
+        (t, lp) for t, lp in position.items() if lp.rank is not None and (k < 0 or lp.rank <= k)
+    ]
     return sorted(ranked, key=lambda item: item[1].rank)
 
 

@@ -6,9 +6,10 @@ A request becomes a chat request (`protocol_anthropic.to_chat_request`) that
 checks); its one choice is parsed by the same `ChoiceParser` into reasoning (`thinking`
 blocks), text and tool calls (`tool_use` blocks), whole or as Anthropic's server-sent events:
 message_start, ping, per block content_block_start / _delta (text_delta, thinking_delta,
-input_json_delta) / _stop, then message_delta (stop_reason, usage) and message_stop. Errors
-are Anthropic's `{"type": "error", "error": {"type", "message"}}` (an `error` event once a
-stream has started).
+input_json_delta) / _stop, then message_delta (stop_reason, usage) and message_stop. With
+--enable-prompt-tokens-details the final usage splits the prompt as Anthropic does: tokens read
+from the prefix cache, tokens written to it, the rest (vLLM's). Errors are Anthropic's
+`{"type": "error", "error": {"type", "message"}}` (an `error` event once a stream has started).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jaxserve.entrypoints.openai.api_common import (
     off_loop,
     serving_of,
 )
+from jaxserve.entrypoints.openai.cache_usage import cache_write_tokens
 from jaxserve.entrypoints.openai.protocol import ChatMessage
 from jaxserve.entrypoints.openai.protocol_anthropic import (
     ERROR_TYPES,
@@ -43,6 +45,7 @@ from jaxserve.entrypoints.openai.protocol_anthropic import (
     to_chat_request,
     tool_input,
     tool_use_id,
+    usage,
 )
 from jaxserve.entrypoints.openai.request_body import RequestTooLarge
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -93,17 +96,27 @@ class ServingMessages:
         chat_request, chat_prepared = prepared
         return chat_request, await self.chat.load_images(chat_prepared)
 
-    def count_input_tokens(self, body: CountTokensRequest) -> dict[str, int]:
-        """The rendered prompt's token count (the model checked, as for a message)."""
+    def count_input_tokens(self, body: CountTokensRequest) -> dict[str, Any]:
+        """The rendered prompt's token count (the model checked, as for a message), and
+        vLLM's context_management (nothing is trimmed: the same count)."""
         self.chat.check_runner("Messages")
         self.chat.check_model(body.model)
         _, ids = self.chat.chat_prompt(to_chat_request(body))
-        return {"input_tokens": len(ids)}
+        return {"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}}
+
+    def _usage(self, prompt_tokens: int, output_tokens: int, cached: int) -> Usage:
+        """With --enable-prompt-tokens-details, the prefix cache's part of the prompt too."""
+        if not self.chat.enable_prompt_tokens_details:
+            return usage(prompt_tokens, output_tokens, None)
+        written = cache_write_tokens(self.chat.engine.config.cache, prompt_tokens, cached)
+        return usage(prompt_tokens, output_tokens, (cached, written))
 
     # ------------------------------------------------------------------ running
     async def messages(self, body: MessagesRequest, prepared) -> MessagesResponse:
         chat_request, (request_id, prompts, params) = prepared
-        (out,) = await self.chat._gather(request_id, prompts, params, 0)
+        (out,) = await self.chat._gather(
+            request_id, prompts, params, 0, chat_request.kv_transfer_params
+        )
         c = out.outputs[0]
         message, _ = self.chat._choice_parser(chat_request).full(c.text)
         content: list[dict[str, Any]] = []
@@ -114,17 +127,22 @@ class ServingMessages:
         for call in message.tool_calls:
             content.append({"type": "tool_use", "id": tool_use_id(), "name": call.function.name,
                             "input": tool_input(call.function.arguments)})  # fmt: skip
+        if not content:  # Anthropic's empty answer: one empty text block, never none
+            content.append({"type": "text", "text": ""})
         reason = stop_reason(c.finish_reason, c.stop_reason, bool(message.tool_calls))
         matched = c.stop_reason if reason == "stop_sequence" else None
-        usage = Usage(len(out.prompt_token_ids), len(c.token_ids))
-        return MessagesResponse(
+        response = MessagesResponse(
             id=message_id(), model=self.chat._name(body.model), content=content,
-            stop_reason=reason, stop_sequence=matched, usage=usage,
+            stop_reason=reason, stop_sequence=matched,
+            usage=self._usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens),
         )  # fmt: skip
+        if out.kv_transfer_params is not None:
+            response.kv_transfer_params = out.kv_transfer_params
+        return response
 
     async def messages_stream(self, body: MessagesRequest, prepared) -> AsyncIterator[bytes]:
         chat_request, (request_id, prompts, params) = prepared
-        input_tokens, output_tokens = len(prompts[0]["prompt_token_ids"]), 0
+        input_tokens, output_tokens, cached = len(prompts[0]["prompt_token_ids"]), 0, 0
         parser = self.chat._choice_parser(chat_request)
         blocks = _Blocks()
         message = MessagesResponse(
@@ -134,8 +152,11 @@ class ServingMessages:
         yield event("message_start", {"type": "message_start", "message": message})
         yield event("ping", {"type": "ping"})
         try:
-            async for _, out in self.chat._merged(request_id, prompts, params, 0):
+            async for _, out in self.chat._merged(
+                request_id, prompts, params, 0, chat_request.kv_transfer_params
+            ):
                 input_tokens = len(out.prompt_token_ids or ()) or input_tokens  # images expanded
+                cached = out.num_cached_tokens
                 c = out.outputs[0]
                 output_tokens += len(c.token_ids)
                 for piece in blocks.delta(parser.delta(c.text, c.token_ids) if c.text else None):
@@ -147,9 +168,9 @@ class ServingMessages:
                 reason = stop_reason(c.finish_reason, c.stop_reason, blocks.tool_use)
                 matched = c.stop_reason if reason == "stop_sequence" else None
                 delta = {"stop_reason": reason, "stop_sequence": matched}
-                usage = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+                final = self._usage(input_tokens, output_tokens, cached)
                 yield event("message_delta", {"type": "message_delta", "delta": delta,
-                                              "usage": usage})  # fmt: skip
+                                              "usage": final})  # fmt: skip
             yield event("message_stop", {"type": "message_stop"})
         except Exception as e:
             status = status_of(e)

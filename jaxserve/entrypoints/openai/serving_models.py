@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -103,6 +104,17 @@ def check_lora_modules(
             raise ValueError(f"--lora-modules {m.name}: {e}") from None
 
 
+def model_name_of(model_path: str) -> str:
+    """The root of a model whose argument is unknown (a server built without ServeOptions):
+    the bundled default's hub name for its GGUF file, else the path."""
+    from jaxserve.transformers_utils.model_path import DEFAULT_MODEL_NAME, default_model_path
+
+    try:
+        return DEFAULT_MODEL_NAME if Path(model_path) == default_model_path() else model_path
+    except FileNotFoundError:  # the bundled model is not installed
+        return model_path
+
+
 class OpenAIServingModels:
     """The registry: the base model's served names and the adapters by name."""
 
@@ -116,6 +128,7 @@ class OpenAIServingModels:
         engine's LoRA config (--enable-lora)."""
         self.engine = engine
         self.base_model_names = list(base_model_names)
+        self.model_id: str | None = None  # serve's model argument (ServeOptions.model)
         self.lora_requests: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
@@ -150,10 +163,11 @@ class OpenAIServingModels:
         return lora
 
     def model_list(self, max_model_len: int) -> ModelList:
-        """GET /v1/models: the base names (root: the model's path), then the adapters (root:
-        the adapter's path; parent: its base_model_name, else the first served name)."""
+        """GET /v1/models: the base names (root: the model as the user named it, vLLM's),
+        then the adapters (root: the adapter's path; parent: its base_model_name, else the
+        first served name)."""
         created = int(time.time())
-        root = self.engine.config.model_path
+        root = self.model_id or model_name_of(self.engine.config.model_path)
         cards = [ModelCard(n, max_model_len, created, root=root) for n in self.base_model_names]
         cards += [
             ModelCard(

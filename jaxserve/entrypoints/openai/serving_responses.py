@@ -24,6 +24,7 @@ from jaxserve.entrypoints.openai.api_common import (
     error_response,
     generate_route,
 )
+from jaxserve.entrypoints.openai.cache_usage import cache_write_tokens
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -33,12 +34,14 @@ from jaxserve.entrypoints.openai.protocol import (
     random_tool_call_id,
 )
 from jaxserve.entrypoints.openai.protocol_responses import (
+    CHAT_FIELDS,
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
     OutputMessage,
     OutputText,
     OutputTokensDetails,
+    RawMessage,
     ReasoningItem,
     ReasoningText,
     ResponsesRequest,
@@ -47,16 +50,19 @@ from jaxserve.entrypoints.openai.protocol_responses import (
     TextConfig,
     chat_tool_choice,
     chat_tools,
+    echo_tool_choice,
     echo_tools,
     input_items,
     item_id,
     now,
     response_format,
+    template_kwargs,
     to_messages,
 )
 from jaxserve.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_engine import error_status
+from jaxserve.sampling_params import SamplingParams
 
 _json = msgspec.json.Encoder()
 STORE_OFF = (
@@ -75,6 +81,31 @@ class _Context(msgspec.Struct):
     created_at: int
     history: list  # the conversation's items up to and including this request's input
     store: bool  # this response is kept
+    params: SamplingParams  # as the engine runs them (the response echoes them)
+    max_tokens: int  # the most output tokens: asked for, or the room the context leaves
+
+
+class _Run(msgspec.Struct):
+    """What one run gave: token counts (cached: read from the prefix cache), and the raw
+    prompt and output enable_response_messages shows."""
+
+    prompt: str
+    prompt_ids: list[int]
+    text: str = ""
+    ids: list[int] = msgspec.field(default_factory=list)
+    cached: int = 0
+    kv_transfer_params: dict | None = None
+    reasoning: int = 0  # output tokens of reasoning
+
+
+def reasoning_tokens(reasoner, ids: list[int]) -> int:
+    """The output's reasoning tokens: those before the end of its thinking, the start and end
+    markers aside (vLLM's count_reasoning_tokens); 0 without a reasoning parser."""
+    if reasoner is None or not ids:
+        return 0
+    head = ids[: len(ids) - len(reasoner.extract_content_ids(ids))]
+    markers = (reasoner.start_token_id, reasoner.end_token_id)
+    return sum(1 for token in head if token not in markers)
 
 
 class OpenAIServingResponses:
@@ -100,7 +131,6 @@ class OpenAIServingResponses:
             raise ValueError(
                 f"max_output_tokens must be at least 1, got {request.max_output_tokens}"
             )
-        effort = request.reasoning.effort if request.reasoning is not None else None
         history: list = []
         if request.previous_response_id is not None:
             history = self._history(request.previous_response_id)
@@ -108,18 +138,22 @@ class OpenAIServingResponses:
         messages = to_messages(history, "previous_response") + to_messages(items)
         if request.instructions is not None:
             messages.insert(0, {"role": "system", "content": request.instructions})
+        tools = chat_tools(request.tools)
+        logprobs = "message.output_text.logprobs" in (request.include or ())
         chat = ChatCompletionRequest(
-            messages=messages, model=request.model, stream=request.stream,
-            max_completion_tokens=request.max_output_tokens, temperature=request.temperature,
-            top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-            priority=request.priority, user=request.user, tools=chat_tools(request.tools),
-            tool_choice=chat_tool_choice(request.tool_choice),
-            parallel_tool_calls=request.parallel_tool_calls,
-            response_format=response_format(request.text), reasoning_effort=effort,
+            messages=messages, max_completion_tokens=request.max_output_tokens, tools=tools,
+            logprobs=logprobs, top_logprobs=request.top_logprobs if logprobs else None,
+            tool_choice=chat_tool_choice(request.tool_choice, tools),
+            response_format=response_format(request.text),
+            chat_template_kwargs=template_kwargs(request),
+            **{field: getattr(request, field) for field in CHAT_FIELDS},
         )  # fmt: skip
         prepared = self.chat.prepare_chat(chat)
         store = self.store is not None and request.store
-        context = _Context(request, item_id("resp"), now(), history + items, store)
+        _, prompts, params = prepared
+        room = self.chat.max_model_len - len(prompts[0]["prompt_token_ids"])
+        context = _Context(request, item_id("resp"), now(), history + items, store, params,
+                           params.max_tokens or room)  # fmt: skip
         return context, chat, prepared
 
     def _history(self, response_id: str) -> list:
@@ -137,19 +171,23 @@ class OpenAIServingResponses:
 
     # ------------------------------------------------------------------ answering
     async def respond(self, request: ResponsesRequest, prepared) -> ResponsesResponse:
-        context, chat_request, inner = prepared
-        answer = await self.chat.chat(chat_request, inner)
-        (choice,) = answer.choices
-        incomplete = choice.finish_reason == "length"
-        items = _output_items(choice.message)
+        context, chat_request, (request_id, prompts, params) = prepared
+        (out,) = await self.chat._gather(
+            request_id, prompts, params, chat_request.priority, chat_request.kv_transfer_params
+        )
+        (c,) = out.outputs
+        parser = self.chat._choice_parser(chat_request)
+        message, _ = parser.full(c.text)
+        if not chat_request.include_reasoning:
+            message.reasoning = None
+        incomplete = c.finish_reason == "length"
+        items = _output_items(message, self._logprobs(c, chat_request))
         if incomplete and items:
             items[-1].status = "incomplete"
-        usage = answer.usage
-        cached = usage.prompt_tokens_details
-        cached = 0 if cached is msgspec.UNSET else cached.cached_tokens
-        return self._finish(
-            context, items, incomplete, usage.prompt_tokens, usage.completion_tokens, cached
-        )
+        run = _Run(prompts[0]["prompt"], list(out.prompt_token_ids), c.text, list(c.token_ids),
+                   out.num_cached_tokens, out.kv_transfer_params)  # fmt: skip
+        run.reasoning = reasoning_tokens(parser.reasoner, run.ids)
+        return self._finish(context, items, incomplete, run)
 
     async def respond_stream(self, request: ResponsesRequest, prepared):
         """The Responses events (bytes), response.completed (with the whole response) last;
@@ -160,56 +198,73 @@ class OpenAIServingResponses:
         yield events.event("response.created", response=start)
         yield events.event("response.in_progress", response=start)
         parser = self.chat._choice_parser(chat_request)
-        prompt_tokens, completion_tokens = len(prompts[0]["prompt_token_ids"]), 0
-        cached, finish_reason = 0, None
+        run = _Run(prompts[0]["prompt"], prompts[0]["prompt_token_ids"])
+        finish_reason = None
         try:
             async for _, out in self.chat._merged(
-                request_id, prompts, params, chat_request.priority
+                request_id, prompts, params, chat_request.priority, chat_request.kv_transfer_params
             ):
-                cached = out.num_cached_tokens
-                prompt_tokens = len(out.prompt_token_ids or ()) or prompt_tokens
+                run.cached = out.num_cached_tokens
+                run.prompt_ids = out.prompt_token_ids or run.prompt_ids  # images expanded
+                run.kv_transfer_params = out.kv_transfer_params or run.kv_transfer_params
                 (c,) = out.outputs
-                completion_tokens += len(c.token_ids)
-                deltas = [parser.delta(c.text, c.token_ids) if c.text else None]
+                run.text += c.text
+                run.ids += c.token_ids
+                logprobs = self._logprobs(c, chat_request)  # the text's, with its deltas
+                deltas = [(parser.delta(c.text, c.token_ids) if c.text else None, logprobs)]
                 if c.finish_reason is not None:
-                    deltas.append(parser.finish())
-                for event in (e for d in deltas for e in events.delta(d)):
-                    yield event
+                    deltas.append((parser.finish(), []))
+                for delta, lp in deltas:
+                    if delta is not None and not chat_request.include_reasoning:
+                        delta.reasoning = None  # generated, not sent (vLLM's include_reasoning)
+                    for event in events.delta(delta, lp):
+                        yield event
                 finish_reason = c.finish_reason or finish_reason
             incomplete = finish_reason == "length"
+            run.reasoning = reasoning_tokens(parser.reasoner, run.ids)
             for event in events.close("incomplete" if incomplete else "completed"):
                 yield event
-            cached = cached if self.chat.enable_prompt_tokens_details else 0
-            response = self._finish(
-                context, events.items, incomplete, prompt_tokens, completion_tokens, cached
-            )
+            response = self._finish(context, events.items, incomplete, run)
         except Exception as e:
             _, kind = error_status(e)
             yield events.event("error", code=kind, message=str(e), param=None)
             return
         yield events.event("response.completed", response=response)
 
-    def _finish(self, context: _Context, items, incomplete, prompt_tokens, completion_tokens,
-                cached) -> ResponsesResponse:  # fmt: skip
+    def _logprobs(self, c, chat_request: ChatCompletionRequest) -> list:
+        """include ["message.output_text.logprobs"]: the output's tokens' logprobs as chat's
+        (the shape of OpenAI's Logprob) for its output_text."""
+        logprobs = self.chat._chat_logprobs(c, chat_request)
+        return logprobs["content"] if logprobs else []
+
+    def _finish(self, context: _Context, items, incomplete: bool, run: _Run) -> ResponsesResponse:
         """The finished response (kept, when stored)."""
         response = self._response(context, items, "incomplete" if incomplete else "completed")
+        prompt_tokens, output_tokens = len(run.prompt_ids), len(run.ids)
+        written = cache_write_tokens(self.chat.engine.config.cache, prompt_tokens, run.cached)
         response.usage = ResponseUsage(
-            prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
-            InputTokensDetails(cached), OutputTokensDetails(),
+            prompt_tokens, output_tokens, prompt_tokens + output_tokens,
+            InputTokensDetails(run.cached, written), OutputTokensDetails(run.reasoning),
         )  # fmt: skip
         if incomplete:
             response.incomplete_details = IncompleteDetails("max_output_tokens")
+        response.kv_transfer_params = run.kv_transfer_params
+        if context.request.enable_response_messages:
+            response.input_messages = [RawMessage(run.prompt, run.prompt_ids)]
+            response.output_messages = [RawMessage(run.text, run.ids)] if run.ids else []
         if context.store:
             self.store.put(context.id, StoredResponse(response, context.history))
         return response
 
     def _response(self, context: _Context, items: list, status: str) -> ResponsesResponse:
-        r = context.request
+        r, p = context.request, context.params
         return ResponsesResponse(
             id=context.id, created_at=context.created_at, model=self.chat._name(r.model),
             output=list(items), status=status, instructions=r.instructions,
-            max_output_tokens=r.max_output_tokens, temperature=r.temperature, top_p=r.top_p,
-            tools=echo_tools(r.tools), tool_choice=r.tool_choice or ("auto" if r.tools else "none"),
+            max_output_tokens=context.max_tokens, max_tool_calls=r.max_tool_calls,
+            temperature=p.temperature, top_p=p.top_p, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, top_logprobs=p.logprobs,
+            tools=echo_tools(r.tools), tool_choice=echo_tool_choice(r.tool_choice, r.tools),
             parallel_tool_calls=r.parallel_tool_calls, text=r.text or TextConfig(),
             reasoning=r.reasoning, previous_response_id=r.previous_response_id,
             store=context.store, user=r.user, metadata=r.metadata,
@@ -243,13 +298,15 @@ class OpenAIServingResponses:
         return stored.response
 
 
-def _output_items(message: ChatMessage) -> list:
+def _output_items(message: ChatMessage, logprobs: list) -> list:
     """A finished choice's message as output items: reasoning, text, function calls."""
     items: list = []
     if message.reasoning:
         items.append(ReasoningItem(item_id("rs"), [ReasoningText(message.reasoning)]))
     if message.content:
-        items.append(OutputMessage(item_id("msg"), [OutputText(message.content)]))
+        items.append(
+            OutputMessage(item_id("msg"), [OutputText(message.content, logprobs=logprobs)])
+        )
     for call in message.tool_calls:
         items.append(FunctionCallItem(item_id("fc"), call.id, call.function.name,
                                       call.function.arguments))  # fmt: skip
@@ -271,14 +328,15 @@ class _Events:
         self.sequence_number += 1
         return b"event: " + kind.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
 
-    def delta(self, delta: ChatMessage | None) -> list[bytes]:
+    def delta(self, delta: ChatMessage | None, logprobs: list) -> list[bytes]:
+        """A parsed delta's events; `logprobs` go with its text, if it has any."""
         if delta is None:
             return []
         out = []
         if delta.reasoning:
             out += self._text(ReasoningItem, delta.reasoning)
         if delta.content:
-            out += self._text(OutputMessage, delta.content)
+            out += self._text(OutputMessage, delta.content, logprobs)
         for call in delta.tool_calls:
             out += self._call(call)
         return out
@@ -296,7 +354,7 @@ class _Events:
     def _where(self) -> dict:
         return {"item_id": self.current.id, "output_index": len(self.items) - 1}
 
-    def _text(self, cls, text: str) -> list[bytes]:
+    def _text(self, cls, text: str, logprobs: list | tuple = ()) -> list[bytes]:
         out = []
         message = cls is OutputMessage
         if not isinstance(self.current, cls):
@@ -306,8 +364,9 @@ class _Events:
                                   content_index=0, part=part))  # fmt: skip
         self.current.content[0].text += text
         if message:
+            self.current.content[0].logprobs += logprobs
             out.append(self.event("response.output_text.delta", **self._where(),
-                                  content_index=0, delta=text, logprobs=[]))  # fmt: skip
+                                  content_index=0, delta=text, logprobs=logprobs))  # fmt: skip
         else:
             out.append(self.event("response.reasoning_text.delta", **self._where(),
                                   content_index=0, delta=text))  # fmt: skip
@@ -343,7 +402,7 @@ class _Events:
             part = item.content[0]
             if isinstance(item, OutputMessage):
                 out.append(self.event("response.output_text.done", **where, content_index=0,
-                                      text=part.text, logprobs=[]))  # fmt: skip
+                                      text=part.text, logprobs=part.logprobs))  # fmt: skip
             else:
                 out.append(self.event("response.reasoning_text.done", **where, content_index=0,
                                       text=part.text))  # fmt: skip

@@ -1,17 +1,22 @@
 """/v1/messages and /v1/messages/count_tokens (Anthropic's Messages API) through the official
 `anthropic` client against the package's shared server (conftest.py: the default model,
---enable-auto-tool-choice --tool-call-parser hermes, API key KEY), and the request mapping
-onto the chat path without a server. Sampling is greedy (temperature 0, which this client
-version sends through extra_body: its create() has no temperature argument)."""
+--enable-auto-tool-choice --tool-call-parser hermes, API key KEY), in process over a stand-in
+engine core (usage, output_config, vLLM's fields), and the request mapping onto the chat path
+without a server. Sampling is greedy (temperature 0, which this client version sends through
+extra_body: its create() has no temperature argument)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
+import msgspec
 import pytest
 
+from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.engine.exceptions import EngineDeadError
+from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.entrypoints.openai.protocol_anthropic import MessagesRequest, to_chat_request
 from jaxserve.entrypoints.openai.request_body import RequestTooLarge
 from jaxserve.entrypoints.openai.serving_messages import anthropic_error_response
@@ -19,7 +24,12 @@ from tests.require import import_or_skip
 
 anthropic = import_or_skip("anthropic")  # in the test extra (fails in CI when missing)
 
+from tests.engine.test_request_failures import make_config  # noqa: E402
 from tests.entrypoints.openai.test_api_server import KEY, MODEL  # noqa: E402
+from tests.entrypoints.openai.test_protocol_mapping import (  # noqa: E402
+    LogprobCore,
+    tokenizer,  # noqa: F401 (a fixture)
+)
 
 GREEDY = {"temperature": 0}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -149,10 +159,18 @@ def test_tool_use_round_trip(client, server):
 
 
 @pytest.mark.slow
-def test_count_tokens_is_the_rendered_prompt(client):
-    from jaxserve.transformers_utils.tokenizer import read_tokenizer
+def test_output_config_json_schema_constrains_the_answer(client):
+    """vLLM's test_anthropic_structured_output, on the default model."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    fmt = {"format": {"type": "json_schema", "schema": schema}}
+    answer = create(client, max_tokens=40, output_config=fmt)
+    assert answer.stop_reason == "end_turn"
+    assert json.loads(answer.content[0].text) == {"city": "Paris"}
 
-    tokenizer = read_tokenizer(None)  # the default model's, as the server's
+
+@pytest.mark.slow
+def test_count_tokens_is_the_rendered_prompt(client, tokenizer):  # noqa: F811 (the server's)
     system = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Be kind."}]
     counted = client.messages.count_tokens(model=MODEL, system=system, messages=QUESTION)
     chat = [{"role": "system", "content": "Be brief.\nBe kind."}, *QUESTION]
@@ -335,3 +353,117 @@ def test_deltas_become_content_block_events():
         events[8][1]["delta"]["partial_json"] + events[9][1]["delta"]["partial_json"] == '{"a": 1}'
     )
     assert blocks.tool_use and blocks.stop() == []
+
+
+# ---------------------------------------------------------------------- in process
+def stand_in(tokenizer, output: str = " Paris.", cached: int = 0, **app_kw):  # noqa: F811
+    """(app, core): the app over a stand-in core answering `output` (its tokens) to every
+    request, each having found `cached` prompt tokens in the prefix cache."""
+    core = LogprobCore(cached=cached)
+    core.output = tokenizer(output, add_special_tokens=False).input_ids
+    engine = AsyncLLM(make_config(tokenizer), core, tokenizer=tokenizer)
+    return build_app(engine, ["m"], log_stats_interval=None, **app_kw), core
+
+
+def with_anthropic(app, *calls):
+    """Each call(client) in order, with the official async client over the app; their
+    results."""
+
+    httpx2 = import_or_skip("httpx2")  # the HTTP package this anthropic client is built on
+
+    async def main():
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://t") as http:
+            client = anthropic.AsyncAnthropic(base_url="http://t", api_key="k", http_client=http,
+                                              max_retries=0)  # fmt: skip
+            return [await call(client) for call in calls]
+
+    try:
+        return asyncio.run(main())
+    finally:
+        if app.state.serving.engine.output_handler is not None:
+            app.state.serving.engine.output_handler.cancel()
+        app.state.cpu.shutdown(wait=False)
+
+
+def ask(client, **kwargs):
+    return client.messages.create(model="m", max_tokens=5, messages=QUESTION, **kwargs)
+
+
+async def streamed_usage(client, **kwargs):
+    """(message_start's usage, message_delta's usage) of a streamed message."""
+    events = [e async for e in await ask(client, stream=True, **kwargs)]
+    (start,) = [e.message.usage for e in events if e.type == "message_start"]
+    (final,) = [e.usage for e in events if e.type == "message_delta"]
+    return start, final
+
+
+def test_usage_splits_the_prompt_by_the_prefix_cache_with_prompt_tokens_details(tokenizer):  # noqa: F811
+    """vLLM's test_anthropic_streaming_cache_usage: with --enable-prompt-tokens-details the
+    prompt is input_tokens + cache_read_input_tokens (the engine's prefix-cache hit) +
+    cache_creation_input_tokens (its full 16-token blocks less those read), whole and in the
+    stream's message_delta; message_start has the whole prompt. Without it: no cache fields."""
+    results = {}
+    for cached in (0, 16):
+        app, core = stand_in(tokenizer, cached=cached, enable_prompt_tokens_details=True)
+        results[cached] = with_anthropic(app, ask, streamed_usage)
+    prompt = len(core.requests[0].prompt_token_ids)
+    full = prompt // 16 * 16
+    for cached, (whole, (start, final)) in results.items():
+        for usage in (whole.usage, final):
+            assert usage.cache_read_input_tokens == cached
+            assert usage.cache_creation_input_tokens == full - cached
+            assert usage.input_tokens == prompt - full and usage.output_tokens == 2
+        assert start.input_tokens == prompt and start.cache_read_input_tokens is None
+
+    app, _ = stand_in(tokenizer, cached=16)
+    whole, (start, final) = with_anthropic(app, ask, streamed_usage)
+    for usage in (whole.usage, final):
+        assert usage.input_tokens == prompt and usage.cache_read_input_tokens is None
+        assert usage.cache_creation_input_tokens is None
+
+
+def test_output_config_and_vllms_fields(tokenizer):  # noqa: F811
+    """output_config.format's schema reaches the engine as a JSON constraint (a bad format
+    is a 400 naming it); tools [] is no tools; an empty answer is one empty text block;
+    count_tokens carries vLLM's context_management; kv_transfer_params go to the engine
+    and come back."""
+    app, core = stand_in(tokenizer, output="")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    fmt = {"format": {"type": "json_schema", "schema": schema}, "effort": "high"}
+
+    async def bad_format(client):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            await ask(client, output_config={"format": {"type": "xml", "schema": schema}})
+        return e.value
+
+    async def counted(client):
+        return await client.messages.count_tokens(model="m", messages=QUESTION)
+
+    kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
+    structured, empty, bad, count, handed = with_anthropic(
+        app, lambda c: ask(c, output_config=fmt), lambda c: ask(c, tools=[]), bad_format, counted,
+        lambda c: ask(c, extra_body={"kv_transfer_params": kv}),
+    )  # fmt: skip
+    assert core.requests[0].sampling_params.structured_outputs.json == schema
+    assert structured.content == empty.content == [anthropic.types.TextBlock(type="text", text="")]
+    assert core.requests[1].sampling_params.structured_outputs is None
+    assert bad.status_code == 400 and "$.output_config.format.type" in str(bad)
+    assert count.input_tokens == len(core.requests[0].prompt_token_ids)
+    assert count.model_extra["context_management"] == {"original_input_tokens": count.input_tokens}
+    assert core.requests[-1].kv_transfer_params == kv
+    assert handed.model_extra["kv_transfer_params"]["remote_engine_id"] == "fake"
+    assert "kv_transfer_params" not in empty.model_extra  # absent when the engine has none
+
+
+def test_output_config_maps_onto_the_chat_request():
+    def request(**fields) -> MessagesRequest:
+        return msgspec.convert({"max_tokens": 1, "messages": QUESTION, **fields}, MessagesRequest)
+
+    output_config = {"effort": "xhigh", "format": {"schema": {"type": "object"}}}
+    chat = to_chat_request(request(chat_template_kwargs={"x": 1}, output_config=output_config))
+    assert chat.chat_template_kwargs == {"reasoning_effort": "xhigh", "x": 1}
+    spec = {"name": "json_schema", "schema": {"type": "object"}}
+    assert chat.response_format == {"type": "json_schema", "json_schema": spec}
+    empty = to_chat_request(request(output_config={"format": {"schema": {}}}))  # vLLM: none
+    assert empty.response_format is None and empty.chat_template_kwargs is None

@@ -95,7 +95,7 @@ def test_named_and_required_choices_parse_the_constrained_json():
     assert tool_choice_constraint(required).json["maxItems"] == 1
     text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     message, called = parser(required, tools=None, reasoning=None).full(text)
-    assert called and message.content is None
+    assert called and message.content == ""  # (vLLM's, not null)
     assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Oslo"}
 
 

@@ -50,8 +50,10 @@ def test_integers_within_64_bits_and_other_numbers_pass(token):
 @pytest.mark.parametrize("token", OUT_OF_RANGE)
 def test_integers_outside_64_bits_are_refused_naming_the_field(token):
     doc = '{"model": "m", "kv_transfer_params": {"a": [' + token + "]}}"
+    bound = "greater_than_equal" if token.startswith("-") else "less_than_equal"
     expected = (
-        f"kv_transfer_params: the integer {token} is outside the 64-bit range [-2**63, 2**64 - 1]"
+        f"kv_transfer_params: the integer {token} is outside the 64-bit range "
+        f"[-2**63, 2**64 - 1] ({bound})"
     )
     assert refusal(doc) == expected
     for at in range(doc.index(token) - 1, len(doc)):
@@ -60,7 +62,8 @@ def test_integers_outside_64_bits_are_refused_naming_the_field(token):
 
 def test_a_huge_integer_is_refused_by_its_digit_count():
     assert refusal('{"seed": 1' + "0" * 400 + "}") == (
-        "seed: the integer of 401 digits is outside the 64-bit range [-2**63, 2**64 - 1]"
+        "seed: the integer of 401 digits is outside the 64-bit range [-2**63, 2**64 - 1] "
+        "(less_than_equal)"
     )
 
 

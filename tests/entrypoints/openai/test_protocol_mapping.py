@@ -171,6 +171,11 @@ COMMON = {
         {"return_tokens_as_token_ids": True},  # with logprobs: see LOGPROBS
         lambda a, r, b: "token_id:7" in json.dumps(a),
     ),
+    "return_token_ids": (  # the prompt's too (tests/entrypoints/openai/test_vllm_response_fields)
+        {"return_token_ids": True},
+        lambda a, r, b: a["choices"][0]["token_ids"] == [7],
+    ),
+    "logprob_token_ids": ({"logprob_token_ids": [9]}, REFUSED),
     "priority": ({"priority": 3}, lambda a, r, b: r[0].priority == 3),
     "cache_salt": ({"cache_salt": "s1"}, lambda a, r, b: r[0].cache_salt == "s1"),
     "user": ({"user": "u"}, lambda a, r, b: True),  # accepted, no effect (as vLLM)
@@ -252,6 +257,12 @@ CHAT_ONLY = {
         lambda a, r, b: a["choices"][0]["message"].get("reasoning") is None,
     ),
     "add_generation_prompt": ({"add_generation_prompt": False}, differs),
+    "return_prompt_text": (
+        {"return_prompt_text": True},
+        lambda a, r, b: a["prompt_text"].endswith(
+            "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+        ),
+    ),
     # the image processor's options: a prompt without images runs as it would without them
     # (tests/models/test_vlm.py: they reach the image processor)
     "mm_processor_kwargs": (
@@ -284,6 +295,18 @@ CHAT_ONLY = {
         },
         lambda a, r, b: r[0].prompt_token_ids == TOKENS["HelloHello!"],
     ),  # fmt: skip
+    "echo": (  # the last message first when the answer continues it; prompt logprobs (vLLM)
+        {
+            "messages": [*CHAT, {"role": "assistant", "content": "Hi"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "echo": True,
+        },
+        lambda a, r, b: (
+            a["choices"][0]["message"]["content"].startswith("Hi")
+            and r[0].sampling_params.prompt_logprobs == 0
+        ),
+    ),
     "use_beam_search": ({"use_beam_search": True}, REFUSED),  # completions only
     "functions": ({"functions": [TOOL["function"]]}, REFUSED),
     "function_call": ({"function_call": "auto"}, REFUSED),

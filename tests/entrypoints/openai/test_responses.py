@@ -7,6 +7,7 @@ previous_response_id and GET /v1/responses/{id}, and its bounds."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import tracemalloc
 
@@ -51,14 +52,16 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 
 def without_ids(response) -> dict:
     """A response's outcome: its output (ids, call ids and the stream helper's `parsed`
-    aside), status and usage."""
+    aside), status and usage (but the prefix cache's part: a second run of a prompt finds
+    the first's blocks)."""
     output = []
     for item in response.output:
         item = {k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")}
         for part in item.get("content") or ():
             part.pop("parsed", None)
         output.append(item)
-    return {"output": output, "status": response.status, "usage": response.usage.model_dump()}
+    usage = response.usage.model_dump(exclude={"input_tokens_details"})
+    return {"output": output, "status": response.status, "usage": usage}
 
 
 # ---------------------------------------------------------------------- on the server
@@ -223,11 +226,13 @@ def serve(tokenizer, monkeypatch):  # noqa: F811
     `output` to everything (no model), with the response store on or off."""
     apps = []
 
-    def make(store: bool, output: str = " Paris.", reasoning_parser: str | None = None,
+    def make(store: bool, output: str | None = " Paris.", reasoning_parser: str | None = None,
              core_cls: type = LogprobCore):  # fmt: skip
+        """output None: the stand-in's one token, with its logprobs."""
         monkeypatch.setenv("JAXSERVE_ENABLE_RESPONSES_API_STORE", "1" if store else "0")
         core = core_cls()
-        core.output = tokenizer(output, add_special_tokens=False).input_ids
+        if output is not None:
+            core.output = tokenizer(output, add_special_tokens=False).input_ids
         config = make_config(tokenizer)
         config.reasoning_parser = reasoning_parser
         engine = AsyncLLM(config, core, tokenizer=tokenizer)
@@ -430,7 +435,9 @@ def test_reasoning_comes_first_as_a_reasoning_item_whole_and_streamed(serve):
         "response.content_part.done", "response.output_item.done", "response.completed",
     ]  # fmt: skip
     assert [e.output_index for e in events[2:-1]] == [0] * 6 + [1] * 6
-    assert without_ids(events[-1].response) == without_ids(response)
+    assert without_ids(events[-1].response) == without_ids(response)  # usage too
+    usage = response.usage
+    assert 0 < usage.output_tokens_details.reasoning_tokens < usage.output_tokens
 
 
 class FailingCore(LogprobCore):
@@ -452,3 +459,150 @@ def test_an_engine_failure_is_a_500_or_the_streams_last_event(serve):
     assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
     assert events[-1].message.endswith(CORE_ERROR) and events[-1].sequence_number == 2
     assert not app.state.serving.engine.errored
+
+
+# ---------------------------------------------------------------------- in process: vLLM's fields
+def with_openai(app, *calls):
+    """Each call(client) in order, with the official async client over the app (in process);
+    their results."""
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http,
+                                        max_retries=0)  # fmt: skip
+            return [await call(client) for call in calls]
+
+    try:
+        return asyncio.run(main())
+    finally:
+        if app.state.serving.engine.output_handler is not None:
+            app.state.serving.engine.output_handler.cancel()
+
+
+async def streamed(stream) -> list:
+    return [event async for event in await stream]
+
+
+def test_effort_none_and_empty_tools_are_accepted_as_vllm_does(serve):
+    """reasoning.effort "none" turns the template's thinking off (Qwen3's parser then reads
+    the answer as text, not reasoning); tools [] is no tools (tool_choice echoed none); a
+    call asked for without tools is a 400 in vLLM's words."""
+    app, core = serve(False, reasoning_parser="qwen3")
+    ask = {"model": "m", "input": "Capital of France?", "max_output_tokens": 5}
+    none, low, stream = with_openai(
+        app,
+        lambda c: c.responses.create(**ask, reasoning={"effort": "none"}, tools=[]),
+        lambda c: c.responses.create(**ask, reasoning={"effort": "low"}, tool_choice="auto"),
+        lambda c: streamed(c.responses.create(**ask, reasoning={"effort": "low"}, tools=[],
+                                              stream=True)),
+    )  # fmt: skip
+    assert [item.type for item in none.output] == ["message"] and none.output_text == " Paris."
+    assert none.reasoning.effort == "none" and (none.tools, none.tool_choice) == ([], "none")
+    assert [item.type for item in low.output] == ["reasoning"]  # thinking on: all reasoning
+    assert low.tool_choice == "none"
+    reasoning = [r.usage.output_tokens_details.reasoning_tokens for r in (none, low)]
+    assert reasoning == [0, low.usage.output_tokens]
+    assert stream[-1].type == "response.completed" and stream[-1].response.reasoning.effort == "low"
+    assert "reasoning_text" in [getattr(e.part, "type", None) for e in stream if e.type.endswith(
+        "content_part.added")]  # fmt: skip
+    bad = [({"tool_choice": "required", "tools": []},
+            "Tool choice 'required' must be specified with 'tools' parameter."),
+           ({"tool_choice": {"type": "function", "name": "f"}},
+            "Tool choice 'function' not found in 'tools' parameter.")]  # fmt: skip
+    answers = exchange(app, [("POST", "/v1/responses", {"input": "hi", **b}) for b, _ in bad])
+    for r, (_, message) in zip(answers, bad, strict=True):
+        assert r.status_code == 400 and r.json()["error"]["message"] == message
+    assert len(core.requests) == 3
+
+
+def test_enable_response_messages_returns_the_raw_prompt_and_output(serve, tokenizer):  # noqa: F811
+    app, core = serve(False)
+    ask = {"model": "m", "input": "Capital of France?", "max_output_tokens": 5}
+    shown = {"extra_body": {"enable_response_messages": True}}
+    whole, stream, plain = with_openai(
+        app,
+        lambda c: c.responses.create(**ask, **shown),
+        lambda c: streamed(c.responses.create(**ask, **shown, stream=True)),
+        lambda c: c.responses.create(**ask),
+    )
+    for response, request in ((whole, core.requests[0]), (stream[-1].response, core.requests[1])):
+        (prompt,) = response.input_messages
+        assert prompt["type"] == "raw_message_tokens"
+        assert prompt["tokens"] == list(request.prompt_token_ids)
+        assert prompt["message"] == tokenizer.decode(request.prompt_token_ids)
+        assert "Capital of France?" in prompt["message"]
+        assert response.output_messages == [
+            {"type": "raw_message_tokens", "message": " Paris.", "tokens": core.output}
+        ]
+    assert plain.input_messages is None and plain.output_messages is None  # null, present
+
+
+# vLLM 0.32.0's ResponsesResponse, as model_dump(mode="json") writes it (nulls included)
+VLLM_RESPONSE_FIELDS = {
+    "id", "created_at", "incomplete_details", "instructions", "metadata", "model", "object",
+    "output", "parallel_tool_calls", "temperature", "tool_choice", "tools", "top_p",
+    "background", "max_output_tokens", "max_tool_calls", "previous_response_id", "prompt",
+    "reasoning", "service_tier", "status", "text", "top_logprobs", "truncation", "usage", "user",
+    "presence_penalty", "frequency_penalty", "kv_transfer_params", "ec_transfer_params",
+    "input_messages", "output_messages",
+}  # fmt: skip
+VLLM_USAGE_DETAILS = {
+    "input_tokens_details": {"cached_tokens", "cache_write_tokens", "input_tokens_per_turn",
+                             "cached_tokens_per_turn"},
+    "output_tokens_details": {"reasoning_tokens", "tool_output_tokens", "output_tokens_per_turn",
+                              "tool_output_tokens_per_turn"},
+}  # fmt: skip
+
+
+def test_response_fields_are_vllms_with_the_settings_the_engine_ran(serve):
+    """Every field vLLM's response has (nulls too), and OpenAI's error and store beside them;
+    the sampling settings as the engine ran them (defaults filled in, as vLLM echoes them);
+    chat's sampling fields reach the engine."""
+    app, core = serve(False)
+    body = {"input": "hi", "reasoning": {"effort": "low"}, "repetition_penalty": 1.3,
+            "stop": ["x"], "min_p": 0.1, "max_tool_calls": 2}  # fmt: skip
+    (r,) = exchange(app, [("POST", "/v1/responses", body)])
+    got = r.json()
+    assert set(got) - VLLM_RESPONSE_FIELDS == {"error", "store"}
+    assert set(got) >= VLLM_RESPONSE_FIELDS
+    for field, keys in VLLM_USAGE_DETAILS.items():
+        assert set(got["usage"][field]) == keys
+    assert got["reasoning"] == {"context": None, "effort": "low", "generate_summary": None,
+                                "mode": None, "summary": None}  # fmt: skip
+    prompt_tokens = len(core.requests[0].prompt_token_ids)
+    assert (got["temperature"], got["top_p"], got["presence_penalty"]) == (1.0, 1.0, 0.0)
+    assert got["max_output_tokens"] == 256 - prompt_tokens  # the room the context leaves
+    assert (got["max_tool_calls"], got["top_logprobs"], got["input_messages"]) == (2, None, None)
+    params = core.requests[0].sampling_params
+    assert (params.repetition_penalty, params.stop, params.min_p) == (1.3, ["x"], 0.1)
+
+
+def test_cache_usage_and_logprobs_when_included(serve):
+    """usage.input_tokens_details: the prompt tokens read from the prefix cache (the
+    engine's count) and those written to it (its full 16-token blocks less those read),
+    without --enable-prompt-tokens-details as in vLLM; include's output_text logprobs, whole
+    and with each streamed delta."""
+    app, core = serve(False, output=None, core_cls=functools.partial(LogprobCore, cached=16))
+    logprobs = {
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 1,
+        "extra_body": {"skip_special_tokens": False},
+    }  # its token: <gh_stars>
+    whole, stream = with_openai(
+        app,
+        lambda c: c.responses.create(model="m", input="hi", **logprobs),
+        lambda c: streamed(c.responses.create(model="m", input="hi", stream=True, **logprobs)),
+    )
+    prompt_tokens = len(core.requests[0].prompt_token_ids)
+    details = whole.usage.input_tokens_details
+    assert prompt_tokens > 16 and details.cached_tokens == 16
+    assert details.cache_write_tokens == prompt_tokens // 16 * 16 - 16
+    (text,) = whole.output[0].content
+    (lp,) = text.logprobs
+    assert lp.logprob == -0.5 and [t.logprob for t in lp.top_logprobs] == [-0.5]
+    assert lp.token == text.text and whole.top_logprobs == 1
+    (delta,) = [e for e in stream if e.type == "response.output_text.delta"]
+    assert [x.model_dump() for x in delta.logprobs] == [lp.model_dump()]
+    assert stream[-1].response.output[0].content[0].logprobs == text.logprobs
+    assert core.requests[0].sampling_params.logprobs == 1

@@ -64,7 +64,7 @@ def call(tokenizer, body: dict, *, details: bool = False, cached: int = 0, defau
 def test_kv_transfer_params_reach_the_core_and_the_response(tokenizer, kind):
     body = {"messages": CHAT} if kind == "chat" else {"prompt": [[1, 2, 3], [4, 5]]}
     plain, core = call(tokenizer, body)
-    assert "kv_transfer_params" not in plain
+    assert plain["kv_transfer_params"] is None  # vLLM's null
     assert all(r.kv_transfer_params is None for r in core.requests)
 
     answer, core = call(tokenizer, {**body, "kv_transfer_params": PREFILL})
@@ -83,10 +83,14 @@ def test_prompt_tokens_details_only_when_enabled(tokenizer, details, stream):
     ):
         answer, _ = call(tokenizer, {**body, **extra}, details=details, cached=32)
         usage = answer[-1]["usage"] if stream else answer["usage"]
+        # vLLM's: a whole answer's usage has every field (null: none), a stream's those it set
+        nulls = {} if stream else {"created_cache_tokens": None, "multimodal_tokens": None}
         if details:
-            assert usage["prompt_tokens_details"] == {"cached_tokens": cached}
-        else:
+            assert usage["prompt_tokens_details"] == {"cached_tokens": cached, **nulls}
+        elif stream:
             assert "prompt_tokens_details" not in usage
+        else:
+            assert usage["prompt_tokens_details"] is None
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
