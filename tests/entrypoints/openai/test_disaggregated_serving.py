@@ -131,7 +131,7 @@ def test_the_decode_server_computes_at_most_one_block_of_a_proxied_prompt(server
     hits = decode.metric("external_prefix_cache_hits_total")
     via = post(proxy, "/v1/completions", body).json()
     assert via["choices"][0]["text"] == alone
-    assert via["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}  # (75 - 1) // 16
+    assert via["usage"]["prompt_tokens_details"]["cached_tokens"] == 64  # (75 - 1) // 16
     assert decode.metric("external_prefix_cache_hits_total") == hits + 64
     assert decode.metric("kv_transfer_blocks_total", 'direction="load"') >= 4
     other = {**body, "prompt": [p + 1 for p in prompt]}
@@ -154,7 +154,7 @@ def test_a_dead_prefill_server_makes_the_decode_server_recompute(servers, proxy)
     start = time.monotonic()
     out = post(decode.url, "/v1/completions", {**body, "kv_transfer_params": params}).json()
     assert time.monotonic() - start < 30  # the 2 s timeout, then the prompt's compute
-    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert decode.metric("kv_transfer_failed_loads_total") == failed + 1
     alone = post(decode.url, "/v1/completions", {**body, "prompt": prompt}).json()
     assert out["choices"] == alone["choices"]
