@@ -14,27 +14,30 @@
 #   2    copy_rate         benchmarks/bench_copy_rate.py: device-to-device copy, GB/s counting
 #                          read + write; every bandwidth fraction in the report is given against
 #                          it and against the datasheet (H100 SXM 3.35 TB/s, H200 4.8 TB/s)
-#   3    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
-#   4    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
-#   5    kernel_bench      benchmarks/kernels/bench_paged_attention.py --kernels triton,mosaic
+#   3    moe_gmm           benchmarks/kernels/bench_moe_gmm.py: the routed experts' grouped
+#                          matmul at gpt-oss-20b and Qwen3-30B-A3B shapes, bf16 and packed
+#                          (fp8, int4, MXFP4), tokamax's Mosaic kernel against XLA's ragged_dot
+#   4    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
+#   5    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
+#   6    kernel_bench      benchmarks/kernels/bench_paged_attention.py --kernels triton,mosaic
 #                          (the end-to-end case, b=256 ctx 33-160, first; fractions of peak;
 #                          the engine's kernel choice for this GPU comes from it)
-#   6    throughput_256    benchmarks/bench_throughput.py, 256 prompts at once (one wave; the
+#   7    throughput_256    benchmarks/bench_throughput.py, 256 prompts at once (one wave; the
 #                          warm-up runs the same 256 untimed; median of 3 runs)
-#   7    hf_peer           benchmarks/bench_hf_peer.py: HF transformers, generate with
+#   8    hf_peer           benchmarks/bench_hf_peer.py: HF transformers, generate with
 #                          cache_implementation="static", batch 32, 1, 8, same GPU and shape
-#   8    latency_b32       as latency_b1 (the HF comparison's batch: jaxserve >= 2x HF there)
-#   9    pytest_lowering   python -m pytest -m cuda_lowering (every kernel variant lowered for
+#   9    latency_b32       as latency_b1 (the HF comparison's batch: jaxserve >= 2x HF there)
+#   10   pytest_lowering   python -m pytest -m cuda_lowering (every kernel variant lowered for
 #                          CUDA by this jax; CPU work, CI runs it too on its own jax)
-#   10   profile_b256      benchmarks/profile_decode.py --batch-sizes 256 --trace-dir: a
+#   11   profile_b256      benchmarks/profile_decode.py --batch-sizes 256 --trace-dir: a
 #                          jax.profiler trace of 10 decode steps, time by op class
-#   11   throughput_1024   1024 prompts at 256 sequences (steady continuous batching)
-#   12   latency_b8        as latency_b1
-#   13   tune_kernel       benchmarks/kernels/tune_paged_attention.py (tile, split and mixed
+#   12   throughput_1024   1024 prompts at 256 sequences (steady continuous batching)
+#   13   latency_b8        as latency_b1
+#   14   tune_kernel       benchmarks/kernels/tune_paged_attention.py (tile, split and mixed
 #                          sweeps; elastic: stops 30 s before its limit)
-#   14   kv_transfer       benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
-#   15   kernel_bench_mla  the kernel benchmark for DeepSeek-V3's latent attention (Triton only)
-#   16   throughput_64     64 prompts
+#   15   kv_transfer       benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
+#   16   kernel_bench_mla  the kernel benchmark for DeepSeek-V3's latent attention (Triton only)
+#   17   throughput_64     64 prompts
 # (--dry-run runs the same steps at tiny sizes: latency_b1/b2, throughput_2 (wave) and _8
 # (steady, 2 sequences), profile_b2, HF peer at batch 2 and 1.)
 #
@@ -156,10 +159,11 @@ EOF
     KERNEL_ARGS=(--smoke)
     MLA_ARGS=(--smoke --mla-latent 64)
     KV_TRANSFER_ARGS=(--blocks 1 8 --repeats 1)
+    MOE_ARGS=(--shapes qwen3-30b-a3b --formats bf16 --impls xla --tokens 1 --iters 2)
     TUNE_ARGS=(--smoke)
     COMPILE_S=0
     E_ENV=5 E_COPY=5 E_PYTEST=10 E_LOWERING=15 E_MODEL=20 E_HF=10 E_KERNEL=30 E_PROFILE=15
-    E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120
+    E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120 E_MOE=20 L_MOE=120
     L_ENV=60 L_COPY=60 L_PYTEST=90 L_LOWERING=90 L_MODEL=120 L_HF=90 L_KERNEL=120
     L_PROFILE=90 L_TUNE=90 L_KV=90 L_MLA=60
 else
@@ -183,12 +187,13 @@ else
     MLA_ARGS=(--mla-latent 512 --head-dim 576 --num-q-heads 16 --num-kv-heads 1
         --batch-sizes 1 16 64 --contexts 4096)
     KV_TRANSFER_ARGS=(--layout llama-3-8b)
+    MOE_ARGS=()
     TUNE_ARGS=()
     # Seconds, from the H100 runs of 2026-11-27 (pytest 221 s for gpu + lowering together;
     # compile 87 s; throughput_256 25 s a run); HF's static-cache compile is a guess.
     COMPILE_S=100
     E_ENV=10 E_COPY=15 E_PYTEST=130 E_LOWERING=120 E_MODEL=45 E_HF=120 E_KERNEL=120
-    E_PROFILE=60 E_TUNE=45 E_KV=15 E_MLA=25 E_STEADY=80 L_STEADY=200
+    E_PROFILE=60 E_TUNE=45 E_KV=15 E_MLA=25 E_STEADY=80 L_STEADY=200 E_MOE=150 L_MOE=240
     L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
     L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90
 fi
@@ -274,6 +279,9 @@ PYTEST=("$PYTHON" -m pytest -o addopts= -p no:cacheprovider -q -rfEs)
 step env other "$E_ENV" "$L_ENV" "$PYTHON" scripts/gpu_suite_report.py env "$WORK"
 step copy_rate other "$E_COPY" "$L_COPY" "$PYTHON" benchmarks/bench_copy_rate.py \
     "${COPY_ARGS[@]}" --output-json "$WORK/copy_rate.json"
+step moe_gmm other "$E_MOE" "$L_MOE" env COPY_RATE_JSON="$WORK/copy_rate.json" "$PYTHON" \
+    benchmarks/kernels/bench_moe_gmm.py "${MOE_ARGS[@]}" --max-seconds @MAX_SECONDS@ \
+    --output-json "$WORK/moe_gmm.json"
 step pytest_gpu other "$E_PYTEST" "$L_PYTEST" "${PYTEST[@]}" "${PYTEST_GPU_ARGS[@]}"
 lat 1
 step kernel_bench other "$E_KERNEL" "$L_KERNEL" "$PYTHON" \

@@ -346,6 +346,9 @@ def figures(step: dict, log: str, env: dict, copy_gbps: float | None, device: st
         return tune_figures(log)
     if name == "kv_transfer":
         return kv_transfer_figures(log)
+    if name == "moe_gmm":
+        lines = [line[6:] for line in log.splitlines() if line.startswith("# moe ")]
+        return "; ".join(lines) if lines else "no summary printed"
     if name == "hf_peer":
         return hf_figures(log)
     if name.startswith("profile"):

@@ -13,11 +13,20 @@
 #   starlette  anyio, typing-extensions      uvicorn     click, h11
 #   gguf       numpy, pyyaml, requests, tqdm llguidance  (none)
 # openai and jsonschema (tests only) are not carried: their test modules skip without them.
+# For the GPU grouped-matmul measurements (benchmarks/kernels/bench_moe_gmm.py): tokamax, a
+# Pallas kernel library that needs jax >= 0.11 (the GPU machine's, not yet the CPU pin), with
+# its needs the machine lacks (qwix, einshape, jaxtyping, pydantic, ...), pinned below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(pyzmq msgspec starlette uvicorn gguf llguidance)
-FALLBACK_VERSIONS=()  # NAME==VERSION for a package constraints.txt does not pin (none now)
+PACKAGES=(pyzmq msgspec starlette uvicorn gguf llguidance
+    tokamax qwix einshape jaxtyping wadler_lindig pydantic pydantic_core annotated-types
+    typing-inspection typing_extensions immutabledict opt_einsum absl-py)
+# NAME==VERSION for a package constraints.txt does not pin
+FALLBACK_VERSIONS=(tokamax==0.0.17 qwix==0.1.8 einshape==1.0 jaxtyping==0.3.11
+    wadler_lindig==0.1.8 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
+    typing-inspection==0.4.5 typing_extensions==4.16.0 immutabledict==4.3.1 opt_einsum==3.4.0
+    absl-py==2.5.1)
 DEST=.whl
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 

@@ -38,7 +38,8 @@ LORA_REPOS = {"typeof/zephyr-7b-beta-lora", "charent/self_cognition_Alice"}
 
 # Tests that need what the bundled model cannot be: skipped with the reason (node id substring).
 SKIPS = {
-    "[multimodal-": "needs a vision-language model (SmolVLM-256M): the bundled model is text-only",
+    "-multimodal]": "needs a vision-language model (SmolVLM-256M): the bundled model is text-only",
+    "test_translategemma_image_": "needs a vision-language model and an image from the network",
 }
 
 # Known failures: node id -> (class, one-line cause). Classes: "model" (depends on the model:
@@ -64,15 +65,15 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
-def _without_model(args: list[str]) -> list[str]:
-    """args less `--model X` (the only flag that selects weights)."""
+def _without(args: list[str], flags: set[str]) -> list[str]:
+    """args less each of `flags` with its value (`--flag X` or `--flag=X`)."""
     out, skip = [], False
     for arg in args:
         if skip:
             skip = False
-        elif arg == "--model":
+        elif arg in flags:
             skip = True
-        elif not arg.startswith("--model="):
+        elif arg.split("=", 1)[0] not in flags:
             out.append(arg)
     return out
 
@@ -103,7 +104,10 @@ class JaxserveServer:
         self.show_hidden_metrics = (
             _flag_value(args, "--show-hidden-metrics-for-version") is not None
         )
-        args = _without_model(args)
+        # --model selects weights; JAXSERVE_API_TEST_DROP_FLAGS names flags a run leaves out
+        # (run.sh: why --dtype)
+        dropped = set(os.environ.get("JAXSERVE_API_TEST_DROP_FLAGS", "").split())
+        args = _without(args, {"--model", *dropped})
         if _flag_value(args, "--served-model-name") is None and "--served-model-name" not in args:
             args += ["--served-model-name", model]
         command = [*shlex.split(os.environ.get("JAXSERVE_BIN", "jaxserve")), "serve", *args]
@@ -273,7 +277,9 @@ def _starts_server(item) -> bool:
     return False
 
 
-def pytest_configure(config) -> None:
+def pytest_load_initial_conftests(early_config, parser, args) -> None:
+    """Before any conftest.py loads: a package's conftest.py (responses/) imports
+    RemoteOpenAIServer by name."""
     import tests.utils
 
     tests.utils.RemoteOpenAIServer = JaxserveServer
