@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_SIMULATED_STEP: str | None = None
     JAXSERVE_PP_LAYER_PARTITION: str | None = None
     JAXSERVE_PALLAS_KERNEL: str | None = None
+    JAXSERVE_MOE_KERNEL: str | None = None
     JAXSERVE_METRICS_LEGACY_PREFIX: bool = False
     JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
     JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
@@ -172,6 +173,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "mosaic" or "triton": the Pallas GPU attention kernel, whatever
     # pallas_kernels/paged_attention/kernel_choice.json measured for the device (choice.py).
     "JAXSERVE_PALLAS_KERNEL": lambda: os.environ.get("JAXSERVE_PALLAS_KERNEL") or None,
+    # "tiles", "tokamax" or "xla": the MoE layers' grouped matmul where it can run, instead of
+    # the platform's choice (pallas_kernels/grouped_matmul).
+    "JAXSERVE_MOE_KERNEL": lambda: os.environ.get("JAXSERVE_MOE_KERNEL") or None,
     # "1": /metrics also exports every metric under the `jaxserve:` prefix (before vLLM's
     # `vllm:` names; jaxserve/metrics.py).
     "JAXSERVE_METRICS_LEGACY_PREFIX": lambda: (

@@ -17,6 +17,10 @@
 #   3    moe_gmm           benchmarks/kernels/bench_moe_gmm.py: the routed experts' grouped
 #                          matmul at gpt-oss-20b and Qwen3-30B-A3B shapes, bf16 and packed
 #                          (fp8, int4, MXFP4), tokamax's Mosaic kernel against XLA's ragged_dot
+#   4    moe_*             scripts/bench_latency.py on MoE presets with dummy bf16 weights
+#                          (gpt-oss-20b, qwen3-30b-a3b; batch 1 and 32), the grouped matmul
+#                          the engine chooses (tokamax's on Hopper) against XLA's ragged_dot
+#                          (JAXSERVE_MOE_KERNEL=xla) in the same run
 #   4    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
 #   5    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
 #   6    kernel_bench      benchmarks/kernels/bench_paged_attention.py --kernels triton,mosaic
@@ -77,6 +81,7 @@
 #   --skip A,B     run all but these (prefixes work)
 #   --rank A,B     these steps first in the ranking, in this order (the rest keep theirs)
 # Environment: PYTHON (default python3; .venv/bin/python with --dry-run when present),
+# GPU_SUITE_MOE_ARGS (bench_moe_gmm.py's arguments on a GPU, default none: every case),
 # GPU_SUITE_COMMIT (the commit to report; see above).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -160,10 +165,14 @@ EOF
     MLA_ARGS=(--smoke --mla-latent 64)
     KV_TRANSFER_ARGS=(--blocks 1 8 --repeats 1)
     MOE_ARGS=(--shapes qwen3-30b-a3b --formats bf16 --impls xla --tokens 1 --iters 2)
+    MOE_LAT_ARGS=(--dtype float32 --input-len 4 --output-len 3 --max-model-len 32
+        --max-num-seqs 2 --max-num-batched-tokens 8 --num-iters-warmup 1 --num-iters 2
+        --hf-overrides '{"num_hidden_layers": 1, "num_local_experts": 8, "num_experts": 8}')
+    MOE_PRESETS=(qwen3-30b-a3b) MOE_BATCHES=(1)
     TUNE_ARGS=(--smoke)
     COMPILE_S=0
     E_ENV=5 E_COPY=5 E_PYTEST=10 E_LOWERING=15 E_MODEL=20 E_HF=10 E_KERNEL=30 E_PROFILE=15
-    E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120 E_MOE=20 L_MOE=120
+    E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120 E_MOE=20 L_MOE=120 E_MOE_LAT=60 L_MOE_LAT=150
     L_ENV=60 L_COPY=60 L_PYTEST=90 L_LOWERING=90 L_MODEL=120 L_HF=90 L_KERNEL=120
     L_PROFILE=90 L_TUNE=90 L_KV=90 L_MLA=60
 else
@@ -187,13 +196,17 @@ else
     MLA_ARGS=(--mla-latent 512 --head-dim 576 --num-q-heads 16 --num-kv-heads 1
         --batch-sizes 1 16 64 --contexts 4096)
     KV_TRANSFER_ARGS=(--layout llama-3-8b)
-    MOE_ARGS=()
+    read -r -a MOE_ARGS <<<"${GPU_SUITE_MOE_ARGS:-}" # e.g. "--formats bf16 --tokens 1,8"
+    MOE_LAT_ARGS=(--dtype bfloat16 --input-len 32 --output-len 64 --max-model-len 256
+        --max-num-seqs 32 --max-num-batched-tokens 256 --num-iters-warmup 1 --num-iters 3
+        --kv-cache-memory-bytes 2000000000)
+    MOE_PRESETS=(gpt-oss-20b qwen3-30b-a3b) MOE_BATCHES=(1 32)
     TUNE_ARGS=()
     # Seconds, from the H100 runs of 2026-11-27 (pytest 221 s for gpu + lowering together;
     # compile 87 s; throughput_256 25 s a run); HF's static-cache compile is a guess.
     COMPILE_S=100
     E_ENV=10 E_COPY=15 E_PYTEST=130 E_LOWERING=120 E_MODEL=45 E_HF=120 E_KERNEL=120
-    E_PROFILE=60 E_TUNE=45 E_KV=15 E_MLA=25 E_STEADY=80 L_STEADY=200 E_MOE=150 L_MOE=240
+    E_PROFILE=60 E_TUNE=45 E_KV=15 E_MLA=25 E_STEADY=80 L_STEADY=200 E_MOE=150 L_MOE=240 E_MOE_LAT=90 L_MOE_LAT=180
     L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
     L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90
 fi
@@ -282,6 +295,16 @@ step copy_rate other "$E_COPY" "$L_COPY" "$PYTHON" benchmarks/bench_copy_rate.py
 step moe_gmm other "$E_MOE" "$L_MOE" env COPY_RATE_JSON="$WORK/copy_rate.json" "$PYTHON" \
     benchmarks/kernels/bench_moe_gmm.py "${MOE_ARGS[@]}" --max-seconds @MAX_SECONDS@ \
     --output-json "$WORK/moe_gmm.json"
+for moe_b in "${MOE_BATCHES[@]}"; do # each preset with the engine's kernel, then XLA's
+    for moe_p in "${MOE_PRESETS[@]}"; do
+        for moe_k in "" xla; do
+            moe_name=moe_${moe_p//[-.]/_}_b$moe_b${moe_k:+_$moe_k}
+            step "$moe_name" other "$E_MOE_LAT" "$L_MOE_LAT" env JAXSERVE_MOE_KERNEL=$moe_k \
+                "$PYTHON" scripts/bench_latency.py --model "$moe_p" --load-format dummy \
+                --batch-size "$moe_b" "${MOE_LAT_ARGS[@]}" --output-json "$WORK/$moe_name.json"
+        done
+    done
+done
 step pytest_gpu other "$E_PYTEST" "$L_PYTEST" "${PYTEST[@]}" "${PYTEST_GPU_ARGS[@]}"
 lat 1
 step kernel_bench other "$E_KERNEL" "$L_KERNEL" "$PYTHON" \

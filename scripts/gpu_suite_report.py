@@ -353,7 +353,7 @@ def figures(step: dict, log: str, env: dict, copy_gbps: float | None, device: st
         return hf_figures(log)
     if name.startswith("profile"):
         return profile_figures(log)
-    if name.startswith("latency"):
+    if name.startswith(("latency", "moe_")):
         return latency_figures(log, copy_gbps)
     if name.startswith("throughput"):
         return throughput_figures(log, copy_gbps)

@@ -118,11 +118,13 @@ def implementation(name: str):
 
 
 def tile_variants(fmt: str, rows_per_expert: float, n: int) -> list[str]:
-    """tokamax tile choices worth trying for a case: 16-row tiles when experts get few rows,
-    N tiles that divide N twice over (the quantized kernel's two compute warpgroups)."""
-    bm = 16 if rows_per_expert <= 16 else 64
+    """tokamax tile choices worth trying beside its heuristics' at decode. bf16 (its kernel
+    puts rows on the wgmma's M: 64-row tiles): N and K tiles; the quantized kernel (rows on
+    the wgmma's N): 16-row tiles, N tiles that divide N twice over (two compute warpgroups)."""
+    if fmt == "bf16":
+        return ["tokamax_m64_n32_k128", "tokamax_m64_n128_k128", "tokamax_m64_n64_k256"]
     bk = min(FORMATS[fmt] or 128, 128)
-    return [f"tokamax_m{bm}_n{bn}_k{bk}" for bn in (32, 64, 128) if n % (2 * bn) == 0][-2:]
+    return [f"tokamax_m16_n{bn}_k{bk}" for bn in (32, 64, 128) if n % (2 * bn) == 0][-2:]
 
 
 def time_call(fn, args, iters: int) -> float:

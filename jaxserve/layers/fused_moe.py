@@ -1,6 +1,7 @@
 """Mixture-of-experts MLP (vLLM's FusedMoE): a router picks each token's top-k experts, the
-token's rows are sorted by expert and run through grouped matmuls (`grouped_matmul`:
-`jax.lax.ragged_dot`, or a loop over row tiles on CPU).
+token's rows are sorted by expert and run through grouped matmuls
+(pallas_kernels/grouped_matmul: a loop over row tiles on CPU, tokamax's Mosaic GPU kernel on
+Hopper, `jax.lax.ragged_dot` elsewhere).
 
 Weights: router `gate` [D, E] (and `e_score_correction_bias` [E] for noaux_tc routing);
 `w13` [E, D, 2F] (each expert's gate and up interleaved, as GatedMLP's gate_up: column 2f is
@@ -30,6 +31,7 @@ from jaxserve.config.moe import MoeRouting
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.mlp import GatedMLP
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -89,42 +91,6 @@ def route_softmax_groups(logits: jax.Array, top_k: int, routing: MoeRouting
         scores = jnp.where(jnp.repeat(keep, e // routing.n_group, axis=1), scores, 0.0)
     weights, ids = jax.lax.top_k(scores, top_k)
     return ids.astype(jnp.int32), weights * routing.routed_scaling_factor
-
-
-# Rows per tile of `grouped_matmul`'s CPU loop: at decode each tile holds a row or two, at
-# prefill a tile's dot is big enough to run well.
-_TILE_ROWS = 16
-
-
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """jax.lax.ragged_dot(x [N, D], w [G, D, F], group_sizes i32[G]) -> [N, F]: rows
-    sum(group_sizes[:g]) .. + group_sizes[g] - 1 times w[g], rows past the groups zero.
-
-    XLA lowers ragged_dot by padding it to a dense batched dot: every row times every
-    group's weights, G times the work and a [G, N, F] temporary (26 GB for two of
-    DeepSeek-V3's layers at a 2,048-token step on CPU). On CPU this runs each group's rows
-    `_TILE_ROWS` at a time instead (a loop over at most N / _TILE_ROWS + G tiles, each one
-    dot with its group's weights); other platforms keep ragged_dot."""
-    if jax.default_backend() != "cpu":
-        return jax.lax.ragged_dot(x, w, group_sizes)
-    n, t, g = x.shape[0], _TILE_ROWS, w.shape[0]
-    ends = jnp.cumsum(group_sizes)
-    tiles = (group_sizes + t - 1) // t  # [G]
-    tile_ends = jnp.cumsum(tiles)
-    ids = jnp.arange(-(-n // t) + g, dtype=jnp.int32)  # a static bound on the tiles
-    group = jnp.minimum(jnp.searchsorted(tile_ends, ids, side="right"), g - 1)
-    first = ends[group] - group_sizes[group] + (ids - tile_ends[group] + tiles[group]) * t
-    xp = jnp.pad(x, ((0, t), (0, 0)))
-
-    def tile(i, out):
-        e, start = group[i], first[i]
-        y = jax.lax.dynamic_slice_in_dim(xp, start, t) @ w[e]
-        keep = (start + jnp.arange(t) < ends[e])[:, None]
-        old = jax.lax.dynamic_slice_in_dim(out, start, t)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), start, 0)
-
-    out = jax.lax.fori_loop(0, tile_ends[-1], tile, jnp.zeros((n + t, w.shape[2]), x.dtype))
-    return out[:n]
 
 
 def expert_mlp(

@@ -126,21 +126,6 @@ def test_routing_and_logits_match_hf(one_device, family):
         np.testing.assert_allclose(logits[seq], hf_logits(ref, tokens), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("sizes", [[3, 0, 17, 1], [0, 0, 0, 0], [40, 0, 0, 2], [1, 1, 1, 1]])
-def test_grouped_matmul_equals_ragged_dot(sizes):
-    """The CPU tile loop gives jax.lax.ragged_dot's result: each group's rows times its
-    weights, empty groups, groups spanning several tiles, and rows past the groups zero."""
-    from jaxserve.layers.fused_moe import grouped_matmul
-
-    rng = np.random.default_rng(len(sizes) + sum(sizes))
-    x = jnp.asarray(rng.normal(size=(48, 8)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(4, 8, 6)), jnp.float32)
-    groups = jnp.asarray(sizes, jnp.int32)
-    got = np.asarray(jax.jit(grouped_matmul)(x, w, groups))
-    np.testing.assert_allclose(got, np.asarray(jax.lax.ragged_dot(x, w, groups)), atol=1e-5)
-    assert not got[sum(sizes) :].any()
-
-
 def test_expert_mlp_skips_rows_of_other_devices_experts():
     """Experts 2-3 of 4 on this 'device': only rows routed to them count, each at its weight."""
     rng = np.random.default_rng(0)

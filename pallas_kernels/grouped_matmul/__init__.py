@@ -1,0 +1,88 @@
+"""The grouped matmul of a mixture-of-experts layer: rows sorted by expert, each group of rows
+times its expert's weights, `jax.lax.ragged_dot`'s contract (its reference here):
+
+    grouped_matmul(x [N, K], w [G, K, F], group_sizes i32[G]) -> [N, F]
+
+rows sum(group_sizes[:g]) .. + group_sizes[g] - 1 times w[g]; rows past the groups are zero.
+
+Implementations, one chosen per call as it is traced (`choose`):
+  - "tiles" (CPU): `cpu.tiled`, a loop over tiles of rows, each tile one dot with its group's
+    weights: XLA:CPU lowers ragged_dot as a dense dot over every group (G times the work and a
+    [G, N, F] temporary).
+  - "tokamax" (NVIDIA sm_90 and later, with the `gpu` extra's tokamax installed): tokamax's
+    Pallas Mosaic GPU ragged_dot, which reads only the weights of groups that have rows. XLA
+    lowers ragged_dot on NVIDIA as a dense dot over every group, reading all E experts where a
+    decode step routes k of them (benchmarks/kernels/bench_moe_gmm.py measures both).
+  - "xla": jax.lax.ragged_dot, everywhere else, and where tokamax refuses a shape.
+`$JAXSERVE_MOE_KERNEL` (tiles | tokamax | xla) forces one where it can run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import envs
+from pallas_kernels.grouped_matmul.cpu import tiled
+
+logger = logging.getLogger(__name__)
+
+IMPLEMENTATIONS = ("tiles", "tokamax", "xla")
+
+
+def reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [N, K], w [G, K, F], group_sizes i32[G] -> [N, F] (jax.lax.ragged_dot)."""
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+@functools.cache
+def _tokamax_ragged_dot():
+    """tokamax.ragged_dot, or None where it is not installed (it needs jax >= 0.11)."""
+    try:
+        import tokamax
+    except ImportError as e:
+        logger.info("tokamax is not installed (%s): MoE layers run jax.lax.ragged_dot", e)
+        return None
+    return tokamax.ragged_dot
+
+
+def _sm90_or_later(device: jax.Device) -> bool:
+    try:
+        return float(getattr(device, "compute_capability", "0")) >= 9.0
+    except ValueError:
+        return False
+
+
+def choose(x: jax.Array, w: jax.Array) -> str:
+    """The implementation for these operands on the default backend (see the module doc)."""
+    forced = envs.JAXSERVE_MOE_KERNEL
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "xla" if forced == "xla" else "tiles"
+    if backend != "gpu" or forced == "xla" or x.dtype != w.dtype:
+        return "xla"
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    if not _sm90_or_later(jax.devices()[0]) or _tokamax_ragged_dot() is None:
+        return "xla"
+    return "tokamax"
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [N, K], w [G, K, F], group_sizes i32[G] -> [N, F]: the module doc's contract."""
+    impl = choose(x, w)
+    if impl == "tiles":
+        return tiled(x, w, group_sizes)
+    if impl == "tokamax":
+        try:
+            out = _tokamax_ragged_dot()(x, w, group_sizes, implementation="mosaic")
+        except NotImplementedError as e:  # a shape its kernels do not take: traced again
+            logger.info("tokamax ragged_dot refused x %s w %s (%s): XLA's", x.shape, w.shape, e)
+            return reference(x, w, group_sizes)
+        # its kernel leaves rows past the groups unwritten
+        rows = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
+        return jnp.where(rows, out, jnp.zeros((), out.dtype))
+    return reference(x, w, group_sizes)
