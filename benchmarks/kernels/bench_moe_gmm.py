@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -49,21 +48,6 @@ SHAPE_FORMATS = {
 FORMATS = {"bf16": None, "fp8": 128, "int4": 128, "mxfp4": 32}  # format: K rows a scale spans
 QTYPES = {"fp8": jnp.float8_e4m3fn, "int4": jnp.int4, "mxfp4": jnp.float4_e2m1fn}
 BITS = {"bf16": 16, "fp8": 8, "int4": 4, "mxfp4": 4}
-
-
-def _stub_xprof() -> None:
-    """tokamax imports xprof (a profiler UI, not carried to the GPU machine) at import time for
-    its benchmarking helpers, which this script does not use."""
-    if "xprof" in sys.modules:
-        return
-    try:
-        import xprof  # noqa: F401
-    except ImportError:
-        tools = types.ModuleType("xprof.cli.tools")
-        tools.get_kernel_stats_tool = None
-        for name in ("xprof", "xprof.cli"):
-            sys.modules[name] = types.ModuleType(name)
-        sys.modules["xprof.cli.tools"] = tools
 
 
 def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> np.ndarray:
@@ -101,7 +85,6 @@ def implementation(name: str):
         return jax.lax.ragged_dot
     if name == "xla_triton":  # measure() sets the flag around it (read as it lowers)
         return lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)
-    _stub_xprof()
     import tokamax
 
     if name == "tokamax":  # tokamax's own choice of tiles (its heuristics for this GPU)

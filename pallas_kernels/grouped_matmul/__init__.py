@@ -43,8 +43,11 @@ def _tokamax_ragged_dot():
     """tokamax.ragged_dot, or None where it is not installed (it needs jax >= 0.11)."""
     try:
         import tokamax
-    except ImportError as e:
-        logger.info("tokamax is not installed (%s): MoE layers run jax.lax.ragged_dot", e)
+    except ModuleNotFoundError as e:
+        if e.name == "tokamax":
+            logger.info("tokamax is not installed: MoE layers run jax.lax.ragged_dot")
+        else:  # installed, but not whole (e.g. xprof, which it imports, missing)
+            logger.warning("tokamax does not import (%s): MoE layers run jax.lax.ragged_dot", e)
         return None
     return tokamax.ragged_dot
 
