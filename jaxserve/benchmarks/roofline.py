@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 from collections.abc import Sequence
 
@@ -119,9 +120,17 @@ def param_counts(config: ModelConfig) -> tuple[int, int, int]:
     return total, matmul, experts
 
 
-def _param_sizes(config: ModelConfig) -> tuple[int, int, int, int]:
+def param_bytes(config: ModelConfig) -> tuple[int, int]:
+    """(all parameters' bytes, the routed experts' bytes), packed formats as stored."""
+    total, _, experts, _ = _param_sizes(config, in_bytes=True)
+    return total, experts
+
+
+def _param_sizes(config: ModelConfig, in_bytes: bool = False) -> tuple[int, int, int, int]:
     """param_counts' three, then the untied embedding tables' parameters (row lookups: a
-    step reads B rows of them, not the whole; 0 when the embedding is tied)."""
+    step reads B rows of them, not the whole; 0 when the embedding is tied). Counts are of
+    weights (a packed 4-bit kernel's byte holds two; scales and offsets are no weights);
+    in_bytes: the bytes each occupies instead, packed formats as stored."""
     from flax import nnx, traverse_util
 
     from jaxserve.models.registry import get_model_class
@@ -132,13 +141,20 @@ def _param_sizes(config: ModelConfig) -> tuple[int, int, int, int]:
     total = matmul = experts = lookup = 0
     for path, s in shapes.items():
         name = "/".join(map(str, path))
-        size = int(np.prod(s.shape))
+        leaf, dtype = str(path[-1]), jnp.dtype(s.dtype)
+        packing = leaf in ("scale", "offset", "perm") or leaf.endswith(("_scale", "_offset"))
+        if in_bytes:
+            size = int(np.prod(s.shape)) * dtype.itemsize
+        elif packing:
+            continue
+        else:  # two 4-bit weights a byte
+            size = int(np.prod(s.shape)) * (2 if dtype == jnp.dtype(jnp.uint8) else 1)
         total += size
         lookup_only = "embed_tokens" in name and not config.tie_word_embeddings
         lookup += size if lookup_only else 0
         if not lookup_only and "norm" not in name and not name.endswith("bias"):
             matmul += size
-        if name.endswith(("mlp/w13", "mlp/w2")):
+        if re.search(r"mlp/w(13|2)(_scale|_offset)?$", name):
             experts += size
     return total, matmul, experts, lookup
 
@@ -150,13 +166,15 @@ def decode_step_cost(config: ModelConfig, context_lens: Sequence[float]) -> Step
     one whole (the LM head). A mixture of experts reads only the experts its B * k routed
     rows pick: with routing uniform, E * (1 - (1 - k / E) ** B) of E per layer; each row
     multiplies through k."""
-    total, matmul, experts, lookup = _param_sizes(config)
+    _, matmul, experts, _ = _param_sizes(config)
+    total_b, _, experts_b, lookup_b = _param_sizes(config, in_bytes=True)
     itemsize = jnp.dtype(config.dtype).itemsize
     b, ctx = len(context_lens), float(sum(context_lens))
-    read, per_row = total - lookup + min(lookup, b * config.hidden_size), matmul
+    read = total_b - lookup_b + min(lookup_b, b * config.hidden_size * itemsize)
+    per_row = matmul
     if experts:
         e, k = config.num_experts, config.num_experts_per_tok
-        read = read - experts + experts * (1 - (1 - k / e) ** b)
+        read = read - experts_b + experts_b * (1 - (1 - k / e) ** b)
         per_row = matmul - experts + experts * k / e
     k_dim, v_dim = config.cache_dims  # MLA: the latent and rotary key, no V
     layers = len(config.kv_layers)  # a hybrid's linear-attention layers keep no KV
@@ -167,7 +185,7 @@ def decode_step_cost(config: ModelConfig, context_lens: Sequence[float]) -> Step
         state = la.num_v_heads * la.k_head_dim * la.v_head_dim
         kv_bytes += len(la.layers) * b * 2 * (4 * state + la.conv_dim * itemsize)
         attn_flops += len(la.layers) * b * 8 * state  # decay, S^T k, update, S^T q
-    return StepCost(int(read * itemsize), int(kv_bytes), 2.0 * per_row * b + attn_flops)
+    return StepCost(int(read), int(kv_bytes), 2.0 * per_row * b + attn_flops)
 
 
 def device_peaks(dtype) -> DevicePeaks:

@@ -19,7 +19,9 @@ from jaxserve.config.moe import MoeRouting, first_dense_layers, moe_routing
 from jaxserve.config.pooler import is_classifier
 from jaxserve.config.quantization import (
     CHECKPOINT_METHODS,
+    DUMMY_PACKED,
     checkpoint_quantization,
+    expert_quantization,
     input_quantization,
     int4_act_order,
     per_channel_group,
@@ -164,6 +166,11 @@ class ModelConfig:
     # token (input_group 0) or per input_group inputs of each token.
     input_quant: str | None = None
     input_group: int = 0
+    # The routed experts kept packed (pallas_kernels/grouped_matmul/packed.py): "mxfp4"
+    # (gpt-oss's checkpoints), or any of DUMMY_PACKED for dummy weights; expert_group inputs
+    # per scale. None: the experts are in the model dtype.
+    expert_quant: str | None = None
+    expert_group: int = 0
     # Mixture of experts (Mixtral, Qwen3-MoE; layers/fused_moe.py): 0 experts = dense MLPs.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -260,6 +267,7 @@ class ModelConfig:
         moe_intermediate = int(
             getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
         )
+        expert_quant, expert_group = (num_experts and expert_quantization(hf_config)) or (None, 0)
         per_channel = prequantized == "int4" and quant_group == -1
         if per_channel:
             quant_group = per_channel_group(
@@ -319,12 +327,27 @@ class ModelConfig:
             quant_act_order=prequantized == "int4" and int4_act_order(hf_config),
             input_quant=input_quant,
             input_group=input_group,
+            expert_quant=expert_quant,
+            expert_group=expert_group,
             dtype=resolve_dtype(dtype, hf_config),
             hf_config=hf_config,
         )
         if archs[0] in LLAMA4:
             config = dataclasses.replace(config, **llama4_fields(hf_config))
         return config
+
+    def with_dummy_packing(self, mode: str) -> ModelConfig:
+        """This config with random weights packed as `mode` (DUMMY_PACKED) in place of a
+        checkpoint's: the linear layers and the experts as a checkpoint of that format keeps
+        them (gpt-oss's MXFP4: the experts alone)."""
+        group = DUMMY_PACKED[mode]
+        experts_only = mode == "mxfp4" and self.architecture == "GptOssForCausalLM"
+        return dataclasses.replace(
+            self, quantization=None if experts_only else mode, prequantized=not experts_only,
+            quant_group=0 if experts_only else group,
+            expert_quant=mode if self.num_experts else None,
+            expert_group=group if self.num_experts else 0,
+        )  # fmt: skip
 
     def linear_kwargs(self) -> dict:
         """How the decoder layers' linear projections are quantized (layers/linear.py)."""

@@ -87,6 +87,20 @@ def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
     return modes.pop()
 
 
+# Packed formats `--load-format dummy` fills with random weights when `-q` names one (the
+# checkpoint formats' own modes, for timing shapes no checkpoint here has): inputs per scale.
+DUMMY_PACKED = {"mxfp4": 32, "int4": 128, "fp8_block": 128}
+
+
+def expert_quantization(hf_config: Any) -> tuple[str, int] | None:
+    """How a checkpoint keeps its routed experts packed, as (mode, inputs per scale): gpt-oss's
+    MXFP4 ("mxfp4", 32); None when they load in the model dtype (models/loader.py refuses a
+    checkpoint whose experts are quantized in a layout it does not read)."""
+    if _config(hf_config).get("quant_method") == "mxfp4":
+        return ("mxfp4", 32)
+    return None
+
+
 def _gpt_oss_mxfp4(hf_config: Any, qc: dict) -> None:
     """gpt-oss's `quant_method: mxfp4`: its experts' `*_blocks` / `*_scales`
     (models/gpt_oss.py), everything else unquantized."""

@@ -75,6 +75,8 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
     'kernel')."""
     if config.quantization in GROUPED_QUANT and path[-1] in ("scale", "offset"):
         return param_spec((*path[:-1], "kernel"), config, tp)  # [in / group, out]: as the kernel
+    if path and str(path[-1]).startswith(("w13_", "w2_")) and not path[-1].endswith("bias"):
+        return param_spec((*path[:-1], path[-1].split("_")[0]), config, tp)  # packed experts
     name = "/".join(str(p) for p in path)
     if path and path[0] == "vision":  # a multimodal model's image encoder (models/vision/)
         return next((spec for suffix, spec in VISION_RULES.items() if name.endswith(suffix)), P())

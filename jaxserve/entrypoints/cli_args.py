@@ -137,11 +137,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "awq",
             "awq_marlin",
             "mxfp4",
+            "int4",
+            "fp8_block",
         ],  # fmt: skip
         help="weight-only quantization of the linear layers: int8 / fp8 computed at load, gguf "
         "(a GGUF file's blocks kept); compressed-tensors, gptq, awq (and vLLM's gptq_marlin, "
         "awq_marlin), mxfp4 (gpt-oss's experts): the checkpoint's own, read from it "
-        "(automatic; named, it must match)",
+        "(automatic; named, it must match). With --load-format dummy, mxfp4 / int4 / "
+        "fp8_block: random weights packed as that format's checkpoints keep them, experts "
+        "included",
     )
     parser.add_argument(
         "--background-compile", action=argparse.BooleanOptionalAction, default=False,

@@ -6,7 +6,9 @@ Hopper, `jax.lax.ragged_dot` elsewhere).
 Weights: router `gate` [D, E] (and `e_score_correction_bias` [E] for noaux_tc routing);
 `w13` [E, D, 2F] (each expert's gate and up interleaved, as GatedMLP's gate_up: column 2f is
 gate f, 2f + 1 is up f); `w2` [E, F, D]; `shared_experts` a GatedMLP when the model has them;
-gpt-oss's biases `w13_bias` [E, 2F] and `w2_bias` [E, D] (and the router's).
+gpt-oss's biases `w13_bias` [E, 2F] and `w2_bias` [E, D] (and the router's). With
+config.expert_quant the experts stay packed (pallas_kernels/grouped_matmul/packed.py): `w13` /
+`w2` hold the packed kernels, `w13_scale` / `w2_scale` (and `_offset` for int4) their scales.
 
 Parallelism over the `tp` mesh axis, inside `jax.shard_map` (a grouped matmul is not
 auto-partitioned), each device's partial output summed with a psum:
@@ -32,6 +34,7 @@ from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.mlp import GatedMLP
 from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul.packed import Packed
 
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -155,9 +158,13 @@ class FusedMoE(nnx.Module):
         self.shared_expert_gate = (  # [D, 1]: the shared experts' gate (Qwen3-Next)
             Linear(d, 1, dtype=dt, rngs=rngs) if self.routing.shared_gate else None
         )
-        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
-        self.w13 = nnx.Param(init(rngs.params(), (e, d, 2 * f), dt))
-        self.w2 = nnx.Param(init(rngs.params(), (e, f, d), dt))
+        self.expert_group = config.expert_group
+        for name, shape in (("w13", (e, d, 2 * f)), ("w2", (e, f, d))):
+            kernel, scale, offset = _expert_params(shape, config.expert_quant,
+                                                   config.expert_group, dt, rngs)  # fmt: skip
+            setattr(self, name, kernel)
+            setattr(self, f"{name}_scale", scale)
+            setattr(self, f"{name}_offset", offset)
         biases = self.routing.biases
         self.w13_bias = nnx.Param(jnp.zeros((e, 2 * f), dt)) if biases else None
         self.w2_bias = nnx.Param(jnp.zeros((e, d), dt)) if biases else None
@@ -199,7 +206,7 @@ class FusedMoE(nnx.Module):
     def routed(self, x: jax.Array) -> jax.Array:
         """The routed experts' weighted sum: x [T, D] -> [T, D]."""
         ids, weights = self.route(x)
-        w13, w2 = self.w13[...], self.w2[...]
+        w13, w2 = self.experts("w13"), self.experts("w2")
         b13 = None if self.w13_bias is None else self.w13_bias[...]
         if self.mesh is None or self.mesh.shape[TP_AXIS] == 1:
             out = expert_mlp(x, ids, weights, w13, w2, act=self.act, b13=b13,
@@ -210,6 +217,15 @@ class FusedMoE(nnx.Module):
             bias = self.w2_bias[...][ids].astype(jnp.float32)  # [T, k, D]
             out = out + jnp.einsum("tk,tkd->td", weights, bias).astype(out.dtype)
         return out
+
+    def experts(self, name: str) -> jax.Array | Packed:
+        """The stack `name` ("w13" or "w2"): an array [E, K, N], or packed."""
+        scale = getattr(self, f"{name}_scale")
+        if scale is None:
+            return getattr(self, name)[...]
+        offset = getattr(self, f"{name}_offset")
+        return Packed(getattr(self, name)[...], scale[...],
+                      None if offset is None else offset[...], self.expert_group)  # fmt: skip
 
     def _sharded(self, x, ids, weights, w13, w2, b13):
         """`expert_mlp` over the mesh: each device's experts (expert parallel) or slice of
@@ -226,10 +242,30 @@ class FusedMoE(nnx.Module):
             (P(TP_AXIS), P(TP_AXIS)) if ep else (P(None, None, TP_AXIS), P(None, TP_AXIS))
         )
         spec_b13 = P(TP_AXIS) if ep else P(None, TP_AXIS)
+        # a packed stack: its kernel, scales and offsets split alike
+        spec13, spec2 = (jax.tree.map(lambda _, s=s: s, w) for w, s in ((w13, spec13), (w2, spec2)))
         return jax.shard_map(
             shard, mesh=self.mesh, in_specs=(P(), P(), P(), spec13, spec2, spec_b13),
             out_specs=P(), check_vma=False,
         )(x, ids, weights, w13, w2, b13)  # fmt: skip
+
+
+def _expert_params(
+    shape: tuple[int, int, int], quant: str | None, group: int, dtype, rngs: nnx.Rngs
+) -> tuple[nnx.Param, nnx.Param | None, nnx.Param | None]:
+    """(kernel, scale, offset) of an expert stack [E, K, N]: full precision (no scale), or
+    packed as `quant` with a scale per `group` of K (packed.py's layout)."""
+    if quant is None:
+        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=2, batch_axis=0)
+        return nnx.Param(init(rngs.params(), shape, dtype)), None, None
+    e, k, n = shape
+    if k % group:
+        raise ValueError(f"{quant} experts: their input size {k} is not a multiple of {group}")
+    rows, kind = (k, jnp.float8_e4m3fn) if quant == "fp8_block" else (k // 2, jnp.uint8)
+    scale = (jnp.full((e, k // group, n), 127, jnp.uint8) if quant == "mxfp4"
+             else jnp.ones((e, k // group, n), jnp.float32))  # fmt: skip
+    offset = nnx.Param(jnp.zeros((e, k // group, n), jnp.float32)) if quant == "int4" else None
+    return nnx.Param(jnp.zeros((e, rows, n), kind)), nnx.Param(scale), offset
 
 
 def configure_moe(model: nnx.Module, mesh: Mesh | None) -> None:

@@ -8,12 +8,12 @@ from flax import nnx
 
 from jaxserve.config import GROUPED_QUANT
 from jaxserve.layers.lora import LoRABatch, LoRAWeights
+from pallas_kernels.grouped_matmul.packed import E2M1, dequantize
 
 # Quantized kernel dtypes and the largest value each holds.
 QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
 GGUF_BLOCK = 16  # input rows per scale and min of a "gguf" kernel (Q6_K's sub-blocks)
-# OCP FP4 (e2m1): the value of each 4-bit code, the sign in bit 3
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+__all__ = ["E2M1", "Linear", "fake_quantize_input", "quantize_kernel"]
 
 
 class Linear(nnx.Module):
@@ -102,19 +102,8 @@ class Linear(nnx.Module):
         if self.scale is None:
             y = x @ self.kernel[...]
         elif self.group:  # grouped scales: gguf, fp8_block, int4, mxfp4
-            k, s = self.kernel[...], self.scale[...]
-            if k.dtype == jnp.uint8:  # int4, mxfp4: the low nibble is the even row
-                k = jnp.stack([k & 0xF, k >> 4], axis=1).reshape(-1, k.shape[1])
-            d_in, d_out = k.shape
-            if s.dtype == jnp.uint8:  # mxfp4: e2m1 codes; e8m0 exponents -> f32 2 ** (e - 127)
-                w = jnp.asarray(E2M1, x.dtype)[k]
-                s = jax.lax.bitcast_convert_type(s.astype(jnp.uint32) << 23, jnp.float32)
-            else:
-                w = k.astype(x.dtype)
-            w = w.reshape(-1, self.group, d_out) * s.astype(x.dtype)[:, None]
-            if self.offset is not None:
-                w = w + self.offset[...].astype(x.dtype)[:, None]
-            y = x @ w.reshape(d_in, d_out)
+            offset = None if self.offset is None else self.offset[...]
+            y = x @ dequantize(self.kernel[...], self.scale[...], offset, self.group, x.dtype)
         else:
             y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]

@@ -1,6 +1,6 @@
 """Load a model's weights from a HF directory, a GGUF file or a jaxserve (orbax) checkpoint,
 with every weight placed straight into its target sharding (`load_model`); or random ones
-(load_format "dummy", `_dummy_params`), generated on the devices, for timing shapes no bundled
+(load_format "dummy": dummy_weights.py), generated on the devices, for timing shapes no bundled
 model has.
 
 Which files a model name stands for, its HF config and its tokenizer are read by
@@ -11,9 +11,7 @@ weight_sources.py; writing a jaxserve checkpoint (`jaxserve convert`) is checkpo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +23,12 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig, int4_layout
+from jaxserve.config.quantization import DUMMY_PACKED
 from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.layers.linear import quantize_kernel
 from jaxserve.models import weight_cache
+from jaxserve.models.dummy_weights import dummy_params, quantized_dtype
 from jaxserve.models.int4_checkpoints import read_int4, read_mxfp4
 from jaxserve.models.llama import HFWeight, replicate_kv_heads
 from jaxserve.models.registry import get_model_class
@@ -41,7 +41,6 @@ from jaxserve.transformers_utils.tokenizer import read_tokenizer
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MARKER = "jaxserve_checkpoint.json"  # in a jaxserve checkpoint's directory
-DUMMY_STD = 0.02  # dummy weights ~ N(0, 0.02^2) (HF's initializer_range); norm weights are 1
 
 
 @dataclasses.dataclass
@@ -86,7 +85,15 @@ def load_model(
         is_checkpoint = (path / CHECKPOINT_MARKER).exists()
         source = None if is_checkpoint or dummy else SafetensorsSource(path)
 
-    config = ModelConfig.from_hf(hf_config, dtype, quantization)
+    packed = quantization in DUMMY_PACKED and not getattr(hf_config, "quantization_config", None)
+    if packed and not dummy and quantization != "mxfp4":
+        raise ValueError(
+            f"quantization {quantization!r} makes random packed weights for --load-format "
+            "dummy; a checkpoint's own packed weights are read from it (automatic)"
+        )
+    config = ModelConfig.from_hf(hf_config, dtype, None if packed and dummy else quantization)
+    if packed and dummy:
+        config = config.with_dummy_packing(quantization)
     if architecture is not None:
         config = dataclasses.replace(config, architecture=architecture)
     if enable_expert_parallel:
@@ -105,6 +112,7 @@ def load_model(
     mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
     tp = mesh.shape[TP_AXIS]
     validate_tp(config, tp)
+    config = _experts_packable(config, tp)
     replicas = kv_head_replicas(config, tp)
 
     graphdef, state = _abstract_model(model_cls, config, replicas)
@@ -114,7 +122,7 @@ def load_model(
         for p in targets
     }
     if dummy:
-        params = _dummy_params(targets, shardings)
+        params = dummy_params(targets, shardings)
     elif source is None:
         params = _restore_orbax(path / "params", model_cls, config, replicas, shardings)
     else:
@@ -146,6 +154,7 @@ def load_model(
         finally:
             if writer is not None:
                 writer.abort()  # nothing once committed
+    logger.info("weights: %s", weight_bytes(params, config))
     nnx.replace_by_pure_dict(state, traverse_util.unflatten_dict(params))
     model = nnx.merge(graphdef, state)
     if source is not None:
@@ -161,6 +170,40 @@ def load_model(
     )
 
 
+def _experts_packable(config: ModelConfig, tp: int) -> ModelConfig:
+    """config, or, where tensor parallelism would split a packed expert scale's inputs (each
+    device's slice of the intermediate size not a multiple of expert_group), the experts in
+    the model dtype instead (dequantized as they load), with a log line saying so."""
+    f, group = config.moe_intermediate_size, config.expert_group
+    if not config.expert_quant or config.expert_parallel or (f // tp) % group == 0:
+        return config
+    logger.warning("%s experts: %d intermediate columns a device (tp %d) split their scales' "
+                   "%d inputs: the experts load unpacked, in %s", config.expert_quant, f // tp,
+                   tp, group, jnp.dtype(config.dtype).name)  # fmt: skip
+    return dataclasses.replace(config, expert_quant=None, expert_group=0)
+
+
+def weight_bytes(params: dict[tuple, Any], config: ModelConfig) -> str:
+    """The placed weights' bytes by class: the experts (packed, or not) with their scales,
+    the linear layers' packed kernels and scales, the rest."""
+    sizes: dict[str, int] = {}
+    for p, a in params.items():
+        leaf, dtype = str(p[-1]), jnp.dtype(a.dtype)
+        if leaf.startswith(("w13", "w2")) and not leaf.endswith("bias"):
+            kind = f"{config.expert_quant} experts" if config.expert_quant else "experts"
+            kind += " (scales)" if "_" in leaf else ""
+        elif config.prequantized and leaf in ("kernel", "scale", "offset") and dtype in (
+            jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8)
+        ) or leaf in ("scale", "offset"):  # fmt: skip
+            kind = f"{config.quantization} linear layers"
+        else:
+            kind = "the rest"
+        sizes[kind] = sizes.get(kind, 0) + a.size * dtype.itemsize
+    total = sum(sizes.values())
+    parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sizes.items())
+    return f"{total / 2**30:.2f} GiB ({parts})"
+
+
 def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: dict,
                  place, label: str) -> None:  # fmt: skip
     """Read (and convert, quantize) every parameter of `targets` from `source`, handing each
@@ -170,7 +213,9 @@ def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: 
         if p[-1] in ("scale", "offset", "perm"):
             continue  # placed with its quantized kernel
         weight = aliased(source, model_cls.hf_weight(config, p, replicas), model_cls)
-        if _quantized(targets[p]) and config.quantization in ("gguf", "int4", "mxfp4"):
+        if config.expert_quant and str(p[-1]).startswith(("w13", "w2")):  # packed experts
+            place(p, _read_param(source, weight, targets[p]))  # the model's HFWeight packs
+        elif quantized_dtype(targets[p]) and config.quantization in ("gguf", "int4", "mxfp4"):
             if config.quantization == "mxfp4":
                 hosts = read_mxfp4(source, weight, config.quant_group)
             elif config.quantization == "gguf":
@@ -184,12 +229,12 @@ def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: 
             for leaf, host in zip(("kernel", "scale", "offset", "perm"), hosts, strict=False):
                 place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
                                                 ", ".join(weight.names)))  # fmt: skip
-        elif _quantized(targets[p]) and config.prequantized:
+        elif quantized_dtype(targets[p]) and config.prequantized:
             kernel, scale = _read_prequantized(source, weight, targets[p], config.quant_group)
             place(p, kernel)
             place((*p[:-1], "scale"), _checked(scale, targets[(*p[:-1], "scale")].shape,
                                                ", ".join(weight.names)))  # fmt: skip
-        elif _quantized(targets[p]):  # read in float32, quantized per output channel
+        elif quantized_dtype(targets[p]):  # read in float32, quantized per output channel
             kernel, scale = quantize_kernel(
                 _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),
                 config.quantization,
@@ -226,65 +271,6 @@ def load_kv_scales(model: nnx.Module, source) -> None:
                 attn.k_scale = float(np.asarray(source.get(k_name), np.float32).reshape(-1)[0])
                 attn.v_scale = float(np.asarray(source.get(v_name), np.float32).reshape(-1)[0])
                 break
-
-
-def _dummy_params(
-    targets: dict[tuple, Any], shardings: dict[tuple, Any], seed: int = 0
-) -> dict[tuple, jax.Array]:
-    """Random parameters, each generated straight into its sharding and dtype by a jitted
-    program (nothing is built on the host, so an 8B model costs no host memory). One program
-    per kind of parameter (shape, dtype, sharding), each run per parameter with its own key:
-    one program for all of them held every parameter's random bits at once (26 GB for two of
-    DeepSeek-V3's layers)."""
-    programs: dict[tuple, Any] = {}
-    key = jax.random.key(seed)
-    out = {}
-    for i, p in enumerate(targets):
-        shape, dtype = tuple(targets[p].shape), jnp.dtype(targets[p].dtype)
-        kind = _dummy_kind(p, targets[p])
-        signature = (shape, dtype, shardings[p], kind)
-        if signature not in programs:
-            make = functools.partial(_dummy_value, shape=shape, dtype=dtype, kind=kind)
-            programs[signature] = jax.jit(make, out_shardings=shardings[p])
-        out[p] = programs[signature](jax.random.fold_in(key, i))
-    return out
-
-
-def _dummy_kind(path: tuple, target) -> str:
-    """How a dummy parameter is filled (`_dummy_value`)."""
-    dtype = jnp.dtype(target.dtype)
-    if "norm" in "/".join(map(str, path)):
-        return "ones"  # RMSNorm weights: 1, activations stay O(1)
-    if path[-1] in ("scale", "offset", "perm"):
-        return "e8m0" if path[-1] == "scale" and dtype == jnp.dtype(jnp.uint8) else path[-1]
-    if dtype == jnp.dtype(jnp.uint8):
-        return "bits"  # int4: two random nibbles a byte
-    return "quantized" if _quantized(target) else "normal"
-
-
-def _dummy_value(key, *, shape: tuple, dtype, kind: str) -> jax.Array:
-    if kind == "ones":
-        return jnp.ones(shape, dtype)
-    if kind == "e8m0":  # mxfp4's exponents
-        return jnp.full(shape, 127 + round(math.log2(DUMMY_STD / 3)), dtype)
-    if kind == "scale":  # of a quantized kernel holding ~N(0, 32) values
-        return jnp.full(shape, DUMMY_STD / 32, dtype)
-    if kind == "offset":  # of a gguf or int4 kernel
-        return jnp.zeros(shape, dtype)
-    if kind == "perm":  # of an act-order int4 kernel: the identity
-        return jnp.arange(shape[0], dtype=dtype)
-    if kind == "bits":
-        return jax.random.bits(key, shape, dtype)
-    if kind == "quantized":
-        w = jax.random.normal(key, shape) * 32
-        return jnp.clip(jnp.round(w), -127, 127).astype(dtype)
-    return (jax.random.normal(key, shape, dtype) * DUMMY_STD).astype(dtype)
-
-
-def _quantized(target) -> bool:
-    return jnp.dtype(target.dtype) in (
-        jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8)
-    )  # fmt: skip
 
 
 def _read_param(source, weight: HFWeight, target) -> np.ndarray:

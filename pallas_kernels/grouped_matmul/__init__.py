@@ -4,6 +4,9 @@ times its expert's weights, `jax.lax.ragged_dot`'s contract (its reference here)
     grouped_matmul(x [N, K], w [G, K, F], group_sizes i32[G]) -> [N, F]
 
 rows sum(group_sizes[:g]) .. + group_sizes[g] - 1 times w[g]; rows past the groups are zero.
+w may be kept packed (`packed.Packed`: fp8 with block scales, int4, MXFP4): the CPU tile loop
+decodes one tile's expert at a time; elsewhere the stack is decoded whole before the matmul
+(no packed GPU kernel yet: pallas_kernels/README.md).
 
 Implementations, one chosen per call as it is traced (`choose`):
   - "tiles" (CPU): `cpu.tiled`, a loop over tiles of rows, each tile one dot with its group's
@@ -27,14 +30,18 @@ import jax.numpy as jnp
 
 from jaxserve import envs
 from pallas_kernels.grouped_matmul.cpu import tiled
+from pallas_kernels.grouped_matmul.packed import Packed
 
 logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("tiles", "tokamax", "xla")
 
 
-def reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [N, K], w [G, K, F], group_sizes i32[G] -> [N, F] (jax.lax.ragged_dot)."""
+def reference(x: jax.Array, w: jax.Array | Packed, group_sizes: jax.Array) -> jax.Array:
+    """x [N, K], w [G, K, F], group_sizes i32[G] -> [N, F] (jax.lax.ragged_dot; packed
+    weights decoded first)."""
+    if isinstance(w, Packed):
+        w = w.dense(x.dtype)
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
@@ -59,13 +66,14 @@ def _sm90_or_later(device: jax.Device) -> bool:
         return False
 
 
-def choose(x: jax.Array, w: jax.Array) -> str:
+def choose(x: jax.Array, w: jax.Array | Packed) -> str:
     """The implementation for these operands on the default backend (see the module doc)."""
     forced = envs.JAXSERVE_MOE_KERNEL
     backend = jax.default_backend()
     if backend == "cpu":
         return "xla" if forced == "xla" else "tiles"
-    if backend != "gpu" or forced == "xla" or x.dtype != w.dtype:
+    dtype = x.dtype if isinstance(w, Packed) else w.dtype  # packed: decoded into x's dtype
+    if backend != "gpu" or forced == "xla" or x.dtype != dtype:
         return "xla"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return "xla"
@@ -74,11 +82,14 @@ def choose(x: jax.Array, w: jax.Array) -> str:
     return "tokamax"
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [N, K], w [G, K, F], group_sizes i32[G] -> [N, F]: the module doc's contract."""
+def grouped_matmul(x: jax.Array, w: jax.Array | Packed, group_sizes: jax.Array) -> jax.Array:
+    """x [N, K], w [G, K, F] (or packed), group_sizes i32[G] -> [N, F]: the module doc's
+    contract."""
     impl = choose(x, w)
     if impl == "tiles":
         return tiled(x, w, group_sizes)
+    if isinstance(w, Packed):
+        w = w.dense(x.dtype)
     if impl == "tokamax":
         try:
             out = _tokamax_ragged_dot()(x, w, group_sizes, implementation="mosaic")

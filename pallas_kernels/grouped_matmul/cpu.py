@@ -8,15 +8,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul.packed import Packed
+
 # Rows per tile: at decode each tile holds a row or two, at prefill a tile's dot is big enough
 # to run well.
 TILE_ROWS = 16
 
 
-def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [N, K], w [G, K, F], group_sizes i32[G] -> [N, F]: each group's rows TILE_ROWS at a
-    time (a loop over at most N / TILE_ROWS + G tiles), rows past the groups zero."""
-    n, t, g = x.shape[0], TILE_ROWS, w.shape[0]
+def tiled(x: jax.Array, w: jax.Array | Packed, group_sizes: jax.Array) -> jax.Array:
+    """x [N, K], w [G, K, F] (or packed), group_sizes i32[G] -> [N, F]: each group's rows
+    TILE_ROWS at a time (a loop over at most N / TILE_ROWS + G tiles), rows past the groups
+    zero. Packed weights are decoded one tile's expert at a time, inside the loop."""
+    n, t, (g, _, f) = x.shape[0], TILE_ROWS, w.shape
     ends = jnp.cumsum(group_sizes)
     tiles = (group_sizes + t - 1) // t  # [G]
     tile_ends = jnp.cumsum(tiles)
@@ -27,10 +30,11 @@ def tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
     def tile(i, out):
         e, start = group[i], first[i]
-        y = jax.lax.dynamic_slice_in_dim(xp, start, t) @ w[e]
+        we = w.expert(e, x.dtype) if isinstance(w, Packed) else w[e]
+        y = jax.lax.dynamic_slice_in_dim(xp, start, t) @ we
         keep = (start + jnp.arange(t) < ends[e])[:, None]
         old = jax.lax.dynamic_slice_in_dim(out, start, t)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), start, 0)
 
-    out = jax.lax.fori_loop(0, tile_ends[-1], tile, jnp.zeros((n + t, w.shape[2]), x.dtype))
+    out = jax.lax.fori_loop(0, tile_ends[-1], tile, jnp.zeros((n + t, f), x.dtype))
     return out[:n]
