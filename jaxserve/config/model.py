@@ -267,7 +267,6 @@ class ModelConfig:
         moe_intermediate = int(
             getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
         )
-        expert_quant, expert_group = (num_experts and expert_quantization(hf_config)) or (None, 0)
         per_channel = prequantized == "int4" and quant_group == -1
         if per_channel:
             quant_group = per_channel_group(
@@ -276,6 +275,9 @@ class ModelConfig:
                 hf_config.intermediate_size,
                 moe_intermediate,
             )
+        # the experts packed: gpt-oss's MXFP4 (its only packed tensors), or as the linear layers
+        expert_quant = expert_quantization(hf_config) if num_experts else None
+        expert_group = (quant_group or 32) if expert_quant else 0
         scaling = getattr(hf_config, "rope_scaling", None) or {}
         mla = mla_config(hf_config, archs[0], {**scaling, **rope_params})
         linear_attn = linear_attention_config(hf_config, archs[0])

@@ -92,13 +92,34 @@ def checkpoint_quantization(hf_config: Any) -> tuple[str, int] | None:
 DUMMY_PACKED = {"mxfp4": 32, "int4": 128, "fp8_block": 128}
 
 
-def expert_quantization(hf_config: Any) -> tuple[str, int] | None:
-    """How a checkpoint keeps its routed experts packed, as (mode, inputs per scale): gpt-oss's
-    MXFP4 ("mxfp4", 32); None when they load in the model dtype (models/loader.py refuses a
-    checkpoint whose experts are quantized in a layout it does not read)."""
-    if _config(hf_config).get("quant_method") == "mxfp4":
-        return ("mxfp4", 32)
-    return None
+def expert_quantization(hf_config: Any) -> str | None:
+    """How a mixture-of-experts checkpoint keeps its routed experts: packed as "mxfp4"
+    (gpt-oss's, or compressed-tensors'), "fp8_block" or "int4" (pack-quantized, GPTQ, AWQ),
+    in the checkpoint's groups; None when they load in the model dtype (unquantized or left
+    out of the quantization, or stored in a variant models/loader.py refuses for experts:
+    act-order int4, per-tensor or per-channel 8-bit)."""
+    qc = _config(hf_config)
+    if qc.get("quant_method") == "mxfp4":
+        return "mxfp4"
+    mode = checkpoint_quantization(hf_config)
+    if mode is None or mode[0] not in ("fp8_block", "int4", "mxfp4") or int4_act_order(hf_config):
+        return None
+    if any("experts" in str(m) for m in qc.get("ignore") or ()):  # compressed-tensors'
+        return None
+    return mode[0]
+
+
+def block_rows(hf_config: Any) -> int:
+    """The output rows of an fp8 block checkpoint's 2-D blocks (weight_block_size[0] or
+    compressed-tensors' block_structure[0]); 0 for any other checkpoint."""
+    qc = _config(hf_config)
+    if qc.get("quant_method") == "fp8" and qc.get("weight_block_size"):
+        return int(qc["weight_block_size"][0])
+    for group in (qc.get("config_groups") or {}).values():
+        block = (group.get("weights") or {}).get("block_structure")
+        if block:
+            return int(block[0])
+    return 0
 
 
 def _gpt_oss_mxfp4(hf_config: Any, qc: dict) -> None:

@@ -38,7 +38,8 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         problems.append(f"the shared experts' {config.moe_routing.shared_intermediate} columns")
     if config.quantization in GROUPED_QUANT:  # row-parallel: whole groups
         group = 16 if config.quantization == "gguf" else config.quant_group
-        for name, rows in (("num_attention_heads * head_dim", config.num_heads * config.head_dim),
+        head = config.mla.v_head_dim if config.mla else config.head_dim  # o_proj's inputs
+        for name, rows in (("num_attention_heads * head_dim", config.num_heads * head),
                            ("intermediate_size", config.intermediate_size)):  # fmt: skip
             if rows % (group * tp):
                 problems.append(f"{name}={rows} into whole {config.quantization} groups of {group}")

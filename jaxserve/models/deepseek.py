@@ -49,17 +49,18 @@ class MLAAttention(Attention):
         init = nnx.initializers.lecun_normal()
         bias = config.attention_bias
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = config.linear_kwargs()  # quantized as the decoder's other linear layers
         if m.q_lora_rank is None:
-            self.q_proj = Linear(d, h * qk, dtype=dt, rngs=rngs)
+            self.q_proj = Linear(d, h * qk, dtype=dt, rngs=rngs, **q)
         else:
-            self.q_a_proj = Linear(d, m.q_lora_rank, bias=bias, dtype=dt, rngs=rngs)
+            self.q_a_proj = Linear(d, m.q_lora_rank, bias=bias, dtype=dt, rngs=rngs, **q)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, dtype=dt)
-            self.q_b_proj = Linear(m.q_lora_rank, h * qk, dtype=dt, rngs=rngs)
-        self.kv_a_proj_with_mqa = Linear(d, m.latent_dim, bias=bias, dtype=dt, rngs=rngs)
+            self.q_b_proj = Linear(m.q_lora_rank, h * qk, dtype=dt, rngs=rngs, **q)
+        self.kv_a_proj_with_mqa = Linear(d, m.latent_dim, bias=bias, dtype=dt, rngs=rngs, **q)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, dtype=dt)
         self.w_uk = nnx.Param(init(rngs.params(), (h, m.qk_nope_head_dim, m.kv_lora_rank), dt))
         self.w_uv = nnx.Param(init(rngs.params(), (h, m.v_head_dim, m.kv_lora_rank), dt))
-        self.o_proj = Linear(h * m.v_head_dim, d, bias=bias, dtype=dt, rngs=rngs)
+        self.o_proj = Linear(h * m.v_head_dim, d, bias=bias, dtype=dt, rngs=rngs, **q)
         self.mla = m
         self.num_heads = h
         self.num_kv_heads = kv_replicas  # the latent, once per tensor-parallel rank

@@ -30,8 +30,9 @@ _AWQ_COLUMNS = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # the output column of nibble
 
 
 def _pack_rows(u: np.ndarray) -> np.ndarray:
-    """4-bit values [in, out] -> uint8 [in / 2, out]: row 2i in the low nibble, 2i + 1 high."""
-    return (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    """4-bit values [..., in, out] -> uint8 [..., in / 2, out]: row 2i in the low nibble, 2i + 1
+    high (a stack of experts packs each expert's rows)."""
+    return (u[..., 0::2, :] | (u[..., 1::2, :] << 4)).astype(np.uint8)
 
 
 def _nibbles(packed: np.ndarray, axis: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig, int4_layout
-from jaxserve.config.quantization import DUMMY_PACKED
+from jaxserve.config.quantization import DUMMY_PACKED, block_rows
 from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.layers.linear import quantize_kernel
@@ -172,11 +172,18 @@ def load_model(
 
 def _experts_packable(config: ModelConfig, tp: int) -> ModelConfig:
     """config, or, where tensor parallelism would split a packed expert scale's inputs (each
-    device's slice of the intermediate size not a multiple of expert_group), the experts in
-    the model dtype instead (dequantized as they load), with a log line saying so."""
+    device's slice of the intermediate size not a multiple of expert_group), gpt-oss's MXFP4
+    experts in the model dtype instead (dequantized as they load), with a log line saying so;
+    a checkpoint whose linear layers are packed too is refused."""
     f, group = config.moe_intermediate_size, config.expert_group
     if not config.expert_quant or config.expert_parallel or (f // tp) % group == 0:
         return config
+    if config.prequantized:  # its linear layers' format too: no unpacked way to read them
+        raise ValueError(
+            f"tensor parallel size {tp} leaves {f // tp} of the experts' {f} intermediate "
+            f"columns a device, which splits their {group}-input scale blocks: use "
+            "--enable-expert-parallel, or a size that keeps whole blocks"
+        )
     logger.warning("%s experts: %d intermediate columns a device (tp %d) split their scales' "
                    "%d inputs: the experts load unpacked, in %s", config.expert_quant, f // tp,
                    tp, group, jnp.dtype(config.dtype).name)  # fmt: skip
@@ -209,12 +216,15 @@ def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: 
     """Read (and convert, quantize) every parameter of `targets` from `source`, handing each
     host array to `place(path, array)`."""
     layout = int4_layout(config.hf_config) if config.quantization == "int4" else None
+    rows = block_rows(config.hf_config)
     for p in tqdm(targets, desc=f"Loading {label}", unit="param", leave=False):
-        if p[-1] in ("scale", "offset", "perm"):
+        leaf = str(p[-1])
+        if leaf in _WITH_KERNEL or (config.prequantized and leaf in _EXPERT_WITH_KERNEL):
             continue  # placed with its quantized kernel
         weight = aliased(source, model_cls.hf_weight(config, p, replicas), model_cls)
-        if config.expert_quant and str(p[-1]).startswith(("w13", "w2")):  # packed experts
-            place(p, _read_param(source, weight, targets[p]))  # the model's HFWeight packs
+        names = ", ".join(weight.names)
+        if config.expert_quant and not config.prequantized and leaf in _EXPERT_PACKED:
+            place(p, _read_param(source, weight, targets[p]))  # gpt-oss's: its HFWeight packs
         elif quantized_dtype(targets[p]) and config.quantization in ("gguf", "int4", "mxfp4"):
             if config.quantization == "mxfp4":
                 hosts = read_mxfp4(source, weight, config.quant_group)
@@ -226,14 +236,15 @@ def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: 
                 hosts = read_int4(source, weight, config.quant_group, layout,
                                   act_order=(*p[:-1], "perm") in targets,
                                   per_channel=config.quant_per_channel)  # fmt: skip
-            for leaf, host in zip(("kernel", "scale", "offset", "perm"), hosts, strict=False):
-                place((*p[:-1], leaf), _checked(host, targets[(*p[:-1], leaf)].shape,
-                                                ", ".join(weight.names)))  # fmt: skip
+            for part, host in zip(("kernel", "scale", "offset", "perm"), hosts, strict=False):
+                q = _companion(p, part)
+                place(q, _checked(host, targets[q].shape, names))
         elif quantized_dtype(targets[p]) and config.prequantized:
-            kernel, scale = _read_prequantized(source, weight, targets[p], config.quant_group)
+            kernel, scale = _read_prequantized(source, weight, targets[p], config.quant_group,
+                                               rows)  # fmt: skip
             place(p, kernel)
-            place((*p[:-1], "scale"), _checked(scale, targets[(*p[:-1], "scale")].shape,
-                                               ", ".join(weight.names)))  # fmt: skip
+            place(_companion(p, "scale"), _checked(scale, targets[_companion(p, "scale")].shape,
+                                                   names))  # fmt: skip
         elif quantized_dtype(targets[p]):  # read in float32, quantized per output channel
             kernel, scale = quantize_kernel(
                 _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),
@@ -241,14 +252,30 @@ def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: 
             )  # fmt: skip
             place(p, kernel)
             place((*p[:-1], "scale"), scale)
-        else:
-            if config.prequantized and any(_scale_name(source, n) for n in weight.names):
+        elif config.prequantized and any(_scale_name(source, n) for n in weight.names):
+            if leaf in ("w13", "w2") or config.quantization not in ("fp8", "fp8_block"):
                 raise ValueError(
-                    f"{weight.names[0]} is quantized in the checkpoint, but jaxserve keeps "
-                    f"{'/'.join(map(str, p))} in full precision (mixture-of-experts experts): "
-                    "not supported"
+                    f"{weight.names[0]} is quantized in the checkpoint ({config.quantization}), "
+                    f"but jaxserve keeps {'/'.join(map(str, p))} in full precision: not "
+                    "supported for " + ("these experts" if leaf in ("w13", "w2") else "it")
                 )
+            # fp8 weights that are no linear layer's (MLA's per-head w_uk / w_uv): decoded
+            place(p, _read_fp8_decoded(source, weight, targets[p], config.quant_group, rows))
+        else:
             place(p, _read_param(source, weight, targets[p]))
+
+
+_WITH_KERNEL = ("scale", "offset", "perm")  # a Linear's, beside its `kernel`
+_EXPERT_PACKED = ("w13", "w2", "w13_scale", "w2_scale")  # gpt-oss's packed experts
+_EXPERT_WITH_KERNEL = ("w13_scale", "w2_scale", "w13_offset", "w2_offset")
+
+
+def _companion(p: tuple, part: str) -> tuple:
+    """Where a quantized kernel's `part` (kernel, scale, offset, perm) is: beside a Linear's
+    `kernel`, or an expert stack's (`w13` -> `w13_scale`)."""
+    if part == "kernel":
+        return p
+    return (*p[:-1], f"{p[-1]}_{part}") if p[-1] in ("w13", "w2") else (*p[:-1], part)
 
 
 # Where fp8 checkpoints keep each layer's KV cache scales, as vLLM reads them: ModelOpt's
@@ -306,13 +333,37 @@ def _scale_name(source, name: str) -> str | None:
 
 
 def _read_prequantized(
-    source, weight: HFWeight, target, group: int
+    source, weight: HFWeight, target, group: int, rows: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """A pre-quantized kernel: each HF `*.weight` (int8 or fp8 values [out, in]) and its scales
-    (per channel [out, 1], one per tensor, or, with group > 0, 2-D blocks [out / rows,
-    in / group]), fused and transposed like the float weights -> (kernel [in, out] in the
-    target dtype, float32 scale [out], or [in / group, out]: each block's scale repeated over
-    its output rows, so fusing and splitting output channels never cuts a block)."""
+    (per channel [out, 1], one per tensor, or, with group > 0, 2-D blocks of `rows` output
+    rows and `group` inputs, the last block row possibly partial), fused and transposed like
+    the float weights -> (kernel [in, out] in the target dtype, float32 scale [out], or
+    [in / group, out]: each block's scale repeated over its output rows, so fusing and
+    splitting output channels never cuts a block)."""
+    values, scales = _prequantized_parts(source, weight, group, rows)
+    build = weight.build or (lambda x: x)
+    kernel = _checked(build(*values).astype(target.dtype), target.shape, ", ".join(weight.names))
+    scale = build(*scales).astype(np.float32)
+    return kernel, scale if group else scale.reshape(-1)
+
+
+def _read_fp8_decoded(source, weight: HFWeight, target, group: int, rows: int) -> np.ndarray:
+    """fp8 weights of a parameter that is no linear layer's kernel (MLA's per-head w_uk /
+    w_uv, cut from kv_b_proj): each tensor decoded (values times their block's scale) before
+    the parameter is built from it, in the target dtype."""
+    values, scales = _prequantized_parts(source, weight, group, rows)
+    decoded = [
+        v.astype(np.float32) * (np.repeat(s, group, axis=1) if group else s)
+        for v, s in zip(values, scales, strict=True)
+    ]
+    build = weight.build or (lambda x: x)
+    return _checked(build(*decoded).astype(target.dtype), target.shape, ", ".join(weight.names))
+
+
+def _prequantized_parts(source, weight: HFWeight, group: int, rows: int):
+    """Each HF tensor of `weight` as stored ([out, in]) and its scale: [out, in / group] (each
+    block's repeated over its rows), or [out, 1]."""
     values, scales = [], []
     for name in weight.names:
         scale_name = _scale_name(source, name)
@@ -327,18 +378,18 @@ def _read_prequantized(
         s = np.asarray(source.get(scale_name), np.float32)
         if group:
             out, d_in = w.shape
-            if s.ndim != 2 or out % s.shape[0] or d_in != s.shape[1] * group:
+            r = rows or out // max(s.shape[0], 1)
+            # the last block of output rows may be partial (DeepSeek-V3's 576-row
+            # kv_a_proj_with_mqa in 128-row blocks: 5 block rows)
+            if s.ndim != 2 or s.shape[0] != -(-out // r) or d_in != s.shape[1] * group:
                 raise ValueError(
-                    f"{scale_name} has shape {s.shape}: not the [rows, columns] blocks of "
-                    f"{group} input columns of a {list(w.shape)} weight"
+                    f"{scale_name} has shape {s.shape}: not the blocks of {r} output rows "
+                    f"and {group} input columns of a {list(w.shape)} weight"
                 )
-            scales.append(np.repeat(s, out // s.shape[0], axis=0))  # [out, in / group]
+            scales.append(np.repeat(s, r, axis=0)[:out])  # [out, in / group]
         else:
             scales.append(np.broadcast_to(s.reshape(-1), (w.shape[0],))[:, None])  # [out, 1]
-    build = weight.build or (lambda x: x)
-    kernel = _checked(build(*values).astype(target.dtype), target.shape, ", ".join(weight.names))
-    scale = build(*scales).astype(np.float32)
-    return kernel, scale if group else scale.reshape(-1)
+    return values, scales
 
 
 def _abstract_model(model_cls, config: ModelConfig, kv_replicas: int):
