@@ -3,12 +3,16 @@ formats' own tools, once: never run by the suite.
 
     # 1. the float model and its byte tokenizer, in jaxserve's venv (tests/helpers.py)
     .venv/bin/python scripts/make_quantized_checkpoints.py base /tmp/qbase
+    #    and the tiny Qwen3-MoE the MoE schemes start from
+    .venv/bin/python scripts/make_quantized_checkpoints.py base-moe /tmp/qbase-moe
     # 2. quantized by llm-compressor, in a venv of its own (it pins its own transformers)
     python3 -m venv /tmp/lcvenv && /tmp/lcvenv/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
     /tmp/lcvenv/bin/python scripts/make_quantized_checkpoints.py quantize /tmp/qbase \
         tests/data/quantized
     #    (scheme names after the folder make only those, e.g. ct-fp8-block ct-mxfp4a16;
-    #    the same for gptqmodel below)
+    #    the same for gptqmodel below); the MoE schemes (MOE_SCHEMES) from the MoE base:
+    /tmp/lcvenv/bin/python scripts/make_quantized_checkpoints.py quantize /tmp/qbase-moe \
+        tests/data/quantized ct-moe-fp8-block ct-moe-w4a16
 
     # 3. native GPTQ (v1) and AWQ (gemm) checkpoints by GPTQModel, in a venv of its own, CPU
     #    only: 7.x is pure Python (CUDA kernels are JIT-built on first GPU use, never here);
@@ -49,6 +53,21 @@ SCHEMES = {"ct-w4a16-g32": (True, 32), "ct-w4a16-asym-g64": (False, 64),
 # per-token fp8 activations, groups of 128, are part of the scheme) and MXFP4A16 (weight-only
 # e2m1, an e8m0 exponent per 32 inputs). These also write reference_dequant.npz.
 PRESET_SCHEMES = {"ct-fp8-block": "FP8_BLOCK", "ct-mxfp4a16": "MXFP4A16"}
+# A tiny Qwen3-MoE (8 experts, top 2) whose every linear input is a multiple of 128, and the
+# schemes llm-compressor quantizes it by, the routed experts included (its Qwen3-MoE experts
+# linearized for the modifier, saved back per expert), the router left in full precision, no
+# calibration (round to nearest): weight-only fp8 in 64 x 64 blocks, and W4A16 (int4, a scale
+# per 64 inputs, symmetric): blocks and groups small enough that tp 2 keeps whole ones
+MOE_SHAPES = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                  num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
+                  max_position_embeddings=256)  # fmt: skip
+MOE_SCHEMES = {
+    "ct-moe-fp8-block": {"num_bits": 8, "type": "float", "strategy": "block",
+                         "block_structure": [64, 64], "symmetric": True},
+    "ct-moe-w4a16": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64,
+                     "symmetric": True},
+}  # fmt: skip
 # name -> (method, symmetric, group size, desc_act): GPTQModel's native GPTQ (v1) and AWQ gemm
 GPTQMODEL_SCHEMES = {
     "gptq-w4-g32": ("gptq", True, 32, False),
@@ -75,8 +94,17 @@ def base(out: str) -> None:
     make_tiny_hf("llama", out_dir, vocab_size=make_tiny_tokenizer(out_dir), **SHAPES)
 
 
+def base_moe(out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.helpers import make_tiny_hf, make_tiny_tokenizer
+
+    out_dir = Path(out)
+    make_tiny_hf("qwen3_moe", out_dir, vocab_size=make_tiny_tokenizer(out_dir), **MOE_SHAPES)
+
+
 def quantize(base_dir: str, out: str, *names: str) -> None:
-    """Every scheme of SCHEMES and PRESET_SCHEMES, or only those named after `out`."""
+    """Every scheme of SCHEMES and PRESET_SCHEMES, or only those named after `out` (also
+    MOE_SCHEMES', from the MoE base)."""
     import numpy as np
     import torch
     from datasets import Dataset
@@ -85,7 +113,7 @@ def quantize(base_dir: str, out: str, *names: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
     names = names or (*SCHEMES, *PRESET_SCHEMES)
-    unknown = set(names) - SCHEMES.keys() - PRESET_SCHEMES.keys()
+    unknown = set(names) - SCHEMES.keys() - PRESET_SCHEMES.keys() - MOE_SCHEMES.keys()
     assert not unknown, f"unknown schemes {sorted(unknown)}"
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     data = Dataset.from_dict({"text": CALIBRATION}).map(
@@ -105,6 +133,12 @@ def quantize(base_dir: str, out: str, *names: str) -> None:
                 config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
             )
             oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=len(data))
+        elif name in MOE_SCHEMES:
+            recipe = QuantizationModifier(
+                ignore=["lm_head", "re:.*mlp.gate$"],
+                config_groups={"group_0": {"targets": ["Linear"], "weights": MOE_SCHEMES[name]}},
+            )
+            oneshot(model=model, recipe=recipe)
         else:
             # data-free: round-to-nearest from the weights alone, no calibration
             recipe = QuantizationModifier(
@@ -114,7 +148,16 @@ def quantize(base_dir: str, out: str, *names: str) -> None:
         dst = Path(out) / name
         model.save_pretrained(dst, save_compressed=True)
         tokenizer.save_pretrained(dst)
-        if name in SCHEMES:
+        if name in MOE_SCHEMES:
+            # transformers folds Qwen3-MoE's experts into fused tensors as it loads, so its
+            # compressed-tensors hook never sees them: each stored layer decompressed by
+            # compressed-tensors' own compressor instead, the float checkpoint loaded back
+            ref = _decompressed_by_library(dst, base_dir)
+            w = {f"{EXPERT_LAYER}.weight": ref.pop(EXPERT_LAYER)}
+            ref = AutoModelForCausalLM.from_pretrained(ref.pop("dir"), dtype=torch.float32)
+            ref = ref.eval()
+            np.savez_compressed(dst / "reference_dequant.npz", **w)
+        elif name in SCHEMES:
             # decompressed by compressed-tensors' hook on the first forward
             ref = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
         else:
@@ -153,6 +196,40 @@ def quantize(base_dir: str, out: str, *names: str) -> None:
             np.savez_compressed(dst / "reference_logits_weight_only.npz", **weight_only)
         (dst / "reference_prompts.json").write_text(json.dumps(PROMPTS))
         print(name, "->", dst)
+
+
+EXPERT_LAYER = "model.layers.1.mlp.experts.3.down_proj"  # the MoE schemes' reference_dequant
+
+
+def _decompressed_by_library(dst: Path, base_dir: str) -> dict:
+    """The checkpoint at dst decompressed layer by layer by compressed-tensors (its
+    compressor for the config's format and scheme) and written as a float checkpoint beside
+    it (the base model's config): {"dir": that directory, EXPERT_LAYER: its weight [out, in]}."""
+    import shutil
+    import tempfile
+
+    import torch
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file, save_file
+
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    scheme = QuantizationScheme(**{k: v for k, v in group.items() if k != "output_activations"})
+    compressor = BaseCompressor.get_value_from_registry(group.get("format", qc["format"]))
+    stored = load_file(dst / "model.safetensors")
+    prefixes = {k.rsplit(".", 1)[0] for k in stored if k.endswith("weight_scale")}
+    dense = {k: v for k, v in stored.items() if k.rsplit(".", 1)[0] not in prefixes}
+    for prefix in sorted(prefixes):
+        local = {k[len(prefix) + 1 :]: v for k, v in stored.items() if k.startswith(prefix + ".")}
+        dense[f"{prefix}.weight"] = compressor.decompress(local, scheme)["weight"].float()
+    out = Path(tempfile.mkdtemp(prefix=dst.name + "-decompressed-"))
+    for f in Path(base_dir).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in dense.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    return {"dir": out, EXPERT_LAYER: dense[f"{EXPERT_LAYER}.weight"].numpy()}
 
 
 def gptqmodel(base_dir: str, out: str, *names: str) -> None:
@@ -236,4 +313,5 @@ def gptqmodel(base_dir: str, out: str, *names: str) -> None:
 
 
 if __name__ == "__main__":
-    {"base": base, "quantize": quantize, "gptqmodel": gptqmodel}[sys.argv[1]](*sys.argv[2:])
+    commands = {"base": base, "base-moe": base_moe, "quantize": quantize, "gptqmodel": gptqmodel}
+    commands[sys.argv[1]](*sys.argv[2:])

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from jaxserve.models.gpt_oss import dequantize_mxfp4_experts
 from jaxserve.layers.fused_moe import configure_moe
+from jaxserve.models.gpt_oss import dequantize_mxfp4_experts
 from jaxserve.models.loader import load_model
 from tests.helpers import hf_logits, make_tiny_hf
 from tests.models.test_llama_parity import run_mixed_schedule
