@@ -74,6 +74,8 @@ GPTQMODEL_SCHEMES = {
     "gptq-w4-asym-g64-actorder": ("gptq", False, 64, True),
     "awq-w4-g64": ("awq", False, 64, False),
     "gptq-w4-channel-actorder": ("gptq", True, -1, True),  # group_size -1: g_idx all 0
+    # from the MoE base (base-moe): the routed experts quantized too
+    "gptq-moe-w4-g64": ("gptq", True, 64, False),
 }
 DEQUANT_LAYER = "model.layers.0.self_attn.q_proj"  # the layer reference_dequant.npz holds
 CALIBRATION = [
