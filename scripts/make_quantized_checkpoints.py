@@ -67,6 +67,7 @@ MOE_SCHEMES = {
                          "block_structure": [64, 64], "symmetric": True},
     "ct-moe-w4a16": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64,
                      "symmetric": True},
+    "ct-moe-mxfp4a16": "MXFP4A16",  # a preset scheme: e2m1, an e8m0 exponent per 32
 }  # fmt: skip
 # name -> (method, symmetric, group size, desc_act): GPTQModel's native GPTQ (v1) and AWQ gemm
 GPTQMODEL_SCHEMES = {
@@ -136,10 +137,13 @@ def quantize(base_dir: str, out: str, *names: str) -> None:
             )
             oneshot(model=model, dataset=data, recipe=recipe, num_calibration_samples=len(data))
         elif name in MOE_SCHEMES:
-            recipe = QuantizationModifier(
-                ignore=["lm_head", "re:.*mlp.gate$"],
-                config_groups={"group_0": {"targets": ["Linear"], "weights": MOE_SCHEMES[name]}},
-            )
+            scheme, ignore = MOE_SCHEMES[name], ["lm_head", "re:.*mlp.gate$"]
+            recipe = (
+                QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)
+                if isinstance(scheme, str)
+                else QuantizationModifier(ignore=ignore, config_groups={
+                    "group_0": {"targets": ["Linear"], "weights": scheme}})
+            )  # fmt: skip
             oneshot(model=model, recipe=recipe)
         else:
             # data-free: round-to-nearest from the weights alone, no calibration

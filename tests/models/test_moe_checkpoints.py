@@ -1,7 +1,7 @@
 """Mixture-of-experts checkpoints quantized by llm-compressor, the routed experts included
 (tests/data/quantized/ct-moe-*, a tiny Qwen3-MoE made by scripts/make_quantized_checkpoints.py
 in llm-compressor's own venv): weight-only fp8 in 64 x 64 blocks and W4A16 (int4, a scale
-per 64 inputs). The experts stay packed; the reference is transformers' float32 logits of the
+per 64 inputs) and MXFP4A16 (e2m1, an e8m0 exponent per 32 inputs). The experts stay packed; the reference is transformers' float32 logits of the
 checkpoint as compressed-tensors' own compressor decompresses each layer, and that
 decompression of one expert's down_proj. Also GPTQModel's GPTQ int4 (gptq-moe-w4-g64, its own
 venv), whose reference is the checkpoint as GPTQModel dequantizes each linear layer, experts
@@ -24,6 +24,7 @@ E, D, F = 8, 128, 128
 FORMATS = {
     "ct-moe-fp8-block": ("float8_e4m3fn", "fp8_block", 3 * D * F + 3 * 4 * 2 * F),
     "ct-moe-w4a16": ("uint8", "int4", 3 * D * F // 2 + 3 * 2 * 4 * 2 * F),
+    "ct-moe-mxfp4a16": ("uint8", "mxfp4", 3 * D * F // 2 + 3 * D * F // 32),
     "gptq-moe-w4-g64": ("uint8", "int4", 3 * D * F // 2 + 3 * 2 * 4 * 2 * F),
 }
 EXPERT = "model.layers.1.mlp.experts.3.down_proj.weight"  # in the ct-moe reference_dequant
