@@ -1,11 +1,11 @@
-"""Mixture-of-experts checkpoints quantized by llm-compressor, the routed experts included
-(tests/data/quantized/ct-moe-*, a tiny Qwen3-MoE made by scripts/make_quantized_checkpoints.py
-in llm-compressor's own venv): weight-only fp8 in 64 x 64 blocks and W4A16 (int4, a scale
-per 64 inputs) and MXFP4A16 (e2m1, an e8m0 exponent per 32 inputs). The experts stay packed; the reference is transformers' float32 logits of the
-checkpoint as compressed-tensors' own compressor decompresses each layer, and that
-decompression of one expert's down_proj. Also GPTQModel's GPTQ int4 (gptq-moe-w4-g64, its own
-venv), whose reference is the checkpoint as GPTQModel dequantizes each linear layer, experts
-included, run in float32."""
+"""Mixture-of-experts checkpoints quantized by their formats' own tools, the routed experts
+included: a tiny Qwen3-MoE (tests/data/quantized/*-moe-*, made by
+scripts/make_quantized_checkpoints.py in the tools' own venvs). llm-compressor: weight-only fp8
+in 64 x 64 blocks, W4A16 (int4, a scale per 64 inputs) and MXFP4A16 (e2m1, an e8m0 exponent
+per 32 inputs); their reference is transformers' float32 logits of the checkpoint as
+compressed-tensors' own compressor decompresses each layer, and that decompression of one
+expert's down_proj. GPTQModel's GPTQ int4 g64: its reference is the checkpoint as GPTQModel
+dequantizes each linear layer, experts included, run in float32. The experts stay packed."""
 
 from pathlib import Path
 
