@@ -17,10 +17,11 @@
 #   3    moe_gmm           benchmarks/kernels/bench_moe_gmm.py: the routed experts' grouped
 #                          matmul at gpt-oss-20b and Qwen3-30B-A3B shapes, bf16 and packed
 #                          (fp8, int4, MXFP4), tokamax's Mosaic kernel against XLA's ragged_dot
-#   4    moe_*             scripts/bench_latency.py on MoE presets with dummy bf16 weights
-#                          (gpt-oss-20b, qwen3-30b-a3b; batch 1 and 32), the grouped matmul
-#                          the engine chooses (tokamax's on Hopper) against XLA's ragged_dot
-#                          (JAXSERVE_MOE_KERNEL=xla) in the same run
+#   4    moe_*             scripts/bench_latency.py on MoE presets with dummy weights: bf16
+#                          gpt-oss-20b and qwen3-30b-a3b at batch 1, the grouped matmul the
+#                          engine chooses (tokamax's on Hopper) against XLA's ragged_dot
+#                          (JAXSERVE_MOE_KERNEL=xla) in the same run; gpt-oss-20b with MXFP4
+#                          experts (-q mxfp4) at batch 1; the bf16 pairs at batch 32
 #   4    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
 #   5    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
 #   6    kernel_bench      benchmarks/kernels/bench_paged_attention.py --kernels triton,mosaic
@@ -167,8 +168,9 @@ EOF
     MOE_ARGS=(--shapes qwen3-30b-a3b --formats bf16 --impls xla --tokens 1 --iters 2)
     MOE_LAT_ARGS=(--dtype float32 --input-len 4 --output-len 3 --max-model-len 32
         --max-num-seqs 2 --max-num-batched-tokens 8 --num-iters-warmup 1 --num-iters 2
-        --hf-overrides '{"num_hidden_layers": 1, "num_local_experts": 8, "num_experts": 8}')
-    MOE_PRESETS=(qwen3-30b-a3b) MOE_BATCHES=(1)
+        --hf-overrides '{"num_hidden_layers": 1, "num_local_experts": 8, "num_experts": 8,
+        "hidden_size": 256, "intermediate_size": 256, "vocab_size": 1024}')
+    MOE_PRESETS=(gpt-oss-20b qwen3-30b-a3b) MOE_BATCHES=(1)
     TUNE_ARGS=(--smoke)
     COMPILE_S=0
     E_ENV=5 E_COPY=5 E_PYTEST=10 E_LOWERING=15 E_MODEL=20 E_HF=10 E_KERNEL=30 E_PROFILE=15
@@ -295,16 +297,23 @@ step copy_rate other "$E_COPY" "$L_COPY" "$PYTHON" benchmarks/bench_copy_rate.py
 step moe_gmm other "$E_MOE" "$L_MOE" env COPY_RATE_JSON="$WORK/copy_rate.json" "$PYTHON" \
     benchmarks/kernels/bench_moe_gmm.py "${MOE_ARGS[@]}" --max-seconds @MAX_SECONDS@ \
     --output-json "$WORK/moe_gmm.json"
-for moe_b in "${MOE_BATCHES[@]}"; do # each preset with the engine's kernel, then XLA's
-    for moe_p in "${MOE_PRESETS[@]}"; do
-        for moe_k in "" xla; do
-            moe_name=moe_${moe_p//[-.]/_}_b$moe_b${moe_k:+_$moe_k}
-            step "$moe_name" other "$E_MOE_LAT" "$L_MOE_LAT" env JAXSERVE_MOE_KERNEL=$moe_k \
-                "$PYTHON" scripts/bench_latency.py --model "$moe_p" --load-format dummy \
-                --batch-size "$moe_b" "${MOE_LAT_ARGS[@]}" --output-json "$WORK/$moe_name.json"
+moe_pair() { # BATCH: each preset with the engine's grouped matmul, then with XLA's
+    local b=$1 p k name
+    for p in "${MOE_PRESETS[@]}"; do
+        for k in "" xla; do
+            name=moe_${p//[-.]/_}_b$b${k:+_$k}
+            step "$name" other "$E_MOE_LAT" "$L_MOE_LAT" env JAXSERVE_MOE_KERNEL=$k \
+                "$PYTHON" scripts/bench_latency.py --model "$p" --load-format dummy \
+                --batch-size "$b" "${MOE_LAT_ARGS[@]}" --output-json "$WORK/$name.json"
         done
     done
-done
+}
+moe_pair "${MOE_BATCHES[0]}"
+# gpt-oss-20b with its experts packed as its checkpoints ship them (MXFP4), batch 1
+step moe_gpt_oss_20b_mxfp4_b1 other "$E_MOE_LAT" "$L_MOE_LAT" "$PYTHON" scripts/bench_latency.py \
+    --model "${MOE_PRESETS[0]}" --load-format dummy -q mxfp4 --batch-size 1 "${MOE_LAT_ARGS[@]}" \
+    --output-json "$WORK/moe_gpt_oss_20b_mxfp4_b1.json"
+for moe_b in "${MOE_BATCHES[@]:1}"; do moe_pair "$moe_b"; done
 step pytest_gpu other "$E_PYTEST" "$L_PYTEST" "${PYTEST[@]}" "${PYTEST_GPU_ARGS[@]}"
 lat 1
 step kernel_bench other "$E_KERNEL" "$L_KERNEL" "$PYTHON" \

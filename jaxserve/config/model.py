@@ -193,8 +193,21 @@ class ModelConfig:
 
     @classmethod
     def from_hf(
-        cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None
-    ) -> ModelConfig:
+        cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None,
+        load_format: str = "auto",
+    ) -> ModelConfig:  # fmt: skip
+        """load_format "dummy" with quantization one of DUMMY_PACKED (a config that names no
+        quantization): random weights packed as that format's checkpoints keep them."""
+        if quantization in DUMMY_PACKED and not getattr(hf_config, "quantization_config", None):
+            if load_format == "dummy":
+                unpacked = cls.from_hf(hf_config, dtype, None, load_format)
+                return unpacked.with_dummy_packing(quantization)
+            if quantization != "mxfp4":  # mxfp4 names a checkpoint's own too: refused below
+                raise ValueError(
+                    f"quantization {quantization!r} makes random packed weights for "
+                    "--load-format dummy; a checkpoint's own packed weights are read from it "
+                    "(automatic)"
+                )
         prequantized, quant_group = checkpoint_quantization(hf_config) or (None, 0)
         input_quant, input_group = input_quantization(hf_config) or (None, 0)
         # vLLM's names of a checkpoint's own method ("mxfp4" also names compressed-tensors')

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from tqdm.auto import tqdm
 
 from jaxserve.config import ModelConfig, int4_layout
-from jaxserve.config.quantization import DUMMY_PACKED, block_rows
+from jaxserve.config.quantization import block_rows
 from jaxserve.distributed.mesh import TP_AXIS, make_mesh
 from jaxserve.distributed.sharding import kv_head_replicas, param_sharding, validate_tp
 from jaxserve.layers.linear import quantize_kernel
@@ -85,15 +85,7 @@ def load_model(
         is_checkpoint = (path / CHECKPOINT_MARKER).exists()
         source = None if is_checkpoint or dummy else SafetensorsSource(path)
 
-    packed = quantization in DUMMY_PACKED and not getattr(hf_config, "quantization_config", None)
-    if packed and not dummy and quantization != "mxfp4":
-        raise ValueError(
-            f"quantization {quantization!r} makes random packed weights for --load-format "
-            "dummy; a checkpoint's own packed weights are read from it (automatic)"
-        )
-    config = ModelConfig.from_hf(hf_config, dtype, None if packed and dummy else quantization)
-    if packed and dummy:
-        config = config.with_dummy_packing(quantization)
+    config = ModelConfig.from_hf(hf_config, dtype, quantization, load_format)
     if architecture is not None:
         config = dataclasses.replace(config, architecture=architecture)
     if enable_expert_parallel:

@@ -29,17 +29,21 @@ logger = logging.getLogger(__name__)
 
 def read_model_config(
     model: str | Path | None, dtype: str = "auto", quantization: str | None = None,
-    hf_overrides: dict | None = None,
+    hf_overrides: dict | None = None, load_format: str = "auto",
 ) -> ModelConfig:  # fmt: skip
     """The model's architecture without loading its weights (the frontend needs only this);
-    hf_overrides: fields set over the HF config's (vLLM's --hf-overrides)."""
-    return _read_model_config(model, dtype, quantization, json.dumps(hf_overrides or {}))
+    hf_overrides: fields set over the HF config's (vLLM's --hf-overrides); load_format "dummy":
+    random weights (with a packed -q format, packed: ModelConfig.from_hf)."""
+    overrides = json.dumps(hf_overrides or {})
+    return _read_model_config(model, dtype, quantization, overrides, load_format)
 
 
 @functools.lru_cache(maxsize=8)
-def _read_model_config(model, dtype: str, quantization: str | None, overrides: str):
+def _read_model_config(model, dtype: str, quantization: str | None, overrides: str,
+                       load_format: str):  # fmt: skip
     path = resolve_model_path(model)
-    return ModelConfig.from_hf(read_any_hf_config(path, json.loads(overrides)), dtype, quantization)
+    hf_config = read_any_hf_config(path, json.loads(overrides))
+    return ModelConfig.from_hf(hf_config, dtype, quantization, load_format)
 
 
 def read_any_hf_config(path: Path, hf_overrides: dict | None = None) -> Any:

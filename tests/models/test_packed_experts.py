@@ -94,3 +94,11 @@ def test_packed_formats_are_for_dummy_weights(tmp_path):
     path = make_tiny_hf("qwen3_moe", tmp_path, num_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="'int4' makes random packed weights for --load-format"):
         load_model(path, quantization="int4")
+
+
+def test_start_up_logs_weight_bytes_by_class(caplog):
+    caplog.set_level("INFO", logger="jaxserve.models.loader")
+    load_model("gpt-oss-20b", load_format="dummy", quantization="mxfp4", dtype="float32",
+               hf_overrides=SMALL["gpt-oss-20b"])  # fmt: skip
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: "))
+    assert "mxfp4 experts " in line and "mxfp4 experts (scales) " in line and "the rest " in line
