@@ -54,7 +54,8 @@ def build_runner(
             tensor_parallel_size=config.parallel.tensor_parallel_size,
             load_tokenizer=False,
             load_format=config.load_format,
-            quantization=config.model.quantization,
+            # gpt-oss's packed experts alone: "mxfp4" names them (dummy weights, or the format)
+            quantization=config.model.quantization or config.model.expert_quant,
             enable_expert_parallel=config.parallel.enable_expert_parallel,
             hf_overrides=config.hf_overrides or None,  # None: hashable (tests cache loads)
         )

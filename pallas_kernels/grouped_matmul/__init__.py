@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve import envs
+from pallas_kernels.grouped_matmul import cpu_packed
 from pallas_kernels.grouped_matmul.cpu import tiled
-from pallas_kernels.grouped_matmul.packed import Packed
+from pallas_kernels.grouped_matmul.packed import Packed, dequantize
 
 logger = logging.getLogger(__name__)
 
@@ -100,3 +101,16 @@ def grouped_matmul(x: jax.Array, w: jax.Array | Packed, group_sizes: jax.Array) 
         rows = jnp.arange(x.shape[0])[:, None] < jnp.sum(group_sizes)
         return jnp.where(rows, out, jnp.zeros((), out.dtype))
     return reference(x, w, group_sizes)
+
+
+def packed_matmul(
+    x: jax.Array, kernel: jax.Array, scale: jax.Array, offset: jax.Array | None, group: int,
+    native: bool = True,
+) -> jax.Array:  # fmt: skip
+    """x [T, K] times one packed weight (packed.py's arrays, [K(/2), N]) -> [T, N]: the C++
+    kernel on CPU where it runs (and `native`), else the weight decoded in x's dtype and a
+    dot (XLA fuses the decode into the dot's operand on GPU when it can)."""
+    w = Packed(kernel[None], scale[None], None if offset is None else offset[None], group)
+    if native and cpu_packed.runs(x, w):
+        return cpu_packed.packed_matmul_cpu(x, w, jnp.full((1,), x.shape[0], jnp.int32))
+    return x @ dequantize(kernel, scale, offset, group, x.dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.grouped_matmul import cpu_packed
 from pallas_kernels.grouped_matmul.packed import Packed
 
 # Rows per tile: at decode each tile holds a row or two, at prefill a tile's dot is big enough
@@ -18,7 +19,10 @@ TILE_ROWS = 16
 def tiled(x: jax.Array, w: jax.Array | Packed, group_sizes: jax.Array) -> jax.Array:
     """x [N, K], w [G, K, F] (or packed), group_sizes i32[G] -> [N, F]: each group's rows
     TILE_ROWS at a time (a loop over at most N / TILE_ROWS + G tiles), rows past the groups
-    zero. Packed weights are decoded one tile's expert at a time, inside the loop."""
+    zero. Packed weights go to the C++ kernel (cpu_packed.py) where it runs, which decodes
+    each routed expert once; elsewhere one tile's expert at a time, inside the loop."""
+    if isinstance(w, Packed) and cpu_packed.runs(x, w):
+        return cpu_packed.packed_matmul_cpu(x, w, group_sizes)
     n, t, (g, _, f) = x.shape[0], TILE_ROWS, w.shape
     ends = jnp.cumsum(group_sizes)
     tiles = (group_sizes + t - 1) // t  # [G]

@@ -17,80 +17,31 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import envs
+from pallas_kernels import cpu_ffi
 from pallas_kernels.paged_attention import reference
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_decode.cc")
 _TARGET = "jaxserve_paged_attention_decode"
-# No -ffast-math: linked into a shared library it can set flush-to-zero for the whole process.
-# Reductions vectorize by `omp simd` pragmas, exp by the kernel's own polynomial.
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-          "-std=c++17", "-shared", "-fPIC"]  # fmt: skip
-
-
-def kernel_cache_dir() -> Path:
-    """$JAXSERVE_KERNEL_CACHE, or ~/.cache/jaxserve/kernels."""
-    return Path(envs.JAXSERVE_KERNEL_CACHE)
+_FLAGS = cpu_ffi.FLAGS
 
 
 def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: a library built on one CPU may not run on another."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_ffi.compiler()
 
 
 def _build(compiler: str) -> Path:
     """The kernel's shared library for this source, jaxlib and CPU (built when missing)."""
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256()
-    parts = (_SOURCE.read_bytes(), include, jax.__version__, _cpu_signature(), *_FLAGS, compiler)
-    for part in parts:
-        key.update(part if isinstance(part, bytes) else part.encode())
-    lib = kernel_cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    # Several processes (data-parallel engines) may build at once: each writes its own file
-    # and renames it into place.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
-    cmd = [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp, "-lpthread"]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)  # ~5-10 s
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    return cpu_ffi.build(_SOURCE, compiler, _FLAGS)
 
 
 @functools.cache

@@ -102,3 +102,19 @@ def test_start_up_logs_weight_bytes_by_class(caplog):
                hf_overrides=SMALL["gpt-oss-20b"])  # fmt: skip
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: "))
     assert "mxfp4 experts " in line and "mxfp4 experts (scales) " in line and "the rest " in line
+
+
+def test_engine_loads_gpt_oss_dummy_experts_packed(monkeypatch):
+    """`-q mxfp4 --load-format dummy` reaches the engine core's load (its experts alone)."""
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM("gpt-oss-20b", load_format="dummy", quantization="mxfp4", dtype="float32",
+              hf_overrides=SMALL["gpt-oss-20b"], max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=32, num_gpu_blocks_override=16)  # fmt: skip
+    mlp = llm.llm_engine.engine_core.engine_core.runner.model.layers[0].mlp
+    assert mlp.w13[...].dtype == jnp.uint8 and mlp.w13_scale[...].dtype == jnp.uint8
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
