@@ -49,35 +49,33 @@ int NumThreads() {
   return n;
 }
 
-// The value of an e2m1 code (sign in bit 3).
-constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-// float8 e4m3fn bits -> f32: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
-// subnormal (m / 8 * 2^-6); 0x7f / 0xff are NaN.
-inline float E4M3(uint8_t b) {
-  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24;
-  const uint32_t e = (b >> 3) & 0xF, m = b & 0x7;
+inline float Bits(uint32_t b) {
   float v;
-  if (e == 0) {
-    v = static_cast<float>(m) * 0.001953125f;  // m * 2^-9
-  } else {
-    uint32_t bits = ((e + 120) << 23) | (m << 20);
-    std::memcpy(&v, &bits, 4);
-  }
-  uint32_t out;
-  std::memcpy(&out, &v, 4);
-  out |= sign;
-  std::memcpy(&v, &out, 4);
-  return (e == 0xF && m == 0x7) ? __builtin_nanf("") : v;
-}
-
-inline float E8M0(uint8_t s) {
-  uint32_t bits = static_cast<uint32_t>(s) << 23;  // 2 ** (s - 127); s = 0: 0, as packed.py
-  float v;
-  std::memcpy(&v, &bits, 4);
+  std::memcpy(&v, &b, 4);
   return v;
 }
+
+// An e2m1 code (sign in bit 3) -> f32, branch-free (so the decode loop vectorizes): magnitude
+// codes 0-7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+inline float E2M1(uint32_t code) {
+  const uint32_t m = code & 7;
+  const uint32_t normal = (((m >> 1) + 126) << 23) | ((m & 1) << 22);  // m >= 2
+  const uint32_t bits = m >= 2 ? normal : (m == 1 ? (126u << 23) : 0u);
+  return Bits(bits | ((code & 8) << 28));
+}
+
+// float8 e4m3fn bits -> f32, branch-free: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+// exponent 0 is subnormal (m / 8 * 2^-6); 0x7f / 0xff are NaN.
+inline float E4M3(uint32_t b) {
+  const uint32_t e = (b >> 3) & 0xF, m = b & 0x7;
+  const float normal = Bits(((e + 120) << 23) | (m << 20));
+  const float magnitude = e != 0 ? normal : static_cast<float>(m) * 0.001953125f;  // m * 2^-9
+  const float v = (b & 0x80) ? -magnitude : magnitude;
+  return (b & 0x7F) == 0x7F ? __builtin_nanf("") : v;
+}
+
+// 2 ** (s - 127); s = 0 gives 0, as packed.py's bit shift does.
+inline float E8M0(uint32_t s) { return Bits(s << 23); }
 
 struct Operands {
   const float* x;
@@ -109,12 +107,14 @@ void Decode(const Operands& o, int64_t e, int64_t k0, int64_t depth, int64_t c0,
         }
       } else {
         const uint8_t* s = o.scale_e8m0 + srow;
-        for (int64_t c = 0; c < cols; ++c) dst[c] = kE2M1[(src[c] >> shift) & 0xF] * E8M0(s[c]);
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) dst[c] = E2M1((src[c] >> shift) & 0xF) * E8M0(s[c]);
       }
     } else {
       const uint8_t* src = o.kernel + (e * o.kp + k) * o.n + c0;
       const float* s = o.scale_f + srow;
       if (o.fmt == 2) {
+#pragma omp simd
         for (int64_t c = 0; c < cols; ++c) dst[c] = E4M3(src[c]) * s[c];
       } else {
         const int8_t* q = reinterpret_cast<const int8_t*>(src);
@@ -204,7 +204,9 @@ ffi::Error PackedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer kernel,
       }
     }
   };
-  const int64_t threads = std::min<int64_t>(NumThreads(), items.size());
+  // A thread costs ~20-50 us to start: only calls with a few million multiply-adds split
+  const int64_t work = (m + 4) * k * n;
+  const int64_t threads = work < (4 << 20) ? 1 : std::min<int64_t>(NumThreads(), items.size());
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < threads; ++t) pool.emplace_back(run, t, threads);
   run(0, threads);

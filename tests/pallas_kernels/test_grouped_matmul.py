@@ -78,3 +78,27 @@ def test_cpu_tiles_decode_packed_experts_one_at_a_time(mode):
     want = np.asarray(jax.lax.ragged_dot(x, w.dense(jnp.float32), groups))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     assert not got[32:].any()
+
+
+@pytest.mark.parametrize("mode", ["mxfp4", "int4", "fp8_block"])
+def test_cpu_packed_kernel_decodes_every_code_as_the_reference(mode):
+    """The C++ kernel (where a compiler builds it) decodes every byte a format can hold as
+    packed.py's jnp decoding does (fp8's NaN codes aside), with multi-expert groups."""
+    from pallas_kernels.grouped_matmul import cpu_packed
+
+    if cpu_packed.unavailable_message():
+        pytest.skip(cpu_packed.unavailable_message())
+    rng = np.random.default_rng(11)
+    w = _packed(mode, rng)
+    codes = np.arange(256, dtype=np.uint8)
+    if mode == "fp8_block":
+        codes = codes[(codes & 0x7F) != 0x7F]  # not the NaNs
+    k = np.resize(codes, w.kernel.shape)
+    w = gmm.Packed(jnp.asarray(k).view(w.kernel.dtype), w.scale, w.offset, w.group)
+    x = jnp.asarray(rng.normal(size=(33, 64)), jnp.float32)
+    groups = jnp.asarray([1, 0, 29, 2], jnp.int32)  # 32 of 33 rows
+    assert cpu_packed.runs(x, w)
+    got = np.asarray(jax.jit(cpu_packed.packed_matmul_cpu)(x, w, groups))
+    want = np.asarray(jax.lax.ragged_dot(x, w.dense(jnp.float32), groups))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.abs(want).max())
+    assert not got[32:].any()
