@@ -214,7 +214,6 @@ def _decompressed_by_library(dst: Path, base_dir: str) -> dict:
     import shutil
     import tempfile
 
-    import torch
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from safetensors.torch import load_file, save_file
