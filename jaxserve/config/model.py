@@ -193,9 +193,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(
-        cls, hf_config: Any, dtype: str | Any = "auto", quantization: str | None = None,
+        cls,
+        hf_config: Any,
+        dtype: str | Any = "auto",
+        quantization: str | None = None,
         load_format: str = "auto",
-    ) -> ModelConfig:  # fmt: skip
+    ) -> ModelConfig:
         """load_format "dummy" with quantization one of DUMMY_PACKED (a config that names no
         quantization): random weights packed as that format's checkpoints keep them."""
         if quantization in DUMMY_PACKED and not getattr(hf_config, "quantization_config", None):
@@ -267,16 +270,18 @@ class ModelConfig:
         if layer_types and not sliding_window:
             layer_types = None
         num_experts = int(
-            getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0)
+            getattr(hf_config, "num_local_experts", None)
+            or getattr(hf_config, "num_experts", 0)
             or 0
-        )  # fmt: skip
+        )
         step = getattr(hf_config, "decoder_sparse_step", 1) or 1
         only_mlp = set(getattr(hf_config, "mlp_only_layers", None) or ())
         first_dense = first_dense_layers(hf_config, archs[0])
         dense_layers = tuple(
-            i for i in range(hf_config.num_hidden_layers)
+            i
+            for i in range(hf_config.num_hidden_layers)
             if num_experts and (i in only_mlp or (i + 1) % step or i in first_dense)
-        )  # fmt: skip
+        )
         moe_intermediate = int(
             getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
         )
@@ -358,11 +363,13 @@ class ModelConfig:
         group = DUMMY_PACKED[mode]
         experts_only = mode == "mxfp4" and self.architecture == "GptOssForCausalLM"
         return dataclasses.replace(
-            self, quantization=None if experts_only else mode, prequantized=not experts_only,
+            self,
+            quantization=None if experts_only else mode,
+            prequantized=not experts_only,
             quant_group=0 if experts_only else group,
             expert_quant=mode if self.num_experts else None,
             expert_group=group if self.num_experts else 0,
-        )  # fmt: skip
+        )
 
     def linear_kwargs(self) -> dict:
         """How the decoder layers' linear projections are quantized (layers/linear.py)."""

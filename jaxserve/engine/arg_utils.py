@@ -166,8 +166,9 @@ class EngineArgs:
         self._check_nodes()
         path = self.model_path()
         hf_overrides = check_hf_overrides(self.hf_overrides)
-        model_config = read_model_config(path, self.dtype, self.quantization, hf_overrides,
-                                         self.load_format)  # fmt: skip
+        model_config = read_model_config(
+            path, self.dtype, self.quantization, hf_overrides, self.load_format
+        )
         on_cpu = jax.default_backend() == "cpu"
         if self.enable_expert_parallel and not model_config.num_experts:
             raise ValueError(

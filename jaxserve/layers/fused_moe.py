@@ -160,8 +160,9 @@ class FusedMoE(nnx.Module):
         )
         self.expert_group = config.expert_group
         for name, shape in (("w13", (e, d, 2 * f)), ("w2", (e, f, d))):
-            kernel, scale, offset = _expert_params(shape, config.expert_quant,
-                                                   config.expert_group, dt, rngs)  # fmt: skip
+            kernel, scale, offset = _expert_params(
+                shape, config.expert_quant, config.expert_group, dt, rngs
+            )
             setattr(self, name, kernel)
             setattr(self, f"{name}_scale", scale)
             setattr(self, f"{name}_offset", offset)
@@ -224,8 +225,12 @@ class FusedMoE(nnx.Module):
         if scale is None:
             return getattr(self, name)[...]
         offset = getattr(self, f"{name}_offset")
-        return Packed(getattr(self, name)[...], scale[...],
-                      None if offset is None else offset[...], self.expert_group)  # fmt: skip
+        return Packed(
+            getattr(self, name)[...],
+            scale[...],
+            None if offset is None else offset[...],
+            self.expert_group,
+        )
 
     def _sharded(self, x, ids, weights, w13, w2, b13):
         """`expert_mlp` over the mesh: each device's experts (expert parallel) or slice of
@@ -262,8 +267,11 @@ def _expert_params(
     if k % group:
         raise ValueError(f"{quant} experts: their input size {k} is not a multiple of {group}")
     rows, kind = (k, jnp.float8_e4m3fn) if quant == "fp8_block" else (k // 2, jnp.uint8)
-    scale = (jnp.full((e, k // group, n), 127, jnp.uint8) if quant == "mxfp4"
-             else jnp.ones((e, k // group, n), jnp.float32))  # fmt: skip
+    scale = (
+        jnp.full((e, k // group, n), 127, jnp.uint8)
+        if quant == "mxfp4"
+        else jnp.ones((e, k // group, n), jnp.float32)
+    )
     offset = nnx.Param(jnp.zeros((e, k // group, n), jnp.float32)) if quant == "int4" else None
     return nnx.Param(jnp.zeros((e, rows, n), kind)), nnx.Param(scale), offset
 

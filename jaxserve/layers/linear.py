@@ -107,8 +107,14 @@ class Linear(nnx.Module):
             # W8A8's emulated inputs keep XLA's dot: with the CPU kernel a ct-fp8-block
             # prompt's logits moved 3% off compressed-tensors' (every kernel call equal to
             # ragged_dot on its input; cause not found: issue 67's note)
-            y = packed_matmul(x, self.kernel[...], self.scale[...], offset, self.group,
-                              native=self.input_quant is None)  # fmt: skip
+            y = packed_matmul(
+                x,
+                self.kernel[...],
+                self.scale[...],
+                offset,
+                self.group,
+                native=self.input_quant is None,
+            )
         else:
             y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]

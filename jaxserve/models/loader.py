@@ -176,9 +176,15 @@ def _experts_packable(config: ModelConfig, tp: int) -> ModelConfig:
             f"columns a device, which splits their {group}-input scale blocks: use "
             "--enable-expert-parallel, or a size that keeps whole blocks"
         )
-    logger.warning("%s experts: %d intermediate columns a device (tp %d) split their scales' "
-                   "%d inputs: the experts load unpacked, in %s", config.expert_quant, f // tp,
-                   tp, group, jnp.dtype(config.dtype).name)  # fmt: skip
+    logger.warning(
+        "%s experts: %d intermediate columns a device (tp %d) split their scales' "
+        "%d inputs: the experts load unpacked, in %s",
+        config.expert_quant,
+        f // tp,
+        tp,
+        group,
+        jnp.dtype(config.dtype).name,
+    )
     return dataclasses.replace(config, expert_quant=None, expert_group=0)
 
 
@@ -191,9 +197,7 @@ def weight_bytes(params: dict[tuple, Any], config: ModelConfig) -> str:
         if leaf.startswith(("w13", "w2")) and not leaf.endswith("bias"):
             kind = f"{config.expert_quant} experts" if config.expert_quant else "experts"
             kind += " (scales)" if "_" in leaf else ""
-        elif config.prequantized and leaf in ("kernel", "scale", "offset") and dtype in (
-            jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8)
-        ) or leaf in ("scale", "offset"):  # fmt: skip
+        elif leaf in _WITH_KERNEL or (leaf == "kernel" and quantized_dtype(a)):
             kind = f"{config.quantization} linear layers"
         else:
             kind = "the rest"
@@ -232,11 +236,12 @@ def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: 
                 q = _companion(p, part)
                 place(q, _checked(host, targets[q].shape, names))
         elif quantized_dtype(targets[p]) and config.prequantized:
-            kernel, scale = _read_prequantized(source, weight, targets[p], config.quant_group,
-                                               rows)  # fmt: skip
+            kernel, scale = _read_prequantized(source, weight, targets[p], config.quant_group, rows)
             place(p, kernel)
-            place(_companion(p, "scale"), _checked(scale, targets[_companion(p, "scale")].shape,
-                                                   names))  # fmt: skip
+            place(
+                _companion(p, "scale"),
+                _checked(scale, targets[_companion(p, "scale")].shape, names),
+            )
         elif quantized_dtype(targets[p]):  # read in float32, quantized per output channel
             kernel, scale = quantize_kernel(
                 _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),

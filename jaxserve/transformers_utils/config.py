@@ -39,8 +39,9 @@ def read_model_config(
 
 
 @functools.lru_cache(maxsize=8)
-def _read_model_config(model, dtype: str, quantization: str | None, overrides: str,
-                       load_format: str):  # fmt: skip
+def _read_model_config(
+    model, dtype: str, quantization: str | None, overrides: str, load_format: str
+):
     path = resolve_model_path(model)
     hf_config = read_any_hf_config(path, json.loads(overrides))
     return ModelConfig.from_hf(hf_config, dtype, quantization, load_format)

@@ -104,9 +104,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array | Packed, group_sizes: jax.Array) 
 
 
 def packed_matmul(
-    x: jax.Array, kernel: jax.Array, scale: jax.Array, offset: jax.Array | None, group: int,
+    x: jax.Array,
+    kernel: jax.Array,
+    scale: jax.Array,
+    offset: jax.Array | None,
+    group: int,
     native: bool = True,
-) -> jax.Array:  # fmt: skip
+) -> jax.Array:
     """x [T, K] times one packed weight (packed.py's arrays, [K(/2), N]) -> [T, N]: the C++
     kernel on CPU where it runs (and `native`), else the weight decoded in x's dtype and a
     dot (XLA fuses the decode into the dot's operand on GPU when it can)."""

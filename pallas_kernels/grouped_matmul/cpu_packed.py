@@ -72,5 +72,12 @@ def packed_matmul_cpu(x: jax.Array, w: Packed, group_sizes: jax.Array) -> jax.Ar
     offset = w.offset if w.offset is not None else jnp.zeros((1,), jnp.float32)
     scale = w.scale if w.scale.dtype == jnp.uint8 else w.scale.astype(jnp.float32)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
-    return call(x, w.kernel, scale, offset.astype(jnp.float32), group_sizes.astype(jnp.int32),
-                fmt=np.int64(format_of(w)), group=np.int64(w.group))  # fmt: skip
+    return call(
+        x,
+        w.kernel,
+        scale,
+        offset.astype(jnp.float32),
+        group_sizes.astype(jnp.int32),
+        fmt=np.int64(format_of(w)),
+        group=np.int64(w.group),
+    )
