@@ -58,10 +58,18 @@ PRESET_SCHEMES = {"ct-fp8-block": "FP8_BLOCK", "ct-mxfp4a16": "MXFP4A16"}
 # linearized for the modifier, saved back per expert), the router left in full precision, no
 # calibration (round to nearest): weight-only fp8 in 64 x 64 blocks, and W4A16 (int4, a scale
 # per 64 inputs, symmetric): blocks and groups small enough that tp 2 keeps whole ones
-MOE_SHAPES = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-                  num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
-                  max_position_embeddings=256)  # fmt: skip
+MOE_SHAPES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+)
 MOE_SCHEMES = {
     "ct-moe-fp8-block": {"num_bits": 8, "type": "float", "strategy": "block",
                          "block_structure": [64, 64], "symmetric": True},
@@ -141,9 +149,11 @@ def quantize(base_dir: str, out: str, *names: str) -> None:
             recipe = (
                 QuantizationModifier(targets="Linear", scheme=scheme, ignore=ignore)
                 if isinstance(scheme, str)
-                else QuantizationModifier(ignore=ignore, config_groups={
-                    "group_0": {"targets": ["Linear"], "weights": scheme}})
-            )  # fmt: skip
+                else QuantizationModifier(
+                    ignore=ignore,
+                    config_groups={"group_0": {"targets": ["Linear"], "weights": scheme}},
+                )
+            )
             oneshot(model=model, recipe=recipe)
         else:
             # data-free: round-to-nearest from the weights alone, no calibration
@@ -232,8 +242,11 @@ def _decompressed_by_library(dst: Path, base_dir: str) -> dict:
     for f in Path(base_dir).iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in dense.items()}, out / "model.safetensors",
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in dense.items()},
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return {"dir": out, EXPERT_LAYER: dense[f"{EXPERT_LAYER}.weight"].numpy()}
 
 

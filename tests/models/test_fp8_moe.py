@@ -60,9 +60,12 @@ def checkpoints(tmp_path_factory):
     save_file(stored, fp8 / "model.safetensors", metadata={"format": "pt"})
     save_file(floats, decoded / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((fp8 / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                     "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}  # fmt: skip
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [BLOCK, BLOCK],
+    }
     (fp8 / "config.json").write_text(json.dumps(config))
     return fp8, decoded
 
@@ -84,8 +87,11 @@ def test_fp8_block_checkpoint_loads_packed_and_matches_transformers(checkpoints,
     loaded = load_model(checkpoints[0], dtype="float32")
     c = loaded.config
     assert (c.quantization, c.quant_group, c.expert_quant, c.expert_group) == (
-        "fp8_block", 32, "fp8_block", 32,
-    )  # fmt: skip
+        "fp8_block",
+        32,
+        "fp8_block",
+        32,
+    )
     mlp = loaded.model.layers[1].mlp
     assert str(mlp.w13[...].dtype) == "float8_e4m3fn" and mlp.w13[...].shape == (8, 64, 128)
     assert mlp.w13_scale[...].shape == (8, 2, 128) and mlp.w2_scale[...].shape == (8, 2, 64)
@@ -102,8 +108,9 @@ def test_fp8_block_checkpoint_loads_packed_and_matches_transformers(checkpoints,
 def test_tp2_and_ep2_equal_one_device(checkpoints, reference, ep):
     _, prompts = reference
     one = run_mixed_schedule(load_model(checkpoints[0], dtype="float32"), prompts)[1]
-    split = load_model(checkpoints[0], dtype="float32", tensor_parallel_size=2,
-                       enable_expert_parallel=ep)  # fmt: skip
+    split = load_model(
+        checkpoints[0], dtype="float32", tensor_parallel_size=2, enable_expert_parallel=ep
+    )
     configure_moe(split.model, split.mesh)
     scale = split.model.layers[1].mlp.w13_scale[...]
     assert scale.addressable_shards[0].data.shape == ((4, 2, 128) if ep else (8, 2, 64))

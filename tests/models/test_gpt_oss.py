@@ -104,8 +104,9 @@ def test_packed_experts_split_over_devices_match_transformers(mxfp4_dir, referen
     """Tensor parallel (each device every expert's whole scale groups of F) and expert
     parallel (whole experts a device) keep the experts packed and match transformers."""
     ref, prompts = reference
-    split = load_model(mxfp4_dir, dtype="float32", tensor_parallel_size=tp,
-                       enable_expert_parallel=ep)  # fmt: skip
+    split = load_model(
+        mxfp4_dir, dtype="float32", tensor_parallel_size=tp, enable_expert_parallel=ep
+    )
     configure_moe(split.model, split.mesh)  # as the runner does: per device, under shard_map
     w2 = split.model.layers[0].mlp.w2_scale[...]  # [E, F / 32, D]
     assert split.config.expert_quant == "mxfp4"

@@ -19,9 +19,12 @@ GB = 1e9
 
 @pytest.mark.parametrize(
     ("preset", "shape"),
-    [("gpt-oss-120b", (36, 128, 4, 2880)), ("qwen3-30b-a3b", (48, 128, 8, 768)),
-     ("qwen3-235b-a22b", (94, 128, 8, 1536))],
-)  # fmt: skip
+    [
+        ("gpt-oss-120b", (36, 128, 4, 2880)),
+        ("qwen3-30b-a3b", (48, 128, 8, 768)),
+        ("qwen3-235b-a22b", (94, 128, 8, 1536)),
+    ],
+)
 def test_moe_presets_have_transformers_parameter_count(preset, shape):
     """Each preset's layers, experts, top-k and expert width; two of its layers (every kind of
     weight) have the parameters transformers' own model of the config builds (meta device)."""
@@ -67,15 +70,19 @@ SMALL = {
 
 @pytest.mark.parametrize(
     ("preset", "mode", "kernel_dtype"),
-    [("gpt-oss-20b", "mxfp4", jnp.uint8), ("qwen3-30b-a3b", "int4", jnp.uint8),
-     ("qwen3-30b-a3b", "fp8_block", jnp.float8_e4m3fn)],
-)  # fmt: skip
+    [
+        ("gpt-oss-20b", "mxfp4", jnp.uint8),
+        ("qwen3-30b-a3b", "int4", jnp.uint8),
+        ("qwen3-30b-a3b", "fp8_block", jnp.float8_e4m3fn),
+    ],
+)
 def test_packed_dummy_weights_load_packed_and_step(preset, mode, kernel_dtype):
     """`-q mxfp4|int4|fp8_block --load-format dummy`: the experts (and, but for gpt-oss's
     MXFP4, the linear layers) packed, their bytes as the shapes say, and a prefill / decode
     schedule gives finite logits."""
-    loaded = load_model(preset, load_format="dummy", quantization=mode, dtype="float32",
-                        hf_overrides=SMALL[preset])  # fmt: skip
+    loaded = load_model(
+        preset, load_format="dummy", quantization=mode, dtype="float32", hf_overrides=SMALL[preset]
+    )
     c = loaded.config
     assert c.expert_quant == mode
     mlp = loaded.model.layers[0].mlp
@@ -98,8 +105,13 @@ def test_packed_formats_are_for_dummy_weights(tmp_path):
 
 def test_start_up_logs_weight_bytes_by_class(caplog):
     caplog.set_level("INFO", logger="jaxserve.models.loader")
-    load_model("gpt-oss-20b", load_format="dummy", quantization="mxfp4", dtype="float32",
-               hf_overrides=SMALL["gpt-oss-20b"])  # fmt: skip
+    load_model(
+        "gpt-oss-20b",
+        load_format="dummy",
+        quantization="mxfp4",
+        dtype="float32",
+        hf_overrides=SMALL["gpt-oss-20b"],
+    )
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: "))
     assert "mxfp4 experts " in line and "mxfp4 experts (scales) " in line and "the rest " in line
 
@@ -110,9 +122,17 @@ def test_engine_loads_gpt_oss_dummy_experts_packed(monkeypatch):
     from jaxserve.sampling_params import SamplingParams
 
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
-    llm = LLM("gpt-oss-20b", load_format="dummy", quantization="mxfp4", dtype="float32",
-              hf_overrides=SMALL["gpt-oss-20b"], max_model_len=64, max_num_seqs=2,
-              max_num_batched_tokens=32, num_gpu_blocks_override=16)  # fmt: skip
+    llm = LLM(
+        "gpt-oss-20b",
+        load_format="dummy",
+        quantization="mxfp4",
+        dtype="float32",
+        hf_overrides=SMALL["gpt-oss-20b"],
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=16,
+    )
     mlp = llm.llm_engine.engine_core.engine_core.runner.model.layers[0].mlp
     assert mlp.w13[...].dtype == jnp.uint8 and mlp.w13_scale[...].dtype == jnp.uint8
     params = SamplingParams(max_tokens=2, ignore_eos=True)
