@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import time
 
@@ -69,10 +70,88 @@ def measure(quant: str | None, group: int, tokens: int, iters: int, hlo_dir=None
     if hlo_dir:
         with open(f"{hlo_dir}/{quant or 'bf16'}-t{tokens}.hlo.txt", "w") as f:
             f.write(hlo)
-    return {"format": quant or "bf16", "group": group, "tokens": tokens, "us": us,
-            "weight_mib": weight_bytes / 2**20, "GB_per_s": weight_bytes / us / 1e3,
-            "fusions": fusions, "library_calls": calls,
-            "weight_sized_temporary": materialized}  # fmt: skip
+    return {
+        "format": quant or "bf16",
+        "group": group,
+        "tokens": tokens,
+        "us": us,
+        "weight_mib": weight_bytes / 2**20,
+        "GB_per_s": weight_bytes / us / 1e3,
+        "fusions": fusions,
+        "library_calls": calls,
+        "weight_sized_temporary": materialized,
+    }
+
+
+def compiler_route(kind: str, group: int) -> tuple:
+    """Issue 67's "compiler first" forms, outside `Linear`: the weight as XLA's own sub-byte or
+    fp8 type with its scales broadcast in the expression, for XLA's sub-channel dequantisation
+    fusion (`--xla_gpu_experimental_enable_subchannel_dequantisation_fusion`) or
+    `jax.lax.scaled_dot` to fuse into the GEMM. Returns (params, f(params, x))."""
+    key = jax.random.key(1)
+    g = D_IN // group
+    if kind.startswith("s4"):
+        w = jax.random.randint(key, (D_IN, D_OUT), -8, 8).astype(jnp.int4)
+    else:
+        w = (jax.random.normal(key, (D_IN, D_OUT)) * 32).astype(jnp.float8_e4m3fn)
+    s = jnp.full((g, D_OUT), 0.01, jnp.bfloat16)
+
+    def bcast(p):
+        w, s = p
+        return (w.astype(jnp.bfloat16).reshape(g, group, D_OUT) * s[:, None]).reshape(D_IN, -1)
+
+    def grouped(p, x):  # a dot per K group, the scale applied to its [T, N] partial sums
+        w, s = p
+        xg = x.reshape(x.shape[0], g, group)
+        wg = w.astype(jnp.bfloat16).reshape(g, group, D_OUT)
+        y = jnp.einsum("tgk,gkn->tgn", xg, wg, preferred_element_type=jnp.float32)
+        return (y * s[None].astype(jnp.float32)).sum(1).astype(jnp.bfloat16)
+
+    def scaled(p, x):
+        w, s = p
+        xs = jnp.ones((x.shape[0], g), jnp.bfloat16)
+        return jax.lax.scaled_dot(
+            x,
+            w.astype(jnp.bfloat16),
+            lhs_scale=xs,
+            rhs_scale=s,
+            preferred_element_type=jnp.bfloat16,
+        )
+
+    form = kind.split("-")[1]
+    fn = {"bcast": lambda p, x: x @ bcast(p), "grouped": grouped, "scaled": scaled}[form]
+    return (w, s), fn
+
+
+def measure_fn(name: str, params, fn, tokens: int, iters: int, hlo_dir=None) -> dict:
+    f = jax.jit(fn)
+    x = jnp.ones((tokens, D_IN), jnp.bfloat16)
+    compiled = f.lower(params, x).compile()
+    hlo = compiled.as_text()
+    compiled(params, x).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(iters):
+        y = compiled(params, x)
+    y.block_until_ready()
+    us = (time.perf_counter() - start) / iters * 1e6
+    weight_bytes = sum(
+        v.size
+        * (4 if v.dtype.name in ("int4", "uint4", "float4_e2m1fn") else v.dtype.itemsize * 8)
+        // 8
+        for v in jax.tree.leaves(params)
+    )
+    if hlo_dir:
+        with open(f"{hlo_dir}/{name}-t{tokens}.hlo.txt", "w") as fh:
+            fh.write(hlo)
+    return {
+        "format": name,
+        "tokens": tokens,
+        "us": us,
+        "weight_mib": weight_bytes / 2**20,
+        "GB_per_s": weight_bytes / us / 1e3,
+        "library_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
+        "weight_sized_temporary": weight_sized_temporary(hlo),
+    }
 
 
 def main() -> None:
@@ -81,6 +160,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--hlo-dir", default=None, help="write each optimized HLO there")
+    parser.add_argument(
+        "--compiler-forms",
+        default="",
+        help="also these forms outside Linear, e.g. s4-bcast,s4-grouped,f8-bcast,f8-scaled",
+    )
     args = parser.parse_args()
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
@@ -91,10 +175,27 @@ def main() -> None:
             row["speed_vs_bf16"] = base["us"] / row["us"]
             rows.append(row)
             print(json.dumps(row))
+        for kind in filter(None, args.compiler_forms.split(",")):
+            try:
+                params, fn = compiler_route(kind, 128)
+                row = measure_fn(kind, params, fn, tokens, args.iters, args.hlo_dir)
+                row["speed_vs_bf16"] = base["us"] / row["us"]
+            except Exception as e:  # a form this XLA cannot compile: recorded, not fatal
+                row = {"format": kind, "tokens": tokens, "error": f"{type(e).__name__}: {e}"[:400]}
+            rows.append(row)
+            print(json.dumps(row))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                       "rows": rows}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "device": str(jax.devices()[0].device_kind),
+                    "jax": jax.__version__,
+                    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
