@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import importlib.metadata
 import io
 import logging
 import os
@@ -36,7 +37,7 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-from jaxserve import cache_keys
+from jaxserve import cache_keys, envs
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,19 @@ def environment() -> dict[str, str]:
         "x64": str(getattr(jax.config, "jax_enable_x64", None)),
         "matmul_precision": str(getattr(jax.config, "jax_default_matmul_precision", None)),
         "sources": cache_keys.source_digest(),
+        # what picks a kernel as a step is traced: the forcing variables, and the kernel
+        # library that is importable or not (an executable saved without tokamax is XLA's
+        # ragged_dot, not to be loaded once tokamax is installed)
+        "kernels": f"{envs.JAXSERVE_PALLAS_KERNEL} {envs.JAXSERVE_MOE_KERNEL}",
+        "tokamax": _version("tokamax"),
     }
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
 
 
 def abstract(tree: Any) -> str:
