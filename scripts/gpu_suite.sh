@@ -18,9 +18,9 @@
 #                          matmul at gpt-oss-20b and Qwen3-30B-A3B shapes, bf16 and packed
 #                          (fp8, int4, MXFP4), tokamax's Mosaic kernel against XLA's ragged_dot
 #   4    moe_*             scripts/bench_latency.py on MoE presets with dummy weights: bf16
-#                          gpt-oss-20b and qwen3-30b-a3b at batch 1, the grouped matmul the
-#                          engine chooses (tokamax's on Hopper) against XLA's ragged_dot
-#                          (JAXSERVE_MOE_KERNEL=xla) in the same run; gpt-oss-20b with MXFP4
+#                          gpt-oss-20b and qwen3-30b-a3b at batch 1, tokamax's grouped matmul
+#                          (JAXSERVE_MOE_KERNEL=tokamax, _tokamax) against the engine's default,
+#                          XLA's ragged_dot, in the same run; gpt-oss-20b with MXFP4
 #                          experts (-q mxfp4) at batch 1; the bf16 pairs at batch 32
 #   4    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
 #   5    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
@@ -297,10 +297,10 @@ step copy_rate other "$E_COPY" "$L_COPY" "$PYTHON" benchmarks/bench_copy_rate.py
 step moe_gmm other "$E_MOE" "$L_MOE" env COPY_RATE_JSON="$WORK/copy_rate.json" "$PYTHON" \
     benchmarks/kernels/bench_moe_gmm.py "${MOE_ARGS[@]}" --max-seconds @MAX_SECONDS@ \
     --output-json "$WORK/moe_gmm.json"
-moe_pair() { # BATCH: each preset with the engine's grouped matmul, then with XLA's
+moe_pair() { # BATCH: each preset with tokamax's grouped matmul, then the default (XLA's)
     local b=$1 p k name
     for p in "${MOE_PRESETS[@]}"; do
-        for k in "" xla; do
+        for k in tokamax ""; do
             name=moe_${p//[-.]/_}_b$b${k:+_$k}
             step "$name" other "$E_MOE_LAT" "$L_MOE_LAT" env JAXSERVE_MOE_KERNEL=$k \
                 "$PYTHON" scripts/bench_latency.py --model "$p" --load-format dummy \

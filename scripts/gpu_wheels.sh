@@ -15,19 +15,19 @@
 # openai and jsonschema (tests only) are not carried: their test modules skip without them.
 # For the GPU grouped-matmul measurements (benchmarks/kernels/bench_moe_gmm.py): tokamax, a
 # Pallas kernel library that needs jax >= 0.11 (the GPU machine's, not yet the CPU pin), with
-# its needs the machine lacks (qwix, einshape, jaxtyping, pydantic, xprof: tokamax imports its
-# profiler tools at import time, 31 MB of the wheels' 42), pinned below.
+# its needs the machine lacks (qwix, einshape, jaxtyping, pydantic, xprof and its fire: tokamax
+# imports its profiler tools at import time, 31 MB of the wheels' 42), pinned below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(pyzmq msgspec starlette uvicorn gguf llguidance
     tokamax qwix einshape jaxtyping wadler_lindig pydantic pydantic_core annotated-types
-    typing-inspection typing_extensions immutabledict opt_einsum absl-py xprof)
+    typing-inspection typing_extensions immutabledict opt_einsum absl-py xprof fire termcolor)
 # NAME==VERSION for a package constraints.txt does not pin
 FALLBACK_VERSIONS=(tokamax==0.0.17 qwix==0.1.8 einshape==1.0 jaxtyping==0.3.11
     wadler_lindig==0.1.8 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
     typing-inspection==0.4.5 typing_extensions==4.16.0 immutabledict==4.3.1 opt_einsum==3.4.0
-    absl-py==2.5.1 xprof==2.24.2)
+    absl-py==2.5.1 xprof==2.24.2 fire==0.7.1 termcolor==3.3.0)
 DEST=.whl
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 

@@ -12,10 +12,13 @@ Implementations, one chosen per call as it is traced (`choose`):
   - "tiles" (CPU): `cpu.tiled`, a loop over tiles of rows, each tile one dot with its group's
     weights: XLA:CPU lowers ragged_dot as a dense dot over every group (G times the work and a
     [G, N, F] temporary).
-  - "tokamax" (NVIDIA sm_90 and later, with the `gpu` extra's tokamax installed): tokamax's
-    Pallas Mosaic GPU ragged_dot, which reads only the weights of groups that have rows. XLA
-    lowers ragged_dot on NVIDIA as a dense dot over every group, reading all E experts where a
-    decode step routes k of them (benchmarks/kernels/bench_moe_gmm.py measures both).
+  - "tokamax" (NVIDIA sm_90 and later, with the `gpu` extra's tokamax installed, when
+    `$JAXSERVE_MOE_KERNEL=tokamax` asks for it): tokamax's Pallas Mosaic GPU ragged_dot, which
+    reads only the weights of groups that have rows. XLA lowers ragged_dot on NVIDIA as a dense
+    dot over every group, reading all E experts where a decode step routes k of them
+    (benchmarks/kernels/bench_moe_gmm.py measures both). Not the default: an engine with it did
+    not finish compiling its step shapes in 95 s on an H200, where XLA's took 33 s
+    (benchmarks/results/gpu-h200-2026-12-04b).
   - "xla": jax.lax.ragged_dot, everywhere else, and where tokamax refuses a shape.
 `$JAXSERVE_MOE_KERNEL` (tiles | tokamax | xla) forces one where it can run.
 """
@@ -74,7 +77,7 @@ def choose(x: jax.Array, w: jax.Array | Packed) -> str:
     if backend == "cpu":
         return "xla" if forced == "xla" else "tiles"
     dtype = x.dtype if isinstance(w, Packed) else w.dtype  # packed: decoded into x's dtype
-    if backend != "gpu" or forced == "xla" or x.dtype != dtype:
+    if backend != "gpu" or forced != "tokamax" or x.dtype != dtype:
         return "xla"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return "xla"
