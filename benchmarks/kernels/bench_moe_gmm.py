@@ -9,6 +9,9 @@ Implementations (each skipped with its error where it does not run):
   xla_cudnn    the same with XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion (run in a
                child process: XLA reads its flags once)
   tokamax      tokamax.ragged_dot(implementation="mosaic"), bf16 weights
+  mosaic       jaxserve's own Mosaic GPU kernel (pallas_kernels/grouped_matmul/mosaic.py), weights
+               in jaxserve's packed layout (packed.py), decoded inside the kernel (mosaic_bN:
+               N output columns an item)
   tokamax_fp8 / tokamax_int4 / tokamax_mxfp4
                the same with qwix QArray weights kept packed: fp8 e4m3 with one scale per
                (128 rows of K, column), int4 with one per (128 of K, column), fp4 e2m1 with one
@@ -79,8 +82,34 @@ def make_weights(fmt: str, g: int, k: int, n: int, key: jax.Array):
     return qarray, dense.astype(jnp.bfloat16), per_expert
 
 
+def make_packed(fmt: str, g: int, k: int, n: int, key: jax.Array):
+    """make_weights' triple with the weights in jaxserve's packed layout (packed.py)."""
+    from pallas_kernels.grouped_matmul.packed import Packed
+
+    if fmt == "bf16":
+        return make_weights(fmt, g, k, n, key)
+    group = FORMATS[fmt]
+    k1, k2 = jax.random.split(key)
+    if fmt == "fp8":
+        kernel = (jax.random.normal(k1, (g, k, n)) * 2).astype(jnp.float8_e4m3fn)
+    else:
+        kernel = jax.random.bits(k1, (g, k // 2, n), jnp.uint8)
+    if fmt == "mxfp4":
+        scale = jax.random.randint(k2, (g, k // group, n), 118, 122).astype(jnp.uint8)
+    else:
+        scale = jnp.exp2(jax.random.randint(k2, (g, k // group, n), -9, -5).astype(jnp.float32))
+    w = Packed(kernel, scale, None, group)
+    per_expert = w.nbytes // g
+    return w, w.dense(jnp.bfloat16), per_expert
+
+
 def implementation(name: str):
     """(x [M, K], w, group_sizes [G]) -> [M, N] for an implementation name."""
+    if name.startswith("mosaic"):
+        from pallas_kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
+
+        block_n = int(name.split("_b")[1]) if "_b" in name else 128
+        return lambda x, w, gs: grouped_matmul_mosaic(x, w, gs, block_n=block_n)
     if name in ("xla", "xla_cudnn"):
         return jax.lax.ragged_dot
     if name == "xla_triton":  # measure() sets the flag around it (read as it lowers)
@@ -135,7 +164,8 @@ def measure(impl: str, fmt: str, shape: str, proj: str, tokens: int, iters: int)
     experts, d, f, top_k = SHAPES[shape]
     k, n = (d, 2 * f) if proj == "w13" else (f, d)
     key = jax.random.key(hash((shape, proj, fmt)) % 2**31)
-    w, dense, per_expert = make_weights(fmt, experts, k, n, key)
+    make = make_packed if impl.startswith("mosaic") else make_weights
+    w, dense, per_expert = make(fmt, experts, k, n, key)
     sizes = routing(tokens, experts, top_k)
     x = (jax.random.normal(jax.random.fold_in(key, 2), (tokens * top_k, k)) * 0.5).astype(
         jnp.bfloat16
@@ -210,7 +240,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="gpt-oss-20b,qwen3-30b-a3b")
     parser.add_argument("--formats", default="bf16,mxfp4,fp8,int4")
-    parser.add_argument("--impls", default="xla,tokamax,xla_triton,xla_cudnn")
+    parser.add_argument("--impls", default="xla,mosaic,mosaic_b64,tokamax,xla_triton,xla_cudnn")
     parser.add_argument("--tokens", default="1,8,64,256")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument(

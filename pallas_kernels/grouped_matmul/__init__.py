@@ -19,8 +19,12 @@ Implementations, one chosen per call as it is traced (`choose`):
     (benchmarks/kernels/bench_moe_gmm.py measures both). Not the default: an engine with it did
     not finish compiling its step shapes in 95 s on an H200, where XLA's took 33 s
     (benchmarks/results/gpu-h200-2026-12-04b).
+  - "mosaic" (NVIDIA sm_90 and later, jax >= 0.11, when `$JAXSERVE_MOE_KERNEL=mosaic` asks
+    for it): our own Mosaic GPU kernel (mosaic.py), which reads the routed experts only and
+    decodes packed weights (MXFP4, int4, fp8 block, GGUF int8) inside the kernel. Correct in
+    Mosaic GPU's interpreter and lowered for CUDA; not yet run on a GPU, hence not the default.
   - "xla": jax.lax.ragged_dot, everywhere else, and where tokamax refuses a shape.
-`$JAXSERVE_MOE_KERNEL` (tiles | tokamax | xla) forces one where it can run.
+`$JAXSERVE_MOE_KERNEL` (tiles | tokamax | mosaic | xla) forces one where it can run.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from pallas_kernels.grouped_matmul.packed import Packed, dequantize
 
 logger = logging.getLogger(__name__)
 
-IMPLEMENTATIONS = ("tiles", "tokamax", "xla")
+IMPLEMENTATIONS = ("tiles", "tokamax", "mosaic", "xla")
 
 
 def reference(x: jax.Array, w: jax.Array | Packed, group_sizes: jax.Array) -> jax.Array:
@@ -63,6 +67,17 @@ def _tokamax_ragged_dot():
     return tokamax.ragged_dot
 
 
+@functools.cache
+def _mosaic():
+    """The Mosaic GPU kernel's module, or None where this jax cannot compile it (< 0.11: its
+    layouts are inferred by Mosaic GPU's constraint solver, which 0.10 lacks)."""
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11):
+        return None
+    from pallas_kernels.grouped_matmul import mosaic
+
+    return mosaic
+
+
 def _sm90_or_later(device: jax.Device) -> bool:
     try:
         return float(getattr(device, "compute_capability", "0")) >= 9.0
@@ -77,6 +92,9 @@ def choose(x: jax.Array, w: jax.Array | Packed) -> str:
     if backend == "cpu":
         return "xla" if forced == "xla" else "tiles"
     dtype = x.dtype if isinstance(w, Packed) else w.dtype  # packed: decoded into x's dtype
+    mosaic = _mosaic() if backend == "gpu" and forced == "mosaic" else None
+    if mosaic is not None and _sm90_or_later(jax.devices()[0]) and mosaic.fits(x, w):
+        return "mosaic"
     if backend != "gpu" or forced != "tokamax" or x.dtype != dtype:
         return "xla"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
@@ -92,6 +110,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array | Packed, group_sizes: jax.Array) 
     impl = choose(x, w)
     if impl == "tiles":
         return tiled(x, w, group_sizes)
+    if impl == "mosaic":
+        return _mosaic().grouped_matmul_mosaic(x, w, group_sizes)
     if isinstance(w, Packed):
         w = w.dense(x.dtype)
     if impl == "tokamax":
