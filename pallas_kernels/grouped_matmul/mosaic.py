@@ -256,14 +256,18 @@ def grouped_matmul_mosaic(
         raise ValueError(f"{mode}: K={k} in groups of {group_rows} packed rows (wgmma: 16s)")
     # a step: 64 packed rows (decoded at once, in the wgmma layout) or one larger group
     p_rows = max(ROWS, group_rows)
-    if p_rows % group_rows or p_rows % ROWS or kp % p_rows:
-        # e.g. gpt-oss's K = 2880: 1440 packed rows, 22.5 steps (a tail step is not written)
-        raise ValueError(f"{mode}: K={k} is not in steps of {p_rows} packed rows")
-    steps = kp // p_rows
+    if p_rows % group_rows or kp % group_rows:
+        raise ValueError(f"{mode}: K={k} is not in whole groups of {group_rows} packed rows")
+    steps = -(-kp // p_rows)
+    if kp % p_rows and interpret:  # e.g. gpt-oss's K = 2880: 1440 packed rows, 22.5 steps
+        raise ValueError(
+            f"{mode}: K={k} ends inside a step of {p_rows} packed rows: on a GPU the last "
+            "step's copies read zeros past K (TMA), the interpreter refuses such reads"
+        )
     groups_per_step = p_rows // group_rows
     table, max_tiles = tile_table(group_sizes.astype(jnp.int32), m)
     m_pad = -(-m // ROWS) * ROWS
-    xp = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+    xp = jnp.pad(x, ((0, m_pad - m), (0, steps * p_rows * planes - k)))  # zeros past K
     xs = [xp[:, p::planes] for p in range(planes)] if planes == 2 else [xp]
     offsets = mode != "dense" and w.offset is not None
     args = [table.reshape(-1), *xs]
@@ -312,7 +316,6 @@ def fits(x: jax.Array, w: jax.Array | Packed, block_n: int = 128) -> bool:
         x.dtype == jnp.bfloat16
         and w.shape[2] % block_n == 0
         and p_rows % group_rows == 0
-        and p_rows % ROWS == 0
-        and kp % p_rows == 0
+        and kp % group_rows == 0
         and math.prod(w.shape) > 0
     )

@@ -68,15 +68,17 @@ def test_no_rows_reads_nothing_and_gives_zeros():
     assert got.shape == (5, 64) and not np.asarray(got, np.float32).any()
 
 
-def test_shapes_it_does_not_take_are_refused():
-    """gpt-oss's K = 2880 is 22.5 steps of 64 packed MXFP4 rows: `fits` says no (the engine
-    keeps XLA's ragged_dot) and a direct call names K."""
+def test_a_k_ending_inside_a_step_is_left_to_the_gpu():
+    """gpt-oss's K = 2880 is 22.5 steps of 64 packed MXFP4 rows: on a GPU the last step's
+    copies read zeros past K (TMA), which the interpreter refuses: the call names K there;
+    scale groups cut by K are refused everywhere (`fits` says no: XLA's ragged_dot runs)."""
     w = Packed(jnp.zeros((2, 1440, 128), jnp.uint8), jnp.zeros((2, 90, 128), jnp.uint8), None, 32)
     x = jnp.zeros((4, 2880), jnp.bfloat16)
-    assert not mosaic.fits(x, w)
-    with pytest.raises(ValueError, match="K=2880"):
+    assert mosaic.fits(x, w)
+    with pytest.raises(ValueError, match="K=2880 ends inside a step"):
         mosaic.grouped_matmul_mosaic(x, w, jnp.asarray([4, 0], jnp.int32), interpret=True)
-    assert mosaic.fits(x[:, :2048], Packed(w.kernel[:, :1024], w.scale[:, :64], None, 32))
+    cut = Packed(jnp.zeros((2, 40, 128), jnp.uint8), jnp.zeros((2, 1, 128), jnp.uint8), None, 64)
+    assert not mosaic.fits(x[:, :80], cut)
 
 
 def _qwen3_weights(mode: str):
@@ -104,17 +106,30 @@ def test_lowers_for_cuda_at_qwen3_shapes(mode):
     assert sum("custom_call @mosaic_gpu" in line for line in text.splitlines()) == 1
 
 
+@pytest.mark.cuda_lowering
+@pytest.mark.skipif(not NEW_JAX, reason="the kernel's layouts need jax >= 0.11's Mosaic GPU")
+def test_lowers_for_cuda_at_gpt_oss_shapes():
+    """gpt-oss-20b's w13 in MXFP4 at batch 1 (4 rows over 32 experts; K = 2880 ends inside
+    the 23rd step)."""
+    spec = jax.ShapeDtypeStruct
+    w = Packed(spec((32, 1440, 5760), jnp.uint8), spec((32, 90, 5760), jnp.uint8), None, 32)
+    f = functools.partial(mosaic.grouped_matmul_mosaic, num_programs=132)
+    args = (spec((4, 2880), jnp.bfloat16), w, spec((32,), jnp.int32))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert sum("custom_call @mosaic_gpu" in line for line in text.splitlines()) == 1
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["dense", "mxfp4", "int4", "fp8_block"])
+@pytest.mark.parametrize("mode", ["dense", "mxfp4", "int4", "fp8_block", "mxfp4_tail"])
 def test_gpu_engine_choice_runs_it(mode, monkeypatch):
     monkeypatch.setenv("JAXSERVE_MOE_KERNEL", "mosaic")
     rng = np.random.default_rng(3)
-    w = (
-        jnp.asarray(rng.normal(size=(8, 256, 256)) * 0.05, jnp.bfloat16)
-        if mode == "dense"
-        else _packed(mode, 8, 256, 256, rng)
-    )
-    x = jnp.asarray(rng.normal(size=(128, 256)), jnp.bfloat16)
+    k = 320 if mode == "mxfp4_tail" else 256  # 160 packed rows: 2.5 steps
+    if mode == "dense":
+        w = jnp.asarray(rng.normal(size=(8, k, 256)) * 0.05, jnp.bfloat16)
+    else:
+        w = _packed(mode.removesuffix("_tail"), 8, k, 256, rng)
+    x = jnp.asarray(rng.normal(size=(128, k)), jnp.bfloat16)
     groups = jnp.asarray([1, 0, 30, 2, 0, 0, 60, 3], jnp.int32)
     assert gmm.choose(x, w) == "mosaic"
     got = np.asarray(jax.jit(gmm.grouped_matmul)(x, w, groups), np.float32)
