@@ -17,6 +17,9 @@
 #   3    moe_gmm           benchmarks/kernels/bench_moe_gmm.py: the routed experts' grouped
 #                          matmul at gpt-oss-20b and Qwen3-30B-A3B shapes, bf16 and packed
 #                          (fp8, int4, MXFP4), tokamax's Mosaic kernel against XLA's ragged_dot
+#   4    quant_linear      benchmarks/kernels/bench_quantized_linear.py: one 8B projection in each
+#                          packed format against bf16 (Linear, XLA forms, the Mosaic kernel);
+#                          quant_linear_subchannel: Linear under XLA's sub-channel fusion flag
 #   4    moe_*             scripts/bench_latency.py on MoE presets with dummy weights: bf16
 #                          gpt-oss-20b and qwen3-30b-a3b at batch 1, tokamax's grouped matmul
 #                          (JAXSERVE_MOE_KERNEL=tokamax, _tokamax) against the engine's default,
@@ -175,6 +178,7 @@ EOF
     COMPILE_S=0
     E_ENV=5 E_COPY=5 E_PYTEST=10 E_LOWERING=15 E_MODEL=20 E_HF=10 E_KERNEL=30 E_PROFILE=15
     E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120 E_MOE=20 L_MOE=120 E_MOE_LAT=60 L_MOE_LAT=150
+    QL_ARGS=(--tokens 1 --iters 2) E_QL=30 L_QL=120
     L_ENV=60 L_COPY=60 L_PYTEST=90 L_LOWERING=90 L_MODEL=120 L_HF=90 L_KERNEL=120
     L_PROFILE=90 L_TUNE=90 L_KV=90 L_MLA=60
 else
@@ -209,6 +213,7 @@ else
     COMPILE_S=100
     E_ENV=10 E_COPY=15 E_PYTEST=130 E_LOWERING=120 E_MODEL=45 E_HF=120 E_KERNEL=120
     E_PROFILE=60 E_TUNE=45 E_KV=15 E_MLA=25 E_STEADY=80 L_STEADY=200 E_MOE=150 L_MOE=240 E_MOE_LAT=90 L_MOE_LAT=180
+    QL_ARGS=(--tokens 1,8,32,256 --iters 30) E_QL=60 L_QL=150
     L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
     L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90
 fi
@@ -297,6 +302,15 @@ step copy_rate other "$E_COPY" "$L_COPY" "$PYTHON" benchmarks/bench_copy_rate.py
 step moe_gmm other "$E_MOE" "$L_MOE" env COPY_RATE_JSON="$WORK/copy_rate.json" "$PYTHON" \
     benchmarks/kernels/bench_moe_gmm.py "${MOE_ARGS[@]}" --max-seconds @MAX_SECONDS@ \
     --output-json "$WORK/moe_gmm.json"
+# one 8B projection per packed format against bf16: Linear as it is, XLA's fusion of the same
+# with the sub-channel flag, and the Mosaic kernel that decodes inside the matmul (issue 67)
+QL_FORMS=(--compiler-forms mosaic-int4,mosaic-fp8,mosaic-mxfp4,s4-bcast,f8-bcast)
+step quant_linear other "$E_QL" "$L_QL" "$PYTHON" benchmarks/kernels/bench_quantized_linear.py \
+    "${QL_ARGS[@]}" "${QL_FORMS[@]}" --output-json "$WORK/quant_linear.json"
+step quant_linear_subchannel other "$E_QL" "$L_QL" env \
+    XLA_FLAGS=--xla_gpu_experimental_enable_subchannel_dequantisation_fusion=true "$PYTHON" \
+    benchmarks/kernels/bench_quantized_linear.py "${QL_ARGS[@]}" \
+    --output-json "$WORK/quant_linear_subchannel.json"
 moe_pair() { # BATCH: each preset with tokamax's grouped matmul, then the default (XLA's)
     local b=$1 p k name
     for p in "${MOE_PRESETS[@]}"; do

@@ -118,9 +118,34 @@ def compiler_route(kind: str, group: int) -> tuple:
             preferred_element_type=jnp.bfloat16,
         )
 
+    if kind.startswith("mosaic"):  # jaxserve's Mosaic GPU kernel, one group, packed.py's layout
+        return _mosaic_form(kind.split("-")[1], group)
     form = kind.split("-")[1]
     fn = {"bcast": lambda p, x: x @ bcast(p), "grouped": grouped, "scaled": scaled}[form]
     return (w, s), fn
+
+
+def _mosaic_form(fmt: str, group: int) -> tuple:
+    """pallas_kernels/grouped_matmul/mosaic.py with one expert: the weight decoded inside the
+    kernel (fmt: int4 | fp8 | mxfp4, packed.py's layout)."""
+    from pallas_kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
+    from pallas_kernels.grouped_matmul.packed import Packed
+
+    key = jax.random.key(1)
+    group = 32 if fmt == "mxfp4" else group
+    if fmt == "fp8":
+        kernel = (jax.random.normal(key, (1, D_IN, D_OUT)) * 32).astype(jnp.float8_e4m3fn)
+    else:
+        kernel = jax.random.bits(key, (1, D_IN // 2, D_OUT), jnp.uint8)
+    shape = (1, D_IN // group, D_OUT)
+    scale = jnp.full(shape, 120, jnp.uint8) if fmt == "mxfp4" else jnp.full(shape, 0.01)
+    offset = jnp.zeros(shape) if fmt == "int4" else None
+    w = Packed(kernel, scale, offset, group)
+
+    def fn(w, x):
+        return grouped_matmul_mosaic(x, w, jnp.full((1,), x.shape[0], jnp.int32))
+
+    return w, fn
 
 
 def measure_fn(name: str, params, fn, tokens: int, iters: int, hlo_dir=None) -> dict:
@@ -163,7 +188,8 @@ def main() -> None:
     parser.add_argument(
         "--compiler-forms",
         default="",
-        help="also these forms outside Linear, e.g. s4-bcast,s4-grouped,f8-bcast,f8-scaled",
+        help="also these forms outside Linear, e.g. s4-bcast,s4-grouped,f8-bcast,f8-scaled, "
+        "and jaxserve's Mosaic GPU kernel: mosaic-int4,mosaic-fp8,mosaic-mxfp4",
     )
     args = parser.parse_args()
     rows = []
