@@ -173,11 +173,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "mosaic" or "triton": the Pallas GPU attention kernel, whatever
     # pallas_kernels/paged_attention/kernel_choice.json measured for the device (choice.py).
     "JAXSERVE_PALLAS_KERNEL": lambda: os.environ.get("JAXSERVE_PALLAS_KERNEL") or None,
-    # "tiles", "tokamax", "mosaic" or "xla": the MoE layers' grouped matmul where it can run, instead of
-    # the platform's choice (pallas_kernels/grouped_matmul).
+    # "tiles", "tokamax", "mosaic" or "xla": the MoE layers' grouped matmul where it can run,
+    # instead of the platform's choice (pallas_kernels/grouped_matmul).
     "JAXSERVE_MOE_KERNEL": lambda: os.environ.get("JAXSERVE_MOE_KERNEL") or None,
     # "1": /metrics also exports every metric under the `jaxserve:` prefix (before vLLM's
-    # `vllm:` names; jaxserve/metrics.py).
+    # `vllm:` names; jaxserve/metrics/prometheus.py).
     "JAXSERVE_METRICS_LEGACY_PREFIX": lambda: (
         os.environ.get("JAXSERVE_METRICS_LEGACY_PREFIX", "0") not in ("", "0")
     ),

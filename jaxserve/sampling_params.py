@@ -114,33 +114,60 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, value, "in [-2, 2]")
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty,
-               "greater than 0")  # fmt: skip
+        _check(
+            self.repetition_penalty > 0.0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "greater than 0",
+        )
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1")
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "non-negative")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                   f"at most max_tokens={self.max_tokens}")  # fmt: skip
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"at most max_tokens={self.max_tokens}",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or value >= 0, name, value, "non-negative")
         if self.stop is not None:
-            _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-                   "non-empty strings")  # fmt: skip
+            _check(
+                all(isinstance(s, str) and s for s in self.stop),
+                "stop",
+                self.stop,
+                "non-empty strings",
+            )
         if self.truncate_prompt_tokens is not None:
-            _check(self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
-                   "truncate_prompt_tokens", self.truncate_prompt_tokens,
-                   "an integer >= 1 or -1")  # fmt: skip
+            _check(
+                self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens,
+                "an integer >= 1 or -1",
+            )
         if self.allowed_token_ids is not None:
-            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids,
-                   "a non-empty list of token ids")  # fmt: skip
+            _check(
+                len(self.allowed_token_ids) > 0,
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                "a non-empty list of token ids",
+            )
         if self.bad_words is not None:
-            _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
-                   self.bad_words, "non-blank strings")  # fmt: skip
+            _check(
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words",
+                self.bad_words,
+                "non-blank strings",
+            )
         for token_id, bias in (self.logit_bias or {}).items():
-            _check(math.isfinite(bias) and -100.0 <= bias <= 100.0, "logit_bias", bias,
-                   f"in [-100, 100] (token {token_id})")  # fmt: skip
+            _check(
+                math.isfinite(bias) and -100.0 <= bias <= 100.0,
+                "logit_bias",
+                bias,
+                f"in [-100, 100] (token {token_id})",
+            )
 
     def child_seed(self, index: int) -> int | None:
         """The seed of the index-th of n completions: seed + index, wrapped to 64 bits."""
@@ -169,8 +196,12 @@ class BeamSearchParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _check(self.beam_width >= 1, "beam_width", self.beam_width, "at least 1")
         _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "non-negative")
-        _check(math.isfinite(self.length_penalty), "length_penalty", self.length_penalty,
-               "a finite number")  # fmt: skip
+        _check(
+            math.isfinite(self.length_penalty),
+            "length_penalty",
+            self.length_penalty,
+            "a finite number",
+        )
 
 
 def _check(ok: bool, field: str, value, expected: str) -> None:

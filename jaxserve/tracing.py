@@ -112,10 +112,18 @@ class RequestTracer:
         logger.info("OpenTelemetry: a span per request to %s", url)
 
     def record(
-        self, request_id: str, params: SamplingParams, metrics: RequestMetrics, *,
-        num_prompt_tokens: int, num_generation_tokens: int, finish_reasons: list[str],
-        error: str | None, trace_headers: Mapping[str, str] | None, end_time: float,
-    ) -> None:  # fmt: skip
+        self,
+        request_id: str,
+        params: SamplingParams,
+        metrics: RequestMetrics,
+        *,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        finish_reasons: list[str],
+        error: str | None,
+        trace_headers: Mapping[str, str] | None,
+        end_time: float,
+    ) -> None:
         """One finished request's span, from its arrival to end_time (time.time()); error:
         why it failed (the span's status), None if it did not."""
         a, m = SpanAttributes, metrics

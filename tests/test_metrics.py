@@ -4,12 +4,9 @@ import logging
 import re
 
 from jaxserve.ipc.messages import SchedulerStats
-from jaxserve.metrics import (
-    FinishedRequestStats,
-    IterationStats,
-    LoggingStatLogger,
-    PrometheusStatLogger,
-)
+from jaxserve.metrics.log_line import LoggingStatLogger
+from jaxserve.metrics.prometheus import PrometheusStatLogger
+from jaxserve.metrics.stats import FinishedRequestStats, IterationStats
 
 SCHED = SchedulerStats(
     num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25, prefix_cache_queries=100,

@@ -20,9 +20,10 @@ PERCENTAGES = (10, 25, 50, 75, 90, 99)
 def benchmark_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     """The parser of `jaxserve bench NAME`, its module docstring as the description."""
     return argparse.ArgumentParser(
-        prog=f"jaxserve bench {name}", description=doc,
+        prog=f"jaxserve bench {name}",
+        description=doc,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
 
 
 def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -30,10 +31,12 @@ def add_benchmark_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     from jaxserve.entrypoints.cli_args import add_engine_args
 
     parser.add_argument(
-        "--backend", choices=["jaxserve", "hf", "vllm"], default="jaxserve",
+        "--backend",
+        choices=["jaxserve", "hf", "vllm"],
+        default="jaxserve",
         help="vllm: vLLM's CPU build in its own venv ($JAXSERVE_VLLM_PYTHON, default "
         ".venv-vllm/bin/python); needs an HF model directory",
-    )  # fmt: skip
+    )
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
@@ -96,9 +99,12 @@ def median_seconds(fn, *args, warmup: int = 1, iters: int) -> float:
 def git_commit() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
             cwd=Path(__file__).parent,
-        )  # fmt: skip
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

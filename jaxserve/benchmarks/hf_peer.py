@@ -13,8 +13,14 @@ _TORCH_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
                  "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}  # fmt: skip
 
 
-def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = "auto",
-                  hf_overrides: dict | None = None, device: str | None = None) -> Any:  # fmt: skip
+def load_hf_model(
+    model: str | None,
+    *,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    hf_overrides: dict | None = None,
+    device: str | None = None,
+) -> Any:
     """The model as a transformers module in eval mode. dtype "auto" is float32, as jaxserve's
     is on CPU; load_format "dummy" builds it from its config with HF's random init, with
     hf_overrides (--hf-overrides) set over the config's fields. device (e.g. "cuda"): where
@@ -43,8 +49,14 @@ def load_hf_model(model: str | None, *, dtype: str = "auto", load_format: str = 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **place).eval()
 
 
-def hf_generate(model: Any, prompts: list[list[int]], output_len: int, n: int = 1, *,
-                cache_implementation: str | None = None) -> None:  # fmt: skip
+def hf_generate(
+    model: Any,
+    prompts: list[list[int]],
+    output_len: int,
+    n: int = 1,
+    *,
+    cache_implementation: str | None = None,
+) -> None:
     """Sample exactly output_len tokens (temperature 1, no top-k / top-p, EOS ignored through
     min_new_tokens) for each of n samples of every prompt, as one batch; all prompts have the
     same length, so there is no padding. cache_implementation "static": transformers' static
@@ -56,12 +68,19 @@ def hf_generate(model: Any, prompts: list[list[int]], output_len: int, n: int = 
     with torch.no_grad():
         out = model.generate(
             torch.tensor(prompts, device=model.device),
-            attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.long,
-                                      device=model.device),
-            do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-            max_new_tokens=output_len, min_new_tokens=output_len,
-            num_return_sequences=n, pad_token_id=0, **extra,
-        )  # fmt: skip
+            attention_mask=torch.ones(
+                len(prompts), len(prompts[0]), dtype=torch.long, device=model.device
+            ),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            num_return_sequences=n,
+            pad_token_id=0,
+            **extra,
+        )
     if out.device.type == "cuda":
         torch.cuda.synchronize()
     if out.shape != (len(prompts) * n, len(prompts[0]) + output_len):

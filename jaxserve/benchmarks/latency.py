@@ -55,9 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-iters-warmup", type=int, default=10)
     parser.add_argument("--num-iters", type=int, default=30)
     parser.add_argument(
-        "--repeats", type=int, default=1,
+        "--repeats",
+        type=int,
+        default=1,
         help="measure the decode step this many times (each --num-iters at both lengths)",
-    )  # fmt: skip
+    )
     add_benchmark_args(parser)
     return parser.parse_args(argv)
 
@@ -92,8 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
             ]
         )
         if roofline_runs:
-            prefills.append(float(np.mean([run_to_completion(1)
-                                           for _ in range(args.num_iters)])))  # fmt: skip
+            prefills.append(float(np.mean([run_to_completion(1) for _ in range(args.num_iters)])))
     runner.close()
     latencies = np.array([t for run in runs for t in run])
     percentiles = np.percentile(latencies, PERCENTAGES)
@@ -110,8 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
         "args": vars(args),
     }
     if prefills:
-        steps = [decode_step_seconds(float(np.mean(run)), prefill, args.output_len)
-                 for run, prefill in zip(runs, prefills, strict=True)]  # fmt: skip
+        steps = [
+            decode_step_seconds(float(np.mean(run)), prefill, args.output_len)
+            for run, prefill in zip(runs, prefills, strict=True)
+        ]
         step, prefill = float(np.median(steps)), float(np.median(prefills))
         print(
             f"Decode step: {1e3 * step:.2f} ms (median of {len(steps)} runs: "
@@ -119,14 +122,14 @@ def main(argv: list[str] | None = None) -> dict:
             f"output token) / {args.output_len - 1}); {args.batch_size * args.n / step:.1f} "
             "tokens/s"
         )
-        results.update(decode_step_runs_ms=[1e3 * s for s in steps],
-                       prefill_latency_runs=prefills)  # fmt: skip
+        results.update(decode_step_runs_ms=[1e3 * s for s in steps], prefill_latency_runs=prefills)
         roofline = roofline_report(
             runner.config, step, args.batch_size * args.n, args.input_len, args.output_len
         )
         print_roofline(roofline)
-        results.update(prefill_latency=prefill, decode_step_ms=1e3 * step,
-                       roofline=roofline.to_dict())  # fmt: skip
+        results.update(
+            prefill_latency=prefill, decode_step_ms=1e3 * step, roofline=roofline.to_dict()
+        )
     if args.output_json:
         write_json(args.output_json, results)
     return results

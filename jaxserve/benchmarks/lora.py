@@ -46,8 +46,15 @@ def write_random_adapter(path: Path, config: ModelConfig, r: int, seed: int) -> 
 
     hd, d, f = config.head_dim, config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    dims = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
+    dims = {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
     rng = np.random.default_rng(seed)
     tensors = {}
     for layer in range(config.num_layers):
@@ -59,8 +66,12 @@ def write_random_adapter(path: Path, config: ModelConfig, r: int, seed: int) -> 
             tensors[f"{prefix}.{name}.lora_B.weight"] = w(d_out, r)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config_json = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
-                   "target_modules": list(LORA_TARGETS)}  # fmt: skip
+    config_json = {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": 2 * r,
+        "target_modules": list(LORA_TARGETS),
+    }
     (path / "adapter_config.json").write_text(json.dumps(config_json))
     return path
 
@@ -75,11 +86,18 @@ def main(argv: list[str] | None = None) -> dict:
     from jaxserve.sampling_params import SamplingParams
 
     base_args = dataclasses.replace(engine_args_from(args), enable_lora=False)
-    lora_args = dataclasses.replace(base_args, enable_lora=True, max_loras=args.max_loras,
-                                    max_lora_rank=args.max_lora_rank)  # fmt: skip
-    results = {"commit": git_commit(), "machine": machine(), "batch_size": args.batch_size,
-               "input_len": args.input_len, "output_len": args.output_len,
-               "max_loras": args.max_loras, "rank": args.max_lora_rank}  # fmt: skip
+    lora_args = dataclasses.replace(
+        base_args, enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank
+    )
+    results = {
+        "commit": git_commit(),
+        "machine": machine(),
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_loras": args.max_loras,
+        "rank": args.max_lora_rank,
+    }
 
     def start(engine_args) -> tuple[LLM, float]:
         """An engine and its start-up seconds, compiled into a cache of its own (cold)."""
@@ -92,21 +110,28 @@ def main(argv: list[str] | None = None) -> dict:
     (base, base_start), (lora, lora_start) = start(base_args), start(lora_args)
     results["startup_s"] = {"base": base_start, "enable_lora": lora_start}
     config = base.llm_engine.config.model
-    prompts = [{"prompt_token_ids": p} for p in random_prompt_ids(
-        args.batch_size, args.input_len, config.vocab_size, args.seed)]  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": p}
+        for p in random_prompt_ids(args.batch_size, args.input_len, config.vocab_size, args.seed)
+    ]
     tmp = tempfile.mkdtemp(prefix="bench-lora-")
     adapters = [
-        LoRARequest(f"a{i}", i + 1, str(write_random_adapter(
-            Path(tmp) / f"a{i}", config, args.max_lora_rank, i)))
+        LoRARequest(
+            f"a{i}",
+            i + 1,
+            str(write_random_adapter(Path(tmp) / f"a{i}", config, args.max_lora_rank, i)),
+        )
         for i in range(args.max_loras)
-    ]  # fmt: skip
+    ]
     cases = {
         "base (no --enable-lora)": (base, None),
         "--enable-lora, no adapter in the batch": (lora, None),
         "--enable-lora, 1 adapter": (lora, adapters[0]),
         f"--enable-lora, {args.max_loras} adapters": (
-            lora, [adapters[i % args.max_loras] for i in range(args.batch_size)]),
-    }  # fmt: skip
+            lora,
+            [adapters[i % args.max_loras] for i in range(args.batch_size)],
+        ),
+    }
 
     def run(case: str, n: int) -> float:
         llm, loras = cases[case]
@@ -123,15 +148,20 @@ def main(argv: list[str] | None = None) -> dict:
         for case in cases:
             full[case].append(run(case, args.output_len))
             one[case].append(run(case, 1))
-    steps = {c: decode_step_seconds(float(np.median(full[c])), float(np.median(one[c])),
-                                    args.output_len) for c in cases}  # fmt: skip
+    steps = {
+        c: decode_step_seconds(float(np.median(full[c])), float(np.median(one[c])), args.output_len)
+        for c in cases
+    }
     first = steps["base (no --enable-lora)"]
     for case, step in steps.items():
         print(f"{case:42s} decode step {step * 1e3:8.2f} ms  {step / first:5.2f}x base")
-    print(f"start-up: base {base_start:.1f} s, --enable-lora {lora_start:.1f} s "
-          f"({lora_start / base_start:.2f}x), each with a cold compile cache")  # fmt: skip
-    results["cases"] = {c: {"decode_step_ms": v * 1e3, "vs_base": v / first}
-                        for c, v in steps.items()}  # fmt: skip
+    print(
+        f"start-up: base {base_start:.1f} s, --enable-lora {lora_start:.1f} s "
+        f"({lora_start / base_start:.2f}x), each with a cold compile cache"
+    )
+    results["cases"] = {
+        c: {"decode_step_ms": v * 1e3, "vs_base": v / first} for c, v in steps.items()
+    }
     for llm in (base, lora):
         llm.llm_engine.shutdown()
     if args.output_json:

@@ -24,15 +24,17 @@ class JaxserveRunner:
         self.config = self.llm.llm_engine.config.model
         self.max_num_seqs = self.llm.llm_engine.config.scheduler.max_num_seqs
 
-    def generate(self, prompts: list[list[int]], output_len: int, n: int = 1, *,
-                 use_tqdm: bool = False) -> None:  # fmt: skip
+    def generate(
+        self, prompts: list[list[int]], output_len: int, n: int = 1, *, use_tqdm: bool = False
+    ) -> None:
         from jaxserve.sampling_params import SamplingParams
 
         params = SamplingParams(
             n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len
         )
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                 use_tqdm=use_tqdm)  # fmt: skip
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=use_tqdm
+        )
         got = sum(len(c.token_ids) for o in outs for c in o.outputs)
         if got != len(prompts) * n * output_len:
             raise RuntimeError(f"expected {len(prompts) * n * output_len} tokens, got {got}")
@@ -53,14 +55,16 @@ class HFRunner:
         a = engine_args
         path = a.model_path()
         overrides = check_hf_overrides(a.hf_overrides)
-        self.model = load_hf_model(str(path), dtype=a.dtype, load_format=a.load_format,
-                                   hf_overrides=overrides)  # fmt: skip
+        self.model = load_hf_model(
+            str(path), dtype=a.dtype, load_format=a.load_format, hf_overrides=overrides
+        )
         dtype = "float32" if a.dtype == "auto" else a.dtype  # what load_hf_model used
         self.config = read_model_config(path, dtype, hf_overrides=overrides)
         self.max_num_seqs = None  # one generate batch, whatever its size
 
-    def generate(self, prompts: list[list[int]], output_len: int, n: int = 1, *,
-                 use_tqdm: bool = False) -> None:  # fmt: skip
+    def generate(
+        self, prompts: list[list[int]], output_len: int, n: int = 1, *, use_tqdm: bool = False
+    ) -> None:
         from jaxserve.benchmarks.hf_peer import hf_generate
 
         hf_generate(self.model, prompts, output_len, n)
@@ -88,8 +92,9 @@ class VLLMRunner:
         dtype = "float32" if a.dtype == "auto" else a.dtype
         self.config = read_model_config(path, dtype)
         self.max_num_seqs = a.max_num_seqs
-        kwargs = dict(model=str(path), dtype=dtype, seed=a.seed,
-                      enable_prefix_caching=a.enable_prefix_caching)  # fmt: skip
+        kwargs = dict(
+            model=str(path), dtype=dtype, seed=a.seed, enable_prefix_caching=a.enable_prefix_caching
+        )
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(a, name) is not None:  # else vLLM's own defaults
                 kwargs[name] = getattr(a, name)
@@ -99,8 +104,11 @@ class VLLMRunner:
         env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}  # GiB of KV cache on CPU
         self.proc = subprocess.Popen(
             [python, str(Path(__file__).with_name("vllm_worker.py")), json.dumps(kwargs)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         ready = self._reply()
         self.version = ready["vllm"]
 
@@ -118,8 +126,9 @@ class VLLMRunner:
         self.proc.stdin.flush()
         return self._reply()
 
-    def generate(self, prompts: list[list[int]], output_len: int, n: int = 1, *,
-                 use_tqdm: bool = False) -> None:  # fmt: skip
+    def generate(
+        self, prompts: list[list[int]], output_len: int, n: int = 1, *, use_tqdm: bool = False
+    ) -> None:
         got = self._call(op="generate", prompts=prompts, output_len=output_len, n=n)["tokens"]
         if got != len(prompts) * n * output_len:
             raise RuntimeError(f"expected {len(prompts) * n * output_len} tokens, got {got}")

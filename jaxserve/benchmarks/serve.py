@@ -71,13 +71,22 @@ def sample_requests(args: argparse.Namespace) -> list[tuple[list[int], int]]:
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int,
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
     ignore_eos: bool,
-) -> RequestResult:  # fmt: skip
+) -> RequestResult:
     body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos,
-    }  # fmt: skip
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+    }
     result = RequestResult(len(prompt))
     start = last = time.perf_counter()
     try:
@@ -162,11 +171,15 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_len for r in ok)
     metrics = dict(
-        duration=duration, completed=len(ok), failed=len(results) - len(ok),
-        total_input_tokens=total_input, total_output_tokens=total_output,
-        request_throughput=len(ok) / duration, output_throughput=total_output / duration,
+        duration=duration,
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        total_input_tokens=total_input,
+        total_output_tokens=total_output,
+        request_throughput=len(ok) / duration,
+        output_throughput=total_output / duration,
         total_token_throughput=(total_input + total_output) / duration,
-    )  # fmt: skip
+    )
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls)):
         ms = 1e3 * np.asarray(values or [0.0])
         metrics[f"mean_{name}_ms"] = float(np.mean(ms))
@@ -174,10 +187,12 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         metrics[f"std_{name}_ms"] = float(np.std(ms))
         metrics[f"p99_{name}_ms"] = float(np.percentile(ms, 99))
     metrics.update(
-        input_lens=[r.prompt_len for r in results], output_lens=[r.output_len for r in results],
-        ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+        input_lens=[r.prompt_len for r in results],
+        output_lens=[r.output_len for r in results],
+        ttfts=[r.ttft for r in results],
+        itls=[r.itl for r in results],
         errors=[r.error for r in results],
-    )  # fmt: skip
+    )
     return metrics
 
 
@@ -194,9 +209,11 @@ def print_results(m: dict, max_concurrency: int | None) -> None:
     row("Request throughput (req/s):", m["request_throughput"], ".2f")
     row("Output token throughput (tok/s):", m["output_throughput"], ".2f")
     row("Total Token throughput (tok/s):", m["total_token_throughput"], ".2f")
-    for name, title in (("ttft", "Time to First Token"),
-                        ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency")):  # fmt: skip
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st token)"),
+        ("itl", "Inter-token Latency"),
+    ):
         print("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         upper = name.upper()
         row(f"Mean {upper} (ms):", m[f"mean_{name}_ms"], ".2f")
@@ -252,9 +269,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument(
-        "--random-vocab-size", type=int, default=10000,
+        "--random-vocab-size",
+        type=int,
+        default=10000,
         help="prompt token ids are drawn below this (keep it within the model's vocabulary)",
-    )  # fmt: skip
+    )
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -287,11 +306,16 @@ def main(argv: list[str] | None = None) -> dict:
     for e in errors[:5]:
         print(f"error: {e}")
     result = dict(
-        date=datetime.now().strftime("%Y%m%d-%H%M%S"), model_id=model, base_url=args.base_url,
-        num_prompts=args.num_prompts, request_rate=args.request_rate,
-        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-        server_after_run=gauges, **metrics,
-    )  # fmt: skip
+        date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+        model_id=model,
+        base_url=args.base_url,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        server_after_run=gauges,
+        **metrics,
+    )
     if args.save_result:
         rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
         name = args.result_filename or (

@@ -87,12 +87,17 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"({args.backend}, {machine()}, {elapsed:.1f} s)")
     print(f"Runs: {', '.join(f'{t:.3f}' for t in runs)} s (median of {len(runs)})")
     results = dict(
-        backend=args.backend, elapsed_time=elapsed, num_requests=requests,
-        total_num_tokens=total_tokens, requests_per_second=requests / elapsed,
+        backend=args.backend,
+        elapsed_time=elapsed,
+        num_requests=requests,
+        total_num_tokens=total_tokens,
+        requests_per_second=requests / elapsed,
         tokens_per_second=total_tokens / elapsed,
-        output_tokens_per_second=out_tokens / elapsed, run_times=runs, commit=git_commit(),
+        output_tokens_per_second=out_tokens / elapsed,
+        run_times=runs,
+        commit=git_commit(),
         args=vars(args),
-    )  # fmt: skip
+    )
     if prefills:
         steps = [
             decode_step_seconds(t, p, args.output_len) for t, p in zip(runs, prefills, strict=True)
@@ -106,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         results.update(decode_step_runs_ms=[1e3 * s for s in steps], prefill_times=prefills)
         roofline = roofline_report(runner.config, step, num_seqs, args.input_len, args.output_len)
         print_roofline(roofline)
-        results.update(prefill_time=prefill, decode_step_ms=1e3 * step,
-                       roofline=roofline.to_dict())  # fmt: skip
+        results.update(prefill_time=prefill, decode_step_ms=1e3 * step, roofline=roofline.to_dict())
     if args.output_json:
         write_json(args.output_json, results)
     return results

@@ -44,8 +44,7 @@ CLASSES = ("attention", "matmul", "sampler", "elementwise", "copy")
 _CONTAINER = re.compile(r"(?:while|call|conditional)(?:\.\d+)?")
 _SAMPLER_MODULE = re.compile(r"sampl", re.I)
 # an op without its module: a sampler's own ops by name
-_SAMPLER_OPS = re.compile(r"(?<![a-z])sort|top_?k|argmax|threefry|philox|gumbel|categorical",
-                          re.I)  # fmt: skip
+_SAMPLER_OPS = re.compile(r"(?<![a-z])sort|top_?k|argmax|threefry|philox|gumbel|categorical", re.I)
 _PATTERNS = (
     ("attention", re.compile(r"paged_attention|attention|attn|flash|fmha|sdpa|(?<![a-z])mha|"
                              r"ffi_call", re.I)),
@@ -85,12 +84,18 @@ class TraceSummary:
         span = self.span_us or 1.0
         for cls in CLASSES:
             us = self.class_us.get(cls, 0.0)
-            rows.append(f"| {cls} | {us / 1e3 / steps:.3f} | {us / span:.0%} | "
-                        f"{self.class_ops.get(cls, 0) / steps:.0f} |")  # fmt: skip
-        rows.append(f"| gaps (device idle) | {self.gaps_us / 1e3 / steps:.3f} | "
-                    f"{self.gaps_us / span:.0%} | - |")  # fmt: skip
-        rows.append(f"| step (first op to last) | {self.span_us / 1e3 / steps:.3f} | 100% | "
-                    f"{self.ops / steps:.0f} |")  # fmt: skip
+            rows.append(
+                f"| {cls} | {us / 1e3 / steps:.3f} | {us / span:.0%} | "
+                f"{self.class_ops.get(cls, 0) / steps:.0f} |"
+            )
+        rows.append(
+            f"| gaps (device idle) | {self.gaps_us / 1e3 / steps:.3f} | "
+            f"{self.gaps_us / span:.0%} | - |"
+        )
+        rows.append(
+            f"| step (first op to last) | {self.span_us / 1e3 / steps:.3f} | 100% | "
+            f"{self.ops / steps:.0f} |"
+        )
         return rows
 
 
@@ -116,13 +121,17 @@ def device_ops(events: list[dict]) -> tuple[list[dict], str]:
     on_device = [e for e in spans if e.get("pid") in devices]
     if on_device:
         for want in ("Stream", "XLA Ops"):
-            picked = [e for e in on_device
-                      if threads.get((e["pid"], e.get("tid")), "").startswith(want)]  # fmt: skip
+            picked = [
+                e for e in on_device if threads.get((e["pid"], e.get("tid")), "").startswith(want)
+            ]
             if picked:
                 return picked, f"device {want} threads"
         return on_device, "device threads"
-    host = [e for e in spans if "hlo_op" in e.get("args", {})
-            and _CONTAINER.fullmatch(str(e["args"]["hlo_op"])) is None]  # fmt: skip
+    host = [
+        e
+        for e in spans
+        if "hlo_op" in e.get("args", {}) and _CONTAINER.fullmatch(str(e["args"]["hlo_op"])) is None
+    ]
     return host, "host XLA ops"
 
 
@@ -133,8 +142,12 @@ def summarise_events(events: list[dict]) -> TraceSummary:
     intervals = []
     for e in ops:
         args = e.get("args", {})
-        cls = classify(str(e.get("name", "")), str(args.get("hlo_op", "")),
-                       str(args.get("hlo_module", "")), str(args.get("long_name", "")))  # fmt: skip
+        cls = classify(
+            str(e.get("name", "")),
+            str(args.get("hlo_op", "")),
+            str(args.get("hlo_module", "")),
+            str(args.get("long_name", "")),
+        )
         start, dur = float(e["ts"]), float(e["dur"])
         class_us[cls] += dur
         class_ops[cls] += 1

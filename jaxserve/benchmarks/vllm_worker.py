@@ -29,9 +29,12 @@ def main() -> None:
         request = json.loads(line)
         if request["op"] == "generate":
             params = SamplingParams(
-                n=request.get("n", 1), temperature=1.0, top_p=1.0, ignore_eos=True,
+                n=request.get("n", 1),
+                temperature=1.0,
+                top_p=1.0,
+                ignore_eos=True,
                 max_tokens=request["output_len"],
-            )  # fmt: skip
+            )
             prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
             outs = llm.generate(prompts, params, use_tqdm=False)
             tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)

@@ -30,9 +30,10 @@ def llama4_fields(hf_config: Any) -> dict[str, Any]:
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("attention_bias=True is not supported for Llama 4 (no checkpoint has it)")
     rope = list(getattr(hf_config, "no_rope_layers", None) or [1] * layers)
-    types = list(getattr(hf_config, "layer_types", None) or [
-        "chunked_attention" if r else "full_attention" for r in rope
-    ])  # fmt: skip
+    types = list(
+        getattr(hf_config, "layer_types", None)
+        or ["chunked_attention" if r else "full_attention" for r in rope]
+    )
     if len(rope) < layers or len(types) < layers:
         raise ValueError(
             f"no_rope_layers ({len(rope)}) and layer_types ({len(types)}) must have an entry "
@@ -54,7 +55,7 @@ def llama4_fields(hf_config: Any) -> dict[str, Any]:
         dense_layers=tuple(i for i in range(layers) if i not in moe_layers),
         moe_routing=MoeRouting(
             scoring="sigmoid_topk", scale_inputs=True, shared_intermediate=experts_width
-        ),  # fmt: skip
+        ),
         qk_norm=False,
         qk_l2_norm=bool(getattr(hf_config, "use_qk_norm", False)),
         layer_types=tuple(types),

@@ -8,8 +8,11 @@ import dataclasses
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The architectures adapters apply to: the dense Llama family (models/llama.py's layers).
 LORA_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
-)  # fmt: skip
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 
 
 @dataclasses.dataclass(frozen=True)

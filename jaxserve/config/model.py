@@ -373,9 +373,13 @@ class ModelConfig:
 
     def linear_kwargs(self) -> dict:
         """How the decoder layers' linear projections are quantized (layers/linear.py)."""
-        return dict(quant=self.quantization, group=self.quant_group,
-                    act_order=self.quant_act_order, input_quant=self.input_quant,
-                    input_group=self.input_group)  # fmt: skip
+        return dict(
+            quant=self.quantization,
+            group=self.quant_group,
+            act_order=self.quant_act_order,
+            input_quant=self.input_quant,
+            input_group=self.input_group,
+        )
 
     @property
     def max_model_len(self) -> int:

@@ -195,8 +195,11 @@ def int4_act_order(hf_config: Any) -> bool:
     `desc_act`) rather than contiguously; never with one group per channel, where the order
     changes nothing."""
     qc = _config(hf_config)
-    return qc.get("quant_method") == "gptq" and bool(qc.get("desc_act")) and (
-        qc.get("group_size") != -1)  # fmt: skip
+    return (
+        qc.get("quant_method") == "gptq"
+        and bool(qc.get("desc_act"))
+        and (qc.get("group_size") != -1)
+    )
 
 
 def per_channel_group(*input_sizes: int) -> int:
@@ -249,9 +252,11 @@ def _gptq_awq_group(qc: dict, method: str) -> int:
 
 def _block_rows(block: Any, field: str) -> int:
     """[output rows, input columns] of a block -> the input columns (the kernel's group)."""
-    if not (isinstance(block, list | tuple) and len(block) == 2 and all(
-        isinstance(b, int) and b > 0 for b in block
-    )):  # fmt: skip
+    if not (
+        isinstance(block, list | tuple)
+        and len(block) == 2
+        and all(isinstance(b, int) and b > 0 for b in block)
+    ):
         raise ValueError(f"fp8 {field} {block!r} is not [rows, columns] of a 2-D block")
     return block[1]
 

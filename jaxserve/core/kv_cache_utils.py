@@ -13,9 +13,11 @@ BlockHash = bytes
 
 
 def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], cache_salt: str | None = None,
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    cache_salt: str | None = None,
     extra_keys: Sequence[str] = (),
-) -> BlockHash:  # fmt: skip
+) -> BlockHash:
     """sha256 over (parent hash, the block's token ids, salt, extra keys); the salt only
     enters the first block, so it separates whole prefixes (e.g. per tenant); extra_keys: the
     content hashes of the images whose placeholders lie in the block (equal placeholder
@@ -30,9 +32,12 @@ def hash_block_tokens(
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
     mm_features: Sequence = (),
-) -> None:  # fmt: skip
+) -> None:
     """Append the hashes of every newly completed full block of token_ids to `hashes`;
     mm_features: the prompt's images (`MultiModalFeature`: offset, length, identifier)."""
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):

@@ -128,9 +128,12 @@ class Request:
             self.all_token_ids.extend(token_ids)
         if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.block_size:
             extend_block_hashes(  # a block was completed
-                self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt,
+                self.block_hashes,
+                self.all_token_ids,
+                self.block_size,
+                self.cache_salt,
                 self.mm_features,
-            )  # fmt: skip
+            )
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
         """Keep a chunk's positions not seen yet (a request preempted mid-prompt recomputes

@@ -92,9 +92,11 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
         self.structured_output_manager = structured_output_manager
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
-        )  # fmt: skip
+        )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -305,9 +307,12 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
             return False  # its next image waits for encoder budget or cache rows
         lookahead = self._lookahead(num_computed + num_external + num_new)
         new_blocks = kv.allocate_slots(
-            request, num_external + num_new, computed_blocks, num_computed,
+            request,
+            num_external + num_new,
+            computed_blocks,
+            num_computed,
             num_lookahead_tokens=lookahead,
-        )  # fmt: skip
+        )
         if new_blocks is None:
             return False
         if num_external:  # loaded into its blocks before this step's forward
@@ -410,9 +415,15 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
                 continue
             try:
                 output = update_request_from_step(
-                    request, scheduler_output, runner_output, row, tokens[row], max_model_len,
-                    self.structured_output_manager, self.spec_stats,
-                )  # fmt: skip
+                    request,
+                    scheduler_output,
+                    runner_output,
+                    row,
+                    tokens[row],
+                    max_model_len,
+                    self.structured_output_manager,
+                    self.spec_stats,
+                )
             except Exception as e:  # its grammar, its logprobs, ...: it alone fails
                 outputs.append(self._fail(request, e))
                 continue

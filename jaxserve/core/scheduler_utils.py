@@ -296,8 +296,14 @@ def lora_stats(running, waiting, max_loras: int) -> dict:
         return {}
 
     def count(requests) -> dict[str, int]:
-        return dict(collections.Counter(r.lora_request.lora_name for r in requests
-                                        if r.lora_request is not None))  # fmt: skip
+        return dict(
+            collections.Counter(
+                r.lora_request.lora_name for r in requests if r.lora_request is not None
+            )
+        )
 
-    return {"running_lora_adapters": count(running), "waiting_lora_adapters": count(waiting),
-            "max_loras": max_loras}  # fmt: skip
+    return {
+        "running_lora_adapters": count(running),
+        "waiting_lora_adapters": count(waiting),
+        "max_loras": max_loras,
+    }

@@ -36,13 +36,16 @@ def pipeline_meshes(tensor_parallel_size: int, pipeline_parallel_size: int) -> l
     multi = jax.process_count() > 1
     devices = spread_devices(tp * pp) if multi else jax.local_devices()[: tp * pp]
     if len(devices) < tp * pp:
-        raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs "
-                         f"{tp * pp} devices; there are {len(devices)}")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs "
+            f"{tp * pp} devices; there are {len(devices)}"
+        )
     return [make_mesh(tp, devices[(pp - 1 - s) * tp : (pp - s) * tp]) for s in range(pp)]
 
 
-def validate_pipeline_layout(tensor_parallel_size: int, pipeline_parallel_size: int,
-                             nnodes: int) -> None:  # fmt: skip
+def validate_pipeline_layout(
+    tensor_parallel_size: int, pipeline_parallel_size: int, nnodes: int
+) -> None:
     """ValueError unless tp x pp devices split over nnodes hosts evenly, each host holding
     whole stages or each stage spanning whole hosts."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size

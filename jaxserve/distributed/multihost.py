@@ -56,8 +56,11 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int) 
     )
     logger.info(
         "rank %d of %d: %d local devices, %d in all",
-        node_rank, nnodes, jax.local_device_count(), jax.device_count(),
-    )  # fmt: skip
+        node_rank,
+        nnodes,
+        jax.local_device_count(),
+        jax.device_count(),
+    )
 
 
 def leave_cluster(timeout: float = 10.0) -> None:
@@ -109,8 +112,10 @@ class Leader:
         while len(self.followers) < self.num_followers:
             if not self.calls.poll(1000):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{len(self.followers)} of {self.num_followers} follower "
-                                       f"ranks joined in {JOIN_TIMEOUT_S:.0f} s")  # fmt: skip
+                    raise TimeoutError(
+                        f"{len(self.followers)} of {self.num_followers} follower "
+                        f"ranks joined in {JOIN_TIMEOUT_S:.0f} s"
+                    )
                 continue
             identity, frame = self.calls.recv_multipart()
             rank, num_blocks = pickle.loads(frame)

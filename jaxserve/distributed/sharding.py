@@ -39,8 +39,10 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
     if config.quantization in GROUPED_QUANT:  # row-parallel: whole groups
         group = 16 if config.quantization == "gguf" else config.quant_group
         head = config.mla.v_head_dim if config.mla else config.head_dim  # o_proj's inputs
-        for name, rows in (("num_attention_heads * head_dim", config.num_heads * head),
-                           ("intermediate_size", config.intermediate_size)):  # fmt: skip
+        for name, rows in (
+            ("num_attention_heads * head_dim", config.num_heads * head),
+            ("intermediate_size", config.intermediate_size),
+        ):
             if rows % (group * tp):
                 problems.append(f"{name}={rows} into whole {config.quantization} groups of {group}")
     if problems:

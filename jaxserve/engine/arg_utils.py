@@ -25,7 +25,6 @@ from jaxserve.config import (
     LoRAConfig,
     MultiModalConfig,
     ParallelConfig,
-    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -203,8 +202,9 @@ class EngineArgs:
         if hybrid and self.enable_prefix_caching:
             logger.info(
                 "prefix caching is disabled for %s: its linear-attention layers keep one state "
-                "per request, not one per cached block", model_config.architecture,
-            )  # fmt: skip
+                "per request, not one per cached block",
+                model_config.architecture,
+            )
         scheduler = SchedulerConfig(
             max_model_len=_or(self.max_model_len, model_config.max_model_len),
             max_num_seqs=_or(self.max_num_seqs, CPU_MAX_NUM_SEQS if on_cpu else MAX_NUM_SEQS),
@@ -218,16 +218,20 @@ class EngineArgs:
             else self.async_scheduling,
         )
         attention_backend = self._attention_backend()
-        pooler = self._pooler(path, model_config.architecture)
+        pooler = pooler_config_from(
+            self.runner, self.task, self.pooler_config, path, model_config.architecture
+        )
         if pooler is not None and speculative is not None:
             raise ValueError("speculative_config needs a generating runner, not runner='pooling'")
-        images = getattr(model_config.hf_config, "multimodal_config", None) is not None
         if self.enable_prompt_embeds and (pooler or speculative or images):
-            raise ValueError("enable_prompt_embeds: only generating text models, without "
-                             "speculative decoding")  # fmt: skip
+            raise ValueError(
+                "enable_prompt_embeds: only generating text models, without speculative decoding"
+            )
         if self.enable_sleep_mode and (pooler or (speculative and speculative.method != "ngram")):
-            raise ValueError("enable_sleep_mode: not with a pooling runner or a draft model / "
-                             "EAGLE head (their weights are not slept yet)")  # fmt: skip
+            raise ValueError(
+                "enable_sleep_mode: not with a pooling runner or a draft model / "
+                "EAGLE head (their weights are not slept yet)"
+            )
         cache = CacheConfig(
             block_size=self.block_size,
             # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
@@ -246,9 +250,10 @@ class EngineArgs:
             self.pipeline_parallel_size,
         )
         if parallel.pipeline_parallel_size > 1:
-            self._check_pipeline(model_config, speculative)
-        check_local_devices(parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
-                            parallel.nnodes)  # fmt: skip
+            self._check_pipeline(model_config, speculative, images)
+        check_local_devices(
+            parallel.tensor_parallel_size * parallel.pipeline_parallel_size, parallel.nnodes
+        )
         return EngineConfig(
             model_path=str(path),
             model=model_config,
@@ -283,7 +288,7 @@ class EngineArgs:
             ),
         )
 
-    def _check_pipeline(self, model_config, speculative) -> None:
+    def _check_pipeline(self, model_config, speculative, images: bool) -> None:
         """ValueError for what pipeline parallelism cannot run with (yet)."""
         pp = self.pipeline_parallel_size
         pp_layer_partition(model_config.num_layers, pp)  # the split (or its override) fits
@@ -295,16 +300,16 @@ class EngineArgs:
                 "async_scheduling: with pipeline_parallel_size > 1 the engine core keeps "
                 f"{pp} micro-batches in flight instead (its batch queue)"
             )
-        images = getattr(model_config.hf_config, "multimodal_config", None) is not None
         others = {
-            "enable_lora": self.enable_lora, "image inputs": images,
+            "enable_lora": self.enable_lora,
+            "image inputs": images,
             "runner='pooling'": self.runner == "pooling" or self.task is not None,
             "kv_transfer_config": self.kv_transfer_config or self.kv_offloading_size,
             "a hybrid model's linear attention": model_config.linear_attn is not None,
             "data_parallel_size > 1": self.data_parallel_size > 1,
             "enable_sleep_mode": self.enable_sleep_mode,
             "enable_prompt_embeds": self.enable_prompt_embeds,
-        }  # fmt: skip
+        }
         refused = [name for name, on in others.items() if on]
         if refused:
             raise ValueError(
@@ -434,9 +439,6 @@ class EngineArgs:
                     f"{width} is not the target's {target.hidden_size}"
                 )
         return dataclasses.replace(spec, model=str(path))
-
-    def _pooler(self, path: Path, architecture: str) -> PoolerConfig | None:
-        return pooler_config_from(self.runner, self.task, self.pooler_config, path, architecture)
 
 
 def _or(value: int | None, default: int) -> int:

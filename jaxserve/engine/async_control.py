@@ -52,9 +52,12 @@ class AsyncControl:
         self._changed = asyncio.Event()
 
     async def pause_generation(
-        self, mode: str = "abort", clear_cache: bool = True, *,
+        self,
+        mode: str = "abort",
+        clear_cache: bool = True,
+        *,
         wait_for_inflight_requests: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Stop generating (modes above); wait_for_inflight_requests: vLLM's older "wait"."""
         if wait_for_inflight_requests:
             mode = "wait"
@@ -136,9 +139,12 @@ class AsyncControl:
         return bool(await self.call_utility("reset_prefix_cache"))
 
     async def collective_rpc(
-        self, method: str, timeout: float | None = None, args: tuple = (),
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
         kwargs: dict | None = None,
-    ) -> list:  # fmt: skip
+    ) -> list:
         """A model-runner method on every worker of every engine: their results. By name only
         (engine/core_control.py's COLLECTIVE_RPC_METHODS): functions are LLM.collective_rpc's,
         never sent from a server."""

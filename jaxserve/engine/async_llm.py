@@ -33,7 +33,7 @@ from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import SchedulerStats
 from jaxserve.lora_request import LoRARequest
-from jaxserve.metrics import IterationStats
+from jaxserve.metrics.stats import IterationStats
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tracing import RequestTracer, init_tracer
@@ -190,11 +190,14 @@ class AsyncLLM(AsyncControl):
         await self.wait_until_resumed()  # generation paused (async_control.py)
         text, ids = self.input_processor.tokenize(prompt)
         request = self.input_processor.process(
-            request_id, ids, sampling_params, priority=priority,
+            request_id,
+            ids,
+            sampling_params,
+            priority=priority,
             kv_transfer_params=kv_transfer_params,
             **self.input_processor.prompt_extras(prompt),
             lora_request=lora_request,
-        )  # fmt: skip
+        )
         request.data_parallel_rank = data_parallel_rank
         collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.collectors[request_id] = collector

@@ -47,9 +47,12 @@ GRAMMAR_POLL_S = 0.005  # how long an idle step waits for a compiling grammar
 
 class EngineCore(CoreControl):
     def __init__(
-        self, config: EngineConfig, leader: Leader | None = None, engine_index: int = 0,
+        self,
+        config: EngineConfig,
+        leader: Leader | None = None,
+        engine_index: int = 0,
         runner: ModelRunner | None = None,
-    ):  # fmt: skip
+    ):
         """leader: with a model spread over several hosts, the channel to the other ranks;
         every runner call that runs on the devices is then made on theirs too.
         engine_index: the data-parallel rank (a KV connector's producer port is offset by it).
@@ -98,9 +101,12 @@ class EngineCore(CoreControl):
         # the one-stage case (the next step may run on the in-flight step's placeholders).
         self.pipeline = config.parallel.pipeline_parallel_size > 1
         self.max_in_flight = (
-            config.parallel.pipeline_parallel_size if self.pipeline
-            else 2 if config.scheduler.async_scheduling else 1
-        )  # fmt: skip
+            config.parallel.pipeline_parallel_size
+            if self.pipeline
+            else 2
+            if config.scheduler.async_scheduling
+            else 1
+        )
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
 
     def _encoder_cache(self) -> EncoderCacheManager | None:
@@ -127,8 +133,10 @@ class EngineCore(CoreControl):
         runner.set_kv_connector(connector)
         logger.info(
             "KV connector %s (%s), blocks of %.2f MiB",
-            connector.name, config.kv_transfer.kv_role, layout.nbytes / 2**20,
-        )  # fmt: skip
+            connector.name,
+            config.kv_transfer.kv_role,
+            layout.nbytes / 2**20,
+        )
         return connector
 
     def shutdown(self) -> None:
@@ -256,9 +264,12 @@ class EngineCore(CoreControl):
             so, pending = self.in_flight[0]
             batch = pending.batch
             bitmask = self.scheduler.grammar_bitmask(
-                batch.req_ids, so.sampled_req_ids, batch.first_row, batch.drafts,
+                batch.req_ids,
+                so.sampled_req_ids,
+                batch.first_row,
+                batch.drafts,
                 int(batch.num_rows.sum()),
-            )  # fmt: skip
+            )
             self.in_flight[0] = (so, self.runner.dispatch_sample(pending, bitmask))
 
     def _outputs_outside_steps(self, dispatched: bool) -> EngineCoreOutputs | None:

@@ -149,8 +149,9 @@ class SyncMPClient(EngineCoreClient):
         self.load_balancer: LoadBalancer | None = None
         self._parent_pid = os.getppid()
         self.run_dir = tempfile.mkdtemp(prefix="jaxserve-") if group is None else None
-        addresses = client_addresses(self.run_dir, 1)[0] if group is None else \
-            group.clients[client_index]  # fmt: skip
+        addresses = (
+            client_addresses(self.run_dir, 1)[0] if group is None else group.clients[client_index]
+        )
         self.input_socket = self.ctx.socket(zmq.ROUTER)
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable send raises
         self.input_socket.bind(addresses["input"])
@@ -203,8 +204,7 @@ class SyncMPClient(EngineCoreClient):
 
     # ------------------------------------------------------------------ outputs
     def _start_reader(self) -> None:
-        self._reader = threading.Thread(target=self._read_outputs, daemon=True,
-                                        name="core-outputs")  # fmt: skip
+        self._reader = threading.Thread(target=self._read_outputs, daemon=True, name="core-outputs")
         self._reader.start()
 
     def _read_outputs(self) -> None:
@@ -309,9 +309,7 @@ class SyncMPClient(EngineCoreClient):
                     "data-parallel engines"
                 )
             return rank
-        if self.load_balancer is None:
-            return 0
-        return self.load_balancer.pick(len(requests))
+        return 0 if self.load_balancer is None else self.load_balancer.pick(len(requests))
 
     def engine_of(self, request_id: str) -> int:
         """The engine running a request (0 when unknown or finished)."""
@@ -339,8 +337,8 @@ class SyncMPClient(EngineCoreClient):
             call_id = next(self._calls)
             self._pending[call_id] = future
             try:
-                self._send(engine, EngineCoreRequestType.UTILITY,
-                           UtilityRequest(call_id, method, list(args)))  # fmt: skip
+                request = UtilityRequest(call_id, method, list(args))
+                self._send(engine, EngineCoreRequestType.UTILITY, request)
             except Exception:  # a dead engine, or arguments the wire cannot carry
                 self._pending.pop(call_id, None)
                 raise

@@ -78,8 +78,11 @@ class CoreControl:
         after = _live_bytes()
         logger.info(
             "sleep level %d: %.1f MiB of weights and KV cache freed (live arrays %.1f -> %.1f MiB)",
-            level, freed / 2**20, before / 2**20, after / 2**20,
-        )  # fmt: skip
+            level,
+            freed / 2**20,
+            before / 2**20,
+            after / 2**20,
+        )
         return {"freed_bytes": freed, "live_bytes_before": before, "live_bytes_after": after}
 
     def wake_up(self, tags: list[str] | None = None) -> dict:

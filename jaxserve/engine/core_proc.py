@@ -65,13 +65,14 @@ STEP_DELAY_ENV = "JAXSERVE_TEST_STEP_DELAY_S"
 
 
 class EngineCoreProc(EngineCore):
-    def __init__(self, args: EngineArgs, handshake_address: str, parent_pid: int,
-                 engine_index: int = 0):  # fmt: skip
+    def __init__(
+        self, args: EngineArgs, handshake_address: str, parent_pid: int, engine_index: int = 0
+    ):
         # The config is resolved here, in the process that owns the devices: the frontend
         # never initialises a JAX backend (on a GPU that would take its memory).
         self.parent_pid = parent_pid
         self.engine_index = engine_index
-        threading.Thread(target=self._watch_parent, daemon=True, name="parent-watch").start()
+        _start_thread(self._watch_parent, name="parent-watch")
         start = time.perf_counter()
         config = args.create_engine_config()
         config_s = time.perf_counter() - start
@@ -101,15 +102,10 @@ class EngineCoreProc(EngineCore):
         self.step_delay_s = envs.JAXSERVE_TEST_STEP_DELAY_S
         self._init_data_parallel(addresses["coordinator"])
         ready = threading.Event()
-        threading.Thread(
-            target=self._process_input_sockets, args=(addresses["inputs"], ready),
-            daemon=True, name="core-input",
-        ).start()  # fmt: skip
-        self.output_thread = threading.Thread(
-            target=self._process_output_sockets, args=(addresses["outputs"],),
-            daemon=True, name="core-output",
-        )  # fmt: skip
-        self.output_thread.start()
+        _start_thread(self._process_input_sockets, addresses["inputs"], ready, name="core-input")
+        self.output_thread = _start_thread(
+            self._process_output_sockets, addresses["outputs"], name="core-output"
+        )
         if not ready.wait(HANDSHAKE_TIMEOUT_S):
             raise TimeoutError("the input socket did not connect")
         ready_message = {
@@ -137,8 +133,7 @@ class EngineCoreProc(EngineCore):
         self.coordinator_push = self.ctx.socket(zmq.PUSH)
         self.coordinator_push.setsockopt(zmq.LINGER, 0)
         self.coordinator_push.connect(coordinator["in"])
-        threading.Thread(target=self._process_waves, args=(coordinator["back"],),
-                         daemon=True, name="core-waves").start()  # fmt: skip
+        _start_thread(self._process_waves, coordinator["back"], name="core-waves")
 
     def _lost_rank(self, reason: str) -> None:
         """A rank of a multi-host model is gone: this core's step may wait forever on its
@@ -394,6 +389,12 @@ UTILITY_METHODS = frozenset({
     "finish_weight_update", "abort_all_requests", "pause_scheduler", "resume_scheduler",
     "collective_rpc",
 })  # fmt: skip
+
+
+def _start_thread(target, *args, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+    thread.start()
+    return thread
 
 
 def run_engine_core(

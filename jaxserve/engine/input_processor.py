@@ -115,8 +115,10 @@ class InputProcessor:
             raise ValueError("prompt_embeds need --enable-prompt-embeds (enable_prompt_embeds)")
         shape = np.shape(embeds)
         if len(shape) != 2:
-            raise ValueError(f"prompt_embeds must be [positions, {self.prompt_embeds_size}], "
-                             f"got shape {list(shape)}")  # fmt: skip
+            raise ValueError(
+                f"prompt_embeds must be [positions, {self.prompt_embeds_size}], "
+                f"got shape {list(shape)}"
+            )
         return shape[0]
 
     def process_multimodal(
@@ -187,12 +189,20 @@ class InputProcessor:
         return max(8, max(map(len, self.tokenizer.get_vocab())))
 
     def process(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        *, priority: int = 0, arrival_time: float | None = None,
-        kv_transfer_params: dict[str, Any] | None = None, cache_salt: str | None = None,
-        lora_request: LoRARequest | None = None, multi_modal_data: Any = None,
-        mm_processor_kwargs: dict | None = None, mm_features: list | None = None,
-    ) -> EngineCoreRequest:  # fmt: skip
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        multi_modal_data: Any = None,
+        mm_processor_kwargs: dict | None = None,
+        mm_features: list | None = None,
+    ) -> EngineCoreRequest:
         """kv_transfer_params: for the engine's KV connector (disaggregated prefill), only in
         the shape the proxy sends and naming only --kv-transfer-allowed-hosts;
         cache_salt: isolates the request's prefix-cache entries from other salts';

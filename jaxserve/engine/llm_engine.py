@@ -84,9 +84,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests in
     def process_inputs(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None, lora_request: LoRARequest | None = None,
-    ) -> tuple[str | None, EngineCoreRequest]:  # fmt: skip
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and validate (ValueError naming the bad value); queues nothing.
         kv_transfer_params: for the engine's KV connector (disaggregated prefill); a prompt
         dict's "cache_salt": its prefix-cache entries apart from other salts'."""
@@ -110,13 +116,25 @@ class LLMEngine:
         self.engine_core.add_request_groups([process(text, r) for text, r in requests])
 
     def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None, lora_request: LoRARequest | None = None,
-    ) -> None:  # fmt: skip
-        self.add_processed_request(*self.process_inputs(
-            request_id, prompt, params, priority=priority, kv_transfer_params=kv_transfer_params,
-            lora_request=lora_request,
-        ))  # fmt: skip
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        self.add_processed_request(
+            *self.process_inputs(
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                kv_transfer_params=kv_transfer_params,
+                lora_request=lora_request,
+            )
+        )
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Forget the requests and free their blocks in the core; unknown ids are ignored."""

@@ -31,8 +31,9 @@ class LoadBalancer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.received = threading.Event()  # a first DPLoadState has arrived
-        self._thread = threading.Thread(target=self._read, args=(address,), daemon=True,
-                                        name="dp-load")  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._read, args=(address,), daemon=True, name="dp-load"
+        )
         self._thread.start()
 
     def _read(self, address: str) -> None:

@@ -26,7 +26,7 @@ import msgspec
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.ipc.messages import EngineCoreOutput, EngineCoreRequest
-from jaxserve.metrics import FinishedRequestStats, IterationStats
+from jaxserve.metrics.stats import FinishedRequestStats, IterationStats
 from jaxserve.outputs import (
     CompletionOutput,
     Logprob,
@@ -51,14 +51,19 @@ def _finished_stats(state: RequestState, reason: str, now: float) -> FinishedReq
     lengths = [len(c.token_ids) for c in state.children.values()]
     first, scheduled, last = m.first_token_time, m.first_scheduled_time, m.last_token_time
     return FinishedRequestStats(
-        reason, now - m.arrival_time, m.queue_time, len(state.prompt_token_ids), sum(lengths),
+        reason,
+        now - m.arrival_time,
+        m.queue_time,
+        len(state.prompt_token_ids),
+        sum(lengths),
         max(lengths, default=0),
         prefill_time=first - scheduled if first is not None and scheduled is not None else None,
         decode_time=last - first if first is not None and last is not None else None,
         inference_time=last - scheduled if last is not None and scheduled is not None else None,
         num_preemptions=sum(c.num_preemptions for c in state.children.values()),
-        n=params.n if sampled else None, max_tokens=params.max_tokens if sampled else None,
-    )  # fmt: skip
+        n=params.n if sampled else None,
+        max_tokens=params.max_tokens if sampled else None,
+    )
 
 
 @dataclasses.dataclass
@@ -107,17 +112,21 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(
-        self, prompt: str | None, request: EngineCoreRequest,
+        self,
+        prompt: str | None,
+        request: EngineCoreRequest,
         trace_headers: Mapping[str, str] | None = None,
-    ) -> list[EngineCoreRequest]:  # fmt: skip
+    ) -> list[EngineCoreRequest]:
         """Register a request; returns what to send to the core: the request itself, or its n
         child requests ("{i}_{id}"; seeded children get seed + i, distinct and reproducible).
         trace_headers: the W3C trace context its span joins (with a tracer)."""
         if trace_headers and self.tracer is None:
             log_tracing_disabled_warning()
         request_id, params, prompt_token_ids = (
-            request.request_id, request.sampling_params, request.prompt_token_ids
-        )  # fmt: skip
+            request.request_id,
+            request.sampling_params,
+            request.prompt_token_ids,
+        )
         children, core_requests = {}, []
         for i in range(params.n):
             core_id = request_id if params.n == 1 else child_request_id(i, request_id)
@@ -139,9 +148,14 @@ class OutputProcessor:
                 msgspec.structs.replace(request, request_id=core_id, sampling_params=child)
             )
         self.requests[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, children,
-            RequestMetrics(request.arrival_time), trace_headers=trace_headers,
-        )  # fmt: skip
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            children,
+            RequestMetrics(request.arrival_time),
+            trace_headers=trace_headers,
+        )
         return core_requests
 
     def has_unfinished_requests(self) -> bool:
@@ -288,9 +302,13 @@ class OutputProcessor:
         return list(state.children)
 
     def _finished(
-        self, state: RequestState, reason: str, now: float, stats: IterationStats | None,
+        self,
+        state: RequestState,
+        reason: str,
+        now: float,
+        stats: IterationStats | None,
         error: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A request is over: count it in stats (when given) and send its span (with a
         tracer; a failing tracer is logged, never the request's failure)."""
         finished = _finished_stats(state, reason, now)
@@ -301,12 +319,16 @@ class OutputProcessor:
         children = sorted(state.children.values(), key=lambda c: c.index)
         try:
             self.tracer.record(
-                state.request_id, state.params, state.metrics,
+                state.request_id,
+                state.params,
+                state.metrics,
                 num_prompt_tokens=finished.num_prompt_tokens,
                 num_generation_tokens=finished.num_generation_tokens,
-                finish_reasons=[c.finish_reason or reason for c in children], error=error,
-                trace_headers=state.trace_headers, end_time=now,
-            )  # fmt: skip
+                finish_reasons=[c.finish_reason or reason for c in children],
+                error=error,
+                trace_headers=state.trace_headers,
+                end_time=now,
+            )
         except Exception:
             logger.exception("request %s: its span could not be recorded", state.request_id)
 
@@ -319,9 +341,15 @@ class OutputProcessor:
             for c in sorted(state.children.values(), key=lambda c: c.index)
         ]
         return RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, None, completions,
-            finished=True, num_cached_tokens=state.num_cached_tokens, metrics=state.metrics,
-        )  # fmt: skip
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            None,
+            completions,
+            finished=True,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )
 
     def _position(self, values: list[float], token_ids: list[int], rank: int) -> PositionLogprobs:
         """{token id: Logprob} of one position: the chosen (or prompt) token, then the top-K."""

@@ -64,8 +64,13 @@ class BeamSearch:
     """The beams of several prompts: `step_prompts()`, run them one token each, `advance()`
     with their outputs; repeat until `done`; then `results()`."""
 
-    def __init__(self, prompts: list[list[int]], params: BeamSearchParams,
-                 eos_token_id: int | None, max_model_len: int):  # fmt: skip
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        params: BeamSearchParams,
+        eos_token_id: int | None,
+        max_model_len: int,
+    ):
         self.params, self.eos, self.max_model_len = params, eos_token_id, max_model_len
         self.beams = [[BeamSearchSequence(list(p), [], num_prompt_tokens=len(p))] for p in prompts]
         self.completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
@@ -75,8 +80,12 @@ class BeamSearch:
     def sampling_params(self) -> SamplingParams:
         """One token with the top 2 * beam_width logprobs (raw: before temperature)."""
         p = self.params
-        return SamplingParams(max_tokens=1, logprobs=2 * p.beam_width, temperature=p.temperature,
-                              output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+        return SamplingParams(
+            max_tokens=1,
+            logprobs=2 * p.beam_width,
+            temperature=p.temperature,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
 
     @property
     def done(self) -> bool:
@@ -96,9 +105,11 @@ class BeamSearch:
                 (position,) = next(it).outputs[0].logprobs
                 for token, lp in position.items():
                     grown = dataclasses.replace(
-                        beam, tokens=beam.tokens + [token], logprobs=beam.logprobs + [position],
+                        beam,
+                        tokens=beam.tokens + [token],
+                        logprobs=beam.logprobs + [position],
                         cum_logprob=beam.cum_logprob + lp.logprob,
-                    )  # fmt: skip
+                    )
                     if token == self.eos and not self.params.ignore_eos:
                         self.completed[i].append(dataclasses.replace(grown, finish_reason="stop"))
                     else:

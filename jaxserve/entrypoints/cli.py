@@ -10,7 +10,8 @@ import time
 
 from jaxserve.entrypoints.cli_args import add_engine_args, engine_args_from
 from jaxserve.entrypoints.serve_args import add_serving_flags, apply_serve_flags
-from jaxserve.entrypoints.vllm_flags import add_vllm_flags, normalize_argv
+from jaxserve.entrypoints.vllm_argv import normalize_argv
+from jaxserve.entrypoints.vllm_flags import add_vllm_flags
 from jaxserve.version import __version__
 
 _STARTED = time.perf_counter()  # `jaxserve serve` logs its start-up time from here
@@ -117,22 +118,28 @@ def _add_serve_parser(sub) -> None:
         help="let a request's own chat_template be rendered (off: such requests get a 400)",
     )
     serve.add_argument(
-        "--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
+        "--max-request-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
         help="larger request bodies get a 413 (default 32 MiB)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--max-image-bytes", type=int, default=20 * 1024 * 1024,
+        "--max-image-bytes",
+        type=int,
+        default=20 * 1024 * 1024,
         help="a larger image in a chat message gets a 400 (default 20 MiB)",
-    )  # fmt: skip
+    )
     for flag, what in (
         ("--allowed-origins", "origins allowed cross-origin requests, e.g. '[\"https://a.b\"]'"),
         ("--allowed-methods", "their methods (default with --allowed-origins: all)"),
         ("--allowed-headers", "their request headers (default with --allowed-origins: all)"),
     ):
         serve.add_argument(
-            flag, type=json.loads, default=None,
+            flag,
+            type=json.loads,
+            default=None,
             help=f"CORS, a JSON list: {what}; no CORS headers without --allowed-origins",
-        )  # fmt: skip
+        )
     serve.add_argument(
         "--allow-credentials",
         action=argparse.BooleanOptionalAction,
@@ -140,10 +147,14 @@ def _add_serve_parser(sub) -> None:
         help="CORS: allow credentials (cookies)",
     )
     serve.add_argument(
-        "--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
-        help='LoRA adapters served by name (needs --enable-lora): name=path or JSON '
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served by name (needs --enable-lora): name=path or JSON "
         '{"name": ..., "path": ..., "base_model_name": ...}',
-    )  # fmt: skip
+    )
     serve.add_argument(
         "--chat-template-content-format",
         default="auto",
@@ -176,13 +187,16 @@ def _add_serve_parser(sub) -> None:
         help="seconds SIGTERM waits for in-flight requests",
     )
     serve.add_argument(
-        "--headless", action="store_true",
+        "--headless",
+        action="store_true",
         help="a follower host of a multi-host model (--node-rank above 0): no API server",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--api-server-count", type=int, default=1,
+        "--api-server-count",
+        type=int,
+        default=1,
         help="HTTP server processes sharing the port, each a frontend of the same engines",
-    )  # fmt: skip
+    )
     serve.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -212,9 +226,12 @@ def _add_proxy_parser(sub) -> None:
     )
     for role in ("prefill", "decode"):
         proxy.add_argument(
-            f"--{role}", action="append", required=True, metavar="URL",
+            f"--{role}",
+            action="append",
+            required=True,
+            metavar="URL",
             help=f"a {role} server's base URL, e.g. http://host:8100 (repeat: round robin)",
-        )  # fmt: skip
+        )
     proxy.add_argument("--host", default="0.0.0.0")
     proxy.add_argument("--port", type=int, default=8000)
     proxy.set_defaults(func=_proxy)
@@ -261,8 +278,13 @@ def _add_client_parsers(sub) -> None:
         p.add_argument("--model-name", default=None, help="default: the server's first model")
         p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY, if set")
         p.add_argument("--max-tokens", type=int, default=None)
-        p.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
-                       help="send one message, print the answer and exit")  # fmt: skip
+        p.add_argument(
+            "-q",
+            "--quick",
+            default=None,
+            metavar="MESSAGE",
+            help="send one message, print the answer and exit",
+        )
         if name == "chat":
             p.add_argument("--system-prompt", default=None)
         p.set_defaults(func=_client, command=name)
@@ -277,28 +299,42 @@ def _add_run_batch_parser(sub) -> None:
         "offline, one output line per input line",
     )
     p.add_argument(
-        "-i", "--input-file", required=True,
+        "-i",
+        "--input-file",
+        required=True,
         help="the batch, OpenAI's JSONL format: a local path (vLLM's http(s) URLs are not taken)",
-    )  # fmt: skip
+    )
     p.add_argument("-o", "--output-file", required=True, help="the output JSONL: a local path")
-    p.add_argument("--output-tmp-dir", default=None,
-                   help="write the output here, then move it to -o once whole")  # fmt: skip
+    p.add_argument(
+        "--output-tmp-dir",
+        default=None,
+        help="write the output here, then move it to -o once whole",
+    )
     p.add_argument("--model", default=None, help="as serve's (default: the bundled model)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the names a line's body may give as model (default: --model)")  # fmt: skip
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the names a line's body may give as model (default: --model)",
+    )
     p.add_argument("--chat-template", default=None, help="a Jinja template or a file")
-    p.add_argument("--chat-template-content-format", default="auto",
-                   choices=["auto", "string", "openai"])  # fmt: skip
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="usage.prompt_tokens_details.cached_tokens")  # fmt: skip
+    p.add_argument(
+        "--chat-template-content-format", default="auto", choices=["auto", "string", "openai"]
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens",
+    )
     add_engine_args(p)
     p.set_defaults(func=_run_batch)
 
 
 def _add_collect_env_parser(sub) -> None:
     """`jaxserve collect-env`: vLLM's, the environment a bug report needs."""
-    p = sub.add_parser("collect-env", help="print the versions, devices and settings a bug "
-                       "report needs")  # fmt: skip
+    p = sub.add_parser(
+        "collect-env", help="print the versions, devices and settings a bug report needs"
+    )
     p.set_defaults(func=_collect_env)
 
 

@@ -19,10 +19,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--tokenizer-revision", default=None, help="the hub tokenizer's revision")
     parser.add_argument(
-        "--download-dir", default=None,
+        "--download-dir",
+        default=None,
         help="the Hugging Face hub cache to read models from and download them into "
         "(default: $HF_HUB_CACHE, else ~/.cache/huggingface/hub)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--load-format",
         default="auto",
@@ -31,17 +32,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "config.json or a preset such as llama-3-8b)",
     )
     parser.add_argument(
-        "--hf-overrides", default=None,
+        "--hf-overrides",
+        default=None,
         help='JSON of HF config fields set over the model\'s, e.g. {"num_hidden_layers": 2}',
-    )  # fmt: skip
+    )
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                        help="pipeline stages (JAXSERVE_PP_LAYER_PARTITION)")  # fmt: skip
     parser.add_argument(
-        "-dp", "--data-parallel-size", type=int, default=1,
+        "-pp",
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages (JAXSERVE_PP_LAYER_PARTITION)",
+    )
+    parser.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=int,
+        default=1,
         help="engine core processes, each with its own -tp devices, scheduler and KV cache; "
         "each request goes to the least loaded",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -58,41 +68,57 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument(
-        "--runner", default="auto", choices=["auto", "generate", "pooling"],
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
         help="pooling: an embedding model (/v1/embeddings, LLM.embed) or a classifier "
         "(/classify, /score, /rerank; a *ForSequenceClassification's auto), no generation",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--task", default=None, choices=["generate", "embed", "embedding", "classify", "score"],
+        "--task",
+        default=None,
+        choices=["generate", "embed", "embedding", "classify", "score"],
         help="vLLM's older name: embed, classify, score = --runner pooling",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--pooler-config", default=None,
+        "--pooler-config",
+        default=None,
         help='JSON, e.g. {"pooling_type": "MEAN", "normalize": false} (LAST, MEAN or CLS)',
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--enable-expert-parallel", "-ep", action=argparse.BooleanOptionalAction, default=False,
+        "--enable-expert-parallel",
+        "-ep",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="mixture of experts: whole experts per device (tensor_parallel_size of them)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--speculative-config", default=None,
+        "--speculative-config",
+        default=None,
         help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kv-transfer-config", default=None,
+        "--kv-transfer-config",
+        default=None,
         help='JSON, e.g. {"kv_connector": "ZmqConnector", "kv_role": "kv_producer"}: '
         "disaggregated prefill / decode (docs/disaggregation.md)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kv-offloading-size", type=float, default=None, metavar="GiB",
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GiB",
         help="host memory for KV blocks the device evicts (prefix-cache hits come back from it)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kv-transfer-allowed-hosts", nargs="+", default=None, metavar="HOST",
+        "--kv-transfer-allowed-hosts",
+        nargs="+",
+        default=None,
+        metavar="HOST",
         help="hosts a request's kv_transfer_params may name as its KV's source (remote_host); "
         "list the prefill instances' kv_ip for a cross-host disaggregated setup "
         "(default: this machine only: 127.0.0.1 ::1 localhost)",
-    )  # fmt: skip
+    )
     for flag, kind, default, what in (
         ("--nnodes", int, 1, "hosts one model's -tp x -pp devices span (jax.distributed)"),
         ("--node-rank", int, 0, "this host's rank; 0 runs the scheduler and the API server"),
@@ -104,10 +130,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument(
-        "--kv-cache-dtype", default="auto",
+        "--kv-cache-dtype",
+        default="auto",
         help="KV cache storage: auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3) or "
         "fp8_e5m2; fp8 values are scaled by the checkpoint's k_scale / v_scale, else 1.0",
-    )  # fmt: skip
+    )
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument(
@@ -139,7 +166,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             "mxfp4",
             "int4",
             "fp8_block",
-        ],  # fmt: skip
+        ],
         help="weight-only quantization of the linear layers: int8 / fp8 computed at load, gguf "
         "(a GGUF file's blocks kept); compressed-tensors, gptq, awq (and vLLM's gptq_marlin, "
         "awq_marlin), mxfp4 (gpt-oss's experts): the checkpoint's own, read from it "
@@ -148,47 +175,69 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "included",
     )
     parser.add_argument(
-        "--background-compile", action=argparse.BooleanOptionalAction, default=False,
+        "--background-compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="ready once the step shapes that can serve any step are compiled; the rest "
         "compile in the background (smaller prefill chunks until then; default on for serve)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--generation-config", default="auto",
+        "--generation-config",
+        default="auto",
         help="default sampling parameters: auto (the model's generation_config.json), vllm "
         "(none) or a directory with a generation_config.json; its max_new_tokens caps every "
         "request's output",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--override-generation-config", default=None,
+        "--override-generation-config",
+        default=None,
         help='JSON over --generation-config\'s, e.g. {"temperature": 0.5, "max_new_tokens": 256}',
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="serve LoRA adapters: a request names one (docs/lora.md)",
-    )  # fmt: skip
-    parser.add_argument("--enable-prompt-embeds", action=argparse.BooleanOptionalAction,
-                        default=False, help="prompts as embeddings (prompt_embeds)")  # fmt: skip
-    parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction,
-                        default=False, help="allow sleep / wake_up (frees memory)")  # fmt: skip
-    parser.add_argument("--otlp-traces-endpoint", default=None,
-                        help="send OpenTelemetry request spans there (the otel extra)")  # fmt: skip
+    )
+    parser.add_argument(
+        "--enable-prompt-embeds",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prompts as embeddings (prompt_embeds)",
+    )
+    parser.add_argument(
+        "--enable-sleep-mode",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="allow sleep / wake_up (frees memory)",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send OpenTelemetry request spans there (the otel extra)",
+    )
     for flag, kind, default, what in (
         ("--max-loras", int, 1, "adapters on the device at once (a step mixes at most these)"),
         ("--max-lora-rank", int, 16, "the highest adapter rank served"),
         ("--max-cpu-loras", int, None, "adapters kept in host memory (default: --max-loras)"),
     ):
         parser.add_argument(flag, type=kind, default=default, help=what)
-    parser.add_argument("--lora-dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"])  # fmt: skip
     parser.add_argument(
-        "--limit-mm-per-prompt", default=None, metavar="JSON",
+        "--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument(
+        "--limit-mm-per-prompt",
+        default=None,
+        metavar="JSON",
         help='the most images one prompt may carry, e.g. {"image": 4} (default: 999)',
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--allowed-local-media-path", default=None, metavar="DIR",
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
         help="let requests name images under DIR as file:// URLs (a security risk: trusted "
         "clients only)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--allowed-media-domains",
         nargs="+",

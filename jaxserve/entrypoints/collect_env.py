@@ -78,9 +78,11 @@ def jax_devices() -> list[str]:
         devices = jax.devices()
     except Exception as e:  # a broken install or plugin: the report says so
         return [f"JAX backend       : failed to initialise: {e!r}"]
-    lines = [f"JAX backend       : {jax.default_backend()}",
-             f"JAX devices       : {len(devices)} (process {jax.process_index()} of "
-             f"{jax.process_count()})"]  # fmt: skip
+    lines = [
+        f"JAX backend       : {jax.default_backend()}",
+        f"JAX devices       : {len(devices)} (process {jax.process_index()} of "
+        f"{jax.process_count()})",
+    ]
     for d in devices:
         memory = ""
         try:
@@ -111,13 +113,15 @@ def collect() -> str:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     model, cores, usable = cpu_info()
     section = lambda title: ["", f"=== {title} ==="]  # noqa: E731
-    lines = ["=== System ===",
-             f"OS                : {platform.platform()}",
-             f"libc              : {' '.join(platform.libc_ver()) or 'unknown'}",
-             f"Python            : {sys.version.split()[0]} ({sys.executable})",
-             f"CPU               : {model}",
-             f"CPU cores         : {cores} logical, {usable} usable by this process",
-             *section("Versions")]  # fmt: skip
+    lines = [
+        "=== System ===",
+        f"OS                : {platform.platform()}",
+        f"libc              : {' '.join(platform.libc_ver()) or 'unknown'}",
+        f"Python            : {sys.version.split()[0]} ({sys.executable})",
+        f"CPU               : {model}",
+        f"CPU cores         : {cores} logical, {usable} usable by this process",
+        *section("Versions"),
+    ]
     lines += [f"{name:<18}: {_version(name)}" for name in PACKAGES]
     plugins = cuda_plugins()
     lines += [f"{n:<18}: {v}" for n, v in plugins] or ["jax CUDA plugin   : none"]

@@ -55,9 +55,11 @@ def _error(message: str, status: int, kind: str) -> JSONResponse:
 
 class DisaggProxy:
     def __init__(
-        self, prefill_urls: list[str], decode_urls: list[str],
+        self,
+        prefill_urls: list[str],
+        decode_urls: list[str],
         transport: httpx.AsyncBaseTransport | None = None,
-    ):  # fmt: skip
+    ):
         """transport: httpx's (default: the network; tests pass a mock)."""
         if not prefill_urls or not decode_urls:
             raise ValueError("the proxy needs at least one prefill and one decode instance")
@@ -127,9 +129,10 @@ class DisaggProxy:
 
 
 def build_app(
-    prefill_urls: list[str], decode_urls: list[str],
+    prefill_urls: list[str],
+    decode_urls: list[str],
     transport: httpx.AsyncBaseTransport | None = None,
-) -> Starlette:  # fmt: skip
+) -> Starlette:
     proxy = DisaggProxy(prefill_urls, decode_urls, transport)
 
     @contextlib.asynccontextmanager

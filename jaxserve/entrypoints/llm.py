@@ -109,9 +109,12 @@ class LLM:
         return self._run_engine([request.request_id for _, request in queued], use_tqdm)
 
     def beam_search(
-        self, prompts: Any, params: BeamSearchParams, lora_request: LoRARequest | None = None,
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        lora_request: LoRARequest | None = None,
         use_tqdm: bool = False,
-    ) -> list[BeamSearchOutput]:  # fmt: skip
+    ) -> list[BeamSearchOutput]:
         """vLLM's beam search (entrypoints/beam_search.py): each prompt's beam_width best
         sequences, best first; each sequence's `tokens` and `text` include the prompt's."""
         if isinstance(prompts, (str, dict)):
@@ -123,8 +126,11 @@ class LLM:
         bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm)
         while not search.done:
             beams = [{"prompt_token_ids": t} for t in search.step_prompts()]
-            search.advance(self.generate(beams, search.sampling_params, use_tqdm=False,
-                                         lora_request=lora_request))  # fmt: skip
+            search.advance(
+                self.generate(
+                    beams, search.sampling_params, use_tqdm=False, lora_request=lora_request
+                )
+            )
             bar.update(1)
         bar.close()
         tokenizer = self.get_tokenizer()
@@ -153,11 +159,12 @@ class LLM:
         outs = self._pool(prompts, use_tqdm)
         return [
             EmbeddingRequestOutput(
-                out.request_id, out.prompt_token_ids,
+                out.request_id,
+                out.prompt_token_ids,
                 EmbeddingOutput(params.apply(out.pooled, pooler.normalize)),
             )
             for out, params in zip(outs, pooling_params, strict=True)
-        ]  # fmt: skip
+        ]
 
     def classify(self, prompts: Any, *, use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
         """Each prompt's (text, {"prompt_token_ids": [...]}, or a list of them) probability
@@ -165,11 +172,12 @@ class LLM:
         hf_config = self._pooling_model("LLM.classify()", "classify").hf_config
         return [
             ClassificationRequestOutput(
-                out.request_id, out.prompt_token_ids,
+                out.request_id,
+                out.prompt_token_ids,
                 ClassificationOutput(score_utils.classify_probs(out.pooled, hf_config)),
             )
             for out in self._pool(prompts, use_tqdm)
-        ]  # fmt: skip
+        ]
 
     def score(
         self, text_1: str | list[str], text_2: str | list[str], *, use_tqdm: bool = True
@@ -185,11 +193,12 @@ class LLM:
             pairs = zip(outs[: len(firsts)], outs[len(firsts) :], strict=True)
             return [
                 ScoringRequestOutput(
-                    f"{a.request_id}_{b.request_id}", a.prompt_token_ids + b.prompt_token_ids,
+                    f"{a.request_id}_{b.request_id}",
+                    a.prompt_token_ids + b.prompt_token_ids,
                     ScoringOutput(score_utils.cosine(a.pooled, b.pooled)),
                 )
                 for a, b in pairs
-            ]  # fmt: skip
+            ]
         tokenizer, hf_config = self.get_tokenizer(), model.hf_config
         prompts = [
             {"prompt_token_ids": score_utils.cross_encoder_ids(tokenizer, hf_config, a, b)}
@@ -197,11 +206,12 @@ class LLM:
         ]
         return [
             ScoringRequestOutput(
-                out.request_id, out.prompt_token_ids,
+                out.request_id,
+                out.prompt_token_ids,
                 ScoringOutput(score_utils.cross_encoder_score(out.pooled, hf_config)),
             )
             for out in self._pool(prompts, use_tqdm)
-        ]  # fmt: skip
+        ]
 
     def _pooling_model(self, what: str, task: str) -> Any:
         """The ModelConfig of a pooling model that serves `task`; else ValueError."""
@@ -251,9 +261,11 @@ class LLM:
             if images:
                 conversation = self._image_conversation(conversation, images, chat_template)
             text = tok.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=False,
+                conversation,
+                chat_template=chat_template,
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-            )  # fmt: skip
+            )
             # The template already holds the special tokens: do not add BOS again.
             prompt = {
                 "prompt": text,
@@ -317,9 +329,12 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def collective_rpc(
-        self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
         kwargs: dict | None = None,
-    ) -> list:  # fmt: skip
+    ) -> list:
         """Run a model-runner method (a name: one of core_control.COLLECTIVE_RPC_METHODS), or
         `method(runner, *args, **kwargs)`, on every worker; their results (vLLM's). timeout
         is accepted for vLLM's signature: the call waits for the core."""

@@ -134,10 +134,19 @@ def _request(app, url: str, body: bytes) -> Request:
 
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     scope = {
-        "type": "http", "http_version": "1.1", "method": "POST", "scheme": "http",
-        "path": url, "raw_path": url.encode(), "root_path": "", "query_string": b"",
-        "headers": headers, "client": None, "server": None, "app": app,
-    }  # fmt: skip
+        "type": "http",
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": url,
+        "raw_path": url.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "client": None,
+        "server": None,
+        "app": app,
+    }
     return Request(scope, receive)
 
 
@@ -154,8 +163,7 @@ async def run_request(app, line: bytes) -> bytes:
             f"URL {request.url} was used. Supported endpoints: {', '.join(ROUTES)}",
         )
     if request.method.upper() != "POST":
-        return _refused(request.custom_id, f"{request.method} is not allowed on {request.url}",
-                        405)  # fmt: skip
+        return _refused(request.custom_id, f"{request.method} is not allowed on {request.url}", 405)
     try:
         response = await handler(_request(app, request.url, bytes(request.body)))
     except Exception as e:  # a route answers its errors itself; this is a bug's
@@ -201,8 +209,10 @@ def check_files(args: argparse.Namespace) -> None:
             raise SystemExit(f"{flag} {path}: only a local path is supported, not a URL")
     if not os.path.isfile(args.input_file):
         raise SystemExit(f"--input-file {args.input_file}: no such file")
-    for flag, folder in (("--output-file", os.path.dirname(args.output_file) or "."),
-                         ("--output-tmp-dir", args.output_tmp_dir or ".")):  # fmt: skip
+    for flag, folder in (
+        ("--output-file", os.path.dirname(args.output_file) or "."),
+        ("--output-tmp-dir", args.output_tmp_dir or "."),
+    ):
         if not os.path.isdir(folder):
             raise SystemExit(f"{flag}: {folder} is not a directory")
 
@@ -215,8 +225,7 @@ async def run_batch(app, input_file: str, output: IO[bytes]) -> int:
     engine = app.state.serving.engine
     limit = asyncio.Semaphore(2 * engine.config.scheduler.max_num_seqs)
     writer = OrderedWriter(output)
-    bar = tqdm(total=total, unit="req", desc="Running batch", mininterval=5,
-               bar_format=_BAR_FORMAT)  # fmt: skip
+    bar = tqdm(total=total, unit="req", desc="Running batch", mininterval=5, bar_format=_BAR_FORMAT)
 
     async def one(index: int, line: bytes) -> None:
         try:
@@ -243,17 +252,21 @@ def run(args: argparse.Namespace, engine_args) -> int:
     engine = AsyncLLM.from_engine_args(engine_args)
     try:  # the app's lifespan shuts the engine down from here on; until then, this does
         app = api_server.build_app(
-            engine, args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
+            engine,
+            args.served_model_name or [args.model or DEFAULT_MODEL_NAME],
             chat_template=load_chat_template(args.chat_template),
             chat_template_content_format=args.chat_template_content_format,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             log_stats_interval=envs.JAXSERVE_LOG_STATS_INTERVAL,
-        )  # fmt: skip
+        )
         if args.output_tmp_dir:
             target = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed below, then moved)
-                "wb", dir=args.output_tmp_dir, prefix="tmp_batch_output_", suffix=".jsonl",
+                "wb",
+                dir=args.output_tmp_dir,
+                prefix="tmp_batch_output_",
+                suffix=".jsonl",
                 delete=False,
-            )  # fmt: skip
+            )
         else:
             target = open(args.output_file, "wb")  # noqa: SIM115
     except BaseException:

@@ -68,30 +68,43 @@ def add_serving_flags(serve: argparse.ArgumentParser) -> None:
     """The flags above, each vLLM's name, default and meaning."""
     flag = argparse.BooleanOptionalAction
     for name, what in (
-        ("--enable-force-include-usage", "every streamed chunk carries usage (the counts so "
-         "far) and a usage chunk ends the stream, as if each request asked for it"),
+        (
+            "--enable-force-include-usage",
+            "every streamed chunk carries usage (the counts so "
+            "far) and a usage chunk ends the stream, as if each request asked for it",
+        ),
         ("--return-tokens-as-token-ids", 'logprobs name tokens as "token_id:N"'),
-        ("--enable-server-load-tracking", "GET /load counts the requests this server is "
-         "serving (off: it answers 0, as vLLM)"),
-        ("--enable-tokenizer-info-endpoint", "GET /tokenizer_info: the tokenizer's settings "
-         "and chat template"),
+        (
+            "--enable-server-load-tracking",
+            "GET /load counts the requests this server is serving (off: it answers 0, as vLLM)",
+        ),
+        (
+            "--enable-tokenizer-info-endpoint",
+            "GET /tokenizer_info: the tokenizer's settings and chat template",
+        ),
         ("--disable-uvicorn-access-log", "no access log line per request"),
-    ):  # fmt: skip
+    ):
         serve.add_argument(name, action=flag, default=False, help=what)
     serve.add_argument(
-        "--root-path", default="",
+        "--root-path",
+        default="",
         help="the path prefix a proxy forwards under (e.g. /llm): routes answer with and "
         "without it",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
-        help='chat template arguments every chat request gets under its own '
+        "--default-chat-template-kwargs",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help="chat template arguments every chat request gets under its own "
         'chat_template_kwargs, e.g. {"enable_thinking": false}',
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+        "--disable-access-log-for-endpoints",
+        default=None,
+        metavar="PATHS",
         help="comma-separated paths (e.g. /health,/metrics) with no access log line",
-    )  # fmt: skip
+    )
     serve.add_argument(
         "--disable-log-stats", action="store_true", help="no periodic throughput log line"
     )
@@ -103,29 +116,40 @@ def add_serving_flags(serve: argparse.ArgumentParser) -> None:
     ):
         serve.add_argument(name, default=None, help=what)
     serve.add_argument(
-        "--ssl-cert-reqs", type=int, default=0,
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
         help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--h11-max-incomplete-event-size", type=int, default=4 * 2**20,
+        "--h11-max-incomplete-event-size",
+        type=int,
+        default=4 * 2**20,
         help="the most bytes of request line and headers read before a 431 (uvicorn's h11)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--hf-token", nargs="?", const=True, default=None,
+        "--hf-token",
+        nargs="?",
+        const=True,
+        default=None,
         help="the Hugging Face token for hub ids (default: HF_TOKEN, else huggingface-cli "
         "login's); without a value: login's",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--log-level", type=str.upper, default=None,
+        "--log-level",
+        type=str.upper,
+        default=None,
         choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG", "NOTSET"],
         help="jaxserve's log level (engine core processes too: JAXSERVE_LOG_LEVEL)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--structured-outputs-config", type=structured_outputs_config, default=None,
+        "--structured-outputs-config",
+        type=structured_outputs_config,
+        default=None,
         metavar="JSON",
         help=f'e.g. {{"backend": "guidance"}}: backends {", ".join(STRUCTURED_OUTPUT_BACKENDS)} '
         "are all served by llguidance; also --structured-outputs-config.backend NAME",
-    )  # fmt: skip
+    )
 
 
 def apply_serve_flags(args: argparse.Namespace) -> None:

@@ -10,9 +10,7 @@ each other one is added here as one of:
 - AT_DEFAULT: accepted at vLLM's default (and the values listed), which is what jaxserve
   does; any other value is refused by name, with the reason (a feature jaxserve lacks).
 
-`normalize_argv` gives the command line vLLM's spellings: `--max_model_len` for
-`--max-model-len`, `--structured-outputs-config.backend guidance` for a JSON config's key,
-`-O3` for `--optimization-level 3`, `--config FILE.yaml` for the flags in a file.
+Before the parser, cli.py gives the command line vLLM's spellings (vllm_argv.py).
 """
 
 from __future__ import annotations
@@ -20,8 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import re
 from typing import Any
+
+from jaxserve.entrypoints.vllm_argv import json_or_str
 
 FLAGS_FILE = pathlib.Path(__file__).with_name("vllm_serve_flags.json")
 
@@ -192,7 +191,7 @@ AT_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     "distributed_executor_backend": (
         ("mp", "uni"),
         "multi-host runs on jax.distributed (--nnodes, --node-rank)",
-    ),  # fmt: skip
+    ),
     "data_parallel_rank": ((), _DP_ONE_HOST),
     "data_parallel_start_rank": ((), _DP_ONE_HOST),
     "data_parallel_size_local": ((), _DP_ONE_HOST),
@@ -216,7 +215,7 @@ AT_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     "enable_fault_tolerance": (
         (),
         "a dead engine core stops the server (a supervisor restarts it)",
-    ),  # fmt: skip
+    ),
     "fault_tolerance_config": ((), "a dead engine core stops the server"),
     "prefix_cache_retention_interval": ((), "cached blocks are evicted least recently used"),
     "kv_cache_dtype_skip_layers": ((), "--kv-cache-dtype applies to every layer"),
@@ -264,7 +263,7 @@ AT_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     "long_prefill_token_threshold_adaptive": (
         (),
         "prefill chunks are as long as the budget allows",
-    ),  # fmt: skip
+    ),
     "watermark": ((), "jaxserve admits a request once its prompt's blocks fit"),
     "prefill_schedule_interval": ((), "prefills are scheduled every step"),
     "stream_interval": ((), "every step's tokens are streamed"),
@@ -321,7 +320,7 @@ def _accepted(values: Any, accepted: tuple[Any, ...]) -> bool:
 def _matches(value: Any, accepted: tuple[Any, ...]) -> bool:
     """A command-line string (or bool) equal to an accepted value, compared as JSON."""
     if isinstance(value, str):
-        value = _json_or_str(value)
+        value = json_or_str(value)
     return any(value == a or str(value) == str(a) for a in accepted)
 
 
@@ -351,100 +350,15 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         nargs = {"bool": 0, "switch": 0, "values": "+", "append": None, "value": None}[kind]
         negated = tuple(n for n in flag["flags"] if n.startswith("--no-"))
         group.add_argument(
-            *names, *negated, dest=f"vllm_{dest}", nargs=nargs, default=None, metavar="V",
-            action=_Accepted, accepted=accepted, reason=reason, negated=negated,
+            *names,
+            *negated,
+            dest=f"vllm_{dest}",
+            nargs=nargs,
+            default=None,
+            metavar="V",
+            action=_Accepted,
+            accepted=accepted,
+            reason=reason,
+            negated=negated,
             help=f"{'ignored' if accepted is None else 'vLLM default only'}: {reason}",
-        )  # fmt: skip
-
-
-_DASHED = re.compile(r"^--[^=.]+")
-
-
-def normalize_argv(argv: list[str]) -> list[str]:
-    """vLLM's spellings as jaxserve's parser takes them: underscores in a flag's name as
-    dashes, `--cfg.key[.sub] VALUE` (or `=VALUE`) merged into one `--cfg JSON`, `-O3` /
-    `-O 3` as `--optimization-level 3`, and `--config FILE` (YAML) as the flags it holds,
-    before those given on the line."""
-    argv = _expand_config(argv)
-    out: list[str] = []
-    dotted: dict[str, dict] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
-        if arg.startswith("--"):
-            arg = _DASHED.sub(lambda m: m.group(0).replace("_", "-"), arg)
-            name = arg.split("=", 1)[0]
-            if "." in name:  # --structured-outputs-config.backend guidance
-                if "=" in arg:
-                    value = arg.split("=", 1)[1]
-                elif i < len(argv):
-                    value, i = argv[i], i + 1
-                else:
-                    raise ValueError(f"{name} needs a value")
-                key, *path = name.split(".")
-                _set_path(dotted.setdefault(key, {}), path, _json_or_str(value))
-                continue
-        elif re.fullmatch(r"-O=?\w+", arg):
-            out += ["--optimization-level", arg[2:].lstrip("=")]
-            continue
-        out.append(arg)
-    for key, value in dotted.items():
-        out += [key, json.dumps(value)]
-    return out
-
-
-def _set_path(target: dict, path: list[str], value: Any) -> None:
-    for key in path[:-1]:
-        target = target.setdefault(key, {})
-    target[path[-1]] = value
-
-
-def _json_or_str(value: str) -> Any:
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
-
-
-def _expand_config(argv: list[str]) -> list[str]:
-    """`--config FILE`: the YAML mapping's keys as flags (`max_model_len: 2048` ->
-    `--max-model-len 2048`, `true` -> the bare flag, a list -> its values), placed right after
-    the subcommand and its model, so that flags on the line override the file's."""
-    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
-        return argv
-    rest: list[str] = []
-    path = None
-    i = 0
-    while i < len(argv):
-        if argv[i] == "--config" and i + 1 < len(argv):
-            path, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            path, i = argv[i].split("=", 1)[1], i + 1
-        else:
-            rest.append(argv[i])
-            i += 1
-    import yaml
-
-    try:
-        with open(path) as f:
-            config = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ValueError(f"--config {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"--config {path}: expected a YAML mapping of flags, got {config!r}")
-    flags: list[str] = []
-    for key, value in config.items():
-        name = "--" + str(key).replace("_", "-")
-        if value is True:
-            flags.append(name)
-        elif value is False:
-            flags.append("--no-" + name[2:])
-        elif isinstance(value, list):
-            flags += [name, *map(str, value)]
-        elif isinstance(value, dict):
-            flags += [name, json.dumps(value)]
-        else:
-            flags += [name, str(value)]
-    head = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1  # serve [MODEL]
-    return rest[:head] + flags + rest[head:]
+        )

@@ -144,10 +144,22 @@ def paged_attention(
     the mesh splits them (shard_map: a custom call cannot be auto-partitioned). Each runs its
     decode path alone when md.decode_only says the batch is all decodes.
     """
-    args = (q, k_cache, v_cache, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs,
-            sinks)  # fmt: skip
-    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  attention_chunk=attention_chunk)  # fmt: skip
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        md.kv_lens,
+        md.block_tables,
+        md.query_start_loc,
+        md.num_seqs,
+        sinks,
+    )
+    scores = dict(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        attention_chunk=attention_chunk,
+    )
     if md.causal_ext is not None and not md.decode_only:  # bidirectional images
         scores["causal_ext"] = md.causal_ext
         if backend == "pallas":  # its prefill kernel is causal only
@@ -159,9 +171,12 @@ def paged_attention(
     else:
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
         kernel = functools.partial(
-            _pallas_kernel(device, q, k_cache, attention_chunk, latent_dim), **scores,
-            decode_only=md.decode_only, interpret=device.platform != "gpu", latent_dim=latent_dim,
-        )  # fmt: skip
+            _pallas_kernel(device, q, k_cache, attention_chunk, latent_dim),
+            **scores,
+            decode_only=md.decode_only,
+            interpret=device.platform != "gpu",
+            latent_dim=latent_dim,
+        )
     if mesh is None or mesh.shape[TP_AXIS] == 1:
         return kernel(*args)
     heads, cache = P(None, TP_AXIS, None), P(None, None, TP_AXIS, None)
@@ -180,10 +195,15 @@ def _pallas_kernel(device, q, cache, attention_chunk, latent_dim):
     if device.platform != "gpu" or mosaic_kernel() is None:
         return ragged_paged_attention
     choice = choose_kernel(
-        device.device_kind, q_dtype=q.dtype.name, cache_dtype=cache.dtype.name,
-        head_dim=q.shape[-1], block_size=cache.shape[1], attention_chunk=attention_chunk,
-        latent_dim=latent_dim, compute_capability=getattr(device, "compute_capability", None),
-    )  # fmt: skip
+        device.device_kind,
+        q_dtype=q.dtype.name,
+        cache_dtype=cache.dtype.name,
+        head_dim=q.shape[-1],
+        block_size=cache.shape[1],
+        attention_chunk=attention_chunk,
+        latent_dim=latent_dim,
+        compute_capability=getattr(device, "compute_capability", None),
+    )
     return mosaic_kernel() if choice == "mosaic" else ragged_paged_attention
 
 
@@ -207,8 +227,15 @@ class Attention(nnx.Module):
     under tensor parallelism each device's contiguous share of the columns is whole groups.
     """
 
-    def __init__(self, config: ModelConfig, *, layer: int = 0, kv_replicas: int = 1,
-                 rngs: nnx.Rngs, norm_cls: type = RMSNorm):  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        layer: int = 0,
+        kv_replicas: int = 1,
+        rngs: nnx.Rngs,
+        norm_cls: type = RMSNorm,
+    ):
         """layer: which decoder layer (its sliding window and rotary); norm_cls: the q/k norm
         (Qwen3's RMSNorm, Gemma 3's)."""
         d, hq, hd = config.hidden_size, config.num_heads, config.head_dim
@@ -216,15 +243,18 @@ class Attention(nnx.Module):
         self.group = hq // self.num_kv_heads
         width = self.num_kv_heads * (self.group + 2) * hd
         quant = config.linear_kwargs()
-        self.qkv_proj = Linear(d, width, bias=config.attention_bias, dtype=config.dtype,
-                               rngs=rngs, **quant)  # fmt: skip
-        self.o_proj = Linear(hq * hd, d, bias=config.o_proj_bias, dtype=config.dtype, rngs=rngs,
-                             **quant)  # fmt: skip
+        self.qkv_proj = Linear(
+            d, width, bias=config.attention_bias, dtype=config.dtype, rngs=rngs, **quant
+        )
+        self.o_proj = Linear(
+            hq * hd, d, bias=config.o_proj_bias, dtype=config.dtype, rngs=rngs, **quant
+        )
         # Qwen3-Next: each head's output times sigmoid(x . gate_proj) before o_proj
         self.gate_proj = (
             Linear(d, hq * hd, dtype=config.dtype, rngs=rngs, **quant)
-            if config.attn_output_gate else None
-        )  # fmt: skip
+            if config.attn_output_gate
+            else None
+        )
         # gpt-oss: a logit per query head that every softmax's denominator also sums
         self.sinks = nnx.Param(jnp.zeros((hq,), config.dtype)) if config.attention_sinks else None
         if config.qk_norm:
@@ -291,11 +321,18 @@ class Attention(nnx.Module):
         # q . (k_scale * k8) = k_scale * (q . k8), and sum p (v_scale * v8) = v_scale * sum p v8:
         # the scales fold into the score scale and the output, outside the attention op.
         out = paged_attention(
-            q, k_cache, v_cache, md, sm_scale=self.sm_scale * k_scale,
-            sliding_window=self.sliding_window, soft_cap=self.soft_cap, backend=self.backend,
-            mesh=self.mesh, sinks=None if self.sinks is None else self.sinks[...],
+            q,
+            k_cache,
+            v_cache,
+            md,
+            sm_scale=self.sm_scale * k_scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+            backend=self.backend,
+            mesh=self.mesh,
+            sinks=None if self.sinks is None else self.sinks[...],
             attention_chunk=self.chunk,
-        )  # fmt: skip
+        )
         if v_scale != 1.0:
             out = out * jnp.asarray(v_scale, out.dtype)
         out = out.reshape(t, -1)

@@ -47,8 +47,9 @@ def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, 
     return ids.astype(jnp.int32), weights
 
 
-def route_noaux_tc(logits: jax.Array, bias: jax.Array, top_k: int, renormalize: bool,
-                   routing: MoeRouting) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def route_noaux_tc(
+    logits: jax.Array, bias: jax.Array, top_k: int, renormalize: bool, routing: MoeRouting
+) -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V3's and GLM-4.5's routing (config/moe.py::MoeRouting): router logits
     f32[T, E] and the correction bias f32[E] -> (expert ids i32[T, k], weights f32[T, k])."""
     t, e = logits.shape
@@ -82,8 +83,9 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, *, alpha: float, limit: float
     return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
 
 
-def route_softmax_groups(logits: jax.Array, top_k: int, routing: MoeRouting
-                         ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def route_softmax_groups(
+    logits: jax.Array, top_k: int, routing: MoeRouting
+) -> tuple[jax.Array, jax.Array]:
     """DeepSeek-V2's routing (config/moe.py::MoeRouting "softmax_group"): router logits
     f32[T, E] -> (expert ids i32[T, k], weights f32[T, k])."""
     t, e = logits.shape
@@ -97,10 +99,16 @@ def route_softmax_groups(logits: jax.Array, top_k: int, routing: MoeRouting
 
 
 def expert_mlp(
-    x: jax.Array, ids: jax.Array, weights: jax.Array, w13: jax.Array, w2: jax.Array,
-    first_expert: jax.Array | int = 0, act: Callable | None = None,
-    b13: jax.Array | None = None, scale_inputs: bool = False,
-) -> jax.Array:  # fmt: skip
+    x: jax.Array,
+    ids: jax.Array,
+    weights: jax.Array,
+    w13: jax.Array,
+    w2: jax.Array,
+    first_expert: jax.Array | int = 0,
+    act: Callable | None = None,
+    b13: jax.Array | None = None,
+    scale_inputs: bool = False,
+) -> jax.Array:
     """The experts first_expert .. first_expert + E_local - 1 (w13 [E_local, D, 2F'],
     w2 [E_local, F', D], the gate/up biases b13 [E_local, 2F'] when given) applied to the
     rows routed to them: x [T, D], ids / weights [T, k] -> [T, D], the routing-weighted sum
@@ -138,8 +146,12 @@ class FusedMoE(nnx.Module):
     GLM-4.5: `shared_experts`, a GatedMLP) when the config has them."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        d, e, f, dt = (config.hidden_size, config.num_experts, config.moe_intermediate_size,
-                       config.dtype)  # fmt: skip
+        d, e, f, dt = (
+            config.hidden_size,
+            config.num_experts,
+            config.moe_intermediate_size,
+            config.dtype,
+        )
         self.routing = config.moe_routing
         # the router, never quantized
         self.gate = Linear(d, e, bias=self.routing.biases, dtype=dt, rngs=rngs)
@@ -151,7 +163,7 @@ class FusedMoE(nnx.Module):
         self.shared_experts = (
             GatedMLP(
                 d, shared, dtype=dt, rngs=rngs, act=config.hidden_act, linear=config.linear_kwargs()
-            )  # fmt: skip
+            )
             if shared
             else None
         )
@@ -210,8 +222,16 @@ class FusedMoE(nnx.Module):
         w13, w2 = self.experts("w13"), self.experts("w2")
         b13 = None if self.w13_bias is None else self.w13_bias[...]
         if self.mesh is None or self.mesh.shape[TP_AXIS] == 1:
-            out = expert_mlp(x, ids, weights, w13, w2, act=self.act, b13=b13,
-                             scale_inputs=self.routing.scale_inputs)  # fmt: skip
+            out = expert_mlp(
+                x,
+                ids,
+                weights,
+                w13,
+                w2,
+                act=self.act,
+                b13=b13,
+                scale_inputs=self.routing.scale_inputs,
+            )
         else:
             out = self._sharded(x, ids, weights, w13, w2, b13)
         if self.w2_bias is not None:  # sum_k weight_k * bias of expert k, once (not per shard)
@@ -239,8 +259,17 @@ class FusedMoE(nnx.Module):
 
         def shard(x, ids, weights, w13, w2, b13):
             first = jax.lax.axis_index(TP_AXIS) * w13.shape[0] if ep else 0
-            out = expert_mlp(x, ids, weights, w13, w2, first, act=self.act, b13=b13,
-                             scale_inputs=self.routing.scale_inputs)  # fmt: skip
+            out = expert_mlp(
+                x,
+                ids,
+                weights,
+                w13,
+                w2,
+                first,
+                act=self.act,
+                b13=b13,
+                scale_inputs=self.routing.scale_inputs,
+            )
             return jax.lax.psum(out, TP_AXIS)
 
         spec13, spec2 = (
@@ -250,9 +279,12 @@ class FusedMoE(nnx.Module):
         # a packed stack: its kernel, scales and offsets split alike
         spec13, spec2 = (jax.tree.map(lambda _, s=s: s, w) for w, s in ((w13, spec13), (w2, spec2)))
         return jax.shard_map(
-            shard, mesh=self.mesh, in_specs=(P(), P(), P(), spec13, spec2, spec_b13),
-            out_specs=P(), check_vma=False,
-        )(x, ids, weights, w13, w2, b13)  # fmt: skip
+            shard,
+            mesh=self.mesh,
+            in_specs=(P(), P(), P(), spec13, spec2, spec_b13),
+            out_specs=P(),
+            check_vma=False,
+        )(x, ids, weights, w13, w2, b13)
 
 
 def _expert_params(

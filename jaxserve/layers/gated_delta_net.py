@@ -47,10 +47,24 @@ GROUP = 4  # multi-token sequences a chunked pass takes at once
 
 
 def gated_delta_scan(
-    mixed, a, b, conv_w, a_log, dt_bias, query_start_loc, num_seqs, token_rows, positions,
-    conv_state, rec_state, *, num_k_heads: int, k_head_dim: int, v_head_dim: int,
+    mixed,
+    a,
+    b,
+    conv_w,
+    a_log,
+    dt_bias,
+    query_start_loc,
+    num_seqs,
+    token_rows,
+    positions,
+    conv_state,
+    rec_state,
+    *,
+    num_k_heads: int,
+    k_head_dim: int,
+    v_head_dim: int,
     chunk: int | None = CHUNK,
-):  # fmt: skip
+):
     """The convolution and the gated delta rule over each sequence's tokens.
 
     Args:
@@ -103,9 +117,14 @@ def gated_delta_scan(
         return run(_recurrent, start, q_len, row, fresh, conv_state, rec_state)
     single = q_len == 1
     out, conv_state, rec_state = run(
-        _recurrent, start, jnp.where(single, 1, 0), jnp.where(single, row, rows_n), fresh,
-        conv_state, rec_state,
-    )  # fmt: skip
+        _recurrent,
+        start,
+        jnp.where(single, 1, 0),
+        jnp.where(single, row, rows_n),
+        fresh,
+        conv_state,
+        rec_state,
+    )
     # The multi-token sequences first (a stable sort), GROUP of them per pass.
     multi = q_len > 1
     group = min(GROUP, max_seqs)
@@ -120,9 +139,15 @@ def gated_delta_scan(
         ok = g * group + jnp.arange(group) < num_multi
         seq_len = jnp.where(ok, pad(q_len, 0)[ids], 0)
         o, conv_state, rec_state = run(
-            _chunked, pad(start, 0)[ids], seq_len, jnp.where(ok, pad(row, rows_n)[ids], rows_n),
-            pad(fresh, False)[ids], conv_state, rec_state, chunk=min(chunk, num_tokens),
-        )  # fmt: skip
+            _chunked,
+            pad(start, 0)[ids],
+            seq_len,
+            jnp.where(ok, pad(row, rows_n)[ids], rows_n),
+            pad(fresh, False)[ids],
+            conv_state,
+            rec_state,
+            chunk=min(chunk, num_tokens),
+        )
         return out + o, conv_state, rec_state
 
     passes = (num_multi + group - 1) // group
@@ -171,8 +196,7 @@ def _unit_lower_solve(lower: jax.Array, rhs: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, lower.shape[-1], row, jnp.zeros_like(rhs))
 
 
-def _chunked(mixed, a, b, conv_w, decay_rate, dt_bias, qkv, start, q_len, conv, rec, *,
-             chunk: int):  # fmt: skip
+def _chunked(mixed, a, b, conv_w, decay_rate, dt_bias, qkv, start, q_len, conv, rec, *, chunk: int):
     """The chunked form (module docstring) over sequences starting at start i32[S] with
     q_len i32[S] tokens, from states conv [S, K-1, C] and rec f32[S, Hv, Dk, Dv] ->
     (o f32[T, Hv, Dv], conv, rec)."""
@@ -250,17 +274,30 @@ class GatedDeltaNet(nnx.Module):
         c, t = self.dims, x.shape[0]
         r = c.num_v_heads // c.num_k_heads
         qkvz = self.in_proj_qkvz(x).reshape(t, c.num_k_heads, -1)
-        q, k, v, z = jnp.split(qkvz, [c.k_head_dim, 2 * c.k_head_dim,
-                                      2 * c.k_head_dim + r * c.v_head_dim], axis=-1)  # fmt: skip
+        q, k, v, z = jnp.split(
+            qkvz, [c.k_head_dim, 2 * c.k_head_dim, 2 * c.k_head_dim + r * c.v_head_dim], axis=-1
+        )
         ba = self.in_proj_ba(x).reshape(t, c.num_k_heads, 2 * r)
         b, a = ba[..., :r].reshape(t, -1), ba[..., r:].reshape(t, -1)  # [T, Hv]
         mixed = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
         o, conv_state, rec_state = gated_delta_scan(
-            mixed, a, b, self.conv1d[...], self.A_log[...], self.dt_bias[...],
-            md.query_start_loc, md.num_seqs, token_rows, positions, conv_state, rec_state,
-            num_k_heads=c.num_k_heads, k_head_dim=c.k_head_dim, v_head_dim=c.v_head_dim,
+            mixed,
+            a,
+            b,
+            self.conv1d[...],
+            self.A_log[...],
+            self.dt_bias[...],
+            md.query_start_loc,
+            md.num_seqs,
+            token_rows,
+            positions,
+            conv_state,
+            rec_state,
+            num_k_heads=c.num_k_heads,
+            k_head_dim=c.k_head_dim,
+            v_head_dim=c.v_head_dim,
             chunk=None if md.decode_only else CHUNK,
-        )  # fmt: skip
+        )
         o = rms_normalize(o, self.eps).astype(x.dtype) * self.norm[...]
         z = z.reshape(t, c.num_v_heads, c.v_head_dim).astype(jnp.float32)
         o = (o.astype(jnp.float32) * jax.nn.silu(z)).astype(x.dtype)

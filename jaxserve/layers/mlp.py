@@ -12,12 +12,21 @@ class GatedMLP(nnx.Module):
     """gate_up_proj's output columns interleave the two: column 2f is gate f, 2f + 1 is up f,
     so under tensor parallelism each device's contiguous share holds both halves of its f."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs,
-                 act: str = "silu", linear: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype,
+        rngs: nnx.Rngs,
+        act: str = "silu",
+        linear: dict | None = None,
+    ):
         """linear: the projections' quantization (ModelConfig.linear_kwargs)."""
         linear = linear or {}
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype, rngs=rngs,
-                                   **linear)  # fmt: skip
+        self.gate_up_proj = Linear(
+            hidden_size, 2 * intermediate_size, dtype=dtype, rngs=rngs, **linear
+        )
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs, **linear)
         self.act = act
 

@@ -70,17 +70,27 @@ class SamplerVariant(NamedTuple):
         """The passes a batch of SamplingParams-like rows needs (every flag exact)."""
         column = lambda name: np.array([getattr(p, name) for p in params])  # noqa: E731
         return cls.of_rows(
-            column("temperature"), column("top_k"), column("top_p"), column("min_p"),
+            column("temperature"),
+            column("top_k"),
+            column("top_p"),
+            column("min_p"),
             penalties=np.array([is_penalised(p) for p in params], bool),
             bias=np.array([bool(p.logit_bias) for p in params], bool),
             logprobs=np.array([p.logprobs is not None for p in params], bool),
-        )  # fmt: skip
+        )
 
     @classmethod
     def of_rows(
-        cls, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
-        *, penalties: np.ndarray, bias: np.ndarray, logprobs: np.ndarray,
-    ) -> SamplerVariant:  # fmt: skip
+        cls,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        min_p: np.ndarray,
+        *,
+        penalties: np.ndarray,
+        bias: np.ndarray,
+        logprobs: np.ndarray,
+    ) -> SamplerVariant:
         """The passes N rows need, from their parameters as arrays ([N] each; the bool ones:
         the row is penalised / has a logit bias now / asked for logprobs)."""
         random = temperature >= _GREEDY_EPS

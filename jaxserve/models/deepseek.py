@@ -43,8 +43,9 @@ class MLAAttention(Attention):
     w_uk [H, nope, r] and w_uv [H, v, r] (kv_b_proj split per head); o_proj [H * v, D].
     Caches: K [blocks, block_size, R, r + rope] (R = the tensor-parallel replicas), V empty."""
 
-    def __init__(self, config: ModelConfig, *, layer: int = 0, kv_replicas: int = 1,
-                 rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self, config: ModelConfig, *, layer: int = 0, kv_replicas: int = 1, rngs: nnx.Rngs
+    ):
         m, d, h, dt = config.mla, config.hidden_size, config.num_heads, config.dtype
         init = nnx.initializers.lecun_normal()
         bias = config.attention_bias
@@ -77,8 +78,14 @@ class MLAAttention(Attention):
         inv_freq = rope_inv_freq(self.mla.qk_rope_head_dim, self.rope)
         return apply_rotary(x, positions, inv_freq, rope_attention_factor(self.rope))
 
-    def __call__(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
-                 v_cache: jax.Array, md: AttentionMetadata):  # fmt: skip
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        md: AttentionMetadata,
+    ):
         """x: [T, D] -> ([T, D], k_cache, v_cache) with this step's latents written."""
         m, t, h = self.mla, x.shape[0], self.num_heads
         if m.q_lora_rank is None:
@@ -102,15 +109,24 @@ class MLAAttention(Attention):
             fresh = real & (md.kv_lens == q_lens) & (q_lens > 1)
             md = md._replace(kv_lens=jnp.where(fresh, 0, md.kv_lens))
         out = paged_attention(
-            query, k_cache, k_cache, md, sm_scale=m.sm_scale, backend=self.backend,
-            mesh=self.mesh, latent_dim=m.kv_lora_rank,
-        )  # fmt: skip
+            query,
+            k_cache,
+            k_cache,
+            md,
+            sm_scale=m.sm_scale,
+            backend=self.backend,
+            mesh=self.mesh,
+            latent_dim=m.kv_lora_rank,
+        )
         out = jnp.einsum("thr,hvr->thv", out[..., : m.kv_lora_rank], self.w_uv[...])
         if fresh is not None:
             keys = jnp.concatenate(
-                [jnp.einsum("tr,hnr->thn", latent, self.w_uk[...]),
-                 jnp.broadcast_to(k_pe, (t, h, m.qk_rope_head_dim)).astype(latent.dtype)], -1
-            )  # fmt: skip
+                [
+                    jnp.einsum("tr,hnr->thn", latent, self.w_uk[...]),
+                    jnp.broadcast_to(k_pe, (t, h, m.qk_rope_head_dim)).astype(latent.dtype),
+                ],
+                -1,
+            )
             values = jnp.einsum("tr,hvr->thv", latent, self.w_uv[...])
             queries = jnp.concatenate([q_nope, query[..., m.kv_lora_rank :]], axis=-1)
             out = expanded_attention(queries, keys, values, out, fresh, md, m.sm_scale)

@@ -71,5 +71,7 @@ def _dummy_value(key, *, shape: tuple, dtype, kind: str) -> jax.Array:
 def quantized_dtype(target) -> bool:
     """Whether a parameter holds quantized values (int8, e4m3 or packed uint8 codes)."""
     return jnp.dtype(target.dtype) in (
-        jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.uint8)
-    )  # fmt: skip
+        jnp.dtype(jnp.int8),
+        jnp.dtype(jnp.float8_e4m3fn),
+        jnp.dtype(jnp.uint8),
+    )

@@ -124,11 +124,11 @@ class Eagle3DecoderLayer(nnx.Module):
         self.hidden_norm = RMSNorm(d, eps, dtype=dt)
         self.self_attn = Attention(config, layer=0, kv_replicas=kv_replicas, rngs=rngs)
         width = self.self_attn.qkv_proj.kernel.shape[1]
-        self.self_attn.qkv_proj = Linear(2 * d, width, bias=config.attention_bias, dtype=dt,
-                                         rngs=rngs)  # fmt: skip
+        self.self_attn.qkv_proj = Linear(
+            2 * d, width, bias=config.attention_bias, dtype=dt, rngs=rngs
+        )
         self.post_attention_layernorm = RMSNorm(d, eps, dtype=dt)
-        self.mlp = GatedMLP(d, config.intermediate_size, dtype=dt, rngs=rngs,
-                            act=config.hidden_act)  # fmt: skip
+        self.mlp = GatedMLP(d, config.intermediate_size, dtype=dt, rngs=rngs, act=config.hidden_act)
         self.norm_before_residual = bool(getattr(config.hf_config, "norm_before_residual", False))
 
     def __call__(self, embeds, h, positions, k_cache, v_cache, md: AttentionMetadata):

@@ -43,8 +43,14 @@ class GemmaDecoderLayer(nnx.Module):
         )
         self.post_attention_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
         self.pre_feedforward_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
-        self.mlp = GatedMLP(d, config.intermediate_size, dtype=dt, rngs=rngs,
-                            act=config.hidden_act, linear=config.linear_kwargs())  # fmt: skip
+        self.mlp = GatedMLP(
+            d,
+            config.intermediate_size,
+            dtype=dt,
+            rngs=rngs,
+            act=config.hidden_act,
+            linear=config.linear_kwargs(),
+        )
         self.post_feedforward_layernorm = GemmaRMSNorm(d, eps, dtype=dt)
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):

@@ -28,7 +28,9 @@ class Glm4MoeForCausalLM(MixtralForCausalLM):
             if names[3] == "shared_experts":
                 shared = f"{prefix}.shared_experts"
                 if names[4] == "gate_up_proj":
-                    return HFWeight((f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
-                                    lambda gate, up: fuse_gate_up(gate, up).T)  # fmt: skip
+                    return HFWeight(
+                        (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+                        lambda gate, up: fuse_gate_up(gate, up).T,
+                    )
                 return HFWeight((f"{shared}.down_proj.weight",), np.transpose)
         return super().hf_weight(config, path, kv_replicas)

@@ -80,8 +80,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
             return HFWeight((f"{experts}.{proj}_blocks",), pack_mxfp4_codes)
         if quant_method(config.hf_config) == "mxfp4":
             if names[1] == "0" and leaf == "w13":
-                logger.info("gpt-oss: MXFP4 experts dequantized to %s as they load",
-                            np.dtype(config.dtype).name)  # fmt: skip
-            return HFWeight((f"{experts}.{proj}_blocks", f"{experts}.{proj}_scales"),
-                            dequantize_mxfp4_experts)  # fmt: skip
+                logger.info(
+                    "gpt-oss: MXFP4 experts dequantized to %s as they load",
+                    np.dtype(config.dtype).name,
+                )
+            return HFWeight(
+                (f"{experts}.{proj}_blocks", f"{experts}.{proj}_scales"), dequantize_mxfp4_experts
+            )
         return HFWeight((f"{experts}.{proj}",))  # [E, D, 2F] / [E, F, D], as FusedMoE's

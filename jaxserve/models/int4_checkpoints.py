@@ -152,8 +152,14 @@ def read_mxfp4(source, weight: HFWeight, group: int) -> tuple[np.ndarray, np.nda
     return _pack_rows(build(*codes)), build(*scales).astype(np.uint8)
 
 
-def read_int4(source, weight: HFWeight, group: int, layout: str, act_order: bool = False,
-              per_channel: bool = False) -> tuple[np.ndarray, ...]:  # fmt: skip
+def read_int4(
+    source,
+    weight: HFWeight,
+    group: int,
+    layout: str,
+    act_order: bool = False,
+    per_channel: bool = False,
+) -> tuple[np.ndarray, ...]:
     """Each HF layer of `weight` in `layout` -> (kernel uint8 [in / 2, out], scale, offset f32
     [in / group, out]), fused and transposed like the float weights; with act_order (GPTQ
     desc_act, compressed-tensors actorder group) also perm int32 [in], the input row of each
@@ -178,6 +184,9 @@ def read_int4(source, weight: HFWeight, group: int, layout: str, act_order: bool
         scales.append(scale)
         offsets.append(-zero * scale)
     build = weight.build or (lambda x: x)
-    out = (_pack_rows(build(*values)), build(*scales).astype(np.float32),
-           build(*offsets).astype(np.float32))  # fmt: skip
+    out = (
+        _pack_rows(build(*values)),
+        build(*scales).astype(np.float32),
+        build(*offsets).astype(np.float32),
+    )
     return (*out, perms[0]) if act_order else out

@@ -40,19 +40,23 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, kv_replicas: int, rngs: nnx.Rngs):
         dt = config.dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
-        self.self_attn = self.attention_cls(config, layer=layer, kv_replicas=kv_replicas,
-                                            rngs=rngs)  # fmt: skip
+        self.self_attn = self.attention_cls(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dt)
         if config.is_moe_layer(layer):  # Mixtral, Qwen3-MoE
             self.mlp = FusedMoE(config, rngs=rngs)
         else:
             self.mlp = GatedMLP(
-                config.hidden_size, config.intermediate_size, dtype=dt, rngs=rngs,
-                act=config.hidden_act, linear=config.linear_kwargs(),
-            )  # fmt: skip
+                config.hidden_size,
+                config.intermediate_size,
+                dtype=dt,
+                rngs=rngs,
+                act=config.hidden_act,
+                linear=config.linear_kwargs(),
+            )
 
-    def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata,
-                 lora: LoRABatch | None = None):  # fmt: skip
+    def __call__(
+        self, x, positions, k_cache, v_cache, md: AttentionMetadata, lora: LoRABatch | None = None
+    ):
         """x: [T, D] -> ([T, D], k_cache, v_cache); lora: the tokens' adapter slots."""
         adapters = {} if lora is None else {"lora": lora}  # MLA, MoE: no adapters (refused)
         attn_out, k_cache, v_cache = self.self_attn(
@@ -156,9 +160,11 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, D] (only the rows whose next token is wanted) -> float32 logits [N, V]."""
         return lm_logits(
-            hidden, self.logits_head, tied=self.config.tie_word_embeddings,
+            hidden,
+            self.logits_head,
+            tied=self.config.tie_word_embeddings,
             soft_cap=self.config.final_logit_softcapping,
-        )  # fmt: skip
+        )
 
     @staticmethod
     def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:

@@ -57,8 +57,10 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         mlp = f"{ff}.shared_expert" if leaf == "shared_experts" else ff
         proj = names[-2]
         if proj == "gate_up_proj":
-            return HFWeight((f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
-                            lambda gate, up: fuse_gate_up(gate, up).T)  # fmt: skip
+            return HFWeight(
+                (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"),
+                lambda gate, up: fuse_gate_up(gate, up).T,
+            )
         return HFWeight((f"{mlp}.down_proj.weight",), np.transpose)
 
 

@@ -99,8 +99,12 @@ def load_model(
     model_cls = get_model_class(config.architecture)
     mtp = getattr(hf_config, "num_nextn_predict_layers", 0)  # DeepSeek, GLM-4.5
     if mtp := mtp or getattr(hf_config, "mtp_num_layers", 0):  # Qwen3-Next's `mtp.*`
-        logger.info("%s: its %d multi-token-prediction layer(s) are not loaded (no MTP "
-                    "speculative decoding yet)", config.architecture, mtp)  # fmt: skip
+        logger.info(
+            "%s: its %d multi-token-prediction layer(s) are not loaded (no MTP "
+            "speculative decoding yet)",
+            config.architecture,
+            mtp,
+        )
     mesh = mesh if mesh is not None else make_mesh(tensor_parallel_size)
     tp = mesh.shape[TP_AXIS]
     validate_tp(config, tp)
@@ -207,8 +211,9 @@ def weight_bytes(params: dict[tuple, Any], config: ModelConfig) -> str:
     return f"{total / 2**30:.2f} GiB ({parts})"
 
 
-def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: dict,
-                 place, label: str) -> None:  # fmt: skip
+def read_params(
+    source, model_cls, config: ModelConfig, replicas: int, targets: dict, place, label: str
+) -> None:
     """Read (and convert, quantize) every parameter of `targets` from `source`, handing each
     host array to `place(path, array)`."""
     layout = int4_layout(config.hf_config) if config.quantization == "int4" else None
@@ -229,24 +234,27 @@ def read_params(source, model_cls, config: ModelConfig, replicas: int, targets: 
                 build = weight.build or (lambda x: x)
                 hosts = [build(*(b[i] for b in blocks)) for i in range(3)]
             else:
-                hosts = read_int4(source, weight, config.quant_group, layout,
-                                  act_order=(*p[:-1], "perm") in targets,
-                                  per_channel=config.quant_per_channel)  # fmt: skip
+                hosts = read_int4(
+                    source,
+                    weight,
+                    config.quant_group,
+                    layout,
+                    act_order=(*p[:-1], "perm") in targets,
+                    per_channel=config.quant_per_channel,
+                )
             for part, host in zip(("kernel", "scale", "offset", "perm"), hosts, strict=False):
                 q = _companion(p, part)
                 place(q, _checked(host, targets[q].shape, names))
         elif quantized_dtype(targets[p]) and config.prequantized:
             kernel, scale = _read_prequantized(source, weight, targets[p], config.quant_group, rows)
+            q = _companion(p, "scale")
             place(p, kernel)
-            place(
-                _companion(p, "scale"),
-                _checked(scale, targets[_companion(p, "scale")].shape, names),
-            )
+            place(q, _checked(scale, targets[q].shape, names))
         elif quantized_dtype(targets[p]):  # read in float32, quantized per output channel
             kernel, scale = quantize_kernel(
                 _read_param(source, weight, jax.ShapeDtypeStruct(targets[p].shape, np.float32)),
                 config.quantization,
-            )  # fmt: skip
+            )
             place(p, kernel)
             place((*p[:-1], "scale"), scale)
         elif config.prequantized and any(_scale_name(source, n) for n in weight.names):

@@ -95,8 +95,9 @@ def load_adapter(
                 b = np.zeros((_part_out(part, config), len(parts) * max_rank), np.float32)
                 if ab is not None:
                     if set(ab) != {"A", "B"}:
-                        raise ValueError(f"adapter {path!r}: layer {layer} {part} lacks lora_A "
-                                         "or lora_B")  # fmt: skip
+                        raise ValueError(
+                            f"adapter {path!r}: layer {layer} {part} lacks lora_A or lora_B"
+                        )
                     a[:, i * max_rank : i * max_rank + r] = ab["A"].T
                     b[:, i * max_rank : i * max_rank + r] = ab["B"] * adapter.scaling
                 bs.append(b)

@@ -35,21 +35,35 @@ class Qwen3NextDecoderLayer(nnx.Module):
         if self.linear:
             self.linear_attn = GatedDeltaNet(config, rngs=rngs)
         else:
-            self.self_attn = Attention(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs,
-                                       norm_cls=GemmaRMSNorm)  # fmt: skip
+            self.self_attn = Attention(
+                config, layer=layer, kv_replicas=kv_replicas, rngs=rngs, norm_cls=GemmaRMSNorm
+            )
         if config.is_moe_layer(layer):
             self.mlp = FusedMoE(config, rngs=rngs)
         else:
-            self.mlp = GatedMLP(d, config.intermediate_size, dtype=dt, rngs=rngs,
-                                act=config.hidden_act, linear=config.linear_kwargs())  # fmt: skip
+            self.mlp = GatedMLP(
+                d,
+                config.intermediate_size,
+                dtype=dt,
+                rngs=rngs,
+                act=config.hidden_act,
+                linear=config.linear_kwargs(),
+            )
 
 
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     layer_cls = Qwen3NextDecoderLayer
     norm_cls = GemmaRMSNorm
 
-    def __call__(self, input_ids, positions, kv_caches, md: AttentionMetadata,
-                 aux_layers: tuple[int, ...] = (), token_rows: jax.Array = None):  # fmt: skip
+    def __call__(
+        self,
+        input_ids,
+        positions,
+        kv_caches,
+        md: AttentionMetadata,
+        aux_layers: tuple[int, ...] = (),
+        token_rows: jax.Array = None,
+    ):
         """input_ids, positions, token_rows (each token's state slot): i32[T] -> (final hidden
         states [T, D], caches with this step's K/V and states written). No EAGLE-3 features
         (speculative decoding is refused for hybrid models)."""
@@ -93,8 +107,9 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
             return HFWeight((f"{name}.weight",))  # the gated norm
         hd, heads = config.head_dim, config.num_heads
         if names[2:4] == ["self_attn", "gate_proj"]:  # q_proj's per-head second halves
-            return HFWeight((f"{prefix}.self_attn.q_proj.weight",),
-                            lambda w: _q_half(w, heads, hd, 1).T)  # fmt: skip
+            return HFWeight(
+                (f"{prefix}.self_attn.q_proj.weight",), lambda w: _q_half(w, heads, hd, 1).T
+            )
         if names[2:4] == ["self_attn", "qkv_proj"]:
             inner = LlamaForCausalLM.hf_weight(config, path, kv_replicas)
             return HFWeight(
@@ -103,8 +118,10 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         if names[2] == "mlp" and len(names) > 4 and names[3] == "shared_experts":
             shared = f"{prefix}.mlp.shared_expert"
             if names[4] == "gate_up_proj":
-                return HFWeight((f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
-                                lambda gate, up: fuse_gate_up(gate, up).T)  # fmt: skip
+                return HFWeight(
+                    (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+                    lambda gate, up: fuse_gate_up(gate, up).T,
+                )
             return HFWeight((f"{shared}.down_proj.weight",), np.transpose)
         if names[2:4] == ["mlp", "shared_expert_gate"]:
             return HFWeight((f"{prefix}.mlp.shared_expert_gate.{suffix}",), np.transpose)

@@ -180,7 +180,8 @@ class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):
         """The prompt's i32[3, P] M-RoPE positions and the delta of the tokens after it."""
         grids = [np.asarray(f.data["image_grid_thw"]).reshape(3) for f in features]
         return mrope_positions(
-            prompt_ids, np.array(grids).reshape(-1, 3) if grids else None,
+            prompt_ids,
+            np.array(grids).reshape(-1, 3) if grids else None,
             image_token_id=int(mm_config["image_token_id"]),
             spatial_merge_size=vision_config(mm_config)["spatial_merge_size"],
-        )  # fmt: skip
+        )

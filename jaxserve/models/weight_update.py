@@ -79,15 +79,21 @@ def covered_paths(
             covered.add(path)
             used.update(names)
             used.update(n.removesuffix("weight") + "weight_scale" for n in names)
-    covered |= {p for p in paths if p[-1] in ("scale", "offset", "perm")
-                and (*p[:-1], "kernel") in covered}  # fmt: skip
+    covered |= {
+        p for p in paths if p[-1] in ("scale", "offset", "perm") and (*p[:-1], "kernel") in covered
+    }
     return covered, used
 
 
 def read_hf_params(
-    source: Any, config: ModelConfig, kv_replicas: int, targets: dict[tuple, Any],
-    place: Callable[[tuple, np.ndarray], None], *, partial: bool,
-) -> int:  # fmt: skip
+    source: Any,
+    config: ModelConfig,
+    kv_replicas: int,
+    targets: dict[tuple, Any],
+    place: Callable[[tuple, np.ndarray], None],
+    *,
+    partial: bool,
+) -> int:
     """Build the parameters of `targets` (path -> ShapeDtypeStruct) that `source`'s HF tensors
     cover, handing each to `place(path, host array)`; returns how many were placed.
 
@@ -97,9 +103,10 @@ def read_hf_params(
     if partial and not isinstance(source, GGUFSource):
         tied = "lm_head.weight" if config.tie_word_embeddings else None
         unknown = sorted(
-            n for n in source.names()
+            n
+            for n in source.names()
             if n not in used and n != tied and not n.endswith(_IGNORED_SUFFIXES)
-        )  # fmt: skip
+        )
         if unknown:
             raise ValueError(
                 f"unknown weight names (no parameter of {config.architecture} is built from "
@@ -109,7 +116,12 @@ def read_hf_params(
         raise ValueError("the update holds no weight of this model")
     model_cls = get_model_class(config.architecture)
     read_params(
-        source, model_cls, config, kv_replicas, {p: targets[p] for p in targets if p in covered},
-        place, "update",
-    )  # fmt: skip
+        source,
+        model_cls,
+        config,
+        kv_replicas,
+        {p: targets[p] for p in targets if p in covered},
+        place,
+        "update",
+    )
     return len(covered)

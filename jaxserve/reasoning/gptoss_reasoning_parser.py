@@ -21,8 +21,10 @@ from jaxserve.reasoning.abs_reasoning_parsers import ReasoningParser, ReasoningP
 
 def call_text(message: harmony.Message) -> str:
     """A tool-call message as harmony text (the form the `openai` tool parser reads)."""
-    text = (f"{harmony.START}assistant to={message.recipient}{harmony.CHANNEL}"
-            f"{message.channel or 'commentary'}{harmony.MESSAGE}{message.body}")  # fmt: skip
+    text = (
+        f"{harmony.START}assistant to={message.recipient}{harmony.CHANNEL}"
+        f"{message.channel or 'commentary'}{harmony.MESSAGE}{message.body}"
+    )
     return text + harmony.CALL if message.done else text
 
 

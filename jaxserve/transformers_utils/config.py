@@ -28,9 +28,12 @@ logger = logging.getLogger(__name__)
 
 
 def read_model_config(
-    model: str | Path | None, dtype: str = "auto", quantization: str | None = None,
-    hf_overrides: dict | None = None, load_format: str = "auto",
-) -> ModelConfig:  # fmt: skip
+    model: str | Path | None,
+    dtype: str = "auto",
+    quantization: str | None = None,
+    hf_overrides: dict | None = None,
+    load_format: str = "auto",
+) -> ModelConfig:
     """The model's architecture without loading its weights (the frontend needs only this);
     hf_overrides: fields set over the HF config's (vLLM's --hf-overrides); load_format "dummy":
     random weights (with a packed -q format, packed: ModelConfig.from_hf)."""
@@ -157,9 +160,14 @@ class GGUFConfig(types.SimpleNamespace):
 
     def __init__(self, **fields: Any) -> None:
         super().__init__(
-            **{"model_type": "llama", "hidden_act": "silu", "attention_bias": False,
-               "mlp_bias": False, **fields}
-        )  # fmt: skip
+            **{
+                "model_type": "llama",
+                "hidden_act": "silu",
+                "attention_bias": False,
+                "mlp_bias": False,
+                **fields,
+            }
+        )
 
     def to_transformers(self) -> Any:
         from transformers import LlamaConfig

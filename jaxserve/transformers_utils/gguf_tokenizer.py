@@ -159,9 +159,10 @@ def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tupl
     candidates = []
     for token, token_id in vocab.items():
         splits = [
-            (token[:i], token[i:]) for i in range(1, len(token))
+            (token[:i], token[i:])
+            for i in range(1, len(token))
             if token[:i] in vocab and token[i:] in vocab
-        ]  # fmt: skip
+        ]
         splits.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
         candidates += [(left, right, scores[token_id]) for left, right in splits]
     candidates.sort(key=lambda c: (c[2], len(c[0]), len(c[1])), reverse=True)

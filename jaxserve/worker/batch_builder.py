@@ -26,10 +26,17 @@ from jaxserve.worker.step_types import ForwardInputs, SampleInputs, StepBatch
 
 class BatchBuilder:
     def __init__(
-        self, buckets: BucketTable, *, block_size: int, max_model_len: int,
-        max_blocks_per_req: int, vocab_size: int, num_spec_tokens: int = 0,
-        decode_only_forwards: bool = False, lora: bool = False,
-    ):  # fmt: skip
+        self,
+        buckets: BucketTable,
+        *,
+        block_size: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        vocab_size: int,
+        num_spec_tokens: int = 0,
+        decode_only_forwards: bool = False,
+        lora: bool = False,
+    ):
         """decode_only_forwards: a step whose every request runs one token takes the
         decode-only forward (`AttentionMetadata.decode_only`); lora: the forward takes each
         token's LoRA slot (`InputBatch.lora_slots` of its row)."""
@@ -83,18 +90,27 @@ class BatchBuilder:
         row_offset = np.arange(num_rows, dtype=np.int32) - np.repeat(first_row, n_rows)
         logits_indices = _padded(
             np.repeat(qsl[1 : num_reqs + 1] - n_rows, n_rows) + row_offset,
-            self.buckets.max_sample_rows, 0,
-        )  # fmt: skip
+            self.buckets.max_sample_rows,
+            0,
+        )
         # Every request has one new token (drafts make more): the decode-only forward.
         decode_only = self.decode_only_forwards and num_tokens == num_reqs
         attn = AttentionMetadata(
-            slots, block_tables, _padded(start + n_sched, sf, 0), qsl,
-            np.array([num_reqs], np.int32), decode_only,
-        )  # fmt: skip
+            slots,
+            block_tables,
+            _padded(start + n_sched, sf, 0),
+            qsl,
+            np.array([num_reqs], np.int32),
+            decode_only,
+        )
         forward = ForwardInputs(
-            ids, _padded(pos, t, 0), _padded(row_of_token, t, 0), attn, logits_indices,
+            ids,
+            _padded(pos, t, 0),
+            _padded(row_of_token, t, 0),
+            attn,
+            logits_indices,
             _padded(ib.lora_slots[row_of_token], t, -1) if self.lora else None,
-        )  # fmt: skip
+        )
 
         # Prompt logprobs: the token at pos + 1 is the target of position pos, while in the prompt.
         targets = np.full(t, -1, np.int32)
@@ -120,9 +136,13 @@ class BatchBuilder:
             for j in range(1, len(d) + 1):
                 prior_drafts[first_row[i] + j, :j] = d[:j]
         sample = SampleInputs(
-            sampling, _padded(sample_rows, s, 0), appends,
-            np.bool_(ib.sampling.logprobs[rows].any()), np.int32(step), prior_drafts,
-        )  # fmt: skip
+            sampling,
+            _padded(sample_rows, s, 0),
+            appends,
+            np.bool_(ib.sampling.logprobs[rows].any()),
+            np.int32(step),
+            prior_drafts,
+        )
         # The kept tokens are placeholders until fetch(): the next step reads them from the
         # device (the runner's last_tokens).
         append_rows = rows[kept]
@@ -130,9 +150,24 @@ class BatchBuilder:
         ib.token_ids[append_rows, append_positions] = -1
         ib.num_tokens[append_rows] += 1
         return StepBatch(
-            req_ids, rows, start, n_sched, t, qsl, forward, sample, needed, drafts, first_row,
-            n_rows, sampled, kept, append_positions, targets, wants_prompt_lp,
-        )  # fmt: skip
+            req_ids,
+            rows,
+            start,
+            n_sched,
+            t,
+            qsl,
+            forward,
+            sample,
+            needed,
+            drafts,
+            first_row,
+            n_rows,
+            sampled,
+            kept,
+            append_positions,
+            targets,
+            wants_prompt_lp,
+        )
 
     def padding_forward(self, t: int, decode_only: bool = False) -> ForwardInputs:
         """Forward inputs of token bucket t that run nothing (no sequence, no KV write)."""
@@ -147,9 +182,13 @@ class BatchBuilder:
             decode_only=decode_only,
         )
         return ForwardInputs(
-            ids, ids, ids, attn, np.zeros(self.buckets.max_sample_rows, np.int32),
+            ids,
+            ids,
+            ids,
+            attn,
+            np.zeros(self.buckets.max_sample_rows, np.int32),
             np.full(t, -1, np.int32) if self.lora else None,
-        )  # fmt: skip
+        )
 
     def padding_sample(self, s: int, sampling_rows) -> SampleInputs:
         """Sampling inputs of s greedy padding rows (what start-up lowers the sampler with);
@@ -158,9 +197,13 @@ class BatchBuilder:
             np.zeros(0, np.int32), np.zeros(0, np.int32), s, self.free_bitmask(s)
         )
         return SampleInputs(
-            sampling, np.zeros(s, np.int32), np.zeros(s, bool), np.bool_(False), np.int32(0),
+            sampling,
+            np.zeros(s, np.int32),
+            np.zeros(s, bool),
+            np.bool_(False),
+            np.int32(0),
             np.full((s, self.num_spec_tokens), -1, np.int32),
-        )  # fmt: skip
+        )
 
     def free_bitmask(self, s: int) -> np.ndarray:
         """i32[s, ceil(V/32)] with every token allowed (a step without constrained rows: the

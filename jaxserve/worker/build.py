@@ -30,14 +30,19 @@ from jaxserve.worker.spec_decode.proposer import Proposer
 logger = logging.getLogger(__name__)
 
 # The draft architectures of the methods that load a model of their own.
-DRAFT_ARCHITECTURES = {"draft_model": None, "eagle": "EagleLlamaForCausalLM",
-                       "eagle3": "Eagle3LlamaForCausalLM"}  # fmt: skip
+DRAFT_ARCHITECTURES = {
+    "draft_model": None,
+    "eagle": "EagleLlamaForCausalLM",
+    "eagle3": "Eagle3LlamaForCausalLM",
+}
 
 
 def build_runner(
-    config: EngineConfig, timeline: StartupTimeline, *,
+    config: EngineConfig,
+    timeline: StartupTimeline,
+    *,
     executables: ExecutableRegistry | None = None,
-) -> ModelRunner | SimulatedRunner:  # fmt: skip
+) -> ModelRunner | SimulatedRunner:
     """The model runner of `config`, its weights placed (executables: the registry it
     compiles into, worker/executables.py; a new one by default). With
     $JAXSERVE_SIMULATED_STEP set, a runner that only simulates a device's step time
@@ -61,17 +66,21 @@ def build_runner(
         )
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded.model)))
     logger.info(
-        "weights: %.1f MiB%s", weight_bytes / 2**20,
+        "weights: %.1f MiB%s",
+        weight_bytes / 2**20,
         f" ({config.model.quantization} linear kernels)" if config.model.quantization else "",
-    )  # fmt: skip
+    )
     draft = None
     spec = config.speculative
     if spec is not None and spec.method in DRAFT_ARCHITECTURES:
         with timeline.phase("load draft weights"):
             draft = load_model(
-                spec.model, dtype=config.model.dtype, mesh=loaded.mesh, load_tokenizer=False,
+                spec.model,
+                dtype=config.model.dtype,
+                mesh=loaded.mesh,
+                load_tokenizer=False,
                 architecture=DRAFT_ARCHITECTURES[spec.method],
-            )  # fmt: skip
+            )
     with timeline.phase("model runner"):
         proposer = make_proposer(config, loaded, draft)
         return ModelRunner(loaded, config, proposer, executables=executables)
@@ -97,10 +106,15 @@ def build_pipeline_runner(
 
     with timeline.phase("load weights"):
         loaded = load_model(
-            config.model_path, dtype=config.model.dtype, mesh=meshes[0], load_tokenizer=False,
-            load_format=config.load_format, quantization=config.model.quantization,
-            hf_overrides=config.hf_overrides or None, mesh_of=mesh_of,
-        )  # fmt: skip
+            config.model_path,
+            dtype=config.model.dtype,
+            mesh=meshes[0],
+            load_tokenizer=False,
+            load_format=config.load_format,
+            quantization=config.model.quantization,
+            hf_overrides=config.hf_overrides or None,
+            mesh_of=mesh_of,
+        )
     with timeline.phase("model runner"):
         return PipelineRunner(loaded, config, stages, meshes, executables=executables)
 
@@ -118,8 +132,12 @@ def make_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel 
     buckets = BucketTable.build(
         sc.max_num_seqs, sc.max_num_batched_tokens, k, coarse=envs.JAXSERVE_MINIMAL_COMPILE
     )
-    args = (config.attention_backend, kv_cache_sharding(target.mesh), config.cache.block_size,
-            list(buckets.seqs))  # fmt: skip
+    args = (
+        config.attention_backend,
+        kv_cache_sharding(target.mesh),
+        config.cache.block_size,
+        list(buckets.seqs),
+    )
     if spec.method in ("eagle", "eagle3"):
         return EagleProposer(draft, target.model, k, *args, buckets.max_sample_rows)
     return DraftModelProposer(draft, k, *args)

@@ -115,12 +115,14 @@ class DeviceState:
         if "weights" in tags and "weights" in self.asleep:
             if self.level == 2:
                 self._read(checkpoint_source(runner.engine_config.model_path), partial=False)
-            self._set_params({
-                i: jax.make_array_from_callback(
-                    self.avals[i].shape, self.shardings[i], lambda idx, h=host: h[_key(idx)]
-                )
-                for i, host in self._host.items()
-            })  # fmt: skip
+            self._set_params(
+                {
+                    i: jax.make_array_from_callback(
+                        self.avals[i].shape, self.shardings[i], lambda idx, h=host: h[_key(idx)]
+                    )
+                    for i, host in self._host.items()
+                }
+            )
             self._host = None
             self.asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.asleep:
@@ -133,10 +135,11 @@ class DeviceState:
     def names(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The engine's layout: each parameter's name -> its shape, dtype and sharding."""
         return {
-            name: jax.ShapeDtypeStruct(self.avals[i].shape, self.avals[i].dtype,
-                                       sharding=self.shardings[i])
+            name: jax.ShapeDtypeStruct(
+                self.avals[i].shape, self.avals[i].dtype, sharding=self.shardings[i]
+            )
             for name, i in self.index.items()
-        }  # fmt: skip
+        }
 
     def update(self, weights: Mapping[str, Any]) -> dict[str, int]:
         """New weights, by the engine's names (adopted when they are already the parameter's

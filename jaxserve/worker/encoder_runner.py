@@ -43,9 +43,14 @@ def encode(model_def, params, buffer: jax.Array, inputs: dict, rows: jax.Array) 
 
 class EncoderRunner:
     def __init__(
-        self, model: Any, max_num_batched_tokens: int, max_num_reqs: int, max_model_len: int,
-        mesh, model_dir: str | None = None,
-    ):  # fmt: skip
+        self,
+        model: Any,
+        max_num_batched_tokens: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        mesh,
+        model_dir: str | None = None,
+    ):
         """model: a multimodal model (its `encode`, `encoder_buckets`, `encoder_inputs`,
         `mrope_positions` for M-RoPE); the cache holds max(max_num_batched_tokens, the
         largest image's tokens) rows, as vLLM's encoder cache. model_dir: where the image
@@ -62,8 +67,9 @@ class EncoderRunner:
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self._allocate(model.config, max_num_batched_tokens, max_num_reqs, max_model_len, mesh)
 
-    def _allocate(self, config, max_num_batched_tokens: int, max_num_reqs: int,
-                  max_model_len: int, mesh) -> None:  # fmt: skip
+    def _allocate(
+        self, config, max_num_batched_tokens: int, max_num_reqs: int, max_model_len: int, mesh
+    ) -> None:
         """The cache buffer [C, D] and the per-row maps, once `buckets` is set."""
         self.max_image_tokens = max(tokens for tokens, _ in self.buckets.values())
         self.num_rows = max(max_num_batched_tokens, self.max_image_tokens)

@@ -186,18 +186,21 @@ class ExecutableRegistry:
                 if later:
                     logger.info(
                         "%d more step shapes ready (and saved) in the background, %.1f s "
-                        "after start-up began compiling", len(later), time.perf_counter() - start,
-                    )  # fmt: skip
+                        "after start-up began compiling",
+                        len(later),
+                        time.perf_counter() - start,
+                    )
             finally:
                 hits.close()
 
         build(now, workers=os.cpu_count() or 1)
         logger.info(
             "%s %d step shapes in %.1f s%s",
-            "loaded" if loaded.issuperset(now) else "compiled", len(now),
+            "loaded" if loaded.issuperset(now) else "compiled",
+            len(now),
             time.perf_counter() - start,
             f" ({len(later)} more in the background)" if later else "",
-        )  # fmt: skip
+        )
         if later:
             self._background = threading.Thread(target=finish, daemon=True, name="compile")
             self._background.start()

@@ -89,8 +89,9 @@ class KVBlockCopier:
         self._gather = jax.jit(functools.partial(gather_blocks, num_layers=n_layers))
         self._scatter = jax.jit(
             functools.partial(scatter_blocks, num_layers=n_layers),
-            donate_argnums=(0,), out_shardings=(spec.sharding,) * 2,
-        )  # fmt: skip
+            donate_argnums=(0,),
+            out_shardings=(spec.sharding,) * 2,
+        )
         self.blocks_sharding = NamedSharding(spec.mesh, P(None, None, None, TP_AXIS))
 
     def lowerings(self, kv) -> dict[tuple, Callable[[], Any]]:

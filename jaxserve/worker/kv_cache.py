@@ -28,8 +28,15 @@ logger = logging.getLogger(__name__)
 
 
 class KVCacheSpec:
-    def __init__(self, config: ModelConfig, mesh, block_size: int, kv_dtype: Any,
-                 num_cache_kv_heads: int, num_state_rows: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        mesh,
+        block_size: int,
+        kv_dtype: Any,
+        num_cache_kv_heads: int,
+        num_state_rows: int = 0,
+    ):
         """num_cache_kv_heads: the KV heads the cache holds (each replicated when tp > Hkv);
         num_state_rows: the input-batch rows (a hybrid model's state slots)."""
         self.config = config
@@ -92,17 +99,24 @@ class KVCacheSpec:
         if states:
             logger.info(
                 "linear-attention states: %d rows, %.1f MiB (%d layers of conv %s, recurrent %s)",
-                self.num_state_rows, self.state_bytes() / 2**20, len(states[0]),
-                states[0][0].shape, states[1][0].shape,
-            )  # fmt: skip
+                self.num_state_rows,
+                self.state_bytes() / 2**20,
+                len(states[0]),
+                states[0][0].shape,
+                states[1][0].shape,
+            )
 
         k_dim, v_dim = c.cache_dims
         if c.mla is not None:
             logger.info(
                 "MLA KV cache: %d values per token per layer (latent %d + rotary key %d), "
-                "%d bytes per block of %d tokens on each device", k_dim, c.mla.kv_lora_rank,
-                c.mla.qk_rope_head_dim, self.bytes_per_block(), self.block_size,
-            )  # fmt: skip
+                "%d bytes per block of %d tokens on each device",
+                k_dim,
+                c.mla.kv_lora_rank,
+                c.mla.qk_rope_head_dim,
+                self.bytes_per_block(),
+                self.block_size,
+            )
         return (zeros(k_dim), zeros(v_dim), *states)
 
 
@@ -136,8 +150,10 @@ def determine_num_blocks(
     if num_blocks < min_blocks:
         states = (
             f" after {reserved_bytes / 2**20:.0f} MiB of linear-attention states (one per "
-            "max_num_seqs row: lower max_num_seqs to shrink them)" if reserved_bytes else ""
-        )  # fmt: skip
+            "max_num_seqs row: lower max_num_seqs to shrink them)"
+            if reserved_bytes
+            else ""
+        )
         raise ValueError(
             f"KV cache budget of {budget / 2**20:.0f} MiB holds {num_blocks} blocks of "
             f"{cc.block_size} tokens{states}; max_model_len={max_model_len} needs "

@@ -48,8 +48,14 @@ SKIP_IDLE_PLATFORMS = ("cpu",)
 
 
 class LoRASlots:
-    def __init__(self, model: Any, config: LoRAConfig, model_config: ModelConfig, mesh: Mesh,
-                 kv_replicas: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        model: Any,
+        config: LoRAConfig,
+        model_config: ModelConfig,
+        mesh: Mesh,
+        kv_replicas: int = 1,
+    ):
         """Attach zeroed slots to every targeted projection of `model` (before it is split
         into the step's parameters; `bind` then finds them there)."""
         self.config, self.model_config, self.kv_replicas = config, model_config, kv_replicas
@@ -105,11 +111,15 @@ class LoRASlots:
             self.host.move_to_end(lora_id)
             return
         self.host[lora_id] = load_adapter(
-            request.lora_path, self.model_config, max_rank=self.rank,
-            kv_replicas=self.kv_replicas, dtype=self.dtype,
-        )  # fmt: skip
-        logger.info("LoRA adapter %r (id %d) loaded from %s", request.lora_name, lora_id,
-                    request.lora_path)  # fmt: skip
+            request.lora_path,
+            self.model_config,
+            max_rank=self.rank,
+            kv_replicas=self.kv_replicas,
+            dtype=self.dtype,
+        )
+        logger.info(
+            "LoRA adapter %r (id %d) loaded from %s", request.lora_name, lora_id, request.lora_path
+        )
         if len(self.host) > self.config.cpu_loras:  # the least recently used unused ones go
             keep = live() | {lora_id}
             for old in [i for i in self.host if i not in keep]:
@@ -173,5 +183,7 @@ class LoRASlots:
 
 def _write_slot(stacks: list[jax.Array], slot: jax.Array, values: list[jax.Array]) -> list:
     """Each stack [S, ...] with values[i] [...] written at slot."""
-    return [lax.dynamic_update_index_in_dim(s, v.astype(s.dtype), slot, 0)
-            for s, v in zip(stacks, values, strict=True)]  # fmt: skip
+    return [
+        lax.dynamic_update_index_in_dim(s, v.astype(s.dtype), slot, 0)
+        for s, v in zip(stacks, values, strict=True)
+    ]

@@ -8,8 +8,9 @@
                   drafts accepted and the next ones proposed (spec_decode/), prompt logprobs
                   and pooled vectors unpacked into a ModelRunnerOutput
   start-up        KV cache sizing (kv_cache.py), then every step shape compiled or loaded
-                  (executables.py) from the pure step functions (step_functions.py) at the
-                  buckets (buckets.py): serving calls only these executables
+                  (step_compiler.py, executables.py) from the pure step functions
+                  (step_functions.py) at the buckets (buckets.py): serving calls only these
+                  executables
 
 Between a step's dispatch and its fetch the engine core schedules and dispatches the next
 step: a token still being sampled is a placeholder (-1) in the input batch, and the forward
@@ -18,10 +19,7 @@ reads it from the device (`last_tokens`, each row's latest sampled token).
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +28,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve import cache_keys, envs
+from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.sharding import put
 from jaxserve.layers.attention import configure_attention
 from jaxserve.layers.fused_moe import configure_moe
-from jaxserve.layers.sampler import COMPILED_VARIANTS, FULL_VARIANT, pick_variant
+from jaxserve.layers.sampler import pick_variant
 from jaxserve.models.loader import LoadedModel
-from jaxserve.worker import executable_cache, step_functions
+from jaxserve.worker import step_functions
 from jaxserve.worker.batch_builder import BatchBuilder, prompt_logprobs_of
 from jaxserve.worker.buckets import BucketTable
 from jaxserve.worker.encoder_runner import EncoderRunner
@@ -51,6 +49,7 @@ from jaxserve.worker.pooler import Pooler
 from jaxserve.worker.prompt_embeds import PromptEmbedsRunner
 from jaxserve.worker.spec_decode.drafting import Drafting
 from jaxserve.worker.spec_decode.proposer import Proposer
+from jaxserve.worker.step_compiler import StepCompiler
 from jaxserve.worker.step_types import PendingStep
 
 logger = logging.getLogger(__name__)
@@ -60,15 +59,17 @@ logger = logging.getLogger(__name__)
 # kernels into every step). The reference's was no faster on CPU (0.96-1.01x the general
 # forward's; benchmarks/results/cpu.md), nor is the CPU kernel's: one forward per bucket.
 DECODE_ONLY_FORWARDS = {"pallas": True, "cpu": False, "reference": False}
-# The executables compiled per token bucket (name[1]): a step of T tokens runs them at T's.
-TOKEN_BUCKET_STEPS = ("forward", "prompt_logprobs", "pool")
 
 
-class ModelRunner:
+class ModelRunner(StepCompiler):
     def __init__(
-        self, loaded: LoadedModel, engine_config: EngineConfig, proposer: Proposer | None = None,
-        *, executables: ExecutableRegistry | None = None,
-    ):  # fmt: skip
+        self,
+        loaded: LoadedModel,
+        engine_config: EngineConfig,
+        proposer: Proposer | None = None,
+        *,
+        executables: ExecutableRegistry | None = None,
+    ):
         """proposer: what drafts tokens (speculative decoding; worker/build.py makes it);
         executables: the registry to compile into (worker/executables.py; a test's may wrap
         how shapes compile or are looked up), a new one by default."""
@@ -90,22 +91,31 @@ class ModelRunner:
             self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
         )
         self.builder = BatchBuilder(
-            self.buckets, block_size=cc.block_size, max_model_len=self.max_model_len,
-            max_blocks_per_req=self.max_blocks_per_req, vocab_size=self.config.vocab_size,
-            num_spec_tokens=k, decode_only_forwards=self.decode_only_forwards,
+            self.buckets,
+            block_size=cc.block_size,
+            max_model_len=self.max_model_len,
+            max_blocks_per_req=self.max_blocks_per_req,
+            vocab_size=self.config.vocab_size,
+            num_spec_tokens=k,
+            decode_only_forwards=self.decode_only_forwards,
             lora=engine_config.lora is not None,
-        )  # fmt: skip
+        )
         configure_attention(loaded.model, engine_config.attention_backend, self.mesh)
         configure_moe(loaded.model, self.mesh)
         self.kv = KVCacheSpec(
-            self.config, self.mesh, cc.block_size, cc.kv_dtype(self.config.dtype),
-            loaded.model.num_cache_kv_heads, self.max_num_seqs,
-        )  # fmt: skip
+            self.config,
+            self.mesh,
+            cc.block_size,
+            cc.kv_dtype(self.config.dtype),
+            loaded.model.num_cache_kv_heads,
+            self.max_num_seqs,
+        )
         self.head = loaded.model.logits_head  # [V, D] tied or [D, V]
         self.lora = None  # LoRA adapters' device slots (attached to the model before the split)
         if engine_config.lora is not None:
-            self.lora = LoRASlots(loaded.model, engine_config.lora, self.config, self.mesh,
-                                  loaded.model.kv_replicas)  # fmt: skip
+            self.lora = LoRASlots(
+                loaded.model, engine_config.lora, self.config, self.mesh, loaded.model.kv_replicas
+            )
         self.encoder = None  # a multimodal model's images (encoder_runner.py), prompt embeddings
         sizes = (sc.max_num_batched_tokens, self.max_num_seqs, self.max_model_len, self.mesh)
         if hasattr(loaded.model, "encode"):
@@ -128,9 +138,13 @@ class ModelRunner:
             self.config.tie_word_embeddings, self.config.final_logit_softcapping
         )
         self._jits = step_functions.jit_steps(
-            self.model_def, head_def, jax.random.PRNGKey(engine_config.seed),
-            engine_config.max_logprobs, self.kv.sharding, rep,
-        )  # fmt: skip
+            self.model_def,
+            head_def,
+            jax.random.PRNGKey(engine_config.seed),
+            engine_config.max_logprobs,
+            self.kv.sharding,
+            rep,
+        )
         # A pooling runner (embeddings): every step also pools its prompt tokens.
         pooler = engine_config.pooler
         head = getattr(loaded.model, "classifier_head", None)  # a classifier's score head
@@ -161,9 +175,13 @@ class ModelRunner:
         """Blocks that fit the budget (per device: this process's), after weights and compiled
         steps."""
         return determine_num_blocks(
-            self.engine_config.cache, self.mesh.local_devices[0], self.kv_bytes_per_block(),
-            self.max_blocks_per_req + 1, self.max_model_len, self.kv.state_bytes(),
-        )  # fmt: skip
+            self.engine_config.cache,
+            self.mesh.local_devices[0],
+            self.kv_bytes_per_block(),
+            self.max_blocks_per_req + 1,
+            self.max_model_len,
+            self.kv.state_bytes(),
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self.kv.allocate(num_blocks)
@@ -172,10 +190,13 @@ class ModelRunner:
         logger.info(
             "KV cache: %d blocks of %d tokens (%.0f MiB, %s); maximum concurrency at "
             "max_model_len=%d: %.2fx",
-            num_blocks, self.kv.block_size, num_blocks * self.kv_bytes_per_block() / 2**20,
+            num_blocks,
+            self.kv.block_size,
+            num_blocks * self.kv_bytes_per_block() / 2**20,
             jnp.dtype(self.kv.dtype).name,
-            self.max_model_len, num_blocks * self.kv.block_size / self.max_model_len,
-        )  # fmt: skip
+            self.max_model_len,
+            num_blocks * self.kv.block_size / self.max_model_len,
+        )
 
     def set_kv_connector(self, connector) -> None:
         """Load and save KV blocks for `connector` (distributed/kv_transfer) in every step."""
@@ -183,146 +204,18 @@ class ModelRunner:
             raise RuntimeError("a KV connector needs EngineConfig.kv_transfer at start-up")
         self.kv_connector = connector
 
-    def compile_all(self, background: bool = False) -> None:
-        """Every step shape's executable, so no serving step ever compiles (executables.py).
-
-        background: return once the shapes that can serve any step are ready (the forward and
-        prompt logprobs of token buckets 1, 4, 16, .. and max_num_seqs', all-greedy and
-        all-pass sampling, drafts); the rest follow in a background thread, each used as soon
-        as it is ready (a step pads to the next ready token bucket, `max_step_tokens` grows
-        with the larger buckets, `pick_variant` takes the cheapest ready sampler)."""
-        top = self.buckets.tokens[-1] + 1
-        lowerings = self.lowerings()
-        if self.minimal_compile:  # coarse buckets (self.buckets); of the samplers, two
-            lowerings = {
-                n: f for n, f in lowerings.items() if n[0] != "sample" or self._serves_any_step(n)
-            }
-        self.executables.compile_all(
-            lowerings, self.executables_key(), self.devices_of,
-            urgent=self._serves_any_step if background else None,
-            order=lambda n: n[1] if n[0] in TOKEN_BUCKET_STEPS else top,
-        )  # fmt: skip
-
-    def devices_of(self, name: tuple) -> list:
-        """The devices step shape `name` runs on (a pipeline's differ by stage)."""
-        return list(self.mesh.devices.flat)
-
-    def _serves_any_step(self, name: tuple) -> bool:
-        """Whether step shape `name` is among those compile_all(background=True) waits for."""
-        if name[0] in TOKEN_BUCKET_STEPS:  # 1, 4, 16, .. and max_num_seqs' bucket: a step
-            # pads to the next of these until the buckets between are in
-            top, t = self.buckets.decode_top, name[1]
-            drafting = self.proposer.num_speculative_tokens > 0
-            return drafting or t == top or (t < top and t.bit_length() % 2 == 1)
-        if name[0] == "sample":
-            return name[2] in (COMPILED_VARIANTS[0], FULL_VARIANT)
-        return True
-
-    def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Wait for compile_all's background shapes; whether all are ready."""
-        return self.executables.wait(timeout)
-
-    def ready_token_buckets(self) -> list[int]:
-        """The token buckets whose steps are all ready (all once compile_all is done)."""
-        if not self.executables.compiling:
-            return list(self.buckets.tokens)
-        missing = {n[1] for n in self.executables.missing() if n[0] in TOKEN_BUCKET_STEPS}
-        return [t for t in self.buckets.tokens if t not in missing]
-
-    def max_step_tokens(self) -> int:
-        """The most tokens one step can schedule now: the largest ready token bucket."""
-        return self.ready_token_buckets()[-1]
-
-    def executables_key(self) -> str:
-        """What the step executables depend on beyond the environment: the configuration
-        (engine, model, proposer) and the layout of every argument array."""
-        proposer = self.proposer
-        return executable_cache.signature(
-            engine=repr(self.engine_config),
-            model_files=cache_keys.file_stats(self.engine_config.model_path),
-            model=repr(self.config),
-            params=executable_cache.abstract((self.params, self.head, self.kv_caches)),
-            state=executable_cache.abstract((self.penalty_state, self.last_tokens)),
-            param_tree=str(self.model_def.params_def),
-            draft=executable_cache.abstract(
-                [getattr(proposer, a, None) for a in ("params", "kv_caches", "embedding")]
-            ),
-            draft_model=repr(getattr(proposer, "config", None)),
-            mesh=repr(self.mesh),
-            **({"compile_set": "minimal"} if self.minimal_compile else {}),
-            # a connector's block copies (their own file: a start without one stays warm)
-            **({"kv_copies": repr(self.kv_copier.buckets)} if self.kv_copier else {}),
-        )
-
-    def lowerings(self) -> dict[tuple, Callable[[], Any]]:
-        """Every step shape's name -> a function lowering it (called in compile_all's
-        background thread too: the donated state is captured as shapes, not arrays)."""
-        rep, d, dtype = self._replicated, self.config.hidden_size, self.config.dtype
-        spec = lambda tree: jax.tree.map(  # noqa: E731
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
-        )
-        kv, penalty, last = spec(self.kv_caches), spec(self.penalty_state), spec(self.last_tokens)
-        last_hidden = jax.ShapeDtypeStruct((self.buckets.max_sample_rows, d), dtype, sharding=rep)
-        jits, out = self._jits, {}
-        padding = {v: self._padding(*v, spec=True) for v in self.forward_variants()}
-        for (t, decode_only), inputs in padding.items():
-            out["forward", t, decode_only] = functools.partial(
-                jits["forward"].lower, self.params, kv, last, inputs
-            )
-        for t in self.buckets.tokens:
-            hidden = jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)
-            out["prompt_logprobs", t] = functools.partial(
-                jits["prompt_logprobs"].lower, self.head, hidden, np.full(t, -1, np.int32)
-            )
-            if self.pooler is not None:
-                idx = np.zeros(self.max_num_seqs, np.int32)
-                out["pool", t] = functools.partial(
-                    jits["pool"].lower, hidden, np.zeros(t, np.int32), idx, idx,
-                    num_seqs=self.max_num_seqs,
-                )  # fmt: skip
-        for s in self.buckets.samples:
-            inputs = self.builder.padding_sample(s, self.input_batch.sampling)
-            for variant in COMPILED_VARIANTS:
-                out["sample", s, variant] = functools.partial(
-                    jits["sample"].lower, self.head, last_hidden, penalty, last, inputs,
-                    variant=variant,
-                )  # fmt: skip
-        out.update(
-            self.proposer.lowerings(padding, list(self.buckets.seqs), self.max_blocks_per_req)
-        )
-        if self.kv_copier is not None:
-            out.update(self.kv_copier.lowerings(kv))
-        if self.lora is not None:
-            out.update(self.lora.lowerings(self.params))
-        if self.encoder is not None:
-            out.update(self.encoder.lowerings(self.encoder.jit(self.model_def), self.params))
-        zero = np.int32(0)
-        out["init_penalty_row",] = functools.partial(
-            jits["init_penalty_row"].lower,
-            penalty, zero, np.zeros(self.max_model_len, np.int32), zero, zero,
-        )  # fmt: skip
-        return out
-
-    def forward_variants(self) -> list[tuple[int, bool]]:
-        """(token bucket, decode_only) of every forward (BucketTable.forward_variants)."""
-        return self.buckets.forward_variants(self.decode_only_forwards)
-
     def dummy_step(self) -> None:
         """The smallest forward over padding (no KV written, nothing sampled), run to its
         end: a data-parallel engine with no work steps with the others (vLLM's dummy batch)."""
         t, decode_only = self.ready_token_buckets()[0], self.decode_only_forwards
         outs = self.executables["forward", t, decode_only](
-            self.params, self.kv_caches, self.last_tokens, self._padding(t, decode_only),
-        )  # fmt: skip
+            self.params,
+            self.kv_caches,
+            self.last_tokens,
+            self._padding(t, decode_only),
+        )
         self.kv_caches = outs[2]
         jax.block_until_ready(outs[0])
-
-    def _padding(self, t: int, decode_only: bool, spec: bool = False):
-        """Forward inputs of bucket t that run nothing (with a multimodal model's fields)."""
-        inputs = self.builder.padding_forward(t, decode_only)
-        return (
-            inputs if self.encoder is None else self.encoder.forward_inputs(inputs, None, spec=spec)
-        )
 
     # ------------------------------------------------------------------ a serving step
     def dispatch(self, so: SchedulerOutput) -> PendingStep | None:
@@ -385,9 +278,13 @@ class ModelRunner:
         s = sample_inputs.rows.shape[0]
         if bitmask is not None or ib.sampling.has_bad_words[batch.rows].any():
             bitmask = ib.sampling.blocked_bitmask(
-                sample_inputs.sampling, sample_inputs.rows, int(batch.num_rows.sum()), bitmask,
-                ib.token_ids, ib.num_prompt_tokens,
-            )  # fmt: skip
+                sample_inputs.sampling,
+                sample_inputs.rows,
+                int(batch.num_rows.sum()),
+                bitmask,
+                ib.token_ids,
+                ib.num_prompt_tokens,
+            )
         if bitmask is not None:
             sample_inputs = sample_inputs._replace(
                 sampling=sample_inputs.sampling._replace(token_bitmask=bitmask)
@@ -442,6 +339,9 @@ class ModelRunner:
         """Fill an input-batch row's penalty state from its known tokens."""
         ib = self.input_batch
         self.penalty_state = self.executables["init_penalty_row",](
-            self.penalty_state, np.int32(row), ib.token_ids[row], ib.num_prompt_tokens[row],
+            self.penalty_state,
+            np.int32(row),
+            ib.token_ids[row],
+            ib.num_prompt_tokens[row],
             ib.num_tokens[row],
-        )  # fmt: skip
+        )

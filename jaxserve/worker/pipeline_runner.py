@@ -63,9 +63,14 @@ def stage_forward(model_def: ModelDef, params, kv_caches, hidden_in, inputs, *, 
     [R, D], hidden [T, D], kv_caches) after the final norm."""
     model = model_def.merge(params)
     hidden, kv_caches = model(
-        inputs.input_ids, inputs.positions, kv_caches, inputs.attn, token_rows=inputs.token_rows,
-        hidden_in=hidden_in, final_norm=last,
-    )  # fmt: skip
+        inputs.input_ids,
+        inputs.positions,
+        kv_caches,
+        inputs.attn,
+        token_rows=inputs.token_rows,
+        hidden_in=hidden_in,
+        final_norm=last,
+    )
     if last:
         return hidden[inputs.logits_indices], hidden, kv_caches
     return hidden, kv_caches
@@ -87,9 +92,14 @@ def stage_model(full: nnx.Module, layers: range, first: bool, last: bool) -> nnx
 
 class PipelineRunner(ModelRunner):
     def __init__(
-        self, loaded: LoadedModel, engine_config: EngineConfig, stages: list[range],
-        meshes: list[Mesh], *, executables: ExecutableRegistry | None = None,
-    ):  # fmt: skip
+        self,
+        loaded: LoadedModel,
+        engine_config: EngineConfig,
+        stages: list[range],
+        meshes: list[Mesh],
+        *,
+        executables: ExecutableRegistry | None = None,
+    ):
         """loaded: the model with each parameter on its stage's mesh (load_model's mesh_of);
         stages: each stage's layers; meshes: each stage's devices."""
         self.stages, self.meshes = stages, meshes
@@ -100,8 +110,9 @@ class PipelineRunner(ModelRunner):
         self.followers_need_sampled = len(mesh_processes(meshes[-1])) < jax.process_count()
         models = [stage_model(loaded.model, r, s == 0, s == last) for s, r in enumerate(stages)]
         # The sampler, the LM head and the step state live on the last stage's devices.
-        super().__init__(dataclasses.replace(loaded, mesh=meshes[-1]), engine_config,
-                         executables=executables)  # fmt: skip
+        super().__init__(
+            dataclasses.replace(loaded, mesh=meshes[-1]), engine_config, executables=executables
+        )
         # Into stage s: None, a device_put within this process, or a link across processes.
         self.links = [None] + [
             StageLink(a, b) if crosses_processes(a, b) else None
@@ -115,10 +126,13 @@ class PipelineRunner(ModelRunner):
             configure_attention(model, backend, mesh)
             configure_moe(model, mesh)
             spec = KVCacheSpec(
-                dataclasses.replace(self.config, num_layers=len(stages[s])), mesh,
-                cc.block_size, cc.kv_dtype(self.config.dtype), loaded.model.num_cache_kv_heads,
+                dataclasses.replace(self.config, num_layers=len(stages[s])),
+                mesh,
+                cc.block_size,
+                cc.kv_dtype(self.config.dtype),
+                loaded.model.num_cache_kv_heads,
                 self.max_num_seqs,
-            )  # fmt: skip
+            )
             graphdef, state = nnx.split(model)
             params, params_def = jax.tree.flatten(state)
             model_def = ModelDef(graphdef, params_def)
@@ -126,8 +140,9 @@ class PipelineRunner(ModelRunner):
             outs = (rep, rep, spec.sharding) if s == last else (rep, spec.sharding)
             jitted = jax.jit(
                 functools.partial(stage_forward, model_def, last=s == last),
-                donate_argnums=(1,), out_shardings=outs,
-            )  # fmt: skip
+                donate_argnums=(1,),
+                out_shardings=outs,
+            )
             self.kv_specs.append(spec)
             self.stage_defs.append(model_def)
             self.stage_params.append(params)
@@ -211,9 +226,10 @@ class PipelineRunner(ModelRunner):
     def executables_key(self) -> str:
         """ModelRunner's, with the stages' devices and this process (whose stages it runs)."""
         return executable_cache.signature(
-            runner=super().executables_key(), stages=repr(self.meshes),
+            runner=super().executables_key(),
+            stages=repr(self.meshes),
             process=jax.process_index(),
-        )  # fmt: skip
+        )
 
     def dummy_step(self) -> None:
         raise RuntimeError("data parallelism is not supported with pipeline parallelism")

@@ -56,8 +56,9 @@ class PromptEmbedsInputs:
 
 
 class PromptEmbedsRunner(EncoderRunner):
-    def __init__(self, model: Any, max_num_batched_tokens: int, max_num_reqs: int,
-                 max_model_len: int, mesh):  # fmt: skip
+    def __init__(
+        self, model: Any, max_num_batched_tokens: int, max_num_reqs: int, max_model_len: int, mesh
+    ):
         """The cache holds max(max_num_batched_tokens, max_model_len) rows: a whole prompt's
         embeddings are written when its first tokens run, as an image's are."""
         self.model_cls = PromptEmbedsInputs

@@ -104,9 +104,14 @@ class SamplingRows:
         return self._masks[row]
 
     def blocked_bitmask(
-        self, md: SamplingMetadata, rows: np.ndarray, n: int, grammar: np.ndarray | None,
-        token_ids: np.ndarray, num_prompt_tokens: np.ndarray,
-    ) -> np.ndarray | None:  # fmt: skip
+        self,
+        md: SamplingMetadata,
+        rows: np.ndarray,
+        n: int,
+        grammar: np.ndarray | None,
+        token_ids: np.ndarray,
+        num_prompt_tokens: np.ndarray,
+    ) -> np.ndarray | None:
         """A late-sampled step's token bitmask, i32[s, ceil(V/32)]: the fixed masks (md's),
         the grammars' rows (grammar: i32[<= n, ceil(V/32)] or None) and each longer bad word's
         last token where the outputs before end with its other tokens (token_ids: i32[R, L],
@@ -157,14 +162,23 @@ class SamplingRows:
             for i in masked:
                 token_bitmask[i] &= self._mask(int(rows[i]), token_bitmask.shape[1])
         md = SamplingMetadata(
-            **padded, prompt_mask=None, output_counts=None, bias_token_ids=bias_ids,
-            bias_values=bias_values, output_positions=out_pos, token_bitmask=token_bitmask,
-        )  # fmt: skip
+            **padded,
+            prompt_mask=None,
+            output_counts=None,
+            bias_token_ids=bias_ids,
+            bias_values=bias_values,
+            output_positions=out_pos,
+            token_bitmask=token_bitmask,
+        )
         variant = SamplerVariant.of_rows(
-            padded["temperature"][:n], padded["top_k"][:n], padded["top_p"][:n],
-            padded["min_p"][:n], penalties=self.penalised[rows],
-            bias=(bias_ids[:n] >= 0).any(axis=1), logprobs=self.logprobs[rows],
-        )  # fmt: skip
+            padded["temperature"][:n],
+            padded["top_k"][:n],
+            padded["top_p"][:n],
+            padded["min_p"][:n],
+            penalties=self.penalised[rows],
+            bias=(bias_ids[:n] >= 0).any(axis=1),
+            logprobs=self.logprobs[rows],
+        )
         return md, variant._replace(structured=bool(masked.size))
 
 

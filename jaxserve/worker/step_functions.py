@@ -55,8 +55,15 @@ def forward(model_def: ModelDef, params, kv_caches, last_tokens, inputs: Forward
         extra.update(mm_embeds=inputs.mm_embeds, mm_rows=inputs.mm_rows)
     if inputs.mrope_positions is not None:
         extra["mrope_positions"] = inputs.mrope_positions
-    out = model(input_ids, inputs.positions, kv_caches, inputs.attn, model_def.aux_layers,
-                token_rows=inputs.token_rows, **extra)  # fmt: skip
+    out = model(
+        input_ids,
+        inputs.positions,
+        kv_caches,
+        inputs.attn,
+        model_def.aux_layers,
+        token_rows=inputs.token_rows,
+        **extra,
+    )
     if model_def.aux_layers:
         hidden, kv_caches, aux = out
         return hidden[rows], hidden, kv_caches, aux, aux[rows]
@@ -65,9 +72,17 @@ def forward(model_def: ModelDef, params, kv_caches, last_tokens, inputs: Forward
 
 
 def sample_rows(
-    head_def: HeadDef, base_key, num_logprobs: int, head, last_hidden, penalty_state,
-    last_tokens, inputs: SampleInputs, *, variant: SamplerVariant,
-):  # fmt: skip
+    head_def: HeadDef,
+    base_key,
+    num_logprobs: int,
+    head,
+    last_hidden,
+    penalty_state,
+    last_tokens,
+    inputs: SampleInputs,
+    *,
+    variant: SamplerVariant,
+):
     """LM head and sampling for the first S rows of last_hidden [R, D]; penalty_state:
     (prompt_mask bool[N, V], output_counts i32[N, V]). Returns (SamplerOutput [S],
     penalty_state with this step's kept tokens counted, last_tokens with them written)."""
@@ -84,9 +99,13 @@ def sample_rows(
         sampling = sampling._replace(prompt_mask=prompt_mask[inputs.rows], output_counts=counts)
     key = jax.random.fold_in(base_key, inputs.step)
     sampled = sample(
-        logits, sampling, key, num_logprobs=num_logprobs, variant=variant,
+        logits,
+        sampling,
+        key,
+        num_logprobs=num_logprobs,
+        variant=variant,
         want_logprobs=inputs.want_logprobs,
-    )  # fmt: skip
+    )
     if variant.penalties:
         output_counts = output_counts.at[inputs.rows, sampled.token_ids].add(
             inputs.appends.astype(jnp.int32)
@@ -153,11 +172,13 @@ def jit_steps(
         ),
         "sample": jax.jit(
             functools.partial(sample_rows, head_def, base_key, num_logprobs),
-            static_argnames=("variant",), donate_argnums=(2, 3), out_shardings=rep,
+            static_argnames=("variant",),
+            donate_argnums=(2, 3),
+            out_shardings=rep,
         ),
         "prompt_logprobs": jax.jit(
             functools.partial(prompt_logprobs, head_def, num_logprobs), out_shardings=rep
         ),
         "pool": jax.jit(pool, static_argnames=("num_seqs",), out_shardings=rep),
         "init_penalty_row": jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=rep),
-    }  # fmt: skip
+    }

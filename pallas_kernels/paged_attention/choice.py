@@ -59,9 +59,16 @@ def measured_choice(device_kind: str, table: Path = TABLE) -> str | None:
     return choice
 
 
-def mosaic_refusal(*, q_dtype: str, cache_dtype: str, head_dim: int, block_size: int,
-                   attention_chunk: int | None, latent_dim: int | None,
-                   compute_capability: str | None) -> str | None:  # fmt: skip
+def mosaic_refusal(
+    *,
+    q_dtype: str,
+    cache_dtype: str,
+    head_dim: int,
+    block_size: int,
+    attention_chunk: int | None,
+    latent_dim: int | None,
+    compute_capability: str | None,
+) -> str | None:
     """Why the Mosaic kernel cannot serve a call (None: it can). Dtypes by name."""
     if q_dtype not in ("bfloat16", "float16") or cache_dtype != q_dtype:
         return f"q {q_dtype} over a {cache_dtype} cache (it takes bf16/f16 for both)"
@@ -78,8 +85,9 @@ def mosaic_refusal(*, q_dtype: str, cache_dtype: str, head_dim: int, block_size:
     return None
 
 
-def choose_kernel(device_kind: str, *, override: str | None = None,
-                  table: Path = TABLE, **call) -> str:  # fmt: skip
+def choose_kernel(
+    device_kind: str, *, override: str | None = None, table: Path = TABLE, **call
+) -> str:
     """ "mosaic" or "triton" for a call on a device (`call`: mosaic_refusal's arguments);
     override: $JAXSERVE_PALLAS_KERNEL's value (by default read here)."""
     if override is None:
@@ -88,9 +96,11 @@ def choose_kernel(device_kind: str, *, override: str | None = None,
         raise ValueError(f"$JAXSERVE_PALLAS_KERNEL={override!r} is not one of {KERNELS}")
     wanted = override or measured_choice(device_kind, table)
     if wanted is None:
-        _log_once(f"no kernel measured for {device_kind!r} in {table.name}: the Triton kernel "
-                  "serves it (bash scripts/gpu_suite.sh --steps kernel_bench measures both; "
-                  "$JAXSERVE_PALLAS_KERNEL=mosaic tries the other)")  # fmt: skip
+        _log_once(
+            f"no kernel measured for {device_kind!r} in {table.name}: the Triton kernel "
+            "serves it (bash scripts/gpu_suite.sh --steps kernel_bench measures both; "
+            "$JAXSERVE_PALLAS_KERNEL=mosaic tries the other)"
+        )
         return "triton"
     if wanted == "mosaic" and (reason := mosaic_refusal(**call)) is not None:
         _log_once(f"the Mosaic GPU kernel cannot serve {reason}: the Triton kernel does")

@@ -95,17 +95,23 @@ def ragged_paged_attention_cpu(
     uncommon = sinks is not None or attention_chunk is not None
     if uncommon or not (q.dtype == k_cache.dtype == v_cache.dtype == jnp.float32):
         return reference.ragged_paged_attention_reference(
-            *args, sinks, **kw, decode_only=decode_only, attention_chunk=attention_chunk,
+            *args,
+            sinks,
+            **kw,
+            decode_only=decode_only,
+            attention_chunk=attention_chunk,
             causal_ext=causal_ext,
-        )  # fmt: skip
+        )
     if (reason := cpu_kernel_unavailable_message()) is not None:
         raise RuntimeError(reason)
     # The decode rows (one query token per sequence), every other row zero: the reference's
     # `_decode`, in the C++ kernel.
     out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        *args, sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
+        *args,
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
-    )  # fmt: skip
+    )
     if decode_only or q.shape[0] == 1:
         return out
     return reference.multi_token_rows(*args, out, **kw, causal_ext=causal_ext)

@@ -62,8 +62,13 @@ def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _kv_head_spec(cache_shape: tuple[int, ...], head_axis: int, *, blocks: int = 1,
-                  columns: tuple[int, int] | None = None) -> pl.BlockSpec:  # fmt: skip
+def _kv_head_spec(
+    cache_shape: tuple[int, ...],
+    head_axis: int,
+    *,
+    blocks: int = 1,
+    columns: tuple[int, int] | None = None,
+) -> pl.BlockSpec:
     """[num_blocks, block_size, Hkv, D] -> one KV head's [num_blocks, block_size, D] view:
     the head of program axis `head_axis`'s index // blocks (`blocks` programs share a head:
     its query heads split in blocks). columns (width, block): only those `width` columns,
@@ -76,9 +81,24 @@ def _kv_head_spec(cache_shape: tuple[int, ...], head_axis: int, *, blocks: int =
     )
 
 
-def _attend(q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible, *,
-            max_blocks, pages_per_step, scale, exact, soft_cap=None, q_rope=None,
-            kr_ref=None):  # fmt: skip
+def _attend(
+    q,
+    k_ref,
+    v_ref,
+    block_tables_ref,
+    seq,
+    first_page,
+    num_steps,
+    visible,
+    *,
+    max_blocks,
+    pages_per_step,
+    scale,
+    exact,
+    soft_cap=None,
+    q_rope=None,
+    kr_ref=None,
+):
     """Online softmax of q [R, D] over `num_steps` steps of `pages_per_step` pages of sequence
     `seq`, from its page `first_page` on. visible(key_pos i32[K]) -> bool[R, K] says which keys
     each row may see. Returns m, l: f32[R] (log2 units) and the unnormalised acc: f32[R, D].
@@ -130,10 +150,28 @@ def _with_sink(m, l, acc, sink):
 
 
 def _decode_kernel(
-    kv_lens_ref, block_tables_ref, q_ref, k_ref, v_ref, sinks_ref, qr_ref, kr_ref, o_ref,
-    m_ref=None, l_ref=None, *, max_blocks: int, pages_per_step: int, num_splits: int, scale: float,
-    exact: bool, window: int | None, soft_cap: float | None, sinks: bool, chunk: int | None,
-):  # fmt: skip
+    kv_lens_ref,
+    block_tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    sinks_ref,
+    qr_ref,
+    kr_ref,
+    o_ref,
+    m_ref=None,
+    l_ref=None,
+    *,
+    max_blocks: int,
+    pages_per_step: int,
+    num_splits: int,
+    scale: float,
+    exact: bool,
+    window: int | None,
+    soft_cap: float | None,
+    sinks: bool,
+    chunk: int | None,
+):
     """Program (seq, kv_head, split): q_ref [BH, D] -> o_ref [BH, D] and m_ref/l_ref [BH]
     (this split's partial softmax); with one split, o_ref [BH, D] is the output and m_ref /
     l_ref are absent. sinks_ref [BH]: the rows' sink logits (log2 units), read when `sinks`
@@ -160,10 +198,22 @@ def _decode_kernel(
         return jnp.broadcast_to(seen[None, :], (rows, key_pos.shape[0]))
 
     m, l, acc = _attend(
-        q_ref[...], k_ref, v_ref, block_tables_ref, seq, first, num_steps, visible,
-        max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
-        soft_cap=soft_cap, q_rope=None if qr_ref is None else qr_ref[...], kr_ref=kr_ref,
-    )  # fmt: skip
+        q_ref[...],
+        k_ref,
+        v_ref,
+        block_tables_ref,
+        seq,
+        first,
+        num_steps,
+        visible,
+        max_blocks=max_blocks,
+        pages_per_step=pages_per_step,
+        scale=scale,
+        exact=exact,
+        soft_cap=soft_cap,
+        q_rope=None if qr_ref is None else qr_ref[...],
+        kr_ref=kr_ref,
+    )
     if num_splits == 1:  # the whole context was this program's: the output itself
         if sinks:
             m, l, acc = _with_sink(m, l, acc, sinks_ref[...])
@@ -175,12 +225,33 @@ def _decode_kernel(
 
 
 def _mixed_kernel(
-    tile_seq_ref, tile_row_ref, kv_lens_ref, query_start_loc_ref, block_tables_ref,
-    q_ref, k_ref, v_ref, sinks_ref, qr_ref, kr_ref, o_ref, m_ref=None, l_ref=None,
-    *, group: int, q_block: int, max_blocks: int, pages_per_step: int, num_splits: int,
-    scale: float, exact: bool, window: int | None, soft_cap: float | None, sinks: bool,
+    tile_seq_ref,
+    tile_row_ref,
+    kv_lens_ref,
+    query_start_loc_ref,
+    block_tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    sinks_ref,
+    qr_ref,
+    kr_ref,
+    o_ref,
+    m_ref=None,
+    l_ref=None,
+    *,
+    group: int,
+    q_block: int,
+    max_blocks: int,
+    pages_per_step: int,
+    num_splits: int,
+    scale: float,
+    exact: bool,
+    window: int | None,
+    soft_cap: float | None,
+    sinks: bool,
     chunk: int | None,
-):  # fmt: skip
+):
     """Program (tile, kv_head, split): q_ref/o_ref [T*G + q_block, D] rows of this KV head;
     with several splits, o_ref holds this split's unnormalised float32 output and m_ref /
     l_ref [T*G + q_block] its softmax statistics, for the rows of the tile's keys this split
@@ -234,10 +305,22 @@ def _mixed_kernel(
             return seen
 
         m, l, acc = _attend(
-            q, k_ref, v_ref, block_tables_ref, seq, first_page, num_steps, visible,
-            max_blocks=max_blocks, pages_per_step=pages_per_step, scale=scale, exact=exact,
-            soft_cap=soft_cap, q_rope=q_rope, kr_ref=kr_ref,
-        )  # fmt: skip
+            q,
+            k_ref,
+            v_ref,
+            block_tables_ref,
+            seq,
+            first_page,
+            num_steps,
+            visible,
+            max_blocks=max_blocks,
+            pages_per_step=pages_per_step,
+            scale=scale,
+            exact=exact,
+            soft_cap=soft_cap,
+            q_rope=q_rope,
+            kr_ref=kr_ref,
+        )
         rows_here = pl.ds(base, q_block)
         if num_splits == 1:
             if sinks:
@@ -318,8 +401,9 @@ def _cache_inputs(k_cache, v_cache, *, blocks, latent, sink, q_rope):
     for `_with_inputs`; sink and q_rope are (spec, operand) pairs or None."""
     k_spec, kr_spec = _latent_views(
         lambda w, c: _kv_head_spec(k_cache.shape, 1, blocks=blocks, columns=(w, c)),
-        k_cache.shape[-1], latent,
-    )  # fmt: skip
+        k_cache.shape[-1],
+        latent,
+    )
     v = None if latent is not None else (_kv_head_spec(v_cache.shape, 1), v_cache)
     k_rope = None if latent is None else (kr_spec, k_cache)
     return (k_spec, k_cache), [v, sink, q_rope, k_rope]
@@ -342,10 +426,27 @@ def split_heads(q: jax.Array, num_kv_heads: int, max_group: int | None) -> tuple
 
 
 def _decode(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sinks, *, scale, exact,
-    pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap, chunk,
-    blocks, latent,
-):  # fmt: skip
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    sinks,
+    *,
+    scale,
+    exact,
+    pages_per_step,
+    num_splits,
+    num_warps,
+    num_stages,
+    interpret,
+    window,
+    soft_cap,
+    chunk,
+    blocks,
+    latent,
+):
     """The decode kernel over each sequence's first query row of q [T, Hv, g, D] (query head
     blocks: `split_heads`) -> (rows [S, Hv, g, Dv] in q's dtype, dest i32[S]: the token each
     row belongs to, T for sequences with kv_lens 0). Dv: D, or MLA's `latent`."""
@@ -359,28 +460,43 @@ def _decode(
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
 
     kernel = functools.partial(
-        _decode_kernel, max_blocks=max_blocks, pages_per_step=pages_per_step,
-        num_splits=num_splits, scale=scale, exact=exact, window=window, soft_cap=soft_cap,
-        sinks=sinks is not None, chunk=chunk,
-    )  # fmt: skip
+        _decode_kernel,
+        max_blocks=max_blocks,
+        pages_per_step=pages_per_step,
+        num_splits=num_splits,
+        scale=scale,
+        exact=exact,
+        window=window,
+        soft_cap=soft_cap,
+        sinks=sinks is not None,
+        chunk=chunk,
+    )
     sink_rows = None if sinks is None else _sink_rows(sinks, num_heads, rows)
     q_spec, qr_spec = _latent_views(
         lambda w, c: pl.BlockSpec((None, None, rows, w), lambda s, h, k: (s, h, 0, c)),
-        head_dim, latent,
-    )  # fmt: skip
+        head_dim,
+        latent,
+    )
     k_input, optional = _cache_inputs(
-        k_cache, v_cache, blocks=blocks, latent=latent,
-        sink=None if sinks is None else (pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)),
-                                         sink_rows),
+        k_cache,
+        v_cache,
+        blocks=blocks,
+        latent=latent,
+        sink=None
+        if sinks is None
+        else (pl.BlockSpec((None, rows), lambda s, h, k: (h, 0)), sink_rows),
         q_rope=None if latent is None else (qr_spec, q_rows),
-    )  # fmt: skip
+    )
     kernel, in_specs, args = _with_inputs(
         kernel,
-        [(_whole((max_seqs,)), kv_lens),
-         (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)), (q_spec, q_rows),
-         k_input],
+        [
+            (_whole((max_seqs,)), kv_lens),
+            (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)),
+            (q_spec, q_rows),
+            k_input,
+        ],
         optional,
-    )  # fmt: skip
+    )
     if num_splits == 1:  # the kernel writes the output rows in q's dtype: nothing to merge
         out_specs = pl.BlockSpec((None, None, rows, out_dim), lambda s, h, k: (s, h, 0, 0))
         out_shape = jax.ShapeDtypeStruct((max_seqs, num_heads, rows, out_dim), q.dtype)
@@ -406,11 +522,29 @@ def _decode(
 
 
 def _mixed(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sinks, *, scale,
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    num_seqs,
+    sinks,
+    *,
+    scale,
     exact,
-    q_block, pages_per_step, num_splits, num_warps, num_stages, interpret, window, soft_cap,
-    chunk, blocks, latent,
-):  # fmt: skip
+    q_block,
+    pages_per_step,
+    num_splits,
+    num_warps,
+    num_stages,
+    interpret,
+    window,
+    soft_cap,
+    chunk,
+    blocks,
+    latent,
+):
     """The mixed kernel over q [T, Hv, g, D] (query head blocks: `split_heads`) -> [T, Hv, g,
     Dv] in q's dtype, the multi-token sequences' rows (the others hold garbage)."""
     num_tokens, num_heads, group, head_dim = q.shape
@@ -435,27 +569,45 @@ def _mixed(
         return pl.BlockSpec((None, padded, width), lambda t, h, k: (h, 0, column))
 
     kernel = functools.partial(
-        _mixed_kernel, group=group, q_block=q_block, max_blocks=max_blocks,
-        pages_per_step=pages_per_step, num_splits=num_splits, scale=scale, exact=exact,
-        window=window, soft_cap=soft_cap, sinks=sinks is not None, chunk=chunk,
-    )  # fmt: skip
+        _mixed_kernel,
+        group=group,
+        q_block=q_block,
+        max_blocks=max_blocks,
+        pages_per_step=pages_per_step,
+        num_splits=num_splits,
+        scale=scale,
+        exact=exact,
+        window=window,
+        soft_cap=soft_cap,
+        sinks=sinks is not None,
+        chunk=chunk,
+    )
     sink_width = decode_rows(group)  # a power of two >= group
     sink_rows = None if sinks is None else _sink_rows(sinks, num_heads, sink_width)
     q_spec, qr_spec = _latent_views(rows_spec, head_dim, latent)
     k_input, optional = _cache_inputs(
-        k_cache, v_cache, blocks=blocks, latent=latent,
-        sink=None if sinks is None else (pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)),
-                                         sink_rows),
+        k_cache,
+        v_cache,
+        blocks=blocks,
+        latent=latent,
+        sink=None
+        if sinks is None
+        else (pl.BlockSpec((None, sink_width), lambda t, h, k: (h, 0)), sink_rows),
         q_rope=None if latent is None else (qr_spec, q_rows),
-    )  # fmt: skip
+    )
     kernel, in_specs, args = _with_inputs(
         kernel,
-        [(_whole((max_tiles,)), tile_seq), (_whole((max_tiles,)), tile_row),
-         (_whole((max_seqs,)), kv_lens), (_whole((max_seqs + 1,)), query_start_loc),
-         (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)), (q_spec, q_rows),
-         k_input],
+        [
+            (_whole((max_tiles,)), tile_seq),
+            (_whole((max_tiles,)), tile_row),
+            (_whole((max_seqs,)), kv_lens),
+            (_whole((max_seqs + 1,)), query_start_loc),
+            (_whole((max_seqs * max_blocks,)), block_tables.reshape(-1)),
+            (q_spec, q_rows),
+            k_input,
+        ],
         optional,
-    )  # fmt: skip
+    )
     if num_splits == 1:
         out_specs = rows_spec(out_dim, 0)
         out_shape = jax.ShapeDtypeStruct((num_heads, padded, out_dim), q.dtype)
@@ -486,12 +638,24 @@ def _mixed(
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "attention_chunk", "decode_only",
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "attention_chunk",
+        "decode_only",
         "decode_pages_per_step",
-        "num_kv_splits", "q_block", "prefill_kv_tokens_per_step", "mixed_kv_splits",
-        "num_warps", "num_stages", "smem_limit", "num_sms", "interpret", "latent_dim",
+        "num_kv_splits",
+        "q_block",
+        "prefill_kv_tokens_per_step",
+        "mixed_kv_splits",
+        "num_warps",
+        "num_stages",
+        "smem_limit",
+        "num_sms",
+        "interpret",
+        "latent_dim",
     ),
-)  # fmt: skip
+)
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -572,19 +736,34 @@ def ragged_paged_attention(
     plan = plan_attention(  # K/V tiles at the wider of q's and the cache's widths (fp8 widened)
         (num_tokens, num_heads * group, head_dim),
         (*k_cache.shape[:2], num_heads, k_cache.shape[3]),
-        block_tables.shape, decode_only=decode_only, q_block=q_block, latent=latent_dim,
-        dtype=max(q.dtype, k_cache.dtype, key=lambda d: d.itemsize), num_sms=num_sms,
-        decode_pages_per_step=decode_pages_per_step, num_kv_splits=num_kv_splits,
-        prefill_kv_tokens_per_step=prefill_kv_tokens_per_step, mixed_kv_splits=mixed_kv_splits,
-        num_stages=num_stages, smem_limit=smem_limit,
-    )  # fmt: skip
+        block_tables.shape,
+        decode_only=decode_only,
+        q_block=q_block,
+        latent=latent_dim,
+        dtype=max(q.dtype, k_cache.dtype, key=lambda d: d.itemsize),
+        num_sms=num_sms,
+        decode_pages_per_step=decode_pages_per_step,
+        num_kv_splits=num_kv_splits,
+        prefill_kv_tokens_per_step=prefill_kv_tokens_per_step,
+        mixed_kv_splits=mixed_kv_splits,
+        num_stages=num_stages,
+        smem_limit=smem_limit,
+    )
     kv_lens = kv_lens.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     query_start_loc = query_start_loc.astype(jnp.int32)
     num_seqs = num_seqs.astype(jnp.int32)
-    common = dict(scale=sm_scale * _LOG2E, exact=q.dtype == jnp.float32, num_warps=num_warps,
-                  interpret=interpret, window=sliding_window, soft_cap=soft_cap,
-                  chunk=attention_chunk, blocks=blocks, latent=latent_dim)  # fmt: skip
+    common = dict(
+        scale=sm_scale * _LOG2E,
+        exact=q.dtype == jnp.float32,
+        num_warps=num_warps,
+        interpret=interpret,
+        window=sliding_window,
+        soft_cap=soft_cap,
+        chunk=attention_chunk,
+        blocks=blocks,
+        latent=latent_dim,
+    )
     out_dim = head_dim if latent_dim is None else latent_dim
 
     def merged(out):  # [T, Hv, g, Dv] -> [T, Hq, Dv]: the head blocks' padding dropped
@@ -595,19 +774,36 @@ def ragged_paged_attention(
 
     single = decode_seqs(query_start_loc, num_seqs, decode_only=decode_only)
     rows, dest = _decode(  # sequences of no single-token row read nothing and write no row
-        q, k_cache, v_cache, jnp.where(single, kv_lens, 0), block_tables, query_start_loc,
-        sinks, num_splits=plan.num_kv_splits, num_stages=plan.decode.num_stages,
-        pages_per_step=plan.decode.pages_per_step, **common,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        jnp.where(single, kv_lens, 0),
+        block_tables,
+        query_start_loc,
+        sinks,
+        num_splits=plan.num_kv_splits,
+        num_stages=plan.decode.num_stages,
+        pages_per_step=plan.decode.pages_per_step,
+        **common,
+    )
     zeros = jnp.zeros((num_tokens, num_heads, group, out_dim), q.dtype)
     if decode_only:  # rows of no sequence stay zero
         return merged(zeros.at[dest].set(rows, mode="drop"))
     mixed = _mixed(
-        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, sinks,
+        q,
+        k_cache,
+        v_cache,
+        kv_lens,
+        block_tables,
+        query_start_loc,
+        num_seqs,
+        sinks,
         q_block=q_block,
-        num_splits=plan.mixed_kv_splits, num_stages=plan.mixed.num_stages,
-        pages_per_step=plan.mixed.pages_per_step, **common,
-    )  # fmt: skip
+        num_splits=plan.mixed_kv_splits,
+        num_stages=plan.mixed.num_stages,
+        pages_per_step=plan.mixed.pages_per_step,
+        **common,
+    )
     # The mixed kernel wrote the multi-token sequences' rows; the rest hold garbage: padding
     # rows become zero (as the reference gives), the decode rows are written over in place.
     valid = jnp.arange(num_tokens) < query_start_loc[num_seqs[0]]

@@ -147,11 +147,26 @@ class _Ops:
 
 
 def _kernel(
-    tile_seq_ref, tile_keys_ref, tables_ref, q_ref, k_ref, v_ref, pos_ref, *rest,
-    max_blocks: int, pages_per_step: int, num_stages: int, num_splits: int,
-    num_programs: int, num_work: int, sm_scale: float, window: int | None,
-    soft_cap: float | None, sinks: bool, interpret: bool,
-):  # fmt: skip
+    tile_seq_ref,
+    tile_keys_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    pos_ref,
+    *rest,
+    max_blocks: int,
+    pages_per_step: int,
+    num_stages: int,
+    num_splits: int,
+    num_programs: int,
+    num_work: int,
+    sm_scale: float,
+    window: int | None,
+    soft_cap: float | None,
+    sinks: bool,
+    interpret: bool,
+):
     """One program of the persistent grid (see the module docstring).
 
     GMEM refs: tile_seq_ref i32[tiles] (-1: no sequence); tile_keys_ref i32[2 * tiles]: the
@@ -169,8 +184,21 @@ def _kernel(
     else:
         o_ref, m_ref, l_ref = rest[:3]
         rest = rest[3:]
-    (q_smem, k_smem, v_smem, p_smem, o_smem, pos_smem, sink_smem, m_smem, l_smem, kt_smem,
-     q_bar, k_bars, v_bars) = rest  # fmt: skip
+    (
+        q_smem,
+        k_smem,
+        v_smem,
+        p_smem,
+        o_smem,
+        pos_smem,
+        sink_smem,
+        m_smem,
+        l_smem,
+        kt_smem,
+        q_bar,
+        k_bars,
+        v_bars,
+    ) = rest
     ops = _Ops(interpret)
     num_blocks, block_size, num_kv_heads, head_dim = k_ref.shape
     keys = pages_per_step * block_size
@@ -211,10 +239,12 @@ def _kernel(
                 column = jnp.minimum(first_page + step * pages_per_step + p, max_blocks - 1)
                 block = jnp.clip(tables_ref[seq * max_blocks + column], 0, num_blocks - 1)
                 rows = pl.ds(p * block_size, block_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[block, :, head], k_smem.at[slot, rows],
-                                        k_bars.at[slot])  # fmt: skip
-                plgpu.copy_gmem_to_smem(v_ref.at[block, :, head], v_smem.at[slot, rows],
-                                        v_bars.at[slot])  # fmt: skip
+                plgpu.copy_gmem_to_smem(
+                    k_ref.at[block, :, head], k_smem.at[slot, rows], k_bars.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    v_ref.at[block, :, head], v_smem.at[slot, rows], v_bars.at[slot]
+                )
 
         for s in range(num_stages):  # the pipeline's prologue
             pl.when(s < num_steps)(functools.partial(issue, s, s))
@@ -297,8 +327,9 @@ class _Tiles(NamedTuple):
     token_real: jax.Array  # bool[T]: tokens of a sequence the kernel attends
 
 
-def _prologue(query_start_loc, num_seqs, kv_lens, *, num_tokens, group, num_tiles, window,
-              decode_only) -> _Tiles:  # fmt: skip
+def _prologue(
+    query_start_loc, num_seqs, kv_lens, *, num_tokens, group, num_tiles, window, decode_only
+) -> _Tiles:
     """Assign tiles to sequences, in XLA: sequence s of q_len tokens gets ceil(q_len * G /
     64) tiles of its rows (token, head of group), in order."""
     max_seqs = query_start_loc.shape[0] - 1
@@ -329,18 +360,35 @@ def _prologue(query_start_loc, num_seqs, kv_lens, *, num_tokens, group, num_tile
     out_tile = jnp.minimum(starts[tseq][:, None] + t_row // TILE_ROWS, num_tiles - 1)
     token_real = (token < query_start_loc[num_seqs[0]]) & (q_lens[tseq] > 0)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-    return _Tiles(jnp.where(used, seq, -1), i32(keys), i32(row_pos), i32(row_token),
-                  i32(row % group), i32(out_tile), i32(t_row % TILE_ROWS), token_real)  # fmt: skip
+    return _Tiles(
+        jnp.where(used, seq, -1),
+        i32(keys),
+        i32(row_pos),
+        i32(row_token),
+        i32(row % group),
+        i32(out_tile),
+        i32(t_row % TILE_ROWS),
+        token_real,
+    )
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "attention_chunk", "decode_only",
-        "kv_tokens_per_step", "num_stages", "num_kv_splits", "num_sms", "smem_limit",
-        "interpret", "latent_dim",
+        "sm_scale",
+        "sliding_window",
+        "soft_cap",
+        "attention_chunk",
+        "decode_only",
+        "kv_tokens_per_step",
+        "num_stages",
+        "num_kv_splits",
+        "num_sms",
+        "smem_limit",
+        "interpret",
+        "latent_dim",
     ),
-)  # fmt: skip
+)
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -412,21 +460,36 @@ def ragged_paged_attention(
     max_seqs, max_blocks = block_tables.shape
     itemsize = jnp.dtype(q.dtype).itemsize
     plan = mosaic_tiling.plan(
-        num_tokens=num_tokens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, block_size=block_size, max_seqs=max_seqs, max_blocks=max_blocks,
-        itemsize=itemsize, decode_only=decode_only, kv_tokens=kv_tokens_per_step,
-        num_stages=num_stages, num_kv_splits=num_kv_splits,
-        num_sms=_default_num_sms() if num_sms is None else num_sms, smem_limit=smem_limit,
-    )  # fmt: skip
+        num_tokens=num_tokens,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        max_seqs=max_seqs,
+        max_blocks=max_blocks,
+        itemsize=itemsize,
+        decode_only=decode_only,
+        kv_tokens=kv_tokens_per_step,
+        num_stages=num_stages,
+        num_kv_splits=num_kv_splits,
+        num_sms=_default_num_sms() if num_sms is None else num_sms,
+        smem_limit=smem_limit,
+    )
     group = num_q_heads // num_kv_heads
-    num_tiles = mosaic_tiling.max_tiles(num_tokens=num_tokens, group=group, max_seqs=max_seqs,
-                                        decode_only=decode_only)  # fmt: skip
+    num_tiles = mosaic_tiling.max_tiles(
+        num_tokens=num_tokens, group=group, max_seqs=max_seqs, decode_only=decode_only
+    )
     splits = plan.num_kv_splits
     tiles = _prologue(
-        query_start_loc.astype(jnp.int32), num_seqs.astype(jnp.int32),
-        kv_lens.astype(jnp.int32), num_tokens=num_tokens, group=group, num_tiles=num_tiles,
-        window=sliding_window, decode_only=decode_only,
-    )  # fmt: skip
+        query_start_loc.astype(jnp.int32),
+        num_seqs.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+        num_tokens=num_tokens,
+        group=group,
+        num_tiles=num_tiles,
+        window=sliding_window,
+        decode_only=decode_only,
+    )
 
     # Each tile's query rows per KV head, [tiles, Hkv, 64, D], gathered in XLA so every TMA
     # box of q starts at a whole tile.
@@ -436,8 +499,15 @@ def ragged_paged_attention(
     sink_log2 = None
     if sinks is not None:
         sink_log2 = sinks.astype(jnp.float32).reshape(num_kv_heads, group) * _LOG2E
-    inputs = [tiles.seq, tiles.keys.reshape(-1), block_tables.astype(jnp.int32).reshape(-1),
-              q_tiles, k_cache, v_cache, tiles.row_pos]  # fmt: skip
+    inputs = [
+        tiles.seq,
+        tiles.keys.reshape(-1),
+        block_tables.astype(jnp.int32).reshape(-1),
+        q_tiles,
+        k_cache,
+        v_cache,
+        tiles.row_pos,
+    ]
     in_kernel_sinks = sinks is not None and splits == 1
     if in_kernel_sinks:  # each tile row's sink logit, [tiles, Hkv, 64]
         inputs.append(sink_log2[:, tiles.row_head].transpose(1, 0, 2))
@@ -447,8 +517,11 @@ def ragged_paged_attention(
         out_type = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, TILE_ROWS, head_dim), q.dtype)
     else:
         part = (splits, num_tiles, num_kv_heads, TILE_ROWS)
-        out_type = (jax.ShapeDtypeStruct((*part, head_dim), f32),
-                    jax.ShapeDtypeStruct(part, f32), jax.ShapeDtypeStruct(part, f32))  # fmt: skip
+        out_type = (
+            jax.ShapeDtypeStruct((*part, head_dim), f32),
+            jax.ShapeDtypeStruct(part, f32),
+            jax.ShapeDtypeStruct(part, f32),
+        )
     keys = plan.pages_per_step * block_size
 
     def swizzled(shape, dtype):
@@ -475,11 +548,19 @@ def ragged_paged_attention(
     ]
     num_work = num_tiles * num_kv_heads * splits
     kernel = functools.partial(
-        _kernel, max_blocks=max_blocks, pages_per_step=plan.pages_per_step,
-        num_stages=stages, num_splits=splits, num_programs=plan.num_programs,
-        num_work=num_work, sm_scale=sm_scale, window=sliding_window, soft_cap=soft_cap,
-        sinks=in_kernel_sinks, interpret=interpret is not False,
-    )  # fmt: skip
+        _kernel,
+        max_blocks=max_blocks,
+        pages_per_step=plan.pages_per_step,
+        num_stages=stages,
+        num_splits=splits,
+        num_programs=plan.num_programs,
+        num_work=num_work,
+        sm_scale=sm_scale,
+        window=sliding_window,
+        soft_cap=soft_cap,
+        sinks=in_kernel_sinks,
+        interpret=interpret is not False,
+    )
     result = plgpu.kernel(
         kernel,
         out_type=out_type,

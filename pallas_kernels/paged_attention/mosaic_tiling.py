@@ -77,8 +77,9 @@ def pages_per_step(block_size: int, kv_tokens: int | None = None) -> int:
     return pages
 
 
-def smem_bytes(*, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int,
-               split: bool) -> int:  # fmt: skip
+def smem_bytes(
+    *, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int, split: bool
+) -> int:
     """Estimated shared memory of one program (see the module docstring)."""
     kv = num_stages * 2 * kv_tokens * head_dim * itemsize
     q = TILE_ROWS * head_dim * itemsize
@@ -90,9 +91,14 @@ def smem_bytes(*, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int,
 
 
 def plan_stages(
-    *, head_dim: int, kv_tokens: int, itemsize: int, split: bool, num_stages: int | None = None,
+    *,
+    head_dim: int,
+    kv_tokens: int,
+    itemsize: int,
+    split: bool,
+    num_stages: int | None = None,
     smem_limit: int = HOPPER_SMEM_BYTES,
-) -> int:  # fmt: skip
+) -> int:
     """The most pipeline stages (at most MAX_STAGES) whose buffers fit smem_limit; a
     num_stages given is kept and checked. Raises ValueError naming the bytes when even
     one stage does not fit."""
@@ -101,8 +107,9 @@ def plan_stages(
         raise ValueError(f"num_stages={stages} must be at least 1")
 
     def need(s):
-        return smem_bytes(head_dim=head_dim, kv_tokens=kv_tokens, num_stages=s,
-                          itemsize=itemsize, split=split)  # fmt: skip
+        return smem_bytes(
+            head_dim=head_dim, kv_tokens=kv_tokens, num_stages=s, itemsize=itemsize, split=split
+        )
 
     while need(stages) > smem_limit and num_stages is None and stages > 1:
         stages -= 1
@@ -131,12 +138,22 @@ def num_programs(*, num_work: int, num_sms: int) -> int:
 
 
 def plan(
-    *, num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    max_seqs: int, max_blocks: int, itemsize: int, decode_only: bool,
-    kv_tokens: int | None = None, num_stages: int | None = None,
-    num_kv_splits: int | None = None, num_sms: int = HOPPER_NUM_SMS,
+    *,
+    num_tokens: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_seqs: int,
+    max_blocks: int,
+    itemsize: int,
+    decode_only: bool,
+    kv_tokens: int | None = None,
+    num_stages: int | None = None,
+    num_kv_splits: int | None = None,
+    num_sms: int = HOPPER_NUM_SMS,
     smem_limit: int = HOPPER_SMEM_BYTES,
-) -> MosaicPlan:  # fmt: skip
+) -> MosaicPlan:
     """The whole tiling of one call. Raises ValueError for shapes the kernel cannot take:
     Hq not a multiple of Hkv, head_dim not a multiple of 64, block_size not a power of two
     from 8 to 256, or a tiling over smem_limit."""
@@ -151,20 +168,35 @@ def plan(
         )
     group = num_q_heads // num_kv_heads
     pages = pages_per_step(block_size, kv_tokens)
-    tiles = max_tiles(num_tokens=num_tokens, group=group, max_seqs=max_seqs,
-                      decode_only=decode_only)  # fmt: skip
+    tiles = max_tiles(
+        num_tokens=num_tokens, group=group, max_seqs=max_seqs, decode_only=decode_only
+    )
     if num_kv_splits is None:
         # the fewest tiles the batch can make: T tokens' rows, or one tile group a decode
         fewest = tiles if decode_only else -(-num_tokens * group // TILE_ROWS)
         num_kv_splits = plan_kv_splits(
-            num_tiles=fewest, num_kv_heads=num_kv_heads,
-            max_steps=-(-max_blocks // pages), num_sms=num_sms,
-        )  # fmt: skip
+            num_tiles=fewest,
+            num_kv_heads=num_kv_heads,
+            max_steps=-(-max_blocks // pages),
+            num_sms=num_sms,
+        )
     split = num_kv_splits > 1
-    stages = plan_stages(head_dim=head_dim, kv_tokens=pages * block_size, itemsize=itemsize,
-                         split=split, num_stages=num_stages, smem_limit=smem_limit)  # fmt: skip
+    stages = plan_stages(
+        head_dim=head_dim,
+        kv_tokens=pages * block_size,
+        itemsize=itemsize,
+        split=split,
+        num_stages=num_stages,
+        smem_limit=smem_limit,
+    )
     work = tiles * num_kv_heads * num_kv_splits
-    need = smem_bytes(head_dim=head_dim, kv_tokens=pages * block_size, num_stages=stages,
-                      itemsize=itemsize, split=split)  # fmt: skip
-    return MosaicPlan(pages, stages, num_kv_splits, num_programs(num_work=work, num_sms=num_sms),
-                      need)  # fmt: skip
+    need = smem_bytes(
+        head_dim=head_dim,
+        kv_tokens=pages * block_size,
+        num_stages=stages,
+        itemsize=itemsize,
+        split=split,
+    )
+    return MosaicPlan(
+        pages, stages, num_kv_splits, num_programs(num_work=work, num_sms=num_sms), need
+    )

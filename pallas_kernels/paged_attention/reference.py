@@ -82,8 +82,12 @@ def ragged_paged_attention_reference(
       [T, Hq, D] in q's dtype; padding rows are zero.
     """
     args = (q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs)
-    scores = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  attention_chunk=attention_chunk)  # fmt: skip
+    scores = dict(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        attention_chunk=attention_chunk,
+    )
     single = _q_lens(q, k_cache, block_tables, query_start_loc, num_seqs) == 1
     out = _decode(*args[:6], _Scores(**scores), single, sinks)
     if decode_only or q.shape[0] == 1:
@@ -142,13 +146,25 @@ def _decode(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores,
     row = jnp.where(single, query_start_loc[:-1], num_tokens)  # [S]; T: dropped
     q_pos = jnp.where(single, kv_lens - 1, -1)[:, None]  # [S, 1]: others see no keys
     q_rows = q[jnp.minimum(row, num_tokens - 1), None]  # [S, 1, Hq, D]
-    res = _attend(q_rows, q_pos, block_tables, k_cache, v_cache, scores, _DECODE_CHUNK_TOKENS,
-                  sinks)  # fmt: skip
+    res = _attend(
+        q_rows, q_pos, block_tables, k_cache, v_cache, scores, _DECODE_CHUNK_TOKENS, sinks
+    )
     return jnp.zeros_like(q).at[row].set(res[:, 0], mode="drop")
 
 
-def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, q_lens, out,
-           sinks, causal_ext=None):  # fmt: skip
+def _tiled(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    query_start_loc,
+    scores,
+    q_lens,
+    out,
+    sinks,
+    causal_ext=None,
+):
     """The sequences with q_lens [S] > 0 (several query tokens): sequence s gets
     ceil(q_len / _Q_TILE) tiles of its consecutive rows, in order; a tile attends with its
     sequence's blocks, gathered once per chunk for all its rows. Writes their rows of out."""
@@ -183,8 +199,17 @@ def _tiled(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, scores, 
         lim = jax.lax.dynamic_slice_in_dim(q_lim, at, _TILE_GROUP)
         blk = jax.lax.dynamic_slice_in_dim(blocks, at, _TILE_GROUP)
         q_rows = q[jnp.minimum(tok, num_tokens - 1)]
-        res = _attend(q_rows, pos, blk, k_cache, v_cache, scores, _TILED_CHUNK_TOKENS, sinks,
-                      lim if causal_ext is not None else None)  # fmt: skip
+        res = _attend(
+            q_rows,
+            pos,
+            blk,
+            k_cache,
+            v_cache,
+            scores,
+            _TILED_CHUNK_TOKENS,
+            sinks,
+            lim if causal_ext is not None else None,
+        )
         return out.at[tok.reshape(-1)].set(res.reshape(-1, num_q_heads, head_dim), mode="drop")
 
     used_groups = (ends[-1] + _TILE_GROUP - 1) // _TILE_GROUP

@@ -33,8 +33,15 @@ _PROGRAMS_PER_SM = 2  # programs the KV splits aim for, per SM
 _MAX_KV_SPLITS = 64
 
 
-def smem_bytes(*, rows: int, head_dim: int, kv_tokens: int, num_stages: int, itemsize: int,
-               kv_width: int | None = None) -> int:  # fmt: skip
+def smem_bytes(
+    *,
+    rows: int,
+    head_dim: int,
+    kv_tokens: int,
+    num_stages: int,
+    itemsize: int,
+    kv_width: int | None = None,
+) -> int:
     """Estimated shared memory of one program of either kernel: `num_stages` buffers of an
     inner step's K and V tiles ([kv_tokens, D] each; a single buffer without pipelining) and
     the query tile [rows, D], all at `itemsize` bytes. Matches what Triton asked for on the
@@ -55,10 +62,17 @@ class TilePlan(NamedTuple):
 
 
 def plan_tiles(
-    kernel: str, *, dtype, head_dim: int, block_size: int, rows: int,
-    kv_tokens: int | None = None, num_stages: int | None = None,
-    smem_limit: int = HOPPER_SMEM_BYTES, kv_width: int | None = None,
-) -> TilePlan:  # fmt: skip
+    kernel: str,
+    *,
+    dtype,
+    head_dim: int,
+    block_size: int,
+    rows: int,
+    kv_tokens: int | None = None,
+    num_stages: int | None = None,
+    smem_limit: int = HOPPER_SMEM_BYTES,
+    kv_width: int | None = None,
+) -> TilePlan:
     """The tiling of `kernel` ("decode": rows = the GQA group padded to 16; "mixed": rows =
     q_block) for queries of `dtype` (K/V tiles are held at its width: an fp8 cache is widened
     to it) and head_dim, within smem_limit bytes of shared memory.
@@ -75,8 +89,14 @@ def plan_tiles(
     stages = _DEFAULT_STAGES if num_stages is None else num_stages
 
     def need(tokens, stages):
-        return smem_bytes(rows=rows, head_dim=head_dim, kv_tokens=tokens, num_stages=stages,
-                          itemsize=itemsize, kv_width=kv_width)  # fmt: skip
+        return smem_bytes(
+            rows=rows,
+            head_dim=head_dim,
+            kv_tokens=tokens,
+            num_stages=stages,
+            itemsize=itemsize,
+            kv_width=kv_width,
+        )
 
     while need(tokens, stages) > smem_limit:
         if kv_tokens is None and tokens > smallest:
@@ -120,8 +140,15 @@ def decode_rows(group: int) -> int:
     return max(MIN_DOT, 1 << max(0, group - 1).bit_length())
 
 
-def check_shapes(*, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 q_block: int, latent: int | None = None) -> None:  # fmt: skip
+def check_shapes(
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    q_block: int,
+    latent: int | None = None,
+) -> None:
     """Raise ValueError, naming the value, for shapes the Triton lowering cannot tile:
     Hq not a multiple of Hkv, head_dim / block_size / q_block not powers of two, q_block
     under MIN_DOT. MLA (latent: its kv_lora_rank): the latent and the rotary width
@@ -156,12 +183,22 @@ class AttentionPlan(NamedTuple):
 
 
 def plan_attention(
-    q_shape: tuple[int, ...], cache_shape: tuple[int, ...], block_tables_shape: tuple[int, ...],
-    *, dtype, decode_only: bool, q_block: int, decode_pages_per_step: int | None = None,
-    prefill_kv_tokens_per_step: int | None = None, num_kv_splits: int | None = None,
-    mixed_kv_splits: int | None = None, num_stages: int | None = None,
-    smem_limit: int = HOPPER_SMEM_BYTES, num_sms: int | None = None, latent: int | None = None,
-) -> AttentionPlan:  # fmt: skip
+    q_shape: tuple[int, ...],
+    cache_shape: tuple[int, ...],
+    block_tables_shape: tuple[int, ...],
+    *,
+    dtype,
+    decode_only: bool,
+    q_block: int,
+    decode_pages_per_step: int | None = None,
+    prefill_kv_tokens_per_step: int | None = None,
+    num_kv_splits: int | None = None,
+    mixed_kv_splits: int | None = None,
+    num_stages: int | None = None,
+    smem_limit: int = HOPPER_SMEM_BYTES,
+    num_sms: int | None = None,
+    latent: int | None = None,
+) -> AttentionPlan:
     """The tiling `ragged_paged_attention` runs for q [T, Hq, D], a cache [num_blocks,
     block_size, Hkv, D] and block tables [S, max_blocks] with its tuning arguments (read its
     docstring for them; None: not given). Checks the shapes (`check_shapes`), then plans each
@@ -174,14 +211,24 @@ def plan_attention(
     num_tokens, num_q_heads, head_dim = q_shape
     _, block_size, num_kv_heads, _ = cache_shape
     max_seqs, max_blocks = block_tables_shape
-    check_shapes(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                 block_size=block_size, q_block=q_block, latent=latent)  # fmt: skip
+    check_shapes(
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        q_block=q_block,
+        latent=latent,
+    )
     group = num_q_heads // num_kv_heads
     plan = functools.partial(
-        plan_tiles, dtype=dtype, head_dim=head_dim, block_size=block_size,
-        num_stages=num_stages, smem_limit=smem_limit,
+        plan_tiles,
+        dtype=dtype,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_stages=num_stages,
+        smem_limit=smem_limit,
         kv_width=None if latent is None else head_dim,
-    )  # fmt: skip
+    )
     decode_requested = None if decode_pages_per_step is None else decode_pages_per_step * block_size
     decode_plan = plan("decode", rows=decode_rows(group), kv_tokens=decode_requested)
     mixed_plan = None
@@ -190,14 +237,18 @@ def plan_attention(
     num_sms = default_num_sms() if num_sms is None else num_sms
     if num_kv_splits is None:
         num_kv_splits = plan_kv_splits(
-            num_seqs=max_seqs, num_kv_heads=num_kv_heads,
-            max_steps=-(-max_blocks // decode_plan.pages_per_step), num_sms=num_sms,
-        )  # fmt: skip
+            num_seqs=max_seqs,
+            num_kv_heads=num_kv_heads,
+            max_steps=-(-max_blocks // decode_plan.pages_per_step),
+            num_sms=num_sms,
+        )
     if mixed_kv_splits is None and mixed_plan is not None:
         mixed_kv_splits = plan_kv_splits(  # the fewest tiles T tokens can make
-            num_seqs=-(-num_tokens * group // q_block), num_kv_heads=num_kv_heads,
-            max_steps=-(-max_blocks // mixed_plan.pages_per_step), num_sms=num_sms,
-        )  # fmt: skip
+            num_seqs=-(-num_tokens * group // q_block),
+            num_kv_heads=num_kv_heads,
+            max_steps=-(-max_blocks // mixed_plan.pages_per_step),
+            num_sms=num_sms,
+        )
     return AttentionPlan(decode_plan, mixed_plan, num_kv_splits, mixed_kv_splits)
 
 
@@ -212,9 +263,13 @@ def decode_seqs(query_start_loc: jax.Array, num_seqs: jax.Array, *, decode_only:
 
 
 def assign_tiles(
-    query_start_loc: jax.Array, num_seqs: jax.Array, *, num_tokens: int, group: int,
+    query_start_loc: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    num_tokens: int,
+    group: int,
     q_block: int,
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+) -> tuple[jax.Array, jax.Array]:
     """The mixed kernel's query tiles, in XLA: sequence s of q_len > 1 tokens gets
     ceil(q_len * group / q_block) tiles, in order; single-token sequences get none (the
     decode kernel takes them).

@@ -82,7 +82,8 @@ from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxserve.entrypoints.openai.serving_score import OpenAIServingScore, score_routes
 from jaxserve.entrypoints.openai.serving_tokenization import tokenization_routes
 from jaxserve.entrypoints.openai.template_worker import shared_renderer
-from jaxserve.metrics import PrometheusStatLogger, make_log_stats
+from jaxserve.metrics.log_line import make_log_stats
+from jaxserve.metrics.prometheus import PrometheusStatLogger
 from jaxserve.multimodal.media import DEFAULT_MAX_IMAGE_BYTES
 from jaxserve.version import __version__
 
@@ -239,8 +240,10 @@ def build_app(
         routes += dev_routes(api_key)  # (none without an API key: a ValueError)
     if envs.JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING:
         logger.warning("runtime LoRA loading and unloading is on: for local development only")
-        routes += [Route(f"/v1/{op}_lora_adapter", lora_adapters, methods=["POST"])
-                   for op in ("load", "unload")]  # fmt: skip
+        routes += [
+            Route(f"/v1/{op}_lora_adapter", lora_adapters, methods=["POST"])
+            for op in ("load", "unload")
+        ]
     middleware = [*app_middleware(api_key, cors, options.root_path), *load_middleware(options)]
     handlers = {HTTPException: http_error}
     app = Starlette(
@@ -253,12 +256,17 @@ def build_app(
         "options": options,
     }
     app.state.serving_chat = OpenAIServingChat(
-        engine, served_model_names, chat_template=chat_template,
+        engine,
+        served_model_names,
+        chat_template=chat_template,
         chat_template_content_format=chat_template_content_format,
-        enable_auto_tools=enable_auto_tools, tool_parser=tool_parser,
-        reasoning_parser=engine.config.reasoning_parser, max_image_bytes=max_image_bytes,
-        trust_request_chat_template=trust_request_chat_template, **details,
-    )  # fmt: skip
+        enable_auto_tools=enable_auto_tools,
+        tool_parser=tool_parser,
+        reasoning_parser=engine.config.reasoning_parser,
+        max_image_bytes=max_image_bytes,
+        trust_request_chat_template=trust_request_chat_template,
+        **details,
+    )
     app.state.serving_responses = OpenAIServingResponses(app.state.serving_chat)
     app.state.serving_completion = OpenAIServingCompletion(engine, served_model_names, **details)
     app.state.serving_embedding = OpenAIServingEmbedding(engine, served_model_names, **details)
@@ -324,9 +332,12 @@ def serve_http(
     for formatter in log_config["formatters"].values():
         formatter["fmt"] = log_prefix + formatter["fmt"]
     config = uvicorn.Config(
-        app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-        log_config=log_config, **uvicorn_settings(args),
-    )  # fmt: skip
+        app,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        log_config=log_config,
+        **uvicorn_settings(args),
+    )
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler it found: make
     # that a no-op, so a drained shutdown exits 0 rather than as killed by SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -57,8 +57,9 @@ def extract_images(messages: list[Any], *, allow_pil: bool = False) -> tuple[lis
                 parts.append(part)  # text, or malformed: template_messages names it
                 continue
             else:
-                raise ValueError(f"{where}: content parts of type {kind!r} are not supported; "
-                                 f"use {_PART_FORMS}")  # fmt: skip
+                raise ValueError(
+                    f"{where}: content parts of type {kind!r} are not supported; use {_PART_FORMS}"
+                )
             parts.append({"type": "image"})
         out.append({**message, "content": parts} if len(sources) > before else message)
     return out, sources

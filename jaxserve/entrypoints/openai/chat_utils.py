@@ -275,8 +275,9 @@ class ChoiceParser:
     """Reasoning, content and tool calls of one choice, from its whole text (`full`) or as
     it streams (`delta`, then `finish`)."""
 
-    def __init__(self, request: ChatCompletionRequest, tool_parser_cls, reasoning_parser_cls,
-                 tokenizer):  # fmt: skip
+    def __init__(
+        self, request: ChatCompletionRequest, tool_parser_cls, reasoning_parser_cls, tokenizer
+    ):
         self.request = request
         self.choice = tool_choice(request)
         self.named = named_tool(request)
@@ -335,8 +336,9 @@ class ChoiceParser:
             call = DeltaToolCall(0, function=DeltaFunctionCall(arguments=delta))
             if not self.named_sent:
                 self.named_sent = True
-                call = DeltaToolCall(0, random_tool_call_id(), "function",
-                                     DeltaFunctionCall(self.named, delta))  # fmt: skip
+                call = DeltaToolCall(
+                    0, random_tool_call_id(), "function", DeltaFunctionCall(self.named, delta)
+                )
             out.tool_calls = [call]
         elif self.choice == "required":
             pass  # sent whole by finish(): the array is only certain once complete
@@ -364,10 +366,11 @@ class ChoiceParser:
             if self.request.parallel_tool_calls is False:
                 calls = calls[:1]
             out.tool_calls = [
-                DeltaToolCall(i, c.id, "function", DeltaFunctionCall(c.function.name,
-                                                                     c.function.arguments))
+                DeltaToolCall(
+                    i, c.id, "function", DeltaFunctionCall(c.function.name, c.function.arguments)
+                )
                 for i, c in enumerate(calls)
-            ]  # fmt: skip
+            ]
             self.tools_called = bool(calls)
         elif self.tool_parser is not None:
             d = self.tool_parser.flush_streaming(self.content, self.request)

@@ -72,7 +72,7 @@ def run_api_servers(args, engine_args, sock: socket.socket) -> int:
             [sys.executable, "-m", __name__, run_dir, str(i), str(sock.fileno())],
             pass_fds=(sock.fileno(),),
             env=env,
-        )  # fmt: skip
+        )
         for i in range(count)
     ]
     sock.close()  # the API servers hold it
@@ -129,9 +129,11 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     config = info.config
     tracer = init_tracer(args.otlp_traces_endpoint, args.model or DEFAULT_MODEL_NAME)
     engine = AsyncLLM(
-        config, client, tokenizer=read_tokenizer(config.tokenizer_path or config.model_path),
+        config,
+        client,
+        tokenizer=read_tokenizer(config.tokenizer_path or config.model_path),
         tracer=tracer,
-    )  # fmt: skip
+    )
     client.timeline.add(f"API server {index} set-up", time.perf_counter() - started)
     serve_http(args, engine, socket.socket(fileno=fd), started, log_prefix=LOG_PREFIX.format(index))
 

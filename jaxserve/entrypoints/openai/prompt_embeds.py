@@ -28,9 +28,11 @@ import ml_dtypes
 import numpy as np
 
 _STORAGES = {  # torch's typed storage names -> numpy dtypes (little-endian, as torch saves)
-    "FloatStorage": np.float32, "HalfStorage": np.float16, "BFloat16Storage": ml_dtypes.bfloat16,
+    "FloatStorage": np.float32,
+    "HalfStorage": np.float16,
+    "BFloat16Storage": ml_dtypes.bfloat16,
     "DoubleStorage": np.float64,
-}  # fmt: skip
+}
 _MAX_ITEMSIZE = 8  # DoubleStorage's
 MAX_PICKLE_BYTES = 16 * 1024  # a saved tensor's data.pkl is about 150 bytes
 MAX_ENTRIES = 64  # torch.save writes 7

@@ -169,10 +169,16 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         }
     choice, parallel = _tool_choice(body.tool_choice)
     return ChatCompletionRequest(
-        messages=messages, model=body.model, tools=_tools(body.tools), tool_choice=choice,
-        parallel_tool_calls=parallel, add_generation_prompt=not prefill,
-        continue_final_message=prefill, **_output_config(body), **fields,
-    )  # fmt: skip
+        messages=messages,
+        model=body.model,
+        tools=_tools(body.tools),
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        **_output_config(body),
+        **fields,
+    )
 
 
 def _output_config(body: CountTokensRequest) -> dict[str, Any]:
@@ -199,8 +205,9 @@ def _system(system: str | list[Any] | None) -> list[dict[str, Any]]:
 
 def _text(where: str, block: Any) -> str:
     if not isinstance(block, dict) or block.get("type") != "text":
-        raise ValueError(f'{where} must be a text block {{"type": "text", "text": ...}}, '
-                         f"got {block!r:.200}")  # fmt: skip
+        raise ValueError(
+            f'{where} must be a text block {{"type": "text", "text": ...}}, got {block!r:.200}'
+        )
     if not isinstance(block.get("text"), str):
         raise ValueError(f"{where}.text must be a string, got {block.get('text')!r:.100}")
     return block["text"]
@@ -221,8 +228,10 @@ def _messages(messages: list[Any]) -> list[dict[str, Any]]:
         elif isinstance(content, list):
             out += _blocks(where, role, content)
         else:
-            raise ValueError(f"{where}.content must be a string or a list of content blocks, "
-                             f"got {type(content).__name__}")  # fmt: skip
+            raise ValueError(
+                f"{where}.content must be a string or a list of content blocks, "
+                f"got {type(content).__name__}"
+            )
     return out
 
 
@@ -247,8 +256,10 @@ def _blocks(where: str, role: str, blocks: list[Any]) -> list[dict[str, Any]]:
             tool_messages.append(_tool_result(at, block))
         else:
             allowed = "text, image, tool_result" if role == "user" else "text, thinking, tool_use"
-            raise ValueError(f"{at}: a {role} message's content blocks must be of type "
-                             f"{allowed}, got {block!r:.200}")  # fmt: skip
+            raise ValueError(
+                f"{at}: a {role} message's content blocks must be of type "
+                f"{allowed}, got {block!r:.200}"
+            )
     message: dict[str, Any] = {"role": role, "content": parts}
     if calls:
         message["tool_calls"] = calls
@@ -265,18 +276,24 @@ def _image_url(where: str, block: dict[str, Any]) -> str:
         return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
     if kind == "url" and isinstance(source.get("url"), str):
         return source["url"]
-    raise ValueError(f'{where}.source must be {{"type": "base64", "media_type", "data"}} or '
-                     f'{{"type": "url", "url"}}, got {source!r:.200}')  # fmt: skip
+    raise ValueError(
+        f'{where}.source must be {{"type": "base64", "media_type", "data"}} or '
+        f'{{"type": "url", "url"}}, got {source!r:.200}'
+    )
 
 
 def _tool_call(where: str, block: dict[str, Any]) -> dict[str, Any]:
     name, args = block.get("name"), block.get("input", {})
     if not isinstance(name, str) or not isinstance(args, dict):
-        raise ValueError(f"{where}: a tool_use block needs a name and an input object, "
-                         f"got {block!r:.200}")  # fmt: skip
+        raise ValueError(
+            f"{where}: a tool_use block needs a name and an input object, got {block!r:.200}"
+        )
     arguments = json.dumps(args, ensure_ascii=False)
-    return {"id": block.get("id"), "type": "function",
-            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+    return {
+        "id": block.get("id"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def _tool_result(where: str, block: dict[str, Any]) -> dict[str, Any]:
@@ -284,8 +301,9 @@ def _tool_result(where: str, block: dict[str, Any]) -> dict[str, Any]:
     if isinstance(content, list):
         content = "\n".join(_text(f"{where}.content[{k}]", b) for k, b in enumerate(content))
     elif not isinstance(content, str):
-        raise ValueError(f"{where}.content must be a string or text blocks, "
-                         f"got {type(content).__name__}")  # fmt: skip
+        raise ValueError(
+            f"{where}.content must be a string or text blocks, got {type(content).__name__}"
+        )
     if block.get("is_error"):
         content = f"Error: {content}"
     return {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": content}
@@ -323,5 +341,7 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool]:
         return "none", parallel
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
-    raise ValueError('tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} '
-                     f'or {{"type": "tool", "name": ...}}, got {choice!r:.200}')  # fmt: skip
+    raise ValueError(
+        'tool_choice must be {"type": "auto"}, {"type": "any"}, {"type": "none"} '
+        f'or {{"type": "tool", "name": ...}}, got {choice!r:.200}'
+    )

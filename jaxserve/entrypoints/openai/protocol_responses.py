@@ -305,8 +305,11 @@ def to_messages(items: list[Any], where: str = "input") -> list[dict[str, Any]]:
             messages.append(message)
         elif kind == "function_call":
             call_id, name, args = (_string(item, f, at) for f in ("call_id", "name", "arguments"))
-            call = {"id": call_id, "type": "function",
-                    "function": {"name": name, "arguments": args}}  # fmt: skip
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}

@@ -79,8 +79,12 @@ class ResponsesStore:
             return
         size = entry_size(response_id, blob)
         if size > self.max_bytes:
-            logger.warning("response %s (%d bytes) exceeds the store's %d bytes: not stored",
-                           response_id, size, self.max_bytes)  # fmt: skip
+            logger.warning(
+                "response %s (%d bytes) exceeds the store's %d bytes: not stored",
+                response_id,
+                size,
+                self.max_bytes,
+            )
             return
         with self._lock:
             old = self._entries.pop(response_id, None)

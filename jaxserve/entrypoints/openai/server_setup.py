@@ -142,9 +142,11 @@ def uvicorn_settings(args) -> dict[str, Any]:
     }
     if args.ssl_keyfile or args.ssl_certfile:
         settings.update(
-            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-        )  # fmt: skip
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+        )
         if args.ssl_ciphers:
             settings["ssl_ciphers"] = args.ssl_ciphers
     if args.disable_access_log_for_endpoints:
@@ -161,8 +163,13 @@ def ready_message(args, model: str, *, keyed: bool) -> str:
     host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
     key = "$JAXSERVE_API_KEY" if args.api_key is None else "<your --api-key>"
     auth = f' -H "Authorization: Bearer {key}"' if keyed else ""
-    body = _json.encode({"model": model, "temperature": 0, "messages": [
-        {"role": "user", "content": "What is the capital of France?"}]}).decode()  # fmt: skip
+    body = _json.encode(
+        {
+            "model": model,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
+    ).decode()
     return (
         f"serving {model} on http://{args.host}:{args.port}; try:\n  curl "
         f"http://{host}:{args.port}/v1/chat/completions -H 'Content-Type: application/json'"

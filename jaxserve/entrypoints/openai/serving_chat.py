@@ -204,9 +204,13 @@ class OpenAIServingChat(OpenAIServing):
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         request_id = random_id("chatcmpl")
         validated = self._validate(
-            request_id, [(text, ids)], params, priority=request.priority,
-            cache_salt=request.cache_salt, lora_request=lora_request,
-        )  # fmt: skip
+            request_id,
+            [(text, ids)],
+            params,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            lora_request=lora_request,
+        )
         if image_urls:  # fetched by load_images, off the tokenizer thread
             validated[0]["multi_modal_data"] = {"image": image_urls}
             validated[0]["mm_processor_kwargs"] = request.mm_processor_kwargs
@@ -252,9 +256,11 @@ class OpenAIServingChat(OpenAIServing):
             # problem is a 400 for a stream too, and the engine gets the features as they are.
             ip = self.engine.input_processor
             ids, features = await asyncio.to_thread(
-                ip.process_multimodal, prompts[0]["prompt_token_ids"], {"image": images},
+                ip.process_multimodal,
+                prompts[0]["prompt_token_ids"],
+                {"image": images},
                 prompts[0].pop("mm_processor_kwargs", None),
-            )  # fmt: skip
+            )
             ip.process(f"{request_id}-0", ids, params, mm_features=features)
             prompts[0].update(prompt_token_ids=ids, mm_features=features)
         return prepared

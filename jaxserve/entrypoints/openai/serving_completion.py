@@ -59,9 +59,14 @@ class OpenAIServingCompletion(OpenAIServing):
             params = msgspec.structs.replace(params, prompt_logprobs=request.logprobs)
         request_id = random_id("cmpl")
         validated = self._validate(
-            request_id, prompts, params, priority=request.priority,
-            cache_salt=request.cache_salt, lora_request=lora_request, embeds=embeds,
-        )  # fmt: skip
+            request_id,
+            prompts,
+            params,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            lora_request=lora_request,
+            embeds=embeds,
+        )
         return request_id, validated, params
 
     def _prompt_embeds(self, request: CompletionRequest) -> list:
@@ -188,23 +193,31 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id, prompts, params = prepared
         processor = self.engine.input_processor
         beam_params = BeamSearchParams(
-            beam_width=params.n, max_tokens=params.max_tokens or processor.max_model_len,
-            ignore_eos=params.ignore_eos, temperature=params.temperature,
+            beam_width=params.n,
+            max_tokens=params.max_tokens or processor.max_model_len,
+            ignore_eos=params.ignore_eos,
+            temperature=params.temperature,
             length_penalty=request.length_penalty,
-        )  # fmt: skip
+        )
         check_beam_width(beam_params, processor.max_logprobs)
-        search = BeamSearch([p["prompt_token_ids"] for p in prompts], beam_params,
-                            processor.eos_token_id, processor.max_model_len)  # fmt: skip
+        search = BeamSearch(
+            [p["prompt_token_ids"] for p in prompts],
+            beam_params,
+            processor.eos_token_id,
+            processor.max_model_len,
+        )
         extra = {k: v for k, v in prompts[0].items() if k in ("cache_salt", "lora_request")}
         steps = itertools.count()
 
         async def run_one(tokens: list[int], step_params, i: int) -> RequestOutput:
             final = None
             async for out in self.engine.generate(
-                {"prompt_token_ids": tokens, **extra}, step_params,
-                f"{request_id}-beam{next(steps)}", priority=request.priority,
+                {"prompt_token_ids": tokens, **extra},
+                step_params,
+                f"{request_id}-beam{next(steps)}",
+                priority=request.priority,
                 trace_headers=TRACE_HEADERS.get(),
-            ):  # fmt: skip
+            ):
                 final = out
             return final
 

@@ -129,10 +129,16 @@ class OpenAIServing:
         return out
 
     def _validate(
-        self, request_id: str, prompts, params: SamplingParams, *, priority: int = 0,
-        cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+        self,
+        request_id: str,
+        prompts,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
         embeds: list | None = None,
-    ) -> list[dict]:  # fmt: skip
+    ) -> list[dict]:
         """Every prompt through the InputProcessor's checks before anything is queued; the
         prompts as AsyncLLM.generate takes them (with the request's cache_salt), and the
         adapter under "lora_request" (`_merged` hands it to generate)."""
@@ -150,12 +156,21 @@ class OpenAIServing:
         processor = self.engine.input_processor
         for i, (_, ids) in enumerate(prompts):
             processor.process(
-                f"{request_id}-{i}", ids, params, priority=priority, cache_salt=cache_salt,
+                f"{request_id}-{i}",
+                ids,
+                params,
+                priority=priority,
+                cache_salt=cache_salt,
                 lora_request=lora_request,
-            )  # fmt: skip
+            )
         for i, prompt in enumerate(embeds):
-            processor.process(f"{request_id}-e{i}", processor.tokenize(prompt)[1], params,
-                              priority=priority, **processor.prompt_extras(prompt))  # fmt: skip
+            processor.process(
+                f"{request_id}-e{i}",
+                processor.tokenize(prompt)[1],
+                params,
+                priority=priority,
+                **processor.prompt_extras(prompt),
+            )
         extra = {} if cache_salt is None else {"cache_salt": cache_salt}
         if lora_request is not None:
             extra["lora_request"] = lora_request
@@ -184,11 +199,15 @@ class OpenAIServing:
             lora_request = prompt.pop("lora_request", None)
             try:
                 async for out in self.engine.generate(
-                    prompt, params, rid, priority=priority,
+                    prompt,
+                    params,
+                    rid,
+                    priority=priority,
                     data_parallel_rank=DATA_PARALLEL_RANK.get(),
-                    kv_transfer_params=kv_transfer_params, lora_request=lora_request,
+                    kv_transfer_params=kv_transfer_params,
+                    lora_request=lora_request,
                     trace_headers=TRACE_HEADERS.get(),
-                ):  # fmt: skip
+                ):
                     await queue.put((i, out))
                 await queue.put(done)
             except BaseException as e:  # noqa: BLE001 (handed to the consumer)

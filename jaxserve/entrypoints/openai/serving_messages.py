@@ -125,17 +125,26 @@ class ServingMessages:
         if message.content:
             content.append({"type": "text", "text": message.content})
         for call in message.tool_calls:
-            content.append({"type": "tool_use", "id": tool_use_id(), "name": call.function.name,
-                            "input": tool_input(call.function.arguments)})  # fmt: skip
+            content.append(
+                {
+                    "type": "tool_use",
+                    "id": tool_use_id(),
+                    "name": call.function.name,
+                    "input": tool_input(call.function.arguments),
+                }
+            )
         if not content:  # Anthropic's empty answer: one empty text block, never none
             content.append({"type": "text", "text": ""})
         reason = stop_reason(c.finish_reason, c.stop_reason, bool(message.tool_calls))
         matched = c.stop_reason if reason == "stop_sequence" else None
         response = MessagesResponse(
-            id=message_id(), model=self.chat._name(body.model), content=content,
-            stop_reason=reason, stop_sequence=matched,
+            id=message_id(),
+            model=self.chat._name(body.model),
+            content=content,
+            stop_reason=reason,
+            stop_sequence=matched,
             usage=self._usage(len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens),
-        )  # fmt: skip
+        )
         if out.kv_transfer_params is not None:
             response.kv_transfer_params = out.kv_transfer_params
         return response
@@ -146,9 +155,13 @@ class ServingMessages:
         parser = self.chat._choice_parser(chat_request)
         blocks = _Blocks()
         message = MessagesResponse(
-            id=message_id(), model=self.chat._name(body.model), content=[], stop_reason=None,
-            stop_sequence=None, usage=Usage(input_tokens, 0),
-        )  # fmt: skip
+            id=message_id(),
+            model=self.chat._name(body.model),
+            content=[],
+            stop_reason=None,
+            stop_sequence=None,
+            usage=Usage(input_tokens, 0),
+        )
         yield event("message_start", {"type": "message_start", "message": message})
         yield event("ping", {"type": "ping"})
         try:
@@ -169,8 +182,9 @@ class ServingMessages:
                 matched = c.stop_reason if reason == "stop_sequence" else None
                 delta = {"stop_reason": reason, "stop_sequence": matched}
                 final = self._usage(input_tokens, output_tokens, cached)
-                yield event("message_delta", {"type": "message_delta", "delta": delta,
-                                              "usage": final})  # fmt: skip
+                yield event(
+                    "message_delta", {"type": "message_delta", "delta": delta, "usage": final}
+                )
             yield event("message_stop", {"type": "message_stop"})
         except Exception as e:
             status = status_of(e)
@@ -194,8 +208,9 @@ class _Blocks:
         events: list[bytes] = []
         if d.reasoning:
             if self.open != "thinking":
-                events += self._start("thinking", {"type": "thinking", "thinking": "",
-                                                   "signature": ""})  # fmt: skip
+                events += self._start(
+                    "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                )
             events.append(self._delta({"type": "thinking_delta", "thinking": d.reasoning}))
         if d.content:
             if self.open != "text":
@@ -208,8 +223,9 @@ class _Blocks:
                 block = {"type": "tool_use", "id": tool_use_id(), "name": fn.name, "input": {}}
                 events += self._start(("tool_use", call.index), block)
             if fn is not None and fn.arguments and self.open == ("tool_use", call.index):
-                events.append(self._delta({"type": "input_json_delta",
-                                           "partial_json": fn.arguments}))  # fmt: skip
+                events.append(
+                    self._delta({"type": "input_json_delta", "partial_json": fn.arguments})
+                )
         return events
 
     def stop(self) -> list[bytes]:
@@ -235,9 +251,14 @@ async def create_message(request: Request) -> Response:
     """POST /v1/messages"""
     s: ServingMessages = request.app.state.serving_messages
     return await generate_route(
-        request, MessagesRequest, s.prepare_messages, s.messages, s.messages_stream,
-        s.load_images, errors=anthropic_error_response,
-    )  # fmt: skip
+        request,
+        MessagesRequest,
+        s.prepare_messages,
+        s.messages,
+        s.messages_stream,
+        s.load_images,
+        errors=anthropic_error_response,
+    )
 
 
 async def count_tokens(request: Request) -> Response:

@@ -176,7 +176,7 @@ class OpenAIServingModels:
                 created,
                 root=lora.lora_path,
                 parent=lora.base_model_name or self.base_model_names[0],
-            )  # fmt: skip
+            )
             for lora in list(self.lora_requests.values())
         ]
         return ModelList(cards)

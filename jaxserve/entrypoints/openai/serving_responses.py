@@ -2,8 +2,9 @@
 a request becomes a ChatCompletionRequest (protocol_responses.py: items -> messages, flat
 tools -> chat's, text.format -> response_format), prepared, rendered and run by
 OpenAIServingChat, parsed by its ChoiceParser (reasoning, content, tool calls); the result
-comes back as output items, whole or as the Responses event stream (`event:` + `data:`,
-every event with a rising sequence_number, response.completed last, whatever the status).
+comes back as output items, whole or as the Responses event stream (responses_events.py:
+`event:` + `data:`, every event with a rising sequence_number, response.completed last,
+whatever the status).
 
 With JAXSERVE_ENABLE_RESPONSES_API_STORE, responses asked to be stored (`store`, true by
 default) are kept in memory (responses_store.py): GET /v1/responses/{id} returns one, and
@@ -27,23 +28,15 @@ from jaxserve.entrypoints.openai.api_common import (
 from jaxserve.entrypoints.openai.cache_usage import cache_write_tokens
 from jaxserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
-    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
-    random_tool_call_id,
 )
 from jaxserve.entrypoints.openai.protocol_responses import (
     CHAT_FIELDS,
-    FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
-    OutputMessage,
-    OutputText,
     OutputTokensDetails,
     RawMessage,
-    ReasoningItem,
-    ReasoningText,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
@@ -59,12 +52,12 @@ from jaxserve.entrypoints.openai.protocol_responses import (
     template_kwargs,
     to_messages,
 )
+from jaxserve.entrypoints.openai.responses_events import ResponseEvents, output_items
 from jaxserve.entrypoints.openai.responses_store import ResponsesStore, StoredResponse
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_engine import error_status
 from jaxserve.sampling_params import SamplingParams
 
-_json = msgspec.json.Encoder()
 STORE_OFF = (
     "the response store is off: set JAXSERVE_ENABLE_RESPONSES_API_STORE=1 (vLLM's "
     "VLLM_ENABLE_RESPONSES_API_STORE) on the server to use {}"
@@ -141,19 +134,29 @@ class OpenAIServingResponses:
         tools = chat_tools(request.tools)
         logprobs = "message.output_text.logprobs" in (request.include or ())
         chat = ChatCompletionRequest(
-            messages=messages, max_completion_tokens=request.max_output_tokens, tools=tools,
-            logprobs=logprobs, top_logprobs=request.top_logprobs if logprobs else None,
+            messages=messages,
+            max_completion_tokens=request.max_output_tokens,
+            tools=tools,
+            logprobs=logprobs,
+            top_logprobs=request.top_logprobs if logprobs else None,
             tool_choice=chat_tool_choice(request.tool_choice, tools),
             response_format=response_format(request.text),
             chat_template_kwargs=template_kwargs(request),
             **{field: getattr(request, field) for field in CHAT_FIELDS},
-        )  # fmt: skip
+        )
         prepared = self.chat.prepare_chat(chat)
         store = self.store is not None and request.store
         _, prompts, params = prepared
         room = self.chat.max_model_len - len(prompts[0]["prompt_token_ids"])
-        context = _Context(request, item_id("resp"), now(), history + items, store, params,
-                           params.max_tokens or room)  # fmt: skip
+        context = _Context(
+            request,
+            item_id("resp"),
+            now(),
+            history + items,
+            store,
+            params,
+            params.max_tokens or room,
+        )
         return context, chat, prepared
 
     def _history(self, response_id: str) -> list:
@@ -181,11 +184,17 @@ class OpenAIServingResponses:
         if not chat_request.include_reasoning:
             message.reasoning = None
         incomplete = c.finish_reason == "length"
-        items = _output_items(message, self._logprobs(c, chat_request))
+        items = output_items(message, self._logprobs(c, chat_request))
         if incomplete and items:
             items[-1].status = "incomplete"
-        run = _Run(prompts[0]["prompt"], list(out.prompt_token_ids), c.text, list(c.token_ids),
-                   out.num_cached_tokens, out.kv_transfer_params)  # fmt: skip
+        run = _Run(
+            prompts[0]["prompt"],
+            list(out.prompt_token_ids),
+            c.text,
+            list(c.token_ids),
+            out.num_cached_tokens,
+            out.kv_transfer_params,
+        )
         run.reasoning = reasoning_tokens(parser.reasoner, run.ids)
         return self._finish(context, items, incomplete, run)
 
@@ -193,7 +202,7 @@ class OpenAIServingResponses:
         """The Responses events (bytes), response.completed (with the whole response) last;
         a failure: an `error` event, last."""
         context, chat_request, (request_id, prompts, params) = prepared
-        events = _Events()
+        events = ResponseEvents()
         start = self._response(context, [], "in_progress")
         yield events.event("response.created", response=start)
         yield events.event("response.in_progress", response=start)
@@ -243,9 +252,12 @@ class OpenAIServingResponses:
         prompt_tokens, output_tokens = len(run.prompt_ids), len(run.ids)
         written = cache_write_tokens(self.chat.engine.config.cache, prompt_tokens, run.cached)
         response.usage = ResponseUsage(
-            prompt_tokens, output_tokens, prompt_tokens + output_tokens,
-            InputTokensDetails(run.cached, written), OutputTokensDetails(run.reasoning),
-        )  # fmt: skip
+            prompt_tokens,
+            output_tokens,
+            prompt_tokens + output_tokens,
+            InputTokensDetails(run.cached, written),
+            OutputTokensDetails(run.reasoning),
+        )
         if incomplete:
             response.incomplete_details = IncompleteDetails("max_output_tokens")
         response.kv_transfer_params = run.kv_transfer_params
@@ -259,26 +271,44 @@ class OpenAIServingResponses:
     def _response(self, context: _Context, items: list, status: str) -> ResponsesResponse:
         r, p = context.request, context.params
         return ResponsesResponse(
-            id=context.id, created_at=context.created_at, model=self.chat._name(r.model),
-            output=list(items), status=status, instructions=r.instructions,
-            max_output_tokens=context.max_tokens, max_tool_calls=r.max_tool_calls,
-            temperature=p.temperature, top_p=p.top_p, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty, top_logprobs=p.logprobs,
-            tools=echo_tools(r.tools), tool_choice=echo_tool_choice(r.tool_choice, r.tools),
-            parallel_tool_calls=r.parallel_tool_calls, text=r.text or TextConfig(),
-            reasoning=r.reasoning, previous_response_id=r.previous_response_id,
-            store=context.store, user=r.user, metadata=r.metadata,
+            id=context.id,
+            created_at=context.created_at,
+            model=self.chat._name(r.model),
+            output=list(items),
+            status=status,
+            instructions=r.instructions,
+            max_output_tokens=context.max_tokens,
+            max_tool_calls=r.max_tool_calls,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            top_logprobs=p.logprobs,
+            tools=echo_tools(r.tools),
+            tool_choice=echo_tool_choice(r.tool_choice, r.tools),
+            parallel_tool_calls=r.parallel_tool_calls,
+            text=r.text or TextConfig(),
+            reasoning=r.reasoning,
+            previous_response_id=r.previous_response_id,
+            store=context.store,
+            user=r.user,
+            metadata=r.metadata,
             service_tier=r.service_tier or "auto",
-        )  # fmt: skip
+        )
 
     @staticmethod
     async def create_route(request: Request) -> Response:
         """POST /v1/responses."""
         s = request.app.state.serving_responses
         return await generate_route(
-            request, ResponsesRequest, s.prepare, s.respond, s.respond_stream, s.load_images,
+            request,
+            ResponsesRequest,
+            s.prepare,
+            s.respond,
+            s.respond_stream,
+            s.load_images,
             errors=_errors,
-        )  # fmt: skip
+        )
 
     @staticmethod
     async def get_route(request: Request) -> Response:
@@ -296,123 +326,6 @@ class OpenAIServingResponses:
         if stored is None:
             raise ResponseNotFound(f"Response with id {response_id!r} not found.")
         return stored.response
-
-
-def _output_items(message: ChatMessage, logprobs: list) -> list:
-    """A finished choice's message as output items: reasoning, text, function calls."""
-    items: list = []
-    if message.reasoning:
-        items.append(ReasoningItem(item_id("rs"), [ReasoningText(message.reasoning)]))
-    if message.content:
-        items.append(
-            OutputMessage(item_id("msg"), [OutputText(message.content, logprobs=logprobs)])
-        )
-    for call in message.tool_calls:
-        items.append(FunctionCallItem(item_id("fc"), call.id, call.function.name,
-                                      call.function.arguments))  # fmt: skip
-    return items
-
-
-class _Events:
-    """The event stream of one response: its sequence numbers, and the output items as
-    they are opened (output_item.added, content_part.added), grow (deltas) and close."""
-
-    def __init__(self):
-        self.sequence_number = 0
-        self.items: list = []
-        self.current = None  # the open item
-        self.call_index = None  # the open function call's index among the tool calls
-
-    def event(self, kind: str, **fields) -> bytes:
-        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
-        self.sequence_number += 1
-        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(payload) + b"\n\n"
-
-    def delta(self, delta: ChatMessage | None, logprobs: list) -> list[bytes]:
-        """A parsed delta's events; `logprobs` go with its text, if it has any."""
-        if delta is None:
-            return []
-        out = []
-        if delta.reasoning:
-            out += self._text(ReasoningItem, delta.reasoning)
-        if delta.content:
-            out += self._text(OutputMessage, delta.content, logprobs)
-        for call in delta.tool_calls:
-            out += self._call(call)
-        return out
-
-    def _open(self, item) -> list[bytes]:
-        out = self.close("completed")
-        self.items.append(item)
-        self.current = item
-        shown = msgspec.structs.replace(item, status="in_progress")
-        if not isinstance(item, FunctionCallItem):
-            shown = msgspec.structs.replace(shown, content=[])
-        return out + [self.event("response.output_item.added", output_index=len(self.items) - 1,
-                                 item=shown)]  # fmt: skip
-
-    def _where(self) -> dict:
-        return {"item_id": self.current.id, "output_index": len(self.items) - 1}
-
-    def _text(self, cls, text: str, logprobs: list | tuple = ()) -> list[bytes]:
-        out = []
-        message = cls is OutputMessage
-        if not isinstance(self.current, cls):
-            part = OutputText("") if message else ReasoningText("")
-            out += self._open(cls(item_id("msg" if message else "rs"), [part]))
-            out.append(self.event("response.content_part.added", **self._where(),
-                                  content_index=0, part=part))  # fmt: skip
-        self.current.content[0].text += text
-        if message:
-            self.current.content[0].logprobs += logprobs
-            out.append(self.event("response.output_text.delta", **self._where(),
-                                  content_index=0, delta=text, logprobs=logprobs))  # fmt: skip
-        else:
-            out.append(self.event("response.reasoning_text.delta", **self._where(),
-                                  content_index=0, delta=text))  # fmt: skip
-        return out
-
-    def _call(self, call: DeltaToolCall) -> list[bytes]:
-        out = []
-        fn = call.function
-        if call.id is not None or not (
-            isinstance(self.current, FunctionCallItem) and self.call_index == call.index
-        ):
-            name = (fn.name if fn is not None else None) or ""
-            item = FunctionCallItem(item_id("fc"), call.id or random_tool_call_id(), name, "")
-            out += self._open(item)
-            self.call_index = call.index
-        arguments = fn.arguments if fn is not None else None
-        if arguments:
-            self.current.arguments += arguments
-            out.append(self.event("response.function_call_arguments.delta", **self._where(),
-                                  delta=arguments))  # fmt: skip
-        return out
-
-    def close(self, status: str) -> list[bytes]:
-        """The open item's closing events (it ends with `status`)."""
-        item = self.current
-        if item is None:
-            return []
-        where, out = self._where(), []
-        if isinstance(item, FunctionCallItem):
-            out.append(self.event("response.function_call_arguments.done", **where,
-                                  arguments=item.arguments, name=item.name))  # fmt: skip
-        else:
-            part = item.content[0]
-            if isinstance(item, OutputMessage):
-                out.append(self.event("response.output_text.done", **where, content_index=0,
-                                      text=part.text, logprobs=part.logprobs))  # fmt: skip
-            else:
-                out.append(self.event("response.reasoning_text.done", **where, content_index=0,
-                                      text=part.text))  # fmt: skip
-            out.append(self.event("response.content_part.done", **where, content_index=0,
-                                  part=part))  # fmt: skip
-        item.status = status
-        out.append(self.event("response.output_item.done", output_index=where["output_index"],
-                              item=item))  # fmt: skip
-        self.current = self.call_index = None
-        return out
 
 
 def _errors(e: BaseException) -> Response:

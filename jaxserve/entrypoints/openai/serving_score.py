@@ -75,8 +75,9 @@ class OpenAIServingScore(OpenAIServing):
         data = []
         for i, out in enumerate(finals):
             probs = score_utils.classify_probs(out.pooled, hf_config)
-            data.append(ClassificationData(i, score_utils.label_of(probs, hf_config), probs,
-                                           len(probs)))  # fmt: skip
+            data.append(
+                ClassificationData(i, score_utils.label_of(probs, hf_config), probs, len(probs))
+            )
         usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in finals), 0)
         return ClassificationResponse(
             request_id, int(time.time()), self._name(request.model), data, usage
@@ -142,29 +143,33 @@ class OpenAIServingScore(OpenAIServing):
     async def score(self, request: ScoreRequest, prepared) -> ScoreResponse:
         scores, tokens = await self._scores(prepared, request.priority)
         data = [ScoreData(i, s) for i, s in enumerate(scores)]
-        return ScoreResponse(prepared[0], int(time.time()), self._name(request.model), data,
-                             UsageInfo.of(tokens, 0))  # fmt: skip
+        return ScoreResponse(
+            prepared[0], int(time.time()), self._name(request.model), data, UsageInfo.of(tokens, 0)
+        )
 
     def prepare_rerank(self, request: RerankRequest):
         self._check(request.model, "Rerank", "score")
         if request.top_n < 0:
             raise ValueError(f"top_n={request.top_n} must be >= 0 (0: every document)")
-        firsts, seconds = score_utils.pair_up(request.query, request.documents,
-                                              ("query", "documents"))  # fmt: skip
+        firsts, seconds = score_utils.pair_up(
+            request.query, request.documents, ("query", "documents")
+        )
         return self._prepare_pairs(random_id("rerank"), firsts, seconds)
 
     async def rerank(self, request: RerankRequest, prepared) -> RerankResponse:
         scores, tokens = await self._scores(prepared, request.priority)
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: request.top_n or None]
         results = [RerankResult(i, RerankDocument(request.documents[i]), scores[i]) for i in order]
-        return RerankResponse(prepared[0], self._name(request.model), RerankUsage(tokens, tokens),
-                              results)  # fmt: skip
+        return RerankResponse(
+            prepared[0], self._name(request.model), RerankUsage(tokens, tokens), results
+        )
 
 
 async def classify(request: Request) -> Response:
     s = request.app.state.serving_score
-    return await generate_route(request, ClassificationRequest, s.prepare_classify, s.classify,
-                                None)  # fmt: skip
+    return await generate_route(
+        request, ClassificationRequest, s.prepare_classify, s.classify, None
+    )
 
 
 async def score(request: Request) -> Response:

@@ -66,8 +66,10 @@ class TemplateRenderer:
         if self._proc is None:
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", os.path.abspath(__file__), str(self.memory_bytes)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-            )  # fmt: skip
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                close_fds=True,
+            )
             self._ready = False
 
     def close(self) -> None:

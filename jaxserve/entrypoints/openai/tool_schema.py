@@ -20,8 +20,9 @@ from typing import Any
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Keywords whose values map names to schemas: every value is walked as a schema, whatever its
 # name (a property may be called "default" or "enum").
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
-                          "dependentSchemas"})  # fmt: skip
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 def tool_parameters(function: dict[str, Any]) -> dict[str, Any]:
@@ -38,12 +39,14 @@ def required_calls_schema(functions: dict[str, dict[str, Any]], *, parallel: boo
     for i, (name, function) in enumerate(functions.items()):
         at = "/items" if one else f"/items/anyOf/{i}"
         parameters = relocate_refs(tool_parameters(function), f"{at}/properties/parameters")
-        calls.append({
-            "type": "object",
-            "properties": {"name": {"const": name}, "parameters": parameters},
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        })  # fmt: skip
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": parameters},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {
         "type": "array",
         "minItems": 1,

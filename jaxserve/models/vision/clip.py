@@ -84,9 +84,16 @@ class LlavaVisionEncoder(nnx.Module):
         vcfg, self.feature_layers, self.strategy = _settings(config)
         self.dtype = dtype
         clip = vcfg["model_type"] == "clip_vision_model"
-        self.vision_tower = ViT(vcfg, num_layers=max(self.feature_layers), class_token=clip,
-                                patch_bias=not clip, pre_norm=clip, post_norm=False,
-                                dtype=dtype, rngs=rngs)  # fmt: skip
+        self.vision_tower = ViT(
+            vcfg,
+            num_layers=max(self.feature_layers),
+            class_token=clip,
+            patch_bias=not clip,
+            pre_norm=clip,
+            post_norm=False,
+            dtype=dtype,
+            rngs=rngs,
+        )
         d_in = int(vcfg["hidden_size"]) * len(self.feature_layers)
         act = config.get("projector_hidden_act") or LLAVA_DEFAULTS["projector_hidden_act"]
         bias = config.get("multimodal_projector_bias", LLAVA_DEFAULTS["multimodal_projector_bias"])

@@ -202,8 +202,7 @@ class VisionBlock(nnx.Module):
         self.norm1 = RMSNorm(dim, NORM_EPS, dtype=dtype)
         self.norm2 = RMSNorm(dim, NORM_EPS, dtype=dtype)
         self.attn = VisionAttention(dim, vc["num_heads"], dtype=dtype, rngs=rngs)
-        self.mlp = VisionMLP(dim, vc["intermediate_size"], vc["hidden_act"], dtype=dtype,
-                             rngs=rngs)  # fmt: skip
+        self.mlp = VisionMLP(dim, vc["intermediate_size"], vc["hidden_act"], dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, seg, span: int | None) -> jax.Array:
         """x: [N, D] -> [N, D]; cos, sin, seg, span: `VisionAttention`'s."""
@@ -237,8 +236,9 @@ class Qwen2_5_VLVisionEncoder(nnx.Module):
         self.dtype = dtype
         patch_dim = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
         self.patch_embed = Linear(patch_dim, vc["hidden_size"], dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([VisionBlock(vc, dtype=dtype, rngs=rngs)
-                                for _ in range(vc["depth"])])  # fmt: skip
+        self.blocks = nnx.List(
+            [VisionBlock(vc, dtype=dtype, rngs=rngs) for _ in range(vc["depth"])]
+        )
         self.merger = PatchMerger(vc, dtype=dtype, rngs=rngs)
 
     @staticmethod
@@ -270,8 +270,9 @@ class Qwen2_5_VLVisionEncoder(nnx.Module):
             a = a.reshape(p // unit, unit, *a.shape[1:])[index].reshape(p, *a.shape[1:])
             return np.concatenate([a, np.zeros((num_patches - p, *a.shape[1:]), a.dtype)])
 
-        frames = np.repeat(np.arange(int(grid[:, 0].sum())), np.repeat(grid[:, 1] * grid[:, 2],
-                                                                       grid[:, 0]))  # fmt: skip
+        frames = np.repeat(
+            np.arange(int(grid[:, 0].sum())), np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])
+        )
         windows = np.repeat(np.arange(len(window_units)), window_units * unit)
         pad = np.full(num_patches - p, -1)
         return {
@@ -337,8 +338,9 @@ class Qwen2_5_VLVisionEncoder(nnx.Module):
         suffix = "bias" if leaf == "bias" else "weight"
         kernel = leaf == "kernel"
         if modules == ["patch_embed"]:
-            return HFWeight((f"{HF_PREFIX}patch_embed.proj.weight",),
-                            lambda w: w.reshape(w.shape[0], -1).T)  # fmt: skip
+            return HFWeight(
+                (f"{HF_PREFIX}patch_embed.proj.weight",), lambda w: w.reshape(w.shape[0], -1).T
+            )
         if modules[0] == "merger" and modules[1] in ("fc1", "fc2"):
             name = f"{HF_PREFIX}merger.mlp.{0 if modules[1] == 'fc1' else 2}.{suffix}"
             return HFWeight((name,), np.transpose if kernel else None)

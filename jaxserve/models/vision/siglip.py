@@ -44,8 +44,9 @@ class Gemma3Projector(nnx.Module):
     """[B, G * G, D_vision] patches -> [B, (G // k) ** 2, D_text]: AvgPool2d(k, stride k) over
     the grid, Gemma RMSNorm, @ mm_input_projection_weight [D_vision, D_text]."""
 
-    def __init__(self, grid: int, window: int, d_in: int, d_out: int, eps: float, *, dtype,
-                 rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self, grid: int, window: int, d_in: int, d_out: int, eps: float, *, dtype, rngs: nnx.Rngs
+    ):
         self.grid, self.window = grid, window
         init = nnx.initializers.normal(d_in**-0.5)
         self.mm_input_projection_weight = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
@@ -71,13 +72,25 @@ class Gemma3VisionEncoder(nnx.Module):
         mm_tokens_per_image); missing fields take HF's defaults."""
         vcfg, grid, window = _settings(config)
         self.dtype = dtype
-        self.vision_tower = ViT(vcfg, num_layers=int(vcfg["num_hidden_layers"]), class_token=False,
-                                patch_bias=True, pre_norm=False, post_norm=True, dtype=dtype,
-                                rngs=rngs)  # fmt: skip
+        self.vision_tower = ViT(
+            vcfg,
+            num_layers=int(vcfg["num_hidden_layers"]),
+            class_token=False,
+            patch_bias=True,
+            pre_norm=False,
+            post_norm=True,
+            dtype=dtype,
+            rngs=rngs,
+        )
         self.multi_modal_projector = Gemma3Projector(
-            grid, window, int(vcfg["hidden_size"]), text_hidden_size(config, "gemma3_text"),
-            float(vcfg["layer_norm_eps"]), dtype=dtype, rngs=rngs,
-        )  # fmt: skip
+            grid,
+            window,
+            int(vcfg["hidden_size"]),
+            text_hidden_size(config, "gemma3_text"),
+            float(vcfg["layer_norm_eps"]),
+            dtype=dtype,
+            rngs=rngs,
+        )
 
     def __call__(self, pixel_values: jax.Array) -> jax.Array:
         """pixel_values f32[B, 3, H, W] (what the HF image processor gives) ->

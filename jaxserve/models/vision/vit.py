@@ -33,9 +33,11 @@ CLIP_VISION_DEFAULTS = {
     "layer_norm_eps": 1e-5,
 }
 SIGLIP_VISION_DEFAULTS = {
-    **CLIP_VISION_DEFAULTS, "patch_size": 16, "hidden_act": "gelu_pytorch_tanh",
+    **CLIP_VISION_DEFAULTS,
+    "patch_size": 16,
+    "hidden_act": "gelu_pytorch_tanh",
     "layer_norm_eps": 1e-6,
-}  # fmt: skip
+}
 VISION_DEFAULTS = {
     "clip_vision_model": CLIP_VISION_DEFAULTS,
     "siglip_vision_model": SIGLIP_VISION_DEFAULTS,
@@ -229,11 +231,22 @@ class ViT(nnx.Module):
     (`layers` stands for HF's `encoder.layers`; see `vit_hf_weight`).
     """
 
-    def __init__(self, cfg: dict, *, num_layers: int, class_token: bool, patch_bias: bool,
-                 pre_norm: bool, post_norm: bool, dtype, rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        cfg: dict,
+        *,
+        num_layers: int,
+        class_token: bool,
+        patch_bias: bool,
+        pre_norm: bool,
+        post_norm: bool,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
         dim, eps = cfg["hidden_size"], cfg["layer_norm_eps"]
-        self.embeddings = ViTEmbeddings(cfg, class_token=class_token, patch_bias=patch_bias,
-                                        dtype=dtype, rngs=rngs)  # fmt: skip
+        self.embeddings = ViTEmbeddings(
+            cfg, class_token=class_token, patch_bias=patch_bias, dtype=dtype, rngs=rngs
+        )
         self.pre_layrnorm = LayerNorm(dim, eps, dtype=dtype) if pre_norm else None
         self.layers = nnx.List([ViTLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(num_layers)])
         self.post_layernorm = LayerNorm(dim, eps, dtype=dtype) if post_norm else None

@@ -42,9 +42,14 @@ def shapes(tree: Any) -> Any:
 
 class DraftModelProposer(Proposer):
     def __init__(
-        self, loaded: LoadedModel, k: int, attention_backend: str, kv_sharding,
-        block_size: int, seq_buckets: list[int],
-    ):  # fmt: skip
+        self,
+        loaded: LoadedModel,
+        k: int,
+        attention_backend: str,
+        kv_sharding,
+        block_size: int,
+        seq_buckets: list[int],
+    ):
         self.k, self.block_size, self.seq_buckets = k, block_size, seq_buckets
         self.num_speculative_tokens = k
         self.config = loaded.config
@@ -119,10 +124,15 @@ class DraftModelProposer(Proposer):
         for s in seq_buckets:
             zeros = np.zeros(s, np.int32)
             out["draft_propose", s] = functools.partial(
-                self._propose.lower, self.params, kv, zeros, zeros,
-                np.zeros((s, max_blocks), np.int32), np.full((self.k, s), -1, np.int32),
+                self._propose.lower,
+                self.params,
+                kv,
+                zeros,
+                zeros,
+                np.zeros((s, max_blocks), np.int32),
+                np.full((self.k, s), -1, np.int32),
                 np.zeros(1, np.int32),
-            )  # fmt: skip
+            )
         return out
 
     def set_executables(self, executables) -> None:
@@ -146,8 +156,12 @@ class DraftModelProposer(Proposer):
         tokens = ib.token_ids[rows, positions]
         s, pad, tables = self._proposal_layout(ib, rows, positions)
         drafts, self.kv_caches = self._executables["draft_propose", s](
-            self.params, self.kv_caches, np.pad(tokens, pad), np.pad(positions, pad), *tables,
-        )  # fmt: skip
+            self.params,
+            self.kv_caches,
+            np.pad(tokens, pad),
+            np.pad(positions, pad),
+            *tables,
+        )
         return np.asarray(drafts)[:n].tolist()
 
     def _proposal_layout(self, ib: InputBatch, rows: np.ndarray, positions: np.ndarray):
@@ -165,7 +179,8 @@ class DraftModelProposer(Proposer):
         slots = np.where(pos // bs < ib.num_blocks[rows][None, :], ids * bs + pos % bs, -1)
         pad = (0, s - n)
         tables = (
-            np.pad(block_tables, (pad, (0, 0))), np.pad(slots, ((0, 0), pad), constant_values=-1),
+            np.pad(block_tables, (pad, (0, 0))),
+            np.pad(slots, ((0, 0), pad), constant_values=-1),
             np.array([n], np.int32),
-        )  # fmt: skip
+        )
         return s, pad, tables

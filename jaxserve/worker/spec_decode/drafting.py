@@ -65,10 +65,11 @@ class Drafting:
         if not self.proposer.num_speculative_tokens:
             return {}
         chosen = [
-            i for i in np.flatnonzero(batch.sampled)
+            i
+            for i in np.flatnonzero(batch.sampled)
             if ib.holds(batch.req_ids[i], batch.rows[i])
             and self.backoff.should_draft(batch.req_ids[i])
-        ]  # fmt: skip
+        ]
         rows = batch.rows[chosen]
         out = {}
         proposed = self.proposer.propose_rows(ib, rows, final_row[chosen])

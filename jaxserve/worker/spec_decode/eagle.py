@@ -53,9 +53,16 @@ def rows_by_request(batch: StepBatch) -> dict[str, tuple[int, int, int]]:
 
 class EagleProposer(DraftModelProposer):
     def __init__(
-        self, head: LoadedModel, target, k: int, attention_backend: str, kv_sharding,
-        block_size: int, seq_buckets: list[int], max_sample_rows: int,
-    ):  # fmt: skip
+        self,
+        head: LoadedModel,
+        target,
+        k: int,
+        attention_backend: str,
+        kv_sharding,
+        block_size: int,
+        seq_buckets: list[int],
+        max_sample_rows: int,
+    ):
         """head: the loaded EAGLE head; target: the target model (its embedding and LM head
         are shared, as vLLM shares them)."""
         super().__init__(head, k, attention_backend, kv_sharding, block_size, seq_buckets)
@@ -82,8 +89,18 @@ class EagleProposer(DraftModelProposer):
         self._rows = None  # the latest step's sampling rows: (hidden [R, D], {req_id: ...})
 
     # ------------------------------------------------------------------ compiled
-    def _mirror_fn(self, params, kv_caches, embedding, hidden, prev_rows, ids, positions,
-                   feature_idx, md: AttentionMetadata):  # fmt: skip
+    def _mirror_fn(
+        self,
+        params,
+        kv_caches,
+        embedding,
+        hidden,
+        prev_rows,
+        ids,
+        positions,
+        feature_idx,
+        md: AttentionMetadata,
+    ):
         """ids, positions: i32[T] each entry's token and position; feature_idx: i32[T] into
         [this step's hidden [T, D] ; the previous step's sampling rows [R, D]]."""
         model = self._model(params)
@@ -91,8 +108,20 @@ class EagleProposer(DraftModelProposer):
         _, _, kv_caches = model(embedding[ids], h, positions, kv_caches, md)
         return kv_caches
 
-    def _propose_fn(self, params, kv_caches, embedding, lm_head, rows_hidden, tokens, positions,
-                    feature_rows, block_tables, slots, num_seqs):  # fmt: skip
+    def _propose_fn(
+        self,
+        params,
+        kv_caches,
+        embedding,
+        lm_head,
+        rows_hidden,
+        tokens,
+        positions,
+        feature_rows,
+        block_tables,
+        slots,
+        num_seqs,
+    ):
         """tokens: i32[S] each request's kept token x'; positions: i32[S] its position - 1;
         feature_rows: i32[S] the sampling row (of rows_hidden [R, D]) that sampled it; slots:
         i32[k, S] -> (drafts i32[S, k], kv_caches)."""
@@ -126,16 +155,33 @@ class EagleProposer(DraftModelProposer):
         for (t, decode_only), inputs in padding_forwards.items():
             hidden = jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)
             out["draft_mirror", t, decode_only] = functools.partial(
-                self._mirror.lower, self.params, kv, self.embedding, hidden, rows,
-                inputs.input_ids, inputs.positions, inputs.input_ids, inputs.attn,
-            )  # fmt: skip
+                self._mirror.lower,
+                self.params,
+                kv,
+                self.embedding,
+                hidden,
+                rows,
+                inputs.input_ids,
+                inputs.positions,
+                inputs.input_ids,
+                inputs.attn,
+            )
         for s in seq_buckets:
             zeros = np.zeros(s, np.int32)
             out["draft_propose", s] = functools.partial(
-                self._propose.lower, self.params, kv, self.embedding, self.lm_head, rows, zeros,
-                zeros, zeros, np.zeros((s, max_blocks), np.int32),
-                np.full((self.k, s), -1, np.int32), np.zeros(1, np.int32),
-            )  # fmt: skip
+                self._propose.lower,
+                self.params,
+                kv,
+                self.embedding,
+                self.lm_head,
+                rows,
+                zeros,
+                zeros,
+                zeros,
+                np.zeros((s, max_blocks), np.int32),
+                np.full((self.k, s), -1, np.int32),
+                np.zeros(1, np.int32),
+            )
         return out
 
     # ------------------------------------------------------------------ a serving step
@@ -175,10 +221,16 @@ class EagleProposer(DraftModelProposer):
             kv_lens=np.maximum(np.asarray(md.kv_lens) - 1, 0),
         )
         self.kv_caches = self._executables["draft_mirror", t, md.decode_only](
-            self.params, self.kv_caches, self.embedding, features, prev_hidden,
-            np.asarray(inputs.input_ids).clip(0), np.maximum(positions - 1, 0), feature_idx,
+            self.params,
+            self.kv_caches,
+            self.embedding,
+            features,
+            prev_hidden,
+            np.asarray(inputs.input_ids).clip(0),
+            np.maximum(positions - 1, 0),
+            feature_idx,
             entry_md,
-        )  # fmt: skip
+        )
         self._rows = (feature_rows, rows_by_request(batch))
 
     def propose_rows(
@@ -193,9 +245,16 @@ class EagleProposer(DraftModelProposer):
         tokens = ib.token_ids[rows, positions + 1]
         s, pad, tables = self._proposal_layout(ib, rows, positions)
         drafts, self.kv_caches = self._executables["draft_propose", s](
-            self.params, self.kv_caches, self.embedding, self.lm_head, self._rows[0],
-            np.pad(tokens, pad), np.pad(positions, pad), np.pad(sample_rows, pad), *tables,
-        )  # fmt: skip
+            self.params,
+            self.kv_caches,
+            self.embedding,
+            self.lm_head,
+            self._rows[0],
+            np.pad(tokens, pad),
+            np.pad(positions, pad),
+            np.pad(sample_rows, pad),
+            *tables,
+        )
         return np.asarray(drafts)[:n].tolist()
 
 

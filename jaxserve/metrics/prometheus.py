@@ -1,32 +1,17 @@
-"""Serving metrics: Prometheus (prometheus-client) and vLLM's periodic log line.
-
-AsyncLLM's output handler records, after each batch of core outputs, the scheduler's state
-(`SchedulerStats`, from the core) and what the frontend saw (`IterationStats`: tokens, TTFT,
-ITL, finished requests, filled by the OutputProcessor), with the index of the engine that sent
-the batch. Names are vLLM's (`vllm:...`), with its model_name and engine labels, so dashboards
-and alerts written for vLLM read them; JAXSERVE_METRICS_LEGACY_PREFIX=1 also exports each under
-the `jaxserve:` prefix this project used before (an opt-in alias: every series twice).
-
-With several API-server processes (`--api-server-count`) every process writes its values into
-prometheus-client's multiprocess files (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before
-prometheus_client is imported) and /metrics on any of them reads all: counters and histograms
-summed over the processes, the gauges (one engine's queue and KV cache) as last written.
-"""
+"""The Prometheus registry of a model's engines (served by /metrics), with vLLM's names, labels
+and buckets; across API-server processes through prometheus-client's multiprocess files."""
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import logging
 import os
-import time
 
 import prometheus_client as prom
 
 from jaxserve import envs
 from jaxserve.ipc.messages import KVConnectorStats, SchedulerStats, SpecDecodingStats
-
-logger = logging.getLogger(__name__)
+from jaxserve.metrics.stats import FinishedRequestStats, IterationStats
 
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -48,35 +33,6 @@ WAITING_REASONS = ("capacity", "deferred")
 # jaxserve bounds its queue by memory only and never refuses one: the series stay at 0,
 # exported with vLLM's labels for the dashboards and alerts that read them.
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
-
-
-@dataclasses.dataclass
-class FinishedRequestStats:
-    finish_reason: str
-    e2e_latency: float
-    queue_time: float | None
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    max_generation_tokens: int = 0  # the longest child's (n > 1)
-    prefill_time: float | None = None  # first scheduled -> first token
-    decode_time: float | None = None  # first token -> last token
-    inference_time: float | None = None  # first scheduled -> last token
-    num_preemptions: int = 0  # times its requests were preempted (its children's summed)
-    n: int | None = None  # its sampling parameters (None: a pooling request, which has none)
-    max_tokens: int | None = None
-
-
-@dataclasses.dataclass
-class IterationStats:
-    """What one batch of core outputs meant for the frontend's requests."""
-
-    num_prompt_tokens: int = 0  # prompts of requests that got their first token
-    num_computed_prompt_tokens: int = 0  # of those, the ones not found in a cache
-    num_generation_tokens: int = 0
-    engine_step: bool = False  # it holds an engine step's outputs (not an abort's alone)
-    time_to_first_tokens: list[float] = dataclasses.field(default_factory=list)
-    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)
-    finished: list[FinishedRequestStats] = dataclasses.field(default_factory=list)
 
 
 def multiprocess_dir() -> str | None:
@@ -123,13 +79,17 @@ class PrometheusStatLogger:
             c, "external_prefix_cache_hits", "Tokens a KV connector had.", extra=conn
         )
         self.kv_transfer_blocks = metric(
-            c, "kv_transfer_blocks", "KV blocks loaded into / saved from the device cache.",
+            c,
+            "kv_transfer_blocks",
+            "KV blocks loaded into / saved from the device cache.",
             extra=[*conn, "direction"],
-        )  # fmt: skip
+        )
         self.kv_transfer_bytes = metric(
-            c, "kv_transfer_bytes", "KV bytes loaded into / saved from the device cache.",
+            c,
+            "kv_transfer_bytes",
+            "KV bytes loaded into / saved from the device cache.",
             extra=[*conn, "direction"],
-        )  # fmt: skip
+        )
         self.kv_failed_loads = metric(
             c, "kv_transfer_failed_loads", "Requests whose KV did not arrive.", extra=conn
         )
@@ -138,9 +98,11 @@ class PrometheusStatLogger:
         self.spec_draft_tokens = metric(c, "spec_decode_num_draft_tokens", "Draft tokens scored.")
         self.spec_accepted = metric(c, "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_accepted_per_pos = metric(
-            c, "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted per position.",
+            c,
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted per position.",
             extra=["position"],
-        )  # fmt: skip
+        )
         self.ttft = metric(
             h, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS
         )
@@ -178,31 +140,52 @@ class PrometheusStatLogger:
         # running and waiting (comma-joined names) and max_loras; the value is when it was set.
         lora_labels = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
         self.lora_info = prom.Gauge(
-            f"{PREFIX}lora_requests_info", "Running stats on LoRA requests.", lora_labels,
+            f"{PREFIX}lora_requests_info",
+            "Running stats on LoRA requests.",
+            lora_labels,
             registry=self.registry,
             **({"multiprocess_mode": "mostrecent"} if multiprocess_dir() else {}),
-        )  # fmt: skip
+        )
         self.waiting_by_reason = metric(
-            g, "num_requests_waiting_by_reason", "Waiting requests by reason: 'capacity' "
+            g,
+            "num_requests_waiting_by_reason",
+            "Waiting requests by reason: 'capacity' "
             "(no room in the batch yet) or 'deferred' (held back by something else).",
             extra=["reason"],
-        )  # fmt: skip
+        )
         self.admission_rejections = prom.Counter(
-            f"{PREFIX}admission_rejections", "Requests refused at admission by a queue limit.",
-            ["model_name", "reason"], registry=self.registry,
-        )  # fmt: skip
+            f"{PREFIX}admission_rejections",
+            "Requests refused at admission by a queue limit.",
+            ["model_name", "reason"],
+            registry=self.registry,
+        )
         self.iteration_tokens = metric(
-            h, "iteration_tokens_total", "Tokens per engine step: prompts computed, generated.",
+            h,
+            "iteration_tokens_total",
+            "Tokens per engine step: prompts computed, generated.",
             buckets=ITERATION_TOKENS_BUCKETS,
-        )  # fmt: skip
+        )
         self.cache_info: prom.Gauge | None = None  # log_cache_config
         self.model_name = model_name
         self.num_engines = num_engines
-        exported = (self.running, self.waiting, self.kv_usage, self.prompt_tokens,
-                    self.generation_tokens, self.prefix_queries, self.prefix_hits,
-                    self.preemptions, self.ttft, self.itl, self.e2e, self.queue,
-                    self.tpot_old, self.gpu_cache_old, *self.per_request.values(),
-                    self.iteration_tokens)  # fmt: skip
+        exported = (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue,
+            self.tpot_old,
+            self.gpu_cache_old,
+            *self.per_request.values(),
+            self.iteration_tokens,
+        )
         for engine in map(str, range(num_engines)):  # exported as 0 from the start
             for m in exported:
                 m.labels(model_name, engine)
@@ -221,11 +204,18 @@ class PrometheusStatLogger:
         cache = config.cache
         labels = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
         self.cache_info = prom.Gauge(
-            f"{PREFIX}cache_config_info", "Information of the LLMEngine CacheConfig",
-            [*labels, "num_gpu_blocks", "kv_cache_size_tokens", "kv_cache_max_concurrency",
-             "engine"], registry=self.registry,
+            f"{PREFIX}cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [
+                *labels,
+                "num_gpu_blocks",
+                "kv_cache_size_tokens",
+                "kv_cache_max_concurrency",
+                "engine",
+            ],
+            registry=self.registry,
             **({"multiprocess_mode": "mostrecent"} if multiprocess_dir() else {}),
-        )  # fmt: skip
+        )
         max_model_len = config.scheduler.max_model_len
         for engine in range(self.num_engines):
             blocks = num_blocks[engine] if num_blocks else None
@@ -333,8 +323,10 @@ class PrometheusStatLogger:
         values = {f.name: [s.value for s in f.samples] for f in families}
         waiting = values.get(f"{PREFIX}num_requests_waiting") or [0.0]
         usage = values.get(f"{PREFIX}kv_cache_usage_perc") or [0.0]
-        return {"num_requests_waiting": float(sum(waiting)),
-                "kv_cache_usage_perc": float(sum(usage) / len(usage))}  # fmt: skip
+        return {
+            "num_requests_waiting": float(sum(waiting)),
+            "kv_cache_usage_perc": float(sum(usage) / len(usage)),
+        }
 
     def exposition(self) -> bytes:
         registry = self.registry
@@ -346,96 +338,7 @@ class PrometheusStatLogger:
         text = prom.generate_latest(registry)
         if envs.JAXSERVE_METRICS_LEGACY_PREFIX:  # the old names too
             legacy = text.replace(PREFIX.encode(), LEGACY_PREFIX.encode())
-            text += b"".join(line + b"\n" for line in legacy.splitlines()
-                             if LEGACY_PREFIX.encode() in line)  # fmt: skip
+            text += b"".join(
+                line + b"\n" for line in legacy.splitlines() if LEGACY_PREFIX.encode() in line
+            )
         return text
-
-
-class LoggingStatLogger:
-    """vLLM's periodic line: prompt and generation throughput since the last line, running,
-    waiting, KV-cache usage and prefix-cache hit rate; with speculative decoding, a second
-    line with the drafts' acceptance since the last one. With several engines, one logger per
-    engine (`PerEngineLogging`), each line prefixed "Engine 000: "."""
-
-    def __init__(self, prefix: str = ""):
-        self.prefix = prefix
-        self.last_log = time.monotonic()
-        self.prompt_tokens = self.generation_tokens = 0
-        self.queries = self.hits = 0
-        self.sched = SchedulerStats()
-        self.spec: SpecDecodingStats | None = None
-
-    def record(self, sched: SchedulerStats | None, it: IterationStats, engine: int = 0) -> None:
-        if sched is not None:
-            self.sched = sched
-            self.queries += sched.prefix_cache_queries
-            self.hits += sched.prefix_cache_hits
-            if sched.spec_decoding is not None:
-                self._add_spec(sched.spec_decoding)
-        self.prompt_tokens += it.num_prompt_tokens
-        self.generation_tokens += it.num_generation_tokens
-
-    def log(self) -> str:
-        now = time.monotonic()
-        elapsed = max(now - self.last_log, 1e-9)
-        s = self.sched
-        hit_rate = 100 * self.hits / self.queries if self.queries else 0.0
-        line = (
-            f"{self.prefix}Avg prompt throughput: {self.prompt_tokens / elapsed:.1f} tokens/s, "
-            f"Avg generation throughput: {self.generation_tokens / elapsed:.1f} tokens/s, "
-            f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
-            f"KV cache usage: {100 * s.kv_cache_usage:.1f}%, "
-            f"Prefix cache hit rate: {hit_rate:.1f}%"
-        )
-        logger.info(line)
-        if self.spec is not None:
-            spec_line = self.prefix + self._spec_line(elapsed)
-            logger.info(spec_line)
-            line = f"{line}\n{spec_line}"
-            self.spec = SpecDecodingStats()
-        self.last_log, self.prompt_tokens, self.generation_tokens = now, 0, 0
-        self.queries = self.hits = 0
-        return line
-
-    def _add_spec(self, stats: SpecDecodingStats) -> None:
-        spec = self.spec = self.spec or SpecDecodingStats()
-        spec.num_drafts += stats.num_drafts
-        spec.num_draft_tokens += stats.num_draft_tokens
-        spec.num_accepted_tokens += stats.num_accepted_tokens
-        per_pos = stats.num_accepted_tokens_per_pos
-        spec.num_accepted_tokens_per_pos.extend(
-            [0] * (len(per_pos) - len(spec.num_accepted_tokens_per_pos))
-        )
-        for pos, n in enumerate(per_pos):
-            spec.num_accepted_tokens_per_pos[pos] += n
-
-    def _spec_line(self, elapsed: float) -> str:
-        s = self.spec
-        drafts = max(s.num_drafts, 1)
-        per_pos = ", ".join(f"{n / drafts:.3f}" for n in s.num_accepted_tokens_per_pos)
-        rate = 100 * s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0
-        return (
-            f"SpecDecoding metrics: Mean acceptance length: "
-            f"{1 + s.num_accepted_tokens / drafts:.2f}, "
-            f"Accepted throughput: {s.num_accepted_tokens / elapsed:.2f} tokens/s, "
-            f"Drafted throughput: {s.num_draft_tokens / elapsed:.2f} tokens/s, "
-            f"Accepted: {s.num_accepted_tokens} tokens, Drafted: {s.num_draft_tokens} tokens, "
-            f"Per-position acceptance rate: {per_pos}, Avg Draft acceptance rate: {rate:.1f}%"
-        )
-
-
-class PerEngineLogging:
-    """The periodic lines of several data-parallel engines: a LoggingStatLogger each."""
-
-    def __init__(self, num_engines: int):
-        self.loggers = [LoggingStatLogger(f"Engine {i:03d}: ") for i in range(num_engines)]
-
-    def record(self, sched: SchedulerStats | None, it: IterationStats, engine: int = 0) -> None:
-        self.loggers[engine].record(sched, it)
-
-    def log(self) -> str:
-        return "\n".join(logger.log() for logger in self.loggers)
-
-
-def make_log_stats(num_engines: int) -> LoggingStatLogger | PerEngineLogging:
-    return LoggingStatLogger() if num_engines == 1 else PerEngineLogging(num_engines)

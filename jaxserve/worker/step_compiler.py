@@ -1,0 +1,172 @@
+"""Lifecycle step 7's start-up, after KV cache sizing: every step shape of a model runner
+lowered at the buckets (buckets.py) from the pure step functions (step_functions.py), then
+compiled or loaded (executables.py) under a key of what the executables depend on; serving
+calls only these executables, a step padding to the next ready token bucket while the rest
+compile in the background."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxserve import cache_keys
+from jaxserve.layers.sampler import COMPILED_VARIANTS, FULL_VARIANT
+from jaxserve.worker import executable_cache
+
+# The executables compiled per token bucket (name[1]): a step of T tokens runs them at T's.
+TOKEN_BUCKET_STEPS = ("forward", "prompt_logprobs", "pool")
+
+
+class StepCompiler:
+    """ModelRunner's step shapes (a base of it: it reads the runner's buckets, builder,
+    parameters, caches, step functions and optional parts, set by ModelRunner.__init__)."""
+
+    def compile_all(self, background: bool = False) -> None:
+        """Every step shape's executable, so no serving step ever compiles (executables.py).
+
+        background: return once the shapes that can serve any step are ready (the forward and
+        prompt logprobs of token buckets 1, 4, 16, .. and max_num_seqs', all-greedy and
+        all-pass sampling, drafts); the rest follow in a background thread, each used as soon
+        as it is ready (a step pads to the next ready token bucket, `max_step_tokens` grows
+        with the larger buckets, `pick_variant` takes the cheapest ready sampler)."""
+        top = self.buckets.tokens[-1] + 1
+        lowerings = self.lowerings()
+        if self.minimal_compile:  # coarse buckets (self.buckets); of the samplers, two
+            lowerings = {
+                n: f for n, f in lowerings.items() if n[0] != "sample" or self._serves_any_step(n)
+            }
+        self.executables.compile_all(
+            lowerings,
+            self.executables_key(),
+            self.devices_of,
+            urgent=self._serves_any_step if background else None,
+            order=lambda n: n[1] if n[0] in TOKEN_BUCKET_STEPS else top,
+        )
+
+    def devices_of(self, name: tuple) -> list:
+        """The devices step shape `name` runs on (a pipeline's differ by stage)."""
+        return list(self.mesh.devices.flat)
+
+    def _serves_any_step(self, name: tuple) -> bool:
+        """Whether step shape `name` is among those compile_all(background=True) waits for."""
+        if name[0] in TOKEN_BUCKET_STEPS:  # 1, 4, 16, .. and max_num_seqs' bucket: a step
+            # pads to the next of these until the buckets between are in
+            top, t = self.buckets.decode_top, name[1]
+            drafting = self.proposer.num_speculative_tokens > 0
+            return drafting or t == top or (t < top and t.bit_length() % 2 == 1)
+        if name[0] == "sample":
+            return name[2] in (COMPILED_VARIANTS[0], FULL_VARIANT)
+        return True
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for compile_all's background shapes; whether all are ready."""
+        return self.executables.wait(timeout)
+
+    def ready_token_buckets(self) -> list[int]:
+        """The token buckets whose steps are all ready (all once compile_all is done)."""
+        if not self.executables.compiling:
+            return list(self.buckets.tokens)
+        missing = {n[1] for n in self.executables.missing() if n[0] in TOKEN_BUCKET_STEPS}
+        return [t for t in self.buckets.tokens if t not in missing]
+
+    def max_step_tokens(self) -> int:
+        """The most tokens one step can schedule now: the largest ready token bucket."""
+        return self.ready_token_buckets()[-1]
+
+    def executables_key(self) -> str:
+        """What the step executables depend on beyond the environment: the configuration
+        (engine, model, proposer) and the layout of every argument array."""
+        proposer = self.proposer
+        return executable_cache.signature(
+            engine=repr(self.engine_config),
+            model_files=cache_keys.file_stats(self.engine_config.model_path),
+            model=repr(self.config),
+            params=executable_cache.abstract((self.params, self.head, self.kv_caches)),
+            state=executable_cache.abstract((self.penalty_state, self.last_tokens)),
+            param_tree=str(self.model_def.params_def),
+            draft=executable_cache.abstract(
+                [getattr(proposer, a, None) for a in ("params", "kv_caches", "embedding")]
+            ),
+            draft_model=repr(getattr(proposer, "config", None)),
+            mesh=repr(self.mesh),
+            **({"compile_set": "minimal"} if self.minimal_compile else {}),
+            # a connector's block copies (their own file: a start without one stays warm)
+            **({"kv_copies": repr(self.kv_copier.buckets)} if self.kv_copier else {}),
+        )
+
+    def lowerings(self) -> dict[tuple, Callable[[], Any]]:
+        """Every step shape's name -> a function lowering it (called in compile_all's
+        background thread too: the donated state is captured as shapes, not arrays)."""
+        rep, d, dtype = self._replicated, self.config.hidden_size, self.config.dtype
+        spec = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+        )
+        kv, penalty, last = spec(self.kv_caches), spec(self.penalty_state), spec(self.last_tokens)
+        last_hidden = jax.ShapeDtypeStruct((self.buckets.max_sample_rows, d), dtype, sharding=rep)
+        jits, out = self._jits, {}
+        padding = {v: self._padding(*v, spec=True) for v in self.forward_variants()}
+        for (t, decode_only), inputs in padding.items():
+            out["forward", t, decode_only] = functools.partial(
+                jits["forward"].lower, self.params, kv, last, inputs
+            )
+        for t in self.buckets.tokens:
+            hidden = jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)
+            out["prompt_logprobs", t] = functools.partial(
+                jits["prompt_logprobs"].lower, self.head, hidden, np.full(t, -1, np.int32)
+            )
+            if self.pooler is not None:
+                idx = np.zeros(self.max_num_seqs, np.int32)
+                out["pool", t] = functools.partial(
+                    jits["pool"].lower,
+                    hidden,
+                    np.zeros(t, np.int32),
+                    idx,
+                    idx,
+                    num_seqs=self.max_num_seqs,
+                )
+        for s in self.buckets.samples:
+            inputs = self.builder.padding_sample(s, self.input_batch.sampling)
+            for variant in COMPILED_VARIANTS:
+                out["sample", s, variant] = functools.partial(
+                    jits["sample"].lower,
+                    self.head,
+                    last_hidden,
+                    penalty,
+                    last,
+                    inputs,
+                    variant=variant,
+                )
+        out.update(
+            self.proposer.lowerings(padding, list(self.buckets.seqs), self.max_blocks_per_req)
+        )
+        if self.kv_copier is not None:
+            out.update(self.kv_copier.lowerings(kv))
+        if self.lora is not None:
+            out.update(self.lora.lowerings(self.params))
+        if self.encoder is not None:
+            out.update(self.encoder.lowerings(self.encoder.jit(self.model_def), self.params))
+        zero = np.int32(0)
+        out["init_penalty_row",] = functools.partial(
+            jits["init_penalty_row"].lower,
+            penalty,
+            zero,
+            np.zeros(self.max_model_len, np.int32),
+            zero,
+            zero,
+        )
+        return out
+
+    def forward_variants(self) -> list[tuple[int, bool]]:
+        """(token bucket, decode_only) of every forward (BucketTable.forward_variants)."""
+        return self.buckets.forward_variants(self.decode_only_forwards)
+
+    def _padding(self, t: int, decode_only: bool, spec: bool = False):
+        """Forward inputs of bucket t that run nothing (with a multimodal model's fields)."""
+        inputs = self.builder.padding_forward(t, decode_only)
+        return (
+            inputs if self.encoder is None else self.encoder.forward_inputs(inputs, None, spec=spec)
+        )
