@@ -106,6 +106,40 @@ def test_greedy_tokens_and_logprobs_equal_hf(family):
         np.testing.assert_allclose(got, want, atol=1e-4)
 
 
+def test_chat_with_image_parts_equals_hf_generate_on_the_rendered_template(family):
+    """LLM.chat with vLLM's image parts (a data URL and a PIL image): the family's chat
+    template renders them (chat_media, the server's renderer too), and the greedy tokens and
+    the prompt equal HF's on that rendering. (The same through `jaxserve serve`, one family:
+    tests/entrypoints/openai/test_vlm_server.py.)"""
+    import io
+
+    from PIL import Image
+
+    from tests.multimodal.test_media import data_url
+
+    buf = io.BytesIO()
+    draw_image(11, 70, 50).save(buf, format="PNG")
+    first, second = Image.open(io.BytesIO(buf.getvalue())), draw_image(12, 40, 90)
+    content = [
+        {"type": "text", "text": "USER: "},
+        {"type": "image_url", "image_url": {"url": data_url(buf.getvalue())}},
+        {"type": "text", "text": " and "},
+        {"type": "image_pil", "image_pil": second},
+        {"type": "text", "text": " differ? ASSISTANT:"},
+    ]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = family.llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    template = [{"type": "image"} if p["type"] != "text" else p for p in content]
+    text = family.tokenizer.apply_chat_template(
+        [{"role": "user", "content": template}], tokenize=False, add_generation_prompt=True
+    )
+    inputs = family.hf_inputs(text, [first, second])
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        gen = family.hf.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.outputs[0].token_ids == gen[0, inputs["input_ids"].shape[1] :].tolist()
+
+
 def test_same_image_hits_the_prefix_cache(family):
     """The same text + image again: its blocks (the image's included) come from the cache;
     the same text with another image: only the blocks before the image match."""

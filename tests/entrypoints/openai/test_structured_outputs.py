@@ -146,18 +146,20 @@ def test_named_and_required_tool_calls_always_have_valid_arguments(client):
 def test_streamed_tool_call_deltas_concatenate_to_the_non_streamed_call(client, tool_choice):
     kwargs = dict(model=MODEL, messages=TOOL_ASK, tools=[WEATHER, TIME], temperature=0,
                   max_tokens=150, tool_choice=tool_choice)  # fmt: skip
-    whole = client.chat.completions.create(**kwargs).choices[0]
-    calls: dict[int, dict] = {}
-    finish = None
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        for c in chunk.choices:
-            finish = c.finish_reason or finish
-            for d in c.delta.tool_calls or []:
-                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-                if d.id:
-                    assert call["id"] is None and d.function.name  # id and name come first
-                    call["id"], call["name"] = d.id, d.function.name
-                call["arguments"] += d.function.arguments or ""
+    with ThreadPoolExecutor(1) as pool:  # the whole answer beside the stream (one batch)
+        whole_future = pool.submit(lambda: client.chat.completions.create(**kwargs).choices[0])
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for c in chunk.choices:
+                finish = c.finish_reason or finish
+                for d in c.delta.tool_calls or []:
+                    call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                    if d.id:
+                        assert call["id"] is None and d.function.name  # id and name come first
+                        call["id"], call["name"] = d.id, d.function.name
+                    call["arguments"] += d.function.arguments or ""
+        whole = whole_future.result()
     expected = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
     assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == expected
     assert finish == whole.finish_reason
