@@ -47,9 +47,20 @@ class Linear(nnx.Module):
     rebuilt in x's dtype for the matmul.
     """
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype, rngs: nnx.Rngs,
-                 quant: str | None = None, group: int = 0, act_order: bool = False,
-                 input_quant: str | None = None, input_group: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        bias: bool = False,
+        dtype,
+        rngs: nnx.Rngs,
+        quant: str | None = None,
+        group: int = 0,
+        act_order: bool = False,
+        input_quant: str | None = None,
+        input_group: int = 0,
+    ):
         """group: input rows per scale of an "fp8_block" or "int4" kernel; act_order: an
         "int4" kernel whose input rows are stored in `perm` order (act-order GPTQ);
         input_quant, input_group: x quantized and dequantized first (`fake_quantize_input`)."""
