@@ -108,7 +108,7 @@ def implementation(name: str):
     if name.startswith("mosaic"):
         from pallas_kernels.grouped_matmul.mosaic import grouped_matmul_mosaic
 
-        block_n = int(name.split("_b")[1]) if "_b" in name else 128
+        block_n = int(name.split("_b")[1]) if "_b" in name else None
         return lambda x, w, gs: grouped_matmul_mosaic(x, w, gs, block_n=block_n)
     if name in ("xla", "xla_cudnn"):
         return jax.lax.ragged_dot
@@ -240,7 +240,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="gpt-oss-20b,qwen3-30b-a3b")
     parser.add_argument("--formats", default="bf16,mxfp4,fp8,int4")
-    parser.add_argument("--impls", default="xla,mosaic,mosaic_b64,tokamax,xla_triton,xla_cudnn")
+    parser.add_argument("--impls", default="xla,mosaic,mosaic_b128,tokamax,xla_triton,xla_cudnn")
     parser.add_argument("--tokens", default="1,8,64,256")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument(

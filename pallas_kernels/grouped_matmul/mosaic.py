@@ -234,19 +234,23 @@ def grouped_matmul_mosaic(
     w: jax.Array | Packed,
     group_sizes: jax.Array,
     *,
-    block_n: int = 128,
+    block_n: int | None = None,
     max_concurrent_steps: int = 4,
     num_programs: int | None = None,
     interpret: Any = False,
 ) -> jax.Array:
     """x [M, K] bf16, w [G, K, N] bf16 or packed, group_sizes i32[G] -> [M, N] bf16 (the
-    module doc). block_n: output columns an item computes (a multiple of 64 dividing N);
-    a pipeline step streams 64 packed rows of K, or one scale group where larger."""
+    module doc). block_n: output columns an item computes (a multiple of 64 dividing N;
+    default 128, or 64 where 128 leaves SMs idle at decode); a pipeline step streams 64
+    packed rows of K, or one scale group where larger."""
     mode = _mode(w)
     m, k = x.shape
     g, k2, n = w.shape
     if k != k2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x {x.shape} {x.dtype} and w {w.shape}: K must agree, x bf16")
+    table, max_tiles = tile_table(group_sizes.astype(jnp.int32), m)
+    if block_n is None:  # decode (few tiles): narrower items so that every SM has one
+        block_n = 128 if n % 128 == 0 and max_tiles * n // 128 >= _default_num_sms() else 64
     if n % block_n or block_n % 64:
         raise ValueError(f"N={n} must be a multiple of block_n={block_n}, itself of 64")
     planes = 2 if mode in ("int4", "mxfp4") else 1
@@ -265,7 +269,6 @@ def grouped_matmul_mosaic(
             "step's copies read zeros past K (TMA), the interpreter refuses such reads"
         )
     groups_per_step = p_rows // group_rows
-    table, max_tiles = tile_table(group_sizes.astype(jnp.int32), m)
     m_pad = -(-m // ROWS) * ROWS
     xp = jnp.pad(x, ((0, m_pad - m), (0, steps * p_rows * planes - k)))  # zeros past K
     xs = [xp[:, p::planes] for p in range(planes)] if planes == 2 else [xp]
@@ -305,7 +308,7 @@ def grouped_matmul_mosaic(
     return jnp.where(jnp.arange(m)[:, None] < total, out[:m], jnp.zeros((), out.dtype))
 
 
-def fits(x: jax.Array, w: jax.Array | Packed, block_n: int = 128) -> bool:
+def fits(x: jax.Array, w: jax.Array | Packed, block_n: int = 64) -> bool:
     """Whether `grouped_matmul_mosaic` takes these operands."""
     mode = _mode(w)
     planes = 2 if mode in ("int4", "mxfp4") else 1
