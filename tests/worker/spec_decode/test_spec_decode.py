@@ -98,11 +98,11 @@ def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, 
     ngram.chat(CHATS[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # grammar backend
     compiled = num_compilations()
     mixes = [
-        SamplingParams(temperature=0.0, max_tokens=40),
-        SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3),
         SamplingParams(temperature=0.0, max_tokens=20, logprobs=3),
         SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, logit_bias={13: 2.0},
-                       seed=1, max_tokens=30),
+                       seed=1, max_tokens=20),
         SamplingParams(temperature=0.0, max_tokens=20,
                        structured_outputs=StructuredOutputsParams(regex="(fox|dog)( (fox|dog))*")),
     ]  # fmt: skip
