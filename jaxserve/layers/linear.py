@@ -115,9 +115,11 @@ class Linear(nnx.Module):
             y = x @ self.kernel[...]
         elif self.group:  # grouped scales: gguf, fp8_block, int4, mxfp4
             offset = None if self.offset is None else self.offset[...]
-            # W8A8's emulated inputs keep XLA's dot: with the CPU kernel a ct-fp8-block
-            # prompt's logits moved 3% off compressed-tensors' (every kernel call equal to
-            # ragged_dot on its input; cause not found: issue 67's note)
+            # W8A8's emulated inputs keep XLA's dot: a 1-ulp change in a product can flip the
+            # next projection's dynamic fp8 rounding by a whole e4m3 step. With the CPU
+            # kernel's summation order one value of ct-fp8-block's layer-0 down_proj input
+            # (prompt 1, position 2) rounded to 2.75, not compressed-tensors' 2.5: 3% logits
+            # from there on (issue 67)
             y = packed_matmul(
                 x,
                 self.kernel[...],
