@@ -50,37 +50,12 @@ def weight_sized_temporary(hlo: str) -> bool:
 
 
 def measure(quant: str | None, group: int, tokens: int, iters: int, hlo_dir=None) -> dict:
-    layer = build(quant, group)
-    graph, state = nnx.split(layer)
-    f = jax.jit(lambda s, x: nnx.merge(graph, s)(x))
-    x = jnp.ones((tokens, D_IN), jnp.bfloat16)
-    compiled = f.lower(state, x).compile()
-    hlo = compiled.as_text()
-    compiled(state, x).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(iters):
-        y = compiled(state, x)
-    y.block_until_ready()
-    us = (time.perf_counter() - start) / iters * 1e6
-    weight_bytes = sum(v.nbytes for v in jax.tree.leaves(state))
-    calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
-    fusions = len(re.findall(r"^\s*\S+ = \S+ fusion\(", hlo, re.M))
-    # an [in, out] array written between two kernels (a dequantized or upcast weight)?
-    materialized = weight_sized_temporary(hlo)
-    if hlo_dir:
-        with open(f"{hlo_dir}/{quant or 'bf16'}-t{tokens}.hlo.txt", "w") as f:
-            f.write(hlo)
-    return {
-        "format": quant or "bf16",
-        "group": group,
-        "tokens": tokens,
-        "us": us,
-        "weight_mib": weight_bytes / 2**20,
-        "GB_per_s": weight_bytes / us / 1e3,
-        "fusions": fusions,
-        "library_calls": calls,
-        "weight_sized_temporary": materialized,
-    }
+    """`Linear` in format `quant` (None: bf16): measure_fn's row, with the group."""
+    graph, state = nnx.split(build(quant, group))
+    row = measure_fn(
+        quant or "bf16", state, lambda s, x: nnx.merge(graph, s)(x), tokens, iters, hlo_dir
+    )
+    return {"group": group, **row}
 
 
 def compiler_route(kind: str, group: int) -> tuple:
@@ -149,6 +124,8 @@ def _mosaic_form(fmt: str, group: int) -> tuple:
 
 
 def measure_fn(name: str, params, fn, tokens: int, iters: int, hlo_dir=None) -> dict:
+    """fn(params, x [tokens, D_IN] bf16) compiled and timed: microseconds a call, the bytes of
+    params (sub-byte types at their width), what the optimized HLO holds."""
     f = jax.jit(fn)
     x = jnp.ones((tokens, D_IN), jnp.bfloat16)
     compiled = f.lower(params, x).compile()
@@ -174,7 +151,9 @@ def measure_fn(name: str, params, fn, tokens: int, iters: int, hlo_dir=None) -> 
         "us": us,
         "weight_mib": weight_bytes / 2**20,
         "GB_per_s": weight_bytes / us / 1e3,
+        "fusions": len(re.findall(r"^\s*\S+ = \S+ fusion\(", hlo, re.M)),
         "library_calls": sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo))),
+        # an [in, out] array written between two kernels (a dequantized or upcast weight)?
         "weight_sized_temporary": weight_sized_temporary(hlo),
     }
 

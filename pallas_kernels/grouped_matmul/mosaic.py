@@ -113,8 +113,22 @@ def _mode(w: jax.Array | Packed) -> str:
     return "fp8_block" if w.kernel.dtype == jnp.float8_e4m3fn else "gguf"
 
 
-def _kernel(table_ref, *refs, mode, planes, group_rows, groups_per_step, steps, block_n,
-            num_n, num_items, num_programs, max_concurrent_steps, offsets, interpret):  # fmt: skip
+def _kernel(
+    table_ref,
+    *refs,
+    mode,
+    planes,
+    group_rows,
+    groups_per_step,
+    steps,
+    block_n,
+    num_n,
+    num_items,
+    num_programs,
+    max_concurrent_steps,
+    offsets,
+    interpret,
+):
     """One program of the persistent grid. refs: the x planes [M_pad, Kp] (bf16), the codes
     [G, Kp, N] (or bf16 weights), then for packed modes the scales [G, Kp / gp, N], offsets
     and x sums [K / g, M_pad] (when `offsets`); the output [M_pad, N]; scratch."""
@@ -245,7 +259,7 @@ def grouped_matmul_mosaic(
     packed rows of K, or one scale group where larger."""
     mode = _mode(w)
     m, k = x.shape
-    g, k2, n = w.shape
+    _, k2, n = w.shape
     if k != k2 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x {x.shape} {x.dtype} and w {w.shape}: K must agree, x bf16")
     table, max_tiles = tile_table(group_sizes.astype(jnp.int32), m)
@@ -253,15 +267,10 @@ def grouped_matmul_mosaic(
         block_n = 128 if n % 128 == 0 and max_tiles * n // 128 >= _default_num_sms() else 64
     if n % block_n or block_n % 64:
         raise ValueError(f"N={n} must be a multiple of block_n={block_n}, itself of 64")
-    planes = 2 if mode in ("int4", "mxfp4") else 1
-    group_rows = (w.group // planes) if mode != "dense" else 64
+    planes, group_rows, p_rows, problem = _geometry(w)
+    if problem:
+        raise ValueError(problem)
     kp = k // planes
-    if group_rows % 16 or kp % group_rows:
-        raise ValueError(f"{mode}: K={k} in groups of {group_rows} packed rows (wgmma: 16s)")
-    # a step: 64 packed rows (decoded at once, in the wgmma layout) or one larger group
-    p_rows = max(ROWS, group_rows)
-    if p_rows % group_rows or kp % group_rows:
-        raise ValueError(f"{mode}: K={k} is not in whole groups of {group_rows} packed rows")
     steps = -(-kp // p_rows)
     if kp % p_rows and interpret:  # e.g. gpt-oss's K = 2880: 1440 packed rows, 22.5 steps
         raise ValueError(
@@ -290,12 +299,20 @@ def grouped_matmul_mosaic(
             for _ in range(planes)
         ]
     kernel = functools.partial(
-        _kernel, mode=mode, planes=planes, group_rows=group_rows,
-        groups_per_step=groups_per_step, steps=steps, block_n=block_n, num_n=num_n,
-        num_items=num_items, num_programs=num_programs,
-        max_concurrent_steps=max(1, min(max_concurrent_steps, steps)), offsets=offsets,
+        _kernel,
+        mode=mode,
+        planes=planes,
+        group_rows=group_rows,
+        groups_per_step=groups_per_step,
+        steps=steps,
+        block_n=block_n,
+        num_n=num_n,
+        num_items=num_items,
+        num_programs=num_programs,
+        max_concurrent_steps=max(1, min(max_concurrent_steps, steps)),
+        offsets=offsets,
         interpret=bool(interpret),
-    )  # fmt: skip
+    )
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m_pad, n), jnp.bfloat16),
@@ -308,17 +325,26 @@ def grouped_matmul_mosaic(
     return jnp.where(jnp.arange(m)[:, None] < total, out[:m], jnp.zeros((), out.dtype))
 
 
-def fits(x: jax.Array, w: jax.Array | Packed, block_n: int = 64) -> bool:
-    """Whether `grouped_matmul_mosaic` takes these operands."""
+def _geometry(w: jax.Array | Packed) -> tuple[int, int, int, str | None]:
+    """(planes, packed rows a scale group, packed rows a pipeline step, why the kernel cannot
+    take w or None). A step is 64 packed rows (decoded at once, in the wgmma layout) or one
+    larger group; groups must be whole 16s (wgmma's K) and cover K."""
     mode = _mode(w)
     planes = 2 if mode in ("int4", "mxfp4") else 1
     group_rows = (w.group // planes) if mode != "dense" else ROWS
     p_rows = max(ROWS, group_rows)
     kp = w.shape[1] // planes
+    problem = None
+    if group_rows % 16 or p_rows % group_rows or kp % group_rows:
+        problem = f"{mode}: K={w.shape[1]} is not in whole groups of {group_rows} packed rows"
+    return planes, group_rows, p_rows, problem
+
+
+def fits(x: jax.Array, w: jax.Array | Packed, block_n: int = 64) -> bool:
+    """Whether `grouped_matmul_mosaic` takes these operands."""
     return (
         x.dtype == jnp.bfloat16
         and w.shape[2] % block_n == 0
-        and p_rows % group_rows == 0
-        and kp % group_rows == 0
+        and _geometry(w)[3] is None
         and math.prod(w.shape) > 0
     )

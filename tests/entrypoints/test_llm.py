@@ -50,8 +50,14 @@ def tiny_dir(tmp_path_factory):
     shows, and its steps (sampling over 259 tokens, not 49152) cost next to nothing."""
     out = tmp_path_factory.mktemp("tiny")
     vocab = make_tiny_tokenizer(out)
-    return make_tiny_hf("llama", out, vocab_size=vocab, num_hidden_layers=2,
-                        max_position_embeddings=1024, eos_token_id=vocab - 3)  # fmt: skip
+    return make_tiny_hf(
+        "llama",
+        out,
+        vocab_size=vocab,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        eos_token_id=vocab - 3,
+    )
 
 
 def tiny_llm(tiny_dir, **engine):
@@ -327,8 +333,9 @@ def test_mixed_workload_with_aborts_drains_to_an_empty_pool(tiny, tiny_pool):
     for i, topic in enumerate(["sea", "sky", "moon", "forest"]):  # 4 x 4 blocks + the rest > 15
         engine.add_request(f"long-{i}", f"Tell me everything about the {topic}.", long)
     engine.add_request("n3", "Once upon a time", SamplingParams(n=3, max_tokens=40, seed=1))
-    engine.add_request("stop", count, SamplingParams(
-        temperature=0.0, max_tokens=60, stop=[stop], ignore_eos=True))  # fmt: skip
+    engine.add_request(
+        "stop", count, SamplingParams(temperature=0.0, max_tokens=60, stop=[stop], ignore_eos=True)
+    )
     engine.add_request("to-abort-running", "Say something long.", long)
     finished = {}
     for _ in range(3):

@@ -61,7 +61,16 @@ def test_interpreted_kernel_equals_ragged_dot(mode):
     assert not got[74:].any()
 
 
-def test_no_rows_reads_nothing_and_gives_zeros():
+def test_tiles_only_for_groups_with_rows():
+    """The work list: a tile per (group, 64-row block) it touches; empty groups get none, so
+    their experts are never read; no rows at all, no tiles and zeros out."""
+    table, bound = mosaic.tile_table(jnp.asarray([3, 0, 70, 1], jnp.int32), 80)
+    live = [tuple(r) for r in np.asarray(table).tolist() if r[0] >= 0]
+    # (group, block, first row in the block, rows): group 2 spans blocks 0 and 1
+    assert live == [(0, 0, 0, 3), (2, 0, 3, 61), (2, 1, 0, 9), (3, 1, 9, 1)]
+    assert bound >= len(live)
+    table, _ = mosaic.tile_table(jnp.zeros((4,), jnp.int32), 5)
+    assert (np.asarray(table)[:, 0] == -1).all()
     w = _packed("mxfp4", 4, 128, 64, np.random.default_rng(0))
     x = jnp.ones((5, 128), jnp.bfloat16)
     got = mosaic.grouped_matmul_mosaic(x, w, jnp.zeros((4,), jnp.int32), block_n=64, interpret=True)

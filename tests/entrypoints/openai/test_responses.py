@@ -127,13 +127,22 @@ def test_both_streaming_helpers_give_the_non_streamed_response(client):
 def test_text_format_json_schema_and_json_object(client):
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
     with ThreadPoolExecutor(2) as pool:  # both at once (one batch), each checked alone
-        schema = pool.submit(client.responses.create, model=MODEL,
-                             input="Describe a person as JSON.", temperature=0,
-                             max_output_tokens=200, text={"format": fmt})  # fmt: skip
-        obj = pool.submit(client.responses.create, model=MODEL,
-                          input='Reply with {"answer": 2 + 2} as JSON.', temperature=0,
-                          max_output_tokens=120,
-                          text={"format": {"type": "json_object"}})  # fmt: skip
+        schema = pool.submit(
+            client.responses.create,
+            model=MODEL,
+            input="Describe a person as JSON.",
+            temperature=0,
+            max_output_tokens=200,
+            text={"format": fmt},
+        )
+        obj = pool.submit(
+            client.responses.create,
+            model=MODEL,
+            input='Reply with {"answer": 2 + 2} as JSON.',
+            temperature=0,
+            max_output_tokens=120,
+            text={"format": {"type": "json_object"}},
+        )
         r = schema.result()
         assert r.status == "completed", r.output_text
         jsonschema.validate(json.loads(r.output_text), PERSON)
@@ -148,8 +157,14 @@ def test_function_call_round_trip_matches_chat(client):
     params = FLAT_WEATHER["parameters"]
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     named = {"type": "function", "name": "get_weather"}
-    kwargs = dict(model=MODEL, input=ask, tools=[FLAT_WEATHER], tool_choice=named,
-                  temperature=0, max_output_tokens=100)  # fmt: skip
+    kwargs = dict(
+        model=MODEL,
+        input=ask,
+        tools=[FLAT_WEATHER],
+        tool_choice=named,
+        temperature=0,
+        max_output_tokens=100,
+    )
     with ThreadPoolExecutor(1) as pool:  # the whole response beside the stream (one batch)
         whole = pool.submit(client.responses.create, **kwargs)
         # streamed: the arguments' deltas make the same call
@@ -165,16 +180,35 @@ def test_function_call_round_trip_matches_chat(client):
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}
     follow_up = [*ask, call.model_dump(exclude_none=True), result]
     with ThreadPoolExecutor(1) as pool:  # beside the chat request (one batch)
-        answered = pool.submit(client.responses.create, model=MODEL, input=follow_up,
-                               tools=[FLAT_WEATHER], temperature=0,
-                               max_output_tokens=30)  # fmt: skip
+        answered = pool.submit(
+            client.responses.create,
+            model=MODEL,
+            input=follow_up,
+            tools=[FLAT_WEATHER],
+            temperature=0,
+            max_output_tokens=30,
+        )
         chat = client.chat.completions.create(
-            model=MODEL, tools=[WEATHER], temperature=0, max_tokens=30, messages=[*ask,
-                {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id,
-                 "type": "function", "function": {"name": call.name,
-                                                  "arguments": call.arguments}}]},
-                {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}],
-        )  # fmt: skip
+            model=MODEL,
+            tools=[WEATHER],
+            temperature=0,
+            max_tokens=30,
+            messages=[
+                *ask,
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": call.call_id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"},
+            ],
+        )
         answer = answered.result()
     message = chat.choices[0].message
     expected = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
