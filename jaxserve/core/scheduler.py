@@ -42,7 +42,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_connector import SchedulerKVConnector
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
-from jaxserve.core.scheduler_gates import EncoderGate, GrammarGate
+from jaxserve.core.scheduler_gates import EncoderGate, GrammarGate, NoEncoderGate
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler_remote import RemoteKVLoads
 from jaxserve.core.scheduler_stats import StatsReport
@@ -61,7 +61,7 @@ from jaxserve.structured_output import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
+class Scheduler(RemoteKVLoads, StatsReport):
     """The engine core's request states (waiting, running, waiting for remote KV) and each
     step's plan; see the module docstring for the order of things."""
 
@@ -87,9 +87,9 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
         distinct LoRA adapters the running set may hold (0: LoRA off); encoder_cache: the
         image encoder outputs' rows (a multimodal model's; core/encoder_cache_manager.py)."""
         self.max_loras = max_loras
-        self.encoder_cache = encoder_cache
+        self.encoders = NoEncoderGate() if encoder_cache is None else EncoderGate(encoder_cache)
         self.config = scheduler_config
-        self.structured_output_manager = structured_output_manager
+        self.grammars = GrammarGate(structured_output_manager)
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -118,9 +118,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
         self.waiting.add_request(request)
         if request.sampling_params.structured_outputs is not None:
             try:
-                if self.structured_output_manager is None:
-                    raise ValueError("this engine has no structured-output backend")
-                self.structured_output_manager.grammar_init(request)
+                self.grammars.start(request)
                 request.status = RequestStatus.WAITING_FOR_FSM
             except Exception as e:
                 self.pending_outputs.append(self._fail(request, e))
@@ -147,8 +145,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
         """Release a finished request; returns its KV connector's kv_transfer_params. Its
         blocks and state are gone before the connector is told (which may raise)."""
         self.kv_cache_manager.free(request)
-        if self.encoder_cache is not None:
-            self.encoder_cache.release(request)
+        self.encoders.release(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         return self.connector.request_finished(request) if self.connector else None
@@ -197,8 +194,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
         plan = StepPlan(budget, 0, max_reqs=max_reqs)
         if self.spec_stats is not None:
             plan.draft_room = draft_room(self.running, budget, self.draft_step_tokens, self.config)
-        if self.encoder_cache is not None:
-            self.encoder_cache.begin_step()
+        self.encoders.begin_step()
         if self.connector is not None:
             self._finish_remote_loads()
         self._schedule_running(plan)
@@ -219,7 +215,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
                 plan.schedule_decode(request)  # the common case: nothing to allocate
                 i += 1
                 continue
-            num_new, encoder_work = self._plan_encoder(request, start, num_new)
+            num_new, encoder_work = self.encoders.plan(request, start, num_new)
             if num_new == 0:
                 i += 1
                 continue
@@ -243,7 +239,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
                 new_blocks = self._allocate_running(request, num_new)
             if new_blocks is None:
                 continue  # `request` itself was preempted; running[i] is the next one now
-            self._commit_encoder(request, start, num_new, encoder_work)
+            self.encoders.commit(request, start, num_new, encoder_work)
             plan.schedule_running(request, num_new, drafts, [b.block_id for b in new_blocks])
             i += 1
 
@@ -266,8 +262,10 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
                 if not request.structured_output_request.is_ready:
                     skipped.append(self.waiting.pop_request())
                     continue
-                if not self._grammar_compiled(request):  # finished, off the queue
-                    continue
+                if (error := self.grammars.error(request)) is not None:
+                    self.pending_outputs.append(self._fail(request, error))
+                    continue  # finished, off the queue
+                request.status = RequestStatus.WAITING
             if lora_blocked(request):  # its adapter waits for a slot
                 skipped.append(self.waiting.pop_request())
                 continue
@@ -294,7 +292,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
             computed_blocks, num_computed = [], request.num_computed_tokens
         else:
             hit = kv.get_computed_blocks(request)
-            computed_blocks, num_computed = self._trim_hit(request, *hit)
+            computed_blocks, num_computed = self.encoders.trim_hit(request, *hit)
             if self.connector is not None:
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
                     request, num_computed
@@ -302,7 +300,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
         if load_async:  # its KV comes from another instance: wait for it off the queue
             return self._wait_for_remote(request, computed_blocks, num_computed, num_external)
         num_new = min(request.num_tokens - num_computed - num_external, plan.budget)
-        num_new, encoder_work = self._plan_encoder(request, num_computed + num_external, num_new)
+        num_new, encoder_work = self.encoders.plan(request, num_computed + num_external, num_new)
         if num_new == 0 and request.num_tokens > num_computed + num_external:
             return False  # its next image waits for encoder budget or cache rows
         lookahead = self._lookahead(num_computed + num_external + num_new)
@@ -320,7 +318,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
                 request, kv.get_block_ids(request.request_id), num_computed, num_external
             )
             num_computed += num_external
-        self._commit_encoder(request, num_computed, num_new, encoder_work)
+        self.encoders.commit(request, num_computed, num_new, encoder_work)
         self.waiting.pop_request()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
@@ -337,11 +335,10 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
         plan after them) and describe the step for the model runner and the KV connector."""
         sampled = set()  # a step that reaches the end of a request's tokens samples its next
         encoder_rows = {}
-        requests, encoders = self.requests, self.encoder_cache is not None
+        requests = self.requests
         for req_id, n in plan.num_scheduled.items():
             request = requests[req_id]
-            if encoders:
-                self._encoder_rows(request, n, encoder_rows)
+            self.encoders.rows(request, n, encoder_rows)
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
@@ -364,7 +361,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
             },
             scheduled_spec_decode_tokens=plan.spec_tokens,
             kv_connector_metadata=kv_connector_metadata,
-            scheduled_encoder_inputs=self._take_encoder_inputs(),
+            scheduled_encoder_inputs=self.encoders.take_inputs(),
             encoder_rows=encoder_rows,
         )
         self.finished_req_ids = set()
@@ -387,8 +384,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
-        if self.encoder_cache is not None:
-            self.encoder_cache.release(request)
+        self.encoders.release(request)
         if self.connector is not None:
             try:
                 self.connector.request_preempted(request)
@@ -421,7 +417,7 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
                     row,
                     tokens[row],
                     max_model_len,
-                    self.structured_output_manager,
+                    self.grammars.manager,
                     self.spec_stats,
                 )
             except Exception as e:  # its grammar, its logprobs, ...: it alone fails
@@ -440,3 +436,14 @@ class Scheduler(RemoteKVLoads, GrammarGate, EncoderGate, StatsReport):
                 except Exception as e:  # its response would lack the connector's params
                     outputs[-1] = self._fail(request, e)
         return outputs
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        return sum(r.status == RequestStatus.WAITING_FOR_FSM for r in self.waiting)
+
+    def grammar_bitmask(
+        self, req_ids: list[str], sampled_req_ids: set[str], first_rows, drafts, num_rows: int
+    ):
+        """GrammarGate.bitmask over the requests whose token the step keeps, in order."""
+        requests = [self.requests.get(r) if r in sampled_req_ids else None for r in req_ids]
+        return self.grammars.bitmask(requests, first_rows, drafts, num_rows)

@@ -1,68 +1,42 @@
-"""The scheduler's gates beside its phases: structured-output grammars that must compile
-before a request runs (`GrammarGate`), and images whose encoder outputs must be computed
-before their placeholder tokens run (`EncoderGate`, over core/encoder_cache_manager.py)."""
+"""The scheduler's gates beside its phases, each an object that owns its state: images whose
+encoder outputs must be computed before their placeholder tokens run (`EncoderGate`, over
+core/encoder_cache_manager.py; `NoEncoderGate` for a text-only model), and structured-output
+grammars that must compile before a request runs (`GrammarGate`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import Request
 
 if TYPE_CHECKING:
     from jaxserve.core.encoder_cache_manager import EncoderCacheManager
-
-
-class GrammarGate:
-    """Scheduler methods for requests whose grammar compiles (WAITING_FOR_FSM)."""
-
-    def _grammar_compiled(self, request: Request) -> bool:
-        """A WAITING_FOR_FSM request whose compile is done: True if it may be scheduled; a
-        failed compile finishes it (an error, reported with the next outputs)."""
-        so = request.structured_output_request
-        if so.future.exception() is not None:
-            self.pending_outputs.append(self._fail(request, so.future.exception()))
-            return False
-        request.status = RequestStatus.WAITING
-        return True
-
-    @property
-    def num_waiting_for_grammar(self) -> int:
-        return sum(r.status == RequestStatus.WAITING_FOR_FSM for r in self.waiting)
-
-    def grammar_bitmask(
-        self, req_ids: list[str], sampled_req_ids: set[str], first_rows, drafts, num_rows: int
-    ):
-        """The step's token bitmask, i32[num_rows, ceil(V/32)] (one row per sampling row: a
-        request's first_rows[i], then one per draft), or None when no request whose token the
-        step keeps is constrained (see StructuredOutputManager.grammar_bitmask)."""
-        if self.structured_output_manager is None:
-            return None
-        requests = [self.requests.get(r) if r in sampled_req_ids else None for r in req_ids]
-        return self.structured_output_manager.grammar_bitmask(
-            requests, first_rows, drafts, num_rows
-        )
+    from jaxserve.structured_output import StructuredOutputManager
 
 
 class EncoderGate:
-    """Scheduler methods for a multimodal model's images (`encoder_cache` None: none)."""
+    """A multimodal model's images in the scheduler's step."""
 
-    encoder_cache: EncoderCacheManager | None
+    def __init__(self, cache: EncoderCacheManager):
+        self.cache = cache
 
-    def _plan_encoder(self, request: Request, start: int, num_new: int) -> tuple[int, list]:
+    def begin_step(self) -> None:
+        self.cache.begin_step()
+
+    def plan(self, request: Request, start: int, num_new: int) -> tuple[int, list]:
         """(the request's tokens from `start` that may run, its images to compute first)."""
-        if self.encoder_cache is None or not request.mm_features:
+        if not request.mm_features:
             return num_new, []
-        return self.encoder_cache.plan(request, start, num_new)
+        return self.cache.plan(request, start, num_new)
 
-    def _commit_encoder(self, request: Request, start: int, num_new: int, work: list) -> None:
-        if self.encoder_cache is not None and request.mm_features:
-            self.encoder_cache.commit(request, start, num_new, work)
+    def commit(self, request: Request, start: int, num_new: int, work: list) -> None:
+        if request.mm_features:
+            self.cache.commit(request, start, num_new, work)
 
-    def _trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
+    def trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
         """A prefix-cache hit that would end inside a bidirectional image ends at the block
         before it instead (the image's tokens must run in one step)."""
-        ec = self.encoder_cache
-        if ec is None or not ec.bidirectional or not request.mm_features:
+        if not self.cache.bidirectional or not request.mm_features:
             return blocks, num_computed
         for f in request.mm_features:
             if f.offset < num_computed < f.end:
@@ -70,15 +44,73 @@ class EncoderGate:
                 return blocks[:keep], keep * request.block_size
         return blocks, num_computed
 
-    def _take_encoder_inputs(self) -> dict[str, list[int]]:
-        return {} if self.encoder_cache is None else self.encoder_cache.end_step()
+    def take_inputs(self) -> dict[str, list[int]]:
+        """The step's encoder work (request id -> feature indices)."""
+        return self.cache.end_step()
 
-    def _encoder_rows(self, request: Request, num_new: int, into: dict) -> None:
+    def rows(self, request: Request, num_new: int, into: dict) -> None:
         """The rows of the images the request's scheduled tokens read (into `into`), and
         let go of those it has then run all of."""
-        ec = self.encoder_cache
-        if ec is None or not request.mm_features:
+        if not request.mm_features:
             return
+        ec = self.cache
         for f in ec.overlapping(request, request.num_computed_tokens, num_new):
             into[f.identifier] = ec.rows(f.identifier)
         ec.done_with(request, request.num_computed_tokens + num_new)
+
+    def release(self, request: Request) -> None:
+        self.cache.release(request)
+
+
+class NoEncoderGate(EncoderGate):
+    """A text-only model's: no image ever waits."""
+
+    def __init__(self):
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def plan(self, request: Request, start: int, num_new: int) -> tuple[int, list]:
+        return num_new, []
+
+    def commit(self, request: Request, start: int, num_new: int, work: list) -> None:
+        pass
+
+    def trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
+        return blocks, num_computed
+
+    def take_inputs(self) -> dict[str, list[int]]:
+        return {}
+
+    def rows(self, request: Request, num_new: int, into: dict) -> None:
+        pass
+
+    def release(self, request: Request) -> None:
+        pass
+
+
+class GrammarGate:
+    """Requests whose grammar compiles (WAITING_FOR_FSM) before they may run."""
+
+    def __init__(self, manager: StructuredOutputManager | None):
+        self.manager = manager
+
+    def start(self, request: Request) -> None:
+        """Start compiling the request's grammar (ValueError: no backend, a bad grammar)."""
+        if self.manager is None:
+            raise ValueError("this engine has no structured-output backend")
+        self.manager.grammar_init(request)
+
+    def error(self, request: Request) -> BaseException | None:
+        """The compile's exception (the request then fails), None once it compiled."""
+        return request.structured_output_request.future.exception()
+
+    def bitmask(self, requests: list, first_rows, drafts, num_rows: int):
+        """The step's token bitmask, i32[num_rows, ceil(V/32)] (one row per sampling row: a
+        request's first_rows[i], then one per draft), or None when no request whose token the
+        step keeps is constrained (requests: None where the step keeps no token; see
+        StructuredOutputManager.grammar_bitmask)."""
+        if self.manager is None:
+            return None
+        return self.manager.grammar_bitmask(requests, first_rows, drafts, num_rows)

@@ -20,7 +20,6 @@ from collections import deque
 
 import jax
 import msgspec
-import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.encoder_cache_manager import EncoderCacheManager
@@ -36,8 +35,8 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.startup import StartupTimeline
 from jaxserve.structured_output import StructuredOutputManager
 from jaxserve.worker.build import build_runner
-from jaxserve.worker.model_runner import ModelRunner
 from jaxserve.worker.multihost import BroadcastRunner
+from jaxserve.worker.runner_protocol import Runner
 from jaxserve.worker.step_types import PendingStep
 
 logger = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ class EngineCore(CoreControl):
         config: EngineConfig,
         leader: Leader | None = None,
         engine_index: int = 0,
-        runner: ModelRunner | None = None,
+        runner: Runner | None = None,
     ):
         """leader: with a model spread over several hosts, the channel to the other ranks;
         every runner call that runs on the devices is then made on theirs too.
@@ -111,12 +110,10 @@ class EngineCore(CoreControl):
 
     def _encoder_cache(self) -> EncoderCacheManager | None:
         """A multimodal model's encoder cache bookkeeping (its rows are the runner's)."""
-        encoder = getattr(self.runner, "encoder", None)
-        if encoder is None:
+        spec = self.runner.encoder_cache_spec()
+        if spec is None:
             return None
-        return EncoderCacheManager(
-            encoder.num_rows, encoder.budget, bidirectional=encoder.bidirectional
-        )
+        return EncoderCacheManager(spec.num_rows, spec.budget, bidirectional=spec.bidirectional)
 
     def _make_kv_connector(self, engine_index: int) -> KVConnectorBase | None:
         """The KV connector `--kv-transfer-config` / `--kv-offloading-size` name, wired to
@@ -124,13 +121,11 @@ class EngineCore(CoreControl):
         config = self.config
         if config.kv_transfer is None:
             return None
-        runner = self.runner
         identity = f"{config.model_path}|{config.load_format}|{config.model.quantization}"
-        layout = BlockLayout(
-            runner.kv.block_shape, np.dtype(runner.kv.dtype), f"{identity}|{config.seed}"
-        )
+        block_shape, dtype = self.runner.kv_layout()
+        layout = BlockLayout(block_shape, dtype, f"{identity}|{config.seed}")
         connector = create_connector(config.kv_transfer, layout, engine_index)
-        runner.set_kv_connector(connector)
+        self.runner.set_kv_connector(connector)
         logger.info(
             "KV connector %s (%s), blocks of %.2f MiB",
             connector.name,
@@ -155,11 +150,9 @@ class EngineCore(CoreControl):
             if self.is_sleeping():
                 raise ValueError("the engine is asleep: wake_up() first")
             if request.lora_request is not None:  # loaded (and checked) on the host now
-                if getattr(self.runner, "lora", None) is None:
-                    raise ValueError("this engine was started without enable_lora")
-                self.runner.lora.add_adapter(request.lora_request, self._live_loras)
+                self.runner.add_lora(request.lora_request, self._live_loras)
             if request.mm_features:
-                self._check_images(request)
+                self.runner.check_images(request.mm_features)
             engine_request = Request(
                 request.request_id,
                 request.prompt_token_ids,
@@ -179,24 +172,6 @@ class EngineCore(CoreControl):
             self.scheduler.pending_outputs.append(error)
             return
         self.scheduler.add_request(engine_request)
-
-    def _check_images(self, request: EngineCoreRequest) -> None:
-        """ValueError for images this engine cannot serve: a text-only model, an image whose
-        encoder has no compiled shape, or more image tokens than the encoder cache holds."""
-        encoder = getattr(self.runner, "encoder", None)
-        if encoder is None:
-            raise ValueError(f"{self.config.model.architecture} does not take images")
-        for f in request.mm_features:
-            encoder.check(f)
-            if f.length > encoder.budget:
-                raise ValueError(
-                    f"an image of {f.length} tokens exceeds the encoder cache ({encoder.budget})"
-                )
-            if encoder.bidirectional and f.length > encoder.max_step_tokens:
-                raise ValueError(
-                    f"an image of {f.length} tokens must run in one step, but a step runs at "
-                    f"most max_num_batched_tokens={encoder.max_step_tokens} tokens"
-                )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Abort requests wherever they are (unknown ids are ignored); returns those aborted."""
@@ -307,10 +282,8 @@ class EngineCore(CoreControl):
         """How many of the step shapes are compiled (a utility call: the readiness probe's
         "every step shape compiled"); the engine serves before all are, with background
         compilation."""
-        executables = getattr(self.runner, "executables", None)  # none: a simulated runner
-        missing = len(executables.missing()) if executables is not None else 0
-        total = len(executables.names()) + missing if executables is not None else 0
-        return {"compiled": total - missing, "total": total, "fully_compiled": missing == 0}
+        compiled, total = self.runner.compile_status()
+        return {"compiled": compiled, "total": total, "fully_compiled": compiled == total}
 
     def _live_loras(self) -> set[int]:
         """The LoRA adapters (lora_int_id) of the requests the scheduler holds."""
@@ -320,14 +293,11 @@ class EngineCore(CoreControl):
         """Load and check an adapter into the host cache (a utility call: a server's
         /v1/load_lora_adapter, vLLM's add_lora), so bad weights are refused before any
         request names them; raises what models/lora.py::load_adapter raises."""
-        if getattr(self.runner, "lora", None) is None:
-            raise ValueError("this engine was started without enable_lora")
-        self.runner.lora.add_adapter(msgspec.convert(lora, LoRARequest), self._live_loras)
+        self.runner.add_lora(msgspec.convert(lora, LoRARequest), self._live_loras)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter's host copy and device slot (a utility call), once the requests
         that use it have finished."""
-        if getattr(self.runner, "lora", None) is not None:
-            self.runner.lora.remove_adapter(lora_int_id, self._live_loras())
+        self.runner.remove_lora(lora_int_id, self._live_loras())
         return True

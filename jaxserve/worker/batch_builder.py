@@ -35,12 +35,10 @@ class BatchBuilder:
         vocab_size: int,
         num_spec_tokens: int = 0,
         decode_only_forwards: bool = False,
-        lora: bool = False,
     ):
         """decode_only_forwards: a step whose every request runs one token takes the
-        decode-only forward (`AttentionMetadata.decode_only`); lora: the forward takes each
-        token's LoRA slot (`InputBatch.lora_slots` of its row)."""
-        self.lora = lora
+        decode-only forward (`AttentionMetadata.decode_only`). A feature's fields of the
+        forward's inputs are its own (worker/step_feature.py)."""
         self.buckets = buckets
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -109,7 +107,6 @@ class BatchBuilder:
             _padded(row_of_token, t, 0),
             attn,
             logits_indices,
-            _padded(ib.lora_slots[row_of_token], t, -1) if self.lora else None,
         )
 
         # Prompt logprobs: the token at pos + 1 is the target of position pos, while in the prompt.
@@ -187,7 +184,6 @@ class BatchBuilder:
             ids,
             attn,
             np.zeros(self.buckets.max_sample_rows, np.int32),
-            np.full(t, -1, np.int32) if self.lora else None,
         )
 
     def padding_sample(self, s: int, sampling_rows) -> SampleInputs:

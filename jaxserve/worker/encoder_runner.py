@@ -31,6 +31,7 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.distributed.sharding import put
 from jaxserve.multimodal.inputs import MultiModalFeature
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.step_feature import LoweringInputs, StepFeature
 from jaxserve.worker.step_types import ForwardInputs, StepBatch
 
 
@@ -41,7 +42,9 @@ def encode(model_def, params, buffer: jax.Array, inputs: dict, rows: jax.Array) 
     return buffer.at[rows].set(out.astype(buffer.dtype), mode="drop")
 
 
-class EncoderRunner:
+class EncoderRunner(StepFeature):
+    name = "encoder"
+
     def __init__(
         self,
         model: Any,
@@ -94,20 +97,41 @@ class EncoderRunner:
             functools.partial(encode, model_def), donate_argnums=(1,), out_shardings=self._rep
         )
 
-    def lowerings(self, jitted: Callable, params) -> dict[tuple, Callable[[], Any]]:
+    def lowerings(self, inputs: LoweringInputs) -> dict[tuple, Callable[[], Any]]:
         """("encode", bucket) -> its lowering, for every image bucket."""
+        jitted, params = self.jit(inputs.model_def), inputs.params
         return {
             ("encode", name): functools.partial(
-                jitted.lower, params, self._buffer_spec, inputs, np.zeros(tokens, np.int32)
+                jitted.lower, params, self._buffer_spec, data, np.zeros(tokens, np.int32)
             )
-            for name, (tokens, inputs) in self.buckets.items()
+            for name, (tokens, data) in self.buckets.items()
         }
 
     def check(self, feature: MultiModalFeature) -> None:
         """ValueError when the image cannot be served (no bucket holds it)."""
         self.model_cls.encoder_bucket(self.mm_config, feature.data, self.buckets)
 
+    def check_images(self, features: list[MultiModalFeature]) -> None:
+        """ValueError for images this runner cannot serve: no compiled shape holds one, or
+        more image tokens than the encoder cache or one step holds."""
+        for f in features:
+            self.check(f)
+            if f.length > self.budget:
+                raise ValueError(
+                    f"an image of {f.length} tokens exceeds the encoder cache ({self.budget})"
+                )
+            if self.bidirectional and f.length > self.max_step_tokens:
+                raise ValueError(
+                    f"an image of {f.length} tokens must run in one step, but a step runs at "
+                    f"most max_num_batched_tokens={self.max_step_tokens} tokens"
+                )
+
     # ------------------------------------------------------------------ a serving step
+    def prepare(self, so: SchedulerOutput, ib: InputBatch, params, executables) -> None:
+        """The step's images: remembered, pointed at, and run through the encoder."""
+        self.update(so, ib)
+        self.run(so, params, executables)
+
     def update(self, so: SchedulerOutput, ib: InputBatch) -> None:
         """After `ib.update(so)`: remember the new requests' images (and fill their M-RoPE
         positions), and point each scheduled placeholder token at its cache row."""
@@ -148,7 +172,12 @@ class EncoderRunner:
                 self.buffer = executables["encode", name](params, self.buffer, inputs, rows)
 
     def forward_inputs(
-        self, forward: ForwardInputs, batch: StepBatch | None, *, spec: bool = False
+        self,
+        forward: ForwardInputs,
+        batch: StepBatch | None,
+        ib: InputBatch | None = None,
+        *,
+        spec: bool = False,
     ) -> ForwardInputs:
         """`forward` with each token's cache row and the buffer (and its M-RoPE positions);
         batch None: padding; spec: the buffer's shape alone (what start-up lowers with)."""

@@ -21,9 +21,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.distributed.sharding import put
 from jaxserve.worker.buckets import bucket
+from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.step_feature import LoweringInputs, StepFeature
+from jaxserve.worker.step_types import StepBatch
 
 MAX_BLOCKS_PER_COPY = 32
 
@@ -76,14 +80,18 @@ def chunks(block_ids: list[int], buckets: list[int]) -> list[tuple[np.ndarray, i
     return out
 
 
-class KVBlockCopier:
+class KVBlockCopier(StepFeature):
     """A KV connector's block copies for one runner: a jitted gather and scatter per
     block-count bucket, lowered with the step executables (`lowerings`) and run from the
-    registry while serving."""
+    registry while serving: a step's loads scattered before its forward, its saves gathered
+    after it and handed to the connector when the step is fetched."""
+
+    name = "kv_saves"
 
     def __init__(self, spec, max_blocks_per_req: int):
         """spec: the runner's KVCacheSpec (worker/kv_cache.py)."""
         self.spec = spec
+        self.connector: Any = None  # distributed/kv_transfer's (ModelRunner.set_kv_connector)
         self.buckets = copy_buckets(max_blocks_per_req)
         n_layers = spec.config.num_layers
         self._gather = jax.jit(functools.partial(gather_blocks, num_layers=n_layers))
@@ -94,8 +102,11 @@ class KVBlockCopier:
         )
         self.blocks_sharding = NamedSharding(spec.mesh, P(None, None, None, TP_AXIS))
 
-    def lowerings(self, kv) -> dict[tuple, Callable[[], Any]]:
-        """kv: the cache's (K, V) as ShapeDtypeStructs."""
+    def cache_key(self) -> dict[str, str]:
+        return {"kv_copies": repr(self.buckets)}  # their own file: a start without stays warm
+
+    def lowerings(self, inputs: LoweringInputs) -> dict[tuple, Callable[[], Any]]:
+        kv = inputs.kv
         out: dict[tuple, Callable[[], Any]] = {}
         for n in self.buckets:
             ids = np.zeros(n, np.int32)
@@ -106,7 +117,34 @@ class KVBlockCopier:
             out["kv_scatter", n] = functools.partial(self._scatter.lower, kv, ids, blocks)
         return out
 
-    def load(self, executables, kv_caches, loads: list[tuple[int, np.ndarray]]):
+    # ------------------------------------------------------------------ a serving step
+    def load(self, so: SchedulerOutput, kv_caches: Any, executables) -> Any:
+        meta = so.kv_connector_metadata
+        if meta is None or not meta.loads:
+            return kv_caches
+        kv_caches = self.scatter(executables, kv_caches, meta.loads)
+        self.connector.note_loaded(len(meta.loads))
+        return kv_caches
+
+    def after_forward(
+        self, so: SchedulerOutput, batch: StepBatch, hidden: jax.Array, kv_caches, executables
+    ) -> Any:
+        """The saved blocks, read before the next step overwrites them: (hashes, chunks)."""
+        meta = so.kv_connector_metadata
+        if meta is None or not meta.saves:
+            return None
+        blocks = self.gather(executables, kv_caches, [b for b, _ in meta.saves])
+        return [h for _, h in meta.saves], blocks
+
+    def finish(
+        self, batch: StepBatch, value: Any, ib: InputBatch, result: ModelRunnerOutput
+    ) -> None:
+        """Saved before the step's outputs leave the engine."""
+        if value is not None:
+            hashes, chunks = value
+            self.connector.save_blocks(hashes, np.concatenate([b[:n] for b, n in chunks]))
+
+    def scatter(self, executables, kv_caches, loads: list[tuple[int, np.ndarray]]):
         """Scatter host blocks (block id, [L, bs, H, kd + vd]) into the cache (before the step's
         forward reads them); returns the new (K, V)."""
         block_ids = [b for b, _ in loads]

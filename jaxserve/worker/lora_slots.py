@@ -4,10 +4,10 @@
   add_adapter   a request's adapter loaded and fused on the host (models/lora.py) when it
                 arrives, so a bad adapter fails that request alone; the host cache keeps every
                 adapter a live request uses, plus up to --max-cpu-loras others (LRU)
-  assign        before a step: the adapter of each request the input batch holds (the
+  prepare       before a step: the adapter of each request the input batch holds (the
                 running set, which the scheduler keeps to max_loras distinct adapters) into a
                 device slot (free, or the least recently used one no row needs), and each
-                row's slot, which the batch builder spreads over the row's tokens
+                row's slot, which forward_inputs spreads over the row's tokens
   remove_adapter its host copy and slot dropped once no live request uses it
 
 A slot is written by one executable compiled at start-up (all of a slot's arrays at once, a
@@ -36,6 +36,8 @@ from jaxserve.layers.lora import LoRAWeights
 from jaxserve.lora_request import LoRARequest
 from jaxserve.models.lora import LORA_PROJECTIONS, AdapterWeights, load_adapter, projection_dims
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.step_feature import LoweringInputs, StepFeature
+from jaxserve.worker.step_types import ForwardInputs, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,9 @@ _COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")
 SKIP_IDLE_PLATFORMS = ("cpu",)
 
 
-class LoRASlots:
+class LoRASlots(StepFeature):
+    name = "lora"
+
     def __init__(
         self,
         model: Any,
@@ -57,7 +61,7 @@ class LoRASlots:
         kv_replicas: int = 1,
     ):
         """Attach zeroed slots to every targeted projection of `model` (before it is split
-        into the step's parameters; `bind` then finds them there)."""
+        into the step's parameters; `attach` then finds them there)."""
         self.config, self.model_config, self.kv_replicas = config, model_config, kv_replicas
         dtype = model_config.dtype if config.lora_dtype == "auto" else config.lora_dtype
         self.dtype = jnp.dtype(dtype)
@@ -89,7 +93,7 @@ class LoRASlots:
         self.host: collections.OrderedDict[int, AdapterWeights] = collections.OrderedDict()
         self._removed: set[int] = set()
 
-    def bind(self, state: Any) -> None:
+    def attach(self, state: Any) -> None:
         """Find the slot arrays among the flat parameters of nnx.split(model)'s state."""
         for index, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
             keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
@@ -141,7 +145,7 @@ class LoRASlots:
                 self.slot_ids[self.slot_ids.index(gone)] = 0
 
     # ------------------------------------------------------------------ the device slots
-    def assign(self, ib: InputBatch, params: list, executables) -> None:
+    def prepare(self, so, ib: InputBatch, params: list, executables) -> None:
         """Put the adapters of the input batch's requests (the running set, after the step's
         update) in slots, writing `params` in place, and set every row's slot in
         `ib.lora_slots`: numpy over the rows, a loop over the few distinct adapters."""
@@ -170,9 +174,24 @@ class LoRASlots:
             params[i] = array
         self.slot_ids[slot] = lora_id
 
-    def lowerings(self, params: list) -> dict[tuple, Callable[[], Any]]:
+    def forward_inputs(
+        self,
+        forward: ForwardInputs,
+        batch: StepBatch | None,
+        ib: InputBatch | None,
+        *,
+        spec: bool = False,
+    ) -> ForwardInputs:
+        """Each token's slot (-1: none; padding tokens none)."""
+        slots = np.full(forward.input_ids.shape[0], -1, np.int32)
+        if batch is not None:
+            n = int(batch.num_scheduled.sum())
+            slots[:n] = ib.lora_slots[forward.token_rows[:n]]
+        return forward._replace(lora_slots=slots)
+
+    def lowerings(self, inputs: LoweringInputs) -> dict[tuple, Callable[[], Any]]:
         """The slot writer, compiled at start-up with the steps."""
-        stacks = [params[i] for i in self._leaves]
+        stacks = [inputs.params[i] for i in self._leaves]
         spec = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=s.sharding) for s in stacks]
         values = [
             jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=self._replicated) for s in stacks

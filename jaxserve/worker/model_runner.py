@@ -39,17 +39,16 @@ from jaxserve.models.loader import LoadedModel
 from jaxserve.worker import step_functions
 from jaxserve.worker.batch_builder import BatchBuilder, prompt_logprobs_of
 from jaxserve.worker.buckets import BucketTable
-from jaxserve.worker.encoder_runner import EncoderRunner
+from jaxserve.worker.device_state import DeviceState
 from jaxserve.worker.executables import ExecutableRegistry
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_block_io import KVBlockCopier
 from jaxserve.worker.kv_cache import KVCacheSpec, determine_num_blocks
-from jaxserve.worker.lora_slots import LoRASlots
-from jaxserve.worker.pooler import Pooler
-from jaxserve.worker.prompt_embeds import PromptEmbedsRunner
+from jaxserve.worker.runner_protocol import EncoderCacheSpec, KVLayout
 from jaxserve.worker.spec_decode.drafting import Drafting
 from jaxserve.worker.spec_decode.proposer import Proposer
 from jaxserve.worker.step_compiler import StepCompiler
+from jaxserve.worker.step_features import build_features
 from jaxserve.worker.step_types import PendingStep
 
 logger = logging.getLogger(__name__)
@@ -62,6 +61,10 @@ DECODE_ONLY_FORWARDS = {"pallas": True, "cpu": False, "reference": False}
 
 
 class ModelRunner(StepCompiler):
+    """One process's devices running the step (the Runner protocol: runner_protocol.py)."""
+
+    followers_need_sampled = False  # (a pipeline's: pipeline_runner.py)
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -98,7 +101,6 @@ class ModelRunner(StepCompiler):
             vocab_size=self.config.vocab_size,
             num_spec_tokens=k,
             decode_only_forwards=self.decode_only_forwards,
-            lora=engine_config.lora is not None,
         )
         configure_attention(loaded.model, engine_config.attention_backend, self.mesh)
         configure_moe(loaded.model, self.mesh)
@@ -111,21 +113,13 @@ class ModelRunner(StepCompiler):
             self.max_num_seqs,
         )
         self.head = loaded.model.logits_head  # [V, D] tied or [D, V]
-        self.lora = None  # LoRA adapters' device slots (attached to the model before the split)
-        if engine_config.lora is not None:
-            self.lora = LoRASlots(
-                loaded.model, engine_config.lora, self.config, self.mesh, loaded.model.kv_replicas
-            )
-        self.encoder = None  # a multimodal model's images (encoder_runner.py), prompt embeddings
-        sizes = (sc.max_num_batched_tokens, self.max_num_seqs, self.max_model_len, self.mesh)
-        if hasattr(loaded.model, "encode"):
-            self.encoder = EncoderRunner(loaded.model, *sizes, engine_config.model_path)
-        elif engine_config.enable_prompt_embeds:  # (worker/prompt_embeds.py)
-            self.encoder = PromptEmbedsRunner(loaded.model, *sizes)
+        rep = self._replicated = NamedSharding(self.mesh, P())
+        # LoRA, images, pooling, KV transfer (worker/step_feature.py): built before the split
+        self.features = build_features(loaded, engine_config, self.kv, rep)
         graphdef, state = nnx.split(loaded.model)
         self.params, params_def = jax.tree.flatten(state)
-        if self.lora is not None:
-            self.lora.bind(state)
+        for feature in self.features:
+            feature.attach(state)
         self.model_def = step_functions.ModelDef(graphdef, params_def, self.proposer.aux_layers)
         self.kv_caches: tuple[jax.Array, ...] | None = None  # K, V (+ a hybrid's states)
         self.num_blocks = 0
@@ -133,7 +127,6 @@ class ModelRunner(StepCompiler):
         self.executables = executables if executables is not None else ExecutableRegistry()
         self.minimal_compile = envs.JAXSERVE_MINIMAL_COMPILE
         self.proposer.set_executables(self.executables)
-        rep = self._replicated = NamedSharding(self.mesh, P())
         head_def = step_functions.HeadDef(
             self.config.tie_word_embeddings, self.config.final_logit_softcapping
         )
@@ -145,15 +138,6 @@ class ModelRunner(StepCompiler):
             self.kv.sharding,
             rep,
         )
-        # A pooling runner (embeddings): every step also pools its prompt tokens.
-        pooler = engine_config.pooler
-        head = getattr(loaded.model, "classifier_head", None)  # a classifier's score head
-        self.pooler = Pooler(pooler.pooling_type, self.max_num_seqs, head) if pooler else None
-        # A KV connector's block copies (distributed/kv_transfer; set_kv_connector).
-        self.kv_connector = None
-        self.kv_copier = None
-        if engine_config.kv_transfer is not None:
-            self.kv_copier = KVBlockCopier(self.kv, self.max_blocks_per_req)
         # Penalty state per input-batch row, on the device: (prompt_mask bool[N, V],
         # output_counts i32[N, V]). A penalised request's row is filled once when it is
         # scheduled (init_penalty_row); each step with penalties then adds its kept tokens.
@@ -198,11 +182,36 @@ class ModelRunner(StepCompiler):
             num_blocks * self.kv.block_size / self.max_model_len,
         )
 
+    def compile_status(self) -> tuple[int, int]:
+        missing = len(self.executables.missing())
+        return len(self.executables.names()), len(self.executables.names()) + missing
+
+    # ------------------------------------------------------------------ features
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(tuple(self.kv.block_shape), np.dtype(self.kv.dtype))
+
     def set_kv_connector(self, connector) -> None:
         """Load and save KV blocks for `connector` (distributed/kv_transfer) in every step."""
-        if self.kv_copier is None:
+        copier = self.features.get(KVBlockCopier)
+        if copier is None:
             raise RuntimeError("a KV connector needs EngineConfig.kv_transfer at start-up")
-        self.kv_connector = connector
+        copier.connector = connector
+
+    def add_lora(self, request, live) -> None:
+        self.features.lora().add_adapter(request, live)
+
+    def remove_lora(self, lora_int_id: int, live: set[int]) -> None:
+        self.features.remove_lora(lora_int_id, live)
+
+    def encoder_cache_spec(self) -> EncoderCacheSpec | None:
+        return self.features.encoder_cache_spec()
+
+    def check_images(self, features: list) -> None:
+        self.features.check_images(features, self.engine_config.model.architecture)
+
+    def device_state(self) -> DeviceState:
+        """Sleep, wake and weight updates of this runner's arrays."""
+        return DeviceState(self)
 
     def dummy_step(self) -> None:
         """The smallest forward over padding (no KV written, nothing sampled), run to its
@@ -221,42 +230,34 @@ class ModelRunner(StepCompiler):
     def dispatch(self, so: SchedulerOutput) -> PendingStep | None:
         """Apply the scheduler's changes to the input batch and start the step on the devices
         (asynchronously); None when nothing was scheduled."""
-        ib = self.input_batch
+        ib, executables, features = self.input_batch, self.executables, self.features
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            if self.pooler is not None:
-                self.pooler.forget(req_id)
+            for feature in features:
+                feature.forget(req_id)
             self.drafting.forget(req_id)
         for row in ib.update(so):
             self._fill_penalty_row(row)
-        if self.encoder is not None:  # the step's images into the encoder cache
-            self.encoder.update(so, ib)
-            self.encoder.run(so, self.params, self.executables)
-        if self.lora is not None:  # the step's adapters into device slots (params updated)
-            self.lora.assign(ib, self.params, self.executables)
+        for feature in features:  # e.g. images into the encoder cache, adapters into slots
+            feature.prepare(so, ib, self.params, executables)
         batch = self.builder.build(so, ib, self.ready_token_buckets(), self.step_count)
         if batch is None:
             return None
-        if self.encoder is not None:
-            batch = batch._replace(forward=self.encoder.forward_inputs(batch.forward, batch))
-        kv_meta = so.kv_connector_metadata
-        if kv_meta is not None and kv_meta.loads:
-            self.kv_caches = self.kv_copier.load(self.executables, self.kv_caches, kv_meta.loads)
-            self.kv_connector.note_loaded(len(kv_meta.loads))
-        last_hidden, hidden, *features = self._forward(batch)
-        kv_saves = None
-        if kv_meta is not None and kv_meta.saves:  # read before the next step overwrites
-            blocks = self.kv_copier.gather(
-                self.executables, self.kv_caches, [b for b, _ in kv_meta.saves]
-            )
-            kv_saves = ([h for _, h in kv_meta.saves], blocks)
+        forward = batch.forward
+        for feature in features:
+            forward = feature.forward_inputs(forward, batch, ib)
+            self.kv_caches = feature.load(so, self.kv_caches, executables)
+        batch = batch._replace(forward=forward)
+        last_hidden, hidden, *aux = self._forward(batch)
+        values = {}
+        for feature in features:  # e.g. pooled states, KV blocks to save
+            value = feature.after_forward(so, batch, hidden, self.kv_caches, executables)
+            if value is not None:
+                values[feature.name] = value
         # The proposer follows the forward (EAGLE-3: from the features the forward returned).
-        features, feature_rows = features if self.model_def.aux_layers else (hidden, last_hidden)
-        self.proposer.mirror(batch, features, feature_rows)
-        pooled = None
-        if self.pooler is not None:  # each request's sum, first and last hidden state
-            pooled = self.executables["pool", batch.num_tokens](hidden, *self.pooler.inputs(batch))
+        aux, aux_rows = aux if self.model_def.aux_layers else (hidden, last_hidden)
+        self.proposer.mirror(batch, aux, aux_rows)
         self.step_count += 1
-        pending = PendingStep(batch, None, last_hidden, hidden, pooled, kv_saves)
+        pending = PendingStep(batch, None, last_hidden, hidden, values)
         if so.structured_output_req_ids or ib.sampling.has_bad_words[batch.rows].any():
             return pending  # sampled once every earlier token is known (grammars, bad words)
         return self.dispatch_sample(pending, None)
@@ -294,9 +295,7 @@ class ModelRunner(StepCompiler):
         out, self.penalty_state, self.last_tokens = self.executables["sample", s, variant](
             self.head, pending.last_hidden, self.penalty_state, self.last_tokens, sample_inputs
         )
-        fetch = {"ids": out.token_ids}
-        if pending.pooled is not None:
-            fetch["pooled"] = pending.pooled
+        fetch = {"ids": out.token_ids, "features": pending.features}
         if needed.logprobs:
             fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
         if batch.wants_prompt_lp.any():
@@ -304,17 +303,14 @@ class ModelRunner(StepCompiler):
                 self.head, pending.hidden, batch.targets
             )
         for leaf in jax.tree.leaves(fetch):
-            leaf.copy_to_host_async()
+            if isinstance(leaf, jax.Array):
+                leaf.copy_to_host_async()
         return pending._replace(fetch=fetch, last_hidden=None, hidden=None)
 
     def fetch(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a dispatched step and bring its results to the host: the step's one sync."""
         batch, ib = pending.batch, self.input_batch
         fetched = jax.device_get(pending.fetch)
-        if pending.kv_saves is not None:  # saved before the step's outputs leave the engine
-            hashes, chunks = pending.kv_saves
-            blocks = np.concatenate([np.asarray(b)[:n] for b, n in chunks])
-            self.kv_connector.save_blocks(hashes, blocks)
         row_ids = np.asarray(fetched["ids"], np.int32)
         final_row, num_accepted, refill = self.drafting.accept(batch, row_ids, ib)
         for row in refill:  # a drafted row's kept tokens were not counted in the step
@@ -323,11 +319,12 @@ class ModelRunner(StepCompiler):
         ib.fill_sampled(batch, sampled)
         result = ModelRunnerOutput(batch.req_ids, sampled)
         result.num_accepted_drafts = num_accepted
+        values = fetched["features"]
+        for feature in self.features:
+            if feature.name in values:
+                feature.finish(batch, values[feature.name], ib, result)
         if "prompt_logprobs" in fetched:
             result.prompt_logprobs = prompt_logprobs_of(batch, *fetched["prompt_logprobs"])
-        if "pooled" in fetched:
-            num_prompt = ib.num_prompt_tokens[batch.rows]
-            result.pooled = self.pooler.outputs(batch, num_prompt, *fetched["pooled"])
         if "logprobs" in fetched:
             lp, lp_ids, ranks = fetched["logprobs"]
             result.logprobs, result.logprob_token_ids, result.sampled_ranks = lp, lp_ids, ranks

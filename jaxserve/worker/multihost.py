@@ -20,11 +20,6 @@ from jaxserve.worker.step_types import PendingStep
 
 logger = logging.getLogger(__name__)
 
-# The runner calls that run programs on the devices (or decide what later ones run).
-BROADCAST_CALLS = frozenset(
-    {"initialize_kv_cache", "compile_all", "dispatch", "dispatch_sample", "fetch", "dummy_step"}
-)
-
 
 class _StepRef:
     """A PendingStep in a call message: the follower's own PendingStep of that step."""
@@ -34,8 +29,10 @@ class _StepRef:
 
 
 class BroadcastRunner:
-    """Rank 0's ModelRunner, seen through: every call in BROADCAST_CALLS goes to the followers
-    first (a PendingStep argument as the number of the step that made it), then runs here."""
+    """Rank 0's ModelRunner (the Runner protocol, worker/runner_protocol.py): every call that
+    runs programs on the devices, or decides what later ones run, goes to the followers first
+    (a PendingStep argument as the number of the step that made it), then runs here; the rest
+    run here alone."""
 
     def __init__(self, runner: Any, leader: Leader):
         self._runner = runner
@@ -49,31 +46,82 @@ class BroadcastRunner:
         when it joined)."""
         return min(self._runner.determine_num_blocks(), *self._leader.follower_blocks.values())
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._runner, name)
-        if name not in BROADCAST_CALLS:
-            return value
+    # ------------------------------------------------------------------ rank 0 alone
+    @property
+    def num_blocks(self) -> int:
+        return self._runner.num_blocks
 
-        def call(*args, **kwargs):
-            refs = tuple(
-                _StepRef(self._step_of.pop(id(a))) if isinstance(a, PendingStep) else a
-                for a in args
-            )
-            if name == "fetch" and getattr(self._runner, "followers_need_sampled", False):
-                # a pipeline whose last stage is rank 0's: its fetch runs no program, and the
-                # other ranks take the step's sampled tokens from it (pipeline_runner.py)
-                result = value(*args, **kwargs)
-                sampled = {"sampled": result.sampled_token_ids}
-                self._leader.send((name, refs, {**kwargs, **sampled}, None))
-                return result
-            step = next(self._steps) if name in ("dispatch", "dispatch_sample") else None
-            self._leader.send((name, refs, kwargs, step))
-            result = value(*args, **kwargs)
-            if step is not None and result is not None:
-                self._step_of[id(result)] = step
+    def compile_status(self) -> tuple[int, int]:
+        return self._runner.compile_status()
+
+    def max_step_tokens(self) -> int:
+        return self._runner.max_step_tokens()
+
+    def ready_token_buckets(self) -> list[int]:
+        return self._runner.ready_token_buckets()
+
+    def kv_bytes_per_block(self) -> int:
+        return self._runner.kv_bytes_per_block()
+
+    def add_lora(self, request, live) -> None:
+        self._runner.add_lora(request, live)  # (LoRA over several hosts: refused at start-up)
+
+    def remove_lora(self, lora_int_id: int, live: set[int]) -> None:
+        self._runner.remove_lora(lora_int_id, live)
+
+    def encoder_cache_spec(self):
+        return self._runner.encoder_cache_spec()
+
+    def check_images(self, features: list) -> None:
+        self._runner.check_images(features)
+
+    def kv_layout(self):
+        return self._runner.kv_layout()
+
+    def set_kv_connector(self, connector) -> None:
+        self._runner.set_kv_connector(connector)
+
+    def device_state(self):
+        return self._runner.device_state()  # (sleep over several hosts: refused before)
+
+    # ------------------------------------------------------------------ every rank
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._broadcast("initialize_kv_cache", num_blocks)
+
+    def compile_all(self, background: bool = False) -> None:
+        self._broadcast("compile_all", background=background)
+
+    def dispatch(self, so):
+        return self._broadcast("dispatch", so)
+
+    def dispatch_sample(self, pending, bitmask):
+        return self._broadcast("dispatch_sample", pending, bitmask)
+
+    def fetch(self, pending):
+        return self._broadcast("fetch", pending)
+
+    def dummy_step(self) -> None:
+        self._broadcast("dummy_step")
+
+    def _broadcast(self, name: str, *args, **kwargs):
+        """Send the call to the followers (a PendingStep as its step number), then make it."""
+        method = getattr(self._runner, name)
+        refs = tuple(
+            _StepRef(self._step_of.pop(id(a))) if isinstance(a, PendingStep) else a for a in args
+        )
+        if name == "fetch" and self._runner.followers_need_sampled:
+            # a pipeline whose last stage is rank 0's: its fetch runs no program, and the
+            # other ranks take the step's sampled tokens from it (pipeline_runner.py)
+            result = method(*args, **kwargs)
+            sampled = {"sampled": result.sampled_token_ids}
+            self._leader.send((name, refs, {**kwargs, **sampled}, None))
             return result
-
-        return call
+        step = next(self._steps) if name in ("dispatch", "dispatch_sample") else None
+        self._leader.send((name, refs, kwargs, step))
+        result = method(*args, **kwargs)
+        if step is not None and result is not None:
+            self._step_of[id(result)] = step
+        return result
 
 
 def run_follower(args: Any) -> int:

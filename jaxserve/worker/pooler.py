@@ -1,5 +1,5 @@
 """A pooling runner's (`runner="pooling"`, embeddings) share of a step: every step also pools
-its prompt tokens' final hidden states on the device (`step_functions.pool`: per request the
+its prompt tokens' final hidden states on the device (`pool`: per request the
 sum, the first and the last), and the host accumulates them over a prompt's chunks until the
 step its prompt ends, which gives its vector: the last token's, the mean over the prompt, or
 the first token's (PoolerConfig.pooling_type: LAST, MEAN, CLS). A classifier's
@@ -7,19 +7,64 @@ the first token's (PoolerConfig.pooling_type: LAST, MEAN, CLS). A classifier's
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.step_feature import LoweringInputs, StepFeature
 from jaxserve.worker.step_types import StepBatch
 
 
-class Pooler:
-    def __init__(self, pooling_type: str, max_num_seqs: int, head: np.ndarray | None = None):
+def pool(hidden, seq_of_token, first, last, *, num_seqs: int):
+    """hidden [T, D]; seq_of_token i32[T] (num_seqs: padding); first, last i32[num_seqs]: each
+    sequence's first and last token in the step -> f32 (sum over its tokens, first token's,
+    last token's hidden state), each [num_seqs, D]."""
+    h = hidden.astype(jnp.float32)
+    sums = jax.ops.segment_sum(h, seq_of_token, num_segments=num_seqs + 1)[:num_seqs]
+    return sums, h[first], h[last]
+
+
+class Pooler(StepFeature):
+    name = "pooled"
+
+    def __init__(
+        self, pooling_type: str, max_num_seqs: int, head: np.ndarray | None = None, rep=None
+    ):
         """head: a classifier's f32[D, num_labels], applied to each pooled vector (in float32
-        on the host: [D] x [D, L] per finished prompt, far less than its step)."""
+        on the host: [D] x [D, L] per finished prompt, far less than its step); rep: the
+        replicated sharding of its outputs."""
         self.pooling_type = pooling_type
         self.max_num_seqs = max_num_seqs
         self.head = head
         self._acc: dict[str, list] = {}  # req_id -> [sum f32[D], first f32[D]]
+        self._pool = jax.jit(functools.partial(pool, num_seqs=max_num_seqs), out_shardings=rep)
+
+    def lowerings(self, inputs: LoweringInputs) -> dict[tuple, Callable[[], Any]]:
+        """("pool", t) for every token bucket."""
+        idx = np.zeros(self.max_num_seqs, np.int32)
+        return {
+            ("pool", t): functools.partial(
+                self._pool.lower, inputs.hidden(t), np.zeros(t, np.int32), idx, idx
+            )
+            for t in inputs.token_buckets
+        }
+
+    def after_forward(
+        self, so: SchedulerOutput, batch: StepBatch, hidden: jax.Array, kv_caches, executables
+    ) -> Any:
+        """Each request's sum, first and last hidden state of the step, on the device."""
+        return executables["pool", batch.num_tokens](hidden, *self.inputs(batch))
+
+    def finish(
+        self, batch: StepBatch, value: Any, ib: InputBatch, result: ModelRunnerOutput
+    ) -> None:
+        result.pooled = self.outputs(batch, ib.num_prompt_tokens[batch.rows], *value)
 
     def inputs(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(seq_of_token i32[T], first i32[max_num_seqs], last i32[max_num_seqs]): each token's

@@ -59,8 +59,33 @@ class SimulatedRunner:
     def compile_all(self, background: bool = False) -> None:
         pass
 
+    def compile_status(self) -> tuple[int, int]:
+        return 0, 0
+
     def max_step_tokens(self) -> int:
         return self.config.scheduler.max_num_batched_tokens
+
+    # ------------------------------------------------------------------ features: none
+    def add_lora(self, request, live) -> None:
+        raise ValueError("this engine was started without enable_lora")
+
+    def remove_lora(self, lora_int_id: int, live: set[int]) -> None:
+        pass
+
+    def encoder_cache_spec(self) -> None:
+        return None
+
+    def check_images(self, features: list) -> None:
+        raise ValueError("a simulated runner takes no images")
+
+    def kv_layout(self):
+        raise ValueError("a simulated runner holds no KV cache")
+
+    def set_kv_connector(self, connector) -> None:
+        raise ValueError("a simulated runner holds no KV cache")
+
+    def device_state(self):
+        raise ValueError("a simulated runner holds no weights")
 
     def dummy_step(self) -> None:
         time.sleep(self.base_s)

@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve import cache_keys
 from jaxserve.layers.sampler import COMPILED_VARIANTS, FULL_VARIANT
 from jaxserve.worker import executable_cache
+from jaxserve.worker.step_feature import LoweringInputs
 
 # The executables compiled per token bucket (name[1]): a step of T tokens runs them at T's.
 TOKEN_BUCKET_STEPS = ("forward", "prompt_logprobs", "pool")
@@ -94,8 +95,7 @@ class StepCompiler:
             draft_model=repr(getattr(proposer, "config", None)),
             mesh=repr(self.mesh),
             **({"compile_set": "minimal"} if self.minimal_compile else {}),
-            # a connector's block copies (their own file: a start without one stays warm)
-            **({"kv_copies": repr(self.kv_copier.buckets)} if self.kv_copier else {}),
+            **{k: v for feature in self.features for k, v in feature.cache_key().items()},
         )
 
     def lowerings(self) -> dict[tuple, Callable[[], Any]]:
@@ -113,21 +113,11 @@ class StepCompiler:
             out["forward", t, decode_only] = functools.partial(
                 jits["forward"].lower, self.params, kv, last, inputs
             )
+        hidden = lambda t: jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)  # noqa: E731
         for t in self.buckets.tokens:
-            hidden = jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)
             out["prompt_logprobs", t] = functools.partial(
-                jits["prompt_logprobs"].lower, self.head, hidden, np.full(t, -1, np.int32)
+                jits["prompt_logprobs"].lower, self.head, hidden(t), np.full(t, -1, np.int32)
             )
-            if self.pooler is not None:
-                idx = np.zeros(self.max_num_seqs, np.int32)
-                out["pool", t] = functools.partial(
-                    jits["pool"].lower,
-                    hidden,
-                    np.zeros(t, np.int32),
-                    idx,
-                    idx,
-                    num_seqs=self.max_num_seqs,
-                )
         for s in self.buckets.samples:
             inputs = self.builder.padding_sample(s, self.input_batch.sampling)
             for variant in COMPILED_VARIANTS:
@@ -143,12 +133,11 @@ class StepCompiler:
         out.update(
             self.proposer.lowerings(padding, list(self.buckets.seqs), self.max_blocks_per_req)
         )
-        if self.kv_copier is not None:
-            out.update(self.kv_copier.lowerings(kv))
-        if self.lora is not None:
-            out.update(self.lora.lowerings(self.params))
-        if self.encoder is not None:
-            out.update(self.encoder.lowerings(self.encoder.jit(self.model_def), self.params))
+        lowering = LoweringInputs(
+            self.params, self.model_def, kv, tuple(self.buckets.tokens), hidden
+        )
+        for feature in self.features:
+            out.update(feature.lowerings(lowering))
         zero = np.int32(0)
         out["init_penalty_row",] = functools.partial(
             jits["init_penalty_row"].lower,
@@ -165,8 +154,8 @@ class StepCompiler:
         return self.buckets.forward_variants(self.decode_only_forwards)
 
     def _padding(self, t: int, decode_only: bool, spec: bool = False):
-        """Forward inputs of bucket t that run nothing (with a multimodal model's fields)."""
+        """Forward inputs of bucket t that run nothing (with the features' fields)."""
         inputs = self.builder.padding_forward(t, decode_only)
-        return (
-            inputs if self.encoder is None else self.encoder.forward_inputs(inputs, None, spec=spec)
-        )
+        for feature in self.features:
+            inputs = feature.forward_inputs(inputs, None, None, spec=spec)
+        return inputs

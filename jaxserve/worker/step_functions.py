@@ -1,6 +1,7 @@
 """The pure functions a step runs on the devices, each jitted and compiled per bucket at
 start-up (worker/executables.py): the forward, the sampling (LM head + sampler), prompt
-logprobs, pooling, and filling one row's penalty state. Nothing here touches the host.
+logprobs, and filling one row's penalty state (a feature's own are in its module:
+worker/step_feature.py). Nothing here touches the host.
 
 Shapes: T tokens (the token bucket), R sampling rows the forward returns (max_sample_rows),
 S sampling rows of a step (the sample bucket), D hidden size, V vocabulary, K logprobs, k
@@ -137,15 +138,6 @@ def prompt_logprobs(head_def: HeadDef, num_logprobs: int, head, hidden, targets)
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:t], out)
 
 
-def pool(hidden, seq_of_token, first, last, *, num_seqs: int):
-    """hidden [T, D]; seq_of_token i32[T] (num_seqs: padding); first, last i32[num_seqs]: each
-    sequence's first and last token in the step -> f32 (sum over its tokens, first token's,
-    last token's hidden state), each [num_seqs, D]."""
-    h = hidden.astype(jnp.float32)
-    sums = jax.ops.segment_sum(h, seq_of_token, num_segments=num_seqs + 1)[:num_seqs]
-    return sums, h[first], h[last]
-
-
 def init_penalty_row(penalty_state, row, token_ids, num_prompt, num_tokens):
     """Fill one row's penalty state from its tokens: i32[max_model_len], the first num_prompt
     the prompt, up to num_tokens its output so far (a request resumed after preemption)."""
@@ -179,6 +171,5 @@ def jit_steps(
         "prompt_logprobs": jax.jit(
             functools.partial(prompt_logprobs, head_def, num_logprobs), out_shardings=rep
         ),
-        "pool": jax.jit(pool, static_argnames=("num_seqs",), out_shardings=rep),
         "init_penalty_row": jax.jit(init_penalty_row, donate_argnums=(0,), out_shardings=rep),
     }

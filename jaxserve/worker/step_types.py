@@ -77,6 +77,6 @@ class PendingStep(NamedTuple):
     fetch: dict | None  # device arrays to bring back; None until the sampling is dispatched
     last_hidden: jax.Array | None = None  # [max_sample_rows, D], until sampled
     hidden: jax.Array | None = None  # [T, D], until sampled
-    pooled: tuple | None = None  # a pooling runner's (sums, firsts, lasts) on the device
-    # A KV connector's saves: (block hashes, [(device blocks [n, L, bs, H, kd + vd], real n)])
-    kv_saves: tuple[list, list[tuple[jax.Array, int]]] | None = None
+    # Each feature's after_forward value by its name (worker/step_feature.py): device arrays
+    # until the step is fetched
+    features: dict = {}  # noqa: RUF012 (never mutated: each step passes its own)

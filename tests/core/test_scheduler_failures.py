@@ -92,7 +92,7 @@ def next_token(req_id, i):
 def run(connector=None, grammars=None, requests=(), pipelined=True, constrained=()):
     """constrained: the ids of the requests with a grammar (a JSON schema)."""
     sched = make_scheduler(num_blocks=40, max_tokens=16, max_seqs=4)
-    sched.connector, sched.structured_output_manager = connector, grammars
+    sched.connector, sched.grammars.manager = connector, grammars
     for i, (req_id, n_prompt) in enumerate(requests):
         grammar = (
             StructuredOutputsParams(json={"type": "object"}) if req_id in constrained else None
@@ -164,7 +164,7 @@ def test_a_grammar_that_raises_fails_its_request_alone(pipelined):
 
 def test_a_grammar_that_cannot_start_fails_its_request_at_once():
     sched = make_scheduler()
-    sched.structured_output_manager = FlakyGrammars("bad")
+    sched.grammars.manager = FlakyGrammars("bad")
     json_only = StructuredOutputsParams(json={"type": "object"})
     sched.add_request(req("bad", 8, structured_outputs=json_only))
     assert not sched.has_unfinished_requests()  # never queued; its output waits to be sent

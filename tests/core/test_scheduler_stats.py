@@ -22,7 +22,7 @@ class CompilingGrammars:
 
 def test_a_request_whose_grammar_compiles_waits_deferred():
     sched = make_scheduler(max_seqs=1)
-    sched.structured_output_manager = CompilingGrammars()
+    sched.grammars.manager = CompilingGrammars()
     grammar = StructuredOutputsParams(json={"type": "object"})
     sched.add_request(req("g", arrival=0.0, structured_outputs=grammar))
     sched.add_request(req("a", arrival=1.0))

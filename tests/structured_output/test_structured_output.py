@@ -43,7 +43,7 @@ def test_a_request_waits_for_its_grammar_and_steps_follow_it(tokenizer):
 
     som.backend.compile_grammar = slow
     sched = make_scheduler()
-    sched.structured_output_manager = som
+    sched.grammars.manager = som
     so = StructuredOutputsParams(choice=["Paris", "Rome"])
     constrained, free = req("c", structured_outputs=so), req("f")
     sched.add_request(constrained)
@@ -81,7 +81,7 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone():
     som = manager()
     som.backend.compile_grammar = lambda params: (_ for _ in ()).throw(ValueError("boom"))
     sched = make_scheduler()
-    sched.structured_output_manager = som
+    sched.grammars.manager = som
     bad = req("bad", structured_outputs=StructuredOutputsParams(regex="a"))
     sched.add_request(bad)
     bad.structured_output_request.future.exception(10)
@@ -96,7 +96,7 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone():
 def test_with_a_reasoning_parser_the_grammar_binds_after_the_reasoning(tokenizer):
     som = manager("deepseek_r1")
     sched = make_scheduler()
-    sched.structured_output_manager = som
+    sched.grammars.manager = som
     r = req("r", structured_outputs=StructuredOutputsParams(choice=["yes"]), max_tokens=50)
     sched.add_request(r)
     r.structured_output_request.future.result(10)
@@ -136,7 +136,7 @@ def test_draft_rows_get_the_masks_after_each_draft_and_invalid_drafts_are_cut(to
     are cut to the prefix the grammar accepts."""
     som = manager()
     sched = make_scheduler()
-    sched.structured_output_manager = som
+    sched.grammars.manager = som
     r = req("r", structured_outputs=StructuredOutputsParams(choice=["Paris is big"]))
     sched.add_request(r)
     r.structured_output_request.future.result(10)

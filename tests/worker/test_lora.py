@@ -115,7 +115,7 @@ def test_more_adapters_than_slots_wait_and_evict(llama, llama_llm):
     outs = llama_llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 4, GREEDY, use_tqdm=False,
                               lora_request=requests(adapters, names))  # fmt: skip
     check(outs, want)
-    slots = llama_llm.llm_engine.engine_core.engine_core.runner.lora
+    slots = llama_llm.llm_engine.engine_core.engine_core.runner.features.lora()
     assert len(set(slots.slot_ids) - {0}) <= 2
 
 
@@ -128,7 +128,7 @@ def test_reloading_a_name_serves_the_new_weights(llama, llama_llm):
     first = llama_llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
                                lora_request=old)  # fmt: skip
     llama_llm.llm_engine.remove_lora(10)
-    slots = llama_llm.llm_engine.engine_core.engine_core.runner.lora
+    slots = llama_llm.llm_engine.engine_core.engine_core.runner.features.lora()
     assert 10 not in slots.host and 10 not in slots.slot_ids  # nothing used it any more
     second = llama_llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
                                 lora_request=new)  # fmt: skip
