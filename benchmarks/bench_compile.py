@@ -25,6 +25,7 @@ from transformers import LlamaConfig
 from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.models.llama import LlamaForCausalLM
+from jaxserve.models.step_inputs import text_inputs
 
 SMOLLM2_WIDTH = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
@@ -50,7 +51,7 @@ def compile_seconds(num_layers: int, tokens: int, seqs: int = 16, num_blocks: in
 
     def forward(state, ids, pos, kv, md):
         model = nnx.merge(graphdef, state)
-        hidden, kv = model(ids, pos, kv, md)
+        hidden, kv = model(text_inputs(ids, pos, md), kv)
         return model.compute_logits(hidden[md.query_start_loc[1:] - 1]), kv
 
     ids = jax.ShapeDtypeStruct((tokens,), i32)

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 
 from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.layers.attention import AttentionMetadata
+from jaxserve.models.step_inputs import text_inputs
 from jaxserve.worker.kv_cache import KVCacheSpec
 
 
@@ -342,7 +343,7 @@ def _make_forward(model, replicated):
     @functools.partial(jax.jit, donate_argnums=(3,))
     def forward(state, input_ids, positions, kv, md, token_rows):
         m = nnx.merge(graphdef, state)
-        hidden, kv = m(input_ids, positions, kv, md, token_rows=token_rows)
+        hidden, kv = m(text_inputs(input_ids, positions, md, token_rows), kv)
         logits = jax.lax.with_sharding_constraint(m.compute_logits(hidden), replicated)
         return logits, kv  # logits of every row (tests only; the runner picks last tokens)
 

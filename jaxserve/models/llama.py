@@ -30,6 +30,7 @@ from jaxserve.layers.linear import Linear
 from jaxserve.layers.lora import LoRABatch
 from jaxserve.layers.mlp import GatedMLP
 from jaxserve.layers.norm import RMSNorm
+from jaxserve.models.step_inputs import StepInputs
 
 KVCaches = tuple[jax.Array, jax.Array]  # K, V: [L * num_blocks, block_size, Hkv, hd]
 
@@ -102,41 +103,32 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(
         self,
-        input_ids: jax.Array,
-        positions: jax.Array,
+        inputs: StepInputs,
         kv_caches: KVCaches,
-        md: AttentionMetadata,
         aux_layers: tuple[int, ...] = (),
-        token_rows: jax.Array | None = None,
-        lora_slots: jax.Array | None = None,
-        mm_embeds: jax.Array | None = None,
-        mm_rows: jax.Array | None = None,
-        mrope_positions: jax.Array | None = None,
-        hidden_in: jax.Array | None = None,
         final_norm: bool = True,
     ) -> tuple[jax.Array, KVCaches] | tuple[jax.Array, KVCaches, jax.Array]:
-        """input_ids, positions: i32[T] -> (final hidden states [T, D], updated kv_caches);
-        aux_layers: also the inputs of those layers, concatenated [T, D * len(aux_layers)]
-        (an EAGLE-3 head's feature); token_rows i32[T]: each token's input-batch row, which
-        only a hybrid model's per-request states read (models/qwen3_next.py); lora_slots
-        i32[T]: each token's adapter slot (-1: none), read when `lora_slots` attached some
-        (worker/lora_slots.py); mm_embeds [C, D], mm_rows i32[T]: a multimodal model's
-        encoder cache and each token's row in it (-1: a text token, its own embedding);
-        mrope_positions i32[3, T]: M-RoPE's positions (Qwen2.5-VL), which the rotary reads
-        instead of `positions`. A pipeline stage (worker/pipeline_runner.py) holds only its
-        layers: hidden_in [T, D], the stage before's output, in place of the embedding;
-        final_norm False: the hidden states leave un-normed (for the next stage)."""
+        """inputs: the step's T tokens and feature fields (models/step_inputs.py) -> (final
+        hidden states [T, D], updated kv_caches); aux_layers: also the inputs of those layers,
+        concatenated [T, D * len(aux_layers)] (an EAGLE-3 head's feature). Of the inputs this
+        family reads lora_slots (when worker/lora_slots.py attached slots), mm_rows and
+        mm_embeds (a multimodal model's encoder cache rows), mrope_positions (Qwen2.5-VL's
+        M-RoPE, in place of positions) and hidden_in (a pipeline stage's input, in place of
+        the embedding); final_norm False: the hidden states leave un-normed (for the next
+        stage)."""
+        positions, md, hidden_in = inputs.positions, inputs.attn, inputs.hidden_in
+        mm_rows, lora_slots = inputs.mm_rows, inputs.lora_slots
         k_cache, v_cache = kv_caches
         num_blocks = k_cache.shape[0] // len(self.layers)
         block_size = k_cache.shape[1]
-        h = self.embed_tokens(input_ids) if hidden_in is None else hidden_in  # [T, D]
+        h = self.embed_tokens(inputs.input_ids) if hidden_in is None else hidden_in  # [T, D]
         if self.embed_scale and hidden_in is None:  # HF rounds the scale to the dtype first
             h = h * jnp.asarray(self.config.hidden_size**0.5, h.dtype)
         if mm_rows is not None:  # image placeholders: their encoder outputs
-            picked = mm_embeds[jnp.maximum(mm_rows, 0)].astype(h.dtype)
+            picked = inputs.mm_embeds[jnp.maximum(mm_rows, 0)].astype(h.dtype)
             h = jnp.where((mm_rows >= 0)[:, None], picked, h)
-        if mrope_positions is not None:
-            positions = mrope_positions
+        if inputs.mrope_positions is not None:
+            positions = inputs.mrope_positions
         aux = []
         lora = {}
         if lora_slots is not None and self.num_lora_slots:

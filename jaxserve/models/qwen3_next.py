@@ -12,18 +12,18 @@ one slot per input-batch row (worker/kv_cache.py)."""
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.layers.attention import Attention, AttentionMetadata
+from jaxserve.layers.attention import Attention
 from jaxserve.layers.fused_moe import FusedMoE
 from jaxserve.layers.gated_delta_net import GatedDeltaNet
 from jaxserve.layers.mlp import GatedMLP
 from jaxserve.models.gemma import GemmaRMSNorm
 from jaxserve.models.llama import HFWeight, LlamaForCausalLM, fuse_gate_up
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from jaxserve.models.step_inputs import StepInputs
 
 
 class Qwen3NextDecoderLayer(nnx.Module):
@@ -57,20 +57,20 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
 
     def __call__(
         self,
-        input_ids,
-        positions,
+        inputs: StepInputs,
         kv_caches,
-        md: AttentionMetadata,
         aux_layers: tuple[int, ...] = (),
-        token_rows: jax.Array = None,
+        final_norm: bool = True,
     ):
-        """input_ids, positions, token_rows (each token's state slot): i32[T] -> (final hidden
-        states [T, D], caches with this step's K/V and states written). No EAGLE-3 features
-        (speculative decoding is refused for hybrid models)."""
+        """inputs (models/step_inputs.py): of its fields input_ids, positions and token_rows
+        (each token's state slot), i32[T] -> (final hidden states [T, D], caches with this
+        step's K/V and states written). No EAGLE-3 features (speculative decoding is refused
+        for hybrid models), no pipeline stages (refused too)."""
+        positions, md, token_rows = inputs.positions, inputs.attn, inputs.token_rows
         k_cache, v_cache, conv, rec = kv_caches
         num_blocks = k_cache.shape[0] // len(self.config.kv_layers)
         block_size = k_cache.shape[1]
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(inputs.input_ids)
         kv_index = lin_index = 0
         for layer in self.layers:
             x = layer.input_layernorm(h)

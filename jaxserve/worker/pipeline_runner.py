@@ -62,15 +62,7 @@ def stage_forward(model_def: ModelDef, params, kv_caches, hidden_in, inputs, *, 
     Returns (hidden [T, D], kv_caches), or on the last stage (hidden of each sampling row
     [R, D], hidden [T, D], kv_caches) after the final norm."""
     model = model_def.merge(params)
-    hidden, kv_caches = model(
-        inputs.input_ids,
-        inputs.positions,
-        kv_caches,
-        inputs.attn,
-        token_rows=inputs.token_rows,
-        hidden_in=hidden_in,
-        final_norm=last,
-    )
+    hidden, kv_caches = model(inputs._replace(hidden_in=hidden_in), kv_caches, final_norm=last)
     if last:
         return hidden[inputs.logits_indices], hidden, kv_caches
     return hidden, kv_caches

@@ -51,20 +51,7 @@ def forward(model_def: ModelDef, params, kv_caches, last_tokens, inputs: Forward
     model = model_def.merge(params)
     input_ids = jnp.where(inputs.input_ids < 0, last_tokens[inputs.token_rows], inputs.input_ids)
     rows = inputs.logits_indices
-    extra = {} if inputs.lora_slots is None else {"lora_slots": inputs.lora_slots}
-    if inputs.mm_rows is not None:  # images: placeholder tokens read the encoder cache
-        extra.update(mm_embeds=inputs.mm_embeds, mm_rows=inputs.mm_rows)
-    if inputs.mrope_positions is not None:
-        extra["mrope_positions"] = inputs.mrope_positions
-    out = model(
-        input_ids,
-        inputs.positions,
-        kv_caches,
-        inputs.attn,
-        model_def.aux_layers,
-        token_rows=inputs.token_rows,
-        **extra,
-    )
+    out = model(inputs._replace(input_ids=input_ids), kv_caches, model_def.aux_layers)
     if model_def.aux_layers:
         hidden, kv_caches, aux = out
         return hidden[rows], hidden, kv_caches, aux, aux[rows]

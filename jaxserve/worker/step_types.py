@@ -14,24 +14,11 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.sampler import SamplerVariant, SamplingMetadata
+from jaxserve.models.step_inputs import StepInputs
 
-
-class ForwardInputs(NamedTuple):
-    """The forward's host-built inputs: T tokens (padded) of up to R sequences."""
-
-    input_ids: np.ndarray  # i32[T]; -1: take the row's last sampled token on the device
-    positions: np.ndarray  # i32[T]
-    token_rows: np.ndarray  # i32[T]: each token's input-batch row
-    attn: AttentionMetadata
-    logits_indices: np.ndarray  # i32[max_sample_rows]: each sampling row's token in the batch
-    lora_slots: np.ndarray | None = None  # i32[T]: each token's LoRA slot (-1: none); LoRA on
-    # A multimodal model's (worker/encoder_runner.py): each token's encoder-cache row (-1:
-    # text), the encoder cache [C, D] on the device, and M-RoPE's i32[3, T] positions
-    mm_rows: np.ndarray | None = None
-    mm_embeds: jax.Array | None = None
-    mrope_positions: np.ndarray | None = None
+# The forward's host-built inputs: the models' typed step inputs (models/step_inputs.py)
+ForwardInputs = StepInputs
 
 
 class SampleInputs(NamedTuple):

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.layers.attention import AttentionMetadata, configure_attention
 from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.models.loader import LoadedModel
+from jaxserve.models.step_inputs import text_inputs
 from jaxserve.worker.buckets import bucket
 from jaxserve.worker.spec_decode.proposer import Proposer
 
@@ -74,7 +75,9 @@ class DraftModelProposer(Proposer):
     def _mirror_fn(self, params, kv_caches, inputs: ForwardInputs):
         """The target step's tokens through the draft: only its KV cache is kept."""
         ids = jnp.maximum(inputs.input_ids, 0)  # a placeholder's slot is rewritten later
-        _, kv_caches = self._model(params)(ids, inputs.positions, kv_caches, inputs.attn)
+        _, kv_caches = self._model(params)(
+            text_inputs(ids, inputs.positions, inputs.attn), kv_caches
+        )
         return kv_caches
 
     def _propose_fn(self, params, kv_caches, tokens, positions, block_tables, slots, num_seqs):
@@ -90,7 +93,7 @@ class DraftModelProposer(Proposer):
             j, slot = xs
             kv_lens = jnp.where(jnp.arange(s) < num_seqs[0], positions + j + 1, 0)
             md = AttentionMetadata(slot, block_tables, kv_lens, qsl, num_seqs, decode_only=True)
-            hidden, kv_caches = model(tokens, positions + j, kv_caches, md)
+            hidden, kv_caches = model(text_inputs(tokens, positions + j, md), kv_caches)
             nxt = jnp.argmax(model.compute_logits(hidden), axis=-1).astype(jnp.int32)
             return (nxt, kv_caches), nxt
 
