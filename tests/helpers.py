@@ -53,6 +53,16 @@ TINY = dict(
 )
 
 
+def core_of(llm):
+    """The EngineCore of an LLM whose core runs in this process (engines_in_process)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def runner_of(llm):
+    """The model runner of an LLM whose core runs in this process."""
+    return core_of(llm).runner
+
+
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
     gemma2 | gemma3 | mixtral | qwen3_moe | glm4_moe | deepseek_v3 | deepseek_v2 | gpt_oss |

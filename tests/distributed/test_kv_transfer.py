@@ -20,7 +20,7 @@ from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker import kv_block_io
 from jaxserve.worker.executables import num_compilations
-from tests.helpers import engines_in_process, make_tiny_hf
+from tests.helpers import core_of, engines_in_process, make_tiny_hf
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
               num_gpu_blocks_override=64)  # fmt: skip
@@ -62,7 +62,7 @@ def as_prompts(token_lists):
 
 
 def core(llm):
-    return llm.llm_engine.engine_core.engine_core
+    return core_of(llm)
 
 
 def run(llm, req_id, prompt, params, kv_transfer_params=None):

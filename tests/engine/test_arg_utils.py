@@ -8,7 +8,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import CPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS, EngineArgs
 from jaxserve.entrypoints.llm import LLM
 from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
-from tests.helpers import make_tiny_hf
+from tests.helpers import make_tiny_hf, runner_of
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_hf_overrides_reach_the_engine_core(model_dir, monkeypatch):
     config = EngineArgs(model=model_dir, hf_overrides='{"num_hidden_layers": 1}')
     assert config.create_engine_config().model.num_layers == 1
     llm = LLM(model_dir, hf_overrides={"num_hidden_layers": 1}, max_model_len=64)
-    assert len(llm.llm_engine.engine_core.engine_core.runner.model.layers) == 1
+    assert len(runner_of(llm).model.layers) == 1
     assert llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)[0].outputs[0].token_ids
     gguf = EngineArgs(hf_overrides={"num_hidden_layers": 2}).create_engine_config()
     assert gguf.model.num_layers == 2

@@ -11,7 +11,7 @@ from jaxserve.entrypoints.beam_search import BeamSearch, beam_search_score
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxserve.sampling_params import BeamSearchParams
-from tests.helpers import make_tiny_hf
+from tests.helpers import core_of, make_tiny_hf
 
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 120, 64]]
 
@@ -52,7 +52,7 @@ def test_beams_equal_hf_beam_search(llm, model_dir):
 
 
 def test_the_beams_share_the_prompts_blocks(llm, monkeypatch):
-    kv = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    kv = core_of(llm).scheduler.kv_cache_manager
     hits, lookup = [], kv.get_computed_blocks
     monkeypatch.setattr(kv, "get_computed_blocks", lambda r: hits.append(lookup(r)[1]) or lookup(r))
     prompt = [(11 * i) % 200 + 3 for i in range(40)]  # 2 full blocks of 16, then 8 tokens

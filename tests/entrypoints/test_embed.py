@@ -11,7 +11,7 @@ import torch
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
-from tests.helpers import make_tiny_hf
+from tests.helpers import core_of, make_tiny_hf
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, dtype="float32")
 PROMPTS = [list(range(3, 8)), list(range(20, 43)), [9], list(range(100, 131))]  # 23, 31: chunked
@@ -54,7 +54,7 @@ def test_embeddings_are_hfs_pooled_hidden_states(model_dir, hf_states, monkeypat
     np.testing.assert_allclose(raw[0].outputs.embedding, want, rtol=1e-3, atol=1e-4)
     short = llm.embed({"prompt_token_ids": PROMPTS[0]}, PoolingParams(dimensions=16))
     assert len(short[0].outputs.embedding) == 16
-    core = llm.llm_engine.engine_core.engine_core
+    core = core_of(llm)
     assert not core.scheduler.kv_cache_manager.enable_caching  # MEAN needs every token
     core.scheduler.kv_cache_manager.check_no_leaks()
     assert core.scheduler.kv_cache_manager.num_free_blocks == core.runner.num_blocks - 1

@@ -10,6 +10,7 @@ from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.worker.executables import num_compilations
 from tests.helpers import (
+    core_of,
     drain_engine,
     engines_in_process,
     hf_default_model,
@@ -109,7 +110,7 @@ def prompt_ids(llm):
 
 def core(llm):
     """The EngineCore behind the LLM's in-process client."""
-    return llm.llm_engine.engine_core.engine_core
+    return core_of(llm)
 
 
 def token_ids(outputs):

@@ -18,7 +18,7 @@ from jaxserve.models.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.model_runner import ModelRunner
 from tests.greedy_parity import assert_greedy_matches_hf, log_softmax
-from tests.helpers import hf_logits, hf_model, make_tiny_hf
+from tests.helpers import hf_logits, hf_model, make_tiny_hf, runner_of
 
 
 def test_fp8_write_divides_by_the_scale_and_saturates():
@@ -143,7 +143,7 @@ def test_fp8_cache_takes_a_quarter_of_the_bytes_and_serves(tiny_dir, monkeypatch
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(str(tiny_dir), kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 20, max_num_seqs=4,
               max_num_batched_tokens=16, max_model_len=64, dtype="float32")  # fmt: skip
-    assert llm.llm_engine.engine_core.engine_core.runner.kv_caches[0].dtype == jnp.float8_e4m3fn
+    assert runner_of(llm).kv_caches[0].dtype == jnp.float8_e4m3fn
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0,
                             prompt_logprobs=0)  # fmt: skip
     # 25 tokens: prefilled in two chunks

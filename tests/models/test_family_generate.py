@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxserve.entrypoints.llm import LLM
-from tests.helpers import assert_generate_matches_hf, make_tiny_hf
+from tests.helpers import assert_generate_matches_hf, core_of, make_tiny_hf
 from tests.models.test_llama_parity import FAMILIES as DENSE
 from tests.models.test_moe import FAMILIES as MOE
 
@@ -68,7 +68,7 @@ def test_greedy_generate_matches_hf(family_dirs, family, tp, monkeypatch):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, n).tolist() for n in (9, 23, 14)]
     assert_generate_matches_hf(llm, family_dir, prompts)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = core_of(llm).scheduler
     # Mistral's window gives back the blocks behind it: its requests fit
     assert scheduler.total_preemptions > 0 or family == "mistral"
     scheduler.kv_cache_manager.check_no_leaks()

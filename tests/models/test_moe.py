@@ -14,7 +14,15 @@ import torch
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.layers.fused_moe import configure_moe, expert_mlp
 from jaxserve.models.loader import load_model
-from tests.helpers import TINY, assert_generate_matches_hf, hf_logits, hf_model, make_tiny_hf
+from tests.helpers import (
+    TINY,
+    assert_generate_matches_hf,
+    core_of,
+    hf_logits,
+    hf_model,
+    make_tiny_hf,
+    runner_of,
+)
 from tests.models.test_llama_parity import run_mixed_schedule
 
 FAMILIES = {
@@ -187,7 +195,7 @@ def test_expert_parallel_generate_matches_hf(tmp_path, monkeypatch):
     model_dir = make_tiny_hf("mixtral", tmp_path, **FAMILIES["mixtral"])
     llm = LLM(str(model_dir), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
               dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)  # fmt: skip
-    moe = llm.llm_engine.engine_core.engine_core.runner.model.layers[0].mlp
+    moe = runner_of(llm).model.layers[0].mlp
     assert moe.mesh is not None and moe.mesh.shape["tp"] == 2
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, n).tolist() for n in (9, 23, 14)]  # 23: chunked (16)
@@ -217,7 +225,7 @@ def test_mla_cache_is_one_latent_head_and_offloads(tmp_path, monkeypatch):
     (again,) = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
     assert again.num_cached_tokens == 96  # every full block but the last prompt token's
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    connector = core_of(llm).scheduler.connector
     assert connector.totals().loaded_blocks == 6
 
 

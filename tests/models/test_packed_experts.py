@@ -11,7 +11,7 @@ from jaxserve.benchmarks.roofline import param_bytes, param_counts
 from jaxserve.models.loader import load_model
 from jaxserve.transformers_utils.config import read_model_config
 from jaxserve.transformers_utils.model_path import resolve_model_path
-from tests.helpers import make_tiny_hf
+from tests.helpers import make_tiny_hf, runner_of
 from tests.models.test_llama_parity import run_mixed_schedule
 
 GB = 1e9
@@ -133,7 +133,7 @@ def test_engine_loads_gpt_oss_dummy_experts_packed(monkeypatch):
         max_num_batched_tokens=32,
         num_gpu_blocks_override=16,
     )
-    mlp = llm.llm_engine.engine_core.engine_core.runner.model.layers[0].mlp
+    mlp = runner_of(llm).model.layers[0].mlp
     assert mlp.w13[...].dtype == jnp.uint8 and mlp.w13_scale[...].dtype == jnp.uint8
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)

@@ -11,7 +11,7 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.worker.executables import num_compilations
-from tests.helpers import engines_in_process
+from tests.helpers import core_of, engines_in_process, runner_of
 from tests.multimodal.tiny_vlm import (
     draw_image,
     gemma3_processor,
@@ -201,7 +201,7 @@ def test_preempted_image_requests_recompute_their_images(tmp_path_factory):
         del alone
         tight = LLM(str(fam.dir), **{**ENGINE, "num_gpu_blocks_override": 12})
         outs = tight.generate(prompts, params, use_tqdm=False)
-        core = tight.llm_engine.engine_core.engine_core
+        core = core_of(tight)
         assert core.scheduler.total_preemptions > 0
         assert [o.outputs[0].token_ids for o in outs] == want
 
@@ -236,7 +236,7 @@ def test_tensor_parallel_2_gives_the_tokens_of_tp_1(family):
     with engines_in_process():
         tp2 = LLM(str(family.dir), **ENGINE, tensor_parallel_size=2)
         got = tp2.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
-        vision = tp2.llm_engine.engine_core.engine_core.runner.model.vision
+        vision = runner_of(tp2).model.vision
         layer = vision.blocks[0].attn.qkv if family.name == "qwen" else (
             vision.vision_tower.layers[0].self_attn.qkv_proj
         )  # fmt: skip

@@ -14,7 +14,7 @@ from jaxserve.layers.attention import Attention
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.executables import ExecutableRegistry, num_compilations
 from pallas_kernels.paged_attention.cpu import cpu_kernel_unavailable_message
-from tests.helpers import drain_engine, engine_with_registry, make_tiny_hf
+from tests.helpers import drain_engine, engine_with_registry, make_tiny_hf, runner_of
 from tests.require import require_or_skip
 
 # head_dim 16 (the kernel's smallest dot), GQA group 4.
@@ -51,7 +51,7 @@ def reference(model_dir):
 
 
 def _runner(llm):
-    return llm.llm_engine.engine_core.engine_core.runner
+    return runner_of(llm)
 
 
 # 1: the kernel called directly; 4: per device under shard_map, the 2 KV heads replicated, one

@@ -27,7 +27,7 @@ from jaxserve.worker.executables import (
     ExecutableRegistry,
     num_compilations,
 )
-from tests.helpers import engine_with_registry, generate_ids, make_tiny_hf
+from tests.helpers import engine_with_registry, generate_ids, make_tiny_hf, runner_of
 
 ENGINE = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=8,
               num_gpu_blocks_override=16)  # fmt: skip
@@ -71,7 +71,7 @@ def start(model_dir, **overrides) -> tuple[LLM, int]:
 
 
 def runner(llm: LLM):
-    return llm.llm_engine.engine_core.engine_core.runner
+    return runner_of(llm)
 
 
 def test_a_second_start_loads_every_executable_and_gives_the_same_tokens(

@@ -12,7 +12,14 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.executables import num_compilations
 from tests.greedy_parity import log_softmax
-from tests.helpers import hf_logits, hf_model, make_tiny_adapter, make_tiny_hf, peft_model
+from tests.helpers import (
+    hf_logits,
+    hf_model,
+    make_tiny_adapter,
+    make_tiny_hf,
+    peft_model,
+    runner_of,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, ignore_eos=True)
 ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, enable_lora=True,
@@ -115,7 +122,7 @@ def test_more_adapters_than_slots_wait_and_evict(llama, llama_llm):
     outs = llama_llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 4, GREEDY, use_tqdm=False,
                               lora_request=requests(adapters, names))  # fmt: skip
     check(outs, want)
-    slots = llama_llm.llm_engine.engine_core.engine_core.runner.features.lora()
+    slots = runner_of(llama_llm).features.lora()
     assert len(set(slots.slot_ids) - {0}) <= 2
 
 
@@ -128,7 +135,7 @@ def test_reloading_a_name_serves_the_new_weights(llama, llama_llm):
     first = llama_llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
                                lora_request=old)  # fmt: skip
     llama_llm.llm_engine.remove_lora(10)
-    slots = llama_llm.llm_engine.engine_core.engine_core.runner.features.lora()
+    slots = runner_of(llama_llm).features.lora()
     assert 10 not in slots.host and 10 not in slots.slot_ids  # nothing used it any more
     second = llama_llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False,
                                 lora_request=new)  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.worker.executables import num_compilations
-from tests.helpers import engines_in_process
+from tests.helpers import core_of, engines_in_process
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the sun while the "
@@ -32,7 +32,7 @@ def share_loaded_model():
 
 
 def core(llm):
-    return llm.llm_engine.engine_core.engine_core
+    return core_of(llm)
 
 
 class AcceptCounter:
