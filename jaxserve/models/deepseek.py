@@ -31,8 +31,8 @@ from jaxserve.layers.attention import Attention, AttentionMetadata, paged_attent
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
 from jaxserve.layers.rotary import apply_rotary, rope_attention_factor, rope_inv_freq
-from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
-from jaxserve.models.llama import DecoderLayer, HFWeight
+from jaxserve.models.llama import DecoderLayer, HFWeight, LlamaForCausalLM
+from jaxserve.models.weight_maps import GATE_UP_DOWN, compose, routed_experts, shared_experts
 
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm and kv_a_layernorm (not rms_norm_eps)
 
@@ -170,28 +170,31 @@ class DeepseekDecoderLayer(DecoderLayer):
     attention_cls = MLAAttention
 
 
-class DeepseekV3ForCausalLM(Glm4MoeForCausalLM):
-    layer_cls = DeepseekDecoderLayer
+def mla_attention(config: ModelConfig, names: tuple[str, ...], kv_replicas: int):
+    """MLA's projections (`self_attn.*`), with kv_b_proj split per head into w_uk and w_uv."""
+    if names[0] != "layers" or names[2] != "self_attn":
+        return None
+    prefix = f"model.layers.{names[1]}.self_attn"
+    m, h = config.mla, config.num_heads
+    if names[3] in ("w_uk", "w_uv"):  # kv_b_proj [H * (nope + v), r], per head
+        nope = m.qk_nope_head_dim
+        part = slice(None, nope) if names[3] == "w_uk" else slice(nope, None)
+        return HFWeight(
+            (f"{prefix}.kv_b_proj.weight",),
+            lambda w: w.reshape(h, nope + m.v_head_dim, m.kv_lora_rank)[:, part],
+        )
+    suffix = "bias" if names[-1] == "bias" else "weight"
+    name = f"{prefix}.{names[3]}.{suffix}"
+    if names[-1] == "kernel":
+        return HFWeight((name,), np.transpose)
+    return HFWeight((name,))
 
-    @classmethod
-    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
-        names = [str(p) for p in path]
-        if names[0] == "layers" and names[2] == "self_attn":
-            prefix = f"model.layers.{names[1]}.self_attn"
-            m, h = config.mla, config.num_heads
-            if names[3] in ("w_uk", "w_uv"):  # kv_b_proj [H * (nope + v), r], per head
-                nope = m.qk_nope_head_dim
-                part = slice(None, nope) if names[3] == "w_uk" else slice(nope, None)
-                return HFWeight(
-                    (f"{prefix}.kv_b_proj.weight",),
-                    lambda w: w.reshape(h, nope + m.v_head_dim, m.kv_lora_rank)[:, part],
-                )
-            suffix = "bias" if names[-1] == "bias" else "weight"
-            name = f"{prefix}.{names[3]}.{suffix}"
-            if names[-1] == "kernel":
-                return HFWeight((name,), np.transpose)
-            return HFWeight((name,))
-        return super().hf_weight(config, path, kv_replicas)
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    """MLA attention, GLM-4.5's experts (Kimi K2 too)."""
+
+    layer_cls = DeepseekDecoderLayer
+    hf_weight = compose(mla_attention, shared_experts, routed_experts("mlp", GATE_UP_DOWN))
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

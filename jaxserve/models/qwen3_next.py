@@ -22,8 +22,8 @@ from jaxserve.layers.gated_delta_net import GatedDeltaNet
 from jaxserve.layers.mlp import GatedMLP
 from jaxserve.models.gemma import GemmaRMSNorm
 from jaxserve.models.llama import HFWeight, LlamaForCausalLM, fuse_gate_up
-from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from jaxserve.models.step_inputs import StepInputs
+from jaxserve.models.weight_maps import GATE_UP_DOWN, compose, routed_experts
 
 
 class Qwen3NextDecoderLayer(nnx.Module):
@@ -51,7 +51,43 @@ class Qwen3NextDecoderLayer(nnx.Module):
             )
 
 
-class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
+def _linear_attention_layers(config: ModelConfig, names: tuple[str, ...], kv_replicas: int):
+    """Qwen3-Next's gated delta-net, gated attention and single shared expert."""
+    if names[0] != "layers":
+        return None
+    prefix = f"model.layers.{names[1]}"
+    suffix = "bias" if names[-1] == "bias" else "weight"
+    if names[2] == "linear_attn":
+        name = f"{prefix}.linear_attn.{names[3]}"
+        if names[3] == "conv1d":  # [C, 1, K] -> [K, C]
+            return HFWeight((f"{name}.weight",), lambda w: w[:, 0].T)
+        if names[3] in ("dt_bias", "A_log"):
+            return HFWeight((name,))
+        if names[-1] == "kernel":
+            return HFWeight((f"{name}.weight",), np.transpose)
+        return HFWeight((f"{name}.weight",))  # the gated norm
+    hd, heads = config.head_dim, config.num_heads
+    if names[2:4] == ("self_attn", "gate_proj"):  # q_proj's per-head second halves
+        return HFWeight(
+            (f"{prefix}.self_attn.q_proj.weight",), lambda w: _q_half(w, heads, hd, 1).T
+        )
+    if names[2:4] == ("self_attn", "qkv_proj"):
+        inner = LlamaForCausalLM.hf_weight(config, names, kv_replicas)
+        return HFWeight(inner.names, lambda q, k, v: inner.build(_q_half(q, heads, hd, 0), k, v))
+    if names[2] == "mlp" and len(names) > 4 and names[3] == "shared_experts":
+        shared = f"{prefix}.mlp.shared_expert"
+        if names[4] == "gate_up_proj":
+            return HFWeight(
+                (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+                lambda gate, up: fuse_gate_up(gate, up).T,
+            )
+        return HFWeight((f"{shared}.down_proj.weight",), np.transpose)
+    if names[2:4] == ("mlp", "shared_expert_gate"):
+        return HFWeight((f"{prefix}.mlp.shared_expert_gate.{suffix}",), np.transpose)
+    return None
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3NextDecoderLayer
     norm_cls = GemmaRMSNorm
 
@@ -89,43 +125,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h), (k_cache, v_cache, conv, rec)
 
-    @classmethod
-    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
-        names = [str(p) for p in path]
-        if names[0] != "layers":
-            return super().hf_weight(config, path, kv_replicas)
-        prefix = f"model.layers.{names[1]}"
-        suffix = "bias" if names[-1] == "bias" else "weight"
-        if names[2] == "linear_attn":
-            name = f"{prefix}.linear_attn.{names[3]}"
-            if names[3] == "conv1d":  # [C, 1, K] -> [K, C]
-                return HFWeight((f"{name}.weight",), lambda w: w[:, 0].T)
-            if names[3] in ("dt_bias", "A_log"):
-                return HFWeight((name,))
-            if names[-1] == "kernel":
-                return HFWeight((f"{name}.weight",), np.transpose)
-            return HFWeight((f"{name}.weight",))  # the gated norm
-        hd, heads = config.head_dim, config.num_heads
-        if names[2:4] == ["self_attn", "gate_proj"]:  # q_proj's per-head second halves
-            return HFWeight(
-                (f"{prefix}.self_attn.q_proj.weight",), lambda w: _q_half(w, heads, hd, 1).T
-            )
-        if names[2:4] == ["self_attn", "qkv_proj"]:
-            inner = LlamaForCausalLM.hf_weight(config, path, kv_replicas)
-            return HFWeight(
-                inner.names, lambda q, k, v: inner.build(_q_half(q, heads, hd, 0), k, v)
-            )
-        if names[2] == "mlp" and len(names) > 4 and names[3] == "shared_experts":
-            shared = f"{prefix}.mlp.shared_expert"
-            if names[4] == "gate_up_proj":
-                return HFWeight(
-                    (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
-                    lambda gate, up: fuse_gate_up(gate, up).T,
-                )
-            return HFWeight((f"{shared}.down_proj.weight",), np.transpose)
-        if names[2:4] == ["mlp", "shared_expert_gate"]:
-            return HFWeight((f"{prefix}.mlp.shared_expert_gate.{suffix}",), np.transpose)
-        return super().hf_weight(config, path, kv_replicas)
+    hf_weight = compose(_linear_attention_layers, routed_experts("mlp", GATE_UP_DOWN))
 
 
 def _q_half(w: np.ndarray, heads: int, head_dim: int, half: int) -> np.ndarray:
