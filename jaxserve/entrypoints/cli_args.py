@@ -249,7 +249,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--reasoning-parser",
         default=None,
-        help="split <think> reasoning into the reasoning field (deepseek_r1, qwen3); "
+        help="split <think> reasoning into the reasoning field (deepseek_r1, deepseek_v3, glm45, "
+        "kimi_k2, qwen3, openai_gptoss); "
         "structured outputs then bind after the reasoning",
     )
     return parser

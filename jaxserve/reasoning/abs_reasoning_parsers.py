@@ -47,29 +47,45 @@ class ReasoningParser:
 
     Non-streaming: an optional leading `<think>` (after optional whitespace) is stripped; the text
     up to the first `</think>` is reasoning and the rest is content, kept as-is. Empty parts are
-    None. Without `</think>`: see `_implicit_reasoning`.
+    None. Without `</think>`: see `_implicit_reasoning`. A subclass may end the reasoning at
+    other tags too (`extra_end_tokens`, dropped like `</think>`; `content_start_tokens`, kept as
+    the content's start) and turn thinking off (`_no_reasoning`: all of the text is content).
     """
 
     start_token = "<think>"
     end_token = "</think>"
+    # Other texts that end the reasoning: dropped as end_token is, or kept as the content's start
+    extra_end_tokens: tuple[str, ...] = ()
+    content_start_tokens: tuple[str, ...] = ()
 
     def __init__(self, tokenizer: Any = None, *args: Any, **kwargs: Any) -> None:
         self.model_tokenizer = tokenizer
         self.chat_template_kwargs: dict[str, Any] = dict(kwargs.get("chat_template_kwargs") or {})
-        self.start_token_id, self.end_token_id = self._tag_ids(tokenizer)
+        self._end_tags = (self.end_token, *self.extra_end_tokens, *self.content_start_tokens)
+        self._end_len = max(len(t) for t in self._end_tags)
+        self.start_token_id, self.end_token_id, self._end_ids, self._content_ids = self._tag_ids(
+            tokenizer
+        )
         self._memo: tuple[str, _Bounds] | None = None  # the last streamed text and its bounds
 
-    def _tag_ids(self, tokenizer: Any) -> tuple[int | None, int | None]:
+    def _tag_ids(self, tokenizer: Any) -> tuple[int | None, int | None, frozenset, frozenset]:
+        """The ids of the start and end tags, of every tag that ends the reasoning and of
+        those kept in the content (the ones the vocab has)."""
         if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
-            return None, None
-        key = (self.start_token, self.end_token)
+            return None, None, frozenset(), frozenset()
+        key = (self.start_token, self._end_tags, self.content_start_tokens)
         try:
             cached = _TAG_IDS.setdefault(tokenizer, {})
         except TypeError:  # not weak-referenceable: no cache
             cached = {}
         if key not in cached:
             vocab = tokenizer.get_vocab()
-            cached[key] = (vocab.get(self.start_token), vocab.get(self.end_token))
+            cached[key] = (
+                vocab.get(self.start_token),
+                vocab.get(self.end_token),
+                frozenset(vocab[t] for t in self._end_tags if t in vocab),
+                frozenset(vocab[t] for t in self.content_start_tokens if t in vocab),
+            )
         return cached[key]
 
     def adjust_request(self, request: Any) -> Any:
@@ -80,10 +96,32 @@ class ReasoningParser:
         """Whether text not opened by `<think>` is reasoning (True: the prompt opened it)."""
         return True
 
+    def _no_reasoning(self) -> bool:
+        """Whether thinking is off: all of the text is content, tags and all."""
+        return False
+
+    def _find_end(self, text: str, start: int) -> tuple[int, int] | None:
+        """(where the reasoning ends, where the content starts) at the first tag that ends
+        it in text[start:]; None if there is none."""
+        end = text.find(self.end_token, start)
+        found = (end, end + len(self.end_token)) if end >= 0 else None
+        for tags, keep in ((self.extra_end_tokens, False), (self.content_start_tokens, True)):
+            for tag in tags:
+                at = text.find(tag, start, found[0] + len(tag) - 1 if found else len(text))
+                if at >= 0:
+                    found = (at, at if keep else at + len(tag))
+        return found
+
+    def _end_hold(self, text: str, start: int) -> int:
+        """The length of text's tail (from start) that may still become an end tag."""
+        return max(_held_suffix(text, start, tag) for tag in self._end_tags)
+
     def _bounds(
         self, text: str, final: bool, search_from: int = 0, implicit: bool | None = None
     ) -> _Bounds:
         """Split text; unless final, hold back what may still become a tag."""
+        if self._no_reasoning():
+            return _Bounds(0, 0, 0, len(text), True)
         lead = _LEADING_SPACE.match(text).end()
         if text.startswith(self.start_token, lead):
             body = lead + len(self.start_token)
@@ -93,10 +131,10 @@ class ReasoningParser:
             body = 0
         else:
             return _Bounds(0, 0, 0, len(text), True)  # no reasoning at all
-        end = text.find(self.end_token, max(body, search_from))
-        if end >= 0:
-            return _Bounds(body, end, end + len(self.end_token), len(text), True)
-        stop = len(text) if final else len(text) - _held_suffix(text, body, self.end_token)
+        found = self._find_end(text, max(body, search_from))
+        if found is not None:
+            return _Bounds(body, found[0], found[1], len(text), True)
+        stop = len(text) if final else len(text) - self._end_hold(text, body)
         return _Bounds(body, stop, stop, stop, False)
 
     def extract_reasoning(self, model_output: str, request: Any) -> tuple[str | None, str | None]:
@@ -130,7 +168,7 @@ class ReasoningParser:
         """The delta to send for delta_text (reasoning, content or both); None: nothing yet."""
         sent = self._streamed_bounds(previous_text)
         # No end tag can start before these (text only grows), so the search stays O(delta).
-        search_from = sent.re if sent.ended else max(0, len(previous_text) - len(self.end_token))
+        search_from = sent.re if sent.ended else max(0, len(previous_text) - self._end_len)
         now = self._bounds(current_text, final=False, search_from=search_from)
         self._memo = (current_text, now)
         return self._delta(current_text, sent, now)
@@ -141,7 +179,10 @@ class ReasoningParser:
 
     def is_reasoning_end_text(self, text: str) -> bool:
         """Whether the reasoning is over in text; the last tag wins, as in is_reasoning_end."""
-        end, start = text.rfind(self.end_token), text.rfind(self.start_token)
+        if self._no_reasoning():
+            return True
+        end = max(text.rfind(tag) for tag in self._end_tags)
+        start = text.rfind(self.start_token)
         if end >= 0 or start >= 0:
             return end > start
         return not self._implicit_reasoning()
@@ -159,13 +200,15 @@ class ReasoningParser:
         call) and defers to is_reasoning_end_text; with no tokenizer, True only when no reasoning
         is implied (qwen3 with enable_thinking False).
         """
+        if self._no_reasoning():
+            return True
         if self.end_token_id is None:
             decode = self._decoder()
             if decode is None:
                 return not self._implicit_reasoning()
             return self.is_reasoning_end_text(decode(token_ids))
         for tid in reversed(token_ids):
-            if tid == self.end_token_id:
+            if tid in self._end_ids:
                 return True
             if tid == self.start_token_id:
                 return False
@@ -180,8 +223,14 @@ class ReasoningParser:
         reasoning has not ended. Without a `</think>` id: the ids after the one whose decoding
         completes the tag (found by bisection; a token straddling the tag is left out)."""
         ids = list(token_ids)
+        if self._no_reasoning():
+            return ids
         if self.end_token_id is not None:
-            if self.end_token_id in ids:
+            if len(self._end_ids) > 1:  # the first of several tags
+                at = next((i for i, t in enumerate(ids) if t in self._end_ids), None)
+                if at is not None:
+                    return ids[at if ids[at] in self._content_ids else at + 1 :]
+            elif self.end_token_id in ids:
                 return ids[ids.index(self.end_token_id) + 1 :]
             has_start = self.start_token_id is not None and self.start_token_id in ids
             return ids if not has_start and not self._implicit_reasoning() else []

@@ -44,9 +44,10 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def check_server_args(args) -> None:
-    """Flag errors before minutes of loading: parser names, auto tools without a parser, the
-    body and image limits, --limit-mm-per-prompt and --allowed-local-media-path, CORS
-    lists, the --lora-modules adapters, an API key for JAXSERVE_SERVER_DEV_MODE."""
+    """Flag errors before minutes of loading: parser names, auto tools without a parser,
+    --default-chat-template-kwargs, the body and image limits, --limit-mm-per-prompt and
+    --allowed-local-media-path, CORS lists, the --lora-modules adapters, an API key for
+    JAXSERVE_SERVER_DEV_MODE."""
     if args.api_server_count < 1:
         raise SystemExit(f"--api-server-count must be at least 1, got {args.api_server_count}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -87,6 +88,14 @@ def check_server_args(args) -> None:
             ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
     except (KeyError, ValueError) as e:
         raise SystemExit(str(e)) from None
+    defaults = getattr(args, "default_chat_template_kwargs", None)
+    if defaults:  # (the tokenizer's special tokens are checked when the app is built)
+        from jaxserve.entrypoints.openai.chat_utils import check_template_kwargs
+
+        try:
+            check_template_kwargs(defaults, [])
+        except ValueError as e:
+            raise SystemExit(f"--default-chat-template-kwargs: {e}") from None
 
 
 def check_lora_args(args) -> None:

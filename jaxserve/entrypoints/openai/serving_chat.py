@@ -25,6 +25,7 @@ from jaxserve.entrypoints.openai.chat_media import (
 from jaxserve.entrypoints.openai.chat_utils import (
     CONTENT_FORMATS,
     ChoiceParser,
+    check_template_kwargs,
     check_tools,
     content_format,
     render_chat,
@@ -69,7 +70,8 @@ def template_kwargs(request: ChatCompletionRequest) -> dict | None:
 
 class OpenAIServingChat(OpenAIServing):
     """The chat template and content format, and the tool and reasoning parsers (their
-    names are checked here, so a bad one fails when the server is built)."""
+    names are checked here, as --default-chat-template-kwargs is, so a bad one fails when the
+    server is built)."""
 
     def __init__(
         self,
@@ -119,6 +121,12 @@ class OpenAIServingChat(OpenAIServing):
             self.reasoning_parser_cls = ReasoningParserManager.get_reasoning_parser(
                 reasoning_parser
             )
+        defaults = self.options.default_chat_template_kwargs
+        if defaults and self.tokenizer is not None:  # as a request's would be checked
+            try:
+                check_template_kwargs(defaults, list(self.tokenizer.special_tokens_map))
+            except ValueError as e:
+                raise ValueError(f"--default-chat-template-kwargs: {e}") from None
 
     def chat_prompt(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt text and its token ids: the messages through the chat template (a

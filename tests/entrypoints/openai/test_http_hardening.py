@@ -20,6 +20,7 @@ import pytest
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.cli import build_parser
 from jaxserve.entrypoints.openai.api_server import build_app, cors_settings, ready_message
+from jaxserve.entrypoints.openai.serve_options import ServeOptions
 from jaxserve.entrypoints.openai.server_setup import check_server_args
 from jaxserve.entrypoints.openai.template_worker import TemplateRenderer
 from jaxserve.transformers_utils.tokenizer import read_tokenizer
@@ -295,6 +296,33 @@ def test_plain_chat_template_kwargs_reach_the_template(tokenizer):
     assert r.status_code == 200, r.text
     text = "Hello hola a,1,True"
     assert r.json()["usage"]["prompt_tokens"] == len(tokenizer(text).input_ids)
+
+
+def test_default_chat_template_kwargs_sit_under_the_requests(tokenizer):
+    """--default-chat-template-kwargs reach the template of every chat request (and the
+    chats /tokenize counts); a request's own chat_template_kwargs override them key by key."""
+    template = "{{ messages[0].content }} {{ greeting }} {{ name }}"
+    options = ServeOptions(default_chat_template_kwargs={"greeting": "hola", "name": "server"})
+    body = {"messages": CHAT, "chat_template": template}
+    own = {**body, "chat_template_kwargs": {"name": "client"}}
+    r1, r2, r3 = serve(tokenizer, [chat(**body), chat(**own), post("/tokenize", own)],
+                       options=options, trust_request_chat_template=True)  # fmt: skip
+    assert r1.status_code == r2.status_code == 200, (r1.text, r2.text)
+    for r, text in ((r1, "Hello hola server"), (r2, "Hello hola client")):
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer(text).input_ids)
+    assert tokenizer.decode(r3.json()["tokens"]) == "Hello hola client"
+
+
+def test_default_chat_template_kwargs_pass_the_request_checks():
+    parse = build_parser().parse_args
+    args = parse(["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    check_server_args(args)
+    for bad, error in (({"tools": 1}, "may not set 'tools'"),
+                       ({"x": {"nested": 1}}, "must be a string, number")):  # fmt: skip
+        args = parse(["serve", "--default-chat-template-kwargs", json.dumps(bad)])
+        with pytest.raises(SystemExit, match=f"--default-chat-template-kwargs: .*{error}"):
+            check_server_args(args)
 
 
 def test_a_runaway_template_fails_alone(tokenizer, monkeypatch):

@@ -57,6 +57,7 @@ class ToolParser:
         self.current_tool_name_sent = False
         self.streamed_args_for_tool: list[str] = []
         self.streamed_content = ""
+        self.request: ChatCompletionRequest | None = None  # the streamed request (its tools)
         self._memo = ScanMemo()
 
     def scan_memo(self, text: str) -> ScanMemo:
@@ -79,6 +80,19 @@ class ToolParser:
 
     def new_tool_call_id(self) -> str:
         return random_tool_call_id()
+
+    def stream_tool_call_id(self, index: int) -> str:
+        """The id of the `index`th streamed call, sent with its name (default: a new one)."""
+        return self.new_tool_call_id()
+
+    def marks_special(self, *tokens: str) -> bool:
+        """Whether the tokenizer marks any of `tokens` as a special token (decoding with
+        skip_special_tokens would then drop it)."""
+        added = getattr(self.model_tokenizer, "added_tokens_decoder", None) or {}
+        return any(
+            getattr(t, "content", None) in tokens and getattr(t, "special", False)
+            for t in added.values()
+        )
 
     def make_tool_call(self, name: str, arguments: str) -> ToolCall:
         return ToolCall(
@@ -107,6 +121,7 @@ class ToolParser:
         request: ChatCompletionRequest | None = None,
     ) -> DeltaMessage | None:
         """The delta to send now that the text is `current_text`, None if nothing is new."""
+        self.request = request
         try:
             content, calls = self.stream_snapshot(current_text)
         except Exception:  # a parser bug must not kill the stream
@@ -157,7 +172,7 @@ class ToolParser:
                     self.streamed_args_for_tool[i] = args
                 tool_deltas.append(
                     DeltaToolCall(
-                        index=i, id=self.new_tool_call_id(), type="function", function=function
+                        index=i, id=self.stream_tool_call_id(i), type="function", function=function
                     )
                 )
             elif self.prev_tool_call_arr[i]["name"] == name:

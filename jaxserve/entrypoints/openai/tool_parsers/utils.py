@@ -73,6 +73,11 @@ def hold_back_marker(text: str, marker: str) -> str:
     return text
 
 
+def hold_back_markers(text: str, markers: tuple[str, ...]) -> str:
+    """`text` without its longest suffix that could be the start of one of `markers`."""
+    return min((hold_back_marker(text, m) for m in markers), key=len)
+
+
 def content_before(text: str, marker: str) -> str | None:
     """Content of a finished text whose calls start at `marker`: the text before it, None if
     that is only whitespace."""
@@ -85,6 +90,20 @@ def streamed_content_before(text: str, marker: str) -> tuple[str, int]:
     marker that is only whitespace is held back (it becomes None if a call follows)."""
     at = text.find(marker)
     content = text[:at] if at >= 0 else hold_back_marker(text, marker)
+    return (content if content.strip() else ""), at
+
+
+def find_first(text: str, markers: tuple[str, ...], start: int = 0) -> int:
+    """The index of the earliest of `markers` in text[start:], -1 if none is there."""
+    found = [at for at in (text.find(m, start) for m in markers) if at >= 0]
+    return min(found, default=-1)
+
+
+def streamed_content_before_any(text: str, markers: tuple[str, ...]) -> tuple[str, int]:
+    """streamed_content_before where any of `markers` starts the calls: what could still
+    become one of them is held back."""
+    at = find_first(text, markers)
+    content = text[:at] if at >= 0 else hold_back_markers(text, markers)
     return (content if content.strip() else ""), at
 
 
