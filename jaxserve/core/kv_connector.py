@@ -59,3 +59,31 @@ class SchedulerKVConnector(Protocol):
     def take_stats(self) -> KVConnectorStats:
         """The counts since the last call (reset by it)."""
         ...
+
+
+class NoKVConnector:
+    """The scheduler's connector when the engine has none: it supplies no tokens, copies
+    nothing and reports nothing (so the scheduler never asks whether it has one)."""
+
+    config = None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_computed, num_external) -> None:
+        pass
+
+    def get_finished_recving(self) -> dict[str, int | None]:
+        return {}
+
+    def build_connector_meta(self, requests, block_ids_of) -> None:
+        return None
+
+    def request_finished(self, request: Request) -> None:
+        return None
+
+    def request_preempted(self, request: Request) -> None:
+        pass
+
+    def take_stats(self) -> None:
+        return None

@@ -39,7 +39,7 @@ import time
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.encoder_cache_manager import EncoderCacheManager
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.kv_connector import SchedulerKVConnector
+from jaxserve.core.kv_connector import NoKVConnector, SchedulerKVConnector
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
 from jaxserve.core.scheduler_gates import EncoderGate, GrammarGate, NoEncoderGate
@@ -107,7 +107,7 @@ class Scheduler(RemoteKVLoads, StatsReport):
         self.spec_stats = SpecDecodingStats() if speculative else None  # since the last stats
         self.num_lookahead_tokens = num_lookahead_tokens
         self.draft_step_tokens = draft_step_tokens
-        self.connector = connector
+        self.connector = connector or NoKVConnector()
         # Requests holding their blocks while their KV comes from another instance (then
         # they rejoin the front of the waiting queue).
         self.waiting_for_remote: dict[str, Request] = {}
@@ -148,7 +148,7 @@ class Scheduler(RemoteKVLoads, StatsReport):
         self.encoders.release(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
-        return self.connector.request_finished(request) if self.connector else None
+        return self.connector.request_finished(request)
 
     def _free_logged(self, request: Request) -> None:
         """_free for a request that ends without a response to carry kv_transfer_params: a
@@ -195,8 +195,7 @@ class Scheduler(RemoteKVLoads, StatsReport):
         if self.spec_stats is not None:
             plan.draft_room = draft_room(self.running, budget, self.draft_step_tokens, self.config)
         self.encoders.begin_step()
-        if self.connector is not None:
-            self._finish_remote_loads()
+        self._finish_remote_loads()
         self._schedule_running(plan)
         if not plan.preempted:  # no waiting request is admitted in a step that preempted one
             self._schedule_waiting(plan)
@@ -287,16 +286,15 @@ class Scheduler(RemoteKVLoads, StatsReport):
         the queue waits for the next step."""
         assert not request.num_output_placeholders, request  # resolved before readmission
         kv = self.kv_cache_manager
-        num_external, load_async = 0, False
         if request.request_id in kv.req_to_blocks:  # back from a remote load: has blocks
             computed_blocks, num_computed = [], request.num_computed_tokens
+            num_external, load_async = 0, False
         else:
             hit = kv.get_computed_blocks(request)
             computed_blocks, num_computed = self.encoders.trim_hit(request, *hit)
-            if self.connector is not None:
-                num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, num_computed
-                )
+            num_external, load_async = self.connector.get_num_new_matched_tokens(
+                request, num_computed
+            )
         if load_async:  # its KV comes from another instance: wait for it off the queue
             return self._wait_for_remote(request, computed_blocks, num_computed, num_external)
         num_new = min(request.num_tokens - num_computed - num_external, plan.budget)
@@ -343,11 +341,9 @@ class Scheduler(RemoteKVLoads, StatsReport):
             if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
                 sampled.add(req_id)
-        kv_connector_metadata = None
-        if self.connector is not None:
-            kv_connector_metadata = self.connector.build_connector_meta(
-                [self.requests[r] for r in plan.num_scheduled], self.kv_cache_manager.get_block_ids
-            )
+        kv_connector_metadata = self.connector.build_connector_meta(
+            [self.requests[r] for r in plan.num_scheduled], self.kv_cache_manager.get_block_ids
+        )
         output = SchedulerOutput(
             scheduled_new_reqs=plan.new_reqs,
             scheduled_cached_reqs=plan.cached_reqs,
@@ -385,11 +381,10 @@ class Scheduler(RemoteKVLoads, StatsReport):
         self.running.remove(request)
         self.kv_cache_manager.free(request)
         self.encoders.release(request)
-        if self.connector is not None:
-            try:
-                self.connector.request_preempted(request)
-            except Exception:  # it recomputes from scratch: nothing of the connector's is used
-                logger.exception("request %s: the KV connector failed on its preemption", request)
+        try:
+            self.connector.request_preempted(request)
+        except Exception:  # it recomputes from scratch: nothing of the connector's is used
+            logger.exception("request %s: the KV connector failed on its preemption", request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []

@@ -21,7 +21,7 @@ class RemoteKVLoads:
     """The Scheduler's methods that park and release requests waiting for remote KV."""
 
     kv_cache_manager: KVCacheManager
-    connector: SchedulerKVConnector | None
+    connector: SchedulerKVConnector  # (core/kv_connector.py's NoKVConnector: none)
     waiting: RequestQueue
     waiting_for_remote: dict[str, Request]
     pending_outputs: list[EngineCoreOutput]

@@ -47,7 +47,7 @@ class StatsReport:
             prefix_cache_hits=prefix.hits,
             num_preemptions=preemptions,
             spec_decoding=self._take_spec_stats(),
-            kv_connector=self.connector.take_stats() if self.connector is not None else None,
+            kv_connector=self.connector.take_stats(),
             **lora_stats(self.running, self.waiting, self.max_loras),
             # (a skipped request may have been aborted since the pass)
             num_deferred_reqs=min(self.num_skipped, len(self.waiting)) + remote,

@@ -92,7 +92,9 @@ def next_token(req_id, i):
 def run(connector=None, grammars=None, requests=(), pipelined=True, constrained=()):
     """constrained: the ids of the requests with a grammar (a JSON schema)."""
     sched = make_scheduler(num_blocks=40, max_tokens=16, max_seqs=4)
-    sched.connector, sched.grammars.manager = connector, grammars
+    sched.grammars.manager = grammars
+    if connector is not None:
+        sched.connector = connector
     for i, (req_id, n_prompt) in enumerate(requests):
         grammar = (
             StructuredOutputsParams(json={"type": "object"}) if req_id in constrained else None
