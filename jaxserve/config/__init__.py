@@ -9,6 +9,8 @@
   multimodal.py   MultiModalConfig (--limit-mm-per-prompt, --allowed-local-media-path)
   pipeline.py     pipeline parallelism's layer split (--pipeline-parallel-size)
   json_flag.py    json_object: a flag given as a dict or its JSON text
+  compat.py       which optional features run together: the table every refused pair comes
+                  from (docs/features.md is its grid)
 
 The package imports nothing of jaxserve but `jaxserve.envs`: every layer may read a config.
 `from jaxserve.config import EngineConfig` etc. work for every public name below.

@@ -27,6 +27,7 @@ from jaxserve.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    compat,
 )
 from jaxserve.config.pipeline import pp_layer_partition
 from jaxserve.config.pooler import pooler_config_from
@@ -177,34 +178,34 @@ class EngineArgs:
             raise ValueError(
                 f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}"
             )
-        speculative = None
+        spec = None
         if self.speculative_config is not None:
-            speculative = self._speculative(model_config)
-            if self.async_scheduling:
-                raise ValueError(
-                    "async_scheduling is not supported with speculative_config: a step's drafts "
-                    "come from the tokens the step before it accepted"
-                )
-        kv_transfer = self._kv_transfer(speculative)
-        images = getattr(model_config.hf_config, "multimodal_config", None) is not None
-        if images and speculative is not None and speculative.method != "ngram":
-            raise ValueError(
-                f"speculative_config method {speculative.method!r}: a draft model of "
-                f"{model_config.architecture} would not see its images; use 'ngram'"
-            )
+            spec = SpeculativeConfig.parse(self.speculative_config)
+        kv_transfer = self._kv_transfer()
         hybrid = model_config.linear_attn is not None
-        if hybrid and (speculative is not None or kv_transfer is not None):
-            raise ValueError(
-                f"{'speculative_config' if speculative else 'kv_transfer_config'}: "
-                f"{model_config.architecture}'s linear-attention state (a hybrid model) cannot "
-                "be rolled back or transferred"
-            )
         if hybrid and self.enable_prefix_caching:
             logger.info(
                 "prefix caching is disabled for %s: its linear-attention layers keep one state "
                 "per request, not one per cached block",
                 model_config.architecture,
             )
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = not (on_cpu or spec is not None or self.pipeline_parallel_size > 1)
+        pooler = pooler_config_from(
+            self.runner, self.task, self.pooler_config, path, model_config.architecture
+        )
+        # every refusal of a pair of features, from config/compat.py's table
+        compat.check(
+            compat.active_features(
+                self,
+                model_config,
+                speculative=spec,
+                pooling=pooler is not None,
+                async_scheduling=async_scheduling,
+            )
+        )
+        speculative = None if spec is None else self._speculative(spec, model_config)
         scheduler = SchedulerConfig(
             max_model_len=_or(self.max_model_len, model_config.max_model_len),
             max_num_seqs=_or(self.max_num_seqs, CPU_MAX_NUM_SEQS if on_cpu else MAX_NUM_SEQS),
@@ -213,25 +214,9 @@ class EngineArgs:
                 CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else MAX_NUM_BATCHED_TOKENS,
             ),
             policy=self.scheduling_policy,
-            async_scheduling=not (on_cpu or speculative or self.pipeline_parallel_size > 1)
-            if self.async_scheduling is None
-            else self.async_scheduling,
+            async_scheduling=async_scheduling,
         )
         attention_backend = self._attention_backend()
-        pooler = pooler_config_from(
-            self.runner, self.task, self.pooler_config, path, model_config.architecture
-        )
-        if pooler is not None and speculative is not None:
-            raise ValueError("speculative_config needs a generating runner, not runner='pooling'")
-        if self.enable_prompt_embeds and (pooler or speculative or images):
-            raise ValueError(
-                "enable_prompt_embeds: only generating text models, without speculative decoding"
-            )
-        if self.enable_sleep_mode and (pooler or (speculative and speculative.method != "ngram")):
-            raise ValueError(
-                "enable_sleep_mode: not with a pooling runner or a draft model / "
-                "EAGLE head (their weights are not slept yet)"
-            )
         cache = CacheConfig(
             block_size=self.block_size,
             # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
@@ -249,8 +234,9 @@ class EngineArgs:
             self.nnodes,
             self.pipeline_parallel_size,
         )
-        if parallel.pipeline_parallel_size > 1:
-            self._check_pipeline(model_config, speculative, images)
+        if (pp := parallel.pipeline_parallel_size) > 1:  # the split (or its override) fits
+            pp_layer_partition(model_config.num_layers, pp)
+            validate_pipeline_layout(parallel.tensor_parallel_size, pp, parallel.nnodes)
         check_local_devices(
             parallel.tensor_parallel_size * parallel.pipeline_parallel_size, parallel.nnodes
         )
@@ -288,34 +274,6 @@ class EngineArgs:
             ),
         )
 
-    def _check_pipeline(self, model_config, speculative, images: bool) -> None:
-        """ValueError for what pipeline parallelism cannot run with (yet)."""
-        pp = self.pipeline_parallel_size
-        pp_layer_partition(model_config.num_layers, pp)  # the split (or its override) fits
-        validate_pipeline_layout(self.tensor_parallel_size, pp, self.nnodes)
-        if speculative is not None:
-            raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1")
-        if self.async_scheduling:
-            raise ValueError(
-                "async_scheduling: with pipeline_parallel_size > 1 the engine core keeps "
-                f"{pp} micro-batches in flight instead (its batch queue)"
-            )
-        others = {
-            "enable_lora": self.enable_lora,
-            "image inputs": images,
-            "runner='pooling'": self.runner == "pooling" or self.task is not None,
-            "kv_transfer_config": self.kv_transfer_config or self.kv_offloading_size,
-            "a hybrid model's linear attention": model_config.linear_attn is not None,
-            "data_parallel_size > 1": self.data_parallel_size > 1,
-            "enable_sleep_mode": self.enable_sleep_mode,
-            "enable_prompt_embeds": self.enable_prompt_embeds,
-        }
-        refused = [name for name, on in others.items() if on]
-        if refused:
-            raise ValueError(
-                f"pipeline_parallel_size > 1 is not supported yet with {', '.join(refused)}"
-            )
-
     def _lora(self, model_config) -> LoRAConfig | None:
         """--enable-lora's config; refused by name for the models it does not serve."""
         if not self.enable_lora:
@@ -325,8 +283,6 @@ class EngineArgs:
                 f"enable_lora: LoRA is not supported for {model_config.architecture}; it is "
                 f"for the dense {', '.join(LORA_ARCHITECTURES)} models"
             )
-        if self.nnodes > 1:
-            raise ValueError("enable_lora across several hosts (nnodes > 1) is not supported")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def _attention_backend(self) -> str:
@@ -354,7 +310,7 @@ class EngineArgs:
                 raise RuntimeError(f"{reason}; use --attention-backend reference")
         return attention_backend
 
-    def _kv_transfer(self, speculative: SpeculativeConfig | None) -> KVTransferConfig | None:
+    def _kv_transfer(self) -> KVTransferConfig | None:
         """--kv-transfer-config, or the OffloadingConnector --kv-offloading-size asks for."""
         if self.kv_offloading_size is not None:
             size = self.kv_offloading_size
@@ -367,25 +323,13 @@ class EngineArgs:
                     "kv_offloading_size with kv_transfer_config: one KV connector at a time "
                     "(no MultiConnector yet)"
                 )
-            config = KVTransferConfig(
+            return KVTransferConfig(
                 "OffloadingConnector",
                 kv_connector_extra_config={"cpu_bytes_to_use": int(size * 2**30)},
             )
-        elif self.kv_transfer_config is not None:
-            config = KVTransferConfig.parse(self.kv_transfer_config)
-        else:
-            return None
-        what = f"kv connector {config.kv_connector}"
-        if self.nnodes > 1:
-            raise ValueError(f"{what} with nnodes={self.nnodes}: not supported over several hosts")
-        if speculative is not None and speculative.method != "ngram":
-            raise ValueError(
-                f"{what} with speculative method {speculative.method}: the draft model's KV "
-                "is not transferred; use ngram or no speculation"
-            )
-        if self.runner == "pooling" or self.task == "embed":
-            raise ValueError(f"{what} needs a generating runner, not runner='pooling'")
-        return config
+        if self.kv_transfer_config is not None:
+            return KVTransferConfig.parse(self.kv_transfer_config)
+        return None
 
     def _kv_transfer_allowed_hosts(self) -> tuple[str, ...]:
         hosts = self.kv_transfer_allowed_hosts
@@ -402,16 +346,10 @@ class EngineArgs:
             raise ValueError(
                 f"node_rank={self.node_rank} is not a rank of nnodes={self.nnodes} (0 .. nnodes-1)"
             )
-        if self.nnodes > 1 and self.data_parallel_size > 1:
-            raise ValueError(
-                f"data_parallel_size={self.data_parallel_size} with nnodes={self.nnodes}: data "
-                "parallelism over several hosts is not supported; run one server per host"
-            )
 
-    def _speculative(self, target) -> SpeculativeConfig:
-        """The parsed speculative config; a draft model's path resolved and its vocabulary
-        checked against the target's."""
-        spec = SpeculativeConfig.parse(self.speculative_config)
+    def _speculative(self, spec: SpeculativeConfig, target) -> SpeculativeConfig:
+        """The parsed speculative config with a draft model's path resolved and its
+        vocabulary checked against the target's."""
         if spec.method == "ngram":
             return spec
         path = resolve_model_path(spec.model, "auto", download_dir=self.download_dir)

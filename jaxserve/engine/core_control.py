@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 
+from jaxserve.config import compat
 from jaxserve.core.request import RequestStatus
 from jaxserve.engine.weight_transfer import WeightTransfer
 from jaxserve.ipc.messages import EngineCoreOutput
@@ -50,14 +51,14 @@ class CoreControl:
     _transfer: WeightTransfer | None = None
 
     def _device(self) -> DeviceState:
+        # sleep mode with these is refused at start-up; weight updates (no flag) here, for the
+        # same reason (config/compat.py's table)
         if self.config.parallel.nnodes > 1:
-            raise ValueError("sleep, wake_up and weight updates are single-host only for now")
+            raise ValueError(compat.reason("several hosts", "sleep mode"))
         if self.config.parallel.pipeline_parallel_size > 1:
-            raise ValueError("sleep and weight updates are not supported with pipeline stages")
-        if getattr(self.runner, "executables", None) is None:
-            raise ValueError("a simulated runner holds no weights")
-        if self._device_state is None:
-            self._device_state = DeviceState(self.runner)
+            raise ValueError(compat.reason("pipeline parallel", "sleep mode"))
+        if self._device_state is None:  # (ValueError from a runner without weights)
+            self._device_state = self.runner.device_state()
         return self._device_state
 
     # ------------------------------------------------------------------ sleep / wake

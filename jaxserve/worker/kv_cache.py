@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs
-from jaxserve.config import CacheConfig, ModelConfig
+from jaxserve.config import CacheConfig, ModelConfig, compat
 from jaxserve.distributed.sharding import kv_cache_sharding
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class KVCacheSpec:
         H: the cache's heads, MLA's latent once per tensor-parallel rank)."""
         c = self.config
         if c.linear_attn is not None:
-            raise ValueError(f"{c.architecture}: a hybrid model's KV cannot be transferred")
+            raise ValueError(f"{c.architecture}: {compat.reason('KV connectors', 'hybrid models')}")
         return (c.num_layers, self.block_size, self.num_cache_kv_heads, sum(c.cache_dims))
 
     def allocate(self, num_blocks: int) -> tuple[jax.Array, ...]:

@@ -15,8 +15,8 @@ loop over layers of several kinds in Python (Gemma 3's sliding and global layers
 dense then MoE layers).
 
 The block manager is shared: block b of every stage's cache holds the same tokens, of that
-stage's layers. Speculative decoding, LoRA, images, pooling and KV connectors are refused
-with pp > 1 (engine/arg_utils.py).
+stage's layers. What pp > 1 runs with is config/compat.py's table (docs/features.md):
+speculative decoding, LoRA, images, pooling and KV connectors, among others, are refused.
 
 Over several hosts (`--nnodes`, distributed/mesh.py::pipeline_meshes) every rank makes every
 runner call (worker/multihost.py) but runs only the programs of the stages on its devices; a
@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, compat
 from jaxserve.core.scheduler_output import ModelRunnerOutput
 from jaxserve.distributed.stage_transfer import (
     StageLink,
@@ -224,7 +224,7 @@ class PipelineRunner(ModelRunner):
         )
 
     def dummy_step(self) -> None:
-        raise RuntimeError("data parallelism is not supported with pipeline parallelism")
+        raise RuntimeError(compat.reason("pipeline parallel", "data parallel"))
 
     # ------------------------------------------------------------------ a serving step
     def _forward(self, batch) -> tuple:

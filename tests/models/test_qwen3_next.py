@@ -16,7 +16,14 @@ from jaxserve.entrypoints.llm import LLM
 from jaxserve.models.loader import load_model
 from jaxserve.worker.executables import num_compilations
 from jaxserve.worker.kv_cache import determine_num_blocks
-from tests.helpers import assert_generate_matches_hf, hf_logits, hf_model, make_tiny_hf
+from tests.helpers import (
+    assert_generate_matches_hf,
+    core_of,
+    hf_logits,
+    hf_model,
+    make_tiny_hf,
+    runner_of,
+)
 from tests.models.test_llama_parity import run_mixed_schedule
 
 # Qwen3-Next's shape scaled down: linear, full, linear layers; 2 key heads of 16 serving 4
@@ -57,7 +64,7 @@ def test_generate_matches_hf_through_reused_rows_and_preemption(model_dir, tp, m
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
               dtype="float32", num_gpu_blocks_override=5, tensor_parallel_size=tp)  # fmt: skip
-    runner = llm.llm_engine.engine_core.engine_core.runner
+    runner = runner_of(llm)
     k, v, conv, rec = runner.kv_caches
     assert k.shape[0] == runner.num_blocks  # one attention layer's blocks
     # each linear layer's own state arrays, a row per input-batch row
@@ -72,7 +79,7 @@ def test_generate_matches_hf_through_reused_rows_and_preemption(model_dir, tp, m
     prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 11, 7, 30, 13)]
     assert_generate_matches_hf(llm, model_dir, prompts, max_tokens=12)
     assert num_compilations() == compiled
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = core_of(llm).scheduler
     assert scheduler.total_preemptions > 0
     scheduler.kv_cache_manager.check_no_leaks()
 
@@ -83,12 +90,12 @@ def test_what_a_per_request_state_cannot_honour(model_dir, caplog):
     assert not config.cache.enable_prefix_caching
     assert "prefix caching is disabled for Qwen3NextForCausalLM" in caplog.text
     assert config.model.kv_layers == (1,)
-    with pytest.raises(ValueError, match="kv_transfer_config: Qwen3NextForCausalLM's linear"):
+    with pytest.raises(ValueError, match=r"\(Qwen3NextForCausalLM\): kv_transfer_config: a hybrid"):
         EngineArgs(model=str(model_dir), kv_offloading_size=1).create_engine_config()
     # the states come off the KV budget: one too small says so
     small = EngineArgs(model=str(model_dir), kv_cache_memory_bytes=2**21).create_engine_config()
     with pytest.raises(ValueError, match="after 3 MiB of linear-attention states .*max_num_seqs"):
         determine_num_blocks(small.cache, jax.devices()[0], 4096, 9, 128, reserved_bytes=3 << 20)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    with pytest.raises(ValueError, match="speculative_config: Qwen3NextForCausalLM's linear"):
+    with pytest.raises(ValueError, match=r"\(Qwen3NextForCausalLM\): speculative_config: a hybrid"):
         EngineArgs(model=str(model_dir), speculative_config=spec).create_engine_config()
