@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005  # how long an idle step waits for a compiling grammar
 
 
-class EngineCore(CoreControl):
+class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
@@ -107,6 +107,17 @@ class EngineCore(CoreControl):
             else 1
         )
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+        self.scheduling_paused = False  # (pause_scheduler: requests keep their place)
+        self.control = CoreControl(self)  # sleep, weights, pause: engine/core_control.py
+
+    def utility(self, name: str):
+        """The utility call `name` (core_proc.py's UTILITY_METHODS): the core's own method or
+        its control surface's; None for neither."""
+        for owner in (self, self.control):
+            method = getattr(owner, name, None)
+            if callable(method) and not name.startswith("_"):
+                return method
+        return None
 
     def _encoder_cache(self) -> EncoderCacheManager | None:
         """A multimodal model's encoder cache bookkeeping (its rows are the runner's)."""
@@ -147,7 +158,7 @@ class EngineCore(CoreControl):
         output comes with the next step's), never the engine."""
         self.num_requests_added += 1
         try:
-            if self.is_sleeping():
+            if self.control.is_sleeping():
                 raise ValueError("the engine is asleep: wake_up() first")
             if request.lora_request is not None:  # loaded (and checked) on the host now
                 self.runner.add_lora(request.lora_request, self._live_loras)

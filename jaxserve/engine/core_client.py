@@ -105,9 +105,10 @@ class InprocClient(EngineCoreClient):
         return self.engine_core.step() or EngineCoreOutputs()
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        if method.startswith("_") or not callable(getattr(self.engine_core, method, None)):
+        call = self.engine_core.utility(method)
+        if call is None:
             raise ValueError(f"EngineCore has no utility method {method!r}")
-        return getattr(self.engine_core, method)(*args)
+        return call(*args)
 
 
 class SyncMPClient(EngineCoreClient):

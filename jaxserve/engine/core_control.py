@@ -44,11 +44,24 @@ COLLECTIVE_RPC_METHODS = ("kv_bytes_per_block", "max_step_tokens", "ready_token_
 
 
 class CoreControl:
-    """Mixed into EngineCore (engine/core.py): its scheduler, runner and config."""
+    """An engine core's control surface (EngineCore.control; its utility calls by these
+    names reach it): it owns the device state of sleep and weight updates and the weight
+    transfer in progress, and acts on the core's scheduler, runner and steps in flight."""
 
-    scheduling_paused = False
-    _device_state: DeviceState | None = None
-    _transfer: WeightTransfer | None = None
+    def __init__(self, core: Any):
+        """core: the EngineCore (its config, scheduler, runner, in_flight and
+        scheduling_paused)."""
+        self.core = core
+        self._device_state: DeviceState | None = None
+        self._transfer: WeightTransfer | None = None
+
+    @property
+    def config(self):
+        return self.core.config
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
 
     def _device(self) -> DeviceState:
         # sleep mode with these is refused at start-up; weight updates (no flag) here, for the
@@ -58,7 +71,7 @@ class CoreControl:
         if self.config.parallel.pipeline_parallel_size > 1:
             raise ValueError(compat.reason("pipeline parallel", "sleep mode"))
         if self._device_state is None:  # (ValueError from a runner without weights)
-            self._device_state = self.runner.device_state()
+            self._device_state = self.core.runner.device_state()
         return self._device_state
 
     # ------------------------------------------------------------------ sleep / wake
@@ -67,7 +80,7 @@ class CoreControl:
         cache. The core must hold no request (pause or finish them first)."""
         if not self.config.enable_sleep_mode:
             raise ValueError("sleep needs the engine started with enable_sleep_mode=True")
-        if self.scheduler.has_unfinished_requests() or self.in_flight:
+        if self.scheduler.has_unfinished_requests() or self.core.in_flight:
             raise ValueError(
                 f"sleep: {self.scheduler.num_unfinished_requests} requests are in the engine; "
                 "pause with mode 'abort' or 'wait' first"
@@ -144,7 +157,7 @@ class CoreControl:
 
     def _wait_in_flight(self) -> None:
         """Let the steps on the devices finish before their weights are swapped."""
-        for _, pending in self.in_flight:
+        for _, pending in self.core.in_flight:
             jax.block_until_ready([x for x in jax.tree.leaves(pending) if isinstance(x, jax.Array)])
 
     # ------------------------------------------------------------------ pause
@@ -161,11 +174,11 @@ class CoreControl:
         return len(aborted)
 
     def pause_scheduler(self) -> bool:
-        self.scheduling_paused = True
+        self.core.scheduling_paused = True
         return True
 
     def resume_scheduler(self) -> bool:
-        self.scheduling_paused = False
+        self.core.scheduling_paused = False
         return True
 
     # ------------------------------------------------------------------ calls on the runner
@@ -177,15 +190,15 @@ class CoreControl:
         AsyncLLM send names only), run on every worker; their results, one per worker."""
         if isinstance(method, bytes):
             fn = pickle.loads(method)  # noqa: S301 (the engine's own frontend sent it)
-            return [fn(self.runner, *(args or ()), **(kwargs or {}))]
+            return [fn(self.core.runner, *(args or ()), **(kwargs or {}))]
         if method not in COLLECTIVE_RPC_METHODS:
             raise ValueError(
                 f"collective_rpc: {method!r} is not a runner method it calls; it calls "
                 f"{', '.join(COLLECTIVE_RPC_METHODS)}"
             )
-        if not callable(getattr(self.runner, method, None)):
+        if not callable(getattr(self.core.runner, method, None)):
             raise ValueError(f"this engine's runner has no method {method!r}")
-        return [getattr(self.runner, method)(*(args or ()), **(kwargs or {}))]
+        return [getattr(self.core.runner, method)(*(args or ()), **(kwargs or {}))]
 
 
 def _live_bytes() -> int:

@@ -334,8 +334,8 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put_nowait((client_index, reply))
 
     def _utility(self, call: UtilityRequest) -> UtilityOutput:
-        method = getattr(self, call.method, None)
-        if call.method.startswith("_") or call.method not in UTILITY_METHODS or method is None:
+        method = self.utility(call.method)
+        if call.method not in UTILITY_METHODS or method is None:
             return UtilityOutput(call.call_id, failure_message=f"no utility {call.method!r}")
         try:
             return UtilityOutput(call.call_id, result=method(*call.args))

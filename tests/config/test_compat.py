@@ -132,7 +132,7 @@ def test_weight_updates_at_run_time_give_the_tables_reason(parallel, pair):
         config=SimpleNamespace(parallel=SimpleNamespace(nnodes=nnodes, pipeline_parallel_size=pp))
     )
     with pytest.raises(ValueError, match=re.escape(compat.reason(*pair))):
-        CoreControl._device(core)
+        CoreControl(core)._device()
 
 
 def test_docs_features_md_is_the_tables_grid():

@@ -61,7 +61,7 @@ class ControlCore(FakeCore):
         if self.error is not None:
             raise self.error
         if method == "collective_rpc":
-            return CoreControl.collective_rpc(SimpleNamespace(runner=self.runner), *args)
+            return CoreControl(SimpleNamespace(runner=self.runner)).collective_rpc(*args)
         if method == "compile_status":
             return {"compiled": 1, "total": 1, "fully_compiled": True}
         return True
