@@ -6,7 +6,9 @@ import dataclasses
 
 from jaxserve.config.json_flag import json_object
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# The methods whose draft keeps a KV cache in the target's blocks (k lookahead slots a step).
+KV_DRAFT_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +26,11 @@ class SpeculativeConfig:
 
     eagle / eagle3: `model` is an EAGLE-1 / EAGLE-3 head (HF dir, models/eagle.py) for a
     Llama-family target; it drafts greedily from the target's hidden states
-    (spec_decode/eagle.py)."""
+    (spec_decode/eagle.py).
+
+    mtp: the target's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5: models/mtp.py)
+    drafts the k tokens, reused k times as vLLM does (spec_decode/mtp.py); `model`, when
+    given, is the target's path (vLLM's form), else none is needed."""
 
     method: str
     num_speculative_tokens: int
@@ -43,8 +49,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}"
             )
-        if self.method in ("draft_model", "eagle", "eagle3"):
-            if not self.model:
+        if self.method in KV_DRAFT_METHODS:
+            if not self.model and self.method != "mtp":
                 raise ValueError(f"speculative_config method {self.method} needs a model")
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
                 raise ValueError("speculative_config prompt_lookup_min/max are for method ngram")
@@ -84,3 +90,36 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown or unsupported fields {unknown}")
         return cls(method=method, **config)
+
+
+# A target architecture with multi-token-prediction layers -> its MTP head's (models/mtp.py).
+MTP_ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": "DeepSeekMTPModel",
+    "Glm4MoeForCausalLM": "Glm4MoeMTPModel",
+}
+
+
+def num_mtp_layers(hf_config) -> int:
+    """A checkpoint's MTP layers (`num_nextn_predict_layers`, transformers' `num_mtp_layers`;
+    0 when it names none)."""
+    n = getattr(hf_config, "num_nextn_predict_layers", None)
+    if n is None:
+        n = getattr(hf_config, "num_mtp_layers", None)
+    return int(n or 0)
+
+
+def mtp_architecture(target) -> str:
+    """The MTP head architecture of `target` (a ModelConfig) for method mtp; ValueError
+    naming the target's architecture where it has no MTP layers."""
+    arch = MTP_ARCHITECTURES.get(target.architecture)
+    if arch is None:
+        raise ValueError(
+            f"speculative_config method mtp needs a target with multi-token-prediction "
+            f"layers ({', '.join(MTP_ARCHITECTURES)}); {target.architecture} is not one"
+        )
+    if num_mtp_layers(target.hf_config) < 1:
+        raise ValueError(
+            f"speculative_config method mtp: {target.architecture} has no "
+            "multi-token-prediction layers (num_nextn_predict_layers is 0)"
+        )
+    return arch

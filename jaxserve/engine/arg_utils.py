@@ -31,6 +31,7 @@ from jaxserve.config import (
 )
 from jaxserve.config.pipeline import pp_layer_partition
 from jaxserve.config.pooler import pooler_config_from
+from jaxserve.config.speculative import mtp_architecture
 from jaxserve.distributed.mesh import check_local_devices, validate_pipeline_layout
 from jaxserve.transformers_utils.config import (
     check_generation_config,
@@ -352,6 +353,9 @@ class EngineArgs:
         vocabulary checked against the target's."""
         if spec.method == "ngram":
             return spec
+        if spec.method == "mtp":  # the target's own MTP layers: no draft path to resolve
+            mtp_architecture(target)  # ValueError naming a target without them
+            return dataclasses.replace(spec, model=None)
         path = resolve_model_path(spec.model, "auto", download_dir=self.download_dir)
         draft = read_model_config(path, self.dtype, None)
         if draft.vocab_size != target.vocab_size:

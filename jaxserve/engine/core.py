@@ -22,6 +22,7 @@ import jax
 import msgspec
 
 from jaxserve.config import EngineConfig
+from jaxserve.config.speculative import KV_DRAFT_METHODS
 from jaxserve.core.encoder_cache_manager import EncoderCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler import Scheduler
@@ -79,9 +80,7 @@ class EngineCore:
             self.structured_output_manager,
             speculative=config.speculative is not None,
             num_lookahead_tokens=(
-                config.speculative.num_speculative_tokens
-                if spec_method in ("draft_model", "eagle", "eagle3")
-                else 0
+                config.speculative.num_speculative_tokens if spec_method in KV_DRAFT_METHODS else 0
             ),
             # On CPU a step is compute-bound past a few tokens: drafts fill the step up to
             # 2 (k + 1) tokens, or the power of two its other tokens need (benchmarks/results).

@@ -3,7 +3,7 @@ half of each head), q/k/v biases and optional q/k norms (`use_qk_norm`); a dense
 first `first_k_dense_replace` layers and in the rest DeepSeek-V3-style experts: sigmoid
 routing with a score-correction bias among expert groups, scaled, plus shared experts
 (config/moe.py, layers/fused_moe.py). The checkpoint's multi-token-prediction layer (index
-num_hidden_layers) is not read."""
+num_hidden_layers) is read only as speculative method mtp's draft (models/mtp.py)."""
 
 from __future__ import annotations
 

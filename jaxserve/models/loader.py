@@ -98,10 +98,11 @@ def load_model(
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not one")
     model_cls = get_model_class(config.architecture)
     mtp = getattr(hf_config, "num_nextn_predict_layers", 0)  # DeepSeek, GLM-4.5
-    if mtp := mtp or getattr(hf_config, "mtp_num_layers", 0):  # Qwen3-Next's `mtp.*`
+    # Qwen3-Next's `mtp.*`; a draft of method mtp loads them itself (models/mtp.py)
+    if (mtp := mtp or getattr(hf_config, "mtp_num_layers", 0)) and architecture is None:
         logger.info(
-            "%s: its %d multi-token-prediction layer(s) are not loaded (no MTP "
-            "speculative decoding yet)",
+            "%s: its %d multi-token-prediction layer(s) are not loaded with it "
+            "(speculative_config method mtp loads DeepSeek-V3's and GLM-4.5's as a draft)",
             config.architecture,
             mtp,
         )
@@ -294,8 +295,8 @@ _KV_SCALE_NAMES = (
 
 def load_kv_scales(model: nnx.Module, source) -> None:
     """Set each layer's Attention.k_scale / v_scale (used by an fp8 KV cache) from the
-    checkpoint's scalars, where it has them."""
-    for i, layer in enumerate(model.layers):
+    checkpoint's scalars, where it has them (an MTP head's block: layer L's, models/mtp.py)."""
+    for i, layer in enumerate(model.layers, getattr(model, "first_hf_layer", 0)):
         for k_name, v_name in _KV_SCALE_NAMES:
             k_name, v_name = f"model.layers.{i}.{k_name}", f"model.layers.{i}.{v_name}"
             if k_name in source and v_name in source:

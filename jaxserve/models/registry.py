@@ -8,6 +8,7 @@ from jaxserve.models.gpt_oss import GptOssForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from jaxserve.models.mixtral import MixtralForCausalLM
+from jaxserve.models.mtp import DeepSeekMTP, Glm4MoeMTP
 from jaxserve.models.phi3 import Phi3ForCausalLM
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from jaxserve.models.qwen3_next import Qwen3NextForCausalLM
@@ -42,6 +43,8 @@ _MODELS = {
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # bidirectional images
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # an EAGLE-3 draft head
+    "DeepSeekMTPModel": DeepSeekMTP,  # DeepSeek-V3's multi-token-prediction layer (method mtp)
+    "Glm4MoeMTPModel": Glm4MoeMTP,  # GLM-4.5's
 }
 
 

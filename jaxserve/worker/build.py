@@ -13,6 +13,7 @@ from flax import nnx
 from jaxserve import envs
 from jaxserve.config import EngineConfig
 from jaxserve.config.pipeline import pp_layer_partition
+from jaxserve.config.speculative import mtp_architecture
 from jaxserve.distributed.mesh import pipeline_meshes
 from jaxserve.distributed.sharding import kv_cache_sharding
 from jaxserve.models.loader import LoadedModel, load_model
@@ -24,16 +25,19 @@ from jaxserve.worker.pipeline_runner import PipelineRunner
 from jaxserve.worker.simulated import SimulatedRunner
 from jaxserve.worker.spec_decode.draft_model import DraftModelProposer
 from jaxserve.worker.spec_decode.eagle import EagleProposer
+from jaxserve.worker.spec_decode.mtp import MtpProposer
 from jaxserve.worker.spec_decode.ngram_proposer import NgramProposer
 from jaxserve.worker.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
-# The draft architectures of the methods that load a model of their own.
+# The draft architectures of the methods that load a model of their own (mtp: the target's
+# MTP head, from the target's checkpoint: config/speculative.py::mtp_architecture).
 DRAFT_ARCHITECTURES = {
     "draft_model": None,
     "eagle": "EagleLlamaForCausalLM",
     "eagle3": "Eagle3LlamaForCausalLM",
+    "mtp": None,
 }
 
 
@@ -74,16 +78,35 @@ def build_runner(
     spec = config.speculative
     if spec is not None and spec.method in DRAFT_ARCHITECTURES:
         with timeline.phase("load draft weights"):
-            draft = load_model(
-                spec.model,
-                dtype=config.model.dtype,
-                mesh=loaded.mesh,
-                load_tokenizer=False,
-                architecture=DRAFT_ARCHITECTURES[spec.method],
-            )
+            draft = load_draft(config, loaded)
     with timeline.phase("model runner"):
         proposer = make_proposer(config, loaded, draft)
         return ModelRunner(loaded, config, proposer, executables=executables)
+
+
+def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel:
+    """The draft model or head of config.speculative, on the target's mesh; method mtp's
+    is the target's own MTP layer, read from its checkpoint as the target is."""
+    spec = config.speculative
+    if spec.method == "mtp":
+        return load_model(
+            config.model_path,
+            dtype=config.model.dtype,
+            mesh=target.mesh,
+            load_tokenizer=False,
+            load_format=config.load_format,
+            quantization=config.model.quantization,
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
+            architecture=mtp_architecture(target.config),
+            hf_overrides=config.hf_overrides or None,
+        )
+    return load_model(
+        spec.model,
+        dtype=config.model.dtype,
+        mesh=target.mesh,
+        load_tokenizer=False,
+        architecture=DRAFT_ARCHITECTURES[spec.method],
+    )
 
 
 def build_pipeline_runner(
@@ -121,7 +144,7 @@ def build_pipeline_runner(
 
 def make_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None) -> Proposer:
     """The proposer of config.speculative (the no-op Proposer without it); draft: the draft
-    model or EAGLE head, on the target's mesh."""
+    model, EAGLE head or MTP head, on the target's mesh."""
     spec = config.speculative
     if spec is None:
         return Proposer()
@@ -140,4 +163,6 @@ def make_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel 
     )
     if spec.method in ("eagle", "eagle3"):
         return EagleProposer(draft, target.model, k, *args, buckets.max_sample_rows)
+    if spec.method == "mtp":
+        return MtpProposer(draft, target.model, k, *args, buckets.max_sample_rows)
     return DraftModelProposer(draft, k, *args)
