@@ -61,7 +61,7 @@ from jaxserve.structured_output import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(RemoteKVLoads, StatsReport):
+class Scheduler(StatsReport):
     """The engine core's request states (waiting, running, waiting for remote KV) and each
     step's plan; see the module docstring for the order of things."""
 
@@ -110,7 +110,11 @@ class Scheduler(RemoteKVLoads, StatsReport):
         self.connector = connector or NoKVConnector()
         # Requests holding their blocks while their KV comes from another instance (then
         # they rejoin the front of the waiting queue).
-        self.waiting_for_remote: dict[str, Request] = {}
+        self.remote = RemoteKVLoads(self.kv_cache_manager, self.waiting, self._fail)
+
+    @property
+    def waiting_for_remote(self) -> dict[str, Request]:
+        return self.remote.requests
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -195,7 +199,7 @@ class Scheduler(RemoteKVLoads, StatsReport):
         if self.spec_stats is not None:
             plan.draft_room = draft_room(self.running, budget, self.draft_step_tokens, self.config)
         self.encoders.begin_step()
-        self._finish_remote_loads()
+        self.pending_outputs.extend(self.remote.finish(self.connector))
         self._schedule_running(plan)
         if not plan.preempted:  # no waiting request is admitted in a step that preempted one
             self._schedule_waiting(plan)
@@ -296,7 +300,9 @@ class Scheduler(RemoteKVLoads, StatsReport):
                 request, num_computed
             )
         if load_async:  # its KV comes from another instance: wait for it off the queue
-            return self._wait_for_remote(request, computed_blocks, num_computed, num_external)
+            return self.remote.park(
+                self.connector, request, computed_blocks, num_computed, num_external
+            )
         num_new = min(request.num_tokens - num_computed - num_external, plan.budget)
         num_new, encoder_work = self.encoders.plan(request, num_computed + num_external, num_new)
         if num_new == 0 and request.num_tokens > num_computed + num_external:

@@ -1,6 +1,6 @@
 """The scheduler's requests whose KV comes from another instance (a KV connector in a
 consumer role, distributed/kv_transfer): parked off the waiting queue, holding their blocks,
-until the connector says the KV arrived (or failed)."""
+until the connector says the KV arrived (or failed). `RemoteKVLoads` owns them."""
 
 from __future__ import annotations
 
@@ -18,17 +18,26 @@ if TYPE_CHECKING:
 
 
 class RemoteKVLoads:
-    """The Scheduler's methods that park and release requests waiting for remote KV."""
+    """The parked requests (`requests`, by id) of one scheduler."""
 
-    kv_cache_manager: KVCacheManager
-    connector: SchedulerKVConnector  # (core/kv_connector.py's NoKVConnector: none)
-    waiting: RequestQueue
-    waiting_for_remote: dict[str, Request]
-    pending_outputs: list[EngineCoreOutput]
-    _fail: Callable[[Request, Exception], EngineCoreOutput]  # finishes it with the error
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        waiting: RequestQueue,
+        fail: Callable[[Request, Exception], EngineCoreOutput],
+    ):
+        """waiting: the scheduler's queue (a request leaves it to park, and rejoins its
+        front); fail: finishes a request with an error (the scheduler's)."""
+        self.kv_cache_manager, self.waiting, self._fail = kv_cache_manager, waiting, fail
+        self.requests: dict[str, Request] = {}
 
-    def _wait_for_remote(
-        self, request: Request, computed_blocks: list, num_computed: int, num_external: int
+    def park(
+        self,
+        connector: SchedulerKVConnector,
+        request: Request,
+        computed_blocks: list,
+        num_computed: int,
+        num_external: int,
     ) -> bool:
         """Give a waiting request the blocks for its device hit and the KV another instance
         will send, and park it until the KV arrives; False if the blocks do not fit."""
@@ -41,36 +50,36 @@ class RemoteKVLoads:
         self.waiting.pop_request()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         request.num_computed_tokens = num_computed
-        self.waiting_for_remote[request.request_id] = request
-        self.connector.update_state_after_alloc(
+        self.requests[request.request_id] = request
+        connector.update_state_after_alloc(
             request, kv.get_block_ids(request.request_id), num_computed, num_external
         )
         return True
 
-    def _finish_remote_loads(self) -> None:
+    def finish(self, connector: SchedulerKVConnector) -> list[EngineCoreOutput]:
         """Requests whose remote KV arrived rejoin the front of the waiting queue with it
         counted as computed (a partial or failed load leaves the rest to compute); a failed
         load under kv_load_failure_policy "fail" finishes the request with an error. If the
-        connector cannot say, every request waiting for remote KV fails."""
+        connector cannot say, every parked request fails. Returns the failed ones' outputs."""
         try:
-            finished = self.connector.get_finished_recving()
+            finished = connector.get_finished_recving()
         except Exception as e:
-            for request in list(self.waiting_for_remote.values()):
-                self.pending_outputs.append(self._fail(request, e))
-            return
+            return [self._fail(request, e) for request in list(self.requests.values())]
+        failed = []
         for req_id, loaded in finished.items():
-            request = self.waiting_for_remote.get(req_id)
+            request = self.requests.get(req_id)
             if request is None:
                 continue
-            if loaded is None and self.connector.config.kv_load_failure_policy == "fail":
+            if loaded is None and connector.config.kv_load_failure_policy == "fail":
                 error = RuntimeError("its KV could not be loaded from the prefill instance")
-                self.pending_outputs.append(self._fail(request, error))
+                failed.append(self._fail(request, error))
                 continue
             if not isinstance(loaded, int | None) or not 0 <= (loaded or 0) <= request.num_tokens:
                 error = RuntimeError(f"the KV connector loaded {loaded!r} tokens")
-                self.pending_outputs.append(self._fail(request, error))
+                failed.append(self._fail(request, error))
                 continue
-            del self.waiting_for_remote[req_id]
+            del self.requests[req_id]
             request.num_computed_tokens += loaded or 0
             request.status = RequestStatus.WAITING
             self.waiting.prepend_request(request)
+        return failed
