@@ -25,7 +25,8 @@ class SpeculativeConfig:
     greedily with its own KV cache in the target's blocks (spec_decode/draft_model.py).
 
     eagle / eagle3: `model` is an EAGLE-1 / EAGLE-3 head (HF dir, models/eagle.py) for a
-    Llama-family target; it drafts greedily from the target's hidden states
+    target that declares them (models/interfaces.py::supports_eagle: the Llama family and
+    the MoE families on its forward); it drafts greedily from the target's hidden states
     (spec_decode/eagle.py).
 
     mtp: the target's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5: models/mtp.py)

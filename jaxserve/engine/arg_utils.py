@@ -364,13 +364,14 @@ class EngineArgs:
                 f"{draft.vocab_size} tokens; the target's has {target.vocab_size}"
             )
         if spec.method in ("eagle", "eagle3"):
-            from jaxserve.models.llama import LlamaForCausalLM  # the core's side only
+            from jaxserve.models.interfaces import supports_eagle  # the core's side only
             from jaxserve.models.registry import get_model_class
 
-            if get_model_class(target.architecture) is not LlamaForCausalLM:
+            if not supports_eagle(get_model_class(target.architecture)):
                 raise ValueError(
-                    f"speculative_config method {spec.method} needs a Llama-family target "
-                    f"(Llama, Mistral, Qwen2/3); {target.architecture} is not one"
+                    f"speculative_config method {spec.method} needs a target EAGLE heads draft "
+                    f"for (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE, GLM-4.5, DeepSeek-V2/V3, "
+                    f"gpt-oss); {target.architecture} is not one"
                 )
             width = draft.hidden_size
             if spec.method == "eagle3":  # its fc reads the target's width

@@ -1,4 +1,4 @@
-"""EAGLE-1 draft head for a Llama-family target (vLLM's `EagleLlamaForCausalLM`).
+"""EAGLE-1 draft head for a Llama-family or MoE target (vLLM's `EagleLlamaForCausalLM`).
 
 The head is one (or a few) Llama decoder layers behind a projection `fc` [2D -> D] of
 [embedding of token t+1 ; the target's final hidden state at t]. Its output hidden state h

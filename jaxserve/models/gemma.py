@@ -69,3 +69,4 @@ class GemmaForCausalLM(LlamaForCausalLM):
     layer_cls = GemmaDecoderLayer
     norm_cls = GemmaRMSNorm
     embed_scale = True
+    eagle_target = False  # (no EAGLE heads are published for it: untested)

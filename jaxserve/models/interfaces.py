@@ -27,3 +27,10 @@ class SupportsMultiModal(Protocol):
 
 def supports_multimodal(model: Any) -> bool:
     return isinstance(model, SupportsMultiModal)
+
+
+def supports_eagle(model_cls: type) -> bool:
+    """Whether EAGLE and EAGLE-3 heads draft for this family (its `eagle_target`: the Llama
+    forward's final hidden states and aux_layers' inputs; Llama, Qwen2/3, Mistral, Mixtral,
+    Qwen3-MoE, GLM-4.5, DeepSeek-V2/V3, gpt-oss)."""
+    return bool(getattr(model_cls, "eagle_target", False))

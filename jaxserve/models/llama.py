@@ -78,6 +78,9 @@ class LlamaForCausalLM(nnx.Module):
     norm_cls: type = RMSNorm
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     num_lora_slots: int = 0  # LoRA adapter slots in its projections (worker/lora_slots.py)
+    # EAGLE / EAGLE-3 heads draft for it (models/interfaces.py::supports_eagle): this forward,
+    # with the final hidden states and aux_layers' inputs (EAGLE-3's feature)
+    eagle_target: bool = True
 
     def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
         self.config = config

@@ -29,6 +29,8 @@ def rotate_half_order(w: np.ndarray, head_dim: int) -> np.ndarray:
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
+    eagle_target = False  # (its chunked local attention: untested with a head)
+
     @staticmethod
     def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
         names = [str(p) for p in path]

@@ -14,6 +14,8 @@ from jaxserve.models.llama import HFWeight, LlamaForCausalLM, fuse_gate_up, fuse
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    eagle_target = False  # (no EAGLE heads are published for it: untested)
+
     @staticmethod
     def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
         *modules, _ = (str(p) for p in path)

@@ -89,6 +89,7 @@ def _linear_attention_layers(config: ModelConfig, names: tuple[str, ...], kv_rep
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):
     layer_cls = Qwen3NextDecoderLayer
+    eagle_target = False  # its own forward has no aux_layers (and a state per request)
     norm_cls = GemmaRMSNorm
 
     def __call__(

@@ -30,6 +30,7 @@ from jaxserve.multimodal.mrope import mrope_positions
 
 class _VisionLanguageModel(LlamaForCausalLM):
     vision_cls: type
+    eagle_target = False  # (image placeholders: no EAGLE path for them)
     # The language model's HF names: LlamaForCausalLM's with "model." -> lm_prefix
     lm_prefix = "model."
     head_name = "lm_head.weight"

@@ -14,6 +14,7 @@ from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.helpers import TINY, hf_model, make_tiny_hf
+from tests.models.test_moe import FAMILIES
 from tests.worker.spec_decode.test_spec_decode import AcceptCounter, core, token_ids
 
 K = 3
@@ -239,11 +240,44 @@ def test_drafts_equal_pytorch_eagle_and_greedy_output_is_exact(
         assert drafts == reference.drafts(tokens, K), tokens
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_eagle3_on_moe_targets_drafts_as_pytorch_and_keeps_greedy(
+    eagle3_head, tmp_path, monkeypatch, family
+):
+    """EAGLE-3 over mixture-of-experts targets (their aux hidden states: the Llama forward's):
+    greedy output equal to decoding without speculation, each draft PyTorch's."""
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    target = make_tiny_hf(family, tmp_path / family, vocab_size=16, **FAMILIES[family])
+    prompts = [{"prompt_token_ids": np.random.default_rng(1).integers(0, 16, 21).tolist()}]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = token_ids(LLM(str(target), **ENGINE).generate(prompts, params, use_tqdm=False))
+    spec = {"method": "eagle3", "model": str(eagle3_head), "num_speculative_tokens": K}
+    llm = LLM(str(target), **ENGINE, speculative_config=spec)
+    runner = core(llm).runner
+    proposed, propose_rows = [], runner.proposer.propose_rows
+
+    def recording(ib, rows, *args):
+        drafts = propose_rows(ib, rows, *args)
+        proposed.extend(
+            (ib.token_ids[r, : ib.num_tokens[r]].tolist(), d)
+            for r, d in zip(rows, drafts, strict=True)
+        )
+        return drafts
+
+    runner.proposer.propose_rows = recording
+    runner.drafting.backoff.should_draft = lambda req_id: True
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+    reference = TorchEagle3(eagle3_head, hf_model(str(target)))
+    assert len(proposed) > 3
+    for tokens, drafts in proposed:
+        assert drafts == reference.drafts(tokens, K), tokens
+
+
 def test_eagle_config_errors_are_named(target_and_head, tmp_path):
     target, head = target_and_head
     spec = {"method": "eagle", "model": str(head), "num_speculative_tokens": 2}
     gemma = make_tiny_hf("gemma2", tmp_path / "gemma2", head_dim=16, vocab_size=16)
-    with pytest.raises(ValueError, match="eagle needs a Llama-family target"):
+    with pytest.raises(ValueError, match="eagle needs a target EAGLE heads draft for"):
         EngineArgs(model=str(gemma), speculative_config=spec).create_engine_config()
     wide = make_tiny_eagle(tmp_path / "wide", hidden_size=128, vocab_size=16)
     spec["model"] = str(wide)
