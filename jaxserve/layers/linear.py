@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxserve.config import GROUPED_QUANT
 from jaxserve.layers.lora import LoRABatch, LoRAWeights
-from pallas_kernels.grouped_matmul import packed_matmul
+from pallas_kernels.grouped_matmul import channel_matmul, packed_matmul
 from pallas_kernels.grouped_matmul.packed import E2M1
 
 # Quantized kernel dtypes and the largest value each holds.
@@ -128,6 +128,8 @@ class Linear(nnx.Module):
                 self.group,
                 native=self.input_quant is None,
             )
+        elif self.input_quant is None:  # per-channel int8 / fp8: the CPU kernel where it runs
+            y = channel_matmul(x, self.kernel[...], self.scale[...])
         else:
             y = (x @ self.kernel[...].astype(x.dtype)) * self.scale[...].astype(x.dtype)
         return y if self.bias is None else y + self.bias[...]

@@ -141,3 +141,16 @@ def packed_matmul(
     if native and cpu_packed.runs(x, w):
         return cpu_packed.packed_matmul_cpu(x, w, jnp.full((1,), x.shape[0], jnp.int32))
     return x @ dequantize(kernel, scale, offset, group, x.dtype)
+
+
+def channel_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [T, K] times an int8 or fp8 e4m3 kernel [K, N] with one scale per output channel,
+    f32[N] -> [T, N]: on CPU the C++ kernel (one group of K rows: an int8 kernel as GGUF's
+    blocks with a zero offset), else (x @ kernel) * scale, the kernel converted in x's dtype
+    inside the dot's fusion."""
+    k, n = kernel.shape
+    offset = jnp.zeros((1, n), jnp.float32) if kernel.dtype == jnp.int8 else None
+    w = Packed(kernel[None], scale.reshape(1, 1, n), None if offset is None else offset[None], k)
+    if k % 2 == 0 and cpu_packed.runs(x, w):
+        return cpu_packed.packed_matmul_cpu(x, w, jnp.full((1,), x.shape[0], jnp.int32))
+    return (x @ kernel.astype(x.dtype)) * scale.astype(x.dtype)
