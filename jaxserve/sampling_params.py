@@ -22,8 +22,15 @@ MAX_BIAS_TOKENS = 64
 _INT64 = (-(2**63), 2**63 - 1)
 # Integer fields bounded only by msgpack's 64 bits here; the InputProcessor bounds them further
 # against the model (vocabulary, max_model_len) before anything reaches a device array.
-_INT64_FIELDS = ("seed", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
-                 "truncate_prompt_tokens")  # fmt: skip
+_INT64_FIELDS = (
+    "seed",
+    "top_k",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -19,8 +19,16 @@ from jaxserve import envs
 
 # No -ffast-math: linked into a shared library it can set flush-to-zero for the whole process.
 # Reductions vectorize by `omp simd` pragmas, exp by the kernel's own polynomial.
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-         "-std=c++17", "-shared", "-fPIC"]  # fmt: skip
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp-simd",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+]
 
 
 def kernel_cache_dir() -> Path:

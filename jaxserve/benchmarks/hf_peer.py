@@ -9,8 +9,14 @@ from typing import Any
 
 from jaxserve.transformers_utils.model_path import resolve_model_path
 
-_TORCH_DTYPES = {"auto": "float32", "float32": "float32", "float": "float32",
-                 "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}  # fmt: skip
+_TORCH_DTYPES = {
+    "auto": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+}
 
 
 def load_hf_model(
