@@ -191,7 +191,6 @@ def test_mtp_greedy_output_is_exact_and_drafts_are_accepted(tmp_path, monkeypatc
             ids = torch.tensor([p["prompt_token_ids"]])
             out = hf_model(str(path)).generate(ids, max_new_tokens=20, do_sample=False)
         want.append(out[0, ids.shape[1] :].tolist())
-    # `model`: the target's own path, vLLM's form (EngineArgs resolves a draft's path)
     spec = {"method": "mtp", "num_speculative_tokens": 2}  # the draft is the target's own layer
     llm = LLM(str(path), **ENGINE, speculative_config=spec)
     runner = core(llm).runner
