@@ -110,7 +110,7 @@ class Scheduler(StatsReport):
         self.connector = connector or NoKVConnector()
         # Requests holding their blocks while their KV comes from another instance (then
         # they rejoin the front of the waiting queue).
-        self.remote = RemoteKVLoads(self.kv_cache_manager, self.waiting, self._fail)
+        self.remote = RemoteKVLoads(self.kv_cache_manager, self.waiting)
 
     @property
     def waiting_for_remote(self) -> dict[str, Request]:
@@ -199,7 +199,7 @@ class Scheduler(StatsReport):
         if self.spec_stats is not None:
             plan.draft_room = draft_room(self.running, budget, self.draft_step_tokens, self.config)
         self.encoders.begin_step()
-        self.pending_outputs.extend(self.remote.finish(self.connector))
+        self.pending_outputs.extend(self.remote.finish(self.connector, self._fail))
         self._schedule_running(plan)
         if not plan.preempted:  # no waiting request is admitted in a step that preempted one
             self._schedule_waiting(plan)

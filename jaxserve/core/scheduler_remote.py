@@ -20,15 +20,10 @@ if TYPE_CHECKING:
 class RemoteKVLoads:
     """The parked requests (`requests`, by id) of one scheduler."""
 
-    def __init__(
-        self,
-        kv_cache_manager: KVCacheManager,
-        waiting: RequestQueue,
-        fail: Callable[[Request, Exception], EngineCoreOutput],
-    ):
+    def __init__(self, kv_cache_manager: KVCacheManager, waiting: RequestQueue):
         """waiting: the scheduler's queue (a request leaves it to park, and rejoins its
-        front); fail: finishes a request with an error (the scheduler's)."""
-        self.kv_cache_manager, self.waiting, self._fail = kv_cache_manager, waiting, fail
+        front)."""
+        self.kv_cache_manager, self.waiting = kv_cache_manager, waiting
         self.requests: dict[str, Request] = {}
 
     def park(
@@ -56,15 +51,21 @@ class RemoteKVLoads:
         )
         return True
 
-    def finish(self, connector: SchedulerKVConnector) -> list[EngineCoreOutput]:
+    def finish(
+        self,
+        connector: SchedulerKVConnector,
+        fail: Callable[[Request, Exception], EngineCoreOutput],
+    ) -> list[EngineCoreOutput]:
         """Requests whose remote KV arrived rejoin the front of the waiting queue with it
         counted as computed (a partial or failed load leaves the rest to compute); a failed
         load under kv_load_failure_policy "fail" finishes the request with an error. If the
-        connector cannot say, every parked request fails. Returns the failed ones' outputs."""
+        connector cannot say, every parked request fails. fail: finishes a request with an
+        error (the scheduler's; passed, not kept: no reference cycle). Returns the failed
+        ones' outputs."""
         try:
             finished = connector.get_finished_recving()
         except Exception as e:
-            return [self._fail(request, e) for request in list(self.requests.values())]
+            return [fail(request, e) for request in list(self.requests.values())]
         failed = []
         for req_id, loaded in finished.items():
             request = self.requests.get(req_id)
@@ -72,11 +73,11 @@ class RemoteKVLoads:
                 continue
             if loaded is None and connector.config.kv_load_failure_policy == "fail":
                 error = RuntimeError("its KV could not be loaded from the prefill instance")
-                failed.append(self._fail(request, error))
+                failed.append(fail(request, error))
                 continue
             if not isinstance(loaded, int | None) or not 0 <= (loaded or 0) <= request.num_tokens:
                 error = RuntimeError(f"the KV connector loaded {loaded!r} tokens")
-                failed.append(self._fail(request, error))
+                failed.append(fail(request, error))
                 continue
             del self.requests[req_id]
             request.num_computed_tokens += loaded or 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import weakref
 from typing import Any
 
 import jax
@@ -50,8 +51,12 @@ class CoreControl:
 
     def __init__(self, core: Any):
         """core: the EngineCore (its config, scheduler, runner, in_flight and
-        scheduling_paused)."""
-        self.core = core
+        scheduling_paused), held weakly: the core holds this, and a reference cycle would keep
+        a finished engine's arrays alive while the heap is frozen (engine/gc_heap.py)."""
+        try:
+            self.core = weakref.proxy(core)
+        except TypeError:  # a stand-in that takes no weak reference (tests)
+            self.core = core
         self._device_state: DeviceState | None = None
         self._transfer: WeightTransfer | None = None
 

@@ -56,3 +56,22 @@ def test_collecting_first_frees_the_garbage_before_freezing(collect):
         unfreeze_heap()
     gc.collect()
     assert alive() is None
+
+
+def test_a_dropped_engine_is_freed_while_another_keeps_the_heap_frozen(tmp_path, monkeypatch):
+    """An engine holds no reference cycle (its core, runner and scheduler go as soon as the
+    last reference does): with the heap frozen by another engine, a cycle would keep its
+    weights and KV cache until every engine of the process has shut down."""
+    from jaxserve.entrypoints.llm import LLM
+    from tests.helpers import core_of, make_tiny_hf
+
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    path = str(make_tiny_hf("llama", tmp_path / "llama"))
+    args = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16)
+    keep = LLM(path, **args)  # freezes the heap for as long as it lives
+    llm = LLM(path, **args)
+    core = core_of(llm)
+    refs = [weakref.ref(x) for x in (core, core.runner, core.scheduler, core.control)]
+    del core, llm
+    assert [r() is None for r in refs] == [True] * 4
+    del keep
