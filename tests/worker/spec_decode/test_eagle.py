@@ -240,9 +240,9 @@ def test_drafts_equal_pytorch_eagle_and_greedy_output_is_exact(
         assert drafts == reference.drafts(tokens, K), tokens
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize(("family", "tp"), [("qwen3_moe", 1), ("qwen3_moe", 2), ("gpt_oss", 1)])
 def test_eagle3_on_moe_targets_drafts_as_pytorch_and_keeps_greedy(
-    eagle3_head, tmp_path, monkeypatch, family
+    eagle3_head, tmp_path, monkeypatch, family, tp
 ):
     """EAGLE-3 over mixture-of-experts targets (their aux hidden states: the Llama forward's):
     greedy output equal to decoding without speculation, each draft PyTorch's."""
@@ -252,7 +252,7 @@ def test_eagle3_on_moe_targets_drafts_as_pytorch_and_keeps_greedy(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = token_ids(LLM(str(target), **ENGINE).generate(prompts, params, use_tqdm=False))
     spec = {"method": "eagle3", "model": str(eagle3_head), "num_speculative_tokens": K}
-    llm = LLM(str(target), **ENGINE, speculative_config=spec)
+    llm = LLM(str(target), **ENGINE, speculative_config=spec, tensor_parallel_size=tp)
     runner = core(llm).runner
     proposed, propose_rows = [], runner.proposer.propose_rows
 

@@ -170,7 +170,8 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, dtype
               enable_prefix_caching=False)  # fmt: skip
 
 
-def test_mtp_greedy_output_is_exact_and_drafts_are_accepted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mtp_greedy_output_is_exact_and_drafts_are_accepted(tmp_path, monkeypatch, tp):
     """A 1-layer DeepSeek-V3 whose MTP layer nearly repeats it (make_tiny_mtp's copy_layer0):
     with k = 2 MTP drafts, greedy output equals decoding without speculation (HF's; prompts
     chunked and not), a fair share of drafts is accepted (a draft paired with the wrong
@@ -192,7 +193,7 @@ def test_mtp_greedy_output_is_exact_and_drafts_are_accepted(tmp_path, monkeypatc
             out = hf_model(str(path)).generate(ids, max_new_tokens=20, do_sample=False)
         want.append(out[0, ids.shape[1] :].tolist())
     spec = {"method": "mtp", "num_speculative_tokens": 2}  # the draft is the target's own layer
-    llm = LLM(str(path), **ENGINE, speculative_config=spec)
+    llm = LLM(str(path), **ENGINE, speculative_config=spec, tensor_parallel_size=tp)
     runner = core(llm).runner
     runner.drafting.backoff.should_draft = lambda req_id: True
     proposed = []  # (the request's tokens, its drafts), as the engine saw them
