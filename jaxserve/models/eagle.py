@@ -51,7 +51,28 @@ class EagleDecoderLayer(DecoderLayer):
         return x, k_cache, v_cache
 
 
-class EagleLlamaForCausalLM(nnx.Module):
+class DraftHead(nnx.Module):
+    """What the proposer (spec_decode/eagle.py) calls on any draft head besides __call__:
+    its cache's heads, the feature from the target's hidden states, the greedy draft."""
+
+    config: ModelConfig
+    kv_replicas: int
+
+    @property
+    def num_cache_kv_heads(self) -> int:
+        return self.config.num_kv_heads * self.kv_replicas
+
+    def prepare(self, features: jax.Array) -> jax.Array:
+        """The target's final hidden states [T, D] are the feature as they are."""
+        return features
+
+    def greedy(self, out: jax.Array, lm_head: jax.Array, *, tied: bool, soft_cap) -> jax.Array:
+        """The target's LM head on the output -> argmax token ids i32[T]."""
+        logits = lm_logits(out, lm_head, tied=tied, soft_cap=soft_cap)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+class EagleLlamaForCausalLM(DraftHead):
     def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
         self.config = config
         self.kv_replicas = kv_replicas
@@ -63,14 +84,6 @@ class EagleLlamaForCausalLM(nnx.Module):
                 for i in range(config.num_layers)
             ]
         )
-
-    @property
-    def num_cache_kv_heads(self) -> int:
-        return self.config.num_kv_heads * self.kv_replicas
-
-    def prepare(self, features: jax.Array) -> jax.Array:
-        """The target's final hidden states [T, D] are the feature as they are."""
-        return features
 
     def __call__(
         self,
@@ -86,11 +99,6 @@ class EagleLlamaForCausalLM(nnx.Module):
         x = self.fc(jnp.concatenate([embeds, h.astype(embeds.dtype)], axis=-1))
         x, kv_caches = _run_layers(self.layers, x, positions, kv_caches, md)
         return x, x, kv_caches
-
-    def greedy(self, out: jax.Array, lm_head: jax.Array, *, tied: bool, soft_cap) -> jax.Array:
-        """The target's LM head on the output (no norm) -> argmax token ids i32[T]."""
-        logits = lm_logits(out, lm_head, tied=tied, soft_cap=soft_cap)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     @staticmethod
     def hf_weight(config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
@@ -140,7 +148,7 @@ class Eagle3DecoderLayer(nnx.Module):
         return x, k_cache, v_cache
 
 
-class Eagle3LlamaForCausalLM(nnx.Module):
+class Eagle3LlamaForCausalLM(DraftHead):
     def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
         hf = config.hf_config
         if config.num_layers != 1:
@@ -157,10 +165,6 @@ class Eagle3LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dt)
         self.draft_head = Linear(d, self.draft_vocab_size, dtype=dt, rngs=rngs)
         self.d2t = nnx.Param(jnp.zeros((self.draft_vocab_size,), jnp.int32))
-
-    @property
-    def num_cache_kv_heads(self) -> int:
-        return self.config.num_kv_heads * self.kv_replicas
 
     @staticmethod
     def aux_layers(head_config: ModelConfig, target_layers: int) -> tuple[int, ...]:

@@ -33,11 +33,12 @@ from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.norm import RMSNorm
 from jaxserve.models.deepseek import DeepseekV3ForCausalLM
+from jaxserve.models.eagle import DraftHead
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
-from jaxserve.models.llama import HFWeight, KVCaches, LlamaForCausalLM, lm_logits
+from jaxserve.models.llama import HFWeight, KVCaches, LlamaForCausalLM
 
 
-class MtpHead(nnx.Module):
+class MtpHead(DraftHead):
     """Built from the target's config (config.num_layers = L, the target's decoder layers);
     subclasses name the target family whose decoder layer and weight names the block takes."""
 
@@ -64,14 +65,6 @@ class MtpHead(nnx.Module):
         # transformers' option for checkpoints that order eh_proj's input [hidden ; embedding]
         self.hidden_first = bool(getattr(config.hf_config, "mtp_hidden_states_first", False))
 
-    @property
-    def num_cache_kv_heads(self) -> int:
-        return self.config.num_kv_heads * self.kv_replicas
-
-    def prepare(self, features: jax.Array) -> jax.Array:
-        """The target's final hidden states [T, D] are the feature as they are."""
-        return features
-
     def __call__(
         self,
         embeds: jax.Array,
@@ -88,11 +81,6 @@ class MtpHead(nnx.Module):
         k_cache, v_cache = kv_caches  # its one layer's: at_layer(0) is md itself
         x, k_cache, v_cache = self.layers[0](x, positions, k_cache, v_cache, md)
         return self.shared_head_norm(x), x, (k_cache, v_cache)
-
-    def greedy(self, out: jax.Array, lm_head: jax.Array, *, tied: bool, soft_cap) -> jax.Array:
-        """The target's LM head on the normed output -> argmax token ids i32[T]."""
-        logits = lm_logits(out, lm_head, tied=tied, soft_cap=soft_cap)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     @classmethod
     def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:

@@ -15,7 +15,12 @@ from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 from tests.helpers import TINY, hf_model, make_tiny_hf
 from tests.models.test_moe import FAMILIES
-from tests.worker.spec_decode.test_spec_decode import AcceptCounter, core, token_ids
+from tests.worker.spec_decode.test_spec_decode import (
+    AcceptCounter,
+    core,
+    record_drafts,
+    token_ids,
+)
 
 K = 3
 
@@ -218,17 +223,7 @@ def test_drafts_equal_pytorch_eagle_and_greedy_output_is_exact(
     spec = {"method": method, "model": str(head), "num_speculative_tokens": K}
     llm = LLM(str(target), **ENGINE, speculative_config=spec)
     runner = core(llm).runner
-    proposed = []  # (the request's tokens, its drafts), as the engine saw them
-    propose_rows = runner.proposer.propose_rows
-
-    def recording(ib, rows, *args):
-        drafts = propose_rows(ib, rows, *args)
-        for row, d in zip(rows, drafts, strict=True):
-            proposed.append((ib.token_ids[row, : ib.num_tokens[row]].tolist(), d))
-        return drafts
-
-    runner.proposer.propose_rows = recording
-    runner.drafting.backoff.should_draft = lambda req_id: True  # draft at every chance
+    proposed = record_drafts(runner)
     counter = AcceptCounter(llm)
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
     assert 0 < counter.accepted < counter.drafted, vars(counter)  # both outcomes
@@ -254,18 +249,7 @@ def test_eagle3_on_moe_targets_drafts_as_pytorch_and_keeps_greedy(
     spec = {"method": "eagle3", "model": str(eagle3_head), "num_speculative_tokens": K}
     llm = LLM(str(target), **ENGINE, speculative_config=spec, tensor_parallel_size=tp)
     runner = core(llm).runner
-    proposed, propose_rows = [], runner.proposer.propose_rows
-
-    def recording(ib, rows, *args):
-        drafts = propose_rows(ib, rows, *args)
-        proposed.extend(
-            (ib.token_ids[r, : ib.num_tokens[r]].tolist(), d)
-            for r, d in zip(rows, drafts, strict=True)
-        )
-        return drafts
-
-    runner.proposer.propose_rows = recording
-    runner.drafting.backoff.should_draft = lambda req_id: True
+    proposed = record_drafts(runner)
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
     reference = TorchEagle3(eagle3_head, hf_model(str(target)))
     assert len(proposed) > 3

@@ -23,7 +23,12 @@ from jaxserve.models.loader import load_model
 from jaxserve.transformers_utils.config import read_model_config
 from tests.helpers import TINY, hf_model, make_tiny_hf
 from tests.models.test_moe import FAMILIES
-from tests.worker.spec_decode.test_spec_decode import AcceptCounter, core, token_ids
+from tests.worker.spec_decode.test_spec_decode import (
+    AcceptCounter,
+    core,
+    record_drafts,
+    token_ids,
+)
 
 
 def make_tiny_mtp(family: str, out_dir, num_layers: int, copy_layer0: bool = False, **shape):
@@ -195,17 +200,7 @@ def test_mtp_greedy_output_is_exact_and_drafts_are_accepted(tmp_path, monkeypatc
     spec = {"method": "mtp", "num_speculative_tokens": 2}  # the draft is the target's own layer
     llm = LLM(str(path), **ENGINE, speculative_config=spec, tensor_parallel_size=tp)
     runner = core(llm).runner
-    runner.drafting.backoff.should_draft = lambda req_id: True
-    proposed = []  # (the request's tokens, its drafts), as the engine saw them
-    propose_rows = runner.proposer.propose_rows
-
-    def recording(ib, rows, *args):
-        drafts = propose_rows(ib, rows, *args)
-        for row, d in zip(rows, drafts, strict=True):
-            proposed.append((ib.token_ids[row, : ib.num_tokens[row]].tolist(), d))
-        return drafts
-
-    runner.proposer.propose_rows = recording
+    proposed = record_drafts(runner)
     counter = AcceptCounter(llm)
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
     # both outcomes; chance would accept about 1 draft in 256

@@ -53,6 +53,23 @@ class AcceptCounter:
         sched._take_spec_stats = counting
 
 
+def record_drafts(runner) -> list[tuple[list[int], list[int]]]:
+    """(a request's tokens, the drafts proposed after them), as the engine saw them, for every
+    proposal from now on; the runner drafts at every chance (no backoff)."""
+    proposed = []
+    propose_rows = runner.proposer.propose_rows
+
+    def recording(ib, rows, *args):
+        drafts = propose_rows(ib, rows, *args)
+        for row, d in zip(rows, drafts, strict=True):
+            proposed.append((ib.token_ids[row, : ib.num_tokens[row]].tolist(), d))
+        return drafts
+
+    runner.proposer.propose_rows = recording
+    runner.drafting.backoff.should_draft = lambda req_id: True
+    return proposed
+
+
 @pytest.fixture(scope="module")
 def plain():
     return LLM(**SMALL)
