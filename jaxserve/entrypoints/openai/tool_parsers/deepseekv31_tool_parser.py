@@ -12,16 +12,15 @@ from jaxserve.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolPa
 from jaxserve.entrypoints.openai.tool_parsers.deepseekv3_tool_parser import (
     SEP,
     DeepSeekToolParserBase,
+    name_of,
 )
 
 
 @ToolParserManager.register_module("deepseek_v31")
 class DeepSeekV31ToolParser(DeepSeekToolParserBase):
-    def _header(self, text: str, pos: int) -> tuple[str, int | None] | None:
+    def _header(self, text: str, pos: int) -> tuple[str, int, None] | None:
         sep = text.find(SEP, pos)
         if sep < 0:
             return None
-        name = text[pos:sep].strip()
-        if not name or "<｜" in name:
-            return None
-        return name, sep + len(SEP)
+        name = name_of(text[pos:sep])
+        return None if name is None else (name, sep + len(SEP), None)
