@@ -63,6 +63,23 @@ def runner_of(llm):
     return core_of(llm).runner
 
 
+def byte_level_tokenizer(special_tokens: list[str], eos_token: str):
+    """A byte-level tokenizer (every byte its own token, no merges) with `special_tokens` as
+    special tokens: a family's markers streamed token by token as its model writes them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxserve.transformers_utils.gguf_tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=eos_token, additional_special_tokens=special_tokens
+    )
+
+
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
     gemma2 | gemma3 | mixtral | qwen3_moe | glm4_moe | deepseek_v3 | deepseek_v2 | gpt_oss |

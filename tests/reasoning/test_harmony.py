@@ -15,6 +15,7 @@ from jaxserve.entrypoints.openai.chat_utils import ChoiceParser
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, to_sampling_params
 from jaxserve.entrypoints.openai.tool_parsers import ToolParserManager
 from jaxserve.reasoning import ReasoningParserManager, harmony
+from tests.helpers import byte_level_tokenizer
 
 A, F = "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>"
 CALL_HEADER = "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
@@ -117,36 +118,30 @@ def test_chat_layer_streams_what_it_parses_whole(case, size):
     message, called = make().full(text)
     assert (message.reasoning, message.content) == (reasoning, final_content)
     assert called == bool(calls) and calls_of(message) == calls
-    parser, got = make(), {"reasoning": "", "content": "", "calls": {}}
-    for d in [*(parser.delta(p, []) for p in pieces(text, size)), parser.finish()]:
+    got = streamed(make(), pieces(text, size))
+    assert got == (reasoning or "", final_content or "", calls)
+
+
+def streamed(parser, pieces) -> tuple[str, str, list[tuple[str, dict]]]:
+    """A ChoiceParser fed `pieces` then finished -> (reasoning, content, [(name, args)])."""
+    reasoning, content, calls = "", "", {}
+    for d in [*(parser.delta(p, []) for p in pieces), parser.finish()]:
         if d is None:
             continue
-        got["reasoning"] += d.reasoning or ""
-        got["content"] += d.content or ""
+        reasoning += d.reasoning or ""
+        content += d.content or ""
         for c in d.tool_calls:
-            entry = got["calls"].setdefault(c.index, ["", ""])
+            entry = calls.setdefault(c.index, ["", ""])
             entry[0] += c.function.name or ""
             entry[1] += c.function.arguments or ""
-    assert got["reasoning"] == (reasoning or "") and got["content"] == (final_content or "")
-    assert [(n, json.loads(a)) for n, a in got["calls"].values()] == calls
+    return reasoning, content, [(n, json.loads(a)) for n, a in calls.values()]
 
 
 @pytest.fixture(scope="module")
 def harmony_tokenizer():
     """A byte-level tokenizer with gpt-oss's harmony tokens as special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from jaxserve.transformers_utils.gguf_tokenizer import bytes_to_unicode
-
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|return|>",
-        additional_special_tokens=[t for t in harmony.SPECIAL_TOKENS if t != "<|return|>"],
-    )  # fmt: skip
+    specials = [t for t in harmony.SPECIAL_TOKENS if t != "<|return|>"]
+    return byte_level_tokenizer(specials, "<|return|>")
 
 
 def test_parsers_keep_special_tokens_and_the_detokenizer_writes_them_unspaced(harmony_tokenizer):

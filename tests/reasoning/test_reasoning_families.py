@@ -15,6 +15,7 @@ from jaxserve.entrypoints.openai.chat_utils import ChoiceParser
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest
 from jaxserve.entrypoints.openai.tool_parsers import ToolParserManager
 from jaxserve.reasoning import ReasoningParserManager
+from tests.reasoning.test_harmony import streamed
 from tests.reasoning.test_reasoning_parsers import FakeTokenizer, make, stream
 
 ON = {"chat_template_kwargs": {"thinking": True}}
@@ -162,16 +163,7 @@ def test_reasoning_then_tool_calls_in_the_chat_layer(reasoner, tools, kwargs, ou
     assert called and calls == [("get_time", {"tz": "UTC"})]
     assert (message.reasoning, message.content or None) == (reasoning, content)
     for size in (1, 4, len(output)):
-        p, got = parser(), {"reasoning": "", "content": "", "calls": {}}
         pieces = [output[i : i + size] for i in range(0, len(output), size)]
-        for d in [*(p.delta(piece, []) for piece in pieces), p.finish()]:
-            if d is None:
-                continue
-            got["reasoning"] += d.reasoning or ""
-            got["content"] += d.content or ""
-            for c in d.tool_calls:
-                entry = got["calls"].setdefault(c.index, ["", ""])
-                entry[0] += c.function.name or ""
-                entry[1] += c.function.arguments or ""
-        assert (got["reasoning"] or None, got["content"] or None) == (reasoning, content), size
-        assert [(n, json.loads(a)) for n, a in got["calls"].values()] == calls, size
+        got_reasoning, got_content, got_calls = streamed(parser(), pieces)
+        assert (got_reasoning or None, got_content or None) == (reasoning, content), size
+        assert got_calls == calls, size

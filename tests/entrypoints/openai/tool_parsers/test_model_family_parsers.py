@@ -22,6 +22,7 @@ from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, to_sampl
 from jaxserve.entrypoints.openai.protocol_output import ChatCompletionChunk, ChatStreamChoice
 from jaxserve.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from tests.entrypoints.openai.tool_parsers.test_tool_parsers import splits, stream
+from tests.helpers import byte_level_tokenizer
 
 TOOLS = [
     {
@@ -424,18 +425,7 @@ def test_registered_names():
 @pytest.fixture(scope="module")
 def special_tokenizer():
     """A byte-level tokenizer with the families' call markers as special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from jaxserve.transformers_utils.gguf_tokenizer import bytes_to_unicode
-
-    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<eos>", additional_special_tokens=SPECIAL_TOKENS
-    )
+    return byte_level_tokenizer(SPECIAL_TOKENS, "<eos>")
 
 
 @pytest.mark.parametrize("case", CASES)
