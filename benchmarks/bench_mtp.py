@@ -63,15 +63,20 @@ def make_model(out_dir: Path) -> Path:
         weights[name] = weights[name.replace(prefix, "model.layers.0.")].clone()
     # the target's feature counts a little (about 0.4 of the embedding's rms)
     small = torch.randn(d, d, generator=torch.Generator().manual_seed(2)) * 0.4 / d**0.5
-    weights.update({
-        prefix + "enorm.weight": torch.ones(d),
-        prefix + "hnorm.weight": torch.ones(d),
-        prefix + "eh_proj.weight": torch.cat([torch.eye(d), small], dim=1),
-        prefix + "shared_head.norm.weight": weights["model.norm.weight"].clone(),
-        prefix + "shared_head.head.weight": weights["lm_head.weight"].clone(),
-    })  # fmt: skip
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    weights.update(
+        {
+            prefix + "enorm.weight": torch.ones(d),
+            prefix + "hnorm.weight": torch.ones(d),
+            prefix + "eh_proj.weight": torch.cat([torch.eye(d), small], dim=1),
+            prefix + "shared_head.norm.weight": weights["model.norm.weight"].clone(),
+            prefix + "shared_head.head.weight": weights["lm_head.weight"].clone(),
+        }
+    )
+    save_file(
+        {k: v.contiguous() for k, v in weights.items()},
+        str(out_dir / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg.update(num_hidden_layers=1, num_nextn_predict_layers=1)
     (out_dir / "config.json").write_text(json.dumps(cfg))
@@ -107,15 +112,19 @@ def main() -> dict:
     path = make_model(Path(tempfile.mkdtemp()) / "deepseek-mtp")
     engine = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, dtype="float32")
     spec = {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
-    llms = {"none": LLM(str(path), **engine), "mtp": LLM(str(path), **engine,
-                                                          speculative_config=spec)}  # fmt: skip
+    llms = {
+        "none": LLM(str(path), **engine),
+        "mtp": LLM(str(path), **engine, speculative_config=spec),
+    }
     counts = accepted_share(llms["mtp"])
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rng = np.random.default_rng(0)
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        prompts = [{"prompt_token_ids": rng.integers(0, SHAPE["vocab_size"], args.input_len)
-                    .tolist()} for _ in range(b)]  # fmt: skip
+        prompts = [
+            {"prompt_token_ids": rng.integers(0, SHAPE["vocab_size"], args.input_len).tolist()}
+            for _ in range(b)
+        ]
         for llm in llms.values():
             llm.generate(prompts, params, use_tqdm=False)  # warm-up
         times = {name: [] for name in llms}
