@@ -93,8 +93,10 @@ def test_streaming_load_spreads_over_both_engines_and_servers_with_dp1_tokens(sc
     assert sum(done) == 64 and all(0.4 * 64 <= n <= 0.6 * 64 for n in done), done
     assert texts[:6] == one_engine_texts(tiny_model, PROMPTS[:6], 12)  # the same greedy text
     log = scaled.tail(2000)
-    for i in (0, 1):  # both API servers took connections
-        assert len(re.findall(rf"\(APIServer{i} pid=\d+\) .*POST /v1/completions", log)) >= 5
+    # both API servers took connections (how many each is the kernel's accept order: on a busy
+    # 2-core machine one took 62 of 64 once)
+    for i in (0, 1):
+        assert re.search(rf"\(APIServer{i} pid=\d+\) .*POST /v1/completions", log)
     for engine in (0, 1):  # every block back
         wait_metric(scaled, "kv_cache_usage_perc", f'engine="{engine}"', 0.0)
         wait_metric(scaled, "num_requests_running", f'engine="{engine}"', 0.0)
