@@ -1,5 +1,5 @@
 """Arrays from one pipeline stage's devices to the next one's when the two stages are not both
-this one process's (pipeline parallelism over several hosts, worker/pipeline_runner.py).
+this one process's (pipeline parallelism over several hosts, worker/pipeline_stages.py).
 
 Within one process `jax.device_put` moves an array between two meshes; across processes no
 process holds both ends. A `StageLink` is a program over the union of the two stages'

@@ -30,7 +30,7 @@ class StepInputs(NamedTuple):
     mm_rows: np.ndarray | None = None
     mm_embeds: jax.Array | None = None
     mrope_positions: np.ndarray | None = None
-    # A pipeline stage after the first (worker/pipeline_runner.py): the stage before's
+    # A pipeline stage after the first (worker/pipeline_stages.py): the stage before's
     # hidden states [T, D], in place of the embedding
     hidden_in: jax.Array | None = None
 

@@ -5,6 +5,7 @@ engine core calls it (engine/core.py), and so does every multi-host follower ran
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -21,7 +22,7 @@ from jaxserve.startup import StartupTimeline
 from jaxserve.worker.buckets import BucketTable
 from jaxserve.worker.executables import ExecutableRegistry, enable_persistent_compilation_cache
 from jaxserve.worker.model_runner import ModelRunner
-from jaxserve.worker.pipeline_runner import PipelineRunner
+from jaxserve.worker.pipeline_stages import PipelineStages
 from jaxserve.worker.simulated import SimulatedRunner
 from jaxserve.worker.spec_decode.draft_model import DraftModelProposer
 from jaxserve.worker.spec_decode.eagle import EagleProposer
@@ -111,11 +112,11 @@ def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel:
 
 def build_pipeline_runner(
     config: EngineConfig, timeline: StartupTimeline, executables: ExecutableRegistry | None
-) -> PipelineRunner:
+) -> ModelRunner:
     """pp stages of tp devices each (distributed/mesh.py::pipeline_meshes: this process's
     first pp * tp, or over several hosts each one's share), every parameter loaded straight
     onto its stage's: a layer's on its stage, the embedding on the first, the final norm and
-    LM head on the last (worker/pipeline_runner.py)."""
+    LM head on the last (worker/pipeline_stages.py)."""
     pp, tp = config.parallel.pipeline_parallel_size, config.parallel.tensor_parallel_size
     enable_persistent_compilation_cache()
     meshes = pipeline_meshes(tp, pp)
@@ -139,7 +140,10 @@ def build_pipeline_runner(
             mesh_of=mesh_of,
         )
     with timeline.phase("model runner"):
-        return PipelineRunner(loaded, config, stages, meshes, executables=executables)
+        pipeline = PipelineStages(loaded, config, stages, meshes)
+        # the sampler, the LM head and the step state on the last stage's devices
+        last = dataclasses.replace(loaded, mesh=meshes[-1])
+        return ModelRunner(last, config, executables=executables, stages=pipeline)
 
 
 def make_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None) -> Proposer:

@@ -43,10 +43,11 @@ from jaxserve.worker.device_state import DeviceState
 from jaxserve.worker.executables import ExecutableRegistry
 from jaxserve.worker.input_batch import InputBatch
 from jaxserve.worker.kv_block_io import KVBlockCopier
-from jaxserve.worker.kv_cache import KVCacheSpec, determine_num_blocks
+from jaxserve.worker.kv_cache import KVCacheSpec
 from jaxserve.worker.runner_protocol import EncoderCacheSpec, KVLayout
 from jaxserve.worker.spec_decode.drafting import Drafting
 from jaxserve.worker.spec_decode.proposer import Proposer
+from jaxserve.worker.stages import OneStage, Stages
 from jaxserve.worker.step_compiler import StepCompiler
 from jaxserve.worker.step_features import build_features
 from jaxserve.worker.step_types import PendingStep
@@ -63,8 +64,6 @@ DECODE_ONLY_FORWARDS = {"pallas": True, "cpu": False, "reference": False}
 class ModelRunner(StepCompiler):
     """One process's devices running the step (the Runner protocol: runner_protocol.py)."""
 
-    followers_need_sampled = False  # (a pipeline's: pipeline_runner.py)
-
     def __init__(
         self,
         loaded: LoadedModel,
@@ -72,10 +71,12 @@ class ModelRunner(StepCompiler):
         proposer: Proposer | None = None,
         *,
         executables: ExecutableRegistry | None = None,
+        stages: Stages | None = None,
     ):
         """proposer: what drafts tokens (speculative decoding; worker/build.py makes it);
         executables: the registry to compile into (worker/executables.py; a test's may wrap
-        how shapes compile or are looked up), a new one by default."""
+        how shapes compile or are looked up), a new one by default; stages: where the
+        forward runs (stages.py), the whole model on `loaded.mesh` by default."""
         sc, cc = engine_config.scheduler, engine_config.cache
         self.engine_config = engine_config
         self.config = loaded.config
@@ -84,6 +85,11 @@ class ModelRunner(StepCompiler):
         self.max_blocks_per_req = -(-self.max_model_len // cc.block_size)
         self.max_num_seqs = sc.max_num_seqs
         self.proposer = proposer or Proposer()
+        self.stages = stages or OneStage()
+        # A process without the last stage (a pipeline over hosts) neither samples nor holds
+        # the step state: its input batch takes each step's tokens from rank 0 (fetch).
+        self.samples = self.stages.samples
+        self.followers_need_sampled = self.stages.followers_need_sampled
         k = self.proposer.num_speculative_tokens
         self.buckets = BucketTable.build(
             sc.max_num_seqs, sc.max_num_batched_tokens, k, coarse=envs.JAXSERVE_MINIMAL_COMPILE
@@ -112,7 +118,7 @@ class ModelRunner(StepCompiler):
             loaded.model.num_cache_kv_heads,
             self.max_num_seqs,
         )
-        self.head = loaded.model.logits_head  # [V, D] tied or [D, V]
+        self.head = self.stages.place_head(loaded.model.logits_head)  # [V, D] tied or [D, V]
         rep = self._replicated = NamedSharding(self.mesh, P())
         # LoRA, images, pooling, KV transfer (worker/step_feature.py): built before the split
         self.features = build_features(loaded, engine_config, self.kv, rep)
@@ -153,22 +159,16 @@ class ModelRunner(StepCompiler):
     # ------------------------------------------------------------------ start-up
     def kv_bytes_per_block(self) -> int:
         """Every cache one block id covers: the target's and a proposer's."""
-        return self.kv.bytes_per_block() + self.proposer.kv_bytes_per_block(self.kv.block_size)
+        block_size = self.kv.block_size
+        return self.stages.kv_bytes_per_block(self) + self.proposer.kv_bytes_per_block(block_size)
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit the budget (per device: this process's), after weights and compiled
         steps."""
-        return determine_num_blocks(
-            self.engine_config.cache,
-            self.mesh.local_devices[0],
-            self.kv_bytes_per_block(),
-            self.max_blocks_per_req + 1,
-            self.max_model_len,
-            self.kv.state_bytes(),
-        )
+        return self.stages.determine_num_blocks(self)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.kv.allocate(num_blocks)
+        self.kv_caches = self.stages.allocate(self, num_blocks)
         self.num_blocks = num_blocks
         self.proposer.initialize_kv_cache(num_blocks, self.kv.block_size)
         logger.info(
@@ -216,15 +216,7 @@ class ModelRunner(StepCompiler):
     def dummy_step(self) -> None:
         """The smallest forward over padding (no KV written, nothing sampled), run to its
         end: a data-parallel engine with no work steps with the others (vLLM's dummy batch)."""
-        t, decode_only = self.ready_token_buckets()[0], self.decode_only_forwards
-        outs = self.executables["forward", t, decode_only](
-            self.params,
-            self.kv_caches,
-            self.last_tokens,
-            self._padding(t, decode_only),
-        )
-        self.kv_caches = outs[2]
-        jax.block_until_ready(outs[0])
+        self.stages.dummy_step(self)
 
     # ------------------------------------------------------------------ a serving step
     def dispatch(self, so: SchedulerOutput) -> PendingStep | None:
@@ -247,7 +239,7 @@ class ModelRunner(StepCompiler):
             forward = feature.forward_inputs(forward, batch, ib)
             self.kv_caches = feature.load(so, self.kv_caches, executables)
         batch = batch._replace(forward=forward)
-        last_hidden, hidden, *aux = self._forward(batch)
+        last_hidden, hidden, *aux = self.stages.forward(self, batch)
         values = {}
         for feature in features:  # e.g. pooled states, KV blocks to save
             value = feature.after_forward(so, batch, hidden, self.kv_caches, executables)
@@ -262,18 +254,11 @@ class ModelRunner(StepCompiler):
             return pending  # sampled once every earlier token is known (grammars, bad words)
         return self.dispatch_sample(pending, None)
 
-    def _forward(self, batch) -> tuple:
-        """The step's forward: (last_hidden, hidden, *EAGLE-3 features), the KV cache updated
-        (a pipeline runs one per stage: pipeline_runner.py)."""
-        outs = self.executables["forward", batch.num_tokens, batch.forward.attn.decode_only](
-            self.params, self.kv_caches, self.last_tokens, batch.forward
-        )
-        self.kv_caches = outs[2]
-        return (*outs[:2], *outs[3:])
-
     def dispatch_sample(self, pending: PendingStep, bitmask: np.ndarray | None) -> PendingStep:
         """Start a dispatched step's sampling; bitmask: i32[num_reqs, ceil(V/32)] (or None),
         the allowed tokens of each row (structured outputs)."""
+        if not self.samples:
+            return pending
         batch, ib = pending.batch, self.input_batch
         sample_inputs, needed = batch.sample, batch.needed
         s = sample_inputs.rows.shape[0]
@@ -307,9 +292,16 @@ class ModelRunner(StepCompiler):
                 leaf.copy_to_host_async()
         return pending._replace(fetch=fetch, last_hidden=None, hidden=None)
 
-    def fetch(self, pending: PendingStep) -> ModelRunnerOutput:
-        """Wait for a dispatched step and bring its results to the host: the step's one sync."""
+    def fetch(
+        self, pending: PendingStep, sampled: np.ndarray | None = None
+    ) -> ModelRunnerOutput | None:
+        """Wait for a dispatched step and bring its results to the host: the step's one sync.
+        Where this process does not sample, the input batch takes the step's tokens from
+        rank 0 instead (`sampled`: i32[num_reqs], worker/multihost.py's)."""
         batch, ib = pending.batch, self.input_batch
+        if not self.samples:
+            ib.fill_sampled(batch, sampled)
+            return None
         fetched = jax.device_get(pending.fetch)
         row_ids = np.asarray(fetched["ids"], np.int32)
         final_row, num_accepted, refill = self.drafting.accept(batch, row_ids, ib)
@@ -333,7 +325,9 @@ class ModelRunner(StepCompiler):
         return result
 
     def _fill_penalty_row(self, row: int) -> None:
-        """Fill an input-batch row's penalty state from its known tokens."""
+        """Fill an input-batch row's penalty state from its known tokens (the sampler's)."""
+        if not self.samples:
+            return
         ib = self.input_batch
         self.penalty_state = self.executables["init_penalty_row",](
             self.penalty_state,

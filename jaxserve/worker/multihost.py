@@ -111,7 +111,7 @@ class BroadcastRunner:
         )
         if name == "fetch" and self._runner.followers_need_sampled:
             # a pipeline whose last stage is rank 0's: its fetch runs no program, and the
-            # other ranks take the step's sampled tokens from it (pipeline_runner.py)
+            # other ranks take the step's sampled tokens from it (pipeline_stages.py)
             result = method(*args, **kwargs)
             sampled = {"sampled": result.sampled_token_ids}
             self._leader.send((name, refs, {**kwargs, **sampled}, None))

@@ -1,11 +1,12 @@
 """What the engine core may call on a model runner (lifecycle step 7's interface).
 
-Four runners implement it explicitly: `ModelRunner` (one process's devices), `PipelineRunner`
-(stages of it), `BroadcastRunner` (rank 0 of several hosts: each call that runs programs on
-the devices is sent to the follower ranks first) and `SimulatedRunner` (a cost model, no
-model). The engine core (engine/core.py, core_control.py) calls nothing else on a runner,
-and probes for nothing: a feature the runner was built without answers with the error its
-method raises (`add_lora` without `enable_lora`) or with its empty value
+Three runners implement it explicitly: `ModelRunner` (one process's devices, its forward as
+one program or a pipeline's stages: stages.py, pipeline_stages.py), `BroadcastRunner` (rank 0
+of several hosts: each call that runs programs on the devices is sent to the follower ranks
+first) and `SimulatedRunner` (a cost model, no model). The engine core (engine/core.py,
+core_control.py) calls nothing else on a runner, and probes for nothing: a feature the runner
+was built without answers with the error its method raises (`add_lora` without `enable_lora`)
+or with its empty value
 (`encoder_cache_spec` of a text-only model is None).
 """
 

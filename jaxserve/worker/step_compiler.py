@@ -16,6 +16,7 @@ import numpy as np
 from jaxserve import cache_keys
 from jaxserve.layers.sampler import COMPILED_VARIANTS, FULL_VARIANT
 from jaxserve.worker import executable_cache
+from jaxserve.worker.stages import shapes
 from jaxserve.worker.step_feature import LoweringInputs
 
 # The executables compiled per token bucket (name[1]): a step of T tokens runs them at T's.
@@ -50,7 +51,7 @@ class StepCompiler:
 
     def devices_of(self, name: tuple) -> list:
         """The devices step shape `name` runs on (a pipeline's differ by stage)."""
-        return list(self.mesh.devices.flat)
+        return self.stages.devices_of(self, name)
 
     def _serves_any_step(self, name: tuple) -> bool:
         """Whether step shape `name` is among those compile_all(background=True) waits for."""
@@ -96,23 +97,21 @@ class StepCompiler:
             mesh=repr(self.mesh),
             **({"compile_set": "minimal"} if self.minimal_compile else {}),
             **{k: v for feature in self.features for k, v in feature.cache_key().items()},
+            **self.stages.cache_key(),
         )
 
     def lowerings(self) -> dict[tuple, Callable[[], Any]]:
         """Every step shape's name -> a function lowering it (called in compile_all's
         background thread too: the donated state is captured as shapes, not arrays)."""
         rep, d, dtype = self._replicated, self.config.hidden_size, self.config.dtype
-        spec = lambda tree: jax.tree.map(  # noqa: E731
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
-        )
-        kv, penalty, last = spec(self.kv_caches), spec(self.penalty_state), spec(self.last_tokens)
-        last_hidden = jax.ShapeDtypeStruct((self.buckets.max_sample_rows, d), dtype, sharding=rep)
-        jits, out = self._jits, {}
         padding = {v: self._padding(*v, spec=True) for v in self.forward_variants()}
-        for (t, decode_only), inputs in padding.items():
-            out["forward", t, decode_only] = functools.partial(
-                jits["forward"].lower, self.params, kv, last, inputs
-            )
+        out = self.stages.lowerings(self, padding)  # the forwards (a pipeline's per stage)
+        if not self.samples:
+            return out
+        kv, penalty = shapes(self.kv_caches), shapes(self.penalty_state)
+        last = shapes(self.last_tokens)
+        last_hidden = jax.ShapeDtypeStruct((self.buckets.max_sample_rows, d), dtype, sharding=rep)
+        jits = self._jits
         hidden = lambda t: jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)  # noqa: E731
         for t in self.buckets.tokens:
             out["prompt_logprobs", t] = functools.partial(

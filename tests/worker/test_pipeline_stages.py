@@ -1,4 +1,4 @@
-"""Pipeline parallelism on the suite's 4 CPU devices (worker/pipeline_runner.py): greedy
+"""Pipeline parallelism on the suite's 4 CPU devices (worker/pipeline_stages.py): greedy
 tokens and logprobs equal to one stage's, for a tiny Llama, Gemma 3 and Qwen3-MoE at pp 2, pp 4
 and tp 2 x pp 2; with chunked prefill, preemption and prefix caching."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-from tests.helpers import engines_in_process, make_tiny_hf
+from tests.helpers import engines_in_process, make_tiny_hf, runner_of
 
 PROMPTS = [[1, 5, 9, 42, 7, 3, 11], [3, 100, 4], [7] * 40, [200, 201, 202, 9, 8]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -24,8 +24,8 @@ def run(model, prompts=PROMPTS, *, state: dict | None = None, **engine_args) -> 
     engine = llm.llm_engine
     pp = engine_args.get("pipeline_parallel_size", 1)
     if pp > 1:  # each stage's weights and KV cache on devices of its own
-        runner = engine.engine_core.engine_core.runner
-        stages = zip(runner.stage_params, runner.kv_caches, strict=True)
+        runner = runner_of(llm)
+        stages = zip([s.params for s in runner.stages.stages], runner.kv_caches, strict=True)
         devices = [{d for x in [*p, *kv] for d in x.devices()} for p, kv in stages]
         assert len(devices) == pp and len(set().union(*devices)) == sum(map(len, devices))
     for i, prompt in enumerate(prompts):
