@@ -14,10 +14,9 @@ Each step, `schedule()` (vLLM V1's) fills a StepPlan (core/scheduler_utils.py) i
 `update_from_output` applies each request's results (the sampled tokens and the stop conditions:
 scheduler_utils.update_request_from_step) and frees finished requests' blocks.
 
-Failure isolation: an exception in the work done for one request (its KV connector calls,
-its grammar, its results) finishes that request alone, FINISHED_ERROR ("error", the exception
-in its output's stop_reason, as vLLM), its blocks freed; the others go on. Only what is no one
-request's (the model runner's step) stays fatal to the engine.
+Failure isolation: an exception in one request's work (its KV connector calls, its grammar,
+its results) finishes it alone, FINISHED_ERROR (the exception in its stop_reason, as vLLM),
+blocks freed; only what is no one request's (the model runner's step) kills the engine.
 
 Speculative decoding: a running request in decode also runs the draft tokens the proposer made
 after its last step (`Request.spec_token_ids`) when they fit the budget and its limits; they
@@ -45,7 +44,7 @@ from jaxserve.core.request_queue import create_request_queue
 from jaxserve.core.scheduler_gates import EncoderGate, GrammarGate, NoEncoderGate
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler_remote import RemoteKVLoads
-from jaxserve.core.scheduler_stats import StatsReport
+from jaxserve.core.scheduler_stats import make_stats
 from jaxserve.core.scheduler_utils import (
     StepPlan,
     decodes_in_place,
@@ -61,9 +60,11 @@ from jaxserve.structured_output import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(StatsReport):
+class Scheduler:
     """The engine core's request states (waiting, running, waiting for remote KV) and each
     step's plan; see the module docstring for the order of things."""
+
+    make_stats = make_stats  # what it reports after a step (scheduler_stats.py)
 
     def __init__(
         self,
@@ -102,14 +103,13 @@ class Scheduler(StatsReport):
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.pending_outputs: list[EngineCoreOutput] = []  # finished outside a step
-        self.num_preemptions = 0  # since the last stats snapshot
-        self.total_preemptions = 0
+        self.num_preemptions, self.total_preemptions = 0, 0  # (since the last stats; in all)
+        self.num_skipped = 0  # waiting requests the last admission pass went past
         self.spec_stats = SpecDecodingStats() if speculative else None  # since the last stats
         self.num_lookahead_tokens = num_lookahead_tokens
         self.draft_step_tokens = draft_step_tokens
         self.connector = connector or NoKVConnector()
-        # Requests holding their blocks while their KV comes from another instance (then
-        # they rejoin the front of the waiting queue).
+        # Requests holding their blocks while their KV comes from another instance
         self.remote = RemoteKVLoads(self.kv_cache_manager, self.waiting)
 
     @property

@@ -9,7 +9,7 @@ last admission pass found them, and every request waiting for remote KV)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from jaxserve.core.scheduler_utils import lora_stats
 from jaxserve.ipc.messages import SchedulerStats, SpecDecodingStats
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from jaxserve.core.request_queue import RequestQueue
 
 
-class StatsReport:
-    """The Scheduler's make_stats (a mixin: the counters it reads are the scheduler's)."""
+class StatsSource(Protocol):
+    """What make_stats reads of the scheduler (and resets: its counts since the last call)."""
 
     kv_cache_manager: KVCacheManager
     connector: SchedulerKVConnector | None
@@ -32,28 +32,27 @@ class StatsReport:
     max_loras: int
     num_preemptions: int  # since the last stats
     spec_stats: SpecDecodingStats | None  # since the last stats; None: no speculation
-    num_skipped: int = 0  # waiting requests the last admission pass went past (deferred)
+    num_skipped: int  # waiting requests the last admission pass went past (deferred)
 
-    def make_stats(self) -> SchedulerStats:
-        """The state now and the counts since the last call (which resets them)."""
-        prefix = self.kv_cache_manager.make_prefix_cache_stats()
-        preemptions, self.num_preemptions = self.num_preemptions, 0
-        remote = len(self.waiting_for_remote)
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting) + remote,
-            kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            num_preemptions=preemptions,
-            spec_decoding=self._take_spec_stats(),
-            kv_connector=self.connector.take_stats(),
-            **lora_stats(self.running, self.waiting, self.max_loras),
-            # (a skipped request may have been aborted since the pass)
-            num_deferred_reqs=min(self.num_skipped, len(self.waiting)) + remote,
-        )
 
-    def _take_spec_stats(self) -> SpecDecodingStats | None:
-        stats = self.spec_stats
-        self.spec_stats = SpecDecodingStats() if stats is not None else None
-        return stats
+def make_stats(sched: StatsSource) -> SchedulerStats:
+    """The state now and the counts since the last call (which resets them): the Scheduler's
+    `make_stats` method."""
+    prefix = sched.kv_cache_manager.make_prefix_cache_stats()
+    preemptions, sched.num_preemptions = sched.num_preemptions, 0
+    spec, remote = sched.spec_stats, len(sched.waiting_for_remote)
+    if spec is not None:
+        sched.spec_stats = SpecDecodingStats()
+    return SchedulerStats(
+        num_running_reqs=len(sched.running),
+        num_waiting_reqs=len(sched.waiting) + remote,
+        kv_cache_usage=sched.kv_cache_manager.usage,
+        prefix_cache_queries=prefix.queries,
+        prefix_cache_hits=prefix.hits,
+        num_preemptions=preemptions,
+        spec_decoding=spec,
+        kv_connector=sched.connector.take_stats(),
+        **lora_stats(sched.running, sched.waiting, sched.max_loras),
+        # (a skipped request may have been aborted since the pass)
+        num_deferred_reqs=min(sched.num_skipped, len(sched.waiting)) + remote,
+    )

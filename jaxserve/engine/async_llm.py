@@ -25,10 +25,10 @@ from typing import Any
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.arg_utils import EngineArgs
-from jaxserve.engine.async_control import AsyncControl
 from jaxserve.engine.core_client import AsyncMPClient
 from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
 from jaxserve.engine.gc_heap import freeze_heap, unfreeze_heap
+from jaxserve.engine.generation_gate import GenerationGate
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.ipc.messages import SchedulerStats
@@ -98,7 +98,7 @@ class _Aborted(Exception):
     """Put into a collector by abort(): ends that request's generator."""
 
 
-class AsyncLLM(AsyncControl):
+class AsyncLLM:
     def __init__(
         self,
         config: EngineConfig,
@@ -122,6 +122,8 @@ class AsyncLLM(AsyncControl):
         self.output_processor = OutputProcessor(tokenizer, tracer)
         self.engine_core = client
         self.collectors: dict[str, RequestOutputCollector] = {}
+        # pause and sleep (generation_gate.py): what `generate` waits at
+        self.gate = GenerationGate(client.call_utility_async, self.collectors)
         self.scheduler_stats = SchedulerStats()
         # anything with record(SchedulerStats | None, IterationStats, engine index)
         self.stat_loggers: list[Any] = []
@@ -187,7 +189,7 @@ class AsyncLLM(AsyncControl):
         if request_id in self.collectors:
             raise ValueError(f"request_id {request_id!r} is already running")
         self._start_output_handler()
-        await self.wait_until_resumed()  # generation paused (async_control.py)
+        await self.gate.wait_until_resumed()  # paused or asleep (generation_gate.py)
         text, ids = self.input_processor.tokenize(prompt)
         request = self.input_processor.process(
             request_id,
@@ -267,6 +269,69 @@ class AsyncLLM(AsyncControl):
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         return await self.engine_core.call_utility_async(method, *args)
+
+    # ------------------------------------------------------------------ pause and sleep
+    async def pause_generation(
+        self,
+        mode: str = "abort",
+        clear_cache: bool = True,
+        *,
+        wait_for_inflight_requests: bool = False,
+    ) -> None:
+        """Stop generating: "abort" (default), "wait" or "keep" (generation_gate.py);
+        wait_for_inflight_requests: vLLM's older "wait"."""
+        await self.gate.pause("wait" if wait_for_inflight_requests else mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.gate.resume()
+
+    async def is_paused(self) -> bool:
+        return self.gate.is_paused()
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the device memory (what runs is aborted first, unless paused already)."""
+        await self.gate.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.gate.wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.gate.is_sleeping()
+
+    # ------------------------------------------------------------------ weights, runner calls
+    async def init_weight_transfer_engine(self, init_info: dict) -> None:
+        await self.call_utility("init_weight_transfer_engine", init_info)
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        await self.call_utility("start_weight_update", is_checkpoint_format)
+
+    async def update_weights(self, update_info: dict) -> None:
+        """Stage the tensors `update_info` names (applied by finish_weight_update)."""
+        await self.call_utility("update_weights_from", update_info)
+
+    async def finish_weight_update(self) -> Any:
+        return await self.call_utility("finish_weight_update")
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.call_utility("reset_prefix_cache"))
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list:
+        """A model-runner method on every worker of every engine: their results. By name only
+        (engine/core_control.py's COLLECTIVE_RPC_METHODS): functions are LLM.collective_rpc's,
+        never sent from a server."""
+        if not isinstance(method, str):
+            raise ValueError(f"collective_rpc takes a method name, got {type(method).__name__}")
+        call = self.call_utility("collective_rpc", method, list(args), kwargs or {})
+        result = await asyncio.wait_for(call, timeout)
+        if self.config.parallel.data_parallel_size > 1:  # one list per engine
+            return [r for engine in result for r in engine]
+        return result
 
     async def add_lora(self, lora: LoRARequest) -> None:
         """Load an adapter into every engine's host cache, checked (vLLM's add_lora):

@@ -1,5 +1,5 @@
 """The server's development routes (JAXSERVE_SERVER_DEV_MODE=1; vLLM's VLLM_SERVER_DEV_MODE):
-what an RL trainer drives between rollouts, over AsyncLLM's methods (engine/async_control.py).
+what an RL trainer drives between rollouts, over AsyncLLM's methods (engine/generation_gate.py).
 
   POST /sleep?level=1|2        GET /is_sleeping        POST /wake_up?tags=weights&tags=kv_cache
   POST /pause?mode=abort|wait|keep&clear_cache=true    POST /resume        GET /is_paused
@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxserve.engine.async_control import PAUSE_MODES
 from jaxserve.engine.exceptions import EngineDeadError
+from jaxserve.engine.generation_gate import PAUSE_MODES
 from jaxserve.entrypoints.openai.json_limits import check_json_limits
 from jaxserve.entrypoints.openai.request_body import RequestTooLarge, read_body
 

@@ -114,7 +114,7 @@ async def ready(request: Request) -> Response:
     alive = not serving_of(request).engine.errored
     status = await cache.get() if alive else cache.last  # a dead engine is not asked
     alive = alive and not serving_of(request).engine.errored  # (it may have died meanwhile)
-    # paused or asleep (the dev routes, engine/async_control.py): requests would only wait
+    # paused or asleep (the dev routes, engine/generation_gate.py): requests would only wait
     paused = await serving_of(request).engine.is_paused()
     fully = bool(status and status["fully_compiled"])
     body = {

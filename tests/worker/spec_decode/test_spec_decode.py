@@ -42,15 +42,15 @@ class AcceptCounter:
     def __init__(self, llm):
         self.drafted = self.accepted = 0
         sched = core(llm).scheduler
-        take = sched._take_spec_stats
+        make = sched.make_stats
 
         def counting():
-            stats = take()
-            self.drafted += stats.num_draft_tokens
-            self.accepted += stats.num_accepted_tokens
+            stats = make()
+            self.drafted += stats.spec_decoding.num_draft_tokens
+            self.accepted += stats.spec_decoding.num_accepted_tokens
             return stats
 
-        sched._take_spec_stats = counting
+        sched.make_stats = counting
 
 
 def record_drafts(runner) -> list[tuple[list[int], list[int]]]:

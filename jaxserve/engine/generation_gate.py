@@ -1,5 +1,6 @@
-"""What the server's dev-mode routes call on AsyncLLM (mixed into it): pause and resume
-generation, sleep and wake, weight transfers and runner calls (vLLM's AsyncLLM methods).
+"""Whether AsyncLLM takes new requests: generation paused or resumed, the engine asleep or
+awake (AsyncLLM's pause_generation, sleep, wake_up and their queries: vLLM's methods). The
+gate owns that state; AsyncLLM's `generate` waits at it.
 
 pause_generation(mode):
   "abort"  every in-flight request finishes at once with finish_reason "abort" (default)
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable, Sized
 from typing import Any
 
 from jaxserve.engine.exceptions import EngineAsleepError
@@ -25,13 +27,18 @@ PAUSE_MODES = ("abort", "wait", "keep")
 DRAIN_POLL_S = 0.01
 
 
-class AsyncControl:
-    """Needs the AsyncLLM's `collectors` (requests in flight), `config` and `call_utility`."""
+class GenerationGate:
+    """Pause and sleep state of one AsyncLLM."""
 
-    _changed: asyncio.Event | None = None  # set (and replaced) when pause or sleep changes
-    _pause_mode: str | None = None
-    _paused_by_sleep = False
-    _asleep = False
+    def __init__(self, call_utility: Callable[..., Awaitable[Any]], in_flight: Sized):
+        """call_utility: the engine core client's utility call (name, *args); in_flight: the
+        requests still running (AsyncLLM's collectors: a pause waits until it is empty)."""
+        self.call_utility = call_utility
+        self.in_flight = in_flight
+        self._changed: asyncio.Event | None = None  # set (and replaced) on every change
+        self._pause_mode: str | None = None
+        self._paused_by_sleep = False
+        self._asleep = False
 
     async def wait_until_resumed(self) -> None:
         """Where `generate` waits while generation is paused; EngineAsleepError at once
@@ -51,16 +58,8 @@ class AsyncControl:
             self._changed.set()
         self._changed = asyncio.Event()
 
-    async def pause_generation(
-        self,
-        mode: str = "abort",
-        clear_cache: bool = True,
-        *,
-        wait_for_inflight_requests: bool = False,
-    ) -> None:
-        """Stop generating (modes above); wait_for_inflight_requests: vLLM's older "wait"."""
-        if wait_for_inflight_requests:
-            mode = "wait"
+    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating (modes above)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
         if self._pause_mode is not None:
@@ -71,13 +70,13 @@ class AsyncControl:
             return
         if mode == "abort":
             await self.call_utility("abort_all_requests")
-        while self.collectors:  # aborted ones end with their next output
+        while self.in_flight:  # aborted ones end with their next output
             await asyncio.sleep(DRAIN_POLL_S)
         if clear_cache:
             await self.call_utility("reset_prefix_cache")
         logger.info("generation paused (%s)", mode)
 
-    async def resume_generation(self) -> None:
+    async def resume(self) -> None:
         if self._pause_mode is None:
             return
         if self._pause_mode == "keep":
@@ -87,7 +86,7 @@ class AsyncControl:
         self._notify()
         logger.info("generation resumed")
 
-    async def is_paused(self) -> bool:
+    def is_paused(self) -> bool:
         return self._pause_mode is not None
 
     # ------------------------------------------------------------------ sleep
@@ -99,7 +98,7 @@ class AsyncControl:
         self._notify()
         try:
             if self._pause_mode is None:
-                await self.pause_generation("abort")
+                await self.pause("abort")
                 self._paused_by_sleep = True
             await self.call_utility("sleep", level)
         except Exception:
@@ -116,42 +115,7 @@ class AsyncControl:
         self._asleep = False
         self._notify()
         if self._paused_by_sleep:
-            await self.resume_generation()
+            await self.resume()
 
     async def is_sleeping(self) -> bool:
         return bool(await self.call_utility("is_sleeping"))  # (several engines: and-ed)
-
-    # ------------------------------------------------------------------ weights
-    async def init_weight_transfer_engine(self, init_info: dict) -> None:
-        await self.call_utility("init_weight_transfer_engine", init_info)
-
-    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        await self.call_utility("start_weight_update", is_checkpoint_format)
-
-    async def update_weights(self, update_info: dict) -> None:
-        """Stage the tensors `update_info` names (applied by finish_weight_update)."""
-        await self.call_utility("update_weights_from", update_info)
-
-    async def finish_weight_update(self) -> Any:
-        return await self.call_utility("finish_weight_update")
-
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self.call_utility("reset_prefix_cache"))
-
-    async def collective_rpc(
-        self,
-        method: str,
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict | None = None,
-    ) -> list:
-        """A model-runner method on every worker of every engine: their results. By name only
-        (engine/core_control.py's COLLECTIVE_RPC_METHODS): functions are LLM.collective_rpc's,
-        never sent from a server."""
-        if not isinstance(method, str):
-            raise ValueError(f"collective_rpc takes a method name, got {type(method).__name__}")
-        call = self.call_utility("collective_rpc", method, list(args), kwargs or {})
-        result = await asyncio.wait_for(call, timeout)
-        if self.config.parallel.data_parallel_size > 1:  # one list per engine
-            return [r for engine in result for r in engine]
-        return result
