@@ -240,7 +240,8 @@ def test_eagle3_on_moe_targets_drafts_as_pytorch_and_keeps_greedy(
     eagle3_head, tmp_path, monkeypatch, family, tp
 ):
     """EAGLE-3 over mixture-of-experts targets (their aux hidden states: the Llama forward's):
-    greedy output equal to decoding without speculation, each draft PyTorch's."""
+    greedy output equal to decoding without speculation, each draft PyTorch's, the drafts
+    counted in the metrics."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     target = make_tiny_hf(family, tmp_path / family, vocab_size=16, **FAMILIES[family])
     prompts = [{"prompt_token_ids": np.random.default_rng(1).integers(0, 16, 21).tolist()}]
@@ -250,7 +251,11 @@ def test_eagle3_on_moe_targets_drafts_as_pytorch_and_keeps_greedy(
     llm = LLM(str(target), **ENGINE, speculative_config=spec, tensor_parallel_size=tp)
     runner = core(llm).runner
     proposed = record_drafts(runner)
+    counter = AcceptCounter(llm)
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+    metrics = counter.metrics()  # drafts and acceptance as /metrics reports them
+    assert metrics["spec_decode_num_draft_tokens"] == counter.drafted > 0
+    assert metrics["spec_decode_num_accepted_tokens"] == counter.accepted
     reference = TorchEagle3(eagle3_head, hf_model(str(target)))
     assert len(proposed) > 3
     for tokens, drafts in proposed:

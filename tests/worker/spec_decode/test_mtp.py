@@ -205,6 +205,9 @@ def test_mtp_greedy_output_is_exact_and_drafts_are_accepted(tmp_path, monkeypatc
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
     # both outcomes; chance would accept about 1 draft in 256
     assert counter.drafted / 4 < counter.accepted < counter.drafted, vars(counter)
+    metrics = counter.metrics()  # the acceptance as /metrics reports it
+    assert metrics["spec_decode_num_draft_tokens"] == counter.drafted
+    assert metrics["spec_decode_num_accepted_tokens"] == counter.accepted
     core(llm).scheduler.kv_cache_manager.check_no_leaks()
     target, mtp = hf_mtp(path, extras, 1)
     assert len(proposed) > 10

@@ -1,10 +1,14 @@
 """Speculative decoding end to end: exact greedy and seeded output on the default model, the
 target distribution on a tiny one, no compilation after warm-up, no leaked blocks."""
 
+import re
+
 import numpy as np
 import pytest
 
 from jaxserve.entrypoints.llm import LLM
+from jaxserve.metrics.prometheus import PrometheusStatLogger
+from jaxserve.metrics.stats import IterationStats
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.worker.executables import num_compilations
 from tests.helpers import core_of, engines_in_process
@@ -37,10 +41,12 @@ def core(llm):
 
 class AcceptCounter:
     """Sums the scheduler's speculative-decoding stats over every step (each snapshot
-    resets them)."""
+    resets them), and feeds them to a Prometheus logger as the server's output handler does
+    (`metrics()`: the /metrics text's spec_decode lines)."""
 
     def __init__(self, llm):
         self.drafted = self.accepted = 0
+        self.prometheus = PrometheusStatLogger("m")
         sched = core(llm).scheduler
         make = sched.make_stats
 
@@ -48,9 +54,17 @@ class AcceptCounter:
             stats = make()
             self.drafted += stats.spec_decoding.num_draft_tokens
             self.accepted += stats.spec_decoding.num_accepted_tokens
+            self.prometheus.record(stats, IterationStats())
             return stats
 
         sched.make_stats = counting
+
+    def metrics(self) -> dict[str, float]:
+        """The spec_decode counters as /metrics shows them (name -> value)."""
+        text = self.prometheus.exposition().decode()
+        line = r'^vllm:(spec_decode_num_\w+)_total\{engine="0",model_name="m"\} (\S+)$'
+        found = re.findall(line, text, re.M)
+        return {name: float(value) for name, value in found}
 
 
 def record_drafts(runner) -> list[tuple[list[int], list[int]]]:
