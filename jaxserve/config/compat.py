@@ -37,7 +37,7 @@ FEATURES = [
     ("pooling", "pooling", "`--runner pooling` (embeddings; classifiers' `auto` too)"),
     ("KV connectors", "KV", "`--kv-transfer-config` or `--kv-offloading-size`"),
     ("sleep mode", "sleep", "`--enable-sleep-mode`"),
-    ("hybrid models", "hybrid", "a model with linear-attention layers (Qwen3-Next)"),
+    ("hybrid models", "hybrid", "a model with linear-attention layers (Qwen3-Next, Qwen3.5)"),
 ]  # fmt: skip
 NAMES = [name for name, _, _ in FEATURES]
 ALLOWED, REFUSED = "allowed", "refused"

@@ -9,7 +9,13 @@ import dataclasses
 from typing import Any
 
 # Architectures with gated delta-net layers.
-GATED_DELTA_NET = ("Qwen3NextForCausalLM",)
+GATED_DELTA_NET = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxserve.config.linear_attention import GATED_DELTA_NET
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeRouting:
@@ -57,7 +59,7 @@ def moe_routing(hf_config: Any, architecture: str) -> MoeRouting:
             swiglu_limit=float(hf_config.swiglu_limit),
             swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
         )
-    if architecture == "Qwen3NextForCausalLM":
+    if architecture in GATED_DELTA_NET:  # Qwen3-Next's and Qwen3.5's gated shared expert
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
         return MoeRouting(shared_intermediate=shared, shared_gate=bool(shared))
     if architecture not in (*NOAUX_TC, DEEPSEEK_V2):
