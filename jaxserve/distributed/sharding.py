@@ -52,6 +52,20 @@ def validate_tp(config: ModelConfig, tp: int) -> None:
         )
 
 
+def splits_linear_attention(config: ModelConfig, tp: int) -> bool:
+    """Whether tp splits a hybrid model's linear-attention layers (their parameters and
+    states) by key heads: when it divides them; else they are replicated."""
+    return config.linear_attn is not None and config.linear_attn.num_k_heads % tp == 0
+
+
+def state_shardings(config: ModelConfig, mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
+    """A hybrid model's per-row states, conv [N, K-1, C] and rec f32[N, Hv, Dk, Dv]: split
+    by key heads (C grouped per key head, Hv by them) as its layers' parameters."""
+    if not splits_linear_attention(config, mesh.shape[TP_AXIS]):
+        return NamedSharding(mesh, P()), NamedSharding(mesh, P())
+    return NamedSharding(mesh, P(None, None, TP_AXIS)), NamedSharding(mesh, P(None, TP_AXIS))
+
+
 def kv_head_replicas(config: ModelConfig, tp: int) -> int:
     """Copies of each KV head in the qkv projection and the KV cache: 1 when tp divides the
     KV heads, tp // num_kv_heads when tp is a multiple of them."""
@@ -84,6 +98,7 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
     if path and path[0] == "vision":  # a multimodal model's image encoder (models/vision/)
         return next((spec for suffix, spec in VISION_RULES.items() if name.endswith(suffix)), P())
     vocab = TP_AXIS if config.vocab_size % tp == 0 else None
+    heads = TP_AXIS if splits_linear_attention(config, tp) else None  # linear attention's
     rules = {
         "embed_tokens/embedding": P(vocab, None),  # [V, D]
         "lm_head/kernel": P(None, vocab),  # [D, V]
@@ -107,6 +122,15 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         "mlp/w13_bias": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),  # [E, 2F]
         "self_attn/sinks": P(TP_AXIS),  # [Hq], as the query heads
         "self_attn/gate_proj/kernel": P(None, TP_AXIS),  # [D, Hq * hd]: Qwen3-Next's gate
+        # gated delta-net (layers/gated_delta_net.py): every part by key heads, but the norm
+        "linear_attn/in_proj_qkvz/kernel": P(None, heads),  # [D, Hk (2 Dk + 2 r Dv)]
+        "linear_attn/in_proj_ba/kernel": P(None, heads),  # [D, Hk 2r]
+        "linear_attn/conv1d": P(None, heads),  # [K, C], C grouped per key head
+        "linear_attn/dt_bias": P(heads),  # [Hv]
+        "linear_attn/A_log": P(heads),
+        "linear_attn/out_proj/kernel": P(heads, None),  # [Hv Dv, D]
+        "linear_attn/in_proj_qkvz/scale": P(heads),
+        "linear_attn/in_proj_ba/scale": P(heads),
         # per-output-channel scales of quantized kernels: split as their kernel's columns
         "self_attn/qkv_proj/scale": P(TP_AXIS),
         "mlp/gate_up_proj/scale": P(TP_AXIS),

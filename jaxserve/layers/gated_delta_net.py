@@ -68,9 +68,12 @@ def gated_delta_scan(
     """The convolution and the gated delta rule over each sequence's tokens.
 
     Args:
-      mixed: [T, C] the projected q, k, v (C = 2 Hk Dk + Hv Dv) before the convolution.
+      mixed: [T, C] the projected q, k, v before the convolution (C = Hk (2 Dk + r Dv): per
+        key head its q, its k and its r = Hv / Hk value heads' v, so that tensor
+        parallelism splits the channels by key heads).
       a, b: [T, Hv] the decay's and beta's inputs.
-      conv_w: [K, C] the depthwise kernel (oldest input first); a_log, dt_bias: [Hv].
+      conv_w: [K, C] the depthwise kernel (oldest input first, channels as mixed's);
+        a_log, dt_bias: [Hv].
       query_start_loc: i32[S+1]; num_seqs: i32[1]; token_rows, positions: i32[T].
       conv_state: [N, K-1, C]; rec_state: f32[N, Hv, Dk, Dv]: every input-batch row's.
       chunk: None: the recurrent form for every sequence (a decode-only step); else
@@ -84,7 +87,6 @@ def gated_delta_scan(
     num_tokens = mixed.shape[0]
     rows_n = conv_state.shape[0]
     num_v_heads = a.shape[1]
-    key_dim = num_k_heads * k_head_dim
     max_seqs = query_start_loc.shape[0] - 1
     real = jnp.arange(max_seqs) < num_seqs[0]
     start = query_start_loc[:-1]
@@ -95,10 +97,11 @@ def gated_delta_scan(
     repeat = num_v_heads // num_k_heads
 
     def qkv(y):
-        """Convolved inputs f32[..., C] -> q, k [..., Hv, Dk] (normalised, grouped), v."""
-        q = y[..., :key_dim].reshape(*y.shape[:-1], num_k_heads, k_head_dim)
-        k = y[..., key_dim : 2 * key_dim].reshape(*y.shape[:-1], num_k_heads, k_head_dim)
-        v = y[..., 2 * key_dim :].reshape(*y.shape[:-1], num_v_heads, v_head_dim)
+        """Convolved inputs f32[..., C] (per key head: q, k, its value heads' v) -> q, k
+        [..., Hv, Dk] (normalised, grouped), v [..., Hv, Dv]."""
+        y = y.reshape(*y.shape[:-1], num_k_heads, -1)
+        q, k, v = y[..., :k_head_dim], y[..., k_head_dim : 2 * k_head_dim], y[..., 2 * k_head_dim :]
+        v = v.reshape(*y.shape[:-2], num_v_heads, v_head_dim)
         q = jnp.repeat(_l2_normalize(q) * k_head_dim**-0.5, repeat, axis=-2)
         return q, jnp.repeat(_l2_normalize(k), repeat, axis=-2), v
 
@@ -249,8 +252,10 @@ def _chunked(mixed, a, b, conv_w, decay_rate, dt_bias, qkv, start, q_len, conv, 
 class GatedDeltaNet(nnx.Module):
     """Weights as HF's Qwen3NextGatedDeltaNet: in_proj_qkvz [D, Hk (2 Dk + 2 r Dv)] and
     in_proj_ba [D, Hk 2r] (r = Hv / Hk; columns grouped per key head, as HF lays them out),
-    conv1d [K, C], dt_bias and A_log [Hv], norm [Dv] (the gated RMSNorm), out_proj
-    [Hv Dv, D]."""
+    conv1d [K, C] (its channels grouped per key head too: q, k, v of each; HF's are all
+    q's, all k's, then all v's), dt_bias and A_log [Hv], norm [Dv] (the gated RMSNorm),
+    out_proj [Hv Dv, D]. Under tensor parallelism every one of them but the norm is split by
+    key heads (with their value heads), and so are the states (distributed/sharding.py)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c, d, dt = config.linear_attn, config.hidden_size, config.dtype
@@ -274,12 +279,10 @@ class GatedDeltaNet(nnx.Module):
         c, t = self.dims, x.shape[0]
         r = c.num_v_heads // c.num_k_heads
         qkvz = self.in_proj_qkvz(x).reshape(t, c.num_k_heads, -1)
-        q, k, v, z = jnp.split(
-            qkvz, [c.k_head_dim, 2 * c.k_head_dim, 2 * c.k_head_dim + r * c.v_head_dim], axis=-1
-        )
+        width = 2 * c.k_head_dim + r * c.v_head_dim  # a key head's q, k and v
+        mixed, z = qkvz[..., :width].reshape(t, -1), qkvz[..., width:]
         ba = self.in_proj_ba(x).reshape(t, c.num_k_heads, 2 * r)
         b, a = ba[..., :r].reshape(t, -1), ba[..., r:].reshape(t, -1)  # [T, Hv]
-        mixed = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
         o, conv_state, rec_state = gated_delta_scan(
             mixed,
             a,

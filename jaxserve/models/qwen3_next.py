@@ -59,8 +59,9 @@ def _linear_attention_layers(config: ModelConfig, names: tuple[str, ...], kv_rep
     suffix = "bias" if names[-1] == "bias" else "weight"
     if names[2] == "linear_attn":
         name = f"{prefix}.linear_attn.{names[3]}"
-        if names[3] == "conv1d":  # [C, 1, K] -> [K, C]
-            return HFWeight((f"{name}.weight",), lambda w: w[:, 0].T)
+        if names[3] == "conv1d":  # [C, 1, K] -> [K, C], the channels grouped per key head
+            order = conv_channels_per_key_head(config)
+            return HFWeight((f"{name}.weight",), lambda w: w[order, 0].T)
         if names[3] in ("dt_bias", "A_log"):
             return HFWeight((name,))
         if names[-1] == "kernel":
@@ -127,6 +128,16 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         return self.norm(h), (k_cache, v_cache, conv, rec)
 
     hf_weight = compose(_linear_attention_layers, routed_experts("mlp", GATE_UP_DOWN))
+
+
+def conv_channels_per_key_head(config: ModelConfig) -> np.ndarray:
+    """HF's convolution channels (all heads' q, then k, then v) in GatedDeltaNet's order:
+    each key head's q, k and the v of its value heads."""
+    c = config.linear_attn
+    hk, dk = c.num_k_heads, c.k_head_dim
+    q = np.arange(hk * dk).reshape(hk, dk)
+    v = 2 * hk * dk + np.arange(c.num_v_heads * c.v_head_dim).reshape(hk, -1)
+    return np.concatenate([q, q + hk * dk, v], axis=1).reshape(-1)
 
 
 def _q_half(w: np.ndarray, heads: int, head_dim: int, half: int) -> np.ndarray:

@@ -17,12 +17,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs
 from jaxserve.config import CacheConfig, ModelConfig, compat
-from jaxserve.distributed.sharding import kv_cache_sharding
+from jaxserve.distributed.sharding import (
+    kv_cache_sharding,
+    splits_linear_attention,
+    state_shardings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +49,7 @@ class KVCacheSpec:
         self.num_state_rows = num_state_rows
         self.sharding = kv_cache_sharding(mesh)
         if config.linear_attn is not None:  # (K, V, conv, rec)
-            rep = NamedSharding(mesh, P())
-            self.sharding = (self.sharding, self.sharding, rep, rep)
+            self.sharding = (self.sharding, self.sharding, *state_shardings(config, mesh))
 
     def bytes_per_block(self) -> int:
         """One block's K and V over all layers, on one device."""
@@ -69,8 +70,11 @@ class KVCacheSpec:
         return (conv,) * layers, (rec,) * layers
 
     def state_bytes(self) -> int:
+        """The states' bytes on one device (split by key heads, or whole on each)."""
         leaves = jax.tree.leaves(self.state_shapes())
-        return sum(s.size * jnp.dtype(s.dtype).itemsize for s in leaves)
+        total = sum(s.size * jnp.dtype(s.dtype).itemsize for s in leaves)
+        split = splits_linear_attention(self.config, self.mesh.shape["tp"])
+        return total // self.mesh.shape["tp"] if split else total
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -92,10 +96,16 @@ class KVCacheSpec:
         def zeros(dim):
             return jax.jit(lambda: jnp.zeros((*rows, dim), self.dtype), out_shardings=kv_sharding)()
 
-        def state(s):
-            return jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=self.sharding[2])()
+        def state(s, sharding):
+            return jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
 
-        states = jax.tree.map(state, self.state_shapes())
+        conv, rec = self.state_shapes() or ((), ())
+        states = ()
+        if conv:
+            states = (
+                tuple(state(s, self.sharding[2]) for s in conv),
+                tuple(state(s, self.sharding[3]) for s in rec),
+            )
         if states:
             logger.info(
                 "linear-attention states: %d rows, %.1f MiB (%d layers of conv %s, recurrent %s)",

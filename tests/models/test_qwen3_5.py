@@ -9,8 +9,16 @@ import torch
 
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.models.loader import load_model
-from tests.helpers import assert_generate_matches_hf, core_of, hf_logits, hf_model, make_tiny_hf
+from tests.helpers import (
+    assert_generate_matches_hf,
+    core_of,
+    hf_logits,
+    hf_model,
+    make_tiny_hf,
+    runner_of,
+)
 from tests.models.test_llama_parity import run_mixed_schedule
+from tests.models.test_qwen3_next import assert_linear_layers_split
 
 # Qwen3.5's shape scaled down: linear, full, linear layers; 2 key heads of 16 serving 4 value
 # heads of 8, a width-4 convolution; gated attention with q/k norms, a quarter of each head
@@ -49,12 +57,14 @@ def test_logits_match_hf(models, build):
 @pytest.mark.parametrize(("build", "tp"), [("dense", 1), ("moe", 1), ("moe", 2)])
 def test_generate_matches_hf_with_chunked_prefill_and_preemption(models, build, tp, monkeypatch):
     """Five requests through two input-batch rows, prefilled in 16-token chunks and preempted
-    by a 5-block pool: HF's greedy tokens and logprobs, nothing leaked."""
+    by a 5-block pool: HF's greedy tokens and logprobs (at tp 2 the linear layers' weights
+    and states split by key heads), nothing leaked."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(str(models[build]), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
               dtype="float32", num_gpu_blocks_override=5, tensor_parallel_size=tp)  # fmt: skip
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 30, 7, 13)]
+    assert_linear_layers_split(runner_of(llm), tp)
     assert_generate_matches_hf(llm, models[build], prompts, max_tokens=12)
     scheduler = core_of(llm).scheduler
     assert scheduler.total_preemptions > 0

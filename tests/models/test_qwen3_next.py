@@ -59,8 +59,8 @@ def test_generate_matches_hf_through_reused_rows_and_preemption(model_dir, tp, m
     """Six requests through two input-batch rows, prefilled in 16-token chunks (each
     continuing its row's state) and preempted by a 4-block pool: rows taken over by later
     requests, and requests recomputed after preemption, start from zeros. HF's tokens, at tp
-    1 and 2 (the gated attention's heads split, the states replicated), no compilation while
-    serving, no blocks leaked."""
+    1 and 2 (the gated attention's heads split, and the linear layers' weights and states by
+    key heads), no compilation while serving, no blocks leaked."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
               dtype="float32", num_gpu_blocks_override=5, tensor_parallel_size=tp)  # fmt: skip
@@ -70,6 +70,7 @@ def test_generate_matches_hf_through_reused_rows_and_preemption(model_dir, tp, m
     # each linear layer's own state arrays, a row per input-batch row
     assert [c.shape for c in conv] == [(2, 3, 2 * 2 * 16 + 4 * 8)] * 2
     assert [r.shape for r in rec] == [(2, 4, 16, 8)] * 2
+    assert_linear_layers_split(runner, tp)
     # no LAPACK custom call (jax.scipy's triangular solve): loaded from the executable cache
     # in a fresh process, where no trace registered it, one segfaulted
     forwards = [c.as_text() for key, c in runner.executables.items() if key[0] == "forward"]
@@ -82,6 +83,17 @@ def test_generate_matches_hf_through_reused_rows_and_preemption(model_dir, tp, m
     scheduler = core_of(llm).scheduler
     assert scheduler.total_preemptions > 0
     scheduler.kv_cache_manager.check_no_leaks()
+
+
+def assert_linear_layers_split(runner, tp: int) -> None:
+    """At tp > 1 every device holds 1 / tp of a linear layer's weights and states."""
+    la = runner.model.layers[0].linear_attn
+    _, _, conv, rec = runner.kv_caches
+    arrays = (la.in_proj_qkvz.kernel[...], la.in_proj_ba.kernel[...], la.conv1d[...],
+              la.A_log[...], la.out_proj.kernel[...], conv[0], rec[0])  # fmt: skip
+    for x in arrays:
+        shard = x.addressable_shards[0].data
+        assert shard.size * tp == x.size, (x.shape, x.sharding)
 
 
 def test_what_a_per_request_state_cannot_honour(model_dir, caplog):
