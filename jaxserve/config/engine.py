@@ -39,6 +39,9 @@ class CacheConfig:
     # The model's sliding window when every layer has one (ModelConfig.uniform_sliding_window):
     # blocks that fall out of it are given back as a request runs.
     sliding_window: int | None = None
+    # A hybrid model's linear-attention states kept for prefix-cache hits (core/state_cache.py):
+    # slots beside the input-batch rows' states; 0: none (prefix caching off, or not hybrid).
+    state_cache_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:

@@ -54,6 +54,7 @@ class KVCacheManager:
         # How many of a request's leading blocks are already cached by hash.
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.on_reset: list = []  # called once the prefix cache is reset (core/state_cache.py)
 
     @property
     def usage(self) -> float:
@@ -177,7 +178,10 @@ class KVCacheManager:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        done = self.block_pool.reset_prefix_cache()
+        for reset in self.on_reset if done else ():
+            reset()
+        return done
 
     def check_no_leaks(self) -> None:
         """Raise RuntimeError unless every block's ref count equals the number of requests holding

@@ -18,16 +18,15 @@ Failure isolation: an exception in one request's work (its KV connector calls, i
 its results) finishes it alone, FINISHED_ERROR (the exception in its stop_reason, as vLLM),
 blocks freed; only what is no one request's (the model runner's step) kills the engine.
 
-Speculative decoding: a running request in decode also runs the draft tokens the proposer made
-after its last step (`Request.spec_token_ids`) when they fit the budget and its limits; they
-count as computed until the step's output says how many were accepted, then the rest are
-rolled back and the accepted ones are appended before the sampled token.
+Speculative decoding: a decoding request also runs its drafts (`Request.spec_token_ids`)
+when they fit the budget and its limits; they count as computed until the step's output says
+how many were accepted, then the rest are rolled back.
 
 Async scheduling (EngineCore keeps one step in flight): step N+1 is scheduled before step N's
 sampled tokens are known. A step that completes a request's known tokens leaves an output
-placeholder on it; the next step may then run the request on that placeholder (the model runner
-takes the token from the device) unless it would pass max_tokens or max_model_len. When N's
-token arrives, a request that stopped has its N+1 token dropped.
+placeholder on it; the next step may run the request on it (the runner takes the token from
+the device) unless that could pass max_tokens or max_model_len; if N's token stops the
+request, its N+1 token is dropped.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_connector import NoKVConnector, SchedulerKVConnector
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
-from jaxserve.core.scheduler_gates import EncoderGate, GrammarGate, NoEncoderGate
+from jaxserve.core.scheduler_gates import GrammarGate
 from jaxserve.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from jaxserve.core.scheduler_remote import RemoteKVLoads
 from jaxserve.core.scheduler_stats import make_stats
@@ -54,6 +53,7 @@ from jaxserve.core.scheduler_utils import (
     num_tokens_to_schedule,
     update_request_from_step,
 )
+from jaxserve.core.state_cache import step_gate
 from jaxserve.ipc.messages import EngineCoreOutput, SpecDecodingStats
 from jaxserve.structured_output import StructuredOutputManager
 
@@ -82,13 +82,12 @@ class Scheduler:
         """speculative: drafts are scheduled (Request.spec_token_ids); num_lookahead_tokens:
         KV slots kept free after each request's tokens for a draft model's proposals;
         draft_step_tokens: drafts only fill a step up to the power of two its other tokens
-        need, or up to this many tokens (None: no limit but the budget). A draft token costs
-        a forward token and a sampling row: nearly free while the step is bound by reading the
-        weights (few tokens), a full token's compute once it is not (many). max_loras: the
+        need, or up to this many tokens (None: no limit but the budget; a draft costs little
+        while a step reads weights, a full token's compute once it does not). max_loras: the
         distinct LoRA adapters the running set may hold (0: LoRA off); encoder_cache: the
-        image encoder outputs' rows (a multimodal model's; core/encoder_cache_manager.py)."""
+        image encoder outputs' rows (a multimodal model's), and a hybrid model's kept states
+        (cache_config.state_cache_slots): `self.gate`'s (core/state_cache.py::step_gate)."""
         self.max_loras = max_loras
-        self.encoders = NoEncoderGate() if encoder_cache is None else EncoderGate(encoder_cache)
         self.config = scheduler_config
         self.grammars = GrammarGate(structured_output_manager)
         self.block_size = cache_config.block_size
@@ -98,6 +97,7 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             sliding_window=cache_config.sliding_window,
         )
+        self.gate = step_gate(encoder_cache, cache_config.state_cache_slots, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -149,7 +149,7 @@ class Scheduler:
         """Release a finished request; returns its KV connector's kv_transfer_params. Its
         blocks and state are gone before the connector is told (which may raise)."""
         self.kv_cache_manager.free(request)
-        self.encoders.release(request)
+        self.gate.release(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         return self.connector.request_finished(request)
@@ -198,7 +198,7 @@ class Scheduler:
         plan = StepPlan(budget, 0, max_reqs=max_reqs)
         if self.spec_stats is not None:
             plan.draft_room = draft_room(self.running, budget, self.draft_step_tokens, self.config)
-        self.encoders.begin_step()
+        self.gate.begin_step()
         self.pending_outputs.extend(self.remote.finish(self.connector, self._fail))
         self._schedule_running(plan)
         if not plan.preempted:  # no waiting request is admitted in a step that preempted one
@@ -218,7 +218,7 @@ class Scheduler:
                 plan.schedule_decode(request)  # the common case: nothing to allocate
                 i += 1
                 continue
-            num_new, encoder_work = self.encoders.plan(request, start, num_new)
+            num_new, encoder_work = self.gate.plan(request, start, num_new)
             if num_new == 0:
                 i += 1
                 continue
@@ -242,7 +242,7 @@ class Scheduler:
                 new_blocks = self._allocate_running(request, num_new)
             if new_blocks is None:
                 continue  # `request` itself was preempted; running[i] is the next one now
-            self.encoders.commit(request, start, num_new, encoder_work)
+            self.gate.commit(request, start, num_new, encoder_work)
             plan.schedule_running(request, num_new, drafts, [b.block_id for b in new_blocks])
             i += 1
 
@@ -295,7 +295,7 @@ class Scheduler:
             num_external, load_async = 0, False
         else:
             hit = kv.get_computed_blocks(request)
-            computed_blocks, num_computed = self.encoders.trim_hit(request, *hit)
+            computed_blocks, num_computed = self.gate.trim_hit(request, *hit)
             num_external, load_async = self.connector.get_num_new_matched_tokens(
                 request, num_computed
             )
@@ -304,7 +304,7 @@ class Scheduler:
                 self.connector, request, computed_blocks, num_computed, num_external
             )
         num_new = min(request.num_tokens - num_computed - num_external, plan.budget)
-        num_new, encoder_work = self.encoders.plan(request, num_computed + num_external, num_new)
+        num_new, encoder_work = self.gate.plan(request, num_computed + num_external, num_new)
         if num_new == 0 and request.num_tokens > num_computed + num_external:
             return False  # its next image waits for encoder budget or cache rows
         lookahead = self._lookahead(num_computed + num_external + num_new)
@@ -322,7 +322,7 @@ class Scheduler:
                 request, kv.get_block_ids(request.request_id), num_computed, num_external
             )
             num_computed += num_external
-        self.encoders.commit(request, num_computed, num_new, encoder_work)
+        self.gate.commit(request, num_computed, num_new, encoder_work)
         self.waiting.pop_request()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
@@ -342,7 +342,7 @@ class Scheduler:
         requests = self.requests
         for req_id, n in plan.num_scheduled.items():
             request = requests[req_id]
-            self.encoders.rows(request, n, encoder_rows)
+            self.gate.rows(request, n, encoder_rows)
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
@@ -363,7 +363,7 @@ class Scheduler:
             },
             scheduled_spec_decode_tokens=plan.spec_tokens,
             kv_connector_metadata=kv_connector_metadata,
-            scheduled_encoder_inputs=self.encoders.take_inputs(),
+            **self.gate.take_inputs(),  # its encoder inputs (and state copies)
             encoder_rows=encoder_rows,
         )
         self.finished_req_ids = set()
@@ -386,7 +386,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
-        self.encoders.release(request)
+        self.gate.release(request)
         try:
             self.connector.request_preempted(request)
         except Exception:  # it recomputes from scratch: nothing of the connector's is used

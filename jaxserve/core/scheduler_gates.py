@@ -44,9 +44,10 @@ class EncoderGate:
                 return blocks[:keep], keep * request.block_size
         return blocks, num_computed
 
-    def take_inputs(self) -> dict[str, list[int]]:
-        """The step's encoder work (request id -> feature indices)."""
-        return self.cache.end_step()
+    def take_inputs(self) -> dict:
+        """The step's SchedulerOutput fields: its encoder work (request id -> feature
+        indices)."""
+        return {"scheduled_encoder_inputs": self.cache.end_step()}
 
     def rows(self, request: Request, num_new: int, into: dict) -> None:
         """The rows of the images the request's scheduled tokens read (into `into`), and
@@ -80,7 +81,7 @@ class NoEncoderGate(EncoderGate):
     def trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
         return blocks, num_computed
 
-    def take_inputs(self) -> dict[str, list[int]]:
+    def take_inputs(self) -> dict:
         return {}
 
     def rows(self, request: Request, num_new: int, into: dict) -> None:

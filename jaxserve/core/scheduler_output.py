@@ -70,6 +70,11 @@ class SchedulerOutput:
     # of every image whose placeholder tokens the step runs (its identifier -> i32[length]).
     scheduled_encoder_inputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     encoder_rows: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    # A hybrid model's kept linear-attention states (core/state_cache.py): the slot each newly
+    # admitted request's row is restored from before the forward, and the slot each request's
+    # row is copied into after the step (worker/state_slots.py).
+    state_restores: dict[str, int] = dataclasses.field(default_factory=dict)
+    state_saves: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

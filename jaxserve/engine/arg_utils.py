@@ -183,13 +183,6 @@ class EngineArgs:
         if self.speculative_config is not None:
             spec = SpeculativeConfig.parse(self.speculative_config)
         kv_transfer = self._kv_transfer()
-        hybrid = model_config.linear_attn is not None
-        if hybrid and self.enable_prefix_caching:
-            logger.info(
-                "prefix caching is disabled for %s: its linear-attention layers keep one state "
-                "per request, not one per cached block",
-                model_config.architecture,
-            )
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = not (on_cpu or spec is not None or self.pipeline_parallel_size > 1)
@@ -218,10 +211,14 @@ class EngineArgs:
             async_scheduling=async_scheduling,
         )
         attention_backend = self._attention_backend()
+        # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
+        caching = self.enable_prefix_caching and pooler is None
+        # a hybrid model's hits need its states kept at block boundaries: a slot per sequence
+        hybrid = caching and model_config.linear_attn is not None
         cache = CacheConfig(
             block_size=self.block_size,
-            # pooling needs every prompt token's hidden state (MEAN): nothing may be skipped
-            enable_prefix_caching=self.enable_prefix_caching and pooler is None and not hybrid,
+            enable_prefix_caching=caching,
+            state_cache_slots=scheduler.max_num_seqs if hybrid else 0,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -123,7 +123,7 @@ class AsyncLLM:
         self.engine_core = client
         self.collectors: dict[str, RequestOutputCollector] = {}
         # pause and sleep (generation_gate.py): what `generate` waits at
-        self.gate = GenerationGate(client.call_utility_async, self.collectors)
+        self.gate = GenerationGate(lambda *call: client.call_utility_async(*call), self.collectors)
         self.scheduler_stats = SchedulerStats()
         # anything with record(SchedulerStats | None, IterationStats, engine index)
         self.stat_loggers: list[Any] = []

@@ -116,7 +116,7 @@ class ModelRunner(StepCompiler):
             cc.block_size,
             cc.kv_dtype(self.config.dtype),
             loaded.model.num_cache_kv_heads,
-            self.max_num_seqs,
+            self.max_num_seqs + cc.state_cache_slots,  # a hybrid model's state rows, kept ones
         )
         self.head = self.stages.place_head(loaded.model.logits_head)  # [V, D] tied or [D, V]
         rep = self._replicated = NamedSharding(self.mesh, P())

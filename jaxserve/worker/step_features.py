@@ -15,6 +15,7 @@ from jaxserve.worker.lora_slots import LoRASlots
 from jaxserve.worker.pooler import Pooler
 from jaxserve.worker.prompt_embeds import PromptEmbedsRunner
 from jaxserve.worker.runner_protocol import EncoderCacheSpec
+from jaxserve.worker.state_slots import StateSlots
 from jaxserve.worker.step_feature import StepFeature
 
 
@@ -32,6 +33,8 @@ def build_features(loaded: LoadedModel, config: EngineConfig, kv: KVCacheSpec, r
         features.append(EncoderRunner(model, *sizes, config.model_path))
     elif config.enable_prompt_embeds:  # prompt embeddings, through the same cache
         features.append(PromptEmbedsRunner(model, *sizes))
+    if config.cache.state_cache_slots:  # a hybrid model's states kept for prefix-cache hits
+        features.append(StateSlots(sc.max_num_seqs, config.cache.state_cache_slots, kv.sharding))
     if config.kv_transfer is not None:  # a KV connector's block loads and saves
         features.append(KVBlockCopier(kv, -(-sc.max_model_len // config.cache.block_size)))
     if config.pooler is not None:  # embeddings and classifiers

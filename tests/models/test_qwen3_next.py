@@ -2,10 +2,9 @@
 input-batch row), full-attention layers paged KV blocks. Logits equal HF's; through the whole
 engine (chunked prefill, preemption, tp 2) greedy tokens and logprobs equal HF generate's,
 rows reused by later requests start from zeros, nothing compiles while serving, the cache
-holds K/V for the attention layers only, and what a per-request state cannot honour (prefix
-caching, speculative decoding, KV transfer) is turned off or refused by name."""
+holds K/V for the attention layers only, and what a per-request state cannot honour
+(speculative decoding, KV transfer) is refused by name."""
 
-import logging
 
 import jax
 import numpy as np
@@ -67,9 +66,10 @@ def test_generate_matches_hf_through_reused_rows_and_preemption(model_dir, tp, m
     runner = runner_of(llm)
     k, v, conv, rec = runner.kv_caches
     assert k.shape[0] == runner.num_blocks  # one attention layer's blocks
-    # each linear layer's own state arrays, a row per input-batch row
-    assert [c.shape for c in conv] == [(2, 3, 2 * 2 * 16 + 4 * 8)] * 2
-    assert [r.shape for r in rec] == [(2, 4, 16, 8)] * 2
+    # each linear layer's own state arrays: a row per input-batch row, then as many kept
+    # for prefix-cache hits (core/state_cache.py)
+    assert [c.shape for c in conv] == [(2 + 2, 3, 2 * 2 * 16 + 4 * 8)] * 2
+    assert [r.shape for r in rec] == [(2 + 2, 4, 16, 8)] * 2
     assert_linear_layers_split(runner, tp)
     # no LAPACK custom call (jax.scipy's triangular solve): loaded from the executable cache
     # in a fresh process, where no trace registered it, one segfaulted
@@ -96,11 +96,13 @@ def assert_linear_layers_split(runner, tp: int) -> None:
         assert shard.size * tp == x.size, (x.shape, x.sharding)
 
 
-def test_what_a_per_request_state_cannot_honour(model_dir, caplog):
-    caplog.set_level(logging.INFO, logger="jaxserve.engine.arg_utils")
-    config = EngineArgs(model=str(model_dir)).create_engine_config()
-    assert not config.cache.enable_prefix_caching
-    assert "prefix caching is disabled for Qwen3NextForCausalLM" in caplog.text
+def test_what_a_per_request_state_cannot_honour(model_dir):
+    """Prefix caching keeps a state slot per sequence (tested in test_hybrid_prefix_cache.py);
+    KV transfer and speculative decoding are refused by name."""
+    config = EngineArgs(model=str(model_dir), max_num_seqs=8).create_engine_config()
+    assert config.cache.enable_prefix_caching and config.cache.state_cache_slots == 8
+    off = EngineArgs(model=str(model_dir), enable_prefix_caching=False).create_engine_config()
+    assert off.cache.state_cache_slots == 0
     assert config.model.kv_layers == (1,)
     with pytest.raises(ValueError, match=r"\(Qwen3NextForCausalLM\): kv_transfer_config: a hybrid"):
         EngineArgs(model=str(model_dir), kv_offloading_size=1).create_engine_config()
