@@ -5,7 +5,6 @@ rows reused by later requests start from zeros, nothing compiles while serving, 
 holds K/V for the attention layers only, and what a per-request state cannot honour
 (speculative decoding, KV transfer) is refused by name."""
 
-
 import jax
 import numpy as np
 import pytest
