@@ -130,6 +130,7 @@ class ModelConfig:
     attention_sinks: bool = False
     sliding_window: int | None = None  # each token attends to the latest this many keys
     qk_norm: bool = False  # RMSNorm over each q and k head before rotary (Qwen3, Gemma 3)
+    qk_norm_over_heads: bool = False  # over each whole q and k projection (MiniMax-M2)
     qk_l2_norm: bool = False  # a weightless one, on the layers with rotary (Llama 4)
     # Llama 4 (config/llama4.py): "chunked_attention" layers attend within chunks of this
     # many tokens; layers without rotary; their queries' temperature (floor_scale,
@@ -299,6 +300,8 @@ class ModelConfig:
         scaling = getattr(hf_config, "rope_scaling", None) or {}
         mla = mla_config(hf_config, archs[0], {**scaling, **rope_params})
         linear_attn = linear_attention_config(hf_config, archs[0])
+        use_qk_norm = bool(getattr(hf_config, "use_qk_norm", False))
+        over_heads = archs[0] == "MiniMaxM2ForCausalLM"  # its q / k norms span every head
         sliding_rope = RopeConfig.from_hf(hf_config, "sliding_attention")
         if sliding_rope == RopeConfig.from_hf(hf_config):
             sliding_rope = None
@@ -322,8 +325,8 @@ class ModelConfig:
             o_proj_bias=attention_bias and archs[0] in O_PROJ_BIAS,
             attention_sinks=archs[0] == "GptOssForCausalLM",
             sliding_window=sliding_window,
-            qk_norm=archs[0].startswith(("Qwen3", "Gemma3"))
-            or bool(getattr(hf_config, "use_qk_norm", False)),
+            qk_norm=(archs[0].startswith(("Qwen3", "Gemma3")) or use_qk_norm) and not over_heads,
+            qk_norm_over_heads=over_heads,
             hidden_act=hidden_act,
             layer_types=tuple(layer_types) if layer_types else None,
             sliding_rope=sliding_rope,

@@ -59,6 +59,8 @@ def moe_routing(hf_config: Any, architecture: str) -> MoeRouting:
             swiglu_limit=float(hf_config.swiglu_limit),
             swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
         )
+    if architecture == "MiniMaxM2ForCausalLM":  # sigmoid scores, biased choice, no groups
+        return MoeRouting(scoring="sigmoid")
     if architecture in GATED_DELTA_NET:  # Qwen3-Next's and Qwen3.5's gated shared expert
         shared = int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
         return MoeRouting(shared_intermediate=shared, shared_gate=bool(shared))

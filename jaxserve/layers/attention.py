@@ -16,7 +16,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.lora import LoRABatch
-from jaxserve.layers.norm import RMSNorm, rms_normalize
+from jaxserve.layers.norm import HeadsRMSNorm, RMSNorm, rms_normalize
 from jaxserve.layers.rotary import (
     apply_mrope,
     apply_rotary,
@@ -260,7 +260,11 @@ class Attention(nnx.Module):
         if config.qk_norm:
             self.q_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)
             self.k_norm = norm_cls(hd, config.rms_norm_eps, dtype=config.dtype)
-        self.qk_norm = config.qk_norm
+        elif config.qk_norm_over_heads:  # MiniMax-M2's: over each whole projection
+            eps, dt = config.rms_norm_eps, config.dtype
+            self.q_norm = HeadsRMSNorm(hq, hd, eps, dtype=dt)
+            self.k_norm = HeadsRMSNorm(self.num_kv_heads, hd, eps, dtype=dt)
+        self.qk_norm = config.qk_norm or config.qk_norm_over_heads
         self.rope = config.layer_rope(layer)
         self.use_rope = layer not in config.nope_layers
         self.qk_l2_norm = config.qk_l2_norm and self.use_rope

@@ -25,3 +25,18 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., dim] -> [..., dim] in x's dtype."""
         return self.weight[...] * self.normalized(x).astype(x.dtype)
+
+
+class HeadsRMSNorm(nnx.Module):
+    """RMSNorm over a whole projection laid out as heads: x [..., H, hd] normalised over its
+    last two axes together, times weight [H, hd] (MiniMax-M2's q / k norms). Under tensor
+    parallelism the heads are split, and the mean over them is summed across devices."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float, *, dtype=jnp.float32):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((num_heads, head_dim), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(x32 * x32, axis=(-2, -1), keepdims=True)
+        return self.weight[...] * (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)

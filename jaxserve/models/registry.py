@@ -7,6 +7,7 @@ from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
 from jaxserve.models.gpt_oss import GptOssForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
+from jaxserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.mtp import DeepSeekMTP, Glm4MoeMTP
 from jaxserve.models.phi3 import Phi3ForCausalLM
@@ -31,6 +32,7 @@ _MODELS = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,  # text only
     "MixtralForCausalLM": MixtralForCausalLM,  # mixture of experts
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # whole-projection q/k norms, sigmoid routing
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # + q/k norms, some dense layers
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # partial rotary, noaux_tc routing, shared
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # MLA + GLM-4.5's experts (Kimi K2 too)
