@@ -172,7 +172,7 @@ def _add_serve_parser(sub) -> None:
         "--tool-call-parser",
         default=None,
         help="how the model writes tool calls: hermes, llama3_json, mistral, pythonic, openai, "
-        "deepseek_v3, deepseek_v31, glm45, kimi_k2, qwen3_coder, qwen3_xml",
+        "deepseek_v3, deepseek_v31, glm45, kimi_k2, minimax_m2, qwen3_coder, qwen3_xml",
     )
     serve.add_argument(
         "--enable-prompt-tokens-details",

@@ -250,7 +250,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--reasoning-parser",
         default=None,
         help="split <think> reasoning into the reasoning field (deepseek_r1, deepseek_v3, glm45, "
-        "kimi_k2, qwen3, openai_gptoss); "
+        "kimi_k2, minimax_m2, minimax_m2_append_think, qwen3, openai_gptoss); "
         "structured outputs then bind after the reasoning",
     )
     return parser

@@ -1,7 +1,7 @@
-"""The `deepseek_v3`, `glm45` and `kimi_k2` reasoning parsers: their thinking switches in
-chat_template_kwargs, the split of recorded-style outputs whole and streamed (tags cut across
-deltas, and token by token with the tags' ids), and the token-id checks; then each family's
-reasoning and tool parsers together in the chat layer."""
+"""The `deepseek_v3`, `glm45`, `kimi_k2`, `minimax_m2` and `minimax_m2_append_think` reasoning
+parsers: their thinking switches in chat_template_kwargs, the split of recorded-style outputs
+whole and streamed (tags cut across deltas, and token by token with the tags' ids), and the
+token-id checks; then each family's reasoning and tool parsers together in the chat layer."""
 
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ CASES = [
     ("kimi_k2", {}, "Hmm.</thinking>Answer", "Hmm.", "Answer"),
     ("kimi_k2", {}, "Cut off while thinking", "Cut off while thinking", None),
     ("kimi_k2", OFF, "Plain answer <think>", None, "Plain answer <think>"),
+    # MiniMax-M2: the prompt opens <think>; append_think keeps it all as content, <think> first.
+    ("minimax_m2", {}, "Plan it.\n</think>\n\nDone.", "Plan it.\n", "\n\nDone."),
+    ("minimax_m2", {}, "Cut off", "Cut off", None),
+    ("minimax_m2_append_think", {}, "Plan it.\n</think>\nDone.", None,
+     "<think>Plan it.\n</think>\nDone."),
 ]  # fmt: skip
 TAGS = ("<think>", "</think>", "</thinking>", KIMI_SECTION)
 
@@ -119,7 +124,8 @@ def test_token_id_checks():
 
 
 def test_registered_names():
-    assert {"deepseek_v3", "glm45", "kimi_k2"} <= set(ReasoningParserManager.list_names())
+    names = {"deepseek_v3", "glm45", "kimi_k2", "minimax_m2", "minimax_m2_append_think"}
+    assert names <= set(ReasoningParserManager.list_names())
 
 
 # ---------------------------------------------------------------------- with the tool parsers
@@ -131,6 +137,8 @@ GLM = "<tool_call>get_time\n<arg_key>tz</arg_key>\n<arg_value>UTC</arg_value>\n<
 QWEN = (
     "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
 )
+MINIMAX = ('<minimax:tool_call>\n<invoke name="get_time">\n<parameter name="tz">UTC</parameter>\n'
+           "</invoke>\n</minimax:tool_call>")  # fmt: skip
 # (reasoning parser, tool parser, chat_template_kwargs, output, reasoning, content)
 TOGETHER = [
     ("deepseek_v3", "deepseek_v31", {"thinking": True}, "Time zone?</think>Let me see." + DS,
@@ -140,6 +148,10 @@ TOGETHER = [
     ("kimi_k2", "kimi_k2", None, "<think>Need the time." + KIMI_CALL, "Need the time.", None),
     ("kimi_k2", "kimi_k2", {"thinking": False}, "Sure." + KIMI_CALL, None, "Sure."),
     ("qwen3", "qwen3_coder", None, "<think>\nhm\n</think>\n\n" + QWEN, "\nhm\n", None),
+    ("minimax_m2", "minimax_m2", None, "Need the time.</think>\n" + MINIMAX, "Need the time.",
+     None),
+    ("minimax_m2_append_think", "minimax_m2", None, "hm</think>\n" + MINIMAX, None,
+     "<think>hm</think>\n"),
 ]  # fmt: skip
 
 

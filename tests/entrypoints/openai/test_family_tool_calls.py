@@ -1,7 +1,8 @@
 """A model family's tool-call format reaches every API: the app in process over a stand-in
-core that generates a Qwen3-Coder tool call (XML, `--tool-call-parser qwen3_coder`) with
-`tool_choice: "auto"`, read back as chat `tool_calls`, Responses `function_call` items and
-Messages `tool_use` blocks, whole and streamed, with arguments typed by the tool's schema."""
+core that generates a Qwen3-Coder or a MiniMax-M2 tool call (XML, `--tool-call-parser
+qwen3_coder` / `minimax_m2`) with `tool_choice: "auto"`, read back as chat `tool_calls`,
+Responses `function_call` items and Messages `tool_use` blocks, whole and streamed, with
+arguments typed by the tool's schema."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from tests.engine.test_kv_transfer_params import config
 from tests.entrypoints.openai.test_vllm_response_fields import ScriptedCore
 from tests.require import import_or_skip
 
-CALL = (
-    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
-)
+CALLS = {
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+    "minimax_m2": '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+    'Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n</minimax:tool_call>',
+}
 TOOL = {
     "type": "function",
     "function": {
@@ -46,16 +49,16 @@ class StoppingCore(ScriptedCore):
             steps[-1].finish_reason = "stop"
 
 
-@pytest.fixture(scope="module")
-def answers():
+@pytest.fixture(scope="module", params=sorted(CALLS))
+def answers(request):
     openai = import_or_skip("openai")
     tokenizer = read_tokenizer(None)
     cfg = config(max_model_len=512)
     cfg.model.vocab_size = len(tokenizer)
-    tokens = tokenizer.encode(CALL, add_special_tokens=False)
+    tokens = tokenizer.encode(CALLS[request.param], add_special_tokens=False)
     engine = AsyncLLM(cfg, StoppingCore(tokens), tokenizer=tokenizer)
     app = build_app(
-        engine, ["m"], log_stats_interval=None, enable_auto_tools=True, tool_parser="qwen3_coder"
+        engine, ["m"], log_stats_interval=None, enable_auto_tools=True, tool_parser=request.param
     )
     flat_tool = {"type": "function", **TOOL["function"]}  # the Responses API's form
     anthropic_tool = {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}

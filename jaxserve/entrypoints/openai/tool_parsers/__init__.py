@@ -3,7 +3,7 @@
 `ToolParserManager.get_tool_parser(name)(tokenizer)` makes one parser per request. Importing
 this package registers `hermes`, `llama3_json` / `llama4_json`, `mistral`, `pythonic` /
 `llama4_pythonic`, `openai` (gpt-oss's harmony), `deepseek_v3`, `deepseek_v31`, `glm45`,
-`kimi_k2`, `qwen3_coder` and `qwen3_xml`.
+`kimi_k2`, `minimax_m2`, `qwen3_coder` and `qwen3_xml`.
 """
 
 from jaxserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
@@ -16,6 +16,7 @@ from jaxserve.entrypoints.openai.tool_parsers.glm4_moe_tool_parser import Glm4Mo
 from jaxserve.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from jaxserve.entrypoints.openai.tool_parsers.kimi_k2_tool_parser import KimiK2ToolParser
 from jaxserve.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+from jaxserve.entrypoints.openai.tool_parsers.minimax_m2_tool_parser import MiniMaxM2ToolParser
 from jaxserve.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
 from jaxserve.entrypoints.openai.tool_parsers.openai_tool_parser import OpenAIToolParser
 from jaxserve.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
@@ -29,6 +30,7 @@ __all__ = [
     "Hermes2ProToolParser",
     "KimiK2ToolParser",
     "Llama3JsonToolParser",
+    "MiniMaxM2ToolParser",
     "MistralToolParser",
     "OpenAIToolParser",
     "PythonicToolParser",

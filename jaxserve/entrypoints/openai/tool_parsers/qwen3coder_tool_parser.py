@@ -43,11 +43,33 @@ from jaxserve.entrypoints.openai.tool_parsers.utils import (
     streamed_content_before_any,
 )
 
-CALL_START, FUNCTION, PARAMETER = "<tool_call>", "<function=", "<parameter="
-FUNCTION_END, PARAMETER_END, CALL_END = "</function>", "</parameter>", "</tool_call>"
-# what ends a function's body, and a parameter's value
-_BODY_ENDS = (FUNCTION_END, FUNCTION, CALL_END)
-_VALUE_ENDS = (PARAMETER_END, PARAMETER, *_BODY_ENDS)
+
+class Markers(NamedTuple):
+    """A format of named-parameter calls: a function's name is the text between `function`
+    and `name_end`, a parameter's key between `parameter` and `name_end`."""
+
+    call_start: str
+    function: str
+    parameter: str
+    name_end: str
+    function_end: str
+    parameter_end: str
+    call_end: str
+
+    @property
+    def body_ends(self) -> tuple[str, ...]:
+        """What ends a function's body."""
+        return (self.function_end, self.function, self.call_end)
+
+    @property
+    def value_ends(self) -> tuple[str, ...]:
+        """What ends a parameter's value."""
+        return (self.parameter_end, self.parameter, *self.body_ends)
+
+
+QWEN3 = Markers(
+    "<tool_call>", "<function=", "<parameter=", ">", "</function>", "</parameter>", "</tool_call>"
+)
 
 
 class Function(NamedTuple):
@@ -63,59 +85,63 @@ def _trim(raw: str) -> str:
     return raw.removeprefix("\n").removesuffix("\n")
 
 
-def scan_functions(text: str, start: int, final: bool) -> list[Function]:
+def scan_functions(text: str, start: int, final: bool, m: Markers = QWEN3) -> list[Function]:
     """The functions from `text[start:]` whose name is certain. Unless `final`, the text is
     still growing: a marker may be cut at its end, and an open function or value may go on
-    (a function is certain only where its name's `>` is)."""
+    (a function is certain only where its name's end is)."""
     functions: list[Function] = []
-    pos = text.find(FUNCTION, start)
+    pos = text.find(m.function, start)
     while pos >= 0:
-        name_at = pos + len(FUNCTION)
-        gt = text.find(">", name_at)
+        name_at = pos + len(m.function)
+        gt = text.find(m.name_end, name_at)
         if gt <= name_at or "<" in text[name_at:gt]:  # no name (yet)
             break
-        body_end = find_first(text, _BODY_ENDS, gt + 1)
+        open_at = gt + len(m.name_end)
+        body_end = find_first(text, m.body_ends, open_at)
         closed = body_end >= 0 or final
-        body = text[gt + 1 : body_end if body_end >= 0 else len(text)]
+        body = text[open_at : body_end if body_end >= 0 else len(text)]
         if not closed:
-            body = hold_back_markers(body, _BODY_ENDS)
-        params, open_param = _scan_params(body, closed)
+            body = hold_back_markers(body, m.body_ends)
+        params, open_param = _scan_params(body, closed, m)
         functions.append(Function(pos, text[name_at:gt], params, open_param, closed))
         if body_end < 0:
             break
-        pos = text.find(FUNCTION, body_end)
+        pos = text.find(m.function, body_end)
     return functions
 
 
-def _scan_params(body: str, closed: bool) -> tuple[list[tuple[str, str]], Any]:
+def _scan_params(body: str, closed: bool, m: Markers) -> tuple[list[tuple[str, str]], Any]:
     """(finished (key, raw value) pairs, the open one or None) of a function's body."""
     params: list[tuple[str, str]] = []
-    pos = body.find(PARAMETER)
+    pos = body.find(m.parameter)
     while pos >= 0:
-        key_at = pos + len(PARAMETER)
-        gt = body.find(">", key_at)
+        key_at = pos + len(m.parameter)
+        gt = body.find(m.name_end, key_at)
         if gt < 0:
             break
-        end = find_first(body, _VALUE_ENDS, gt + 1)
+        value_at = gt + len(m.name_end)
+        end = find_first(body, m.value_ends, value_at)
         if end < 0:
-            raw = body[gt + 1 :]
+            raw = body[value_at:]
             if closed:
                 params.append((body[key_at:gt], _trim(raw)))
                 break
-            raw = hold_back_markers(raw, _VALUE_ENDS).removeprefix("\n")
+            raw = hold_back_markers(raw, m.value_ends).removeprefix("\n")
             return params, (body[key_at:gt], raw)
-        params.append((body[key_at:gt], _trim(body[gt + 1 : end])))
-        pos = body.find(PARAMETER, end)
+        params.append((body[key_at:gt], _trim(body[value_at:end])))
+        pos = body.find(m.parameter, end)
     return params, None
 
 
 @ToolParserManager.register_module("qwen3_coder")
 class Qwen3CoderToolParser(ToolParser):
     loose_types = True  # types the parser does not know are parsed as literals too
+    markers = QWEN3
 
     def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         """Keep special tokens when the tokenizer marks the call markers as such."""
-        if request.tools and request.tool_choice != "none" and self.marks_special(CALL_START):
+        start = self.markers.call_start
+        if request.tools and request.tool_choice != "none" and self.marks_special(start):
             request.skip_special_tokens = False
         return request
 
@@ -132,10 +158,11 @@ class Qwen3CoderToolParser(ToolParser):
     def extract_tool_calls(
         self, model_output: str, request: ChatCompletionRequest | None = None
     ) -> ExtractedToolCallInformation:
-        start = find_first(model_output, (CALL_START, FUNCTION))
+        m = self.markers
+        start = find_first(model_output, (m.call_start, m.function))
         if start < 0:
             return no_tool_calls(model_output)
-        functions = scan_functions(model_output, start, final=True)
+        functions = scan_functions(model_output, start, final=True, m=m)
         if not functions:
             return no_tool_calls(model_output)
         content = model_output[:start]
@@ -149,12 +176,13 @@ class Qwen3CoderToolParser(ToolParser):
         )
 
     def stream_snapshot(self, text: str) -> StreamSnapshot:
-        content, start = streamed_content_before_any(text, (CALL_START, FUNCTION))
+        m = self.markers
+        content, start = streamed_content_before_any(text, (m.call_start, m.function))
         if start < 0:
             return content, []
         calls = []
         memo = self.scan_memo(text)
-        for function in scan_functions(text, start, final=False):
+        for function in scan_functions(text, start, final=False, m=m):
             if function.closed:  # typed once
                 key = ("function", function.at)
                 if key not in memo.entries:

@@ -1,5 +1,6 @@
 """The model-family tool parsers (`deepseek_v3`, `deepseek_v31`, `kimi_k2`, `glm45`,
-`qwen3_coder`, `qwen3_xml`) on outputs in each model's published format: whole-text extraction
+`qwen3_coder`, `qwen3_xml`, `minimax_m2`) on outputs in each model's published format:
+whole-text extraction
 (calls whose arguments validate against the tool's schema, the content before them), and
 streaming in many splits and token by token (each special token one delta; and through the
 detokenizer of a tokenizer with the markers as special tokens), every delta a valid chunk for
@@ -80,6 +81,7 @@ SPECIAL_TOKENS = [
     *(DS_CALLS, DS_CALL, DS_SEP, DS_END, DS_CALLS_END),
     *(K_SECTION, K_CALL, K_ARGS, K_END, K_SECTION_END, "<|tool_call_section_begin|>"),
     *("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    *("<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"),
 ]
 CODE = 'def greet(name):\n    print(f"Hi {name} <b>")\n    return {"ok": True}\n'
 
@@ -199,6 +201,27 @@ CASES = {
         [("get_weather", {"city": "Lyon", "options": {"units": "metric"}, "days": 7})],
         None,
     ),
+    "minimax_m2_typed_after_thinking": (
+        "minimax_m2",
+        "<think>Weather, then time.</think>\nChecking.\n<minimax:tool_call>\n"
+        '<invoke name="get_weather">\n<parameter name="city">São Paulo</parameter>\n'
+        '<parameter name="days">3</parameter>\n<parameter name="detailed">true</parameter>\n'
+        '<parameter name="hours">[7, 19]</parameter>\n</invoke>\n<invoke name="get_time">\n'
+        '<parameter name="tz">null</parameter>\n</invoke>\n</minimax:tool_call>',
+        [
+            ("get_weather", {"city": "São Paulo", "days": 3, "detailed": True, "hours": [7, 19]}),
+            ("get_time", {"tz": None}),
+        ],
+        "<think>Weather, then time.</think>\nChecking.\n",
+    ),  # fmt: skip
+    "minimax_m2_code": (
+        "minimax_m2",
+        '<minimax:tool_call>\n<invoke name="write_file">\n<parameter name="path">a.py'
+        f'</parameter>\n<parameter name="content">\n{CODE}\n</parameter>\n</invoke>\n'
+        "</minimax:tool_call>",
+        [("write_file", {"path": "a.py", "content": CODE})],
+        None,
+    ),
     "qwen3_xml_no_wrapper_no_params": (
         "qwen3_xml",
         "<function=get_time>\n</function>",
@@ -215,6 +238,7 @@ PLAIN = {
     "glm45": ["Use <tool> tags like <b>.", "I would call a tool here."],
     "qwen3_coder": ["<function is not a call", "Here is code: if a < b: pass"],
     "qwen3_xml": ["Plain answer."],
+    "minimax_m2": ["<invoke is not a call", 'Say <parameter name="x"> in prose.'],
 }
 # parser -> outputs cut off or broken: content, no calls
 MALFORMED = {
