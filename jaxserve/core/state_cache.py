@@ -89,8 +89,8 @@ class StateGate:
     state, the prefill aligned on its state boundary, and the step's copies (restore a slot
     into a newly admitted request's row; save a row into a slot after the step)."""
 
-    def __init__(self, inner: EncoderGate, cache: StateCache):
-        self.inner, self.cache = inner, cache
+    def __init__(self, inner: EncoderGate, cache: StateCache, kv: KVCacheManager):
+        self.inner, self.cache, self.kv = inner, cache, kv
         self.boundary: dict[str, int] = {}  # request -> position whose state it saves
         self.admitted: set[str] = set()  # requests whose row holds their state
         self.restores: dict[str, int] = {}  # this step's: request -> slot into its row
@@ -110,6 +110,7 @@ class StateGate:
     def trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
         blocks, num_computed = self.inner.trim_hit(request, blocks, num_computed)
         keep = self.cache.longest_hit(request, num_computed)
+        self.kv.prefix_cache_stats.hits -= num_computed - keep  # the hit used, as reported
         return blocks[: keep // request.block_size], keep
 
     def plan(self, request: Request, start: int, num_new: int) -> tuple[int, list]:
@@ -160,4 +161,4 @@ def step_gate(
         return gate
     cache = StateCache(state_slots)
     kv.on_reset.append(cache.reset)
-    return StateGate(gate, cache)
+    return StateGate(gate, cache, kv)

@@ -46,6 +46,14 @@ def test_a_repeated_prefix_hits_and_equals_a_cold_run(model_dir, monkeypatch):
     del cold
     llm = LLM(str(model_dir), **ENGINE)
     scheduler = core_of(llm).scheduler
+    hits, make = [], scheduler.make_stats
+
+    def counting():  # every step's stats (each call resets the counts)
+        stats = make()
+        hits.append(stats.prefix_cache_hits)
+        return stats
+
+    scheduler.make_stats = counting
     got = run(llm, [first, second, chat])
     for (ids, lps, _), (want_ids, want_lps, _) in zip(got, want, strict=True):
         assert ids == want_ids
@@ -53,6 +61,8 @@ def test_a_repeated_prefix_hits_and_equals_a_cold_run(model_dir, monkeypatch):
     # the first computes all; the second restores the state at 2000 (its own boundary too);
     # the chat's next turn hits there as well (its boundary, 2016, is saved then)
     assert [c for _, _, c in got] == [0, 2000, 2000]
+    # the prefix cache's hits as /metrics counts them: the tokens each request took
+    assert sum(hits) == 4000
     scheduler.kv_cache_manager.check_no_leaks()
     assert llm.llm_engine.engine_core.call_utility("reset_prefix_cache")
     assert run(llm, [second])[0][2] == 0  # states forgotten with the blocks
