@@ -1,7 +1,7 @@
 """MiniMax-M2: q / k norms over each whole projection, partial rotary, sigmoid routing with a
-score correction bias over 8 experts (top 2). Logits equal HF's at tp 1, 2 and 4 (tp 4:
-each KV head twice, the k norm's heads with it; the norms' means summed over the split
-heads); greedy tokens and logprobs through the engine equal HF generate's."""
+score correction bias over 8 experts (top 2). Logits equal HF's at tp 1 and 4 (tp 4: each KV
+head twice, the k norm's heads with it; the norms' means summed over the split heads);
+greedy tokens and logprobs through the engine at tp 2 equal HF generate's."""
 
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ def model_dir(tmp_path_factory):
     return make_tiny_hf("minimax_m2", tmp_path_factory.mktemp("minimax_m2"), **SHAPE)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 4])
 def test_logits_match_hf(model_dir, tp):
     loaded = load_model(str(model_dir), dtype="float32", tensor_parallel_size=tp)
     c = loaded.config
