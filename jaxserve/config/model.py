@@ -55,15 +55,16 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192
-    # yarn: cos / sin scale (None: from factor, mscale, mscale_all_dim) and the ramp's bounds
+    # yarn: cos / sin scale (None: from factor, mscale, mscale_all_dim), the ramp's bounds
     attention_factor: float | None = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
-    # M-RoPE (Qwen2.5-VL): frequencies per position axis (temporal, height, width)
+    # M-RoPE: frequencies per position axis (t, h, w), in sections (Qwen2.5-VL) or interleaved
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     SUPPORTED = ("default", "linear", "llama3", "yarn")
 
@@ -75,12 +76,10 @@ class RopeConfig:
         params = dict(getattr(hf_config, "rope_parameters", None) or {})
         if params and all(isinstance(v, dict) for v in params.values()):
             params = dict(params.get(layer_type or "full_attention", {}))
-        scaling = getattr(hf_config, "rope_scaling", None) or {}
-        params = {**scaling, **params}
+        params = {**(getattr(hf_config, "rope_scaling", None) or {}), **params}
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-        if rope_type == "mrope":  # Qwen2-VL's name: default frequencies over 3 axes
-            rope_type = "default"
+        rope_type = "default" if rope_type == "mrope" else rope_type  # (Qwen2-VL's name)
         if rope_type not in cls.SUPPORTED:
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; supported: {', '.join(cls.SUPPORTED)}"
@@ -105,6 +104,7 @@ class RopeConfig:
             mscale_all_dim=optional("mscale_all_dim"),
             truncate=bool(params.get("truncate", True)),
             mrope_section=tuple(params["mrope_section"]) if params.get("mrope_section") else None,
+            mrope_interleaved=bool(params.get("mrope_interleaved", False)),
         )
 
 

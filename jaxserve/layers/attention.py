@@ -308,8 +308,9 @@ class Attention(nnx.Module):
             scale = rope_attention_factor(self.rope)
             if positions.ndim == 2:  # M-RoPE's [3, T] (Qwen2.5-VL)
                 section = self.rope.mrope_section
-                q = apply_mrope(q, positions, inv_freq, section, scale)
-                k = apply_mrope(k, positions, inv_freq, section, scale)
+                mixed = self.rope.mrope_interleaved
+                q = apply_mrope(q, positions, inv_freq, section, scale, mixed)
+                k = apply_mrope(k, positions, inv_freq, section, scale, mixed)
             else:
                 q = apply_rotary(q, positions, inv_freq, scale)
                 k = apply_rotary(k, positions, inv_freq, scale)

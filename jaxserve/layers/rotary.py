@@ -103,19 +103,32 @@ def apply_mrope(
     inv_freq: np.ndarray,
     mrope_section: tuple[int, ...],
     scale: float = 1.0,
+    interleaved: bool = False,
 ) -> jax.Array:
     """Multimodal rotary (Qwen2-VL / Qwen2.5-VL M-RoPE): rotate x: [T, H, D] as `apply_rotary`
     does, but frequency f of inv_freq [R // 2] turns by the position of axis i % 3 (0:
     temporal, 1: height, 2: width) of positions i32[3, T], i the mrope_section chunk that f
     falls in (sum(mrope_section) == R // 2), as HF's Qwen2_5_VLRotaryEmbedding recomposes its
-    cos and sin (the former apply_multimodal_rotary_pos_emb). Float32 math; with R < D only
-    the leading R dims turn."""
+    cos and sin (the former apply_multimodal_rotary_pos_emb). interleaved (Qwen3.5, Qwen3-VL):
+    frequency f turns by height when f % 3 == 1 and f < 3 * mrope_section[1], by width when
+    f % 3 == 2 and f < 3 * mrope_section[2], else by time. Float32 math; with R < D only the
+    leading R dims turn."""
     rotary_dim = 2 * len(inv_freq)
     if sum(mrope_section) != len(inv_freq):
         raise ValueError(f"mrope_section {mrope_section} does not sum to {len(inv_freq)}")
     if rotary_dim < x.shape[-1]:
-        turned = apply_mrope(x[..., :rotary_dim], positions, inv_freq, mrope_section, scale)
+        turned = apply_mrope(
+            x[..., :rotary_dim], positions, inv_freq, mrope_section, scale, interleaved
+        )
         return jnp.concatenate([turned, x[..., rotary_dim:]], axis=-1)
-    axis = np.concatenate([np.full(s, i % 3) for i, s in enumerate(mrope_section)])  # [R / 2]
+    if interleaved:
+        f = np.arange(len(inv_freq))
+        axis = np.where(
+            (f % 3 == 1) & (f < 3 * mrope_section[1]),
+            1,
+            np.where((f % 3 == 2) & (f < 3 * mrope_section[2]), 2, 0),
+        )
+    else:
+        axis = np.concatenate([np.full(s, i % 3) for i, s in enumerate(mrope_section)])
     pos = positions.astype(jnp.float32)[axis]  # [R / 2, T]: each frequency's axis
     return _rotate(x, pos.T * jnp.asarray(inv_freq)[None, :], scale)  # angles [T, R / 2]

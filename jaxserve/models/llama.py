@@ -120,16 +120,14 @@ class LlamaForCausalLM(nnx.Module):
         the embedding); final_norm False: the hidden states leave un-normed (for the next
         stage)."""
         positions, md, hidden_in = inputs.positions, inputs.attn, inputs.hidden_in
-        mm_rows, lora_slots = inputs.mm_rows, inputs.lora_slots
+        lora_slots = inputs.lora_slots
         k_cache, v_cache = kv_caches
         num_blocks = k_cache.shape[0] // len(self.layers)
         block_size = k_cache.shape[1]
         h = self.embed_tokens(inputs.input_ids) if hidden_in is None else hidden_in  # [T, D]
         if self.embed_scale and hidden_in is None:  # HF rounds the scale to the dtype first
             h = h * jnp.asarray(self.config.hidden_size**0.5, h.dtype)
-        if mm_rows is not None:  # image placeholders: their encoder outputs
-            picked = inputs.mm_embeds[jnp.maximum(mm_rows, 0)].astype(h.dtype)
-            h = jnp.where((mm_rows >= 0)[:, None], picked, h)
+        h = with_images(h, inputs)
         if inputs.mrope_positions is not None:
             positions = inputs.mrope_positions
         aux = []
@@ -215,6 +213,15 @@ def fuse_qkv(
     q = q.reshape(heads, -1, hd, *rest)  # [Hkv*R, G, hd, ...]
     k, v = (np.repeat(w.reshape(-1, 1, hd, *rest), kv_replicas, axis=0) for w in (k, v))
     return np.concatenate([q, k, v], axis=1).reshape(-1, *rest)
+
+
+def with_images(h: jax.Array, inputs: StepInputs) -> jax.Array:
+    """The embeddings h [T, D] with each image placeholder token's encoder output in its place
+    (inputs.mm_rows: its row of inputs.mm_embeds, -1 for other tokens; None: no images)."""
+    if inputs.mm_rows is None:
+        return h
+    picked = inputs.mm_embeds[jnp.maximum(inputs.mm_rows, 0)].astype(h.dtype)
+    return jnp.where((inputs.mm_rows >= 0)[:, None], picked, h)
 
 
 def replicate_kv_heads(fused: np.ndarray, config: ModelConfig, kv_replicas: int) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""Qwen3.5 (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, and the published
-...ForConditionalGeneration checkpoints served as their text model): Qwen3-Next's layout
+"""Qwen3.5 (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM; the published
+...ForConditionalGeneration checkpoints, with images, are models/vlm.py's): Qwen3-Next's layout
 (models/qwen3_next.py: 3 gated delta-net layers to 1 gated-attention layer, zero-centred
 norms, a gated shared expert beside 256 routed ones in the MoE build), with the linear
 attention's projections stored apart: `in_proj_qkv` [2 Hk Dk + Hv Dv, D], `in_proj_z`
@@ -8,8 +8,7 @@ grouped per key head. They are regrouped as they load into the same GatedDeltaNe
 
 Its rotary embedding is interleaved M-RoPE (mrope_section [11, 11, 10] over the rotary
 quarter of each head): for text every axis takes the token's position, which is the plain
-partial rotary; the vision tower and image positions are not read yet (images are refused as
-for any text-only model)."""
+partial rotary."""
 
 from __future__ import annotations
 
@@ -59,15 +58,12 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
         return weight
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The published Qwen3.5 checkpoints as their text model: the same weights under
-    `model.language_model.` (the LM head stays `lm_head`; `model.visual` is not read)."""
-
-    @classmethod
-    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
-        weight = Qwen3_5ForCausalLM.hf_weight(config, path, kv_replicas)
-        names = tuple(
-            f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n
-            for n in weight.names
-        )
-        return HFWeight(names, weight.build)
+def language_model_weight(config: ModelConfig, path: tuple, kv_replicas: int) -> HFWeight:
+    """A language-model parameter of the published checkpoints: Qwen3_5ForCausalLM's tensors
+    under `model.language_model.` (the LM head stays `lm_head`)."""
+    weight = Qwen3_5ForCausalLM.hf_weight(config, path, kv_replicas)
+    names = tuple(
+        f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n
+        for n in weight.names
+    )
+    return HFWeight(names, weight.build)

@@ -21,7 +21,7 @@ from jaxserve.layers.fused_moe import FusedMoE
 from jaxserve.layers.gated_delta_net import GatedDeltaNet
 from jaxserve.layers.mlp import GatedMLP
 from jaxserve.models.gemma import GemmaRMSNorm
-from jaxserve.models.llama import HFWeight, LlamaForCausalLM, fuse_gate_up
+from jaxserve.models.llama import HFWeight, LlamaForCausalLM, fuse_gate_up, with_images
 from jaxserve.models.step_inputs import StepInputs
 from jaxserve.models.weight_maps import GATE_UP_DOWN, compose, routed_experts
 
@@ -101,14 +101,17 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         final_norm: bool = True,
     ):
         """inputs (models/step_inputs.py): of its fields input_ids, positions and token_rows
-        (each token's state slot), i32[T] -> (final hidden states [T, D], caches with this
-        step's K/V and states written). No EAGLE-3 features (speculative decoding is refused
-        for hybrid models), no pipeline stages (refused too)."""
+        (each token's state slot), i32[T], and a multimodal model's mm_rows, mm_embeds and
+        mrope_positions (its attention layers' rotary positions) -> (final hidden states
+        [T, D], caches with this step's K/V and states written). No EAGLE-3 features
+        (speculative decoding is refused for hybrid models), no pipeline stages (refused
+        too)."""
         positions, md, token_rows = inputs.positions, inputs.attn, inputs.token_rows
         k_cache, v_cache, conv, rec = kv_caches
         num_blocks = k_cache.shape[0] // len(self.config.kv_layers)
         block_size = k_cache.shape[1]
-        h = self.embed_tokens(inputs.input_ids)
+        h = with_images(self.embed_tokens(inputs.input_ids), inputs)  # (Qwen3.5's images)
+        rope_positions = positions if inputs.mrope_positions is None else inputs.mrope_positions
         kv_index = lin_index = 0
         for layer in self.layers:
             x = layer.input_layernorm(h)
@@ -121,7 +124,9 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
                 lin_index += 1
             else:
                 layer_md = md.at_layer(kv_index, num_blocks, block_size)
-                out, k_cache, v_cache = layer.self_attn(x, positions, k_cache, v_cache, layer_md)
+                out, k_cache, v_cache = layer.self_attn(
+                    x, rope_positions, k_cache, v_cache, layer_md
+                )
                 kv_index += 1
             h = h + out
             h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -11,7 +11,7 @@ from jaxserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
 from jaxserve.models.mtp import DeepSeekMTP, Glm4MoeMTP
 from jaxserve.models.phi3 import Phi3ForCausalLM
-from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
 from jaxserve.models.qwen3_next import Qwen3NextForCausalLM
 from jaxserve.models.seq_cls import Qwen3ForSequenceClassification
@@ -19,6 +19,7 @@ from jaxserve.models.vlm import (
     Gemma3ForConditionalGeneration,
     LlavaForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen3_5ForConditionalGeneration,
 )
 
 _MODELS = {
@@ -43,7 +44,7 @@ _MODELS = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,  # gated delta-net + gated attention, hybrid
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,  # Qwen3-Next's layout, projections apart
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # + routed and gated shared experts
-    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # its text model
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # + its vision tower
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # CLIP + projector + Llama
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # M-RoPE, ViT

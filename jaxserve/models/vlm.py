@@ -21,8 +21,11 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import HFWeight, LlamaForCausalLM
+from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM, language_model_weight
 from jaxserve.models.vision.clip import LlavaVisionEncoder
 from jaxserve.models.vision.qwen2_5_vl import Qwen2_5_VLVisionEncoder, vision_config
+from jaxserve.models.vision.qwen3_5_vision import Qwen3_5VisionEncoder
+from jaxserve.models.vision.qwen3_5_vision import vision_config as qwen3_5_vision_config
 from jaxserve.models.vision.siglip import Gemma3VisionEncoder
 from jaxserve.multimodal.inputs import MultiModalFeature
 from jaxserve.multimodal.mrope import mrope_positions
@@ -185,4 +188,51 @@ class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):
             np.array(grids).reshape(-1, 3) if grids else None,
             image_token_id=int(mm_config["image_token_id"]),
             spatial_merge_size=vision_config(mm_config)["spatial_merge_size"],
+        )
+
+
+class Qwen3_5ForConditionalGeneration(Qwen2_5_VLForConditionalGeneration, Qwen3_5ForCausalLM):
+    """Qwen3.5 (dense and MoE) with images: its vision tower (models/vision/qwen3_5_vision.py:
+    whole-frame attention, learned position embeddings, no windows) on Qwen2.5-VL's patch
+    buckets and M-RoPE positions, the rotary interleaved over the axes (RopeConfig.
+    mrope_interleaved); the hybrid language model (models/qwen3_next.py's forward)."""
+
+    vision_cls = Qwen3_5VisionEncoder
+    checkpoint_aliases = ()
+
+    @classmethod
+    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
+        if str(path[0]) == "vision":
+            return cls.vision_cls.hf_weight(config.hf_config.multimodal_config, path[1:])
+        return language_model_weight(config, path, kv_replicas)
+
+    @staticmethod
+    def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
+        """Patch counts up to what one step's tokens can take (merge**2 patches a token)."""
+        vc = qwen3_5_vision_config(mm_config)
+        merge, unit = vc["spatial_merge_size"], vc["spatial_merge_size"] ** 2
+        patch_dim = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+        out = {}
+        for n in Qwen2_5_VLVisionEncoder.patch_buckets(mm_config, max_tokens * unit):
+            grid = np.array([[1, merge, n // merge]])
+            pixels = np.zeros((n, patch_dim), np.float32)
+            out[n] = (n // unit, Qwen3_5VisionEncoder.prepare(mm_config, pixels, grid, n))
+        return out
+
+    @classmethod
+    def encoder_inputs(cls, mm_config: dict, data: dict, buckets: dict) -> tuple:
+        n = cls.encoder_bucket(mm_config, data, buckets)
+        grid = np.asarray(data["image_grid_thw"]).reshape(-1, 3)
+        return n, Qwen3_5VisionEncoder.prepare(mm_config, data["pixel_values"], grid, n)
+
+    @staticmethod
+    def mrope_positions(
+        mm_config: dict, prompt_ids: list[int], features: list[MultiModalFeature]
+    ) -> tuple[np.ndarray, int]:
+        grids = [np.asarray(f.data["image_grid_thw"]).reshape(3) for f in features]
+        return mrope_positions(
+            prompt_ids,
+            np.array(grids).reshape(-1, 3) if grids else None,
+            image_token_id=int(mm_config["image_token_id"]),
+            spatial_merge_size=qwen3_5_vision_config(mm_config)["spatial_merge_size"],
         )

@@ -62,17 +62,15 @@ def read_any_hf_config(path: Path, hf_overrides: dict | None = None) -> Any:
 
 
 # Multimodal architectures served as their text model (the vision tower is not read yet).
-TEXT_MODELS = (
-    "Llama4ForConditionalGeneration",
-    "Qwen3_5ForConditionalGeneration",
-    "Qwen3_5MoeForConditionalGeneration",
-)
+TEXT_MODELS = ("Llama4ForConditionalGeneration",)
 # Vision-language models: the language model's fields as the config, the whole HF config kept
 # as `multimodal_config` (a dict: vision_config, the projector's fields, the image tokens).
 MULTIMODAL_MODELS = (
     "LlavaForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 
 

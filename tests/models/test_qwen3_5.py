@@ -1,7 +1,7 @@
 """Qwen3.5, dense and MoE: Qwen3-Next's hybrid layout with the linear attention's projections
 stored apart. Logits equal HF's (prefilled whole, in chunks, and decoded); through the engine
 (chunked prefill, preemption, tp 2) greedy tokens and logprobs equal HF generate's; the
-published ForConditionalGeneration checkpoints load as their text model and refuse images."""
+published ForConditionalGeneration checkpoints' language model loads from its own prefix."""
 
 import numpy as np
 import pytest
@@ -73,8 +73,8 @@ def test_generate_matches_hf_with_chunked_prefill_and_preemption(models, build, 
 
 def test_published_checkpoint_layout_serves_its_text_model(tmp_path, monkeypatch):
     """A Qwen3_5MoeForConditionalGeneration checkpoint (the language model under
-    `model.language_model.`, a vision tower beside it): the text model's logits equal HF's
-    for the whole model on text, and an image is refused by name."""
+    `model.language_model.`, a vision tower beside it): on text, the logits equal HF's for
+    the whole model (images: test_qwen3_5_vl.py)."""
     import transformers
 
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
@@ -97,10 +97,3 @@ def test_published_checkpoint_layout_serves_its_text_model(tmp_path, monkeypatch
     loaded = load_model(str(tmp_path), dtype="float32")
     fed, logits = run_mixed_schedule(loaded, [tokens], decode_steps=0)
     np.testing.assert_allclose(logits[0][: len(tokens)], want, atol=1e-4, rtol=0)
-    llm = LLM(str(tmp_path), max_model_len=64, max_num_seqs=2, dtype="float32")
-    from PIL import Image
-
-    image = Image.new("RGB", (8, 8))
-    prompt = {"prompt_token_ids": tokens, "multi_modal_data": {"image": image}}
-    with pytest.raises(ValueError, match="text-only: it does not take images"):
-        llm.generate(prompt, use_tqdm=False)

@@ -135,6 +135,50 @@ def make_tiny_qwen2_5_vl(out: Path) -> Path:
     return out
 
 
+def make_tiny_qwen3_5(out: Path, moe: bool = False) -> Path:
+    """Qwen3.5's layout: a 2-block vision tower (patch 16, merge 2, learned positions on a 4x4
+    table), a 3-layer hybrid language model (linear, full, linear attention) with interleaved
+    M-RoPE over a whole 16-wide head ([3, 3, 2]); Qwen2.5-VL's image tokens. moe: the MoE
+    build (Qwen3_5MoeForConditionalGeneration)."""
+    import transformers
+
+    from tests.models.test_qwen3_5 import MOE, SHAPE
+
+    specials = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+    tok = _tokenizer(out, specials, "".join(specials))
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 1.0,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    }
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{kind}Config")(
+        text_config={**SHAPE, **(MOE if moe else {}), "hidden_size": 64, "intermediate_size": 128,
+                     "vocab_size": len(tok), "max_position_embeddings": 1024,
+                     "rope_parameters": rope},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                       "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "num_position_embeddings": 16},
+        image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    _save(getattr(transformers, f"{kind}ForConditionalGeneration"), config, out)
+    qwen3_5_processor(out, save=True)
+    return out
+
+
+def qwen3_5_processor(model_dir: Path, save: bool = False):
+    cls = pil_image_processor_class("Qwen2VLImageProcessor")
+    if save:
+        cls(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16).save_pretrained(
+            model_dir
+        )
+    return cls.from_pretrained(model_dir)
+
+
 GEMMA3_IMAGE = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 
 

@@ -1,0 +1,63 @@
+"""Qwen3.5, dense and MoE, with images (models/vlm.py::Qwen3_5ForConditionalGeneration): its
+vision tower's output equals HF's `visual(...)`, and through `LLM.generate` the greedy tokens
+and prompt logprobs equal HF's (one image, and two of different sizes) on the hybrid language
+model with interleaved M-RoPE; a repeated image prompt hits the prefix cache (the hybrid
+model's kept state) with the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.models.vision.qwen3_5_vision import Qwen3_5VisionEncoder
+from tests.helpers import engines_in_process, runner_of
+from tests.models.test_vlm import ENGINE, Family
+from tests.models.test_vlm import test_greedy_tokens_and_logprobs_equal_hf as greedy_equals_hf
+from tests.multimodal.tiny_vlm import draw_image, qwen3_5_processor
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def qwen3_5(request, tmp_path_factory):
+    fam = Family(request.param, tmp_path_factory)
+    with engines_in_process():
+        fam.llm = LLM(str(fam.dir), **ENGINE)
+        yield fam
+
+
+def test_vision_tower_equals_hf(qwen3_5):
+    pix = qwen3_5_processor(qwen3_5.dir)(images=[draw_image(2, 50, 90)], return_tensors="np")
+    grid = pix["image_grid_thw"]
+    with torch.no_grad():
+        want = qwen3_5.hf.model.visual(
+            torch.tensor(pix["pixel_values"]), grid_thw=torch.tensor(grid)
+        )
+    want = want.pooler_output.numpy()
+    model = runner_of(qwen3_5.llm).model
+    p = int(np.prod(grid, axis=1).sum())
+    mm = model.config.hf_config.multimodal_config
+    got = model.vision(**Qwen3_5VisionEncoder.prepare(mm, pix["pixel_values"], grid, p + 8))
+    np.testing.assert_allclose(np.asarray(got)[: p // 4], want, atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_and_logprobs_equal_hf(qwen3_5):
+    greedy_equals_hf(qwen3_5)
+
+
+def test_same_image_hits_the_prefix_cache(qwen3_5):
+    """The same text + image again restores the state kept at the end of its prompt's last
+    full block (the image's blocks included) with the same tokens; another image finds no
+    state before it (a hybrid model keeps states only at prompts' boundaries), so 0."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    text = "x" * 40 + qwen3_5.prompts[0]
+
+    def run(seed: int):
+        prompt = {"prompt": text, "multi_modal_data": {"image": draw_image(seed)}}
+        return qwen3_5.llm.generate(prompt, params, use_tqdm=False)[0]
+
+    first, again, other = run(7), run(7), run(8)
+    full_blocks = (len(first.prompt_token_ids) - 1) // 16 * 16
+    assert first.prompt_token_ids.index(qwen3_5.hf.config.image_token_id) < full_blocks
+    assert (again.num_cached_tokens, other.num_cached_tokens) == (full_blocks, 0)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
