@@ -78,6 +78,7 @@ class LlamaForCausalLM(nnx.Module):
     norm_cls: type = RMSNorm
     embed_scale: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     num_lora_slots: int = 0  # LoRA adapter slots in its projections (worker/lora_slots.py)
+    deepstack_layers: int = 0  # leading layers after which images add a feature (Qwen3-VL)
     # EAGLE / EAGLE-3 heads draft for it (models/interfaces.py::supports_eagle): this forward,
     # with the final hidden states and aux_layers' inputs (EAGLE-3's feature)
     eagle_target: bool = True
@@ -139,6 +140,8 @@ class LlamaForCausalLM(nnx.Module):
                 aux.append(h)
             layer_md = md.at_layer(i, num_blocks, block_size)  # this layer's blocks
             h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md, **lora)
+            if i < self.deepstack_layers:  # Qwen3-VL: the images' i-th further feature
+                h = with_images(h, inputs, deepstack=i + 1)
         if aux_layers:
             return self.norm(h), (k_cache, v_cache), jnp.concatenate(aux, axis=-1)
         return (self.norm(h) if final_norm else h), (k_cache, v_cache)
@@ -215,12 +218,18 @@ def fuse_qkv(
     return np.concatenate([q, k, v], axis=1).reshape(-1, *rest)
 
 
-def with_images(h: jax.Array, inputs: StepInputs) -> jax.Array:
+def with_images(h: jax.Array, inputs: StepInputs, deepstack: int = 0) -> jax.Array:
     """The embeddings h [T, D] with each image placeholder token's encoder output in its place
-    (inputs.mm_rows: its row of inputs.mm_embeds, -1 for other tokens; None: no images)."""
+    (inputs.mm_rows: its row of inputs.mm_embeds, -1 for other tokens; None: no images); with
+    deepstack j > 0, the hidden states h plus the rows' j-th DeepStack feature (Qwen3-VL's
+    rows are [(1 + k) D]: the embedding, then k features)."""
     if inputs.mm_rows is None:
         return h
-    picked = inputs.mm_embeds[jnp.maximum(inputs.mm_rows, 0)].astype(h.dtype)
+    d = h.shape[-1]
+    table = inputs.mm_embeds[:, deepstack * d : (deepstack + 1) * d]
+    picked = table[jnp.maximum(inputs.mm_rows, 0)].astype(h.dtype)
+    if deepstack:
+        picked = h + picked
     return jnp.where((inputs.mm_rows >= 0)[:, None], picked, h)
 
 

@@ -20,6 +20,7 @@ from jaxserve.models.vlm import (
     LlavaForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
     Qwen3_5ForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 _MODELS = {
@@ -46,6 +47,7 @@ _MODELS = {
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,  # + routed and gated shared experts
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # + its vision tower
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,  # DeepStack, Qwen3
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # CLIP + projector + Llama
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # M-RoPE, ViT
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # bidirectional images

@@ -24,8 +24,7 @@ from jaxserve.models.llama import HFWeight, LlamaForCausalLM
 from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM, language_model_weight
 from jaxserve.models.vision.clip import LlavaVisionEncoder
 from jaxserve.models.vision.qwen2_5_vl import Qwen2_5_VLVisionEncoder, vision_config
-from jaxserve.models.vision.qwen3_5_vision import Qwen3_5VisionEncoder
-from jaxserve.models.vision.qwen3_5_vision import vision_config as qwen3_5_vision_config
+from jaxserve.models.vision.qwen3_5_vision import Qwen3_5VisionEncoder, Qwen3VLVisionEncoder
 from jaxserve.models.vision.siglip import Gemma3VisionEncoder
 from jaxserve.multimodal.inputs import MultiModalFeature
 from jaxserve.multimodal.mrope import mrope_positions
@@ -143,20 +142,18 @@ class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):
         """`Qwen2_5_VLVisionEncoder.prepare`'s arrays -> [patches / merge**2, D]."""
         return self.vision(**inputs)
 
-    @staticmethod
-    def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
+    @classmethod
+    def encoder_buckets(cls, mm_config: dict, max_tokens: int) -> dict:
         """Patch counts up to what one step's tokens can take (merge**2 patches a token)."""
-        merge = vision_config(mm_config)["spatial_merge_size"]
+        vc = cls.vision_cls.config_of(mm_config)
+        merge = vc["spatial_merge_size"]
         unit = merge**2
-        vc = vision_config(mm_config)
         patch_dim = 3 * vc["temporal_patch_size"] * vc["patch_size"] ** 2
         out = {}
         for n in Qwen2_5_VLVisionEncoder.patch_buckets(mm_config, max_tokens * unit):
             grid = np.array([[1, merge, n // merge]])
-            inputs = Qwen2_5_VLVisionEncoder.prepare(
-                mm_config, np.zeros((n, patch_dim), np.float32), grid, n
-            )
-            out[n] = (n // unit, inputs)
+            pixels = np.zeros((n, patch_dim), np.float32)
+            out[n] = (n // unit, cls.vision_cls.prepare(mm_config, pixels, grid, n))
         return out
 
     @staticmethod
@@ -175,7 +172,7 @@ class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):
     def encoder_inputs(cls, mm_config: dict, data: dict, buckets: dict) -> tuple:
         n = cls.encoder_bucket(mm_config, data, buckets)
         grid = np.asarray(data["image_grid_thw"]).reshape(-1, 3)
-        return n, Qwen2_5_VLVisionEncoder.prepare(mm_config, data["pixel_values"], grid, n)
+        return n, cls.vision_cls.prepare(mm_config, data["pixel_values"], grid, n)
 
     @staticmethod
     def mrope_positions(
@@ -206,33 +203,26 @@ class Qwen3_5ForConditionalGeneration(Qwen2_5_VLForConditionalGeneration, Qwen3_
             return cls.vision_cls.hf_weight(config.hf_config.multimodal_config, path[1:])
         return language_model_weight(config, path, kv_replicas)
 
-    @staticmethod
-    def encoder_buckets(mm_config: dict, max_tokens: int) -> dict:
-        """Patch counts up to what one step's tokens can take (merge**2 patches a token)."""
-        vc = qwen3_5_vision_config(mm_config)
-        merge, unit = vc["spatial_merge_size"], vc["spatial_merge_size"] ** 2
-        patch_dim = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
-        out = {}
-        for n in Qwen2_5_VLVisionEncoder.patch_buckets(mm_config, max_tokens * unit):
-            grid = np.array([[1, merge, n // merge]])
-            pixels = np.zeros((n, patch_dim), np.float32)
-            out[n] = (n // unit, Qwen3_5VisionEncoder.prepare(mm_config, pixels, grid, n))
-        return out
+
+class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen3-VL (dense): Qwen3.5's tower with DeepStack (its further features added to the
+    image tokens' hidden states after the first language layers: `deepstack_layers`), a
+    Qwen3 language model with interleaved M-RoPE."""
+
+    vision_cls = Qwen3VLVisionEncoder
+    checkpoint_aliases = ()
+
+    def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
+        super().__init__(config, kv_replicas=kv_replicas, rngs=rngs)
+        self.deepstack_layers = self.vision_cls.num_deepstack(config.hf_config.multimodal_config)
 
     @classmethod
-    def encoder_inputs(cls, mm_config: dict, data: dict, buckets: dict) -> tuple:
-        n = cls.encoder_bucket(mm_config, data, buckets)
-        grid = np.asarray(data["image_grid_thw"]).reshape(-1, 3)
-        return n, Qwen3_5VisionEncoder.prepare(mm_config, data["pixel_values"], grid, n)
-
-    @staticmethod
-    def mrope_positions(
-        mm_config: dict, prompt_ids: list[int], features: list[MultiModalFeature]
-    ) -> tuple[np.ndarray, int]:
-        grids = [np.asarray(f.data["image_grid_thw"]).reshape(3) for f in features]
-        return mrope_positions(
-            prompt_ids,
-            np.array(grids).reshape(-1, 3) if grids else None,
-            image_token_id=int(mm_config["image_token_id"]),
-            spatial_merge_size=qwen3_5_vision_config(mm_config)["spatial_merge_size"],
+    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
+        if str(path[0]) == "vision":
+            return cls.vision_cls.hf_weight(config.hf_config.multimodal_config, path[1:])
+        weight = LlamaForCausalLM.hf_weight(config, path, kv_replicas)
+        names = tuple(
+            f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n
+            for n in weight.names
         )
+        return HFWeight(names, weight.build)

@@ -71,6 +71,7 @@ MULTIMODAL_MODELS = (
     "Gemma3ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
 )
 
 

@@ -68,18 +68,28 @@ class EncoderRunner(StepFeature):
         self.buckets = self.model_cls.encoder_buckets(self.mm_config, tokens)
         self.bidirectional = bool(getattr(model, "bidirectional_images", False))
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
-        self._allocate(model.config, max_num_batched_tokens, max_num_reqs, max_model_len, mesh)
+        width = model.config.hidden_size * (1 + model.deepstack_layers)  # (DeepStack's too)
+        self._allocate(
+            model.config, max_num_batched_tokens, max_num_reqs, max_model_len, mesh, width
+        )
 
     def _allocate(
-        self, config, max_num_batched_tokens: int, max_num_reqs: int, max_model_len: int, mesh
+        self,
+        config,
+        max_num_batched_tokens: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        mesh,
+        width: int | None = None,
     ) -> None:
-        """The cache buffer [C, D] and the per-row maps, once `buckets` is set."""
+        """The cache buffer [C, width] (default: the hidden size D; Qwen3-VL's rows hold its
+        DeepStack features after the embedding) and the per-row maps, once `buckets` is set."""
         self.max_image_tokens = max(tokens for tokens, _ in self.buckets.values())
         self.num_rows = max(max_num_batched_tokens, self.max_image_tokens)
         self.budget = self.num_rows
         self.max_step_tokens = max_num_batched_tokens
         rep = NamedSharding(mesh, P())
-        d, dtype = config.hidden_size, config.dtype
+        d, dtype = width or config.hidden_size, config.dtype
         self.buffer = put(np.zeros((self.num_rows, d), dtype), rep)
         self._buffer_spec = jax.ShapeDtypeStruct((self.num_rows, d), dtype, sharding=rep)
         self.features: dict[str, list[MultiModalFeature]] = {}

@@ -1,8 +1,8 @@
-"""Qwen3.5, dense and MoE, with images (models/vlm.py::Qwen3_5ForConditionalGeneration): its
-vision tower's output equals HF's `visual(...)`, and through `LLM.generate` the greedy tokens
-and prompt logprobs equal HF's (one image, and two of different sizes) on the hybrid language
-model with interleaved M-RoPE; a repeated image prompt hits the prefix cache (the hybrid
-model's kept state) with the same tokens."""
+"""Qwen3.5 (dense and MoE) and Qwen3-VL with images (models/vlm.py): the vision tower's
+output equals HF's `visual(...)` (Qwen3-VL's DeepStack features too), and through
+`LLM.generate` the greedy tokens and prompt logprobs equal HF's (one image, and two of
+different sizes) with interleaved M-RoPE (Qwen3.5: on its hybrid language model); a repeated
+image prompt hits the prefix cache with the same tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.models.test_vlm import test_greedy_tokens_and_logprobs_equal_hf as gr
 from tests.multimodal.tiny_vlm import draw_image, qwen3_5_processor
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_vl"])
 def qwen3_5(request, tmp_path_factory):
     fam = Family(request.param, tmp_path_factory)
     with engines_in_process():
@@ -33,7 +33,13 @@ def test_vision_tower_equals_hf(qwen3_5):
         want = qwen3_5.hf.model.visual(
             torch.tensor(pix["pixel_values"]), grid_thw=torch.tensor(grid)
         )
-    want = want.pooler_output.numpy()
+    want = np.concatenate(
+        [
+            want.pooler_output.numpy(),
+            *(f.numpy() for f in getattr(want, "deepstack_features", None) or []),
+        ],
+        -1,
+    )
     model = runner_of(qwen3_5.llm).model
     p = int(np.prod(grid, axis=1).sum())
     mm = model.config.hf_config.multimodal_config
@@ -46,9 +52,9 @@ def test_greedy_tokens_and_logprobs_equal_hf(qwen3_5):
 
 
 def test_same_image_hits_the_prefix_cache(qwen3_5):
-    """The same text + image again restores the state kept at the end of its prompt's last
-    full block (the image's blocks included) with the same tokens; another image finds no
-    state before it (a hybrid model keeps states only at prompts' boundaries), so 0."""
+    """The same text + image again hits every full block (Qwen3.5: restoring the state kept
+    at the last one) with the same tokens; another image hits the blocks before it, except on
+    a hybrid model, which keeps states only at prompts' boundaries (0)."""
     params = SamplingParams(temperature=0, max_tokens=1)
     text = "x" * 40 + qwen3_5.prompts[0]
 
@@ -58,6 +64,8 @@ def test_same_image_hits_the_prefix_cache(qwen3_5):
 
     first, again, other = run(7), run(7), run(8)
     full_blocks = (len(first.prompt_token_ids) - 1) // 16 * 16
-    assert first.prompt_token_ids.index(qwen3_5.hf.config.image_token_id) < full_blocks
-    assert (again.num_cached_tokens, other.num_cached_tokens) == (full_blocks, 0)
+    image_start = first.prompt_token_ids.index(qwen3_5.hf.config.image_token_id)
+    before = 0 if qwen3_5.name.startswith("qwen3_5") else image_start // 16 * 16
+    assert image_start < full_blocks
+    assert (again.num_cached_tokens, other.num_cached_tokens) == (full_blocks, before)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids

@@ -20,23 +20,27 @@ from tests.multimodal.tiny_vlm import (
     make_tiny_llava,
     make_tiny_qwen2_5_vl,
     make_tiny_qwen3_5,
+    make_tiny_qwen3_vl,
     qwen3_5_processor,
     qwen_processor,
 )
 
-# (qwen3_5: tests/models/test_qwen3_5_vl.py runs some of these tests on it)
+# (qwen3_5, qwen3_5_moe, qwen3_vl: tests/models/test_qwen3_5_vl.py runs some of these on them)
 MAKERS = {"llava": make_tiny_llava, "qwen": make_tiny_qwen2_5_vl, "gemma3": make_tiny_gemma3,
           "qwen3_5": make_tiny_qwen3_5,
-          "qwen3_5_moe": lambda out: make_tiny_qwen3_5(out, moe=True)}  # fmt: skip
+          "qwen3_5_moe": lambda out: make_tiny_qwen3_5(out, moe=True),
+          "qwen3_vl": make_tiny_qwen3_vl}  # fmt: skip
 MARKS = {"llava": "<image>", "qwen": "<|vision_start|><|image_pad|><|vision_end|>",
          "gemma3": "<start_of_image>",
          "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
-         "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>"}  # fmt: skip
+         "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>",
+         "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}  # fmt: skip
 HF_CLASSES = {"llava": "LlavaForConditionalGeneration",
               "qwen": "Qwen2_5_VLForConditionalGeneration",
               "gemma3": "Gemma3ForConditionalGeneration",
               "qwen3_5": "Qwen3_5ForConditionalGeneration",
-              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}  # fmt: skip
+              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+              "qwen3_vl": "Qwen3VLForConditionalGeneration"}  # fmt: skip
 
 ENGINE = dict(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4,
               num_gpu_blocks_override=96, block_size=16)  # fmt: skip
@@ -74,7 +78,7 @@ class Family:
             ids["token_type_ids"] = (ids["input_ids"] == self.hf.config.image_token_index).int()
             pixels = gemma3_processor(self.dir)(images=images, return_tensors="pt")
             return {**ids, "pixel_values": pixels["pixel_values"]}
-        processor = qwen3_5_processor if self.name.startswith("qwen3_5") else qwen_processor
+        processor = qwen_processor if self.name == "qwen" else qwen3_5_processor
         pixels = processor(self.dir)(images=images, return_tensors="pt")
         counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
         head, *rest = text.split("<|image_pad|>")

@@ -170,6 +170,37 @@ def make_tiny_qwen3_5(out: Path, moe: bool = False) -> Path:
     return out
 
 
+def make_tiny_qwen3_vl(out: Path) -> Path:
+    """Qwen3-VL's layout: Qwen3.5's tower (3 blocks) with DeepStack after blocks 0 and 1, a
+    2-layer Qwen3 language model with interleaved M-RoPE ([3, 3, 2] over 16-wide heads)."""
+    import transformers
+
+    specials = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+    tok = _tokenizer(out, specials, "".join(specials))
+    ids = {s: tok.convert_tokens_to_ids(s) for s in specials}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [3, 3, 2],
+        "mrope_interleaved": True,
+    }
+    config = transformers.Qwen3VLConfig(
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "vocab_size": len(tok), "max_position_embeddings": 1024,
+                     "rope_parameters": rope},
+        vision_config={"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                       "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "num_position_embeddings": 16,
+                       "deepstack_visual_indexes": [0, 1]},
+        image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
+    _save(transformers.Qwen3VLForConditionalGeneration, config, out)
+    qwen3_5_processor(out, save=True)
+    return out
+
+
 def qwen3_5_processor(model_dir: Path, save: bool = False):
     cls = pil_image_processor_class("Qwen2VLImageProcessor")
     if save:

@@ -230,6 +230,8 @@ class PatchMerger(nnx.Module):
 class Qwen2_5_VLVisionEncoder(nnx.Module):
     """Qwen2.5-VL's vision tower: `prepare` (host) -> `__call__` (device) on a patch bucket."""
 
+    config_of = staticmethod(vision_config)  # the tower's fields of the HF config
+
     def __init__(self, config: dict, *, dtype, rngs: nnx.Rngs):
         """config: the HF Qwen2_5_VLConfig as a dict (`vision_config` reads it)."""
         vc = self.vc = vision_config(config)
