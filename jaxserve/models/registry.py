@@ -21,6 +21,7 @@ from jaxserve.models.vlm import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen3_5ForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 _MODELS = {
@@ -48,6 +49,7 @@ _MODELS = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # + its vision tower
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,  # DeepStack, Qwen3
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,  # + experts
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # CLIP + projector + Llama
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # M-RoPE, ViT
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # bidirectional images

@@ -26,6 +26,7 @@ from jaxserve.models.vision.clip import LlavaVisionEncoder
 from jaxserve.models.vision.qwen2_5_vl import Qwen2_5_VLVisionEncoder, vision_config
 from jaxserve.models.vision.qwen3_5_vision import Qwen3_5VisionEncoder, Qwen3VLVisionEncoder
 from jaxserve.models.vision.siglip import Gemma3VisionEncoder
+from jaxserve.models.weight_maps import compose, fused_experts
 from jaxserve.multimodal.inputs import MultiModalFeature
 from jaxserve.multimodal.mrope import mrope_positions
 
@@ -43,11 +44,13 @@ class _VisionLanguageModel(LlamaForCausalLM):
         mm = config.hf_config.multimodal_config
         self.vision = self.vision_cls(mm, dtype=config.dtype, rngs=rngs)
 
+    language_weight = LlamaForCausalLM.hf_weight  # its language model's (as saved alone)
+
     @classmethod
     def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
         if str(path[0]) == "vision":
             return cls.vision_cls.hf_weight(config.hf_config.multimodal_config, path[1:])
-        weight = LlamaForCausalLM.hf_weight(config, path, kv_replicas)
+        weight = cls.language_weight(config, path, kv_replicas)
         names = tuple(
             cls.head_name if n == "lm_head.weight" else cls.lm_prefix + n.removeprefix("model.")
             for n in weight.names
@@ -216,13 +219,21 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
         super().__init__(config, kv_replicas=kv_replicas, rngs=rngs)
         self.deepstack_layers = self.vision_cls.num_deepstack(config.hf_config.multimodal_config)
 
+    language_weight = LlamaForCausalLM.hf_weight  # its language model's (as saved alone)
+
     @classmethod
     def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
         if str(path[0]) == "vision":
             return cls.vision_cls.hf_weight(config.hf_config.multimodal_config, path[1:])
-        weight = LlamaForCausalLM.hf_weight(config, path, kv_replicas)
+        weight = cls.language_weight(config, path, kv_replicas)
         names = tuple(
             f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n
             for n in weight.names
         )
         return HFWeight(names, weight.build)
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-MoE: Qwen3-VL with Qwen3-MoE's softmax-routed experts, stored fused."""
+
+    language_weight = compose(fused_experts("mlp"))

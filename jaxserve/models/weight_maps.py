@@ -62,6 +62,35 @@ def routed_experts(moe_module: str, expert_names: tuple[str, str, str]) -> Weigh
     return weight
 
 
+def fused_experts(moe_module: str) -> WeightMap:
+    """Experts stored fused, as Qwen3-VL-MoE's checkpoints hold them: the router
+    `{moe_module}.gate`, `experts.gate_up_proj` [E, D, 2F] (every gate column, then every up
+    column) and `experts.down_proj` [E, F, D]; or each with its last two axes swapped, as
+    transformers keeps them in memory (and some of its saves write them), told apart by F."""
+
+    def weight(config: ModelConfig, names: tuple[str, ...], kv_replicas: int):
+        if not _moe_mlp(config, names):
+            return None
+        prefix = f"model.layers.{names[1]}.{moe_module}"
+        f = config.moe_intermediate_size
+        if names[3] == "gate":  # the router [E, D] -> [D, E]
+            return HFWeight((f"{prefix}.gate.weight",), np.transpose)
+        if names[3] == "w13":  # gate then up columns -> interleaved (2f gate f, 2f + 1 up f)
+
+            def interleave(w: np.ndarray) -> np.ndarray:
+                w = w if w.shape[-1] == 2 * f else w.swapaxes(1, 2)
+                gate, up = np.split(w, 2, axis=-1)
+                return np.stack([gate, up], axis=-1).reshape(w.shape)
+
+            return HFWeight((f"{prefix}.experts.gate_up_proj",), interleave)
+        return HFWeight(
+            (f"{prefix}.experts.down_proj",),
+            lambda w: w if w.shape[1] == f else w.swapaxes(1, 2),
+        )
+
+    return weight
+
+
 def shared_experts(config: ModelConfig, names: tuple[str, ...], kv_replicas: int):
     """DeepSeek-V3 / GLM-4.5's routing bias and shared experts (`mlp.shared_experts`)."""
     if not _moe_mlp(config, names):

@@ -26,6 +26,7 @@ IMAGE_TOKEN_FIELDS = {
     "Qwen3_5ForConditionalGeneration": "image_token_id",
     "Qwen3_5MoeForConditionalGeneration": "image_token_id",
     "Qwen3VLForConditionalGeneration": "image_token_id",
+    "Qwen3VLMoeForConditionalGeneration": "image_token_id",
 }
 # Where the prompt marks an image with another token, expanded around the image's tokens:
 # Gemma 3's `<start_of_image>` becomes "\n\n<start_of_image>" + its tokens +

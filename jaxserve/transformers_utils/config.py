@@ -72,19 +72,23 @@ MULTIMODAL_MODELS = (
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
 )
 
 
 def text_model_config(hf_config: Any) -> Any:
     """A TEXT_MODELS or MULTIMODAL_MODELS config -> its `text_config` as an HFConfig, with the
     multimodal architecture (the model class reads the text model's weights under its own
-    prefix) and the top level's quantization_config (and, for MULTIMODAL_MODELS, the whole
-    config as `multimodal_config`); any other config as it is."""
+    prefix), the top level's tie_word_embeddings and quantization_config (and, for
+    MULTIMODAL_MODELS, the whole config as `multimodal_config`); any other config as it is."""
     archs = getattr(hf_config, "architectures", None) or []
     text = getattr(hf_config, "text_config", None)
     if not archs or archs[0] not in TEXT_MODELS + MULTIMODAL_MODELS or not isinstance(text, dict):
         return hf_config
     fields = {**text, "architectures": list(archs)}
+    tie = getattr(hf_config, "tie_word_embeddings", None)
+    if tie is not None:  # the whole model's, as transformers ties (Qwen3-VL-MoE's text config
+        fields["tie_word_embeddings"] = tie  # defaults to True, its model to False)
     if getattr(hf_config, "quantization_config", None):
         fields["quantization_config"] = hf_config.quantization_config
     if archs[0] in MULTIMODAL_MODELS:

@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense and MoE) and Qwen3-VL with images (models/vlm.py): the vision tower's
+"""Qwen3.5 and Qwen3-VL (each dense and MoE) with images (models/vlm.py): the vision tower's
 output equals HF's `visual(...)` (Qwen3-VL's DeepStack features too), and through
 `LLM.generate` the greedy tokens and prompt logprobs equal HF's (one image, and two of
 different sizes) with interleaved M-RoPE (Qwen3.5: on its hybrid language model); a repeated
@@ -18,7 +18,7 @@ from tests.models.test_vlm import test_greedy_tokens_and_logprobs_equal_hf as gr
 from tests.multimodal.tiny_vlm import draw_image, qwen3_5_processor
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_vl", "qwen3_vl_moe"])
 def qwen3_5(request, tmp_path_factory):
     fam = Family(request.param, tmp_path_factory)
     with engines_in_process():

@@ -25,22 +25,25 @@ from tests.multimodal.tiny_vlm import (
     qwen_processor,
 )
 
-# (qwen3_5, qwen3_5_moe, qwen3_vl: tests/models/test_qwen3_5_vl.py runs some of these on them)
+# (qwen3_5[_moe], qwen3_vl[_moe]: tests/models/test_qwen3_5_vl.py runs some of these on them)
 MAKERS = {"llava": make_tiny_llava, "qwen": make_tiny_qwen2_5_vl, "gemma3": make_tiny_gemma3,
           "qwen3_5": make_tiny_qwen3_5,
           "qwen3_5_moe": lambda out: make_tiny_qwen3_5(out, moe=True),
-          "qwen3_vl": make_tiny_qwen3_vl}  # fmt: skip
+          "qwen3_vl": make_tiny_qwen3_vl,
+          "qwen3_vl_moe": lambda out: make_tiny_qwen3_vl(out, moe=True)}  # fmt: skip
 MARKS = {"llava": "<image>", "qwen": "<|vision_start|><|image_pad|><|vision_end|>",
          "gemma3": "<start_of_image>",
          "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
          "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>",
-         "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}  # fmt: skip
+         "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+         "qwen3_vl_moe": "<|vision_start|><|image_pad|><|vision_end|>"}  # fmt: skip
 HF_CLASSES = {"llava": "LlavaForConditionalGeneration",
               "qwen": "Qwen2_5_VLForConditionalGeneration",
               "gemma3": "Gemma3ForConditionalGeneration",
               "qwen3_5": "Qwen3_5ForConditionalGeneration",
               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-              "qwen3_vl": "Qwen3VLForConditionalGeneration"}  # fmt: skip
+              "qwen3_vl": "Qwen3VLForConditionalGeneration",
+              "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}  # fmt: skip
 
 ENGINE = dict(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4,
               num_gpu_blocks_override=96, block_size=16)  # fmt: skip

@@ -170,9 +170,10 @@ def make_tiny_qwen3_5(out: Path, moe: bool = False) -> Path:
     return out
 
 
-def make_tiny_qwen3_vl(out: Path) -> Path:
+def make_tiny_qwen3_vl(out: Path, moe: bool = False) -> Path:
     """Qwen3-VL's layout: Qwen3.5's tower (3 blocks) with DeepStack after blocks 0 and 1, a
-    2-layer Qwen3 language model with interleaved M-RoPE ([3, 3, 2] over 16-wide heads)."""
+    2-layer Qwen3 language model with interleaved M-RoPE ([3, 3, 2] over 16-wide heads);
+    moe: Qwen3-VL-MoE's, 8 experts (top 2) in each layer."""
     import transformers
 
     specials = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -184,8 +185,12 @@ def make_tiny_qwen3_vl(out: Path) -> Path:
         "mrope_section": [3, 3, 2],
         "mrope_interleaved": True,
     }
-    config = transformers.Qwen3VLConfig(
-        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    kind = "Qwen3VLMoe" if moe else "Qwen3VL"
+    # (48 gate + up columns, not the hidden 64: the two layouts of fused experts differ)
+    experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24}
+    config = getattr(transformers, f"{kind}Config")(
+        text_config={**(experts if moe else {}), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2,
                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                      "vocab_size": len(tok), "max_position_embeddings": 1024,
                      "rope_parameters": rope},
@@ -196,7 +201,7 @@ def make_tiny_qwen3_vl(out: Path) -> Path:
         image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
     )  # fmt: skip
-    _save(transformers.Qwen3VLForConditionalGeneration, config, out)
+    _save(getattr(transformers, f"{kind}ForConditionalGeneration"), config, out)
     qwen3_5_processor(out, save=True)
     return out
 
