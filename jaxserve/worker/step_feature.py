@@ -1,6 +1,7 @@
 """An optional feature of the model runner's step as one object: LoRA slots
 (lora_slots.py), images or prompt embeddings (encoder_runner.py, prompt_embeds.py), pooling
-(pooler.py), a KV connector's block copies (kv_block_io.py). The runner holds the features it
+(pooler.py), a KV connector's block copies (kv_block_io.py), a hybrid model's kept states
+(state_slots.py). The runner holds the features it
 was built with (step_features.py::build_features) and calls each hook of each in turn, so a
 feature is a module and a line there, never a branch in the runner:
 
