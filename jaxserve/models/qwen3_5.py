@@ -56,14 +56,3 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
         if weight is None:
             weight = Qwen3NextForCausalLM.hf_weight(config, path, kv_replicas)
         return weight
-
-
-def language_model_weight(config: ModelConfig, path: tuple, kv_replicas: int) -> HFWeight:
-    """A language-model parameter of the published checkpoints: Qwen3_5ForCausalLM's tensors
-    under `model.language_model.` (the LM head stays `lm_head`)."""
-    weight = Qwen3_5ForCausalLM.hf_weight(config, path, kv_replicas)
-    names = tuple(
-        f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n
-        for n in weight.names
-    )
-    return HFWeight(names, weight.build)

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.llama import HFWeight, LlamaForCausalLM
-from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM, language_model_weight
+from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxserve.models.vision.clip import LlavaVisionEncoder
 from jaxserve.models.vision.qwen2_5_vl import Qwen2_5_VLVisionEncoder, vision_config
 from jaxserve.models.vision.qwen3_5_vision import Qwen3_5VisionEncoder, Qwen3VLVisionEncoder
@@ -34,7 +34,8 @@ from jaxserve.multimodal.mrope import mrope_positions
 class _VisionLanguageModel(LlamaForCausalLM):
     vision_cls: type
     eagle_target = False  # (image placeholders: no EAGLE path for them)
-    # The language model's HF names: LlamaForCausalLM's with "model." -> lm_prefix
+    # The language model's HF names: language_weight's (as the language model is saved alone)
+    # with "model." -> lm_prefix
     lm_prefix = "model."
     head_name = "lm_head.weight"
     checkpoint_aliases: tuple[tuple[str, str], ...] = ()
@@ -44,7 +45,7 @@ class _VisionLanguageModel(LlamaForCausalLM):
         mm = config.hf_config.multimodal_config
         self.vision = self.vision_cls(mm, dtype=config.dtype, rngs=rngs)
 
-    language_weight = LlamaForCausalLM.hf_weight  # its language model's (as saved alone)
+    language_weight = LlamaForCausalLM.hf_weight
 
     @classmethod
     def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
@@ -199,12 +200,8 @@ class Qwen3_5ForConditionalGeneration(Qwen2_5_VLForConditionalGeneration, Qwen3_
 
     vision_cls = Qwen3_5VisionEncoder
     checkpoint_aliases = ()
-
-    @classmethod
-    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
-        if str(path[0]) == "vision":
-            return cls.vision_cls.hf_weight(config.hf_config.multimodal_config, path[1:])
-        return language_model_weight(config, path, kv_replicas)
+    lm_prefix = "model.language_model."
+    language_weight = Qwen3_5ForCausalLM.hf_weight
 
 
 class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
@@ -214,23 +211,11 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
 
     vision_cls = Qwen3VLVisionEncoder
     checkpoint_aliases = ()
+    lm_prefix = "model.language_model."
 
     def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
         super().__init__(config, kv_replicas=kv_replicas, rngs=rngs)
         self.deepstack_layers = self.vision_cls.num_deepstack(config.hf_config.multimodal_config)
-
-    language_weight = LlamaForCausalLM.hf_weight  # its language model's (as saved alone)
-
-    @classmethod
-    def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
-        if str(path[0]) == "vision":
-            return cls.vision_cls.hf_weight(config.hf_config.multimodal_config, path[1:])
-        weight = cls.language_weight(config, path, kv_replicas)
-        names = tuple(
-            f"model.language_model.{n.removeprefix('model.')}" if n.startswith("model.") else n
-            for n in weight.names
-        )
-        return HFWeight(names, weight.build)
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):

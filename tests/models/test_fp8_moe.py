@@ -8,6 +8,7 @@ one that takes partial blocks) decodes them."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,26 +38,23 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.float8_e4m3fn), scale
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(the fp8 checkpoint, the float checkpoint of the weights transformers decodes from it)."""
+def fp8_block_checkpoint(fp8: Path, quantized: tuple[str, ...]) -> tuple[dict, Path]:
+    """Quantize the saved float model `fp8` in place as the published FP8 builds store it: the
+    decoder's tensors whose names end with one of `quantized` fp8 with 32 x 32 block scales
+    (`weight_scale_inv`), `quant_method: fp8` in its config. Returns (its tensors, a copy
+    beside it of the float weights transformers' own fp8 dequantization decodes from them)."""
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    root = tmp_path_factory.mktemp("deepseek_fp8")
-    shape = {**FAMILIES["deepseek_v3"], "moe_intermediate_size": 64}
-    fp8 = make_tiny_hf("deepseek_v3", root / "fp8", **shape)
-    decoded = root / "decoded"
+    decoded = fp8.parent / f"{fp8.name}-decoded"
     shutil.copytree(fp8, decoded)
-    weights = load_file(fp8 / "model.safetensors")
     stored, floats = {}, {}
-    for name, w in weights.items():
-        if ".layers." in name and name.endswith(LINEAR):
+    for name, w in load_file(fp8 / "model.safetensors").items():
+        if ".layers." in name and name.endswith(quantized):
             q, s = quantize(w)
             stored[name], stored[name.removesuffix("weight") + "weight_scale_inv"] = q, s
             floats[name] = _dequantize_fp8_weight(q, s, [BLOCK, BLOCK], torch.float32)
         else:
             stored[name] = floats[name] = w
-    assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (2, 2)
     save_file(stored, fp8 / "model.safetensors", metadata={"format": "pt"})
     save_file(floats, decoded / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((fp8 / "config.json").read_text())
@@ -67,6 +65,27 @@ def checkpoints(tmp_path_factory):
         "weight_block_size": [BLOCK, BLOCK],
     }
     (fp8 / "config.json").write_text(json.dumps(config))
+    return stored, decoded
+
+
+def assert_logits_match(loaded, ref, prompts: list[list[int]]) -> None:
+    """The loaded model's logits over a mixed schedule are the reference's within 1e-3 of
+    their scale, and its greedy tokens the reference's."""
+    fed, logits = run_mixed_schedule(loaded, prompts)
+    for seq, tokens in fed.items():
+        want = hf_logits(ref, tokens)
+        np.testing.assert_allclose(logits[seq], want, atol=1e-3 * np.abs(want).max(), rtol=0)
+        assert (logits[seq].argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(the fp8 checkpoint, the float checkpoint of the weights transformers decodes from it)."""
+    root = tmp_path_factory.mktemp("deepseek_fp8")
+    shape = {**FAMILIES["deepseek_v3"], "moe_intermediate_size": 64}
+    fp8 = make_tiny_hf("deepseek_v3", root / "fp8", **shape)
+    stored, decoded = fp8_block_checkpoint(fp8, LINEAR)
+    assert stored["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (2, 2)
     return fp8, decoded
 
 
@@ -97,11 +116,7 @@ def test_fp8_block_checkpoint_loads_packed_and_matches_transformers(checkpoints,
     assert mlp.w13_scale[...].shape == (8, 2, 128) and mlp.w2_scale[...].shape == (8, 2, 64)
     kv_a = loaded.model.layers[1].self_attn.kv_a_proj_with_mqa
     assert kv_a.kernel[...].shape == (64, 40) and kv_a.scale[...].shape == (2, 40)
-    fed, logits = run_mixed_schedule(loaded, prompts)
-    for seq, tokens in fed.items():
-        want = hf_logits(ref, tokens)
-        np.testing.assert_allclose(logits[seq], want, atol=1e-3 * np.abs(want).max(), rtol=0)
-        assert (logits[seq].argmax(-1) == want.argmax(-1)).all()
+    assert_logits_match(loaded, ref, prompts)
 
 
 @pytest.mark.parametrize("ep", [False, True])

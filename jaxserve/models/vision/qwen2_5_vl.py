@@ -93,6 +93,22 @@ def window_order(grid_thw: np.ndarray, vc: dict) -> tuple[np.ndarray, np.ndarray
     return np.concatenate(index), np.concatenate(lengths)
 
 
+def checked_patches(
+    pixel_values: np.ndarray, image_grid_thw: np.ndarray, num_patches: int, unit: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(grids i64[n, 3], pixels f32[P, ...], P) of one prepare call; ValueError unless the
+    pixels are the grids' P patches and the bucket num_patches holds them in whole units of
+    merge**2 patches."""
+    grid = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
+    pixels = np.asarray(pixel_values, np.float32)
+    p = int(np.prod(grid, axis=1).sum())
+    if pixels.shape[0] != p:
+        raise ValueError(f"{pixels.shape[0]} patches for grids {grid.tolist()} ({p})")
+    if num_patches < p or num_patches % unit:
+        raise ValueError(f"bucket {num_patches}: not >= {p} patches and a multiple of {unit}")
+    return grid, pixels, p
+
+
 def merge_order_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
     """HF's `get_vision_position_ids`: each patch's (h, w) grid position, i64[P, 2], patches
     in the processor's order (merge blocks of merge x merge patches, row-major; frames
@@ -259,13 +275,7 @@ class Qwen2_5_VLVisionEncoder(nnx.Module):
         argsort(window_index), padding rows after it)."""
         vc = vision_config(config)
         unit = vc["spatial_merge_size"] ** 2
-        grid = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
-        pixels = np.asarray(pixel_values, np.float32)
-        p = int(np.prod(grid, axis=1).sum())
-        if pixels.shape[0] != p:
-            raise ValueError(f"{pixels.shape[0]} patches for grids {grid.tolist()} ({p})")
-        if num_patches < p or num_patches % unit:
-            raise ValueError(f"bucket {num_patches}: not >= {p} patches and a multiple of {unit}")
+        grid, pixels, p = checked_patches(pixel_values, image_grid_thw, num_patches, unit)
         index, window_units = window_order(grid, vc)
 
         def permuted(a: np.ndarray) -> np.ndarray:  # [P, ...] -> [N, ...] in window order

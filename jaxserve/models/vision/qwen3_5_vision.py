@@ -26,7 +26,11 @@ from flax import nnx
 
 from jaxserve.layers.linear import Linear
 from jaxserve.models.llama import HFWeight
-from jaxserve.models.vision.qwen2_5_vl import VisionAttention, merge_order_positions
+from jaxserve.models.vision.qwen2_5_vl import (
+    VisionAttention,
+    checked_patches,
+    merge_order_positions,
+)
 from jaxserve.models.vision.vit import ACTIVATIONS, LayerNorm, check_activation, fuse_heads
 
 # transformers 5.23's Qwen3_5VisionConfig defaults (rope_theta: its axial rope's)
@@ -154,15 +158,9 @@ class Qwen3_5VisionEncoder(nnx.Module):
         -> `__call__`'s inputs over N = num_patches rows (zero rows after P): patches, their
         (h, w) rotary positions i32[N, 2], frames i32[N] (-1: padding) and the position
         embedding's table rows i32[N, 4] and weights f32[N, 4]."""
-        vc = vision_config(config)
+        vc = vision_config(config)  # (its DeepStack blocks are not read here)
         unit = vc["spatial_merge_size"] ** 2
-        grid = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
-        pixels = np.asarray(pixel_values, np.float32)
-        p = int(np.prod(grid, axis=1).sum())
-        if pixels.shape[0] != p:
-            raise ValueError(f"{pixels.shape[0]} patches for grids {grid.tolist()} ({p})")
-        if num_patches < p or num_patches % unit:
-            raise ValueError(f"bucket {num_patches}: not >= {p} patches and a multiple of {unit}")
+        grid, pixels, p = checked_patches(pixel_values, image_grid_thw, num_patches, unit)
 
         def padded(a: np.ndarray, fill=0) -> np.ndarray:
             return np.concatenate([a, np.full((num_patches - p, *a.shape[1:]), fill, a.dtype)])
