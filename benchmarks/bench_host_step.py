@@ -34,6 +34,7 @@ from jaxserve.layers.sampler import SamplerOutput
 from jaxserve.models.loader import load_model
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.model_runner import ModelRunner
+from jaxserve.worker.step_state import Settled
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152,
               hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -72,11 +73,13 @@ class Stubs:
             return lambda state, *args: state
         raise KeyError(name)
 
-    def sample(self, head, last_hidden, penalty_state, last_tokens, inputs):
+    def sample(self, head, last_hidden, penalty_state, step_state, inputs):
         s = inputs.rows.shape[0]
         if s not in self.tokens:
             self.tokens[s] = jnp.full(s, 11, jnp.int32)
-        return SamplerOutput(self.tokens[s], None, None, None), penalty_state, last_tokens
+        none = jnp.zeros(inputs.settle.req_rows.shape[0], jnp.int32)
+        settled = Settled(none, none, none, none)
+        return SamplerOutput(self.tokens[s], None, None, None), penalty_state, step_state, settled
 
     def __contains__(self, name: tuple) -> bool:
         return True

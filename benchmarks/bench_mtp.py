@@ -1,6 +1,7 @@
 """Speculative method `mtp` on CPU: output tokens/s of a DeepSeek-V3-shaped model with and
-without its MTP layer drafting, side by side in one process (engines alternated, medians), and
-the share of drafts accepted.
+without its MTP layer drafting, and with it under async scheduling (the next step scheduled
+while one runs, its drafts read on the devices), side by side in one process (engines
+alternated, medians), and the share of drafts accepted.
 
 The model is random (transformers' DeepseekV3ForCausalLM, saved by it) with one decoder layer
 and an MTP layer built to reproduce the target's next token: its block a copy of layer 0,
@@ -10,7 +11,7 @@ draft step costs one layer where the target costs one layer plus the LM head, so
 bounded by how much cheaper a verify step of k + 1 tokens is than k + 1 steps of one.
 
     .venv/bin/python benchmarks/bench_mtp.py --output-json \\
-        benchmarks/results/mtp-cpu-2026-12-04.json
+        benchmarks/results/mtp-async-cpu-2026-12-05.json
 """
 
 from __future__ import annotations
@@ -87,16 +88,16 @@ def accepted_share(llm: LLM) -> list[int]:
     """[drafted, accepted] summed over the engine's steps from now on (its stats hook)."""
     counts = [0, 0]
     sched = llm.llm_engine.engine_core.engine_core.scheduler
-    take = sched._take_spec_stats
+    make = sched.make_stats
 
     def counting():
-        stats = take()
-        if stats is not None:
-            counts[0] += stats.num_draft_tokens
-            counts[1] += stats.num_accepted_tokens
+        stats = make()
+        if (spec := stats.spec_decoding) is not None:
+            counts[0] += spec.num_draft_tokens
+            counts[1] += spec.num_accepted_tokens
         return stats
 
-    sched._take_spec_stats = counting
+    sched.make_stats = counting
     return counts
 
 
@@ -115,8 +116,10 @@ def main() -> dict:
     llms = {
         "none": LLM(str(path), **engine),
         "mtp": LLM(str(path), **engine, speculative_config=spec),
+        "mtp_async": LLM(str(path), **engine, speculative_config=spec, async_scheduling=True),
     }
     counts = accepted_share(llms["mtp"])
+    counts_async = accepted_share(llms["mtp_async"])
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     rng = np.random.default_rng(0)
     rows = []
@@ -129,25 +132,26 @@ def main() -> dict:
             llm.generate(prompts, params, use_tqdm=False)  # warm-up
         times = {name: [] for name in llms}
         outs = {}
-        before = list(counts)
+        before, before_async = list(counts), list(counts_async)
         for _ in range(args.rounds):
             for name, llm in llms.items():
                 start = time.perf_counter()
                 outs[name] = llm.generate(prompts, params, use_tqdm=False)
                 times[name].append(time.perf_counter() - start)
-        same = [o.outputs[0].token_ids for o in outs["none"]] == [
-            o.outputs[0].token_ids for o in outs["mtp"]
-        ]
+        ids = {name: [o.outputs[0].token_ids for o in out] for name, out in outs.items()}
         drafted, accepted = counts[0] - before[0], counts[1] - before[1]
+        drafted_async = counts_async[0] - before_async[0]
+        accepted_async = counts_async[1] - before_async[1]
         tok = b * args.output_len
         row = {
             "batch_size": b,
-            "tok_s_none": tok / statistics.median(times["none"]),
-            "tok_s_mtp": tok / statistics.median(times["mtp"]),
+            **{f"tok_s_{name}": tok / statistics.median(times[name]) for name in llms},
             "acceptance": accepted / max(drafted, 1),
-            "greedy_equal": same,
+            "acceptance_async": accepted_async / max(drafted_async, 1),
+            "greedy_equal": ids["none"] == ids["mtp"] == ids["mtp_async"],
         }
         row["speedup"] = row["tok_s_mtp"] / row["tok_s_none"]
+        row["async_over_sync_mtp"] = row["tok_s_mtp_async"] / row["tok_s_mtp"]
         row["drafted"], row["accepted"] = drafted, accepted
         print(json.dumps(row))
         rows.append(row)

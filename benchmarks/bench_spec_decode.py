@@ -57,17 +57,17 @@ class Acceptance:
     def __init__(self, llm: LLM):
         self.drafts = self.drafted = self.accepted = 0
         sched = llm.llm_engine.engine_core.engine_core.scheduler
-        take = sched._take_spec_stats
+        make = sched.make_stats
 
         def counting():
-            stats = take()
-            if stats is not None:
-                self.drafts += stats.num_drafts
-                self.drafted += stats.num_draft_tokens
-                self.accepted += stats.num_accepted_tokens
+            stats = make()
+            if (spec := stats.spec_decoding) is not None:
+                self.drafts += spec.num_drafts
+                self.drafted += spec.num_draft_tokens
+                self.accepted += spec.num_accepted_tokens
             return stats
 
-        sched._take_spec_stats = counting
+        sched.make_stats = counting
 
     def snapshot(self) -> tuple[int, int, int]:
         return self.drafts, self.drafted, self.accepted

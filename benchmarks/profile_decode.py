@@ -154,7 +154,7 @@ def profile_batch(core, batch: int, args, rng) -> dict:
     forward = registry[forward_key]
 
     def run_forward(fn=forward, x=inputs):
-        *out, runner.kv_caches = fn(weights, runner.kv_caches, runner.last_tokens, x)
+        *out, runner.kv_caches = fn(weights, runner.kv_caches, runner.step_state, x)
         return out
 
     forward_ms = median_ms(run_forward, iters=args.iters)
@@ -173,8 +173,8 @@ def profile_batch(core, batch: int, args, rng) -> dict:
     sampler = registry[sample_key]
 
     def run_sampler():
-        out, runner.penalty_state, runner.last_tokens = sampler(
-            head, last_hidden, runner.penalty_state, runner.last_tokens, sample_inputs
+        out, runner.penalty_state, runner.step_state, _ = sampler(
+            head, last_hidden, runner.penalty_state, runner.step_state, sample_inputs
         )
         return out
 

@@ -28,9 +28,9 @@ FEATURES = [
     ("pipeline parallel", "PP", "`--pipeline-parallel-size` (`-pp`) > 1"),
     ("data parallel", "DP", "`--data-parallel-size` (`-dp`) > 1"),
     ("several hosts", "nnodes", "`--nnodes` > 1"),
-    ("async scheduling", "async", "`--async-scheduling` (default: on a GPU, without PP or SD)"),
+    ("async scheduling", "async", "`--async-scheduling` (default: on a GPU, without PP or ngram)"),
     ("draft model", "draft", "`--speculative-config`, any method but `ngram` (`eagle`, ...)"),
-    ("speculative decoding", "SD", "`--speculative-config`, any method (`ngram` too)"),
+    ("ngram speculation", "ngram", "`--speculative-config` method `ngram`"),
     ("LoRA", "LoRA", "`--enable-lora`"),
     ("images", "mm", "an image model (LLaVA-1.5, Qwen2.5-VL, Gemma 3)"),
     ("prompt embeddings", "embeds", "`--enable-prompt-embeds`"),
@@ -45,9 +45,9 @@ ALLOWED, REFUSED = "allowed", "refused"
 # Reasons several pairs share
 _PP = "pipeline_parallel_size > 1 is not supported yet with "
 _SD_PP = "speculative_config is not supported with pipeline_parallel_size > 1"
-_SD_ASYNC = (
-    "async_scheduling is not supported with speculative_config: a step's drafts come from "
-    "the tokens the step before it accepted"
+_NGRAM_ASYNC = (
+    "async_scheduling is not supported with speculative method ngram: its drafts come from "
+    "the tokens the step before accepted, on the host (the other methods draft on the devices)"
 )
 _SD_POOLING = "speculative_config needs a generating runner, not runner='pooling'"
 _SD_HYBRID = "speculative_config: a hybrid model's linear-attention state cannot be rolled back"
@@ -67,7 +67,7 @@ TABLE = [
      "async_scheduling: with pipeline_parallel_size > 1 the engine core keeps that many "
      "micro-batches in flight instead (its batch queue)"),
     ("pipeline parallel", "draft model", REFUSED, _SD_PP),
-    ("pipeline parallel", "speculative decoding", REFUSED, _SD_PP),
+    ("pipeline parallel", "ngram speculation", REFUSED, _SD_PP),
     ("pipeline parallel", "LoRA", REFUSED, _PP + "enable_lora"),
     ("pipeline parallel", "images", REFUSED, _PP + "image inputs"),
     ("pipeline parallel", "prompt embeddings", REFUSED, _PP + "enable_prompt_embeds"),
@@ -80,7 +80,7 @@ TABLE = [
      "data parallelism over several hosts is not supported; run one server per host"),
     ("data parallel", "async scheduling", ALLOWED, ""),
     ("data parallel", "draft model", ALLOWED, ""),
-    ("data parallel", "speculative decoding", ALLOWED, ""),
+    ("data parallel", "ngram speculation", ALLOWED, ""),
     ("data parallel", "LoRA", ALLOWED, ""),
     ("data parallel", "images", ALLOWED, ""),
     ("data parallel", "prompt embeddings", ALLOWED, ""),
@@ -90,7 +90,7 @@ TABLE = [
     ("data parallel", "hybrid models", ALLOWED, ""),
     ("several hosts", "async scheduling", ALLOWED, ""),
     ("several hosts", "draft model", ALLOWED, "not tried yet"),
-    ("several hosts", "speculative decoding", ALLOWED, ""),
+    ("several hosts", "ngram speculation", ALLOWED, ""),
     ("several hosts", "LoRA", REFUSED,
      "enable_lora across several hosts (nnodes > 1) is not supported"),
     ("several hosts", "images", ALLOWED, ""),
@@ -101,8 +101,10 @@ TABLE = [
     ("several hosts", "sleep mode", REFUSED,
      "sleep, wake_up and weight updates are single-host only for now"),
     ("several hosts", "hybrid models", ALLOWED, ""),
-    ("async scheduling", "draft model", REFUSED, _SD_ASYNC),
-    ("async scheduling", "speculative decoding", REFUSED, _SD_ASYNC),
+    ("async scheduling", "draft model", ALLOWED,
+     "drafts proposed on the devices while the host schedules the next step; a request "
+     "with a seed, penalties, a grammar or min_tokens to reach waits for its drafted step"),
+    ("async scheduling", "ngram speculation", REFUSED, _NGRAM_ASYNC),
     ("async scheduling", "LoRA", ALLOWED, ""),
     ("async scheduling", "images", ALLOWED, ""),
     ("async scheduling", "prompt embeddings", ALLOWED, ""),
@@ -110,7 +112,7 @@ TABLE = [
     ("async scheduling", "KV connectors", ALLOWED, ""),
     ("async scheduling", "sleep mode", ALLOWED, ""),
     ("async scheduling", "hybrid models", ALLOWED, ""),
-    ("draft model", "speculative decoding", ALLOWED, "a draft model is one way to speculate"),
+    ("draft model", "ngram speculation", ALLOWED, "one method per engine: never both"),
     ("draft model", "LoRA", ALLOWED, ""),
     ("draft model", "images", REFUSED,
      "a draft model or EAGLE head would not see the images; use method 'ngram'"),
@@ -120,13 +122,13 @@ TABLE = [
      "the draft model's KV is not transferred; use ngram or no speculation"),
     ("draft model", "sleep mode", REFUSED, _SLEEP),
     ("draft model", "hybrid models", REFUSED, _SD_HYBRID),
-    ("speculative decoding", "LoRA", ALLOWED, ""),
-    ("speculative decoding", "images", ALLOWED, "ngram only (see draft model)"),
-    ("speculative decoding", "prompt embeddings", REFUSED, _EMBEDS),
-    ("speculative decoding", "pooling", REFUSED, _SD_POOLING),
-    ("speculative decoding", "KV connectors", ALLOWED, "ngram only (see draft model)"),
-    ("speculative decoding", "sleep mode", ALLOWED, "ngram only (see draft model)"),
-    ("speculative decoding", "hybrid models", REFUSED, _SD_HYBRID),
+    ("ngram speculation", "LoRA", ALLOWED, ""),
+    ("ngram speculation", "images", ALLOWED, ""),
+    ("ngram speculation", "prompt embeddings", REFUSED, _EMBEDS),
+    ("ngram speculation", "pooling", REFUSED, _SD_POOLING),
+    ("ngram speculation", "KV connectors", ALLOWED, ""),
+    ("ngram speculation", "sleep mode", ALLOWED, ""),
+    ("ngram speculation", "hybrid models", REFUSED, _SD_HYBRID),
     ("LoRA", "images", REFUSED, _LORA),
     ("LoRA", "prompt embeddings", ALLOWED, ""),
     ("LoRA", "pooling", ALLOWED, ""),
@@ -183,7 +185,7 @@ def active_features(
         and f"data_parallel_size={args.data_parallel_size}",
         "several hosts": args.nnodes > 1 and f"nnodes={args.nnodes}",
         "async scheduling": async_scheduling and "async_scheduling=True",
-        "speculative decoding": method and f"speculative_config method {method}",
+        "ngram speculation": method == "ngram" and "speculative_config method ngram",
         "draft model": method not in (None, "ngram") and f"speculative_config method {method}",
         "LoRA": args.enable_lora and "enable_lora",
         "images": getattr(model.hf_config, "multimodal_config", None) is not None

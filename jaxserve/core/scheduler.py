@@ -23,10 +23,12 @@ when they fit the budget and its limits; they count as computed until the step's
 how many were accepted, then the rest are rolled back.
 
 Async scheduling (EngineCore keeps one step in flight): step N+1 is scheduled before step N's
-sampled tokens are known. A step that completes a request's known tokens leaves an output
-placeholder on it; the next step may run the request on it (the runner takes the token from
-the device) unless that could pass max_tokens or max_model_len; if N's token stops the
-request, its N+1 token is dropped.
+sampled tokens are known. A step that completes a request's known tokens leaves output
+placeholders on it (its token, and its drafts counted as accepted); the next step may run
+the request on them (the runner reads them on the device), with drafts_ahead placeholder
+drafts, unless that could pass max_tokens or max_model_len (or its sampling needs its tokens
+counted: scheduler_utils.runs_ahead_of_drafts); if N's tokens stop the request, N+1's are
+dropped; N's rejected drafts are uncounted when N is fetched (the runner moved N+1 back).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from jaxserve.core.scheduler_utils import (
     drafts_to_schedule,
     lora_gate,
     num_tokens_to_schedule,
+    pick_victim,
     update_request_from_step,
 )
 from jaxserve.core.state_cache import step_gate
@@ -73,13 +76,16 @@ class Scheduler:
         num_blocks: int,
         structured_output_manager: StructuredOutputManager | None = None,
         speculative: bool = False,
+        drafts_ahead: int = 0,
         num_lookahead_tokens: int = 0,
         draft_step_tokens: int | None = None,
         connector: SchedulerKVConnector | None = None,
         max_loras: int = 0,
         encoder_cache: EncoderCacheManager | None = None,
     ):
-        """speculative: drafts are scheduled (Request.spec_token_ids); num_lookahead_tokens:
+        """speculative: drafts are scheduled (Request.spec_token_ids); drafts_ahead: k, the
+        placeholder drafts a request runs while its previous step is in flight (async
+        scheduling with drafts the devices propose; 0: none); num_lookahead_tokens:
         KV slots kept free after each request's tokens for a draft model's proposals;
         draft_step_tokens: drafts only fill a step up to the power of two its other tokens
         need, or up to this many tokens (None: no limit but the budget; a draft costs little
@@ -107,6 +113,7 @@ class Scheduler:
         self.num_skipped = 0  # waiting requests the last admission pass went past
         self.spec_stats = SpecDecodingStats() if speculative else None  # since the last stats
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.drafts_ahead = drafts_ahead
         self.draft_step_tokens = draft_step_tokens
         self.connector = connector or NoKVConnector()
         # Requests holding their blocks while their KV comes from another instance
@@ -214,7 +221,7 @@ class Scheduler:
             num_new = min(num_tokens_to_schedule(request, self.config.max_model_len), plan.budget)
             start = request.num_computed_tokens
             ahead = self._lookahead(start + 1) if self.num_lookahead_tokens else 0
-            if num_new == 1 and decodes_in_place(request, kv, ahead):
+            if num_new == 1 and not self.drafts_ahead and decodes_in_place(request, kv, ahead):
                 plan.schedule_decode(request)  # the common case: nothing to allocate
                 i += 1
                 continue
@@ -223,7 +230,11 @@ class Scheduler:
                 i += 1
                 continue
             drafts = drafts_to_schedule(
-                request, num_new, min(plan.budget, 1 + plan.draft_room), self.config.max_model_len
+                request,
+                num_new,
+                min(plan.budget, 1 + plan.draft_room),
+                self.config.max_model_len,
+                self.drafts_ahead,
             )
             request.spec_token_ids = []  # used now or never
             new_blocks = self._allocate_running(request, num_new + len(drafts))
@@ -232,7 +243,7 @@ class Scheduler:
                 new_blocks = self._allocate_running(request, num_new)
             num_new += len(drafts)
             while new_blocks is None:
-                victim = self._pick_victim()
+                victim = pick_victim(self.running, self.config.policy)
                 if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim)
@@ -345,7 +356,8 @@ class Scheduler:
             self.gate.rows(request, n, encoder_rows)
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens_with_placeholders:
-                request.num_output_placeholders += 1
+                # its sampled token and, until the step is fetched, its drafts all accepted
+                request.num_output_placeholders += 1 + len(plan.spec_tokens.get(req_id, ()))
                 sampled.add(req_id)
         kv_connector_metadata = self.connector.build_connector_meta(
             [self.requests[r] for r in plan.num_scheduled], self.kv_cache_manager.get_block_ids
@@ -378,11 +390,6 @@ class Scheduler:
         proposals, up to max_model_len."""
         return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - end))
 
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache_manager.free(request)
@@ -405,22 +412,15 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, stop finished requests, free their blocks."""
         outputs = self.take_pending_outputs()
-        tokens, max_model_len = runner_output.sampled_token_ids.tolist(), self.config.max_model_len
+        tokens = runner_output.sampled_token_ids.tolist()
+        rules = (self.config.max_model_len, self.grammars.manager, self.spec_stats)
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None:  # finished or aborted while the step ran
                 continue
             try:
-                output = update_request_from_step(
-                    request,
-                    scheduler_output,
-                    runner_output,
-                    row,
-                    tokens[row],
-                    max_model_len,
-                    self.grammars.manager,
-                    self.spec_stats,
-                )
+                so, ro = scheduler_output, runner_output
+                output = update_request_from_step(request, so, ro, row, tokens[row], *rules)
             except Exception as e:  # its grammar, its logprobs, ...: it alone fails
                 outputs.append(self._fail(request, e))
                 continue

@@ -109,9 +109,10 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = dataclasses.field(default_factory=dict)
     # A pooling runner's f32[D] per request whose prompt ended this step.
     pooled: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    # Speculative decoding: how many of each drafted request's scheduled drafts were accepted
-    # (they come before its sampled token), and the next drafts the proposer made.
-    num_accepted_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Speculative decoding: each drafted request's accepted drafts (they come before its
+    # sampled token; a draft scheduled as a placeholder is known only here), and the next
+    # drafts the proposer made.
+    accepted_drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def logprobs_of(

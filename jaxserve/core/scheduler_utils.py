@@ -105,6 +105,8 @@ def num_tokens_to_schedule(request: Request, max_model_len: int) -> int:
     while it is in a micro-batch still in the pipeline."""
     if request.in_pipeline:
         return 0
+    if request.num_output_placeholders > 1 and not runs_ahead_of_drafts(request):
+        return 0  # its drafted step in flight (async scheduling) must be fetched first
     if request.num_output_placeholders:
         max_tokens = request.sampling_params.max_tokens
         n_out = request.num_output_tokens + request.num_output_placeholders
@@ -126,6 +128,14 @@ def draft_room(
     return max(1 << max(n - 1, 0).bit_length(), draft_step_tokens) - n
 
 
+def pick_victim(running: list[Request], policy: str) -> Request:
+    """The running request a preemption takes: the lowest priority (policy "priority"; the
+    latest arrival among equals) or the latest scheduled (fcfs)."""
+    if policy == "priority":
+        return max(running, key=lambda r: (r.priority, r.arrival_time))
+    return running[-1]
+
+
 def decodes_in_place(request: Request, kv: KVCacheManager, lookahead: int) -> bool:
     """Whether a running request's next token (a decode: no drafts, no images) fits the KV
     blocks it holds, lookahead included: nothing to allocate or cache, so the scheduler plans
@@ -136,18 +146,40 @@ def decodes_in_place(request: Request, kv: KVCacheManager, lookahead: int) -> bo
 
 
 def drafts_to_schedule(
-    request: Request, num_new: int, budget: int, max_model_len: int
+    request: Request, num_new: int, budget: int, max_model_len: int, drafts_ahead: int = 0
 ) -> list[int]:
     """The request's drafts that may run after its next token: only in a decode step
     (num_new == 1), within the token budget, and short enough that the token sampled
-    after them stays within max_tokens and max_model_len."""
-    drafts = request.spec_token_ids
-    if not drafts or num_new != 1 or request.num_output_placeholders:
+    after them stays within max_tokens and max_model_len (its in-flight drafts counted as
+    accepted). While its previous step is in flight, drafts_ahead placeholders (-1: the
+    drafts the device proposes after that step; 0: none), if it may run ahead of them."""
+    if num_new != 1:
         return []
-    limit = min(budget, max_model_len - request.num_tokens) - 1
+    drafts = request.spec_token_ids
+    if request.num_output_placeholders:
+        drafts = [-1] * drafts_ahead if runs_ahead_of_drafts(request) else []
+    if not drafts:
+        return []
+    limit = min(budget, max_model_len - request.num_tokens_with_placeholders) - 1
     if request.sampling_params.max_tokens is not None:
-        limit = min(limit, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        n_out = request.num_output_tokens + request.num_output_placeholders
+        limit = min(limit, request.sampling_params.max_tokens - n_out - 1)
     return drafts[: max(limit, 0)]
+
+
+def runs_ahead_of_drafts(request: Request) -> bool:
+    """Whether a request may run while a step with its drafts is in flight (async
+    scheduling): its sampling needs no count of its tokens on the host, which does not know
+    how many drafts that step accepts (no seed, penalty, longer bad word, grammar, or
+    min_tokens still to reach)."""
+    p = request.sampling_params
+    return (
+        p.seed is None
+        and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+        and not any(len(w) > 1 for w in p.bad_words_token_ids or ())
+        and request.structured_output_request is None
+        and request.num_output_tokens >= p.min_tokens
+    )
 
 
 def update_request_from_step(
@@ -170,7 +202,7 @@ def update_request_from_step(
         request.add_prompt_logprobs(ro.prompt_logprobs[req_id])
     if req_id not in so.sampled_req_ids:
         return None
-    request.num_output_placeholders -= 1
+    request.num_output_placeholders -= 1 + len(so.scheduled_spec_decode_tokens.get(req_id, ()))
     new_tokens = [token]
     if so.scheduled_spec_decode_tokens:
         new_tokens = accepted_tokens(request, so, ro, token, spec_stats)
@@ -180,7 +212,9 @@ def update_request_from_step(
         check_stop(request, token, max_model_len)
     else:
         update_request_with_output(request, new_tokens, max_model_len, grammars)
-    if ro.spec_token_ids and request.status == RequestStatus.RUNNING:
+    if request.num_output_placeholders:  # a later step in flight: its drafts are on the device
+        request.spec_token_ids = []
+    elif ro.spec_token_ids and request.status == RequestStatus.RUNNING:
         drafts = ro.spec_token_ids.get(req_id, [])
         if grammars is not None:  # only what its grammar allows
             drafts = grammars.valid_drafts(request, drafts)
@@ -200,10 +234,11 @@ def accepted_tokens(
     drafts = so.scheduled_spec_decode_tokens.get(request.request_id)
     if not drafts:
         return [token]
-    accepted = ro.num_accepted_drafts[request.request_id]
-    request.num_computed_tokens -= len(drafts) - accepted
-    spec_stats.observe(len(drafts), accepted)
-    return drafts[:accepted] + [token]
+    accepted = ro.accepted_drafts[request.request_id]
+    if request.status == RequestStatus.RUNNING:  # (a preempted one recomputes from 0)
+        request.num_computed_tokens -= len(drafts) - len(accepted)
+    spec_stats.observe(len(drafts), len(accepted))
+    return [*accepted, token]
 
 
 def update_request_with_output(

@@ -107,7 +107,7 @@ class EngineArgs:
     # model's sentence-transformers config, else LAST, normalised (vLLM's for decoders)
     pooler_config: dict | str | None = None
     # {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": .., "prompt_lookup_max":
-    # ..} (or its JSON): speculative decoding; turns async scheduling off
+    # ..} (or its JSON): speculative decoding (ngram turns async scheduling off)
     speculative_config: dict | str | None = None
     # {"kv_connector": "ExampleConnector" | "ZmqConnector" | ..., "kv_role": "kv_producer" |
     # "kv_consumer" | "kv_both", ...} (or its JSON): disaggregated prefill / decode
@@ -185,7 +185,8 @@ class EngineArgs:
         kv_transfer = self._kv_transfer()
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
-            async_scheduling = not (on_cpu or spec is not None or self.pipeline_parallel_size > 1)
+            ngram = spec is not None and spec.method == "ngram"
+            async_scheduling = not (on_cpu or ngram or self.pipeline_parallel_size > 1)
         pooler = pooler_config_from(
             self.runner, self.task, self.pooler_config, path, model_config.architecture
         )

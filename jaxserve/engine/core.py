@@ -79,6 +79,13 @@ class EngineCore:
             num_blocks,
             self.structured_output_manager,
             speculative=config.speculative is not None,
+            # async scheduling with drafts the devices propose: a request runs k placeholder
+            # drafts while its previous step is in flight
+            drafts_ahead=(
+                config.speculative.num_speculative_tokens
+                if spec_method in KV_DRAFT_METHODS and config.scheduler.async_scheduling
+                else 0
+            ),
             num_lookahead_tokens=(
                 config.speculative.num_speculative_tokens if spec_method in KV_DRAFT_METHODS else 0
             ),

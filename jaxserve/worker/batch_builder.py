@@ -6,8 +6,9 @@ The flat batch: request i runs tokens qsl[i] .. qsl[i + 1] - 1 at positions star
 KV goes to `slot_mapping` (block * block_size + offset). Sampling rows: one per request at
 its last token, and with speculative decoding one more per draft token before it (request i's
 rows are first_row[i] .. first_row[i] + num_rows[i] - 1, at its last num_rows[i] tokens).
-A token sampled by a step still in flight is -1 in the input batch (the forward reads it from
-the device); the tokens this step samples and keeps are appended as -1 the same way.
+The tokens of a request scheduled while its previous step is in flight are not known here:
+they are placeholders the forward reads from the step state on the device
+(worker/step_state.py); the input batch takes each step's tokens at its fetch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.structured_output import bitmask_words
 from jaxserve.worker.buckets import BucketTable, bucket
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.step_state import NO_DRAFT, SettleInputs
 from jaxserve.worker.step_types import ForwardInputs, SampleInputs, StepBatch
 
 
@@ -54,7 +56,7 @@ class BatchBuilder:
         """The step's inputs (None when nothing is scheduled), after `ib.update(so)`.
         token_buckets: the token buckets ready to run (all once start-up compiled them);
         step: the step counter (folded into the sampler's PRNG key). Writes the scheduled
-        drafts and this step's placeholders into `ib`."""
+        drafts the host knows into `ib` (after its known tokens)."""
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             return None
@@ -62,10 +64,13 @@ class BatchBuilder:
         n_sched = np.fromiter(so.num_scheduled_tokens.values(), np.int32, len(req_ids))
         num_reqs, num_tokens = len(req_ids), int(n_sched.sum())
         start = ib.num_computed_tokens[rows]
+        # A request scheduled before its previous step was fetched runs tokens the host does
+        # not know yet: placeholders of its step-state columns (worker/step_state.py).
+        ahead = start >= ib.num_tokens[rows]
         drafts = [so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
         n_rows = np.array([1 + len(d) for d in drafts], np.int32)
-        for row, d in zip(rows, drafts, strict=True):
-            if d:  # the drafts are the inputs after the last known token
+        for row, d, a in zip(rows, drafts, ahead, strict=True):
+            if d and not a:  # the drafts are the inputs after the last known token
                 ib.token_ids[row, ib.num_tokens[row] : ib.num_tokens[row] + len(d)] = d
         first_row = (np.cumsum(n_rows) - n_rows).astype(np.int32)
         num_rows = int(n_rows.sum())
@@ -79,7 +84,9 @@ class BatchBuilder:
         row_of_token = np.repeat(rows, n_sched)  # [num_tokens]
         pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:num_reqs], n_sched)
         pos += np.repeat(start, n_sched)
-        ids = _padded(ib.token_ids[row_of_token, pos], t, 0)  # -1: a token still being sampled
+        ids = ib.token_ids[row_of_token, np.minimum(pos, self.max_model_len - 1)]
+        placeholder = -1 - (pos - np.repeat(start, n_sched))  # the step's j-th: column j
+        ids = _padded(np.where(np.repeat(ahead, n_sched), placeholder, ids), t, 0)
         blocks = ib.block_table[row_of_token, pos // self.block_size]
         slots = _padded(blocks * self.block_size + pos % self.block_size, t, -1)
         block_tables = np.zeros((sf, self.max_blocks_per_req), np.int32)
@@ -120,18 +127,41 @@ class BatchBuilder:
             targets[:num_tokens] = np.where(in_prompt, next_ids, -1)
 
         sample_rows = np.repeat(rows, n_rows)
-        out_pos = ib.num_tokens[sample_rows] - ib.num_prompt_tokens[sample_rows] + row_offset
+        # Each row's output position: tokens generated before the one it samples.
+        last_pos = start + n_sched - 1
+        out_pos = np.repeat(last_pos + 2 - n_rows, n_rows) + row_offset
+        out_pos = np.maximum(out_pos - ib.num_prompt_tokens[sample_rows], 0)
         sampling, needed = ib.sampling.metadata(sample_rows, out_pos, s, self.free_bitmask(s))
-        # The step reaches the end of the tokens: its sample is kept (a drafted request's
-        # kept token is known only after fetch(): the host writes it then).
+        # The step reaches the end of the tokens: its sample is kept (the host learns it,
+        # and a drafted request's accepted drafts, at fetch(); the next step may read it
+        # from the step state before). Penalties count a request's kept token now (appends)
+        # unless it drafted: its row's counts are filled again at fetch().
         sampled = np.fromiter((r in so.sampled_req_ids for r in req_ids), bool, num_reqs)
         kept = sampled & (n_rows == 1)
         appends = np.zeros(s, bool)
         appends[first_row[kept]] = True
         prior_drafts = np.full((s, self.num_spec_tokens), -1, np.int32)
+        verify = np.full(s, NO_DRAFT, np.int32)
         for i, d in enumerate(drafts):  # row first + j counts the first j drafts
-            for j in range(1, len(d) + 1):
-                prior_drafts[first_row[i] + j, :j] = d[:j]
+            if not d:
+                continue
+            first = first_row[i]
+            verify[first : first + len(d)] = (
+                -2 - np.arange(len(d), dtype=np.int32) if ahead[i] else d
+            )
+            if not ahead[i]:
+                for j in range(1, len(d) + 1):
+                    prior_drafts[first + j, :j] = d[:j]
+        q, n_all = self.buckets.seqs[-1], len(ib.num_tokens)
+        settle = SettleInputs(
+            verify,
+            _padded(rows, q, n_all),
+            _padded(first_row, q, 0),
+            _padded(n_rows - 1, q, 0),
+            np.pad(sampled, (0, q - num_reqs)),
+            np.pad(ahead, (0, q - num_reqs)),
+            _padded(last_pos, q, 0),
+        )
         sample = SampleInputs(
             sampling,
             _padded(sample_rows, s, 0),
@@ -139,13 +169,8 @@ class BatchBuilder:
             np.bool_(ib.sampling.logprobs[rows].any()),
             np.int32(step),
             prior_drafts,
+            settle,
         )
-        # The kept tokens are placeholders until fetch(): the next step reads them from the
-        # device (the runner's last_tokens).
-        append_rows = rows[kept]
-        append_positions = ib.num_tokens[append_rows].copy()
-        ib.token_ids[append_rows, append_positions] = -1
-        ib.num_tokens[append_rows] += 1
         return StepBatch(
             req_ids,
             rows,
@@ -160,8 +185,7 @@ class BatchBuilder:
             first_row,
             n_rows,
             sampled,
-            kept,
-            append_positions,
+            ahead,
             targets,
             wants_prompt_lp,
         )
@@ -199,6 +223,21 @@ class BatchBuilder:
             np.bool_(False),
             np.int32(0),
             np.full((s, self.num_spec_tokens), -1, np.int32),
+            self.padding_settle(s, sampling_rows),
+        )
+
+    def padding_settle(self, s: int, sampling_rows) -> SettleInputs:
+        """Settle inputs of s rows and no request."""
+        q, n = self.buckets.seqs[-1], len(sampling_rows.min_tokens)
+        none = np.zeros(q, np.int32)
+        return SettleInputs(
+            np.full(s, NO_DRAFT, np.int32),
+            np.full(q, n, np.int32),
+            none,
+            none,
+            np.zeros(q, bool),
+            np.zeros(q, bool),
+            none,
         )
 
     def free_bitmask(self, s: int) -> np.ndarray:

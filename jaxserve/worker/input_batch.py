@@ -85,10 +85,15 @@ class InputBatch:
         gone to another one while a step of the first was in flight)."""
         return self.req_id_to_row.get(req_id) == row
 
-    def fill_sampled(self, batch, sampled: np.ndarray) -> None:
-        """A step's sampled tokens (i32[num_reqs], batch: its StepBatch) in place of their
-        placeholders, unless a row has since gone to another request."""
-        kept = np.flatnonzero(batch.appends)
-        for i, pos in zip(kept, batch.append_positions, strict=True):
-            if self.holds(batch.req_ids[i], batch.rows[i]):
-                self.token_ids[batch.rows[i], pos] = sampled[i]
+    def append_sampled(self, batch, row_ids: np.ndarray, kept_row: np.ndarray) -> None:
+        """A fetched step's new tokens (row_ids: i32[S], every sampling row's sample;
+        kept_row: i32[num_reqs], each request's row whose sample it kept): each request that
+        sampled takes its rows' samples up to its kept one (its accepted drafts, then the
+        kept token), unless its row has since gone to another request."""
+        for i in np.flatnonzero(batch.sampled):
+            row = batch.rows[i]
+            if self.holds(batch.req_ids[i], row):
+                tokens = row_ids[batch.first_row[i] : kept_row[i] + 1]
+                n = self.num_tokens[row]
+                self.token_ids[row, n : n + len(tokens)] = tokens
+                self.num_tokens[row] = n + len(tokens)

@@ -13,8 +13,8 @@
                   executables
 
 Between a step's dispatch and its fetch the engine core schedules and dispatches the next
-step: a token still being sampled is a placeholder (-1) in the input batch, and the forward
-reads it from the device (`last_tokens`, each row's latest sampled token).
+step: a token still being sampled (and a draft still being proposed) is a placeholder the
+forward reads from the device (`step_state`, worker/step_state.py).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from jaxserve.worker.spec_decode.proposer import Proposer
 from jaxserve.worker.stages import OneStage, Stages
 from jaxserve.worker.step_compiler import StepCompiler
 from jaxserve.worker.step_features import build_features
+from jaxserve.worker.step_state import num_columns
 from jaxserve.worker.step_types import PendingStep
 
 logger = logging.getLogger(__name__)
@@ -143,13 +144,14 @@ class ModelRunner(StepCompiler):
             engine_config.max_logprobs,
             self.kv.sharding,
             rep,
+            cc.block_size,
         )
         # Penalty state per input-batch row, on the device: (prompt_mask bool[N, V],
         # output_counts i32[N, V]). A penalised request's row is filled once when it is
         # scheduled (init_penalty_row); each step with penalties then adds its kept tokens.
         r, v = self.max_num_seqs, self.config.vocab_size
         self.penalty_state = put((np.zeros((r, v), bool), np.zeros((r, v), np.int32)), rep)
-        self.last_tokens = put(np.zeros(r, np.int32), rep)  # i32[N]
+        self.step_state = put(np.zeros((r, num_columns(k)), np.int32), rep)  # i32[N, k + 3]
 
     @property
     def model(self) -> nnx.Module:
@@ -247,7 +249,7 @@ class ModelRunner(StepCompiler):
                 values[feature.name] = value
         # The proposer follows the forward (EAGLE-3: from the features the forward returned).
         aux, aux_rows = aux if self.model_def.aux_layers else (hidden, last_hidden)
-        self.proposer.mirror(batch, aux, aux_rows)
+        self.proposer.mirror(batch, aux, aux_rows, self.step_state)
         self.step_count += 1
         pending = PendingStep(batch, None, last_hidden, hidden, values)
         if so.structured_output_req_ids or ib.sampling.has_bad_words[batch.rows].any():
@@ -277,10 +279,14 @@ class ModelRunner(StepCompiler):
             )
             needed = needed._replace(structured=True)
         variant = pick_variant(needed, ready=lambda v: ("sample", s, v) in self.executables)
-        out, self.penalty_state, self.last_tokens = self.executables["sample", s, variant](
-            self.head, pending.last_hidden, self.penalty_state, self.last_tokens, sample_inputs
+        out, self.penalty_state, self.step_state, settled = self.executables["sample", s, variant](
+            self.head, pending.last_hidden, self.penalty_state, self.step_state, sample_inputs
         )
-        fetch = {"ids": out.token_ids, "features": pending.features}
+        # A device proposer drafts now, before the next step may read its drafts.
+        self.step_state, drafts = self.proposer.propose(self.step_state, batch, settled, ib)
+        fetch = {"ids": out.token_ids, "accepted": settled.accepted, "features": pending.features}
+        if drafts is not None:
+            fetch["drafts"] = drafts
         if needed.logprobs:
             fetch["logprobs"] = (out.logprobs, out.logprob_token_ids, out.sampled_rank)
         if batch.wants_prompt_lp.any():
@@ -300,17 +306,18 @@ class ModelRunner(StepCompiler):
         rank 0 instead (`sampled`: i32[num_reqs], worker/multihost.py's)."""
         batch, ib = pending.batch, self.input_batch
         if not self.samples:
-            ib.fill_sampled(batch, sampled)
+            row_ids = np.zeros(int(batch.num_rows.sum()), np.int32)
+            row_ids[batch.first_row] = sampled
+            ib.append_sampled(batch, row_ids, batch.first_row)
             return None
         fetched = jax.device_get(pending.fetch)
         row_ids = np.asarray(fetched["ids"], np.int32)
-        final_row, num_accepted, refill = self.drafting.accept(batch, row_ids, ib)
+        final_row, accepted, refill = self.drafting.accept(batch, row_ids, fetched["accepted"], ib)
+        ib.append_sampled(batch, row_ids, final_row)
         for row in refill:  # a drafted row's kept tokens were not counted in the step
             self._fill_penalty_row(row)
-        sampled = row_ids[final_row]  # each request's kept token
-        ib.fill_sampled(batch, sampled)
-        result = ModelRunnerOutput(batch.req_ids, sampled)
-        result.num_accepted_drafts = num_accepted
+        result = ModelRunnerOutput(batch.req_ids, row_ids[final_row])  # each one's kept token
+        result.accepted_drafts = accepted
         values = fetched["features"]
         for feature in self.features:
             if feature.name in values:
@@ -321,7 +328,7 @@ class ModelRunner(StepCompiler):
             lp, lp_ids, ranks = fetched["logprobs"]
             result.logprobs, result.logprob_token_ids, result.sampled_ranks = lp, lp_ids, ranks
             result.first_row = batch.first_row
-        result.spec_token_ids = self.drafting.propose(batch, final_row, ib)
+        result.spec_token_ids = self.drafting.propose(batch, final_row, ib, fetched.get("drafts"))
         return result
 
     def _fill_penalty_row(self, row: int) -> None:

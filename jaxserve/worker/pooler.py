@@ -94,7 +94,7 @@ class Pooler(StepFeature):
                 self._acc[req_id] = [np.zeros_like(sums[i]), firsts[i]]
             acc = self._acc[req_id]
             acc[0] = acc[0] + sums[i]
-            if batch.appends[i]:  # the prompt ended in this step
+            if batch.sampled[i]:  # the prompt ended in this step
                 del self._acc[req_id]
                 if self.pooling_type == "LAST":
                     out[req_id] = lasts[i]

@@ -76,7 +76,7 @@ class OneStage:
         return runner.kv.allocate(num_blocks)
 
     def lowerings(self, runner: ModelRunner, padding: dict) -> dict[tuple, Any]:
-        kv, last = shapes(runner.kv_caches), shapes(runner.last_tokens)
+        kv, last = shapes(runner.kv_caches), shapes(runner.step_state)
         lower = runner._jits["forward"].lower
         return {
             ("forward", t, decode_only): functools.partial(lower, runner.params, kv, last, inputs)
@@ -91,7 +91,7 @@ class OneStage:
 
     def forward(self, runner: ModelRunner, batch) -> tuple:
         outs = runner.executables["forward", batch.num_tokens, batch.forward.attn.decode_only](
-            runner.params, runner.kv_caches, runner.last_tokens, batch.forward
+            runner.params, runner.kv_caches, runner.step_state, batch.forward
         )
         runner.kv_caches = outs[2]
         return (*outs[:2], *outs[3:])
@@ -101,7 +101,7 @@ class OneStage:
         end."""
         t, decode_only = runner.ready_token_buckets()[0], runner.decode_only_forwards
         outs = runner.executables["forward", t, decode_only](
-            runner.params, runner.kv_caches, runner.last_tokens, runner._padding(t, decode_only)
+            runner.params, runner.kv_caches, runner.step_state, runner._padding(t, decode_only)
         )
         runner.kv_caches = outs[2]
         jax.block_until_ready(outs[0])

@@ -18,6 +18,7 @@ from jaxserve.layers.sampler import COMPILED_VARIANTS, FULL_VARIANT
 from jaxserve.worker import executable_cache
 from jaxserve.worker.stages import shapes
 from jaxserve.worker.step_feature import LoweringInputs
+from jaxserve.worker.step_state import Settled
 
 # The executables compiled per token bucket (name[1]): a step of T tokens runs them at T's.
 TOKEN_BUCKET_STEPS = ("forward", "prompt_logprobs", "pool")
@@ -88,7 +89,7 @@ class StepCompiler:
             model_files=cache_keys.file_stats(self.engine_config.model_path),
             model=repr(self.config),
             params=executable_cache.abstract((self.params, self.head, self.kv_caches)),
-            state=executable_cache.abstract((self.penalty_state, self.last_tokens)),
+            state=executable_cache.abstract((self.penalty_state, self.step_state)),
             param_tree=str(self.model_def.params_def),
             draft=executable_cache.abstract(
                 [getattr(proposer, a, None) for a in ("params", "kv_caches", "embedding")]
@@ -109,7 +110,7 @@ class StepCompiler:
         if not self.samples:
             return out
         kv, penalty = shapes(self.kv_caches), shapes(self.penalty_state)
-        last = shapes(self.last_tokens)
+        last = shapes(self.step_state)
         last_hidden = jax.ShapeDtypeStruct((self.buckets.max_sample_rows, d), dtype, sharding=rep)
         jits = self._jits
         hidden = lambda t: jax.ShapeDtypeStruct((t, d), dtype, sharding=rep)  # noqa: E731
@@ -129,8 +130,11 @@ class StepCompiler:
                     inputs,
                     variant=variant,
                 )
+        q = jax.ShapeDtypeStruct((self.buckets.seqs[-1],), np.int32, sharding=rep)
         out.update(
-            self.proposer.lowerings(padding, list(self.buckets.seqs), self.max_blocks_per_req)
+            self.proposer.lowerings(
+                padding, list(self.buckets.seqs), self.max_blocks_per_req, last, Settled(q, q, q, q)
+            )
         )
         lowering = LoweringInputs(
             self.params, self.model_def, kv, tuple(self.buckets.tokens), hidden

@@ -20,6 +20,7 @@ from jax import lax
 
 from jaxserve.layers.sampler import SamplerVariant, compute_prompt_logprobs, sample
 from jaxserve.models.llama import lm_logits
+from jaxserve.worker.step_state import resolve, settle
 from jaxserve.worker.step_types import ForwardInputs, SampleInputs
 
 PROMPT_LOGPROBS_CHUNK = 256  # positions whose [chunk, V] logits are live at once
@@ -43,15 +44,17 @@ class HeadDef(NamedTuple):
     soft_cap: float | None  # Gemma 2's final logit soft cap
 
 
-def forward(model_def: ModelDef, params, kv_caches, last_tokens, inputs: ForwardInputs):
-    """The model over T tokens. last_tokens: i32[N], each row's latest sampled token (what a
-    placeholder -1 reads). Returns (hidden [R, D] of each sampling row, hidden [T, D] of
+def forward(
+    model_def: ModelDef, block_size: int, params, kv_caches, step_state, inputs: ForwardInputs
+):
+    """The model over T tokens. step_state: i32[N, k + 3] (worker/step_state.py: what a
+    placeholder token reads). Returns (hidden [R, D] of each sampling row, hidden [T, D] of
     every token, kv_caches with this step's K/V written) and, with aux_layers, each token's
     and sampling row's EAGLE-3 features ([T, F], [R, F])."""
     model = model_def.merge(params)
-    input_ids = jnp.where(inputs.input_ids < 0, last_tokens[inputs.token_rows], inputs.input_ids)
     rows = inputs.logits_indices
-    out = model(inputs._replace(input_ids=input_ids), kv_caches, model_def.aux_layers)
+    inputs = resolve(inputs, step_state, block_size)
+    out = model(inputs, kv_caches, model_def.aux_layers)
     if model_def.aux_layers:
         hidden, kv_caches, aux = out
         return hidden[rows], hidden, kv_caches, aux, aux[rows]
@@ -66,14 +69,15 @@ def sample_rows(
     head,
     last_hidden,
     penalty_state,
-    last_tokens,
+    step_state,
     inputs: SampleInputs,
     *,
     variant: SamplerVariant,
 ):
     """LM head and sampling for the first S rows of last_hidden [R, D]; penalty_state:
     (prompt_mask bool[N, V], output_counts i32[N, V]). Returns (SamplerOutput [S],
-    penalty_state with this step's kept tokens counted, last_tokens with them written)."""
+    penalty_state with this step's kept tokens counted, step_state with its outcome, the
+    outcome: Settled, worker/step_state.py)."""
     s = inputs.rows.shape[0]
     logits = lm_logits(last_hidden[:s], head, tied=head_def.tied, soft_cap=head_def.soft_cap)
     sampling = inputs.sampling
@@ -98,9 +102,8 @@ def sample_rows(
         output_counts = output_counts.at[inputs.rows, sampled.token_ids].add(
             inputs.appends.astype(jnp.int32)
         )
-    kept_rows = jnp.where(inputs.appends, inputs.rows, last_tokens.shape[0])  # N: dropped
-    last_tokens = last_tokens.at[kept_rows].set(sampled.token_ids, mode="drop")
-    return sampled, (prompt_mask, output_counts), last_tokens
+    step_state, settled = settle(step_state, sampled.token_ids, inputs.settle)
+    return sampled, (prompt_mask, output_counts), step_state, settled
 
 
 def prompt_logprobs(head_def: HeadDef, num_logprobs: int, head, hidden, targets):
@@ -139,7 +142,13 @@ def init_penalty_row(penalty_state, row, token_ids, num_prompt, num_tokens):
 
 
 def jit_steps(
-    model_def: ModelDef, head_def: HeadDef, base_key, num_logprobs: int, kv_sharding, replicated
+    model_def: ModelDef,
+    head_def: HeadDef,
+    base_key,
+    num_logprobs: int,
+    kv_sharding,
+    replicated,
+    block_size: int,
 ) -> dict[str, Any]:
     """Each step function jitted for one runner: its static parts bound, the KV cache and the
     state a step updates donated, outputs replicated (the KV cache in kv_sharding)."""
@@ -147,7 +156,9 @@ def jit_steps(
     outs = (rep, rep, kv_sharding) + (rep, rep) * bool(model_def.aux_layers)
     return {
         "forward": jax.jit(
-            functools.partial(forward, model_def), donate_argnums=(1,), out_shardings=outs
+            functools.partial(forward, model_def, block_size),
+            donate_argnums=(1,),
+            out_shardings=outs,
         ),
         "sample": jax.jit(
             functools.partial(sample_rows, head_def, base_key, num_logprobs),

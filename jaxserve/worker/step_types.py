@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxserve.layers.sampler import SamplerVariant, SamplingMetadata
 from jaxserve.models.step_inputs import StepInputs
+from jaxserve.worker.step_state import SettleInputs
 
 # The forward's host-built inputs: the models' typed step inputs (models/step_inputs.py)
 ForwardInputs = StepInputs
@@ -26,12 +27,13 @@ class SampleInputs(NamedTuple):
 
     sampling: SamplingMetadata  # [S] rows; prompt_mask / output_counts None (from the device)
     rows: np.ndarray  # i32[S]: each sampling row's input-batch row (its penalty state)
-    appends: np.ndarray  # bool[S]: the sampled token is kept (SchedulerOutput.sampled_req_ids)
+    appends: np.ndarray  # bool[S]: the row's sample is kept and counted now (no drafts)
     want_logprobs: np.ndarray  # bool[]: some sequence asked for sampled-token logprobs
     step: np.ndarray  # i32[]: the step counter, folded into the PRNG key
     # i32[S, k]: the drafts before each row's position (-1: none), which penalties count as
     # output (speculative decoding)
     prior_drafts: np.ndarray
+    settle: SettleInputs  # acceptance and the step state's update (worker/step_state.py)
 
 
 class StepBatch(NamedTuple):
@@ -51,8 +53,7 @@ class StepBatch(NamedTuple):
     first_row: np.ndarray  # i32[num_reqs]: each request's first sampling row
     num_rows: np.ndarray  # i32[num_reqs]: its sampling rows (1 + its drafts)
     sampled: np.ndarray  # bool[num_reqs]: the step samples the request's next token
-    appends: np.ndarray  # bool[num_reqs]: that token is kept as a placeholder (no drafts)
-    append_positions: np.ndarray  # i32[num appended]: where each placeholder went
+    ahead: np.ndarray  # bool[num_reqs]: its tokens are placeholders (its last step in flight)
     targets: np.ndarray  # i32[T]: each position's prompt-logprob target (-1: none)
     wants_prompt_lp: np.ndarray  # bool[num_reqs]
 

@@ -343,9 +343,9 @@ def spec_step(sched, truth, drafts_for):
             a += 1
         sampled.append(truth[r][len(so_far) + a])
         if drafts:
-            accepted[r] = a
+            accepted[r] = drafts[:a]
         proposed[r] = drafts_for(r, [*so_far, *drafts[:a], sampled[-1]])
-    runner = ModelRunnerOutput(ids, np.array(sampled, np.int32), num_accepted_drafts=accepted)
+    runner = ModelRunnerOutput(ids, np.array(sampled, np.int32), accepted_drafts=accepted)
     runner.spec_token_ids = proposed
     return out, sched.update_from_output(out, runner)
 

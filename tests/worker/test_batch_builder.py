@@ -9,6 +9,7 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.worker.batch_builder import BatchBuilder
 from jaxserve.worker.buckets import BucketTable
 from jaxserve.worker.input_batch import InputBatch
+from jaxserve.worker.step_state import NO_DRAFT
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0)
@@ -61,11 +62,10 @@ def test_two_prefills_then_two_decodes():
     assert f.logits_indices.tolist() == [4, 7, 0, 0]  # each request's last token
     assert b.sample.rows.tolist() == [ib.req_id_to_row["a"], ib.req_id_to_row["b"]]
     assert b.sample.appends.tolist() == [True, True]
-    # the sampled tokens are placeholders until fetched
+    # the sampled tokens are the input batch's once fetched (ib.append_sampled)
     a, bb = ib.req_id_to_row["a"], ib.req_id_to_row["b"]
-    assert ib.num_tokens[[a, bb]].tolist() == [6, 4]
-    assert ib.token_ids[a, 5] == -1 and ib.token_ids[bb, 3] == -1
-    assert b.append_positions.tolist() == [5, 3]
+    assert ib.num_tokens[[a, bb]].tolist() == [5, 3]
+    assert b.sampled.tolist() == [True, True] and not b.ahead.any()
 
     so = output(
         cached=[CachedRequestData("a", [], 5), CachedRequestData("b", [], 3)],
@@ -74,7 +74,8 @@ def test_two_prefills_then_two_decodes():
     b = step(builder, ib, so, step_count=1)
     f = b.forward
     assert b.num_tokens == 2 and f.attn.decode_only
-    assert f.input_ids.tolist() == [-1, -1]  # read from the device's last_tokens
+    assert f.input_ids.tolist() == [-1, -1]  # each row's kept token, from the step state
+    assert b.ahead.tolist() == [True, True]
     assert f.token_rows.tolist() == [a, bb]
     assert f.positions.tolist() == [5, 3]
     assert f.attn.slot_mapping.tolist() == [9, 15]
@@ -108,6 +109,7 @@ def test_draft_rows_follow_each_request_and_count_earlier_drafts():
                              scheduled={"a": 3, "b": 2}))  # fmt: skip
     a, bb = ib.req_id_to_row["a"], ib.req_id_to_row["b"]
     ib.token_ids[a, 3], ib.token_ids[bb, 2] = 50, 60  # the first step's tokens, fetched
+    ib.num_tokens[[a, bb]] += 1
     so = output(
         cached=[CachedRequestData("a", [], 3), CachedRequestData("b", [], 2)],
         scheduled={"a": 3, "b": 1}, drafts={"a": [51, 52]},
@@ -120,11 +122,28 @@ def test_draft_rows_follow_each_request_and_count_earlier_drafts():
     assert b.forward.logits_indices[:4].tolist() == [0, 1, 2, 3]  # every draft position
     assert b.sample.rows[:4].tolist() == [a, a, a, bb]
     assert b.sample.prior_drafts.tolist() == [[-1, -1], [51, -1], [51, 52], [-1, -1]]
-    # a drafted request's kept token is written at fetch: no placeholder for it
-    assert b.appends.tolist() == [False, True] and b.sample.appends.tolist() == [
-        False, False, False, True,
-    ]  # fmt: skip
+    # the penalties count b's kept token on the device; a's (drafted) at fetch
+    assert b.sample.appends.tolist() == [False, False, False, True]
+    assert b.sample.settle.verify.tolist()[:4] == [51, 52, NO_DRAFT, NO_DRAFT]
     assert not b.forward.attn.decode_only  # drafts make more than one token
+
+    # Scheduled again before that step is fetched (async scheduling): a's kept token and
+    # two drafts are placeholders of its step-state columns, at the host's positions (all
+    # drafts counted as accepted: the forward moves them back by those rejected).
+    so = output(
+        cached=[CachedRequestData("a", [], 6), CachedRequestData("b", [], 3)],
+        scheduled={"a": 3, "b": 1}, drafts={"a": [-1, -1]},
+    )  # fmt: skip
+    b = step(builder, ib, so)
+    assert b.ahead.tolist() == [True, True]
+    assert b.forward.input_ids.tolist() == [-1, -2, -3, -1]
+    assert b.forward.positions.tolist() == [6, 7, 8, 3]
+    assert b.sample.settle.verify.tolist()[:4] == [-2, -3, NO_DRAFT, NO_DRAFT]
+    settle = b.sample.settle
+    assert settle.req_ahead[:2].tolist() == [True, True]
+    assert settle.req_drafts[:2].tolist() == [2, 0] and settle.req_last_pos[:2].tolist() == [8, 3]
+    assert ib.token_ids[a, 4:6].tolist() == [51, 52]  # nothing written for placeholders
+    assert ib.num_tokens[[a, bb]].tolist() == [4, 3]
 
 
 def test_prompt_logprob_targets_are_the_next_prompt_tokens():

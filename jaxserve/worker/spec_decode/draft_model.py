@@ -3,10 +3,11 @@
 Its KV cache has the target's block layout (the same block ids, its own arrays), so the
 scheduler's block tables serve both models and a prefix-cache hit holds the draft's keys as
 well: every target forward is mirrored by a draft forward over the same tokens (`mirror`), so
-the draft's cache holds every position the target's does. Once a step's drafts are verified,
-`propose` runs the draft k times on one token per request (the kept token, then its own
-argmax) in one compiled loop, whose attention is the decode path alone (every request has one
-token); the scheduler allocates k lookahead slots for those writes.
+the draft's cache holds every position the target's does. Right after a step's sampling, on
+the devices (its outcome: worker/step_state.py's Settled), `propose` runs the draft k times
+on one token per request (the kept token, then its own argmax) in one compiled loop, whose
+attention is the decode path alone (every request has one token); the scheduler allocates k
+lookahead slots for those writes.
 Greedy drafts are single tokens, so the runner's acceptance rule stays exact.
 """
 
@@ -29,9 +30,11 @@ from jaxserve.models.loader import LoadedModel
 from jaxserve.models.step_inputs import text_inputs
 from jaxserve.worker.buckets import bucket
 from jaxserve.worker.spec_decode.proposer import Proposer
+from jaxserve.worker.step_state import block_slots, resolve, set_drafts
 
 if TYPE_CHECKING:
     from jaxserve.worker.input_batch import InputBatch
+    from jaxserve.worker.step_state import Settled
     from jaxserve.worker.step_types import ForwardInputs, StepBatch
 
 
@@ -64,7 +67,7 @@ class DraftModelProposer(Proposer):
         rep = NamedSharding(self.mesh, P())
         self._mirror = jax.jit(self._mirror_fn, donate_argnums=(1,), out_shardings=kv_sharding)
         self._propose = jax.jit(
-            self._propose_fn, donate_argnums=(1,), out_shardings=(rep, kv_sharding)
+            self._propose_fn, donate_argnums=(1, 2), out_shardings=(rep, rep, kv_sharding)
         )
         self.kv_caches: tuple[jax.Array, jax.Array] | None = None
         self._executables: Any = {}  # the runner's ExecutableRegistry, once compiled
@@ -72,25 +75,28 @@ class DraftModelProposer(Proposer):
     def _model(self, params):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
 
-    def _mirror_fn(self, params, kv_caches, inputs: ForwardInputs):
+    def _mirror_fn(self, params, kv_caches, state, inputs: ForwardInputs):
         """The target step's tokens through the draft: only its KV cache is kept."""
-        ids = jnp.maximum(inputs.input_ids, 0)  # a placeholder's slot is rewritten later
+        inputs = resolve(inputs, state, self.block_size)
         _, kv_caches = self._model(params)(
-            text_inputs(ids, inputs.positions, inputs.attn), kv_caches
+            text_inputs(inputs.input_ids, inputs.positions, inputs.attn), kv_caches
         )
         return kv_caches
 
-    def _propose_fn(self, params, kv_caches, tokens, positions, block_tables, slots, num_seqs):
-        """tokens, positions: i32[S], each request's kept token and its position; slots:
-        i32[k, S], where the K/V of the token at positions + j goes (-1: nowhere) ->
-        (drafts i32[S, k], kv_caches)."""
+    def _propose_fn(
+        self, params, kv_caches, state, settled: Settled, rows, block_tables, num_blocks, num_seqs
+    ):
+        """Greedy drafts after each request's kept token (settled: i32[Q] each, the first s
+        used; rows, num_blocks: i32[s], block_tables: i32[s, B], num_seqs: i32[1]) ->
+        (state with the drafts of `rows` (N: none), drafts i32[s, k], kv_caches)."""
         model = self._model(params)
-        s = tokens.shape[0]
+        s = block_tables.shape[0]
+        tokens, positions = settled.kept[:s], settled.kept_pos[:s]
         qsl = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), num_seqs[0])
 
-        def one(carry, xs):
+        def one(carry, j):
             tokens, kv_caches = carry
-            j, slot = xs
+            slot = block_slots(block_tables, positions + j, num_blocks, self.block_size)
             kv_lens = jnp.where(jnp.arange(s) < num_seqs[0], positions + j + 1, 0)
             md = AttentionMetadata(slot, block_tables, kv_lens, qsl, num_seqs, decode_only=True)
             hidden, kv_caches = model(text_inputs(tokens, positions + j, md), kv_caches)
@@ -98,9 +104,9 @@ class DraftModelProposer(Proposer):
             return (nxt, kv_caches), nxt
 
         (_, kv_caches), drafts = lax.scan(
-            one, (tokens, kv_caches), (jnp.arange(self.k, dtype=jnp.int32), slots)
+            one, (tokens, kv_caches), jnp.arange(self.k, dtype=jnp.int32)
         )
-        return drafts.T, kv_caches
+        return set_drafts(state, rows, drafts.T), drafts.T, kv_caches
 
     # ------------------------------------------------------------------ start-up
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -114,27 +120,26 @@ class DraftModelProposer(Proposer):
         zeros = jax.jit(lambda: jnp.zeros(shape, c.dtype), out_shardings=self._kv_sharding)
         self.kv_caches = (zeros(), zeros())
 
-    def lowerings(self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int) -> dict:
+    def lowerings(
+        self, padding_forwards: dict, seq_buckets: list[int], max_blocks: int, state, settled
+    ) -> dict:
         """Mirrors (one per forward of the runner's: {(token bucket, decode_only): its padding
         inputs}) and proposal loops (one per sequence bucket), for the runner to compile with
-        its own."""
+        its own (state, settled: the step state's and a sampling outcome's shapes)."""
         out = {}
         kv = shapes(self.kv_caches)
         for (t, decode_only), inputs in padding_forwards.items():
             out["draft_mirror", t, decode_only] = functools.partial(
-                self._mirror.lower, self.params, kv, inputs
+                self._mirror.lower, self.params, kv, state, inputs
             )
         for s in seq_buckets:
-            zeros = np.zeros(s, np.int32)
             out["draft_propose", s] = functools.partial(
                 self._propose.lower,
                 self.params,
                 kv,
-                zeros,
-                zeros,
-                np.zeros((s, max_blocks), np.int32),
-                np.full((self.k, s), -1, np.int32),
-                np.zeros(1, np.int32),
+                state,
+                settled,
+                *proposal_padding(s, max_blocks),
             )
         return out
 
@@ -142,48 +147,43 @@ class DraftModelProposer(Proposer):
         self._executables = executables
 
     # ------------------------------------------------------------------ a serving step
-    def mirror(self, batch: StepBatch, features=None, feature_rows=None) -> None:
+    def mirror(self, batch: StepBatch, features, feature_rows, state) -> None:
         """The target's forward inputs through the draft (decode-only or not, as the
         target's)."""
         inputs = batch.forward
         mirror = self._executables["draft_mirror", batch.num_tokens, inputs.attn.decode_only]
-        self.kv_caches = mirror(self.params, self.kv_caches, inputs)
+        self.kv_caches = mirror(self.params, self.kv_caches, state, inputs)
 
-    def propose_rows(self, ib: InputBatch, rows: np.ndarray, sample_rows=None) -> list[list[int]]:
-        """Greedy drafts of the input batch's `rows` (each after its latest token): one
-        compiled loop of k one-token steps, and this step's second host sync."""
-        n = len(rows)
-        if not n:
-            return []
-        positions = ib.num_tokens[rows] - 1
-        tokens = ib.token_ids[rows, positions]
-        s, pad, tables = self._proposal_layout(ib, rows, positions)
-        drafts, self.kv_caches = self._executables["draft_propose", s](
-            self.params,
-            self.kv_caches,
-            np.pad(tokens, pad),
-            np.pad(positions, pad),
-            *tables,
+    def propose(self, state, batch: StepBatch, settled: Settled, ib: InputBatch):
+        """Greedy drafts of the step's requests that sampled: one compiled loop of k
+        one-token steps, dispatched (the fetch brings them back)."""
+        layout = proposal_layout(batch, ib, self.seq_buckets)
+        state, drafts, self.kv_caches = self._executables["draft_propose", layout[1].shape[0]](
+            self.params, self.kv_caches, state, settled, *layout
         )
-        return np.asarray(drafts)[:n].tolist()
+        return state, drafts
 
-    def _proposal_layout(self, ib: InputBatch, rows: np.ndarray, positions: np.ndarray):
-        """The proposal loop's sequence bucket s, the padding of its [n] arrays to s, and its
-        (block tables i32[s, max_blocks], slots i32[k, s], num_seqs i32[1]): where the K/V of
-        the token at positions + j goes (-1: nowhere)."""
-        n = len(rows)
-        s = bucket(self.seq_buckets, n)
-        block_tables = ib.block_table[rows]
-        pos = positions[None, :] + np.arange(self.k, dtype=np.int32)[:, None]  # [k, n]
-        bs = self.block_size
-        block = np.minimum(pos // bs, block_tables.shape[1] - 1)
-        ids = np.take_along_axis(block_tables.T, block, axis=0)
-        # Lookahead blocks were allocated up to max_model_len; past them nothing is written.
-        slots = np.where(pos // bs < ib.num_blocks[rows][None, :], ids * bs + pos % bs, -1)
-        pad = (0, s - n)
-        tables = (
-            np.pad(block_tables, (pad, (0, 0))),
-            np.pad(slots, ((0, 0), pad), constant_values=-1),
-            np.array([n], np.int32),
-        )
-        return s, pad, tables
+
+def proposal_layout(batch: StepBatch, ib: InputBatch, seq_buckets) -> tuple[np.ndarray, ...]:
+    """A proposal loop's host inputs over the step's requests, padded to a sequence bucket s:
+    (rows i32[s]: each one's input-batch row, N where it did not sample (its drafts are
+    dropped); block_tables i32[s, B]; num_blocks i32[s]: blocks it holds, 0 where nothing
+    is written; num_seqs i32[1])."""
+    n = len(batch.req_ids)
+    s = bucket(seq_buckets, n)
+    proposes = batch.sampled.copy()
+    for i in np.flatnonzero(proposes):
+        proposes[i] = ib.holds(batch.req_ids[i], batch.rows[i])
+    rows = np.full(s, ib.max_num_reqs, np.int32)
+    rows[:n] = np.where(proposes, batch.rows, ib.max_num_reqs)
+    tables = np.zeros((s, ib.block_table.shape[1]), np.int32)
+    tables[:n] = ib.block_table[batch.rows]
+    num_blocks = np.zeros(s, np.int32)
+    num_blocks[:n] = np.where(proposes, ib.num_blocks[batch.rows], 0)
+    return rows, tables, num_blocks, np.array([n], np.int32)
+
+
+def proposal_padding(s: int, max_blocks: int) -> tuple[np.ndarray, ...]:
+    """proposal_layout's shapes for sequence bucket s (what start-up lowers with)."""
+    zeros = np.zeros(s, np.int32)
+    return zeros, np.zeros((s, max_blocks), np.int32), zeros, np.zeros(1, np.int32)

@@ -30,38 +30,34 @@ class Drafting:
         self.backoff.forget(req_id)
 
     def accept(
-        self, batch: StepBatch, row_ids: np.ndarray, ib: InputBatch
-    ) -> tuple[np.ndarray, dict[str, int], list[int]]:
-        """row_ids: i32[S], every sampling row's sample. Returns each request's row whose
-        sample it keeps (i32[num_reqs]: after its accepted drafts), how many drafts each
-        drafted request accepted, and the input-batch rows of penalised requests that took
-        tokens the step did not count (their penalty state must be filled again). A drafted
-        request's accepted drafts and kept token go into the input batch."""
-        final_row, num_accepted, refill = batch.first_row.copy(), {}, []
-        for i, drafts in enumerate(batch.drafts):
-            if not drafts:
-                continue
-            req_id, first = batch.req_ids[i], batch.first_row[i]
-            rejected = np.flatnonzero(row_ids[first : first + len(drafts)] != drafts)
-            accepted = int(rejected[0]) if len(rejected) else len(drafts)
-            final_row[i] = first + accepted
-            num_accepted[req_id] = accepted
-            self.backoff.observe(req_id, accepted)
+        self, batch: StepBatch, row_ids: np.ndarray, accepted: np.ndarray, ib: InputBatch
+    ) -> tuple[np.ndarray, dict[str, list[int]], list[int]]:
+        """row_ids: i32[S], every sampling row's sample; accepted: i32[>= num_reqs], each
+        request's accepted drafts (the step's settle, worker/step_state.py). Returns each
+        request's row whose sample it keeps (i32[num_reqs]), each drafted request's
+        accepted drafts (its rows' samples before that one), and the input-batch rows of
+        penalised requests that took tokens the step did not count (their penalty state
+        must be filled again)."""
+        n = len(batch.req_ids)
+        accepted = np.where(batch.sampled, accepted[:n], 0)
+        final_row = batch.first_row + accepted
+        drafted, refill = {}, []
+        for i in np.flatnonzero(batch.num_rows > 1):
+            req_id, first, a = batch.req_ids[i], batch.first_row[i], int(accepted[i])
+            drafted[req_id] = row_ids[first : first + a].tolist()
+            self.backoff.observe(req_id, a)
             row = batch.rows[i]
-            if ib.holds(req_id, row):  # drafts[:accepted] are in place
-                n = ib.num_tokens[row] + accepted
-                ib.token_ids[row, n] = row_ids[first + accepted]
-                ib.num_tokens[row] = n + 1
-                if ib.sampling.penalised[row]:
-                    refill.append(int(row))
-        return final_row, num_accepted, refill
+            if ib.holds(req_id, row) and ib.sampling.penalised[row]:
+                refill.append(int(row))
+        return final_row, drafted, refill
 
     def propose(
-        self, batch: StepBatch, final_row: np.ndarray, ib: InputBatch
+        self, batch: StepBatch, final_row: np.ndarray, ib: InputBatch, drafts: np.ndarray | None
     ) -> dict[str, list[int]]:
         """The next drafts of the step's requests that sampled a token and may be drafted
         (as many as fit before max_model_len with the token sampled after them); final_row:
-        each request's sampling row whose sample it kept."""
+        each request's sampling row whose sample it kept (after `ib.append_sampled`);
+        drafts: i32[>= num_reqs, k], a device proposer's (None: the host proposes now)."""
         if not self.proposer.num_speculative_tokens:
             return {}
         chosen = [
@@ -71,10 +67,13 @@ class Drafting:
             and self.backoff.should_draft(batch.req_ids[i])
         ]
         rows = batch.rows[chosen]
+        if drafts is None:
+            proposed = self.proposer.propose_rows(ib, rows, final_row[chosen])
+        else:
+            proposed = drafts[chosen].tolist()
         out = {}
-        proposed = self.proposer.propose_rows(ib, rows, final_row[chosen])
-        for i, row, drafts in zip(chosen, rows, proposed, strict=True):
-            drafts = drafts[: self.max_model_len - int(ib.num_tokens[row]) - 1]
-            if drafts:
-                out[batch.req_ids[i]] = drafts
+        for i, row, d in zip(chosen, rows, proposed, strict=True):
+            d = d[: self.max_model_len - int(ib.num_tokens[row]) - 1]
+            if d:
+                out[batch.req_ids[i]] = d
         return out

@@ -21,9 +21,9 @@ class NgramProposer(Proposer):
 
     def propose_rows(self, ib, rows: np.ndarray, sample_rows=None) -> list[list[int]]:
         """Drafts for the InputBatch's `rows`, each from its own tokens."""
-        return [self.propose(ib.token_ids[r, : ib.num_tokens[r]]) for r in rows]
+        return [self.propose_tokens(ib.token_ids[r, : ib.num_tokens[r]]) for r in rows]
 
-    def propose(self, token_ids: np.ndarray, k: int | None = None) -> list[int]:
+    def propose_tokens(self, token_ids: np.ndarray, k: int | None = None) -> list[int]:
         """token_ids: i32[L], a request's prompt and output so far -> at most k draft ids."""
         k = self.k if k is None else min(k, self.k)
         length = len(token_ids)

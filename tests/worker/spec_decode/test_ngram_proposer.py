@@ -21,14 +21,14 @@ from jaxserve.worker.spec_decode.ngram_proposer import NgramProposer
     ],
 )
 def test_ngram_drafts(tokens, k, min_n, max_n, draft):
-    assert NgramProposer(k, min_n, max_n).propose(np.array(tokens, np.int32)) == draft
+    assert NgramProposer(k, min_n, max_n).propose_tokens(np.array(tokens, np.int32)) == draft
 
 
 def test_ngram_prefers_the_longest_match():
     # "3" last occurred before 0, but "2 3" before 9: the longer match wins.
     tokens = np.array([2, 3, 9, 5, 3, 0, 1, 2, 3], np.int32)
-    assert NgramProposer(1, 1, 2).propose(tokens) == [9]
-    assert NgramProposer(1, 1, 1).propose(tokens) == [0]
+    assert NgramProposer(1, 1, 2).propose_tokens(tokens) == [9]
+    assert NgramProposer(1, 1, 1).propose_tokens(tokens) == [0]
 
 
 def test_speculative_config_defaults_and_vllm_spellings():
@@ -63,9 +63,11 @@ def test_bad_speculative_configs_are_named(config, message):
         SpeculativeConfig.parse(config)
 
 
-def test_speculation_refuses_async_scheduling_and_turns_it_off_by_default():
+def test_ngram_refuses_async_scheduling_and_turns_it_off_by_default():
+    """ngram drafts on the host from the tokens the step before accepted: no async
+    scheduling (the methods that draft on the devices have it: test_async_spec.py)."""
     spec = {"method": "ngram", "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="async_scheduling is not supported"):
+    with pytest.raises(ValueError, match="async_scheduling is not supported with speculative"):
         EngineArgs(speculative_config=spec, async_scheduling=True).create_engine_config()
     config = EngineArgs(speculative_config=spec).create_engine_config()
     assert config.speculative.num_speculative_tokens == 2

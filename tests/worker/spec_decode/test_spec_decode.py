@@ -71,15 +71,16 @@ def record_drafts(runner) -> list[tuple[list[int], list[int]]]:
     """(a request's tokens, the drafts proposed after them), as the engine saw them, for every
     proposal from now on; the runner drafts at every chance (no backoff)."""
     proposed = []
-    propose_rows = runner.proposer.propose_rows
+    propose = runner.drafting.propose
 
-    def recording(ib, rows, *args):
-        drafts = propose_rows(ib, rows, *args)
-        for row, d in zip(rows, drafts, strict=True):
+    def recording(batch, final_row, ib, drafts):
+        out = propose(batch, final_row, ib, drafts)
+        for req_id, d in out.items():
+            row = ib.req_id_to_row[req_id]
             proposed.append((ib.token_ids[row, : ib.num_tokens[row]].tolist(), d))
-        return drafts
+        return out
 
-    runner.proposer.propose_rows = recording
+    runner.drafting.propose = recording
     runner.drafting.backoff.should_draft = lambda req_id: True
     return proposed
 
