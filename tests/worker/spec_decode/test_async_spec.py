@@ -10,11 +10,20 @@ import pytest
 
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.sampling_params import SamplingParams
-from tests.helpers import make_tiny_hf
+from tests.helpers import hf_model, make_tiny_hf
 from tests.models.test_moe import FAMILIES
-from tests.worker.spec_decode.test_eagle import K, eagle3_head  # noqa: F401 (a fixture)
+from tests.worker.spec_decode.test_eagle import (  # eagle3_head: a fixture
+    K,
+    TorchEagle3,
+    eagle3_head,  # noqa: F401
+)
 from tests.worker.spec_decode.test_mtp import make_tiny_mtp
-from tests.worker.spec_decode.test_spec_decode import AcceptCounter, core, token_ids
+from tests.worker.spec_decode.test_spec_decode import (
+    AcceptCounter,
+    core,
+    record_drafts,
+    token_ids,
+)
 from tests.worker.spec_decode.test_tiny_models import tiny_pair  # noqa: F401 (a fixture)
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtype="float32",
@@ -65,13 +74,15 @@ def mixed_requests(vocab: int, n: int = 4):
     return prompts, params
 
 
-def check_async_equals_sync(path, spec, prompts, params, **engine):
+def check_async_equals_sync(path, spec, prompts, params, before=None, **engine):
     """The async engine's outputs equal the sync engine's (both speculating); returns the
-    async engine's acceptance counter and draft counts."""
+    async engine's acceptance counter and the engine (before: called with its runner first)."""
     sync = LLM(str(path), **ENGINE, **engine, speculative_config=spec)
     want = token_ids(sync.generate(prompts, params, use_tqdm=False))
     llm = LLM(str(path), **ENGINE, **engine, speculative_config=spec, async_scheduling=True)
     assert core(llm).max_in_flight == 2 and core(llm).scheduler.drafts_ahead == K
+    if before is not None:
+        before(core(llm).runner)
     counter, seen = AcceptCounter(llm), count_drafts_ahead(llm)
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
     core(llm).scheduler.kv_cache_manager.check_no_leaks()
@@ -102,12 +113,21 @@ def test_mtp_with_async_scheduling_equals_mtp_without(tmp_path, monkeypatch, tp)
 
 
 def test_eagle3_on_a_moe_target_with_async_scheduling(eagle3_head, tmp_path, monkeypatch):  # noqa: F811
-    """EAGLE-3 over a Qwen3-MoE target: async and sync outputs equal."""
+    """EAGLE-3 over a Qwen3-MoE target: async and sync outputs equal, and every draft the
+    async engine proposed (its head's cache mirrored from steps whose positions moved back)
+    is the one a PyTorch EAGLE-3 recomputed from scratch drafts there."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     target = make_tiny_hf("qwen3_moe", tmp_path / "moe", vocab_size=16, **FAMILIES["qwen3_moe"])
     prompts, params = mixed_requests(16, n=3)
     spec = {"method": "eagle3", "model": str(eagle3_head), "num_speculative_tokens": K}
-    check_async_equals_sync(target, spec, prompts, params)
+    proposed = []
+    _, llm = check_async_equals_sync(
+        target, spec, prompts, params, before=lambda llm: proposed.extend([record_drafts(llm)])
+    )
+    reference = TorchEagle3(eagle3_head, hf_model(str(target)))
+    assert len(proposed[0]) > 3
+    for tokens, drafts in proposed[0]:
+        assert drafts == reference.drafts(tokens, K), tokens
 
 
 def test_draft_model_with_async_scheduling(tiny_pair, monkeypatch):  # noqa: F811
