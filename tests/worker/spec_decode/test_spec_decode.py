@@ -130,20 +130,20 @@ def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, 
     ngram.chat(CHATS[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # grammar backend
     compiled = num_compilations()
     mixes = [
-        SamplingParams(temperature=0.0, max_tokens=20),
-        SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3),
-        SamplingParams(temperature=0.0, max_tokens=20, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=14),
+        SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=14, logprobs=3),
         SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, logit_bias={13: 2.0},
-                       seed=1, max_tokens=20),
-        SamplingParams(temperature=0.0, max_tokens=20,
+                       seed=1, max_tokens=14),
+        SamplingParams(temperature=0.0, max_tokens=14,
                        structured_outputs=StructuredOutputsParams(regex="(fox|dog)( (fox|dog))*")),
     ]  # fmt: skip
     chats = [CHATS[i % 2] for i in range(len(mixes))]
     # Penalised requests are drafted too: each draft row counts the drafts before it, and a
     # seeded sampled one reproduces bit for bit.
     penalised = [
-        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.2),
-        SamplingParams(temperature=0.8, max_tokens=40, frequency_penalty=0.5,
+        SamplingParams(temperature=0.0, max_tokens=28, repetition_penalty=1.2),
+        SamplingParams(temperature=0.8, max_tokens=28, frequency_penalty=0.5,
                        presence_penalty=0.3, seed=3),
     ]  # fmt: skip
     # A constrained request is drafted too: drafts are cut to what its grammar accepts and
@@ -160,7 +160,7 @@ def test_no_compilation_and_other_requests_unchanged_beside_drafted_ones(plain, 
     assert num_compilations() == compiled
     assert token_ids(got) == token_ids(want)
     lp_got, lp_want = got[2].outputs[0].logprobs, want[2].outputs[0].logprobs
-    assert len(lp_got) == len(got[2].outputs[0].token_ids) == 20
+    assert len(lp_got) == len(got[2].outputs[0].token_ids) == 14
     assert [sorted(p) for p in lp_got] == [sorted(p) for p in lp_want]
     values = [[p[t].logprob for t in sorted(p)] for p in lp_got]
     np.testing.assert_allclose(values, [[p[t].logprob for t in sorted(p)] for p in lp_want],
