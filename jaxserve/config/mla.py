@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 # Architectures whose attention is MLA.
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +21,11 @@ class MlaConfig:
     v_head_dim: int
     rope_interleave: bool  # the rotary dims in interleaved pairs (HF's rope_interleave)
     sm_scale: float  # (nope + rope) ** -0.5, times YaRN's mscale(mscale_all_dim) ** 2
+    # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2; models/deepseek_v32.py): its heads,
+    # head dim (0: none; its keys the V cache's values) and the tokens each query keeps
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     @property
     def latent_dim(self) -> int:
@@ -39,12 +44,16 @@ def mla_config(hf_config: Any, architecture: str, rope_params: dict) -> MlaConfi
             mscale = 0.1 * float(all_dim) * math.log(factor) + 1.0
             scale *= mscale * mscale
     q_lora = getattr(hf_config, "q_lora_rank", None)
+    interleave = getattr(hf_config, "rope_interleave", None)  # (V3.2's config: None, always)
     return MlaConfig(
         q_lora_rank=None if q_lora is None else int(q_lora),
         kv_lora_rank=int(hf_config.kv_lora_rank),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
         v_head_dim=int(hf_config.v_head_dim),
-        rope_interleave=bool(getattr(hf_config, "rope_interleave", True)),
+        rope_interleave=True if interleave is None else bool(interleave),
         sm_scale=scale,
+        index_n_heads=int(getattr(hf_config, "index_n_heads", 0) or 0),
+        index_head_dim=int(getattr(hf_config, "index_head_dim", 0) or 0),
+        index_topk=int(getattr(hf_config, "index_topk", 0) or 0),
     )

@@ -416,8 +416,8 @@ class ModelConfig:
     @property
     def cache_dims(self) -> tuple[int, int]:
         """Values per token and cache head in the K and V caches: (head_dim, head_dim), or
-        for MLA (the latent and rotary key, 0): its V is read from K."""
-        return (self.mla.latent_dim, 0) if self.mla else (self.head_dim, self.head_dim)
+        for MLA (the latent and rotary key; V is read from K: 0, or DSA's index key)."""
+        return (self.mla.latent_dim, self.mla.index_head_dim) if self.mla else (self.head_dim,) * 2
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers

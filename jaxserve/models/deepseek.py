@@ -78,6 +78,24 @@ class MLAAttention(Attention):
         inv_freq = rope_inv_freq(self.mla.qk_rope_head_dim, self.rope)
         return apply_rotary(x, positions, inv_freq, rope_attention_factor(self.rope))
 
+    def project(self, x: jax.Array, positions: jax.Array, q_resid: jax.Array | None = None):
+        """x: [T, D] -> (the absorbed query [T, H, r + rope], q_nope [T, H, nope], the latent
+        [T, r], the rotary key [T, 1, rope]); q_resid: q_a_layernorm(q_a_proj(x)) if known."""
+        m, t, h = self.mla, x.shape[0], self.num_heads
+        if m.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x)) if q_resid is None else q_resid
+            q = self.q_b_proj(q_resid)
+        q = q.reshape(t, h, m.qk_nope_head_dim + m.qk_rope_head_dim)
+        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
+        kv = self.kv_a_proj_with_mqa(x)  # [T, r + rope]
+        latent = self.kv_a_layernorm(kv[:, : m.kv_lora_rank])
+        k_pe = self._rotary(kv[:, None, m.kv_lora_rank :], positions)  # [T, 1, rope]
+        q_latent = jnp.einsum("thn,hnr->thr", q_nope, self.w_uk[...])
+        query = jnp.concatenate([q_latent, self._rotary(q_pe, positions)], axis=-1)
+        return query, q_nope, latent, k_pe
+
     def __call__(
         self,
         x: jax.Array,
@@ -88,17 +106,7 @@ class MLAAttention(Attention):
     ):
         """x: [T, D] -> ([T, D], k_cache, v_cache) with this step's latents written."""
         m, t, h = self.mla, x.shape[0], self.num_heads
-        if m.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.reshape(t, h, m.qk_nope_head_dim + m.qk_rope_head_dim)
-        q_nope, q_pe = q[..., : m.qk_nope_head_dim], q[..., m.qk_nope_head_dim :]
-        kv = self.kv_a_proj_with_mqa(x)  # [T, r + rope]
-        latent = self.kv_a_layernorm(kv[:, : m.kv_lora_rank])
-        k_pe = self._rotary(kv[:, None, m.kv_lora_rank :], positions)  # [T, 1, rope]
-        q_latent = jnp.einsum("thn,hnr->thr", q_nope, self.w_uk[...])
-        query = jnp.concatenate([q_latent, self._rotary(q_pe, positions)], axis=-1)
+        query, q_nope, latent, k_pe = self.project(x, positions)
         entry = jnp.concatenate([latent[:, None], k_pe.astype(latent.dtype)], axis=-1)
         entry = jnp.broadcast_to(entry, (t, self.num_kv_heads, m.latent_dim))
         k_cache = write_kv(k_cache, entry, md.slot_mapping)

@@ -1,6 +1,7 @@
 """HF `architectures` name -> model class."""
 
 from jaxserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from jaxserve.models.deepseek_v32 import DeepseekV32ForCausalLM
 from jaxserve.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
@@ -39,6 +40,7 @@ _MODELS = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # + q/k norms, some dense layers
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # partial rotary, noaux_tc routing, shared
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # MLA + GLM-4.5's experts (Kimi K2 too)
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,  # V3 + DeepSeek Sparse Attention
     "Llama4ForCausalLM": Llama4ForCausalLM,  # text: chunked attention, NoPE layers, top-1 MoE
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # MLA, softmax group-limited routing
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # its text model only

@@ -1,0 +1,156 @@
+"""DeepSeek-V3.2 (DeepseekV32ForCausalLM): DeepSeek-V3's MLA and experts with DeepSeek Sparse
+Attention (DSA): a lightning indexer scores every cached token for each query, and the query
+attends to its `index_topk` best only.
+
+The indexer (per layer, HF's `self_attn.indexer.*`): queries wq_b(q_resid) [T, Hi, Di] from
+the same low-rank query residual as MLA's, one key LayerNorm(wk(x)) [T, Di] per token, the
+first qk_rope_head_dim dims of both rotated half-split (MLA's are interleaved; transformers'
+reference has no Hadamard transform and no fp8, nor has this); a token s's score for query t
+is sum_h relu(q_th . k_s / sqrt(Di)) * w_th, w = weights_proj(x) / sqrt(Hi). Each token's
+index key is kept in the layer's V cache, which MLA leaves empty (the K cache holds the latent
+and rotary key), so it lives in the same blocks: cache_dims (r + rope, Di).
+
+The attention: when no sequence of the step has more than index_topk tokens, every token is
+selected and it is MLA's (models/deepseek.py, the kernels' path); otherwise `sparse_attention`,
+a jnp reference: each query's context gathered by its block table, its index scores, the
+top index_topk of its causal context kept, the absorbed MLA attention over those.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxserve.config import ModelConfig
+from jaxserve.layers.attention import AttentionMetadata, write_kv
+from jaxserve.layers.linear import Linear
+from jaxserve.layers.rotary import apply_rotary, rope_attention_factor, rope_inv_freq
+from jaxserve.models.deepseek import DeepseekV3ForCausalLM, MLAAttention, mla_attention
+from jaxserve.models.llama import DecoderLayer, HFWeight
+from jaxserve.models.weight_maps import GATE_UP_DOWN, compose, routed_experts, shared_experts
+
+INDEX_KEY_NORM_EPS = 1e-6  # HF's indexer k_norm (a LayerNorm with bias)
+SPARSE_TILE = 16  # query rows whose gathered contexts are live at once
+
+
+class Indexer(nnx.Module):
+    """wq_b [q_lora, Hi * Di], wk [D, Di], k_norm (weight, bias [Di]), weights_proj [D, Hi]."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        m, d, dt = config.mla, config.hidden_size, config.dtype
+        self.wq_b = Linear(m.q_lora_rank, m.index_n_heads * m.index_head_dim, dtype=dt, rngs=rngs)
+        self.wk = Linear(d, m.index_head_dim, dtype=dt, rngs=rngs)
+        self.k_norm_weight = nnx.Param(jnp.ones(m.index_head_dim, dt))
+        self.k_norm_bias = nnx.Param(jnp.zeros(m.index_head_dim, dt))
+        self.weights_proj = Linear(d, m.index_n_heads, dtype=dt, rngs=rngs)
+        self.heads, self.dim = m.index_n_heads, m.index_head_dim
+
+    def __call__(self, x, q_resid, positions, inv_freq, scale):
+        """-> (queries f32[T, Hi, Di], weights f32[T, Hi], keys [T, Di])."""
+        t = x.shape[0]
+        q = self.wq_b(q_resid).reshape(t, self.heads, self.dim)
+        k = self.wk(x).astype(jnp.float32)
+        mean = k.mean(-1, keepdims=True)
+        var = jnp.square(k - mean).mean(-1, keepdims=True)
+        k = (k - mean) * lax.rsqrt(var + INDEX_KEY_NORM_EPS)
+        k = (k * self.k_norm_weight[...] + self.k_norm_bias[...]).astype(x.dtype)
+        q = apply_rotary(q, positions, inv_freq, scale).astype(jnp.float32)
+        k = apply_rotary(k[:, None], positions, inv_freq, scale)[:, 0]
+        w = self.weights_proj(x).astype(jnp.float32) * self.heads**-0.5
+        return q * self.dim**-0.5, w, k
+
+
+class DSAAttention(MLAAttention):
+    """MLA with the indexer; the V cache [blocks, block_size, R, Di] holds index keys."""
+
+    def __init__(self, config: ModelConfig, *, layer: int = 0, kv_replicas: int = 1, rngs):
+        super().__init__(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs)
+        self.indexer = Indexer(config, rngs=rngs)
+        self.index_topk = config.mla.index_topk
+
+    def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
+        m = self.mla
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        inv_freq = rope_inv_freq(m.qk_rope_head_dim, self.rope)
+        iq, iw, ik = self.indexer(x, q_resid, positions, inv_freq, rope_attention_factor(self.rope))
+        keys = jnp.broadcast_to(ik[:, None], (x.shape[0], self.num_kv_heads, ik.shape[-1]))
+        v_cache = write_kv(v_cache, keys.astype(v_cache.dtype), md.slot_mapping)
+        dense = jnp.max(md.kv_lens) <= self.index_topk
+
+        def mla(k_cache):
+            out, k_cache, _ = super(DSAAttention, self).__call__(x, positions, k_cache, v_cache, md)
+            return out, k_cache
+
+        def sparse(k_cache):
+            query, q_nope, latent, k_pe = self.project(x, positions, q_resid)
+            entry = jnp.concatenate([latent[:, None], k_pe.astype(latent.dtype)], axis=-1)
+            entry = jnp.broadcast_to(entry, (x.shape[0], self.num_kv_heads, m.latent_dim))
+            k_cache = write_kv(k_cache, entry, md.slot_mapping)
+            out = sparse_attention(
+                query, iq, iw, positions, k_cache, v_cache, md, m.sm_scale, self.index_topk
+            )
+            out = jnp.einsum("thr,hvr->thv", out[..., : m.kv_lora_rank], self.w_uv[...])
+            return self.o_proj(out.reshape(x.shape[0], -1)), k_cache
+
+        out, k_cache = lax.cond(dense, mla, sparse, k_cache)
+        return out, k_cache, v_cache
+
+
+def sparse_attention(query, iq, iw, positions, k_cache, v_cache, md, sm_scale, topk):
+    """The absorbed MLA attention of each query over its top-`topk` context tokens by index
+    score. query [T, H, r + rope]; iq f32[T, Hi, Di], iw f32[T, Hi]: the indexer's queries
+    and weights; caches K [N, bs, R, r + rope] (latents), V [N, bs, R, Di] (index keys).
+    Returns f32[T, H, r + rope] (its first r columns the attention)."""
+    t = query.shape[0]
+    bs = k_cache.shape[1]
+    qsl, tables = md.query_start_loc, md.block_tables
+    seq = jnp.minimum(jnp.searchsorted(qsl[1:], jnp.arange(t), side="right"), tables.shape[0] - 1)
+    ctx = tables.shape[1] * bs
+    pad = -t % SPARSE_TILE
+
+    def tile(i):
+        rows = jnp.minimum(i * SPARSE_TILE + jnp.arange(SPARSE_TILE), t - 1)
+        blocks = tables[seq[rows]]  # [Q, B]
+        lat = k_cache[blocks, :, 0].reshape(SPARSE_TILE, ctx, -1).astype(jnp.float32)
+        keys = v_cache[blocks, :, 0].reshape(SPARSE_TILE, ctx, -1).astype(jnp.float32)
+        score = jnp.einsum("qhd,qkd->qhk", iq[rows], keys)
+        score = jnp.einsum("qhk,qh->qk", jax.nn.relu(score), iw[rows])
+        at = jnp.arange(ctx)
+        valid = (at[None] <= positions[rows][:, None]) & (at[None] < md.kv_lens[seq[rows]][:, None])
+        score = jnp.where(valid, score, -jnp.inf)
+        chosen = lax.top_k(score, min(topk, ctx))[1]  # equal scores: the earlier token
+        keep = jnp.zeros_like(valid).at[jnp.arange(SPARSE_TILE)[:, None], chosen].set(True)
+        keep = keep & valid
+        keep = keep.at[:, 0].set(keep[:, 0] | ~valid.any(-1))  # padding rows: no NaN
+        s = jnp.einsum("qhd,qkd->qhk", query[rows].astype(jnp.float32), lat) * sm_scale
+        p = jax.nn.softmax(jnp.where(keep[:, None], s, -jnp.inf), axis=-1)
+        return jnp.einsum("qhk,qkd->qhd", p, lat)
+
+    out = lax.map(tile, jnp.arange((t + pad) // SPARSE_TILE))
+    return out.reshape(t + pad, *query.shape[1:])[:t]
+
+
+class DeepseekV32DecoderLayer(DecoderLayer):
+    attention_cls = DSAAttention
+
+
+def indexer_weights(config: ModelConfig, names: tuple[str, ...], kv_replicas: int):
+    """The indexer's projections and key norm (`self_attn.indexer.*`)."""
+    if names[0] != "layers" or names[2:4] != ("self_attn", "indexer"):
+        return None
+    prefix = f"model.layers.{names[1]}.self_attn.indexer"
+    if names[4] in ("k_norm_weight", "k_norm_bias"):
+        return HFWeight((f"{prefix}.k_norm.{names[4][7:]}",))
+    return HFWeight((f"{prefix}.{names[4]}.weight",), np.transpose)
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with DeepSeek Sparse Attention."""
+
+    layer_cls = DeepseekV32DecoderLayer
+    hf_weight = compose(
+        indexer_weights, mla_attention, shared_experts, routed_experts("mlp", GATE_UP_DOWN)
+    )

@@ -1,0 +1,58 @@
+"""DeepSeek-V3.2: DeepSeek-V3's MLA and experts with DeepSeek Sparse Attention (a lightning
+indexer; each query attends to its index_topk best-scored context tokens). A tiny model with
+index_topk 8: contexts below it (dense MLA) and above it (the sparse path) give transformers'
+logits over a mixed schedule at tp 1 and 2, and the engine's greedy tokens and logprobs
+transformers' generate's through chunked prefill and preemption."""
+
+import numpy as np
+import pytest
+
+from jaxserve.entrypoints.llm import LLM
+from jaxserve.models.loader import load_model
+from tests.helpers import assert_generate_matches_hf, core_of, hf_logits, hf_model, make_tiny_hf
+from tests.models.test_llama_parity import run_mixed_schedule
+from tests.models.test_moe import FAMILIES
+
+TOPK = 8
+SHAPE = {**FAMILIES["deepseek_v3"], "index_n_heads": 8, "index_head_dim": 16, "index_topk": TOPK}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model, its indexer's head weights made positive: a random one scores many
+    context tokens exactly 0 (every head's relu 0, weighed by mixed signs), and where such
+    ties straddle the top-k boundary which tokens are kept is each top-k's own order
+    (torch.topk's against XLA's), not the model's."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_hf("deepseek_v32", tmp_path_factory.mktemp("deepseek_v32"), **SHAPE)
+    weights = load_file(str(path / "model.safetensors"))
+    for name in [n for n in weights if n.endswith("indexer.weights_proj.weight")]:
+        weights[name] = weights[name].abs()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_match_hf_below_and_above_index_topk(model_dir, tp):
+    loaded = load_model(str(model_dir), dtype="float32", tensor_parallel_size=tp)
+    m = loaded.config.mla
+    assert (m.index_n_heads, m.index_head_dim, m.index_topk) == (8, 16, TOPK)
+    assert loaded.config.cache_dims == (m.latent_dim, 16)  # the index keys: V's columns
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (5, 23, 17)]  # 5: never past top-k
+    fed, logits = run_mixed_schedule(loaded, prompts)
+    ref = hf_model(str(model_dir))
+    assert max(len(tokens) for tokens in fed.values()) > 2 * TOPK
+    for seq, tokens in fed.items():
+        np.testing.assert_allclose(logits[seq], hf_logits(ref, tokens), atol=1e-4, rtol=0)
+
+
+def test_generate_matches_hf(model_dir, monkeypatch):
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(str(model_dir), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+              dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=6)  # fmt: skip
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 40)]
+    assert_generate_matches_hf(llm, model_dir, prompts, max_tokens=12)
+    assert core_of(llm).scheduler.total_preemptions > 0
