@@ -376,8 +376,9 @@ def test_metrics_count_tokens_and_latencies(server, client):
 
 def test_dead_engine_ends_streams_and_the_server_exits_1(tiny_model):
     """vLLM's behaviour: in-flight requests get the error at once, then the server exits
-    non-zero so a supervisor restarts it."""
-    server = Server(*tiny_model, env=TINY_ENV)
+    non-zero so a supervisor restarts it. 64 KV blocks (the one 400-token stream needs 26), not
+    the 0.5 GiB default's 131072: zero-filling that took 0.5-6 s of the start-up."""
+    server = Server(*tiny_model, "--num-gpu-blocks-override", "64", env=TINY_ENV)
     try:
         body = LONG_STREAM
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
