@@ -92,19 +92,32 @@ def signature(**parts: Any) -> str:
 KEEP_FILES = 16  # the most recently used saved files kept; older ones are deleted on save
 
 
+_gc_lock = threading.Lock()
+_gc_holders = 0  # threads inside no_gc now
+_gc_was_enabled = False  # whether the collector ran before the first of them
+
+
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
     """The garbage collector off, after one collection: what dropped engines left in reference
     cycles is freed now, not in a thread while another one is inside XLA compiling or loading
-    (CI once died, SIGSEGV, with two threads inside XLA:CPU's deserialize_executable)."""
-    gc.collect()
-    collecting = gc.isenabled()
-    gc.disable()
+    (CI once died, SIGSEGV, with two threads inside XLA:CPU's deserialize_executable). Counted
+    across threads: the collector comes back on when the last one leaves (not when the first
+    does, while a second engine's start-up is still loading)."""
+    global _gc_holders, _gc_was_enabled
+    with _gc_lock:
+        if _gc_holders == 0:
+            gc.collect()
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holders += 1
     try:
         yield
     finally:
-        if collecting:
-            gc.enable()
+        with _gc_lock:
+            _gc_holders -= 1
+            if _gc_holders == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 def prune(directory: Path, keep: int = KEEP_FILES) -> None:

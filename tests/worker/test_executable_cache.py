@@ -249,3 +249,26 @@ def test_background_compile_serves_at_once_without_compiling_then_saves_all(
     assert runner(again).wait_compiled(300) and set(runner(again).executables.names()) == all_shapes
     assert compiled < len(all_shapes)  # loaded, not compiled
     assert generate(again, sampled) == generate(first[0], sampled)
+
+
+def test_the_collector_stays_off_until_the_last_loading_thread_is_done():
+    """Two start-ups loading at once (an engine's background compile beside the next one's
+    load): the first to finish must not turn the collector back on under the second."""
+    import gc
+
+    inside, release = threading.Event(), threading.Event()
+
+    def second() -> None:
+        with executable_cache.no_gc():
+            inside.set()
+            release.wait(10)
+
+    assert gc.isenabled()
+    with executable_cache.no_gc():
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()  # the second thread is still loading
+    release.set()
+    thread.join(10)
+    assert gc.isenabled()
