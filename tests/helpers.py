@@ -83,8 +83,8 @@ def byte_level_tokenizer(special_tokens: list[str], eos_token: str):
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
     gemma2 | gemma3 | mixtral | qwen3_moe | glm4_moe | deepseek_v3 | deepseek_v2 | gpt_oss |
-    llama4 | qwen3_next | qwen3_5 | qwen3_5_moe | minimax_m2 | deepseek_v32) to out_dir,
-    fp32."""
+    llama4 | qwen3_next | qwen3_5 | qwen3_5_moe | minimax_m2 | deepseek_v32 | glm_moe_dsa) to
+    out_dir, fp32."""
     import transformers
 
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
@@ -93,7 +93,7 @@ def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
              "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss", "llama4": "Llama4",
              "deepseek_v2": "DeepseekV2", "qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5",
              "qwen3_5_moe": "Qwen3_5Moe", "minimax_m2": "MiniMaxM2",
-             "deepseek_v32": "DeepseekV32"}  # fmt: skip
+             "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}  # fmt: skip
     cls_name = names[family]
     text_only = ("gemma3", "llama4", "qwen3_5", "qwen3_5_moe")  # the text model's config
     config_cls = f"{cls_name}TextConfig" if family in text_only else f"{cls_name}Config"

@@ -9,7 +9,12 @@ import math
 from typing import Any
 
 # Architectures whose attention is MLA.
-MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM")
+MLA_ARCHITECTURES = (
+    "DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +31,8 @@ class MlaConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # per layer: whether it reuses the last full indexer layer's top-k (GLM-5's "shared")
+    index_shared: tuple[bool, ...] = ()
 
     @property
     def latent_dim(self) -> int:
@@ -56,4 +63,16 @@ def mla_config(hf_config: Any, architecture: str, rope_params: dict) -> MlaConfi
         index_n_heads=int(getattr(hf_config, "index_n_heads", 0) or 0),
         index_head_dim=int(getattr(hf_config, "index_head_dim", 0) or 0),
         index_topk=int(getattr(hf_config, "index_topk", 0) or 0),
+        index_shared=_index_shared(getattr(hf_config, "indexer_types", None)),
     )
+
+
+def _index_shared(types: list[str] | None) -> tuple[bool, ...]:
+    """GLM-5's `indexer_types` ("full" | "shared" per layer) as flags; the first must be full."""
+    if not types:
+        return ()
+    if any(t not in ("full", "shared") for t in types) or types[0] != "full":
+        raise ValueError(
+            f"indexer_types {types!r} is not supported: each 'full' or 'shared', the first 'full'"
+        )
+    return tuple(t == "shared" for t in types)

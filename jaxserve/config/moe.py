@@ -47,7 +47,12 @@ class MoeRouting:
 
 
 # Architectures routed as DeepSeek-V3 routes (sigmoid, bias, groups, shared experts).
-NOAUX_TC = ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+NOAUX_TC = (
+    "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",
+)
 # DeepSeek-V2's: softmax scores, greedy top-k (among the best groups), shared experts.
 DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
 

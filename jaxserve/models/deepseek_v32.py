@@ -18,6 +18,8 @@ top index_topk of its causal context kept, the absorbed MLA attention over those
 
 from __future__ import annotations
 
+import contextvars
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,8 +41,9 @@ SPARSE_TILE = 16  # query rows whose gathered contexts are live at once
 class Indexer(nnx.Module):
     """wq_b [q_lora, Hi * Di], wk [D, Di], k_norm (weight, bias [Di]), weights_proj [D, Hi]."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, interleave: bool = False, rngs: nnx.Rngs):
         m, d, dt = config.mla, config.hidden_size, config.dtype
+        self.interleave, self.rope_dim = interleave, m.qk_rope_head_dim
         self.wq_b = Linear(m.q_lora_rank, m.index_n_heads * m.index_head_dim, dtype=dt, rngs=rngs)
         self.wk = Linear(d, m.index_head_dim, dtype=dt, rngs=rngs)
         self.k_norm_weight = nnx.Param(jnp.ones(m.index_head_dim, dt))
@@ -57,53 +60,87 @@ class Indexer(nnx.Module):
         var = jnp.square(k - mean).mean(-1, keepdims=True)
         k = (k - mean) * lax.rsqrt(var + INDEX_KEY_NORM_EPS)
         k = (k * self.k_norm_weight[...] + self.k_norm_bias[...]).astype(x.dtype)
+        if self.interleave:  # pairs laid out as halves: q . k is the same, rotate-half applies
+            q, k = _halves(q, self.rope_dim), _halves(k, self.rope_dim)
         q = apply_rotary(q, positions, inv_freq, scale).astype(jnp.float32)
         k = apply_rotary(k[:, None], positions, inv_freq, scale)[:, 0]
         w = self.weights_proj(x).astype(jnp.float32) * self.heads**-0.5
         return q * self.dim**-0.5, w, k
 
 
+def _halves(x: jax.Array, rope: int) -> jax.Array:
+    """x [..., D]: its first `rope` dims' interleaved pairs as two halves, the rest as is."""
+    return jnp.concatenate([x[..., 0:rope:2], x[..., 1:rope:2], x[..., rope:]], axis=-1)
+
+
+# The top-k the last full indexer layer chose ([T, k] int32, context indices), for the
+# "shared" layers after it (GLM-5's), within one forward's trace (models/glm_moe_dsa.py).
+SHARED_TOPK: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("topk", default=None)
+
+
 class DSAAttention(MLAAttention):
-    """MLA with the indexer; the V cache [blocks, block_size, R, Di] holds index keys."""
+    """MLA with the indexer; the V cache [blocks, block_size, R, Di] holds index keys. A
+    layer whose `config.mla.index_shared` entry is set has no indexer and attends to the
+    tokens the last full layer chose (SHARED_TOPK)."""
+
+    index_interleave = False  # the indexer's rotary pairs interleaved (GLM-5's)
 
     def __init__(self, config: ModelConfig, *, layer: int = 0, kv_replicas: int = 1, rngs):
         super().__init__(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs)
-        self.indexer = Indexer(config, rngs=rngs)
+        shared = config.mla.index_shared[layer] if config.mla.index_shared else False
+        self.indexer = (
+            None if shared else Indexer(config, interleave=self.index_interleave, rngs=rngs)
+        )
         self.index_topk = config.mla.index_topk
+        self.publish = any(config.mla.index_shared) and not shared  # for the shared ones
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
         m = self.mla
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        inv_freq = rope_inv_freq(m.qk_rope_head_dim, self.rope)
-        iq, iw, ik = self.indexer(x, q_resid, positions, inv_freq, rope_attention_factor(self.rope))
-        keys = jnp.broadcast_to(ik[:, None], (x.shape[0], self.num_kv_heads, ik.shape[-1]))
-        v_cache = write_kv(v_cache, keys.astype(v_cache.dtype), md.slot_mapping)
+        if self.indexer is None:
+            select = SHARED_TOPK.get()
+            if select is None:
+                raise ValueError("a shared indexer layer needs a full one before it")
+        else:
+            inv_freq = rope_inv_freq(m.qk_rope_head_dim, self.rope)
+            factor = rope_attention_factor(self.rope)
+            iq, iw, ik = self.indexer(x, q_resid, positions, inv_freq, factor)
+            keys = jnp.broadcast_to(ik[:, None], (x.shape[0], self.num_kv_heads, ik.shape[-1]))
+            v_cache = write_kv(v_cache, keys.astype(v_cache.dtype), md.slot_mapping)
+            select = (iq, iw)
         dense = jnp.max(md.kv_lens) <= self.index_topk
+        chosen_shape = (
+            x.shape[0],
+            min(self.index_topk, md.block_tables.shape[1] * k_cache.shape[1]),
+        )
 
         def mla(k_cache):
             out, k_cache, _ = super(DSAAttention, self).__call__(x, positions, k_cache, v_cache, md)
-            return out, k_cache
+            return out, k_cache, jnp.zeros(chosen_shape, jnp.int32)  # every token chosen
 
         def sparse(k_cache):
             query, q_nope, latent, k_pe = self.project(x, positions, q_resid)
             entry = jnp.concatenate([latent[:, None], k_pe.astype(latent.dtype)], axis=-1)
             entry = jnp.broadcast_to(entry, (x.shape[0], self.num_kv_heads, m.latent_dim))
             k_cache = write_kv(k_cache, entry, md.slot_mapping)
-            out = sparse_attention(
-                query, iq, iw, positions, k_cache, v_cache, md, m.sm_scale, self.index_topk
+            out, chosen = sparse_attention(
+                query, select, positions, k_cache, v_cache, md, m.sm_scale, self.index_topk
             )
             out = jnp.einsum("thr,hvr->thv", out[..., : m.kv_lora_rank], self.w_uv[...])
-            return self.o_proj(out.reshape(x.shape[0], -1)), k_cache
+            return self.o_proj(out.reshape(x.shape[0], -1)), k_cache, chosen
 
-        out, k_cache = lax.cond(dense, mla, sparse, k_cache)
+        out, k_cache, chosen = lax.cond(dense, mla, sparse, k_cache)
+        if self.publish:
+            SHARED_TOPK.set(chosen)
         return out, k_cache, v_cache
 
 
-def sparse_attention(query, iq, iw, positions, k_cache, v_cache, md, sm_scale, topk):
+def sparse_attention(query, select, positions, k_cache, v_cache, md, sm_scale, topk):
     """The absorbed MLA attention of each query over its top-`topk` context tokens by index
-    score. query [T, H, r + rope]; iq f32[T, Hi, Di], iw f32[T, Hi]: the indexer's queries
-    and weights; caches K [N, bs, R, r + rope] (latents), V [N, bs, R, Di] (index keys).
-    Returns f32[T, H, r + rope] (its first r columns the attention)."""
+    score. query [T, H, r + rope]; select: the indexer's queries f32[T, Hi, Di] and weights
+    f32[T, Hi], or the tokens an earlier layer chose i32[T, k]; caches K [N, bs, R, r + rope]
+    (latents), V [N, bs, R, Di] (index keys). Returns (f32[T, H, r + rope], its first r
+    columns the attention; the chosen context indices i32[T, min(topk, context)])."""
     t = query.shape[0]
     bs = k_cache.shape[1]
     qsl, tables = md.query_start_loc, md.block_tables
@@ -115,22 +152,26 @@ def sparse_attention(query, iq, iw, positions, k_cache, v_cache, md, sm_scale, t
         rows = jnp.minimum(i * SPARSE_TILE + jnp.arange(SPARSE_TILE), t - 1)
         blocks = tables[seq[rows]]  # [Q, B]
         lat = k_cache[blocks, :, 0].reshape(SPARSE_TILE, ctx, -1).astype(jnp.float32)
-        keys = v_cache[blocks, :, 0].reshape(SPARSE_TILE, ctx, -1).astype(jnp.float32)
-        score = jnp.einsum("qhd,qkd->qhk", iq[rows], keys)
-        score = jnp.einsum("qhk,qh->qk", jax.nn.relu(score), iw[rows])
         at = jnp.arange(ctx)
         valid = (at[None] <= positions[rows][:, None]) & (at[None] < md.kv_lens[seq[rows]][:, None])
-        score = jnp.where(valid, score, -jnp.inf)
-        chosen = lax.top_k(score, min(topk, ctx))[1]  # equal scores: the earlier token
+        if isinstance(select, tuple):
+            iq, iw = select
+            keys = v_cache[blocks, :, 0].reshape(SPARSE_TILE, ctx, -1).astype(jnp.float32)
+            score = jnp.einsum("qhd,qkd->qhk", iq[rows], keys)
+            score = jnp.einsum("qhk,qh->qk", jax.nn.relu(score), iw[rows])
+            score = jnp.where(valid, score, -jnp.inf)
+            chosen = lax.top_k(score, min(topk, ctx))[1]  # equal scores: the earlier token
+        else:
+            chosen = select[rows]
         keep = jnp.zeros_like(valid).at[jnp.arange(SPARSE_TILE)[:, None], chosen].set(True)
         keep = keep & valid
         keep = keep.at[:, 0].set(keep[:, 0] | ~valid.any(-1))  # padding rows: no NaN
         s = jnp.einsum("qhd,qkd->qhk", query[rows].astype(jnp.float32), lat) * sm_scale
         p = jax.nn.softmax(jnp.where(keep[:, None], s, -jnp.inf), axis=-1)
-        return jnp.einsum("qhk,qkd->qhd", p, lat)
+        return jnp.einsum("qhk,qkd->qhd", p, lat), chosen
 
-    out = lax.map(tile, jnp.arange((t + pad) // SPARSE_TILE))
-    return out.reshape(t + pad, *query.shape[1:])[:t]
+    out, chosen = lax.map(tile, jnp.arange((t + pad) // SPARSE_TILE))
+    return out.reshape(t + pad, *query.shape[1:])[:t], chosen.reshape(t + pad, -1)[:t]
 
 
 class DeepseekV32DecoderLayer(DecoderLayer):

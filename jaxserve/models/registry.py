@@ -5,6 +5,7 @@ from jaxserve.models.deepseek_v32 import DeepseekV32ForCausalLM
 from jaxserve.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
+from jaxserve.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from jaxserve.models.gpt_oss import GptOssForCausalLM
 from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
@@ -41,6 +42,7 @@ _MODELS = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,  # partial rotary, noaux_tc routing, shared
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # MLA + GLM-4.5's experts (Kimi K2 too)
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,  # V3 + DeepSeek Sparse Attention
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,  # GLM-5: V3.2, top-k shared across layers
     "Llama4ForCausalLM": Llama4ForCausalLM,  # text: chunked attention, NoPE layers, top-1 MoE
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,  # MLA, softmax group-limited routing
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,  # its text model only

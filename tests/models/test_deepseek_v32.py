@@ -1,8 +1,10 @@
-"""DeepSeek-V3.2: DeepSeek-V3's MLA and experts with DeepSeek Sparse Attention (a lightning
-indexer; each query attends to its index_topk best-scored context tokens). A tiny model with
-index_topk 8: contexts below it (dense MLA) and above it (the sparse path) give transformers'
-logits over a mixed schedule at tp 1 and 2, and the engine's greedy tokens and logprobs
-transformers' generate's through chunked prefill and preemption."""
+"""DeepSeek-V3.2 and GLM-5: DeepSeek-V3's MLA and experts with DeepSeek Sparse Attention (a
+lightning indexer; each query attends to its index_topk best-scored context tokens; GLM-5's
+indexer rotates interleaved pairs, and its "shared" layers reuse the last full layer's
+top-k). A tiny model of each with index_topk 8: contexts below it (dense MLA) and above it
+(the sparse path) give transformers' logits over a mixed schedule at tp 1 and 2, and the
+engine's greedy tokens and logprobs transformers' generate's through chunked prefill and
+preemption."""
 
 import numpy as np
 import pytest
@@ -15,17 +17,21 @@ from tests.models.test_moe import FAMILIES
 
 TOPK = 8
 SHAPE = {**FAMILIES["deepseek_v3"], "index_n_heads": 8, "index_head_dim": 16, "index_topk": TOPK}
+# GLM-5's third layer reuses the second's top-k (the last full layer's, not the first's)
+GLM_5 = {**SHAPE, "indexer_types": ["full", "full", "shared"]}
+FAMILY_SHAPES = {"deepseek_v32": SHAPE, "glm_moe_dsa": GLM_5}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(FAMILY_SHAPES))
+def model_dir(request, tmp_path_factory):
     """The tiny model, its indexer's head weights made positive: a random one scores many
     context tokens exactly 0 (every head's relu 0, weighed by mixed signs), and where such
     ties straddle the top-k boundary which tokens are kept is each top-k's own order
     (torch.topk's against XLA's), not the model's."""
     from safetensors.torch import load_file, save_file
 
-    path = make_tiny_hf("deepseek_v32", tmp_path_factory.mktemp("deepseek_v32"), **SHAPE)
+    family = request.param
+    path = make_tiny_hf(family, tmp_path_factory.mktemp(family), **FAMILY_SHAPES[family])
     weights = load_file(str(path / "model.safetensors"))
     for name in [n for n in weights if n.endswith("indexer.weights_proj.weight")]:
         weights[name] = weights[name].abs()
@@ -39,6 +45,7 @@ def test_logits_match_hf_below_and_above_index_topk(model_dir, tp):
     m = loaded.config.mla
     assert (m.index_n_heads, m.index_head_dim, m.index_topk) == (8, 16, TOPK)
     assert loaded.config.cache_dims == (m.latent_dim, 16)  # the index keys: V's columns
+    assert m.index_shared == ((False, False, True) if "glm" in str(model_dir) else ())
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 256, n).tolist() for n in (5, 23, 17)]  # 5: never past top-k
     fed, logits = run_mixed_schedule(loaded, prompts)

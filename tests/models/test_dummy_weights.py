@@ -160,3 +160,28 @@ def test_qwen3_next_80b_preset_has_transformers_parameter_count():
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_config)
     assert param_counts(four)[0] == sum(p.numel() for p in hf.parameters())
+
+
+def test_glm_5_preset_has_transformers_parameter_count():
+    """GLM-5: 78 MLA layers with the sparse-attention indexer, 256 experts (top 8) and a
+    shared one after 3 dense layers: 744B parameters, and 4 of its layers (16 experts) have
+    those transformers' own GlmMoeDsaForCausalLM gives them (its routing bias a buffer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path("glm-5", "dummy")
+    c = read_model_config(path, "bfloat16")
+    assert (c.num_layers, c.num_experts, c.num_experts_per_tok) == (78, 256, 8)
+    assert (c.mla.index_n_heads, c.mla.index_head_dim, c.mla.index_topk) == (32, 128, 2048)
+    # 744B: 4 layers (3 dense) and 74 more of the 5th's size (building all 78: 28 s)
+    p4, p5 = (
+        param_counts(read_model_config(path, "bfloat16", hf_overrides={"num_hidden_layers": n}))[0]
+        for n in (4, 5)
+    )
+    assert round((p4 + 74 * (p5 - p4)) / 1e9) == 744
+    small = {"num_hidden_layers": 4, "n_routed_experts": 16}
+    four = read_model_config(path, "bfloat16", hf_overrides=small)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, **small))
+    bias = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert param_counts(four)[0] == sum(p.numel() for p in hf.parameters()) + bias
