@@ -143,6 +143,7 @@ class EngineConfig:
     # HF config fields set over the checkpoint's (--hf-overrides); `model` already has them
     hf_overrides: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     tokenizer_path: str | None = None  # default: model_path (structured outputs read it)
+    tokenizer_mode: str = "auto"  # "deepseek_v32": DeepSeek-V3.2's prompt encoding
     reasoning_parser: str | None = None  # structured outputs bind after the reasoning ends
     pooler: PoolerConfig | None = None  # set: a pooling runner (embeddings), no generation
     speculative: SpeculativeConfig | None = None

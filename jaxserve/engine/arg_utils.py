@@ -39,6 +39,7 @@ from jaxserve.transformers_utils.config import (
     read_model_config,
 )
 from jaxserve.transformers_utils.model_path import resolve_model_path, resolve_tokenizer_path
+from jaxserve.transformers_utils.tokenizer import check_tokenizer_mode
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class EngineArgs:
     # the cache only), or None / "HuggingFaceTB/SmolLM2-135M-Instruct": the bundled default
     model: str | None = None
     tokenizer: str | None = None  # a HF tokenizer directory or hub id; default: the model's own
+    # "auto" / "hf": the tokenizer's chat template; "deepseek_v32": DeepSeek-V3.2's encoding
+    tokenizer_mode: str = "auto"
     revision: str | None = None  # the hub id's branch, tag or commit (default: main)
     tokenizer_revision: str | None = None  # the tokenizer's, when it is a hub id
     download_dir: str | None = None  # the hub cache to read and download into (default: HF's)
@@ -167,6 +170,7 @@ class EngineArgs:
         self._check_nodes()
         path = self.model_path()
         hf_overrides = check_hf_overrides(self.hf_overrides)
+        check_tokenizer_mode(self.tokenizer_mode)
         model_config = read_model_config(
             path, self.dtype, self.quantization, hf_overrides, self.load_format
         )
@@ -254,6 +258,7 @@ class EngineArgs:
             load_format=self.load_format,
             hf_overrides=hf_overrides,
             tokenizer_path=None if self.tokenizer is None else str(self._tokenizer_path()),
+            tokenizer_mode=self.tokenizer_mode,
             reasoning_parser=self.reasoning_parser,
             pooler=pooler,
             speculative=speculative,

@@ -138,7 +138,7 @@ class AsyncLLM:
         tokenizer in a thread. A tracer's missing SDK fails first, before anything starts."""
         tracer = init_tracer(args.otlp_traces_endpoint, args.model or DEFAULT_MODEL_NAME)
         with ThreadPoolExecutor(1) as pool:
-            tokenizer = pool.submit(read_tokenizer, args.tokenizer_source())
+            tokenizer = pool.submit(read_tokenizer, args.tokenizer_source(), args.tokenizer_mode)
             client = AsyncMPClient(args)
             start = time.perf_counter()
             engine = cls(client.config, client, tokenizer=tokenizer.result(), tracer=tracer)

@@ -69,14 +69,18 @@ class LLMEngine:
             # The tokenizer is read while the core process starts (not beside an in-process
             # core: transformers' lazy imports are not thread-safe).
             with ThreadPoolExecutor(1) as pool:
-                tokenizer = pool.submit(read_tokenizer, args.tokenizer_source())
+                tokenizer = pool.submit(
+                    read_tokenizer, args.tokenizer_source(), args.tokenizer_mode
+                )
                 client: EngineCoreClient = SyncMPClient(args)
                 config = client.config
                 tokenizer = tokenizer.result()
         else:
             config = args.create_engine_config()
             client = InprocClient(config)
-            tokenizer = read_tokenizer(config.tokenizer_path or config.model_path)
+            tokenizer = read_tokenizer(
+                config.tokenizer_path or config.model_path, config.tokenizer_mode
+            )
         return cls(config, tokenizer=tokenizer, client=client, tracer=tracer)
 
     def get_tokenizer(self) -> Any:

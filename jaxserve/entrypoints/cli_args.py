@@ -19,6 +19,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--tokenizer-revision", default=None, help="the hub tokenizer's revision")
     parser.add_argument(
+        "--tokenizer-mode",
+        default="auto",
+        help="auto / hf: the tokenizer's chat template; deepseek_v32: DeepSeek-V3.2's prompt "
+        "encoding (the model ships no template)",
+    )
+    parser.add_argument(
         "--download-dir",
         default=None,
         help="the Hugging Face hub cache to read models from and download them into "

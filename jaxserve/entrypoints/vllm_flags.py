@@ -137,7 +137,6 @@ NO_OP: dict[str, str] = {
 # dest -> (values accepted besides vLLM's default, why any other value is refused)
 AT_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     "config_format": (("hf",), "jaxserve reads Hugging Face configs (and GGUF metadata)"),
-    "tokenizer_mode": (("hf",), "jaxserve tokenizes with Hugging Face tokenizers"),
     "model_impl": (("vllm",), "jaxserve runs its own implementation of each model"),
     "convert": (("none",), "serve an embedding model with --runner pooling"),
     "hf_config_path": ((), "the model's own config.json is read"),

@@ -73,8 +73,8 @@ def test_the_tables_name_only_vllm_flags_jaxserve_lacks():
 
 
 def test_a_feature_jaxserve_lacks_is_refused_naming_flag_value_and_reason(capsys):
-    _, error = parse("--tokenizer-mode", "mistral", capsys=capsys)
-    assert "--tokenizer-mode mistral: not supported by jaxserve: " in error
+    _, error = parse("--model-impl", "transformers", capsys=capsys)
+    assert "--model-impl transformers: not supported by jaxserve: " in error
     _, error = parse("--enable-eplb", capsys=capsys)
     assert "--enable-eplb: not supported by jaxserve: jaxserve places experts once" in error
     args, _ = parse("--no-enable-eplb", "--tokenizer-mode", "auto", "--cpu-offload-gb", "0")

@@ -175,6 +175,11 @@ def render_chat(
     check_template_kwargs(kwargs, list(special))
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+    encoding = getattr(tokenizer, "chat_encoding", None)  # --tokenizer-mode's, as code
+    if encoding is not None:
+        if template is not None:
+            raise ValueError("a chat template does not apply: the tokenizer mode encodes prompts")
+        return encoding(messages, tools, kwargs, continue_final_message)
     try:
         template = tokenizer.get_chat_template(template, tools)
     except ValueError as e:

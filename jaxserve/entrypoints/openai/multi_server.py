@@ -131,7 +131,7 @@ def run_api_server(run_dir: str, index: int, fd: int) -> None:
     engine = AsyncLLM(
         config,
         client,
-        tokenizer=read_tokenizer(config.tokenizer_path or config.model_path),
+        tokenizer=read_tokenizer(config.tokenizer_path or config.model_path, config.tokenizer_mode),
         tracer=tracer,
     )
     client.timeline.add(f"API server {index} set-up", time.perf_counter() - started)

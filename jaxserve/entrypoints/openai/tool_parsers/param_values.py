@@ -109,6 +109,15 @@ def qwen3_stays_string(partial: str, kind: str) -> bool:
     return kind in STRING_TYPES and not "null".startswith(partial.lower())
 
 
+# ---------------------------------------------------------------------- deepseek_v32
+def json_value(raw: str) -> Any:
+    """`raw` as strict JSON, else `raw` itself (DSML's values marked string="false")."""
+    try:
+        return _jsonable(json.loads(raw), raw)
+    except (ValueError, RecursionError):
+        return raw
+
+
 # ---------------------------------------------------------------------- glm45
 def glm_is_string(request: ChatCompletionRequest | None, name: str, key: str) -> bool:
     """Whether the schema of tool `name` types argument `key` as a string."""

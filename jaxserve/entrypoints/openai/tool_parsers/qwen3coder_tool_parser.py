@@ -55,6 +55,7 @@ class Markers(NamedTuple):
     function_end: str
     parameter_end: str
     call_end: str
+    trim: bool = True  # a value's text less one newline at each end (not DSML's)
 
     @property
     def body_ends(self) -> tuple[str, ...]:
@@ -124,11 +125,12 @@ def _scan_params(body: str, closed: bool, m: Markers) -> tuple[list[tuple[str, s
         if end < 0:
             raw = body[value_at:]
             if closed:
-                params.append((body[key_at:gt], _trim(raw)))
+                params.append((body[key_at:gt], _trim(raw) if m.trim else raw))
                 break
-            raw = hold_back_markers(raw, m.value_ends).removeprefix("\n")
-            return params, (body[key_at:gt], raw)
-        params.append((body[key_at:gt], _trim(body[value_at:end])))
+            raw = hold_back_markers(raw, m.value_ends)
+            return params, (body[key_at:gt], raw.removeprefix("\n") if m.trim else raw)
+        raw = body[value_at:end]
+        params.append((body[key_at:gt], _trim(raw) if m.trim else raw))
         pos = body.find(m.parameter, end)
     return params, None
 
@@ -145,15 +147,28 @@ class Qwen3CoderToolParser(ToolParser):
             request.skip_special_tokens = False
         return request
 
+    def param(self, props: dict[str, Any], marked: str) -> tuple[str, str]:
+        """(name, type) of a parameter whose marker holds `marked` where its name goes."""
+        return marked, qwen3_type(props, marked, self.loose_types)
+
+    def typed(self, raw: str, kind: str) -> Any:
+        """A finished value's text as its type."""
+        return qwen3_value(raw, kind)
+
+    def stays_string(self, partial: str, kind: str) -> bool:
+        """Whether an open value starting `partial` streams as a string as it is written."""
+        return qwen3_stays_string(partial, kind)
+
     def _values(
         self, function: Function, request: ChatCompletionRequest | None
     ) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
         """(the tool's properties, the function's finished values typed by them)."""
         props = qwen3_properties(request, function.name)
-        kinds = [qwen3_type(props, k, self.loose_types) for k, _ in function.params]
-        return props, [
-            (k, qwen3_value(v, kind)) for (k, v), kind in zip(function.params, kinds, strict=True)
-        ]
+        values = []
+        for marked, raw in function.params:
+            key, kind = self.param(props, marked)
+            values.append((key, self.typed(raw, kind)))
+        return props, values
 
     def extract_tool_calls(
         self, model_output: str, request: ChatCompletionRequest | None = None
@@ -192,9 +207,11 @@ class Qwen3CoderToolParser(ToolParser):
             props, values = self._values(function, self.request)
             open_string = None
             if function.open_param is not None:
-                key, raw = function.open_param
-                partial = raw.removesuffix("\n")  # a last newline is not the value's
-                if qwen3_stays_string(partial, qwen3_type(props, key, self.loose_types)):
+                key, kind = self.param(props, function.open_param[0])
+                partial = function.open_param[1]
+                if self.markers.trim:  # a last newline is not the value's
+                    partial = partial.removesuffix("\n")
+                if self.stays_string(partial, kind):
                     open_string = (key, partial)
             calls.append((function.name, arguments_prefix(values, open_string)))
         return content, calls

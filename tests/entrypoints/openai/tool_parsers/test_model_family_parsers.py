@@ -1,5 +1,5 @@
-"""The model-family tool parsers (`deepseek_v3`, `deepseek_v31`, `kimi_k2`, `glm45`,
-`qwen3_coder`, `qwen3_xml`, `minimax_m2`) on outputs in each model's published format:
+"""The model-family tool parsers (`deepseek_v3`, `deepseek_v31`, `deepseek_v32`, `kimi_k2`,
+`glm45`, `qwen3_coder`, `qwen3_xml`, `minimax_m2`) on outputs in each model's published format:
 whole-text extraction
 (calls whose arguments validate against the tool's schema, the content before them), and
 streaming in many splits and token by token (each special token one delta; and through the
@@ -83,6 +83,8 @@ SPECIAL_TOKENS = [
     *("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
     *("<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"),
 ]
+DSML = "<｜DSML｜"
+DSML_CALLS = "<｜DSML｜function_calls>"
 CODE = 'def greet(name):\n    print(f"Hi {name} <b>")\n    return {"ok": True}\n'
 
 # name -> (parser, model output, [(name, arguments)], content)
@@ -222,6 +224,30 @@ CASES = {
         [("write_file", {"path": "a.py", "content": CODE})],
         None,
     ),
+    "deepseek_v32_typed_after_content": (
+        "deepseek_v32",
+        f'Let me check.\n\n{DSML_CALLS}\n{DSML}invoke name="get_weather">\n'
+        f'{DSML}parameter name="city" string="true">杭州</｜DSML｜parameter>\n'
+        f'{DSML}parameter name="days" string="false">3</｜DSML｜parameter>\n'
+        f'{DSML}parameter name="hours" string="false">[7, 19]</｜DSML｜parameter>\n'
+        f'{DSML}parameter name="zip" string="true">10001</｜DSML｜parameter>\n'
+        f'</｜DSML｜invoke>\n{DSML}invoke name="get_time">\n'
+        f'{DSML}parameter name="tz" string="false">null</｜DSML｜parameter>\n'
+        f"</｜DSML｜invoke>\n</｜DSML｜function_calls>",
+        [
+            ("get_weather", {"city": "杭州", "days": 3, "hours": [7, 19], "zip": "10001"}),
+            ("get_time", {"tz": None}),
+        ],
+        "Let me check.\n\n",
+    ),
+    "deepseek_v32_code": (
+        "deepseek_v32",
+        f'{DSML_CALLS}\n{DSML}invoke name="write_file">\n{DSML}parameter name="path" '
+        f'string="true">a.py</｜DSML｜parameter>\n{DSML}parameter name="content" '
+        f'string="true">\n{CODE}</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>',
+        [("write_file", {"path": "a.py", "content": "\n" + CODE})],
+        None,
+    ),
     "qwen3_xml_no_wrapper_no_params": (
         "qwen3_xml",
         "<function=get_time>\n</function>",
@@ -239,6 +265,7 @@ PLAIN = {
     "qwen3_coder": ["<function is not a call", "Here is code: if a < b: pass"],
     "qwen3_xml": ["Plain answer."],
     "minimax_m2": ["<invoke is not a call", 'Say <parameter name="x"> in prose.'],
+    "deepseek_v32": ['Set string="true" in <｜DSML｜parameter> tags.', "Plain."],
 }
 # parser -> outputs cut off or broken: content, no calls
 MALFORMED = {
@@ -376,6 +403,7 @@ def streamed_arguments(name: str, text: str, upto: int) -> tuple[str, str]:
         ("glm45", "glm45_typed_values", "York", '{"city": "New'),
         ("deepseek_v31", "deepseek_v31_two", "Tokyo", '{"city": "'),
         ("kimi_k2", "kimi_k2_two_after_text", "Beijing", '{"city": "'),
+        ("deepseek_v32", "deepseek_v32_code", "return", "def greet(name):\\n"),
     ],
 )
 def test_arguments_stream_while_written(name, case, upto, sent):
