@@ -44,8 +44,11 @@ class Indexer(nnx.Module):
     def __init__(self, config: ModelConfig, *, interleave: bool = False, rngs: nnx.Rngs):
         m, d, dt = config.mla, config.hidden_size, config.dtype
         self.interleave, self.rope_dim = interleave, m.qk_rope_head_dim
-        self.wq_b = Linear(m.q_lora_rank, m.index_n_heads * m.index_head_dim, dtype=dt, rngs=rngs)
-        self.wk = Linear(d, m.index_head_dim, dtype=dt, rngs=rngs)
+        q = config.linear_kwargs()  # fp8 in the published checkpoints, as MLA's; weights_proj not
+        self.wq_b = Linear(
+            m.q_lora_rank, m.index_n_heads * m.index_head_dim, dtype=dt, rngs=rngs, **q
+        )
+        self.wk = Linear(d, m.index_head_dim, dtype=dt, rngs=rngs, **q)
         self.k_norm_weight = nnx.Param(jnp.ones(m.index_head_dim, dt))
         self.k_norm_bias = nnx.Param(jnp.zeros(m.index_head_dim, dt))
         self.weights_proj = Linear(d, m.index_n_heads, dtype=dt, rngs=rngs)

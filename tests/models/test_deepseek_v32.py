@@ -12,6 +12,7 @@ import pytest
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.models.loader import load_model
 from tests.helpers import assert_generate_matches_hf, core_of, hf_logits, hf_model, make_tiny_hf
+from tests.models.test_fp8_moe import assert_logits_match, fp8_block_checkpoint
 from tests.models.test_llama_parity import run_mixed_schedule
 from tests.models.test_moe import FAMILIES
 
@@ -63,3 +64,33 @@ def test_generate_matches_hf(model_dir, monkeypatch):
     prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 40)]
     assert_generate_matches_hf(llm, model_dir, prompts, max_tokens=12)
     assert core_of(llm).scheduler.total_preemptions > 0
+
+
+# As the published FP8 builds (DeepSeek-V3.2, GLM-5-FP8): every decoder projection and the
+# indexer's wq_b and wk fp8 with block scales; the indexer's weights_proj and norms not
+FP8_LINEAR = ("a_proj.weight", "b_proj.weight", "o_proj.weight", "gate_proj.weight",
+              "up_proj.weight", "down_proj.weight", "proj_with_mqa.weight", "wq_b.weight",
+              "wk.weight")  # fmt: skip
+
+
+def test_fp8_block_checkpoint_matches_transformers(model_dir, tmp_path):
+    """The indexer's fp8 projections load packed (wk's 16 rows a partial 32-row block), and
+    the logits past index_topk are transformers' of the weights its fp8 dequantization
+    decodes."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(model_dir, fp8)
+    stored, decoded = fp8_block_checkpoint(fp8, FP8_LINEAR)
+    assert "model.layers.0.self_attn.indexer.wk.weight_scale_inv" in stored
+    assert "model.layers.0.self_attn.indexer.weights_proj.weight_scale_inv" not in stored
+    loaded = load_model(str(fp8), dtype="float32")
+    indexer = loaded.model.layers[0].self_attn.indexer
+    assert str(indexer.wq_b.kernel[...].dtype) == "float8_e4m3fn"
+    assert indexer.wk.kernel[...].shape == (64, 16) and indexer.wk.scale[...].shape == (2, 16)
+    ref = AutoModelForCausalLM.from_pretrained(decoded, dtype=torch.float32).eval()
+    rng = np.random.default_rng(5)
+    assert_logits_match(loaded, ref, [rng.integers(1, 256, n).tolist() for n in (21, 6)])
