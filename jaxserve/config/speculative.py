@@ -96,6 +96,7 @@ class SpeculativeConfig:
 # A target architecture with multi-token-prediction layers -> its MTP head's (models/mtp.py).
 MTP_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "DeepSeekMTPModel",
+    "DeepseekV32ForCausalLM": "DeepSeekV32MTPModel",
     "Glm4MoeForCausalLM": "Glm4MoeMTPModel",
 }
 

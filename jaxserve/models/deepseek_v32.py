@@ -90,12 +90,13 @@ class DSAAttention(MLAAttention):
 
     def __init__(self, config: ModelConfig, *, layer: int = 0, kv_replicas: int = 1, rngs):
         super().__init__(config, layer=layer, kv_replicas=kv_replicas, rngs=rngs)
-        shared = config.mla.index_shared[layer] if config.mla.index_shared else False
+        flags = config.mla.index_shared  # (an MTP layer, after them all: a full one)
+        shared = layer < len(flags) and flags[layer]
         self.indexer = (
             None if shared else Indexer(config, interleave=self.index_interleave, rngs=rngs)
         )
         self.index_topk = config.mla.index_topk
-        self.publish = any(config.mla.index_shared) and not shared  # for the shared ones
+        self.publish = any(flags) and layer < len(flags) and not shared  # for shared ones
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
         m = self.mla

@@ -22,6 +22,7 @@ from jaxserve.models.llama import lm_logits
 from jaxserve.models.loader import load_model
 from jaxserve.transformers_utils.config import read_model_config
 from tests.helpers import TINY, hf_model, make_tiny_hf
+from tests.models.test_deepseek_v32 import SHAPE as DSA_SHAPE
 from tests.models.test_moe import FAMILIES
 from tests.worker.spec_decode.test_spec_decode import (
     AcceptCounter,
@@ -37,7 +38,7 @@ def make_tiny_mtp(family: str, out_dir, num_layers: int, copy_layer0: bool = Fal
     plus enorm, hnorm, eh_proj and shared_head). copy_layer0: an MTP layer that predicts the
     target's next token (its block layer 0's, eh_proj [I | 0], enorm ones, shared_head.norm
     the final norm; embeddings of rms 1, so enorm keeps them) -> (dir, MTP extras)."""
-    shape = {**TINY, **FAMILIES[family], **shape}
+    shape = {**TINY, **FAMILIES.get(family, {}), **shape}
     path = make_tiny_hf(family, out_dir, **{**shape, "num_hidden_layers": num_layers + 1})
     weights = load_file(str(path / "model.safetensors"))
     d = shape["hidden_size"]
@@ -58,6 +59,8 @@ def make_tiny_mtp(family: str, out_dir, num_layers: int, copy_layer0: bool = Fal
         small = torch.randn(d, d, generator=gen) * 0.05  # the feature counts, a little
         extras["eh_proj.weight"] = torch.cat([torch.eye(d), small], dim=1)
         extras["shared_head.norm.weight"] = weights["model.norm.weight"].clone()
+    for name in [n for n in weights if n.endswith("indexer.weights_proj.weight")]:
+        weights[name] = weights[name].abs()  # no index-score ties (test_deepseek_v32.py)
     weights.update({prefix + k: v for k, v in extras.items()})
     weights[prefix + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
     save_file(
@@ -67,6 +70,9 @@ def make_tiny_mtp(family: str, out_dir, num_layers: int, copy_layer0: bool = Fal
     )
     config = json.loads((path / "config.json").read_text())
     config["num_hidden_layers"] = num_layers
+    config.setdefault("num_nextn_predict_layers", 1)  # (V3.2's config class drops the field)
+    for key in [k for k in config if k.endswith("layer_types")]:  # per-layer lists (V3.2's)
+        config[key] = config[key][:num_layers]
     (path / "config.json").write_text(json.dumps(config))
     return path, extras
 
@@ -171,6 +177,51 @@ def test_mtp_head_equals_transformers(tmp_path, family):
         np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
 
 
+def test_deepseek_v32_mtp_head_equals_transformers_layer(tmp_path):
+    """DeepSeek-V3.2's MTP layer (a sparse-attention block, past its index_topk of 8 here):
+    transformers' MtpModel takes no V3.2 config, so the reference is its own V3.2 decoder
+    layer with the block's weights, fed eh_proj([enorm(embed) ; hnorm(h)]) and normed by
+    shared_head.norm; the head's output and logits equal it within 1e-4, whole and chunked."""
+    import transformers
+
+    path, extras = make_tiny_mtp("deepseek_v32", tmp_path / "v32", num_layers=2, **DSA_SHAPE)
+    target = hf_model(str(path))
+    config = target.config
+    types = [*config.mlp_layer_types, "sparse"]
+    full = transformers.AutoModelForCausalLM.from_pretrained(
+        path, num_hidden_layers=3, mlp_layer_types=types, dtype=torch.float32
+    )
+    one = dict(num_hidden_layers=1, first_k_dense_replace=0, mlp_layer_types=["sparse"])
+    one_config = transformers.AutoConfig.from_pretrained(path, **one)
+    block = transformers.AutoModelForCausalLM.from_config(one_config).float().eval()
+    block.model.layers[0].load_state_dict(full.model.layers[2].state_dict())
+    tokens = torch.tensor([[5, 17, 3, 99, 42, 7, 7, 130, 8, 64, 250, 1, 9]])
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps) * w
+
+    with torch.no_grad():
+        block.model.norm.weight.copy_(extras["shared_head.norm.weight"])
+        hidden = target(tokens, output_hidden_states=True).hidden_states[-1][0, :-1]
+        embeds = target.model.embed_tokens(tokens[0, 1:])
+        x = torch.cat(
+            [rms(embeds, extras["enorm.weight"]), rms(hidden, extras["hnorm.weight"])], -1
+        )
+        x = x @ extras["eh_proj.weight"].T
+        want = block.model(inputs_embeds=x[None], position_ids=torch.arange(12)[None])
+        want = want.last_hidden_state[0]
+        want_logits = (want @ target.lm_head.weight.T).numpy()
+    ours = load_model(path, dtype="float32", load_tokenizer=False)
+    head = load_model(
+        path, dtype="float32", load_tokenizer=False, architecture=mtp_architecture(ours.config)
+    )
+    ours_embeds = ours.model.embed_tokens.embedding[...][tokens[0, 1:].numpy()]
+    for chunks in ([12], [5, 4, 3]):
+        out, logits = run_head(head, ours, ours_embeds, jnp.asarray(hidden.numpy()), chunks)
+        np.testing.assert_allclose(out, want.numpy(), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
+
+
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=96, dtype="float32",
               enable_prefix_caching=False)  # fmt: skip
 
@@ -213,6 +264,33 @@ def test_mtp_greedy_output_is_exact_and_drafts_are_accepted(tmp_path, monkeypatc
     assert len(proposed) > 10
     for tokens, drafts in proposed:
         assert drafts == reference_drafts(target, mtp, tokens, 2), tokens
+
+
+def test_deepseek_v32_mtp_greedy_output_is_exact(tmp_path, monkeypatch):
+    """DeepSeek-V3.2 drafting with its MTP layer past index_topk (prompts of 23 tokens, top
+    8): greedy output equals transformers' generate without speculation, and drafts are
+    accepted (the MTP layer nearly repeats the target's one layer)."""
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    shape = {**DSA_SHAPE, "first_k_dense_replace": 0}
+    path, _ = make_tiny_mtp("deepseek_v32", tmp_path / "v32", 1, copy_layer0=True, **shape)
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(0, 256, n).tolist()} for n in (6, 23)]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = torch.tensor([p["prompt_token_ids"]])
+            out = hf_model(str(path)).generate(ids, max_new_tokens=16, do_sample=False)
+        want.append(out[0, ids.shape[1] :].tolist())
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    llm = LLM(str(path), **ENGINE, speculative_config=spec)
+    counter = AcceptCounter(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert 0 < counter.accepted < counter.drafted, vars(counter)
+    core(llm).scheduler.kv_cache_manager.check_no_leaks()
 
 
 def test_mtp_config_and_targets_without_mtp_layers(tmp_path):
