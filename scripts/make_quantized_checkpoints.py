@@ -22,6 +22,11 @@ formats' own tools, once: never run by the suite.
     /tmp/gqvenv/bin/python scripts/make_quantized_checkpoints.py gptqmodel /tmp/qbase \
         tests/data/quantized
 
+    # 4. a tiny Qwen3.5-MoE in W4A16 by compressed-tensors alone, in jaxserve's venv
+    .venv/bin/pip install --no-deps --target /tmp/ct compressed-tensors==0.20.1 loguru
+    PYTHONPATH=/tmp/ct .venv/bin/python scripts/make_quantized_checkpoints.py qwen3_5 \
+        tests/data/quantized
+
 Each checkpoint directory also holds `reference_logits.npz`: transformers' float32 logits of
 the checkpoint as its own library (compressed-tensors) decompresses it, for fixed prompts, so
 the suite compares against the format's maintained code without installing it. For GPTQModel's
@@ -330,6 +335,87 @@ def gptqmodel(base_dir: str, out: str, *names: str) -> None:
         print(name, "->", dst)
 
 
+# A tiny Qwen3.5-MoE (tests/models/test_qwen3_5.py's shape: linear, full, linear layers) in
+# compressed-tensors' W4A16 (int4, symmetric, a scale per 16 inputs: the smallest input of a
+# projection here is 32, the shared expert's 48), round to nearest: every decoder projection,
+# the linear attention's, the routed and the shared experts' included; routers, the shared
+# expert's gate and lm_head in full precision.
+QWEN35_NAME = "ct-qwen3_5-moe-w4a16"
+QWEN35_GROUP = 16
+
+
+def qwen35(out: str) -> None:
+    """QWEN35_NAME by compressed-tensors alone (its own qparams, quantization and packing, no
+    llm-compressor: it pins a transformers without Qwen3.5), in jaxserve's venv with
+    compressed-tensors importable (PYTHONPATH=DIR after `pip install --no-deps --target DIR
+    compressed-tensors==0.20.1 loguru`); its reference is the layers as the same library
+    decompresses them, run by transformers in float32."""
+    import shutil
+
+    import numpy as np
+    import torch
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.helpers import make_tiny_hf, make_tiny_tokenizer
+    from tests.models.test_qwen3_5 import MOE, SHAPE
+
+    dst = Path(out) / QWEN35_NAME
+    vocab = make_tiny_tokenizer(dst)
+    make_tiny_hf("qwen3_5_moe", dst, vocab_size=vocab, **SHAPE, **MOE)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                            group_size=QWEN35_GROUP)  # fmt: skip
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    weights = load_file(dst / "model.safetensors")
+    keep = ("mlp.gate.weight", "shared_expert_gate.weight")
+    stored, decoded, ignore = {}, {}, ["lm_head"]
+    for name, w in weights.items():
+        quantized = ".layers." in name and w.ndim == 2 and name.endswith("weight")
+        if not quantized or name.endswith(keep) or "norm" in name:
+            stored[name] = decoded[name] = w
+            if name.endswith(keep):
+                ignore.append(name.removesuffix(".weight"))
+            continue
+        groups = w.float().reshape(w.shape[0], -1, QWEN35_GROUP)
+        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        local = {"weight": w.float(), "weight_scale": scale, "weight_zero_point": zero}
+        packed = compressor.compress(local, scheme)
+        prefix = name.removesuffix(".weight")
+        stored.update({f"{prefix}.{k}": v for k, v in packed.items()})
+        decoded[name] = compressor.decompress(packed, scheme)["weight"].float()
+    save_file({k: v.contiguous() for k, v in stored.items()}, dst / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "ignore": sorted(ignore),
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
+                                      "weights": args.model_dump(), "input_activations": None,
+                                      "output_activations": None}},
+    }  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config, indent=1))
+    ref_dir = Path(out) / f"{QWEN35_NAME}-decompressed"
+    shutil.copytree(dst, ref_dir, dirs_exist_ok=True)
+    config.pop("quantization_config")
+    (ref_dir / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in decoded.items()}, ref_dir / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    shutil.rmtree(ref_dir)
+    with torch.no_grad():
+        logits = {f"prompt_{i}": ref(torch.tensor([p])).logits[0].numpy()
+                  for i, p in enumerate(PROMPTS)}  # fmt: skip
+    np.savez_compressed(dst / "reference_logits.npz", **logits)
+    (dst / "reference_prompts.json").write_text(json.dumps(PROMPTS))
+    print(QWEN35_NAME, "->", dst)
+
+
 if __name__ == "__main__":
-    commands = {"base": base, "base-moe": base_moe, "quantize": quantize, "gptqmodel": gptqmodel}
+    commands = {"base": base, "base-moe": base_moe, "quantize": quantize, "gptqmodel": gptqmodel,
+                "qwen3_5": qwen35}  # fmt: skip
     commands[sys.argv[1]](*sys.argv[2:])

@@ -261,17 +261,17 @@ class GatedDeltaNet(nnx.Module):
         c, d, dt = config.linear_attn, config.hidden_size, config.dtype
         self.dims = c
         r = c.num_v_heads // c.num_k_heads
-        self.in_proj_qkvz = Linear(
-            d, c.num_k_heads * (2 * c.k_head_dim + 2 * r * c.v_head_dim), dtype=dt, rngs=rngs
-        )
-        self.in_proj_ba = Linear(d, 2 * c.num_v_heads, dtype=dt, rngs=rngs)
+        q = config.linear_kwargs()  # quantized as the decoder's other projections
+        width = c.num_k_heads * (2 * c.k_head_dim + 2 * r * c.v_head_dim)
+        self.in_proj_qkvz = Linear(d, width, dtype=dt, rngs=rngs, **q)
+        self.in_proj_ba = Linear(d, 2 * c.num_v_heads, dtype=dt, rngs=rngs, **q)
         self.conv1d = nnx.Param(
             nnx.initializers.lecun_normal()(rngs.params(), (c.conv_kernel, c.conv_dim), dt)
         )
         self.dt_bias = nnx.Param(jnp.ones((c.num_v_heads,), jnp.float32))
         self.A_log = nnx.Param(jnp.zeros((c.num_v_heads,), jnp.float32))
         self.norm = nnx.Param(jnp.ones((c.v_head_dim,), dt))
-        self.out_proj = Linear(c.num_v_heads * c.v_head_dim, d, dtype=dt, rngs=rngs)
+        self.out_proj = Linear(c.num_v_heads * c.v_head_dim, d, dtype=dt, rngs=rngs, **q)
         self.eps = config.rms_norm_eps
 
     def __call__(self, x, positions, token_rows, md, conv_state, rec_state):

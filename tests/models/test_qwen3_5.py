@@ -3,6 +3,8 @@ stored apart. Logits equal HF's (prefilled whole, in chunks, and decoded); throu
 (chunked prefill, preemption, tp 2) greedy tokens and logprobs equal HF generate's; the
 published ForConditionalGeneration checkpoints' language model loads from its own prefix."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from tests.helpers import (
     make_tiny_hf,
     runner_of,
 )
+from tests.models.test_int4 import prompts_and_reference
 from tests.models.test_llama_parity import run_mixed_schedule
 from tests.models.test_qwen3_next import assert_linear_layers_split
 
@@ -97,3 +100,27 @@ def test_published_checkpoint_layout_serves_its_text_model(tmp_path, monkeypatch
     loaded = load_model(str(tmp_path), dtype="float32")
     fed, logits = run_mixed_schedule(loaded, [tokens], decode_steps=0)
     np.testing.assert_allclose(logits[0][: len(tokens)], want, atol=1e-4, rtol=0)
+
+
+INT4 = Path(__file__).resolve().parents[1] / "data" / "quantized" / "ct-qwen3_5-moe-w4a16"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_int4_checkpoint_stays_packed_and_matches_compressed_tensors(tp):
+    """A W4A16 Qwen3.5-MoE (compressed-tensors' pack-quantized, a scale per 16 inputs;
+    scripts/make_quantized_checkpoints.py qwen3_5): the linear attention's projections, the
+    attention's and every expert's stay int4 (its separate in_proj_qkv / z / b / a regrouped
+    packed), and the logits are transformers' of the layers as compressed-tensors decompresses
+    them, within 1e-3 of their scale, at tp 1 and split by key heads at tp 2."""
+    loaded = load_model(INT4, dtype="float32", tensor_parallel_size=tp)
+    assert (loaded.config.quantization, loaded.config.expert_quant) == ("int4", "int4")
+    linear = loaded.model.layers[0].linear_attn
+    for proj in (linear.in_proj_qkvz, linear.in_proj_ba, linear.out_proj):
+        assert str(proj.kernel[...].dtype) == "uint8"
+    assert str(loaded.model.layers[1].mlp.w13[...].dtype) == "uint8"
+    prompts, reference = prompts_and_reference(INT4)
+    _, logits = run_mixed_schedule(loaded, prompts, decode_steps=0)
+    for i, ref in enumerate(reference):
+        mine = logits[i][: len(prompts[i])]
+        np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
+        assert (mine.argmax(-1) == ref.argmax(-1)).all()
