@@ -339,7 +339,8 @@ def gptqmodel(base_dir: str, out: str, *names: str) -> None:
 # compressed-tensors' W4A16 (int4, symmetric, a scale per 16 inputs: the smallest input of a
 # projection here is 32, the shared expert's 48), round to nearest: every decoder projection,
 # the linear attention's, the routed and the shared experts' included; routers, the shared
-# expert's gate and lm_head in full precision.
+# expert's gate, the linear attention's in_proj_a / in_proj_b (a row per value head, full
+# precision in the published FP8 builds too) and lm_head in full precision.
 QWEN35_NAME = "ct-qwen3_5-moe-w4a16"
 QWEN35_GROUP = 16
 
@@ -372,7 +373,7 @@ def qwen35(out: str) -> None:
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
     weights = load_file(dst / "model.safetensors")
-    keep = ("mlp.gate.weight", "shared_expert_gate.weight")
+    keep = ("mlp.gate.weight", "shared_expert_gate.weight", "in_proj_a.weight", "in_proj_b.weight")
     stored, decoded, ignore = {}, {}, ["lm_head"]
     for name, w in weights.items():
         quantized = ".layers." in name and w.ndim == 2 and name.endswith("weight")

@@ -261,10 +261,12 @@ class GatedDeltaNet(nnx.Module):
         c, d, dt = config.linear_attn, config.hidden_size, config.dtype
         self.dims = c
         r = c.num_v_heads // c.num_k_heads
-        q = config.linear_kwargs()  # quantized as the decoder's other projections
+        # quantized as the decoder's other projections; in_proj_ba (a row per value head) in
+        # full precision, as the published FP8 builds keep it
+        q = config.linear_kwargs()
         width = c.num_k_heads * (2 * c.k_head_dim + 2 * r * c.v_head_dim)
         self.in_proj_qkvz = Linear(d, width, dtype=dt, rngs=rngs, **q)
-        self.in_proj_ba = Linear(d, 2 * c.num_v_heads, dtype=dt, rngs=rngs, **q)
+        self.in_proj_ba = Linear(d, 2 * c.num_v_heads, dtype=dt, rngs=rngs)
         self.conv1d = nnx.Param(
             nnx.initializers.lecun_normal()(rngs.params(), (c.conv_kernel, c.conv_dim), dt)
         )

@@ -19,7 +19,6 @@ from tests.helpers import (
     make_tiny_hf,
     runner_of,
 )
-from tests.models.test_fp8_moe import assert_logits_match, fp8_block_checkpoint
 from tests.models.test_int4 import prompts_and_reference
 from tests.models.test_llama_parity import run_mixed_schedule
 from tests.models.test_qwen3_next import assert_linear_layers_split
@@ -109,14 +108,15 @@ INT4 = Path(__file__).resolve().parents[1] / "data" / "quantized" / "ct-qwen3_5-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_int4_checkpoint_stays_packed_and_matches_compressed_tensors(tp):
     """A W4A16 Qwen3.5-MoE (compressed-tensors' pack-quantized, a scale per 16 inputs;
-    scripts/make_quantized_checkpoints.py qwen3_5): the linear attention's projections, the
-    attention's and every expert's stay int4 (its separate in_proj_qkv / z / b / a regrouped
-    packed), and the logits are transformers' of the layers as compressed-tensors decompresses
-    them, within 1e-3 of their scale, at tp 1 and split by key heads at tp 2."""
+    scripts/make_quantized_checkpoints.py qwen3_5): the linear attention's projections (its
+    separate in_proj_qkv / z regrouped packed; in_proj_a / b in full precision), the
+    attention's and every expert's stay int4, and the logits are transformers' of the layers
+    as compressed-tensors decompresses them, within 1e-3 of their scale, at tp 1 and split by
+    key heads at tp 2."""
     loaded = load_model(INT4, dtype="float32", tensor_parallel_size=tp)
     assert (loaded.config.quantization, loaded.config.expert_quant) == ("int4", "int4")
     linear = loaded.model.layers[0].linear_attn
-    for proj in (linear.in_proj_qkvz, linear.in_proj_ba, linear.out_proj):
+    for proj in (linear.in_proj_qkvz, linear.out_proj):
         assert str(proj.kernel[...].dtype) == "uint8"
     assert str(loaded.model.layers[1].mlp.w13[...].dtype) == "uint8"
     prompts, reference = prompts_and_reference(INT4)
@@ -125,26 +125,3 @@ def test_int4_checkpoint_stays_packed_and_matches_compressed_tensors(tp):
         mine = logits[i][: len(prompts[i])]
         np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
         assert (mine.argmax(-1) == ref.argmax(-1)).all()
-
-
-def test_fp8_block_checkpoint_keeps_linear_attention_packed(models, tmp_path):
-    """Every decoder projection fp8 with 32 x 32 block scales, the linear attention's too
-    (their blocks span heads that the regrouping reorders: the scales go with their rows):
-    the projections stay fp8, and the logits are transformers' of the weights its own fp8
-    dequantization decodes."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    fp8 = tmp_path / "fp8"
-    shutil.copytree(models["dense"], fp8)
-    suffixes = ("proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
-                "in_proj_a.weight")  # fmt: skip
-    _, decoded = fp8_block_checkpoint(fp8, suffixes)
-    loaded = load_model(fp8, dtype="float32")
-    linear = loaded.model.layers[0].linear_attn
-    for proj in (linear.in_proj_qkvz, linear.in_proj_ba, linear.out_proj):
-        assert str(proj.kernel[...].dtype) == "float8_e4m3fn"
-    ref = AutoModelForCausalLM.from_pretrained(decoded, dtype=torch.float32).eval()
-    rng = np.random.default_rng(2)
-    assert_logits_match(loaded, ref, [rng.integers(1, 256, n).tolist() for n in (13, 6)])

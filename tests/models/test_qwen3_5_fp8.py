@@ -1,9 +1,9 @@
 """Qwen3.5-MoE as its FP8 builds are published: the decoder's linear layers fp8 e4m3 with
 2-D block scales (`weight_scale_inv`), the routed and shared experts included, the linear
-attention's small in_proj_a / in_proj_b left in full precision. The attention, MLP and
-experts stay packed; the gated delta-net's projections (regrouped per key head as they load)
-are decoded. The reference is transformers' float32 model of the weights as transformers'
-own fp8 dequantization decodes them."""
+attention's small in_proj_a / in_proj_b left in full precision. The attention, MLP, experts
+and the gated delta-net's projections (regrouped per key head as they load, their 32 x 32
+blocks spanning heads the regrouping reorders) stay packed. The reference is transformers'
+float32 model of the weights as transformers' own fp8 dequantization decodes them."""
 
 import numpy as np
 
@@ -26,6 +26,9 @@ def test_fp8_block_checkpoint_matches_transformers(tmp_path):
     layer = loaded.model.layers[1]
     assert str(layer.self_attn.qkv_proj.kernel[...].dtype) == "float8_e4m3fn"
     assert str(layer.mlp.w13[...].dtype) == "float8_e4m3fn"
+    linear = loaded.model.layers[0].linear_attn
+    for proj in (linear.in_proj_qkvz, linear.out_proj):
+        assert str(proj.kernel[...].dtype) == "float8_e4m3fn"
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 256, n).tolist() for n in (11, 5)]
     assert_logits_match(loaded, hf_model(str(decoded)), prompts)
