@@ -2,7 +2,7 @@
 
 `ToolParserManager.get_tool_parser(name)(tokenizer)` makes one parser per request. Importing
 this package registers `hermes`, `llama3_json` / `llama4_json`, `mistral`, `pythonic` /
-`llama4_pythonic`, `openai` (gpt-oss's harmony), `deepseek_v3`, `deepseek_v31`, `glm45`,
+`llama4_pythonic`, `openai` (gpt-oss's harmony), `deepseek_v3`, `deepseek_v31`, `glm45` / `glm47`,
 `deepseek_v32`, `kimi_k2`, `minimax_m2`, `qwen3_coder` and `qwen3_xml`.
 """
 

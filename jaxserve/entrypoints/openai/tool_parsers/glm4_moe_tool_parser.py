@@ -1,4 +1,5 @@
-"""GLM-4.5 / 4.6 tool calls (`glm45`).
+"""GLM-4.5 / 4.6 tool calls (`glm45`), and GLM-4.7's and GLM-5's (`glm47`: the same blocks,
+the name often followed at once by its first `<arg_key>`, as vLLM reads both).
 
 After the content, each call is a block
 
@@ -95,7 +96,7 @@ def read_block(text: str, at: int, final: bool) -> Block | None:
         pos = value_end + len(VALUE_END)
 
 
-@ToolParserManager.register_module("glm45")
+@ToolParserManager.register_module(["glm45", "glm47"])
 class Glm4MoeModelToolParser(ToolParser):
     def adjust_request(self, request: ChatCompletionRequest) -> ChatCompletionRequest:
         """As vLLM: keep special tokens whenever tools may be called."""

@@ -1,10 +1,10 @@
 """The model-family tool parsers (`deepseek_v3`, `deepseek_v31`, `deepseek_v32`, `kimi_k2`,
-`glm45`, `qwen3_coder`, `qwen3_xml`, `minimax_m2`) on outputs in each model's published format:
-whole-text extraction
-(calls whose arguments validate against the tool's schema, the content before them), and
-streaming in many splits and token by token (each special token one delta; and through the
-detokenizer of a tokenizer with the markers as special tokens), every delta a valid chunk for
-the official openai client, the deltas adding up to the whole-text result."""
+`glm45` / `glm47`, `qwen3_coder`, `qwen3_xml`, `minimax_m2`) on outputs in each model's
+published format: whole-text extraction (calls whose arguments validate against the tool's
+schema, the content before them), and streaming in many splits and token by token (each
+special token one delta; and through the detokenizer of a tokenizer with the markers as
+special tokens), every delta a valid chunk for the official openai client, the deltas adding
+up to the whole-text result."""
 
 from __future__ import annotations
 
@@ -223,6 +223,14 @@ CASES = {
         "</minimax:tool_call>",
         [("write_file", {"path": "a.py", "content": CODE})],
         None,
+    ),
+    "glm47_name_then_args_and_no_args": (
+        "glm47",
+        "Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value>"
+        "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call><tool_call>get_time"
+        "</tool_call>",
+        [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})],
+        "Checking.",
     ),
     "deepseek_v32_typed_after_content": (
         "deepseek_v32",
@@ -470,7 +478,8 @@ def test_adjust_request_keeps_special_tokens(name):
 
 
 def test_registered_names():
-    names = {"deepseek_v3", "deepseek_v31", "glm45", "kimi_k2", "qwen3_coder", "qwen3_xml"}
+    names = {"deepseek_v3", "deepseek_v31", "deepseek_v32", "glm45", "glm47", "kimi_k2",
+             "qwen3_coder", "qwen3_xml"}  # fmt: skip
     assert names <= set(ToolParserManager.list_names())
 
 
