@@ -98,6 +98,7 @@ MTP_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "DeepSeekMTPModel",
     "DeepseekV32ForCausalLM": "DeepSeekV32MTPModel",
     "Glm4MoeForCausalLM": "Glm4MoeMTPModel",
+    "GlmMoeDsaForCausalLM": "GlmMoeDsaMTPModel",
 }
 
 

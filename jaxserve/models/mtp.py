@@ -1,4 +1,4 @@
-"""Multi-token-prediction (MTP) draft heads of DeepSeek-V3 / R1 / V3.2 and GLM-4.5 / 4.6
+"""Multi-token-prediction (MTP) draft heads of DeepSeek-V3 / R1 / V3.2, GLM-4.5 / 4.6 and GLM-5
 (vLLM's `DeepSeekMTPModel`, `Glm4MoeMTPModel`; speculative method `mtp`).
 
 These checkpoints ship `num_nextn_predict_layers` MTP layers after their decoder layers, at
@@ -6,7 +6,8 @@ index L = num_hidden_layers: `model.layers.{L}.enorm`, `.hnorm` (RMSNorms), `.eh
 [D, 2D] (no bias), `.shared_head.norm` (and `.shared_head.head`, the LM head again: the
 target's is used, as vLLM shares it when they are equal), and a decoder block of the target's
 kind under `model.layers.{L}.` (DeepSeek: MLA attention and routed experts, V3.2's with its
-sparse-attention indexer; GLM: its attention and experts), named as the target's own layers.
+sparse-attention indexer, as GLM-5's; GLM: its attention and experts), named as the target's
+own layers.
 
 One draft step (at position p, from the target's hidden state h_p and the next token x_{p+1}):
     x = block(eh_proj([enorm(embed(x_{p+1})) ; hnorm(h_p)]))
@@ -36,6 +37,7 @@ from jaxserve.models.deepseek import DeepseekV3ForCausalLM
 from jaxserve.models.deepseek_v32 import DeepseekV32ForCausalLM
 from jaxserve.models.eagle import DraftHead
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
+from jaxserve.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from jaxserve.models.llama import HFWeight, KVCaches, LlamaForCausalLM
 
 
@@ -106,6 +108,10 @@ class DeepSeekMTP(MtpHead):
 
 class DeepSeekV32MTP(MtpHead):
     target_cls = DeepseekV32ForCausalLM
+
+
+class GlmMoeDsaMTP(MtpHead):
+    target_cls = GlmMoeDsaForCausalLM  # its block a full indexer layer (past indexer_types)
 
 
 class Glm4MoeMTP(MtpHead):

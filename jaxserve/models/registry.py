@@ -11,7 +11,7 @@ from jaxserve.models.llama import LlamaForCausalLM
 from jaxserve.models.llama4 import Llama4ForCausalLM, Llama4ForConditionalGeneration
 from jaxserve.models.minimax_m2 import MiniMaxM2ForCausalLM
 from jaxserve.models.mixtral import MixtralForCausalLM
-from jaxserve.models.mtp import DeepSeekMTP, DeepSeekV32MTP, Glm4MoeMTP
+from jaxserve.models.mtp import DeepSeekMTP, DeepSeekV32MTP, Glm4MoeMTP, GlmMoeDsaMTP
 from jaxserve.models.phi3 import Phi3ForCausalLM
 from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxserve.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -62,6 +62,7 @@ _MODELS = {
     "DeepSeekMTPModel": DeepSeekMTP,  # DeepSeek-V3's multi-token-prediction layer (method mtp)
     "DeepSeekV32MTPModel": DeepSeekV32MTP,  # DeepSeek-V3.2's (a sparse-attention layer)
     "Glm4MoeMTPModel": Glm4MoeMTP,  # GLM-4.5's
+    "GlmMoeDsaMTPModel": GlmMoeDsaMTP,  # GLM-5's (a full indexer layer)
 }
 
 

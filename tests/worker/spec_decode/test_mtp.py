@@ -22,6 +22,7 @@ from jaxserve.models.llama import lm_logits
 from jaxserve.models.loader import load_model
 from jaxserve.transformers_utils.config import read_model_config
 from tests.helpers import TINY, hf_model, make_tiny_hf
+from tests.models.test_deepseek_v32 import FAMILY_SHAPES as DSA_SHAPES
 from tests.models.test_deepseek_v32 import SHAPE as DSA_SHAPE
 from tests.models.test_moe import FAMILIES
 from tests.worker.spec_decode.test_spec_decode import (
@@ -71,7 +72,7 @@ def make_tiny_mtp(family: str, out_dir, num_layers: int, copy_layer0: bool = Fal
     config = json.loads((path / "config.json").read_text())
     config["num_hidden_layers"] = num_layers
     config.setdefault("num_nextn_predict_layers", 1)  # (V3.2's config class drops the field)
-    for key in [k for k in config if k.endswith("layer_types")]:  # per-layer lists (V3.2's)
+    for key in [k for k in config if k.endswith(("layer_types", "indexer_types"))]:  # per layer
         config[key] = config[key][:num_layers]
     (path / "config.json").write_text(json.dumps(config))
     return path, extras
@@ -177,21 +178,30 @@ def test_mtp_head_equals_transformers(tmp_path, family):
         np.testing.assert_allclose(logits, want_logits, atol=1e-4, rtol=0)
 
 
-def test_deepseek_v32_mtp_head_equals_transformers_layer(tmp_path):
-    """DeepSeek-V3.2's MTP layer (a sparse-attention block, past its index_topk of 8 here):
-    transformers' MtpModel takes no V3.2 config, so the reference is its own V3.2 decoder
-    layer with the block's weights, fed eh_proj([enorm(embed) ; hnorm(h)]) and normed by
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_mtp_head_equals_transformers_layer(tmp_path, family):
+    """DeepSeek-V3.2's and GLM-5's MTP layer (a sparse-attention block with a full indexer,
+    past its index_topk of 8 here; GLM-5's target with a shared indexer layer): transformers'
+    MtpModel takes neither config, so the reference is transformers' own decoder layer of the
+    family with the block's weights, fed eh_proj([enorm(embed) ; hnorm(h)]) and normed by
     shared_head.norm; the head's output and logits equal it within 1e-4, whole and chunked."""
     import transformers
 
-    path, extras = make_tiny_mtp("deepseek_v32", tmp_path / "v32", num_layers=2, **DSA_SHAPE)
+    shape = DSA_SHAPES[family]
+    if family == "glm_moe_dsa":  # the target's layers full, shared; the MTP block's full
+        shape = {**shape, "indexer_types": ["full", "shared", "full"]}
+    path, extras = make_tiny_mtp(family, tmp_path / family, num_layers=2, **shape)
     target = hf_model(str(path))
     config = target.config
-    types = [*config.mlp_layer_types, "sparse"]
+    per_layer = {"mlp_layer_types": [*config.mlp_layer_types, "sparse"]}
+    if family == "glm_moe_dsa":
+        per_layer["indexer_types"] = [*config.indexer_types, "full"]
     full = transformers.AutoModelForCausalLM.from_pretrained(
-        path, num_hidden_layers=3, mlp_layer_types=types, dtype=torch.float32
+        path, num_hidden_layers=3, dtype=torch.float32, **per_layer
     )
     one = dict(num_hidden_layers=1, first_k_dense_replace=0, mlp_layer_types=["sparse"])
+    if family == "glm_moe_dsa":
+        one["indexer_types"] = ["full"]
     one_config = transformers.AutoConfig.from_pretrained(path, **one)
     block = transformers.AutoModelForCausalLM.from_config(one_config).float().eval()
     block.model.layers[0].load_state_dict(full.model.layers[2].state_dict())
