@@ -221,6 +221,7 @@ def watch_cache_reads() -> None:
 
     watched_read._jaxserve_watched = True
     cc.get_executable_and_time = watched_read
+    _whole_cache_writes()
 
     compile_and_load = getattr(compiler, "backend_compile_and_load", None)
     if compile_and_load is not None:
@@ -234,6 +235,42 @@ def watch_cache_reads() -> None:
 
         compiler.backend_compile_and_load = watched_compile
         _compiles_watched = True
+
+
+def _whole_cache_writes() -> None:
+    """Make jax's persistent-cache writes appear whole: without a size limit (its default) jax
+    writes an entry in place, unlocked, so another process sharing the cache (the suite's two
+    xdist workers, their engine subprocesses, data-parallel engines) could read a file still
+    being written and hand XLA a partial executable (CI died, SIGSEGV, in the main thread's
+    deserialize_executable under get_executable_and_time). Written beside the entry and renamed
+    over it instead (a rename is atomic). A no-op where jax's internals differ, or with a size
+    limit (jax locks then)."""
+    try:
+        from jax._src import lru_cache
+    except ImportError:
+        return
+    put = getattr(getattr(lru_cache, "LRUCache", None), "put", None)
+    suffix = getattr(lru_cache, "_CACHE_SUFFIX", None)
+    is_local = getattr(lru_cache, "_is_local_filesystem", None)
+    if None in (put, suffix, is_local) or getattr(put, "_jaxserve_whole", False):
+        return
+
+    def whole_put(self, key: str, value: bytes) -> None:
+        directory = str(getattr(self, "path", "")).removeprefix("file://")
+        if getattr(self, "eviction_enabled", True) or not key or not is_local(directory):
+            return put(self, key, value)
+        target = Path(directory) / f"{key}{suffix}"
+        if target.exists():
+            return None
+        with tempfile.NamedTemporaryFile(
+            dir=directory, prefix=".", suffix=".tmp", delete=False
+        ) as f:
+            f.write(value)
+        os.replace(f.name, target)
+        return None
+
+    whole_put._jaxserve_whole = True
+    lru_cache.LRUCache.put = whole_put
 
 
 def _serialize(compiled: Any, hits: dict[int, Any]) -> tuple[bytes, Any, Any]:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import jax
 import pytest
@@ -272,3 +273,25 @@ def test_the_collector_stays_off_until_the_last_loading_thread_is_done():
     release.set()
     thread.join(10)
     assert gc.isenabled()
+
+
+def test_persistent_cache_entries_appear_whole(tmp_path, monkeypatch):
+    """jax's persistent cache (no size limit: no lock) gets each entry written beside it and
+    renamed over it, so a process sharing the cache never reads half an executable."""
+    from jax._src import lru_cache
+
+    executable_cache.watch_cache_reads()
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
+    target = tmp_path / f"key{lru_cache._CACHE_SUFFIX}"
+    renames, real_replace = [], os.replace
+
+    def replace(src, dst):
+        renames.append((Path(src).read_bytes(), Path(dst) == target, target.exists()))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    cache.put("key", b"x" * 4096)
+    cache.put("key", b"y")  # an entry is written once
+    assert renames == [(b"x" * 4096, True, False)]
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]
+    assert cache.get("key") == b"x" * 4096
