@@ -266,6 +266,7 @@ def _whole_cache_writes() -> None:
             dir=directory, prefix=".", suffix=".tmp", delete=False
         ) as f:
             f.write(value)
+        os.chmod(f.name, 0o644)  # as jax's own write (a temporary file is the owner's alone)
         os.replace(f.name, target)
         return None
 

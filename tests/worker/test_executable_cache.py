@@ -295,3 +295,4 @@ def test_persistent_cache_entries_appear_whole(tmp_path, monkeypatch):
     assert renames == [(b"x" * 4096, True, False)]
     assert [p.name for p in tmp_path.iterdir()] == [target.name]
     assert cache.get("key") == b"x" * 4096
+    assert target.stat().st_mode & 0o777 == 0o644  # readable by a cache shared between users
