@@ -113,14 +113,14 @@ class DSAAttention(MLAAttention):
             v_cache = write_kv(v_cache, keys.astype(v_cache.dtype), md.slot_mapping)
             select = (iq, iw)
         dense = jnp.max(md.kv_lens) <= self.index_topk
-        chosen_shape = (
-            x.shape[0],
-            min(self.index_topk, md.block_tables.shape[1] * k_cache.shape[1]),
-        )
+        # [T, k] int32 for the shared layers after this one; only a layer that hands it on
+        # keeps it (a prefill's is T x 2048 x 4 bytes)
+        k = min(self.index_topk, md.block_tables.shape[1] * k_cache.shape[1])
+        all_chosen = jnp.zeros((x.shape[0], k), jnp.int32) if self.publish else None
 
         def mla(k_cache):
             out, k_cache, _ = super(DSAAttention, self).__call__(x, positions, k_cache, v_cache, md)
-            return out, k_cache, jnp.zeros(chosen_shape, jnp.int32)  # every token chosen
+            return out, k_cache, all_chosen  # (dense: every token chosen)
 
         def sparse(k_cache):
             query, q_nope, latent, k_pe = self.project(x, positions, q_resid)
@@ -128,7 +128,15 @@ class DSAAttention(MLAAttention):
             entry = jnp.broadcast_to(entry, (x.shape[0], self.num_kv_heads, m.latent_dim))
             k_cache = write_kv(k_cache, entry, md.slot_mapping)
             out, chosen = sparse_attention(
-                query, select, positions, k_cache, v_cache, md, m.sm_scale, self.index_topk
+                query,
+                select,
+                positions,
+                k_cache,
+                v_cache,
+                md,
+                m.sm_scale,
+                self.index_topk,
+                keep_chosen=self.publish,
             )
             out = jnp.einsum("thr,hvr->thv", out[..., : m.kv_lora_rank], self.w_uv[...])
             return self.o_proj(out.reshape(x.shape[0], -1)), k_cache, chosen
@@ -139,12 +147,15 @@ class DSAAttention(MLAAttention):
         return out, k_cache, v_cache
 
 
-def sparse_attention(query, select, positions, k_cache, v_cache, md, sm_scale, topk):
+def sparse_attention(
+    query, select, positions, k_cache, v_cache, md, sm_scale, topk, keep_chosen=False
+):
     """The absorbed MLA attention of each query over its top-`topk` context tokens by index
     score. query [T, H, r + rope]; select: the indexer's queries f32[T, Hi, Di] and weights
     f32[T, Hi], or the tokens an earlier layer chose i32[T, k]; caches K [N, bs, R, r + rope]
     (latents), V [N, bs, R, Di] (index keys). Returns (f32[T, H, r + rope], its first r
-    columns the attention; the chosen context indices i32[T, min(topk, context)])."""
+    columns the attention; with keep_chosen the chosen context indices i32[T, min(topk,
+    context)], else None)."""
     t = query.shape[0]
     bs = k_cache.shape[1]
     qsl, tables = md.query_start_loc, md.block_tables
@@ -172,10 +183,12 @@ def sparse_attention(query, select, positions, k_cache, v_cache, md, sm_scale, t
         keep = keep.at[:, 0].set(keep[:, 0] | ~valid.any(-1))  # padding rows: no NaN
         s = jnp.einsum("qhd,qkd->qhk", query[rows].astype(jnp.float32), lat) * sm_scale
         p = jax.nn.softmax(jnp.where(keep[:, None], s, -jnp.inf), axis=-1)
-        return jnp.einsum("qhk,qkd->qhd", p, lat), chosen
+        return jnp.einsum("qhk,qkd->qhd", p, lat), chosen if keep_chosen else None
 
     out, chosen = lax.map(tile, jnp.arange((t + pad) // SPARSE_TILE))
-    return out.reshape(t + pad, *query.shape[1:])[:t], chosen.reshape(t + pad, -1)[:t]
+    if keep_chosen:
+        chosen = chosen.reshape(t + pad, -1)[:t]
+    return out.reshape(t + pad, *query.shape[1:])[:t], chosen
 
 
 class DeepseekV32DecoderLayer(DecoderLayer):

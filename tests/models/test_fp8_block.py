@@ -100,20 +100,15 @@ def test_llm_compressor_fp8_block_with_dynamic_fp8_inputs_matches_transformers()
     """llm-compressor's FP8_BLOCK: 128 x 128 weight blocks, and each linear's input quantized
     to e4m3 per 128 values of a token (dynamic), as compressed-tensors runs it: the logits
     match its (and not the weights-only model's: the inputs' rounding moves them ~0.4)."""
-    from tests.models.test_int4 import DATA, prompts_and_reference
+    from tests.models.test_int4 import DATA, assert_matches_recorded
 
     loaded = load_model(DATA / "ct-fp8-block", dtype="float32")
     c = loaded.config
     assert (c.quantization, c.quant_group) == ("fp8_block", 128)
     assert (c.input_quant, c.input_group) == ("fp8", 128)
     assert loaded.model.layers[0].mlp.down_proj.kernel[...].dtype == jnp.float8_e4m3fn
-    prompts, want = prompts_and_reference(DATA / "ct-fp8-block")
     weights_only = np.load(DATA / "ct-fp8-block" / "reference_logits_weight_only.npz")
-    _, got = run_mixed_schedule(loaded, prompts, decode_steps=0)
-    for i, ref in enumerate(want):
-        mine = got[i][: len(prompts[i])]
-        np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
-        assert (mine.argmax(-1) == ref.argmax(-1)).all()
+    for i, mine in enumerate(assert_matches_recorded(loaded, DATA / "ct-fp8-block")):
         assert np.abs(mine - weights_only[f"prompt_{i}"]).max() > 0.05
 
 

@@ -40,6 +40,19 @@ def prompts_and_reference(checkpoint: Path) -> tuple[list[list[int]], list[np.nd
     return prompts, [logits[f"prompt_{i}"] for i in range(len(prompts))]
 
 
+def assert_matches_recorded(loaded, checkpoint: Path) -> list[np.ndarray]:
+    """The loaded model's logits over the checkpoint's recorded prompts (prefilled in a mixed
+    schedule) are its recorded reference's within 1e-3 of their scale, with the same greedy
+    tokens; returns them, a [len(prompt), V] array a prompt."""
+    prompts, want = prompts_and_reference(checkpoint)
+    _, got = run_mixed_schedule(loaded, prompts, decode_steps=0)
+    rows = [got[i][: len(p)] for i, p in enumerate(prompts)]  # (a decode token follows some)
+    for mine, ref in zip(rows, want, strict=True):
+        np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
+        assert (mine.argmax(-1) == ref.argmax(-1)).all()  # greedy: the same tokens
+    return rows
+
+
 def edited(checkpoint: Path, tmp_path: Path, edit) -> Path:
     """A copy of `checkpoint` whose quantization_config `edit(qc)` changes in place."""
     copy = tmp_path / f"edited-{checkpoint.name}"
@@ -74,12 +87,7 @@ def test_logits_match_transformers_and_weights_stay_packed(name):
     # half a byte a value, and a float32 scale and offset a group (act order: + perm)
     packed = sum(a.nbytes for a in linears if a.dtype != jnp.int32)
     assert packed == as_fp32 * (1 / 8 + 2 / group)
-    prompts, want = prompts_and_reference(DATA / name)
-    fed, got = run_mixed_schedule(loaded, prompts, decode_steps=0)
-    for i, ref in enumerate(want):
-        mine = got[i][: len(prompts[i])]  # the prompt's rows (a decode token follows some)
-        np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
-        assert (mine.argmax(-1) == ref.argmax(-1)).all()  # greedy: the same tokens
+    assert_matches_recorded(loaded, DATA / name)
 
 
 @pytest.mark.parametrize("name", ["gptq-w4-g32", "gptq-w4-channel-actorder", "awq-w4-g64"])

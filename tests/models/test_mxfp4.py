@@ -16,7 +16,12 @@ import pytest
 from jaxserve.distributed.mesh import make_mesh
 from jaxserve.layers.linear import E2M1
 from jaxserve.models.loader import load_model
-from tests.models.test_int4 import edited, prompts_and_reference, q_proj_columns
+from tests.models.test_int4 import (
+    assert_matches_recorded,
+    edited,
+    prompts_and_reference,
+    q_proj_columns,
+)
 from tests.models.test_llama_parity import run_mixed_schedule
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "data" / "quantized" / "ct-mxfp4a16"
@@ -29,12 +34,7 @@ def test_logits_match_transformers_and_weights_stay_packed():
     assert down.kernel[...].dtype == down.scale[...].dtype == jnp.uint8
     assert down.kernel[...].shape == (128, 128) and down.scale[...].shape == (256 // 32, 128)
     assert down.offset is None
-    prompts, want = prompts_and_reference(CHECKPOINT)
-    _, got = run_mixed_schedule(loaded, prompts, decode_steps=0)
-    for i, ref in enumerate(want):
-        mine = got[i][: len(prompts[i])]
-        np.testing.assert_allclose(mine, ref, atol=1e-3 * np.abs(ref).max(), rtol=0)
-        assert (mine.argmax(-1) == ref.argmax(-1)).all()
+    assert_matches_recorded(loaded, CHECKPOINT)
 
 
 def test_decoded_weights_equal_compressed_tensors_decompression():
