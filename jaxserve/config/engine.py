@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxserve.config.kv_groups import KVCacheLayout
 from jaxserve.config.kv_transfer import DEFAULT_KV_TRANSFER_ALLOWED_HOSTS, KVTransferConfig
 from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.model import ModelConfig
@@ -36,9 +37,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of device memory for weights + KV cache
     num_gpu_blocks_override: int | None = None  # exact block count (tests, debugging)
     cache_dtype: str = "auto"  # --kv-cache-dtype: a KV_CACHE_DTYPES key
-    # The model's sliding window when every layer has one (ModelConfig.uniform_sliding_window):
-    # blocks that fall out of it are given back as a request runs.
-    sliding_window: int | None = None
+    # The layers' KV-cache groups by attention kind (config/kv_groups.py; None: one group of
+    # full attention): a windowed group's blocks are given back as a request runs past them.
+    kv_layout: KVCacheLayout | None = None
     # A hybrid model's linear-attention states kept for prefix-cache hits (core/state_cache.py):
     # slots beside the input-batch rows' states; 0: none (prefix caching off, or not hybrid).
     state_cache_slots: int = 0
@@ -59,6 +60,10 @@ class CacheConfig:
             raise ValueError(
                 f"num_gpu_blocks_override must be at least 2, got {self.num_gpu_blocks_override}"
             )
+
+    @property
+    def layout(self) -> KVCacheLayout:
+        return self.kv_layout or KVCacheLayout.uniform(1)
 
     def kv_dtype(self, model_dtype: Any) -> Any:
         """The dtype the KV cache is stored in (the model's own for "auto")."""

@@ -90,6 +90,12 @@ class FreeKVCacheBlockQueue:
         return out
 
 
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a block of KV-cache group `group`: the same tokens in two
+    groups are two blocks (group 0's key is the hash itself)."""
+    return block_hash + group.to_bytes(2, "little") if group else block_hash
+
+
 class BlockPool:
     """Owns every KVCacheBlock. Block 0 is the null block: a placeholder that is never handed
     out or freed, so block id 0 can pad block tables without aliasing real data."""
@@ -107,8 +113,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        return self.cached_block_hash_to_block.get(group_key(block_hash, group))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop num_blocks from the free-queue head (least recently freed), evicting their cached
@@ -135,12 +141,17 @@ class BlockPool:
         blocks: Sequence[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group: int = 0,
     ) -> None:
-        """Make blocks[num_cached_blocks:num_full_blocks] findable by the request's hashes."""
+        """Make blocks[num_cached_blocks:num_full_blocks] of KV-cache group `group` findable
+        by the request's hashes (the null blocks in place of a window's given-back blocks
+        are skipped)."""
         if not self.enable_caching:
             return
         for i in range(num_cached_blocks, num_full_blocks):
-            block, block_hash = blocks[i], request.block_hashes[i]
+            block, block_hash = blocks[i], group_key(request.block_hashes[i], group)
+            if block.is_null:
+                continue
             if block_hash in self.cached_block_hash_to_block:
                 # Either a prefix-cache hit (already mapped to this very block), or another block
                 # holds the same content (two requests computed it at once): the first stays the
@@ -152,7 +163,9 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.is_null:
+                continue  # a windowed group's placeholder: never held
+            if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 

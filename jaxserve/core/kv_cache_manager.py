@@ -1,24 +1,32 @@
-"""Which KV-cache blocks each request holds (vLLM V1's KVCacheManager, one attention type).
+"""Which KV-cache blocks each request holds (vLLM V1's KVCacheManager with its hybrid groups).
 
-With a sliding window on every layer (`sliding_window`), a request's blocks that every later
-token is past are given back as it runs (vLLM's SlidingWindowManager): its block list keeps
-the null block in their place, so positions still index it. The runner's block table keeps
-the old ids there; the attention never reads keys outside the window.
+A request holds a block list per KV-cache group (config/kv_groups.py: the model's layers
+grouped by attention kind), all drawn from one block pool; list i of every group covers the
+same block_size tokens. A windowed group (sliding window, chunked local attention) gives
+back the blocks every later token is past as the request runs (vLLM's SlidingWindowManager
+and ChunkedLocalAttentionManager): its list keeps the null block in their place, so
+positions still index it; the attention never reads keys outside its window or chunk.
 
-The scheduler asks get_computed_blocks for a new request's prefix-cache hit, then
-allocate_slots for the blocks its next tokens need, and free when the request finishes or is
-preempted. Blocks are cached by hash as soon as they are allocated full of known tokens: the
-model runner computes them in the same step, before any other request can read them.
+The scheduler asks get_computed_blocks for a new request's prefix-cache hit (the longest
+prefix every group can serve: a full group needs all its blocks, a windowed group only the
+blocks the next token reads), then allocate_slots for the blocks its next tokens need, and
+free when the request finishes or is preempted. Blocks are cached by hash (and group) as soon
+as they are allocated full of known tokens: the model runner computes them in the same step,
+before any other request can read them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from jaxserve.config.kv_groups import FULL, KVCacheGroup
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
 from jaxserve.core.request import Request
+
+GroupBlocks = tuple[list[KVCacheBlock], ...]  # one list per group
+ONE_FULL_GROUP = (KVCacheGroup(FULL, None, ()),)
 
 
 @dataclasses.dataclass
@@ -35,23 +43,31 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+def block_ids(blocks: GroupBlocks) -> tuple[list[int], ...]:
+    """Each group's block ids; () when no group has any (a decode within its blocks)."""
+    return tuple([b.block_id for b in g] for g in blocks) if any(blocks) else ()
+
+
 class KVCacheManager:
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
         enable_caching: bool = True,
-        sliding_window: int | None = None,
+        groups: Sequence[KVCacheGroup] = ONE_FULL_GROUP,
     ):
+        """groups: the layout's groups (KVCacheLayout.groups); the default: one group of
+        full attention."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.sliding_window = sliding_window  # every layer's, or None
+        self.groups = tuple(groups)
+        self.windowed = any(g.kind != FULL for g in self.groups)
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many of a request's leading blocks are already cached by hash.
+        self.req_to_blocks: dict[str, GroupBlocks] = {}
+        # How many of a request's leading blocks are already cached by hash (every group).
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         self.on_reset: list = []  # called once the prefix cache is reset (core/state_cache.py)
@@ -64,61 +80,111 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request, as (blocks, number of tokens). Does not take
-        references: allocate_slots does, once it knows the request fits."""
+    def no_blocks(self) -> GroupBlocks:
+        return tuple([] for _ in self.groups)
+
+    def get_computed_blocks(
+        self, request: Request, trim: Callable[[Request, int], int] | None = None
+    ) -> tuple[GroupBlocks, int]:
+        """The longest cached prefix of the request that every group serves, as (each group's
+        blocks, number of tokens). trim(request, n) -> a shorter hit a caller can use (a multiple of
+        the block size: a scheduler gate's rule); the hit is then looked up again below it.
+        Does not take references: allocate_slots does, once it knows the request fits."""
         # Prompt logprobs need the logits of every prompt position, so nothing may be skipped.
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return self.no_blocks(), 0
         # Leave at least the last token to compute: its logits give the next token.
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break  # hashes chain, so no later block can hit either
-            blocks.append(block)
-        num_hit_tokens = len(blocks) * self.block_size
+        n = (request.num_tokens - 1) // self.block_size
+        found: list[dict[int, KVCacheBlock | None]] = [{} for _ in self.groups]
+        while True:
+            n = self._longest_hit(request, n, found)
+            cut = trim(request, n * self.block_size) // self.block_size if trim and n else n
+            if cut >= n:
+                break
+            n = cut
+        blocks = tuple(
+            [self.block_pool.null_block] * (first := self._first_needed(g, n))
+            + [found[i][j] for j in range(first, n)]
+            for i, g in enumerate(self.groups)
+        )
         self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_hit_tokens
-        return blocks, num_hit_tokens
+        self.prefix_cache_stats.hits += n * self.block_size
+        return blocks, n * self.block_size
+
+    def _first_needed(self, group: KVCacheGroup, num_blocks: int) -> int:
+        """The first block the token after num_blocks full blocks reads in `group`."""
+        return group.first_needed_token(num_blocks * self.block_size) // self.block_size
+
+    def _longest_hit(self, request: Request, n: int, found: list[dict]) -> int:
+        """The most blocks, at most n, that every group holds cached (found: each group's
+        lookups so far, filled in)."""
+        pool, hashes = self.block_pool, request.block_hashes
+
+        def missing(g: int, lo: int, hi: int) -> int | None:
+            """The last block in [lo, hi) group g has not cached, or None."""
+            for j in range(hi - 1, lo - 1, -1):
+                if j not in found[g]:
+                    found[g][j] = pool.get_cached_block(hashes[j], g)
+                if found[g][j] is None:
+                    return j
+            return None
+
+        for g, group in enumerate(self.groups):  # full attention: a prefix of hits
+            if group.kind == FULL:
+                for j in range(n):
+                    if missing(g, j, j + 1) is not None:
+                        n = j
+                        break
+        done = False
+        while n and not done:  # a windowed group: the blocks its window needs
+            done = True
+            for g, group in enumerate(self.groups):
+                if group.kind != FULL:
+                    miss = missing(g, self._first_needed(group, n), n)
+                    if miss is not None:  # any hit containing it in its window fails too
+                        n, done = miss, False
+                        break
+        return n
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        new_computed_blocks: GroupBlocks = (),
         num_new_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
-    ) -> list[KVCacheBlock] | None:
+    ) -> GroupBlocks | None:
         """Give the request blocks for its prefix-cache hit plus num_new_tokens more tokens,
-        and room for num_lookahead_tokens after them (a draft model's proposals). Returns the
-        newly allocated blocks, or None if they do not fit (then only blocks that fell out of
-        the sliding window have been given back). delay_cache_blocks: the new tokens' KV
-        arrives later (a remote KV load): their blocks become findable by hash only at the
-        request's next allocate_slots, once it runs."""
+        and room for num_lookahead_tokens after them (a draft model's proposals). Returns each
+        group's newly allocated blocks, or None if they do not fit (then only blocks that fell
+        out of a window have been given back). delay_cache_blocks: the new tokens' KV arrives
+        later (a remote KV load): their blocks become findable by hash only at the request's
+        next allocate_slots, once it runs."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
-        if not new_computed_blocks and self.fits(request, num_new_tokens + num_lookahead_tokens):
-            return []  # a decode within its last block: the common case, kept cheap
+        hits = new_computed_blocks or self.no_blocks()
+        if not any(hits) and self.fits(request, num_new_tokens + num_lookahead_tokens):
+            return self.no_blocks()  # a decode within its last block: the common case, cheap
         self.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
-        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        held = self.req_to_blocks.get(request.request_id) or self.no_blocks()
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_required = -(-(num_total + num_lookahead_tokens) // self.block_size)
-        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        counts = [max(0, num_required - len(h) - len(c)) for h, c in zip(held, hits, strict=True)]
         # A hit on a free block takes it out of the free queue, so it counts against the space.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_free_hits > self.block_pool.get_num_free_blocks():
+        num_free_hits = sum(1 for c in hits for b in c if b.ref_cnt == 0 and not b.is_null)
+        if sum(counts) + num_free_hits > self.block_pool.get_num_free_blocks():
             return None
 
         # Touch before allocating, so popping new blocks cannot evict the hits.
-        self.block_pool.touch(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        req_blocks.extend(new_computed_blocks)
-        req_blocks.extend(new_blocks)
+        for c in hits:
+            self.block_pool.touch(c)
+        new_blocks = tuple(self.block_pool.get_new_blocks(n) for n in counts)
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, self.no_blocks())
+        for blocks, c, new in zip(req_blocks, hits, new_blocks, strict=True):
+            blocks.extend(c)
+            blocks.extend(new)
 
         # Cache only blocks full of known tokens; a speculative tail has no tokens to hash yet.
         num_full_blocks = min(num_total, request.num_tokens) // self.block_size
@@ -127,7 +193,8 @@ class KVCacheManager:
             num_full_blocks = request.num_computed_tokens + num_new_computed_tokens
             num_full_blocks //= self.block_size
         if num_full_blocks > num_cached:
-            self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full_blocks)
+            for g, blocks in enumerate(req_blocks):
+                self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks, g)
             num_cached = num_full_blocks
         self.num_cached_block[request.request_id] = num_cached
         return new_blocks
@@ -135,41 +202,53 @@ class KVCacheManager:
     def fits(self, request: Request, num_new_tokens: int) -> bool:
         """Whether the request's blocks already hold its next num_new_tokens, with no block
         to cache and none to give back: allocate_slots would change nothing."""
-        blocks = self.req_to_blocks.get(request.request_id)
-        if blocks is None or self.sliding_window is not None:
+        held = self.req_to_blocks.get(request.request_id)
+        if held is None:
             return False
-        end = request.num_computed_tokens + num_new_tokens
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
         full = min(end, len(request.all_token_ids)) // self.block_size
-        return (
-            end <= len(blocks) * self.block_size
-            and full <= self.num_cached_block[request.request_id]
-        )
+        if end > len(held[0]) * self.block_size or full > self.num_cached_block[request.request_id]:
+            return False
+        for group, blocks in zip(self.groups, held, strict=True):
+            first = group.first_needed_token(start) // self.block_size
+            if first and not blocks[first - 1].is_null:
+                return False  # a block to give back
+        return True
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Sliding window: give back the leading blocks wholly before the window of the next
-        token (position num_computed_tokens sees keys from num_computed_tokens - window + 1
-        on), putting the null block in their place."""
-        blocks = self.req_to_blocks.get(request_id)
-        if self.sliding_window is None or not blocks:
+        """Windowed groups: give back the leading blocks wholly before what the next token
+        (position num_computed_tokens) reads, putting the null block in their place."""
+        held = self.req_to_blocks.get(request_id)
+        if not self.windowed or not held:
             return
-        first_needed = max(0, num_computed_tokens - self.sliding_window + 1)
-        skipped = []
-        for i in reversed(range(min(first_needed // self.block_size, len(blocks)))):
-            if blocks[i].is_null:
-                break  # the earlier ones went at an earlier step
-            skipped.append(blocks[i])
-            blocks[i] = self.block_pool.null_block
-        self.block_pool.free_blocks(skipped)  # latest first, as `free` orders them
+        for group, blocks in zip(self.groups, held, strict=True):
+            first_needed = group.first_needed_token(num_computed_tokens) // self.block_size
+            skipped = []
+            for i in reversed(range(min(first_needed, len(blocks)))):
+                if blocks[i].is_null:
+                    break  # the earlier ones went at an earlier step
+                skipped.append(blocks[i])
+                blocks[i] = self.block_pool.null_block
+            self.block_pool.free_blocks(skipped)  # latest first, as `free` orders them
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first: the free queue evicts in that order, and a
         prompt's head blocks are the ones other requests are likeliest to share."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        held = self.req_to_blocks.pop(request.request_id, ())
         self.num_cached_block.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        for blocks in held:
+            self.block_pool.free_blocks(reversed(blocks))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks[request_id]]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """Each group's block ids of the request."""
+        return tuple([b.block_id for b in g] for g in self.req_to_blocks[request_id])
+
+    def connector_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids for a KV connector, which runs with one group
+        (config/kv_groups.py)."""
+        (ids,) = self.get_block_ids(request_id)
+        return ids
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The counts since the last call; resets them."""
@@ -184,12 +263,12 @@ class KVCacheManager:
         return done
 
     def check_no_leaks(self) -> None:
-        """Raise RuntimeError unless every block's ref count equals the number of requests holding
-        it and the free queue holds exactly the unreferenced blocks. With no requests held, this
-        means every ref count is 0 and num_blocks - 1 blocks are free."""
+        """Raise RuntimeError unless every block's ref count equals the number of request
+        groups holding it and the free queue holds exactly the unreferenced blocks. With no
+        requests held, this means every ref count is 0 and num_blocks - 1 blocks are free."""
         pool = self.block_pool
         holders = Counter(
-            b for blocks in self.req_to_blocks.values() for b in blocks if not b.is_null
+            b for held in self.req_to_blocks.values() for g in held for b in g if not b.is_null
         )  # a request holds the null block only in place of blocks out of its window
         free = set(pool.free_block_queue.get_all_free_blocks())
         problems = []
@@ -203,8 +282,8 @@ class KVCacheManager:
         num_free = pool.get_num_free_blocks()
         if len(free) != num_free:
             problems.append(f"free queue has {len(free)} blocks but counts {num_free}")
-        for block_hash, block in pool.cached_block_hash_to_block.items():
-            if block.block_hash != block_hash:
-                problems.append(f"{block} is mapped under hash {block_hash.hex()[:8]}")
+        for key, block in pool.cached_block_hash_to_block.items():
+            if block.block_hash != key:
+                problems.append(f"{block} is mapped under hash {key.hex()[:8]}")
         if problems:
             raise RuntimeError("KV cache block accounting is broken: " + "; ".join(problems))

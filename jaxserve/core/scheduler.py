@@ -38,7 +38,7 @@ import time
 
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.encoder_cache_manager import EncoderCacheManager
-from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager, block_ids
 from jaxserve.core.kv_connector import NoKVConnector, SchedulerKVConnector
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.request_queue import create_request_queue
@@ -101,7 +101,7 @@ class Scheduler:
             num_blocks,
             cache_config.block_size,
             cache_config.enable_prefix_caching,
-            sliding_window=cache_config.sliding_window,
+            cache_config.layout.groups,
         )
         self.gate = step_gate(encoder_cache, cache_config.state_cache_slots, self.kv_cache_manager)
         self.requests: dict[str, Request] = {}
@@ -254,10 +254,10 @@ class Scheduler:
             if new_blocks is None:
                 continue  # `request` itself was preempted; running[i] is the next one now
             self.gate.commit(request, start, num_new, encoder_work)
-            plan.schedule_running(request, num_new, drafts, [b.block_id for b in new_blocks])
+            plan.schedule_running(request, num_new, drafts, block_ids(new_blocks))
             i += 1
 
-    def _allocate_running(self, request: Request, num_new: int) -> list | None:
+    def _allocate_running(self, request: Request, num_new: int) -> tuple | None:
         """KV blocks for a running request's next num_new tokens (and the lookahead after
         them); None when the pool cannot hold them."""
         ahead = self._lookahead(request.num_computed_tokens + num_new)
@@ -302,11 +302,10 @@ class Scheduler:
         assert not request.num_output_placeholders, request  # resolved before readmission
         kv = self.kv_cache_manager
         if request.request_id in kv.req_to_blocks:  # back from a remote load: has blocks
-            computed_blocks, num_computed = [], request.num_computed_tokens
+            computed_blocks, num_computed = kv.no_blocks(), request.num_computed_tokens
             num_external, load_async = 0, False
         else:
-            hit = kv.get_computed_blocks(request)
-            computed_blocks, num_computed = self.gate.trim_hit(request, *hit)
+            computed_blocks, num_computed = kv.get_computed_blocks(request, self.gate.trim_hit)
             num_external, load_async = self.connector.get_num_new_matched_tokens(
                 request, num_computed
             )
@@ -330,7 +329,7 @@ class Scheduler:
             return False
         if num_external:  # loaded into its blocks before this step's forward
             self.connector.update_state_after_alloc(
-                request, kv.get_block_ids(request.request_id), num_computed, num_external
+                request, kv.connector_block_ids(request.request_id), num_computed, num_external
             )
             num_computed += num_external
         self.gate.commit(request, num_computed, num_new, encoder_work)
@@ -360,7 +359,7 @@ class Scheduler:
                 request.num_output_placeholders += 1 + len(plan.spec_tokens.get(req_id, ()))
                 sampled.add(req_id)
         kv_connector_metadata = self.connector.build_connector_meta(
-            [self.requests[r] for r in plan.num_scheduled], self.kv_cache_manager.get_block_ids
+            [requests[r] for r in plan.num_scheduled], self.kv_cache_manager.connector_block_ids
         )
         output = SchedulerOutput(
             scheduled_new_reqs=plan.new_reqs,

@@ -33,16 +33,16 @@ class EncoderGate:
         if request.mm_features:
             self.cache.commit(request, start, num_new, work)
 
-    def trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
-        """A prefix-cache hit that would end inside a bidirectional image ends at the block
-        before it instead (the image's tokens must run in one step)."""
+    def trim_hit(self, request: Request, num_computed: int) -> int:
+        """A prefix-cache hit (num_computed tokens, whole blocks) that would end inside a
+        bidirectional image ends at the block before it instead (the image's tokens must
+        run in one step); the KV manager looks the hit up again below it."""
         if not self.cache.bidirectional or not request.mm_features:
-            return blocks, num_computed
+            return num_computed
         for f in request.mm_features:
             if f.offset < num_computed < f.end:
-                keep = f.offset // request.block_size
-                return blocks[:keep], keep * request.block_size
-        return blocks, num_computed
+                return f.offset // request.block_size * request.block_size
+        return num_computed
 
     def take_inputs(self) -> dict:
         """The step's SchedulerOutput fields: its encoder work (request id -> feature
@@ -78,8 +78,8 @@ class NoEncoderGate(EncoderGate):
     def commit(self, request: Request, start: int, num_new: int, work: list) -> None:
         pass
 
-    def trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
-        return blocks, num_computed
+    def trim_hit(self, request: Request, num_computed: int) -> int:
+        return num_computed
 
     def take_inputs(self) -> dict:
         return {}

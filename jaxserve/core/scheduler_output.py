@@ -21,7 +21,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty only when resuming from preemption
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # each KV-cache group's (config/kv_groups.py)
     num_computed_tokens: int
     eos_token_id: int | None = None
     lora_int_id: int = 0  # its LoRA adapter (0: none)
@@ -31,7 +31,7 @@ class NewRequestData:
 @dataclasses.dataclass
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # each group's new blocks; () when none has any
     num_computed_tokens: int
 
 

@@ -30,7 +30,7 @@ class RemoteKVLoads:
         self,
         connector: SchedulerKVConnector,
         request: Request,
-        computed_blocks: list,
+        computed_blocks: tuple,
         num_computed: int,
         num_external: int,
     ) -> bool:
@@ -47,7 +47,7 @@ class RemoteKVLoads:
         request.num_computed_tokens = num_computed
         self.requests[request.request_id] = request
         connector.update_state_after_alloc(
-            request, kv.get_block_ids(request.request_id), num_computed, num_external
+            request, kv.connector_block_ids(request.request_id), num_computed, num_external
         )
         return True
 

@@ -41,7 +41,7 @@ class StepPlan:
     held_budget: int = 0
 
     def schedule_running(
-        self, request: Request, num_tokens: int, drafts: list[int], new_block_ids: list[int]
+        self, request: Request, num_tokens: int, drafts: list[int], new_block_ids: tuple
     ) -> None:
         """A running request's next num_tokens (its drafts the last of them), in its blocks
         and new_block_ids (sent as a diff: CachedRequestData)."""
@@ -58,11 +58,11 @@ class StepPlan:
         req_id = request.request_id
         self.num_scheduled[req_id] = 1
         self.budget -= 1
-        self.cached_reqs.append(CachedRequestData(req_id, [], request.num_computed_tokens))
+        self.cached_reqs.append(CachedRequestData(req_id, (), request.num_computed_tokens))
         if self.max_reqs is not None:
             self._hold_at_max()
 
-    def schedule_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+    def schedule_new(self, request: Request, num_tokens: int, block_ids: tuple) -> None:
         """A request admitted from the waiting queue, sent in full (NewRequestData)."""
         self._schedule(request.request_id, num_tokens)
         self.new_reqs.append(

@@ -107,11 +107,8 @@ class StateGate:
             self.boundary[rid] = (request.num_tokens - 1) // size * size
         return self.boundary[rid]
 
-    def trim_hit(self, request: Request, blocks: list, num_computed: int) -> tuple[list, int]:
-        blocks, num_computed = self.inner.trim_hit(request, blocks, num_computed)
-        keep = self.cache.longest_hit(request, num_computed)
-        self.kv.prefix_cache_stats.hits -= num_computed - keep  # the hit used, as reported
-        return blocks[: keep // request.block_size], keep
+    def trim_hit(self, request: Request, num_computed: int) -> int:
+        return self.cache.longest_hit(request, self.inner.trim_hit(request, num_computed))
 
     def plan(self, request: Request, start: int, num_new: int) -> tuple[int, list]:
         """The inner gate's plan, ending at the request's state boundary if it would pass it."""

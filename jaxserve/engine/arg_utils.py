@@ -29,6 +29,7 @@ from jaxserve.config import (
     SpeculativeConfig,
     compat,
 )
+from jaxserve.config.kv_groups import kv_cache_layout
 from jaxserve.config.pipeline import pp_layer_partition
 from jaxserve.config.pooler import pooler_config_from
 from jaxserve.config.speculative import mtp_architecture
@@ -86,6 +87,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None  # default: 8192 (1024 on CPU)
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # One KV-cache group of every layer: a windowed layer keeps the whole context
+    disable_hybrid_kv_cache_manager: bool = False
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -228,7 +231,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
-            sliding_window=model_config.uniform_sliding_window,
+            kv_layout=kv_cache_layout(model_config, self._one_kv_group(kv_transfer, spec)),
         )
         parallel = ParallelConfig(
             self.tensor_parallel_size,
@@ -277,6 +280,19 @@ class EngineArgs:
                 self.limit_mm_per_prompt, self.allowed_local_media_path, self.allowed_media_domains
             ),
         )
+
+    def _one_kv_group(self, kv_transfer, spec) -> str | None:
+        """Why the KV cache keeps one group of every layer (config/kv_groups.py), or None:
+        what works on whole blocks of every layer, as vLLM turns its hybrid manager off."""
+        if self.disable_hybrid_kv_cache_manager:
+            return "--disable-hybrid-kv-cache-manager"
+        if kv_transfer is not None:
+            return "a KV connector moves blocks of every layer"
+        if self.pipeline_parallel_size > 1:
+            return "pipeline stages hold their own layers' blocks"
+        if spec is not None:
+            return "a draft's cache follows the target's blocks"
+        return None
 
     def _lora(self, model_config) -> LoRAConfig | None:
         """--enable-lora's config; refused by name for the models it does not serve."""

@@ -74,6 +74,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="one KV-cache group of every layer: sliding-window and chunked layers keep the "
+        "whole context (by default each attention kind has its own blocks)",
+    )
+    parser.add_argument(
         "--runner",
         default="auto",
         choices=["auto", "generate", "pooling"],

@@ -56,7 +56,6 @@ NO_OP: dict[str, str] = {
     "own implementations",
     "allow_deprecated_quantization": "jaxserve warns about no quantization method",
     "disable_cascade_attn": "jaxserve has no cascade attention",
-    "disable_hybrid_kv_cache_manager": "jaxserve has one KV cache manager",
     "kv_sharing_fast_prefill": "jaxserve's prefill runs every layer",
     "swa_bounded_replay": "jaxserve keeps a sliding-window layer's blocks for the whole prompt",
     "prefix_caching_hash_algo": "jaxserve keys prefix blocks by its own hash of the tokens "

@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.config.kv_groups import KVCacheLayout
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.lora import LoRABatch
@@ -56,9 +57,11 @@ def default_attention_backend(platform: str) -> str:
 class AttentionMetadata(NamedTuple):
     """Where a flat batch's tokens live in the paged KV cache (all int32, padded to buckets).
 
-    slot_mapping:    [T] cache slot (block_id * block_size + offset) each new token's K/V is
-                     written to; negative for padding tokens (nothing is written).
-    block_tables:    [S, max_blocks] block ids of each sequence.
+    slot_mapping:    [G, T] cache slot (block_id * block_size + offset) each new token's K/V is
+                     written to in each KV-cache group (config/kv_groups.py); negative for
+                     padding tokens (nothing is written). [T] for a cache of one group.
+    block_tables:    [G, S, max_blocks] block ids of each sequence in each group ([S,
+                     max_blocks] for one group).
     kv_lens:         [S] tokens cached per sequence after this step's tokens are written.
     query_start_loc: [S+1] offsets of each sequence's tokens in the flat batch.
     num_seqs:        [1] sequences in use; later rows of the arrays above are padding.
@@ -67,6 +70,8 @@ class AttentionMetadata(NamedTuple):
                      a leaf, so a step compiled for one layout refuses inputs of the other.
     causal_ext:      [T] or None: each token also sees the keys up to this many positions
                      after its own (a bidirectional image's tokens, Gemma 3; 0 for text).
+    layout:          (static) the KV-cache groups when there are several, else None: one
+                     group of every layer, layer l at rows l * num_blocks + block.
     """
 
     slot_mapping: jax.Array
@@ -76,23 +81,40 @@ class AttentionMetadata(NamedTuple):
     num_seqs: jax.Array
     decode_only: bool = False
     causal_ext: jax.Array | None = None
+    layout: KVCacheLayout | None = None
 
-    def at_layer(self, index: int, num_blocks: int, block_size: int) -> AttentionMetadata:
-        """This metadata for the cache's index-th layer, whose blocks are rows index *
-        num_blocks + block_id of the [L * num_blocks, ...] cache (padding slots stay < 0)."""
-        offset = index * num_blocks
-        slots = jnp.where(self.slot_mapping >= 0, self.slot_mapping + offset * block_size, -1)
-        return self._replace(block_tables=self.block_tables + offset, slot_mapping=slots)
+    def group_view(self, group: int) -> AttentionMetadata:
+        """This metadata for one KV-cache group: its block tables [S, max_blocks] and slots
+        [T], no layout."""
+        tables, slots = self.block_tables, self.slot_mapping
+        if tables.ndim == 3:
+            tables, slots = tables[group], slots[group]
+        return self._replace(block_tables=tables, slot_mapping=slots, layout=None)
+
+    def at_layer(self, index: int, cache: jax.Array, num_layers: int) -> AttentionMetadata:
+        """This metadata for the cache's index-th layer (of num_layers), in its group's
+        slot s of the [num_slots * num_blocks, block_size, ...] cache: its blocks are rows
+        s * num_blocks + block_id (padding slots stay < 0). Without a layout every layer is
+        its own slot of one group."""
+        layout = self.layout or KVCacheLayout.uniform(num_layers)
+        group, slot = layout.position(index)
+        md = self.group_view(group)
+        offset = slot * (cache.shape[0] // layout.num_slots)
+        slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * cache.shape[1], -1)
+        return md._replace(block_tables=md.block_tables + offset, slot_mapping=slots)
 
 
 _LEAVES = ("slot_mapping", "block_tables", "kv_lens", "query_start_loc", "num_seqs", "causal_ext")
 jax.tree_util.register_pytree_with_keys(
     AttentionMetadata,
-    lambda md: ([(jax.tree_util.GetAttrKey(k), getattr(md, k)) for k in _LEAVES], md.decode_only),
-    lambda decode_only, arrays: AttentionMetadata(
-        *arrays[:5], decode_only=decode_only, causal_ext=arrays[5]
+    lambda md: (
+        [(jax.tree_util.GetAttrKey(k), getattr(md, k)) for k in _LEAVES],
+        (md.decode_only, md.layout),
     ),
-    flatten_func=lambda md: ((*md[:5], md.causal_ext), md.decode_only),
+    lambda static, arrays: AttentionMetadata(
+        *arrays[:5], decode_only=static[0], causal_ext=arrays[5], layout=static[1]
+    ),
+    flatten_func=lambda md: ((*md[:5], md.causal_ext), (md.decode_only, md.layout)),
 )
 
 

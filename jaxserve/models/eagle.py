@@ -114,10 +114,8 @@ def _run_layers(layers, x, positions, kv_caches: KVCaches, md: AttentionMetadata
     """The head's layers over the paged cache (layer l's blocks at l * num_blocks, as the
     target's); extra: arguments before x of every layer call."""
     k_cache, v_cache = kv_caches
-    num_blocks = k_cache.shape[0] // len(layers)
-    block_size = k_cache.shape[1]
     for i, layer in enumerate(layers):
-        layer_md = md.at_layer(i, num_blocks, block_size)
+        layer_md = md.at_layer(i, k_cache, len(layers))
         x, k_cache, v_cache = layer(*extra, x, positions, k_cache, v_cache, layer_md)
     return x, (k_cache, v_cache)
 

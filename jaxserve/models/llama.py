@@ -123,8 +123,6 @@ class LlamaForCausalLM(nnx.Module):
         positions, md, hidden_in = inputs.positions, inputs.attn, inputs.hidden_in
         lora_slots = inputs.lora_slots
         k_cache, v_cache = kv_caches
-        num_blocks = k_cache.shape[0] // len(self.layers)
-        block_size = k_cache.shape[1]
         h = self.embed_tokens(inputs.input_ids) if hidden_in is None else hidden_in  # [T, D]
         if self.embed_scale and hidden_in is None:  # HF rounds the scale to the dtype first
             h = h * jnp.asarray(self.config.hidden_size**0.5, h.dtype)
@@ -138,7 +136,7 @@ class LlamaForCausalLM(nnx.Module):
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 aux.append(h)
-            layer_md = md.at_layer(i, num_blocks, block_size)  # this layer's blocks
+            layer_md = md.at_layer(i, k_cache, len(self.layers))  # this layer's blocks
             h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md, **lora)
             if i < self.deepstack_layers:  # Qwen3-VL: the images' i-th further feature
                 h = with_images(h, inputs, deepstack=i + 1)

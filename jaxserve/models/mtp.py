@@ -81,7 +81,8 @@ class MtpHead(DraftHead):
         positions: i32[T], p -> (shared_head.norm(x) [T, D], x [T, D], kv_caches)."""
         parts = [self.enorm(embeds), self.hnorm(h.astype(embeds.dtype))]
         x = self.eh_proj(jnp.concatenate(parts[::-1] if self.hidden_first else parts, axis=-1))
-        k_cache, v_cache = kv_caches  # its one layer's: at_layer(0) is md itself
+        k_cache, v_cache = kv_caches  # its one layer's
+        md = md.at_layer(0, k_cache, 1)
         x, k_cache, v_cache = self.layers[0](x, positions, k_cache, v_cache, md)
         return self.shared_head_norm(x), x, (k_cache, v_cache)
 

@@ -108,8 +108,6 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         too)."""
         positions, md, token_rows = inputs.positions, inputs.attn, inputs.token_rows
         k_cache, v_cache, conv, rec = kv_caches
-        num_blocks = k_cache.shape[0] // len(self.config.kv_layers)
-        block_size = k_cache.shape[1]
         h = with_images(self.embed_tokens(inputs.input_ids), inputs)  # (Qwen3.5's images)
         rope_positions = positions if inputs.mrope_positions is None else inputs.mrope_positions
         kv_index = lin_index = 0
@@ -123,7 +121,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
                 conv, rec = (*conv[:i], conv_l, *conv[i + 1 :]), (*rec[:i], rec_l, *rec[i + 1 :])
                 lin_index += 1
             else:
-                layer_md = md.at_layer(kv_index, num_blocks, block_size)
+                layer_md = md.at_layer(kv_index, k_cache, len(self.config.kv_layers))
                 out, k_cache, v_cache = layer.self_attn(
                     x, rope_positions, k_cache, v_cache, layer_md
                 )

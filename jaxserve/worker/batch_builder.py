@@ -3,9 +3,10 @@ become one step's forward and sampling inputs, padded to the smallest ready buck
 numpy alone (no device work, no loop over the rows' SamplingParams).
 
 The flat batch: request i runs tokens qsl[i] .. qsl[i + 1] - 1 at positions start[i] ..; its
-KV goes to `slot_mapping` (block * block_size + offset). Sampling rows: one per request at
-its last token, and with speculative decoding one more per draft token before it (request i's
-rows are first_row[i] .. first_row[i] + num_rows[i] - 1, at its last num_rows[i] tokens).
+KV goes to `slot_mapping` (block * block_size + offset, a row per KV-cache group). Sampling
+rows: one per request at its last token, and with speculative decoding one more per draft
+token before it (request i's rows are first_row[i] .. first_row[i] + num_rows[i] - 1, at its
+last num_rows[i] tokens).
 The tokens of a request scheduled while its previous step is in flight are not known here:
 they are placeholders the forward reads from the step state on the device
 (worker/step_state.py); the input batch takes each step's tokens at its fetch.
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxserve.config.kv_groups import KVCacheLayout
 from jaxserve.core.scheduler_output import PromptLogprobs, SchedulerOutput
 from jaxserve.layers.attention import AttentionMetadata
 from jaxserve.structured_output import bitmask_words
@@ -37,16 +39,20 @@ class BatchBuilder:
         vocab_size: int,
         num_spec_tokens: int = 0,
         decode_only_forwards: bool = False,
+        kv_layout: KVCacheLayout | None = None,
     ):
         """decode_only_forwards: a step whose every request runs one token takes the
-        decode-only forward (`AttentionMetadata.decode_only`). A feature's fields of the
-        forward's inputs are its own (worker/step_feature.py)."""
+        decode-only forward (`AttentionMetadata.decode_only`); kv_layout: the KV-cache
+        groups when there are several (config/kv_groups.py), else None. A feature's fields
+        of the forward's inputs are its own (worker/step_feature.py)."""
         self.buckets = buckets
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_req = max_blocks_per_req
         self.num_spec_tokens = num_spec_tokens
         self.decode_only_forwards = decode_only_forwards
+        self.kv_layout = kv_layout if kv_layout and kv_layout.num_groups > 1 else None
+        self.num_groups = kv_layout.num_groups if self.kv_layout else 1
         self.bitmask_words = bitmask_words(vocab_size)
         self._free_bitmasks: dict[int, np.ndarray] = {}
 
@@ -87,10 +93,11 @@ class BatchBuilder:
         ids = ib.token_ids[row_of_token, np.minimum(pos, self.max_model_len - 1)]
         placeholder = -1 - (pos - np.repeat(start, n_sched))  # the step's j-th: column j
         ids = _padded(np.where(np.repeat(ahead, n_sched), placeholder, ids), t, 0)
-        blocks = ib.block_table[row_of_token, pos // self.block_size]
-        slots = _padded(blocks * self.block_size + pos % self.block_size, t, -1)
-        block_tables = np.zeros((sf, self.max_blocks_per_req), np.int32)
-        block_tables[:num_reqs] = ib.block_table[rows]
+        blocks = ib.block_table[:, row_of_token, pos // self.block_size]  # [G, num_tokens]
+        slots = np.full((self.num_groups, t), -1, np.int32)
+        slots[:, :num_tokens] = blocks * self.block_size + pos % self.block_size
+        block_tables = np.zeros((self.num_groups, sf, self.max_blocks_per_req), np.int32)
+        block_tables[:, :num_reqs] = ib.block_table[:, rows]
         # Each request's last n_rows tokens: the positions whose next token is sampled.
         row_offset = np.arange(num_rows, dtype=np.int32) - np.repeat(first_row, n_rows)
         logits_indices = _padded(
@@ -107,6 +114,7 @@ class BatchBuilder:
             qsl,
             np.array([num_reqs], np.int32),
             decode_only,
+            layout=self.kv_layout,
         )
         forward = ForwardInputs(
             ids,
@@ -194,13 +202,15 @@ class BatchBuilder:
         """Forward inputs of token bucket t that run nothing (no sequence, no KV write)."""
         s = self.buckets.forward_seqs(t)
         ids = np.zeros(t, np.int32)
+        g = self.num_groups
         attn = AttentionMetadata(
-            slot_mapping=np.full(t, -1, np.int32),
-            block_tables=np.zeros((s, self.max_blocks_per_req), np.int32),
+            slot_mapping=np.full((g, t), -1, np.int32),
+            block_tables=np.zeros((g, s, self.max_blocks_per_req), np.int32),
             kv_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
             num_seqs=np.zeros(1, np.int32),
             decode_only=decode_only,
+            layout=self.kv_layout,
         )
         return ForwardInputs(
             ids,

@@ -1,9 +1,10 @@
 """Persistent host-side state of the requests the model runner holds (vLLM V1's InputBatch).
 
 Each request owns a row from the moment it is scheduled until it finishes or is preempted:
-its token ids (prompt + generated), block table and sampling parameters (as arrays,
-worker/sampling_rows.py) live in preallocated numpy arrays, so building a step's inputs is
-slicing and a few vectorised writes, never a rebuild from the scheduler's objects.
+its token ids (prompt + generated), block tables (one per KV-cache group) and sampling
+parameters (as arrays, worker/sampling_rows.py) live in preallocated numpy arrays, so building
+a step's inputs is slicing and a few vectorised writes, never a rebuild from the scheduler's
+objects.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from jaxserve.worker.sampling_rows import SamplingRows
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int):
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_groups: int = 1
+    ):
+        """num_groups: the KV-cache groups (config/kv_groups.py), each a block table per row."""
         self.max_num_reqs = max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -23,8 +27,8 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int32)  # prompt + generated, known so far
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int32)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, np.int32)
+        self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks_per_req), np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, np.int32)  # every group's table is this long
         # Tokens whose KV is computed, as the scheduler said in the latest step (where that
         # step's tokens start).
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int32)
@@ -49,7 +53,7 @@ class InputBatch:
         cached = so.scheduled_cached_reqs
         rows = [self.req_id_to_row[c.req_id] for c in cached]
         for row, c in zip(rows, cached, strict=True):
-            if c.new_block_ids:  # (most decode steps have none)
+            if c.new_block_ids:  # (most decode steps have none: ())
                 self.append_blocks(row, c.new_block_ids)
         self.num_computed_tokens[rows] = [c.num_computed_tokens for c in cached]
         return penalised
@@ -75,10 +79,12 @@ class InputBatch:
             self.free_rows.append(row)
             self.lora_ids[row] = 0
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(self, row: int, block_ids: tuple[list[int], ...]) -> None:
+        """Each group's new blocks (as many in every group)."""
         n = self.num_blocks[row]
-        self.block_table[row, n : n + len(block_ids)] = block_ids
-        self.num_blocks[row] = n + len(block_ids)
+        for table, ids in zip(self.block_table, block_ids, strict=True):
+            table[row, n : n + len(ids)] = ids
+        self.num_blocks[row] = n + len(block_ids[0]) if block_ids else n
 
     def holds(self, req_id: str, row: int) -> bool:
         """Whether `row` still belongs to `req_id` (a row freed by a finished request may have

@@ -1,6 +1,8 @@
 """The paged KV cache's size and allocation: K and V, each [L * num_blocks, block_size, Hkv
 (x replicas), hd] (layer l's block b at row l * num_blocks + b), sized at start-up from what
-the weights left of the memory budget.
+the weights left of the memory budget. With KV-cache groups (config/kv_groups.py) L is the
+layout's slots per group: a block id is one block of that many layers, in whichever group
+holds it.
 
 A hybrid model (linear-attention layers: Qwen3-Next) keeps K and V for its full-attention
 layers only (L = those), and beside them each linear layer's state in a fixed slot per
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxserve import envs
 from jaxserve.config import CacheConfig, ModelConfig, compat
+from jaxserve.config.kv_groups import KVCacheLayout
 from jaxserve.distributed.sharding import (
     kv_cache_sharding,
     splits_linear_attention,
@@ -38,15 +41,20 @@ class KVCacheSpec:
         kv_dtype: Any,
         num_cache_kv_heads: int,
         num_state_rows: int = 0,
+        layout: KVCacheLayout | None = None,
     ):
         """num_cache_kv_heads: the KV heads the cache holds (each replicated when tp > Hkv);
-        num_state_rows: the input-batch rows (a hybrid model's state slots)."""
+        num_state_rows: the input-batch rows (a hybrid model's state slots); layout: the
+        KV-cache groups (None: one group of every cached layer)."""
         self.config = config
         self.mesh = mesh
         self.block_size = block_size
         self.dtype = kv_dtype
         self.num_cache_kv_heads = num_cache_kv_heads
         self.num_state_rows = num_state_rows
+        self.layout = layout if layout is not None and layout.num_groups > 1 else None
+        # layers of K/V one block id covers: a group's slots, or every cached layer
+        self.num_slots = self.layout.num_slots if self.layout else len(config.kv_layers)
         self.sharding = kv_cache_sharding(mesh)
         if config.linear_attn is not None:  # (K, V, conv, rec)
             self.sharding = (self.sharding, self.sharding, *state_shardings(config, mesh))
@@ -56,7 +64,7 @@ class KVCacheSpec:
         c = self.config
         kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
         itemsize = jnp.dtype(self.dtype).itemsize
-        return len(c.kv_layers) * self.block_size * kv_heads * sum(c.cache_dims) * itemsize
+        return self.num_slots * self.block_size * kv_heads * sum(c.cache_dims) * itemsize
 
     def state_shapes(self) -> tuple:
         """A hybrid model's per-row states, (conv per linear layer, rec per linear layer);
@@ -90,7 +98,7 @@ class KVCacheSpec:
         """K and V of num_blocks blocks, zeros, in the cache's sharding (an MLA model's V
         holds nothing: its attention reads the values from K), and a hybrid model's states."""
         c = self.config
-        rows = (len(c.kv_layers) * num_blocks, self.block_size, self.num_cache_kv_heads)
+        rows = (self.num_slots * num_blocks, self.block_size, self.num_cache_kv_heads)
         kv_sharding = kv_cache_sharding(self.mesh)
 
         def zeros(dim):

@@ -97,8 +97,12 @@ class ModelRunner(StepCompiler):
         )
         self.decode_only_forwards = DECODE_ONLY_FORWARDS[engine_config.attention_backend]
         self.drafting = Drafting(self.proposer, self.max_model_len)
+        layout = cc.kv_layout if cc.kv_layout and cc.kv_layout.num_groups > 1 else None
         self.input_batch = InputBatch(
-            self.max_num_seqs, self.max_model_len, self.max_blocks_per_req
+            self.max_num_seqs,
+            self.max_model_len,
+            self.max_blocks_per_req,
+            layout.num_groups if layout else 1,
         )
         self.builder = BatchBuilder(
             self.buckets,
@@ -108,6 +112,7 @@ class ModelRunner(StepCompiler):
             vocab_size=self.config.vocab_size,
             num_spec_tokens=k,
             decode_only_forwards=self.decode_only_forwards,
+            kv_layout=layout,
         )
         configure_attention(loaded.model, engine_config.attention_backend, self.mesh)
         configure_moe(loaded.model, self.mesh)
@@ -118,6 +123,7 @@ class ModelRunner(StepCompiler):
             cc.kv_dtype(self.config.dtype),
             loaded.model.num_cache_kv_heads,
             self.max_num_seqs + cc.state_cache_slots,  # a hybrid model's state rows, kept ones
+            layout,
         )
         self.head = self.stages.place_head(loaded.model.logits_head)  # [V, D] tied or [D, V]
         rep = self._replicated = NamedSharding(self.mesh, P())

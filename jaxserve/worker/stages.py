@@ -67,7 +67,7 @@ class OneStage:
             runner.engine_config.cache,
             runner.mesh.local_devices[0],
             runner.kv_bytes_per_block(),
-            runner.max_blocks_per_req + 1,
+            runner.max_blocks_per_req * len(runner.input_batch.block_table) + 1,  # every group
             runner.max_model_len,
             runner.kv.state_bytes(),
         )

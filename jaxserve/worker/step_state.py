@@ -81,8 +81,8 @@ def resolve(inputs: StepInputs, state: jax.Array, block_size: int) -> StepInputs
     pos = inputs.positions - shift
     qsl = md.query_start_loc
     seq = jnp.searchsorted(qsl[1:], jnp.arange(ids.shape[0]), side="right")
-    seq = jnp.minimum(seq, md.block_tables.shape[0] - 1)
-    block = md.block_tables[seq, pos // block_size]
+    seq = jnp.minimum(seq, md.block_tables.shape[-2] - 1)
+    block = md.block_tables[..., seq, pos // block_size]  # [T], or [G, T] per group
     slots = jnp.where(shift > 0, block * block_size + pos % block_size, md.slot_mapping)
     last = jnp.clip(qsl[1:] - 1, 0, ids.shape[0] - 1)  # each sequence's last token
     kv_lens = md.kv_lens - jnp.where(qsl[1:] > qsl[:-1], shift[last], 0)

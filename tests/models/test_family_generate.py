@@ -8,7 +8,9 @@ them."""
 import numpy as np
 import pytest
 
+from jaxserve.config.kv_groups import kv_cache_layout
 from jaxserve.entrypoints.llm import LLM
+from jaxserve.transformers_utils.config import read_model_config
 from tests.helpers import assert_generate_matches_hf, core_of, make_tiny_hf
 from tests.models.test_llama_parity import FAMILIES as DENSE
 from tests.models.test_moe import FAMILIES as MOE
@@ -32,9 +34,19 @@ GENERATE = {  # one configuration per family, the parity test's
 # Qwen3-Next (a hybrid: linear-attention states per request) is run the same way, at tp 1
 # and 2, in test_qwen3_next.py.
 # 7 usable KV blocks of 16 for prompts of 9, 23 and 14 tokens and 32 new tokens each (10
-# blocks at once): requests are preempted and recomputed, prefix caching on
+# blocks at once): requests are preempted and recomputed, prefix caching on.
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtype="float32",
               num_gpu_blocks_override=8)  # fmt: skip
+
+
+def pool_blocks(model_dir) -> int:
+    """The KV pool: ENGINE's, or with KV-cache groups (windowed and full layers:
+    config/kv_groups.py) 4 blocks a group and 2: one request fits (4 blocks in the full
+    group, at most 3 in a windowed one), three at once do not (they are preempted)."""
+    groups = kv_cache_layout(read_model_config(model_dir, "float32")).num_groups
+    return ENGINE["num_gpu_blocks_override"] if groups == 1 else 4 * groups + 2
+
+
 # tp 2 through the whole engine for llama (the dense families split alike: sliding windows,
 # softcaps and q/k norms split no differently) and for the experts of Qwen3-MoE (Mixtral's
 # are the same MoE layer, split alike); the dense families' own splits (qwen2's qkv bias,
@@ -64,7 +76,10 @@ def family_dirs(tmp_path_factory):
 def test_greedy_generate_matches_hf(family_dirs, family, tp, monkeypatch):
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     family_dir = family_dirs(family)
-    llm = LLM(str(family_dir), tensor_parallel_size=tp, **ENGINE)
+    blocks = pool_blocks(family_dir)
+    llm = LLM(
+        str(family_dir), tensor_parallel_size=tp, **{**ENGINE, "num_gpu_blocks_override": blocks}
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, n).tolist() for n in (9, 23, 14)]
     assert_generate_matches_hf(llm, family_dir, prompts)
@@ -85,7 +100,7 @@ def test_mistral_sliding_window_gives_back_blocks(tmp_path, monkeypatch):
     llm = LLM(str(model_dir), block_size=4, **{**ENGINE, "num_gpu_blocks_override": 14})
     engine = llm.llm_engine
     kv = engine.engine_core.engine_core.scheduler.kv_cache_manager
-    assert kv.sliding_window == 8
+    assert [(g.kind, g.span) for g in kv.groups] == [("sliding", 8)]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, 256, n).tolist() for n in (5, 21)]  # 21: chunked (16)
     most_held = 0
@@ -94,7 +109,7 @@ def test_mistral_sliding_window_gives_back_blocks(tmp_path, monkeypatch):
     def watched_step():
         nonlocal most_held
         outs = step()
-        for blocks in kv.req_to_blocks.values():
+        for (blocks,) in kv.req_to_blocks.values():
             most_held = max(most_held, sum(not b.is_null for b in blocks))
         return outs
 

@@ -25,7 +25,7 @@ def make(num_spec_tokens=0, decode_only_forwards=True):
 
 
 def new(req_id, prompt, blocks, params=GREEDY, computed=0, output=()):
-    return NewRequestData(req_id, list(prompt), list(output), params, list(blocks), computed, 2)
+    return NewRequestData(req_id, list(prompt), list(output), params, (list(blocks),), computed, 2)
 
 
 def output(new_reqs=(), cached=(), scheduled=None, sampled=None, drafts=None, finished=()):
@@ -54,10 +54,10 @@ def test_two_prefills_then_two_decodes():
     assert f.input_ids.tolist() == [10, 11, 12, 13, 14, 20, 21, 22]
     assert f.positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
     # a: positions 0-3 in block 1, 4 in block 2; b: block 3
-    assert f.attn.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13, 14]
+    assert f.attn.slot_mapping[0].tolist() == [4, 5, 6, 7, 8, 12, 13, 14]
     assert f.attn.query_start_loc.tolist() == [0, 5, 8, 8, 8]  # 4 sequence rows at T = 8
     assert f.attn.kv_lens.tolist() == [5, 3, 0, 0]
-    assert f.attn.block_tables[:2, :2].tolist() == [[1, 2], [3, 0]]
+    assert f.attn.block_tables[0, :2, :2].tolist() == [[1, 2], [3, 0]]
     assert int(f.attn.num_seqs[0]) == 2 and not f.attn.decode_only
     assert f.logits_indices.tolist() == [4, 7, 0, 0]  # each request's last token
     assert b.sample.rows.tolist() == [ib.req_id_to_row["a"], ib.req_id_to_row["b"]]
@@ -68,7 +68,7 @@ def test_two_prefills_then_two_decodes():
     assert b.sampled.tolist() == [True, True] and not b.ahead.any()
 
     so = output(
-        cached=[CachedRequestData("a", [], 5), CachedRequestData("b", [], 3)],
+        cached=[CachedRequestData("a", (), 5), CachedRequestData("b", (), 3)],
         scheduled={"a": 1, "b": 1},
     )
     b = step(builder, ib, so, step_count=1)
@@ -78,7 +78,7 @@ def test_two_prefills_then_two_decodes():
     assert b.ahead.tolist() == [True, True]
     assert f.token_rows.tolist() == [a, bb]
     assert f.positions.tolist() == [5, 3]
-    assert f.attn.slot_mapping.tolist() == [9, 15]
+    assert f.attn.slot_mapping[0].tolist() == [9, 15]
     assert f.attn.query_start_loc.tolist() == [0, 1, 2]
     assert int(b.sample.step) == 1
 
@@ -89,11 +89,11 @@ def test_a_chunked_prompt_starts_where_the_scheduler_says():
     b = step(builder, ib, output([new("a", prompt, [1, 2, 3])], scheduled={"a": 8}, sampled=()))
     assert b.forward.positions.tolist() == list(range(8))
     assert not b.sampled.any() and not b.sample.appends.any()
-    b = step(builder, ib, output(cached=[CachedRequestData("a", [], 8)], scheduled={"a": 4}))
+    b = step(builder, ib, output(cached=[CachedRequestData("a", (), 8)], scheduled={"a": 4}))
     f = b.forward
     assert b.num_tokens == 4 and f.positions.tolist() == [8, 9, 10, 11]
     assert f.input_ids.tolist() == prompt[8:]
-    assert f.attn.slot_mapping.tolist() == [12, 13, 14, 15]  # block 3
+    assert f.attn.slot_mapping[0].tolist() == [12, 13, 14, 15]  # block 3
     assert f.attn.kv_lens.tolist()[:1] == [12] and f.logits_indices[0] == 3
 
 
@@ -111,7 +111,7 @@ def test_draft_rows_follow_each_request_and_count_earlier_drafts():
     ib.token_ids[a, 3], ib.token_ids[bb, 2] = 50, 60  # the first step's tokens, fetched
     ib.num_tokens[[a, bb]] += 1
     so = output(
-        cached=[CachedRequestData("a", [], 3), CachedRequestData("b", [], 2)],
+        cached=[CachedRequestData("a", (), 3), CachedRequestData("b", (), 2)],
         scheduled={"a": 3, "b": 1}, drafts={"a": [51, 52]},
     )  # fmt: skip
     b = step(builder, ib, so)
@@ -131,7 +131,7 @@ def test_draft_rows_follow_each_request_and_count_earlier_drafts():
     # two drafts are placeholders of its step-state columns, at the host's positions (all
     # drafts counted as accepted: the forward moves them back by those rejected).
     so = output(
-        cached=[CachedRequestData("a", [], 6), CachedRequestData("b", [], 3)],
+        cached=[CachedRequestData("a", (), 6), CachedRequestData("b", (), 3)],
         scheduled={"a": 3, "b": 1}, drafts={"a": [-1, -1]},
     )  # fmt: skip
     b = step(builder, ib, so)
@@ -180,4 +180,4 @@ def test_a_step_pads_to_the_smallest_ready_token_bucket(ready, padded):
     ib.update(so := output([new("a", [1, 2, 3], [1])], scheduled={"a": 3}))
     b = builder.build(so, ib, ready, 0)
     assert b.num_tokens == padded and len(b.forward.input_ids) == padded
-    assert b.forward.attn.slot_mapping.tolist()[3:] == [-1] * (padded - 3)  # writes nothing
+    assert b.forward.attn.slot_mapping[0].tolist()[3:] == [-1] * (padded - 3)  # writes nothing

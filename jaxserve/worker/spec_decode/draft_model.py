@@ -176,8 +176,8 @@ def proposal_layout(batch: StepBatch, ib: InputBatch, seq_buckets) -> tuple[np.n
         proposes[i] = ib.holds(batch.req_ids[i], batch.rows[i])
     rows = np.full(s, ib.max_num_reqs, np.int32)
     rows[:n] = np.where(proposes, batch.rows, ib.max_num_reqs)
-    tables = np.zeros((s, ib.block_table.shape[1]), np.int32)
-    tables[:n] = ib.block_table[batch.rows]
+    tables = np.zeros((s, ib.block_table.shape[2]), np.int32)
+    tables[:n] = ib.block_table[0, batch.rows]  # (the one KV-cache group)
     num_blocks = np.zeros(s, np.int32)
     num_blocks[:n] = np.where(proposes, ib.num_blocks[batch.rows], 0)
     return rows, tables, num_blocks, np.array([n], np.int32)
