@@ -117,6 +117,7 @@ def group_layers(kinds: Sequence[tuple[str, int | None]]) -> KVCacheLayout:
         return KVCacheLayout.uniform(len(kinds), kind, span)
     sizes = [len(layers) for layers in by_kind.values()]
     size = max(sizes) if max(sizes) < min(sizes) * 1.25 else min(sizes)
+    # full attention first: a draft model or EAGLE head (every position) uses group 0's blocks
     order = sorted(by_kind, key=lambda k: (k[0] != FULL, k[0], k[1] or 0))
     groups = tuple(
         KVCacheGroup(kind, span, tuple(by_kind[(kind, span)][i : i + size]))

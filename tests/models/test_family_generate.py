@@ -118,3 +118,21 @@ def test_mistral_sliding_window_gives_back_blocks(tmp_path, monkeypatch):
     assert most_held <= 8 // 4 + 16 // 4 + 1  # window + a 16-token chunk (+ a partial block)
     assert engine.engine_core.engine_core.scheduler.total_preemptions == 0
     kv.check_no_leaks()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_windowed_groups_serve_a_prefix_hit(family_dirs, family, monkeypatch):
+    """A model with KV-cache groups (full and sliding-window layers: config/kv_groups.py)
+    run twice on one 40-token prompt: the second run hits its first two blocks (32 tokens:
+    every full-attention block, and of the windowed groups' only the block the next token's
+    window reads) and still gives HF's tokens and logprobs."""
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    family_dir = family_dirs(family)
+    llm = LLM(str(family_dir), **{**ENGINE, "num_gpu_blocks_override": 64})
+    kv = core_of(llm).scheduler.kv_cache_manager
+    assert {g.kind for g in kv.groups} == {"full", "sliding"}
+    prompt = np.random.default_rng(2).integers(1, 256, 40).tolist()
+    (cold,) = assert_generate_matches_hf(llm, family_dir, [prompt])
+    (warm,) = assert_generate_matches_hf(llm, family_dir, [prompt])
+    assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 32)
+    kv.check_no_leaks()

@@ -76,10 +76,12 @@ class DraftModelProposer(Proposer):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
 
     def _mirror_fn(self, params, kv_caches, state, inputs: ForwardInputs):
-        """The target step's tokens through the draft: only its KV cache is kept."""
+        """The target step's tokens through the draft: only its KV cache is kept, in the
+        blocks of the target's first KV-cache group (full attention: every position)."""
         inputs = resolve(inputs, state, self.block_size)
+        md = inputs.attn.group_view(0)
         _, kv_caches = self._model(params)(
-            text_inputs(inputs.input_ids, inputs.positions, inputs.attn), kv_caches
+            text_inputs(inputs.input_ids, inputs.positions, md), kv_caches
         )
         return kv_caches
 
@@ -177,7 +179,7 @@ def proposal_layout(batch: StepBatch, ib: InputBatch, seq_buckets) -> tuple[np.n
     rows = np.full(s, ib.max_num_reqs, np.int32)
     rows[:n] = np.where(proposes, batch.rows, ib.max_num_reqs)
     tables = np.zeros((s, ib.block_table.shape[2]), np.int32)
-    tables[:n] = ib.block_table[0, batch.rows]  # (the one KV-cache group)
+    tables[:n] = ib.block_table[0, batch.rows]  # the first KV-cache group's: full attention
     num_blocks = np.zeros(s, np.int32)
     num_blocks[:n] = np.where(proposes, ib.num_blocks[batch.rows], 0)
     return rows, tables, num_blocks, np.array([n], np.int32)

@@ -92,7 +92,7 @@ class EagleProposer(DraftModelProposer):
         i32[T] each token's predecessor in the step (-1: a request's first token, or
         padding); prev_first: bool[T] a first token whose request was in the previous step."""
         inputs = resolve(inputs, state, self.block_size)
-        md, t = inputs.attn.group_view(0), hidden.shape[0]  # (the one KV-cache group)
+        md, t = inputs.attn.group_view(0), hidden.shape[0]  # the full-attention group's
         pos = inputs.positions - 1
         seq = jnp.searchsorted(md.query_start_loc[1:], jnp.arange(t), side="right")
         seq = jnp.minimum(seq, md.block_tables.shape[0] - 1)
