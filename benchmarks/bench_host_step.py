@@ -110,7 +110,7 @@ def schedule(rows: int, step: int, blocks_per_req: int) -> SchedulerOutput:
                 list(range(1, PROMPT + 1)),
                 [],
                 sampling_params(i),
-                list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),
+                (list(range(1 + i * blocks_per_req, 1 + (i + 1) * blocks_per_req)),),
                 0,
                 2,
             )  # fmt: skip
@@ -118,7 +118,7 @@ def schedule(rows: int, step: int, blocks_per_req: int) -> SchedulerOutput:
         ]
         return SchedulerOutput(new, [], dict.fromkeys(ids, PROMPT), rows * PROMPT, set(), set(),
                                sampled_req_ids=set(ids))  # fmt: skip
-    cached = [CachedRequestData(r, [], PROMPT + step - 1) for r in ids]
+    cached = [CachedRequestData(r, (), PROMPT + step - 1) for r in ids]
     return SchedulerOutput([], cached, dict.fromkeys(ids, 1), rows, set(), set(),
                            sampled_req_ids=set(ids))  # fmt: skip
 

@@ -59,9 +59,10 @@ def attention_op_ms(runner, inputs, iters: int) -> float:
     from pallas_kernels.paged_attention import ragged_paged_attention_reference
     from pallas_kernels.paged_attention.cpu import ragged_paged_attention_cpu
 
-    c, md = runner.config, inputs.attn
-    q = jax.random.normal(jax.random.key(0), (len(inputs.input_ids), c.num_heads, c.head_dim))
+    c = runner.config
     k_cache, v_cache = runner.kv_caches
+    md = inputs.attn.at_layer(0, k_cache, len(c.kv_layers))  # the first layer's blocks
+    q = jax.random.normal(jax.random.key(0), (len(inputs.input_ids), c.num_heads, c.head_dim))
     op = ragged_paged_attention_reference
     if runner.engine_config.attention_backend == "cpu":
         op = ragged_paged_attention_cpu

@@ -411,9 +411,38 @@ def qwen35(out: str) -> None:
     with torch.no_grad():
         logits = {f"prompt_{i}": ref(torch.tensor([p])).logits[0].numpy()
                   for i, p in enumerate(PROMPTS)}  # fmt: skip
+        generated = [_greedy(ref, p, GENERATE_STEPS) for p in GENERATE_PROMPTS]
     np.savez_compressed(dst / "reference_logits.npz", **logits)
     (dst / "reference_prompts.json").write_text(json.dumps(PROMPTS))
+    (dst / "reference_generate.json").write_text(json.dumps(
+        {"prompts": GENERATE_PROMPTS, "tokens": [g[0] for g in generated],
+         "logprobs": [g[1] for g in generated]}))  # fmt: skip
     print(QWEN35_NAME, "->", dst)
+
+
+# reference_generate.json: transformers' greedy tokens (and each one's logprob) of these
+# prompts, for an engine run with chunked prefill and preemption (test_qwen3_5.py)
+GENERATE_PROMPTS = [
+    list(range(5, 10)),
+    list(range(20, 39)),
+    list(range(60, 90)),
+    [9, 8, 7, 6, 5, 4, 3],
+]
+GENERATE_STEPS = 12
+
+
+def _greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """HF generate's greedy tokens after prompt and each one's logprob."""
+    import torch
+
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(s[0].float(), -1)[t].item()
+        for s, t in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs
 
 
 if __name__ == "__main__":

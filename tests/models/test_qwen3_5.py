@@ -3,6 +3,7 @@ stored apart. Logits equal HF's (prefilled whole, in chunks, and decoded); throu
 (chunked prefill, preemption, tp 2) greedy tokens and logprobs equal HF generate's; the
 published ForConditionalGeneration checkpoints' language model loads from its own prefix."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.models.loader import load_model
+from jaxserve.sampling_params import SamplingParams
 from tests.helpers import (
     assert_generate_matches_hf,
     core_of,
@@ -120,3 +122,27 @@ def test_int4_checkpoint_stays_packed_and_matches_compressed_tensors(tp):
         assert str(proj.kernel[...].dtype) == "uint8"
     assert str(loaded.model.layers[1].mlp.w13[...].dtype) == "uint8"
     assert_matches_recorded(loaded, INT4)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_int4_checkpoint_generates_as_recorded_with_preemption(tp, monkeypatch):
+    """The W4A16 Qwen3.5-MoE through the engine: prompts prefilled in 16-token chunks,
+    preempted by a 5-block pool and recomputed, prefix caching on; greedy tokens equal and
+    logprobs within 1e-2 of transformers' generate over the layers as compressed-tensors
+    decompresses them (recorded: reference_generate.json, by
+    scripts/make_quantized_checkpoints.py qwen3_5), at tp 1 and 2; nothing leaked."""
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    ref = json.loads((INT4 / "reference_generate.json").read_text())
+    llm = LLM(str(INT4), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
+              dtype="float32", num_gpu_blocks_override=5, tensor_parallel_size=tp)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in ref["prompts"]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, tokens, logprobs in zip(outs, ref["tokens"], ref["logprobs"], strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        ours = [lp[t].logprob for lp, t in zip(got.logprobs, tokens, strict=True)]
+        np.testing.assert_allclose(ours, logprobs, atol=1e-2)
+    scheduler = core_of(llm).scheduler
+    assert scheduler.total_preemptions > 0
+    scheduler.kv_cache_manager.check_no_leaks()
