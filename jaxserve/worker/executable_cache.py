@@ -175,47 +175,6 @@ _recording: list[dict[int, Any]] = []
 _compiles_watched = False  # fresh compiles are recorded too (jax's internals allowed it)
 
 
-class _XlaGate:
-    """Compiles run together; a persistent-cache read (XLA:CPU deserializing an executable)
-    runs alone, with no compile in flight and none starting: the suite twice died (SIGSEGV)
-    in one thread's deserialize_executable while another thread of the same start-up was
-    inside XLA's compile. Readers waiting hold new compiles back (they take milliseconds)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._compiles = self._readers = 0
-        self._reading = False
-
-    @contextlib.contextmanager
-    def compile(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._reading and not self._readers)
-            self._compiles += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._compiles -= 1
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def read(self) -> Iterator[None]:
-        with self._cond:
-            self._readers += 1
-            self._cond.wait_for(lambda: not self._reading and not self._compiles)
-            self._readers -= 1
-            self._reading = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._reading = False
-                self._cond.notify_all()
-
-
-_xla_gate = _XlaGate()
-
-
 class CacheHits:
     """While open, maps every executable XLA hands this process: id(executable) ->
     (executable, the serialized bytes a persistent-cache hit was read from, _FRESH for one
@@ -233,10 +192,9 @@ class CacheHits:
 
 
 def watch_cache_reads() -> None:
-    """Wrap jax's persistent-cache read so that hits are deserialized one at a time and never
-    while a compile is in flight (`_XlaGate`: compile_all compiles in threads, and CI once
-    died, SIGSEGV, with two threads inside XLA:CPU's deserialize_executable at once) and their
-    bytes are kept for `save` while a CacheHits is
+    """Wrap jax's persistent-cache read so that hits are deserialized one at a time (compile_all
+    compiles in threads, and CI once died, SIGSEGV, with two threads inside XLA:CPU's
+    deserialize_executable at once) and their bytes are kept for `save` while a CacheHits is
     open; and XLA's compile, so that `save` knows which executables it may serialize itself.
     A no-op where jax's internals differ (then any hit keeps `save` from writing)."""
     global _compiles_watched
@@ -248,7 +206,7 @@ def watch_cache_reads() -> None:
         return
 
     def watched_read(cache_key, compile_options, backend, *args, **kwargs):
-        with _xla_gate.read(), _read_lock:
+        with _read_lock:
             executable, compile_time = read(cache_key, compile_options, backend, *args, **kwargs)
             if executable is not None and _recording:
                 try:
@@ -269,8 +227,7 @@ def watch_cache_reads() -> None:
     if compile_and_load is not None:
 
         def watched_compile(*args, **kwargs):
-            with _xla_gate.compile():
-                executable = compile_and_load(*args, **kwargs)
+            executable = compile_and_load(*args, **kwargs)
             with _read_lock:
                 for hits in _recording:
                     hits[id(executable)] = (executable, _FRESH)

@@ -296,37 +296,3 @@ def test_persistent_cache_entries_appear_whole(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [target.name]
     assert cache.get("key") == b"x" * 4096
     assert target.stat().st_mode & 0o777 == 0o644  # readable by a cache shared between users
-
-
-def test_a_persistent_cache_read_waits_for_compiles_in_flight_and_holds_new_ones_back():
-    """XLA:CPU deserializing a persistent-cache hit never overlaps a compile of the same
-    process (the suite died, SIGSEGV, in one thread's deserialize_executable while another
-    compiled): a read waits for the compile in flight; a compile waits for a waiting read."""
-    gate = executable_cache._XlaGate()
-    order, compiling, waiting = [], threading.Event(), threading.Event()
-
-    def first_compile():
-        with gate.compile():
-            compiling.set()
-            waiting.wait(5)
-            time.sleep(0.2)  # the reader has queued behind us
-            order.append("compile 1 done")
-
-    def read():
-        compiling.wait(5)
-        waiting.set()
-        with gate.read():
-            order.append("read")
-
-    def second_compile():
-        waiting.wait(5)
-        time.sleep(0.1)  # after the reader queued
-        with gate.compile():
-            order.append("compile 2")
-
-    threads = [threading.Thread(target=f) for f in (first_compile, read, second_compile)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert order == ["compile 1 done", "read", "compile 2"]
