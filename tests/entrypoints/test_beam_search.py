@@ -54,7 +54,13 @@ def test_beams_equal_hf_beam_search(llm, model_dir):
 def test_the_beams_share_the_prompts_blocks(llm, monkeypatch):
     kv = core_of(llm).scheduler.kv_cache_manager
     hits, lookup = [], kv.get_computed_blocks
-    monkeypatch.setattr(kv, "get_computed_blocks", lambda r: hits.append(lookup(r)[1]) or lookup(r))
+
+    def counted(request, *trim):
+        hit = lookup(request, *trim)
+        hits.append(hit[1])
+        return hit
+
+    monkeypatch.setattr(kv, "get_computed_blocks", counted)
     prompt = [(11 * i) % 200 + 3 for i in range(40)]  # 2 full blocks of 16, then 8 tokens
     llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=2, max_tokens=3))
     assert hits[0] == 0 and hits[1:] == [32] * 4  # steps 2 and 3: both beams hit 2 blocks
