@@ -65,6 +65,12 @@ class CacheConfig:
     def layout(self) -> KVCacheLayout:
         return self.kv_layout or KVCacheLayout.uniform(1)
 
+    @property
+    def grouped_layout(self) -> KVCacheLayout | None:
+        """The layout when it has several groups (what the worker's arrays follow), else None:
+        one group of every cached layer."""
+        return self.kv_layout if self.kv_layout and self.kv_layout.num_groups > 1 else None
+
     def kv_dtype(self, model_dtype: Any) -> Any:
         """The dtype the KV cache is stored in (the model's own for "auto")."""
         return KV_CACHE_DTYPES[self.cache_dtype] or model_dtype

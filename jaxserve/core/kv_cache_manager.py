@@ -21,12 +21,11 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from jaxserve.config.kv_groups import FULL, KVCacheGroup
+from jaxserve.config.kv_groups import FULL, KVCacheGroup, KVCacheLayout
 from jaxserve.core.block_pool import BlockPool, KVCacheBlock
 from jaxserve.core.request import Request
 
 GroupBlocks = tuple[list[KVCacheBlock], ...]  # one list per group
-ONE_FULL_GROUP = (KVCacheGroup(FULL, None, ()),)
 
 
 @dataclasses.dataclass
@@ -54,7 +53,7 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         enable_caching: bool = True,
-        groups: Sequence[KVCacheGroup] = ONE_FULL_GROUP,
+        groups: Sequence[KVCacheGroup] = KVCacheLayout.uniform(1).groups,
     ):
         """groups: the layout's groups (KVCacheLayout.groups); the default: one group of
         full attention."""
@@ -210,6 +209,8 @@ class KVCacheManager:
         full = min(end, len(request.all_token_ids)) // self.block_size
         if end > len(held[0]) * self.block_size or full > self.num_cached_block[request.request_id]:
             return False
+        if not self.windowed:
+            return True
         for group, blocks in zip(self.groups, held, strict=True):
             first = group.first_needed_token(start) // self.block_size
             if first and not blocks[first - 1].is_null:

@@ -89,8 +89,8 @@ class StateGate:
     state, the prefill aligned on its state boundary, and the step's copies (restore a slot
     into a newly admitted request's row; save a row into a slot after the step)."""
 
-    def __init__(self, inner: EncoderGate, cache: StateCache, kv: KVCacheManager):
-        self.inner, self.cache, self.kv = inner, cache, kv
+    def __init__(self, inner: EncoderGate, cache: StateCache):
+        self.inner, self.cache = inner, cache
         self.boundary: dict[str, int] = {}  # request -> position whose state it saves
         self.admitted: set[str] = set()  # requests whose row holds their state
         self.restores: dict[str, int] = {}  # this step's: request -> slot into its row
@@ -158,4 +158,4 @@ def step_gate(
         return gate
     cache = StateCache(state_slots)
     kv.on_reset.append(cache.reset)
-    return StateGate(gate, cache, kv)
+    return StateGate(gate, cache)

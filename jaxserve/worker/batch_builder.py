@@ -43,7 +43,7 @@ class BatchBuilder:
     ):
         """decode_only_forwards: a step whose every request runs one token takes the
         decode-only forward (`AttentionMetadata.decode_only`); kv_layout: the KV-cache
-        groups when there are several (config/kv_groups.py), else None. A feature's fields
+        groups when there are several (CacheConfig.grouped_layout), else None. A feature's fields
         of the forward's inputs are its own (worker/step_feature.py)."""
         self.buckets = buckets
         self.block_size = block_size
@@ -51,8 +51,8 @@ class BatchBuilder:
         self.max_blocks_per_req = max_blocks_per_req
         self.num_spec_tokens = num_spec_tokens
         self.decode_only_forwards = decode_only_forwards
-        self.kv_layout = kv_layout if kv_layout and kv_layout.num_groups > 1 else None
-        self.num_groups = kv_layout.num_groups if self.kv_layout else 1
+        self.kv_layout = kv_layout
+        self.num_groups = kv_layout.num_groups if kv_layout else 1
         self.bitmask_words = bitmask_words(vocab_size)
         self._free_bitmasks: dict[int, np.ndarray] = {}
 

@@ -45,16 +45,16 @@ class KVCacheSpec:
     ):
         """num_cache_kv_heads: the KV heads the cache holds (each replicated when tp > Hkv);
         num_state_rows: the input-batch rows (a hybrid model's state slots); layout: the
-        KV-cache groups (None: one group of every cached layer)."""
+        KV-cache groups when there are several (CacheConfig.grouped_layout; None: one group
+        of every cached layer)."""
         self.config = config
         self.mesh = mesh
         self.block_size = block_size
         self.dtype = kv_dtype
         self.num_cache_kv_heads = num_cache_kv_heads
         self.num_state_rows = num_state_rows
-        self.layout = layout if layout is not None and layout.num_groups > 1 else None
         # layers of K/V one block id covers: a group's slots, or every cached layer
-        self.num_slots = self.layout.num_slots if self.layout else len(config.kv_layers)
+        self.num_slots = layout.num_slots if layout else len(config.kv_layers)
         self.sharding = kv_cache_sharding(mesh)
         if config.linear_attn is not None:  # (K, V, conv, rec)
             self.sharding = (self.sharding, self.sharding, *state_shardings(config, mesh))

@@ -97,7 +97,7 @@ class ModelRunner(StepCompiler):
         )
         self.decode_only_forwards = DECODE_ONLY_FORWARDS[engine_config.attention_backend]
         self.drafting = Drafting(self.proposer, self.max_model_len)
-        layout = cc.kv_layout if cc.kv_layout and cc.kv_layout.num_groups > 1 else None
+        layout = cc.grouped_layout
         self.input_batch = InputBatch(
             self.max_num_seqs,
             self.max_model_len,

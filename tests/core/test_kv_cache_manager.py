@@ -305,7 +305,7 @@ def test_a_windowed_groups_blocks_return_to_the_pool_as_a_decode_passes_them():
     groups = [KVCacheGroup(FULL, None, (0,)), KVCacheGroup(SLIDING, 6, (1,))]
     manager = KVCacheManager(num_blocks=41, block_size=BS, groups=groups)
     req = _request("a", list(range(10)))
-    new, _ = _schedule(manager, req)
+    _schedule(manager, req)
     assert manager.num_free_blocks == 40 - 6  # 3 blocks in each group
     _decode(manager, req, 30)  # 40 tokens: positions 0 .. 39
     full, window = manager.get_block_ids("a")
