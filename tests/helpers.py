@@ -82,20 +82,21 @@ def byte_level_tokenizer(special_tokens: list[str], eos_token: str):
 
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
-    gemma2 | gemma3 | mixtral | qwen3_moe | glm4_moe | deepseek_v3 | deepseek_v2 | gpt_oss |
+    gemma2 | gemma3 | gemma4 | mixtral | qwen3_moe | glm4_moe | deepseek_v3 | deepseek_v2 | gpt_oss |
     llama4 | qwen3_next | qwen3_5 | qwen3_5_moe | minimax_m2 | deepseek_v32 | glm_moe_dsa) to
     out_dir, fp32."""
     import transformers
 
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-             "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral",
+             "phi3": "Phi3", "gemma2": "Gemma2", "gemma3": "Gemma3", "gemma4": "Gemma4",
+             "mixtral": "Mixtral",
              "qwen3_moe": "Qwen3Moe", "glm4_moe": "Glm4Moe",
              "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss", "llama4": "Llama4",
              "deepseek_v2": "DeepseekV2", "qwen3_next": "Qwen3Next", "qwen3_5": "Qwen3_5",
              "qwen3_5_moe": "Qwen3_5Moe", "minimax_m2": "MiniMaxM2",
              "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}  # fmt: skip
     cls_name = names[family]
-    text_only = ("gemma3", "llama4", "qwen3_5", "qwen3_5_moe")  # the text model's config
+    text_only = ("gemma3", "gemma4", "llama4", "qwen3_5", "qwen3_5_moe")  # the text model's config
     config_cls = f"{cls_name}TextConfig" if family in text_only else f"{cls_name}Config"
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})
     config.architectures = [f"{cls_name}ForCausalLM"]
@@ -110,6 +111,8 @@ def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
         for name, b in model.named_buffers():  # noaux_tc routers' score correction bias
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.2, 0.2)
+            if name.endswith("layer_scalar"):  # Gemma 4's
+                b.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir)
     return out_dir
 

@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses, by concern:
 
-  model.py        ModelConfig, RopeConfig (read from the HF config) and the dtype helpers
+  model.py        ModelConfig (read from the HF config) and the dtype helpers
+  rope.py         RopeConfig, the rotary embedding's parameters
   engine.py       CacheConfig, SchedulerConfig, ParallelConfig and EngineConfig, which holds them
   pooler.py       PoolerConfig (a pooling runner: embeddings)
   speculative.py  SpeculativeConfig (--speculative-config)

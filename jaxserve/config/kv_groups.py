@@ -13,9 +13,8 @@ group is padded with unused slots). The cache is then S slots of the pool's P bl
 ([S * P, block_size, H, d]): block b of slot s is row s * P + b, and the group that holds
 block id b uses row s * P + b for its s-th layer. So one block id is one block of S layers
 whatever group holds it, and the groups share the pool without a page size of their own
-(jaxserve's block size stays one power of two for every group). This needs every cached
-layer to have one width, as every model served here has (Gemma 4's wider full layers would
-need a row width per group: not done).
+(jaxserve's block size stays one power of two for every group). A layer of another width
+views the rows of its slot as its own heads, repeated to fill them (models/gemma4.py).
 
 One group of every layer (`KVCacheLayout.uniform`) is the layout of a model with one kind,
 and of any model when `--disable-hybrid-kv-cache-manager` is set or a feature works on whole

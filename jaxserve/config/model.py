@@ -1,4 +1,4 @@
-"""The model's architecture (`ModelConfig`, `RopeConfig`) and the dtype helpers it uses.
+"""The model's architecture (`ModelConfig`; its rotary: config/rope.py) and the dtype helpers.
 
 `ModelConfig` is the one place the HF config is read: everything downstream (layers, sharding,
 KV cache sizing) reads these typed fields instead of poking at the HF object.
@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config.gemma4 import GEMMA4, Gemma4Layers, gemma4_fields
 from jaxserve.config.linear_attention import LinearAttentionConfig, linear_attention_config
 from jaxserve.config.llama4 import LLAMA4, llama4_fields
 from jaxserve.config.mla import MlaConfig, mla_config
@@ -27,6 +28,7 @@ from jaxserve.config.quantization import (
     per_channel_group,
     quant_method,
 )
+from jaxserve.config.rope import RopeConfig
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 QUANTIZATIONS = ("int8", "fp8", "gguf")
@@ -43,69 +45,6 @@ _DTYPES = {
     "float16": jnp.float16,
     "half": jnp.float16,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters (HF `rope_parameters` / `rope_theta` + `rope_scaling`)."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"  # default | linear | llama3 | yarn
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192
-    # yarn: cos / sin scale (None: from factor, mscale, mscale_all_dim), the ramp's bounds
-    attention_factor: float | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    # M-RoPE: frequencies per position axis (t, h, w), in sections (Qwen2.5-VL) or interleaved
-    mrope_section: tuple[int, ...] | None = None
-    mrope_interleaved: bool = False
-
-    SUPPORTED = ("default", "linear", "llama3", "yarn")
-
-    @classmethod
-    def from_hf(cls, hf_config: Any, layer_type: str | None = None) -> RopeConfig:
-        """layer_type: the entry of per-layer-type rope_parameters (Gemma 3's
-        full_attention / sliding_attention), when the config has them."""
-        # transformers >= 5 folds rope_theta into `rope_parameters`; 4.x has both separately.
-        params = dict(getattr(hf_config, "rope_parameters", None) or {})
-        if params and all(isinstance(v, dict) for v in params.values()):
-            params = dict(params.get(layer_type or "full_attention", {}))
-        params = {**(getattr(hf_config, "rope_scaling", None) or {}), **params}
-        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-        rope_type = "default" if rope_type == "mrope" else rope_type  # (Qwen2-VL's name)
-        if rope_type not in cls.SUPPORTED:
-            raise ValueError(
-                f"rope_type {rope_type!r} is not supported; supported: {', '.join(cls.SUPPORTED)}"
-            )
-        # As transformers standardises it: the config's own field first (Phi-3 keeps it
-        # there), then the rope parameters, then max_position_embeddings.
-        original = getattr(hf_config, "original_max_position_embeddings", None) or params.get(
-            "original_max_position_embeddings", getattr(hf_config, "max_position_embeddings", 8192)
-        )
-        optional = lambda key: None if params.get(key) is None else float(params[key])  # noqa: E731
-        return cls(
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(params.get("factor") or 1.0),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(original),
-            attention_factor=optional("attention_factor"),
-            beta_fast=float(params.get("beta_fast") or 32.0),
-            beta_slow=float(params.get("beta_slow") or 1.0),
-            mscale=optional("mscale"),
-            mscale_all_dim=optional("mscale_all_dim"),
-            truncate=bool(params.get("truncate", True)),
-            mrope_section=tuple(params["mrope_section"]) if params.get("mrope_section") else None,
-            mrope_interleaved=bool(params.get("mrope_interleaved", False)),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +127,7 @@ class ModelConfig:
     # second half of q_proj's columns multiplies each head's output)
     linear_attn: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
+    gemma4: Gemma4Layers | None = None  # Gemma 4's per-layer widths, KV sharing (config/gemma4.py)
     expert_parallel: bool = False  # experts split over the devices (load_model sets it)
     dtype: Any = jnp.float32
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -357,6 +297,10 @@ class ModelConfig:
         )
         if archs[0] in LLAMA4:
             config = dataclasses.replace(config, **llama4_fields(hf_config))
+        if archs[0] in GEMMA4:
+            if prequantized:
+                raise ValueError(f"{archs[0]}: {prequantized} checkpoints are not supported")
+            config = dataclasses.replace(config, **gemma4_fields(hf_config))
         return config
 
     def with_dummy_packing(self, mode: str) -> ModelConfig:
@@ -409,9 +353,18 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The decoder layers that keep K/V in the paged cache (all but linear attention's)."""
+        """The decoder layers that keep K/V in the paged cache (all but linear attention's
+        and Gemma 4's KV-sharing ones)."""
         linear = set(self.linear_attn.layers) if self.linear_attn else set()
+        if self.gemma4 is not None:
+            linear |= {i for i, s in enumerate(self.gemma4.shares) if s is not None}
         return tuple(i for i in range(self.num_layers) if i not in linear)
+
+    def layer_kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of decoder layer `layer` (Gemma 4's full layers' differ)."""
+        if self.gemma4 is not None:
+            return self.gemma4.widths[layer]
+        return self.num_kv_heads, self.head_dim
 
     @property
     def cache_dims(self) -> tuple[int, int]:

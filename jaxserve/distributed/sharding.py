@@ -68,8 +68,20 @@ def state_shardings(config: ModelConfig, mesh: Mesh) -> tuple[NamedSharding, Nam
 
 def kv_head_replicas(config: ModelConfig, tp: int) -> int:
     """Copies of each KV head in the qkv projection and the KV cache: 1 when tp divides the
-    KV heads, tp // num_kv_heads when tp is a multiple of them."""
-    return 1 if config.num_kv_heads % tp == 0 else tp // config.num_kv_heads
+    KV heads, tp // num_kv_heads when tp is a multiple of them. With layers of other widths
+    (Gemma 4's full layers: H_l heads of d_l, config.layer_kv_shape) the fewest copies R
+    such that each device's share of the cache's H_c = num_kv_heads * R heads of head_dim
+    is whole heads of every layer's d_l, and H_c head_dim / d_l is a multiple of its H_l
+    (that layer's heads are repeated to fill the row)."""
+    h, d = config.num_kv_heads, config.head_dim
+    shapes = {config.layer_kv_shape(layer) for layer in config.kv_layers} or {(h, d)}
+    for replicas in range(1, 64 * tp + 1):
+        cache = h * replicas
+        if cache % tp == 0 and all(
+            cache // tp * d % dl == 0 and cache * d // dl % hl == 0 for hl, dl in shapes
+        ):
+            return replicas
+    raise ValueError(f"no KV cache row holds every layer's KV heads {sorted(shapes)} at tp {tp}")
 
 
 # A vision tower's layers, Megatron-style as the language model's: attention by heads (its
@@ -119,6 +131,8 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         # every expert's slice of F (tensor parallel); the router is replicated
         "mlp/w13": P(TP_AXIS) if config.expert_parallel else P(None, None, TP_AXIS),
         "mlp/w2": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),
+        "moe/w13": P(TP_AXIS) if config.expert_parallel else P(None, None, TP_AXIS),  # Gemma 4
+        "moe/w2": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),
         "mlp/w13_bias": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),  # [E, 2F]
         "self_attn/sinks": P(TP_AXIS),  # [Hq], as the query heads
         "self_attn/gate_proj/kernel": P(None, TP_AXIS),  # [D, Hq * hd]: Qwen3-Next's gate

@@ -216,9 +216,10 @@ class FusedMoE(nnx.Module):
         bias = self.e_score_correction_bias[...]
         return route_noaux_tc(logits, bias, self.top_k, self.renormalize, self.routing)
 
-    def routed(self, x: jax.Array) -> jax.Array:
-        """The routed experts' weighted sum: x [T, D] -> [T, D]."""
-        ids, weights = self.route(x)
+    def routed(self, x: jax.Array, routing: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """The routed experts' weighted sum: x [T, D] -> [T, D]; routing: (ids, weights) as
+        `route` gives them, chosen by the caller (Gemma 4 routes on another input)."""
+        ids, weights = self.route(x) if routing is None else routing
         w13, w2 = self.experts("w13"), self.experts("w2")
         b13 = None if self.w13_bias is None else self.w13_bias[...]
         if self.mesh is None or self.mesh.shape[TP_AXIS] == 1:

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF's rotate-half layout) with linear, llama3 and YaRN scaling."""
+"""Rotary position embeddings (HF's rotate-half layout) with linear, llama3 and YaRN scaling,
+and Gemma 4's proportional rotary."""
 
 import math
 
@@ -30,6 +31,9 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
         inv_freq = np.where(is_medium, smoothed, scaled)
     elif rope.rope_type == "yarn":
         inv_freq = _yarn_inv_freq(head_dim, rope)
+    elif rope.rope_type == "proportional":  # the leading pairs turn, the rest stay
+        turned = int(rope.proportion * head_dim // 2)
+        inv_freq = np.where(np.arange(head_dim // 2) < turned, inv_freq, 0.0) / rope.factor
     return inv_freq.astype(np.float32)
 
 

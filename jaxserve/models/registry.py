@@ -4,6 +4,7 @@ from jaxserve.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalL
 from jaxserve.models.deepseek_v32 import DeepseekV32ForCausalLM
 from jaxserve.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM
 from jaxserve.models.gemma import GemmaForCausalLM
+from jaxserve.models.gemma4 import Gemma4ForCausalLM
 from jaxserve.models.glm4_moe import Glm4MoeForCausalLM
 from jaxserve.models.glm_moe_dsa import GlmMoeDsaForCausalLM
 from jaxserve.models.gpt_oss import GptOssForCausalLM
@@ -36,6 +37,7 @@ _MODELS = {
     "Phi3ForCausalLM": Phi3ForCausalLM,  # fused qkv / gate_up checkpoints
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,  # text only
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,  # full layers wider, KV sharing, per-layer inputs
     "MixtralForCausalLM": MixtralForCausalLM,  # mixture of experts
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,  # whole-projection q/k norms, sigmoid routing
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,  # + q/k norms, some dense layers

@@ -23,6 +23,7 @@ GENERATE = {  # one configuration per family, the parity test's
     "phi3": DENSE["phi3-fused"],
     "gemma2": DENSE["gemma2"],
     "gemma3": DENSE["gemma3"],
+    "gemma4": DENSE["gemma4"],
     "mixtral": ("mixtral", MOE["mixtral"]),
     "qwen3_moe": ("qwen3_moe", MOE["qwen3_moe"]),
     "glm4_moe": ("glm4_moe", MOE["glm4_moe"]),
@@ -52,9 +53,10 @@ def pool_blocks(model_dir) -> int:
 # are the same MoE layer, split alike); the dense families' own splits (qwen2's qkv bias,
 # phi3's fused checkpoint, qwen3, gemma3) are compared at tp 1, 2 and 4 in
 # tests/distributed/test_tensor_parallel.py.
+# Gemma 4 at tp 2: its full layers' one KV head repeated to fill each device's cache row.
 # DeepSeek at tp 2 (MLA's heads split, the latent replicated on each rank) against HF:
 # test_moe.py's offloading test.
-TP2 = ("llama", "qwen3_moe")
+TP2 = ("llama", "qwen3_moe", "gemma4")
 CASES = [(family, 1) for family in sorted(GENERATE)] + [(family, 2) for family in TP2]
 
 
@@ -120,7 +122,7 @@ def test_mistral_sliding_window_gives_back_blocks(tmp_path, monkeypatch):
     kv.check_no_leaks()
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "gemma4"])
 def test_windowed_groups_serve_a_prefix_hit(family_dirs, family, monkeypatch):
     """A model with KV-cache groups (full and sliding-window layers: config/kv_groups.py)
     run twice on one 40-token prompt: the second run hits its first two blocks (32 tokens:

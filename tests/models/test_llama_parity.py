@@ -67,6 +67,31 @@ FAMILIES = {  # fmt: skip
             },
         ),
     ),
+    # Gemma 4: full layers twice as wide with one KV head (V = K's projection), a
+    # proportional rotary, the last two layers reading earlier layers' KV (their MLPs twice
+    # as wide), per-layer embeddings, routed experts beside each MLP
+    "gemma4": (
+        "gemma4",
+        dict(
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=256,
+            final_logit_softcapping=3.0,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=16,
+        ),
+    ),
     # q/k norms, and a head_dim that is not hidden_size / heads (8 x 16 = 128 != 64)
     "qwen3-qk-norm": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
 }
