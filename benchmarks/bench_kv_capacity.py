@@ -23,7 +23,9 @@ from jaxserve.transformers_utils.model_path import resolve_model_path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--models", nargs="+", default=["gemma-3-27b", "gpt-oss-120b", "llama-4-scout"]
+        "--models",
+        nargs="+",
+        default=["gemma-3-27b", "gpt-oss-120b", "llama-4-scout", "gemma-4-31b", "gemma-4-26b-a4b"],
     )
     parser.add_argument("--budget-gib", type=float, default=40.0)
     parser.add_argument("--seq-len", type=int, default=32768)

@@ -20,6 +20,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.config.kv_groups import KVCacheLayout, kv_cache_layout
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request
+from jaxserve.distributed.sharding import kv_head_replicas
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -32,8 +33,10 @@ class Capacity:
 
 
 def block_bytes(config: ModelConfig, layout: KVCacheLayout, block_size: int, dtype) -> int:
-    """One block id's K and V (layout.num_slots layers of block_size tokens), tp 1."""
-    per_token = config.num_kv_heads * sum(config.cache_dims) * jnp.dtype(dtype).itemsize
+    """One block id's K and V (layout.num_slots layers of block_size tokens), tp 1 (the
+    cache's heads: Gemma 4's rows fit its widest layer, distributed/sharding.py)."""
+    heads = config.num_kv_heads * kv_head_replicas(config, 1)
+    per_token = heads * sum(config.cache_dims) * jnp.dtype(dtype).itemsize
     return layout.num_slots * block_size * per_token
 
 

@@ -223,15 +223,16 @@ class ModelConfig:
             for i in range(hf_config.num_hidden_layers)
             if num_experts and (i in only_mlp or (i + 1) % step or i in first_dense)
         )
-        moe_intermediate = int(
-            getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
-        )
+        # an all-MoE config (Qwen3.5-MoE's) may name no dense width: the experts' then
+        dense = getattr(hf_config, "intermediate_size", None)
+        moe_intermediate = int(getattr(hf_config, "moe_intermediate_size", None) or dense)
+        dense = int(dense or moe_intermediate)
         per_channel = prequantized == "int4" and quant_group == -1
         if per_channel:
             quant_group = per_channel_group(
                 hf_config.hidden_size,
                 num_heads * head_dim,
-                hf_config.intermediate_size,
+                dense,
                 moe_intermediate,
             )
         # the experts packed: gpt-oss's MXFP4 (its only packed tensors), or as the linear layers
@@ -249,7 +250,7 @@ class ModelConfig:
             architecture=archs[0],
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
+            intermediate_size=dense,
             num_layers=hf_config.num_hidden_layers,
             num_heads=num_heads,
             num_kv_heads=1 if mla else getattr(hf_config, "num_key_value_heads", None) or num_heads,

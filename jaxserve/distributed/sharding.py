@@ -131,8 +131,6 @@ def param_spec(path: Sequence[str | int], config: ModelConfig, tp: int) -> P:
         # every expert's slice of F (tensor parallel); the router is replicated
         "mlp/w13": P(TP_AXIS) if config.expert_parallel else P(None, None, TP_AXIS),
         "mlp/w2": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),
-        "moe/w13": P(TP_AXIS) if config.expert_parallel else P(None, None, TP_AXIS),  # Gemma 4
-        "moe/w2": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),
         "mlp/w13_bias": P(TP_AXIS) if config.expert_parallel else P(None, TP_AXIS),  # [E, 2F]
         "self_attn/sinks": P(TP_AXIS),  # [Hq], as the query heads
         "self_attn/gate_proj/kernel": P(None, TP_AXIS),  # [D, Hq * hd]: Qwen3-Next's gate

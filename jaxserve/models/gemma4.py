@@ -93,21 +93,21 @@ class Gemma4Attention(Attention):
 
 class Gemma4Experts(FusedMoE):
     """The routed experts beside the dense MLP: routed on the layer's un-normed input (a
-    weightless RMSNorm, times `router_scale` / sqrt(D)), softmax top-k renormalised, each
-    weight times its expert's `per_expert_scale`."""
+    weightless RMSNorm, times `router_gain` / sqrt(D)), softmax top-k renormalised, each
+    weight times its expert's `expert_gain`."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         super().__init__(config, rngs=rngs)
-        self.router_scale = nnx.Param(jnp.ones((config.hidden_size,), config.dtype))
-        self.per_expert_scale = nnx.Param(jnp.ones((config.num_experts,), config.dtype))
+        self.router_gain = nnx.Param(jnp.ones((config.hidden_size,), config.dtype))
+        self.expert_gain = nnx.Param(jnp.ones((config.num_experts,), config.dtype))
         self.eps = config.rms_norm_eps
 
     def __call__(self, x: jax.Array, residual: jax.Array) -> jax.Array:
         """x: the experts' input [T, D]; residual: the router's [T, D] -> [T, D]."""
         h = rms_normalize(residual, self.eps).astype(residual.dtype)
-        h = h * self.router_scale[...] * jnp.asarray(residual.shape[-1] ** -0.5, h.dtype)
+        h = h * self.router_gain[...] * jnp.asarray(residual.shape[-1] ** -0.5, h.dtype)
         ids, weights = route(self.gate(h), self.top_k, renormalize=True)
-        weights = weights * self.per_expert_scale[...][ids].astype(jnp.float32)
+        weights = weights * self.expert_gain[...][ids].astype(jnp.float32)
         return self.routed(x, (ids, weights))
 
 
@@ -120,8 +120,9 @@ class Gemma4DecoderLayer(nnx.Module):
         self.self_attn = Gemma4Attention(config, layer, kv_replicas=kv_replicas, rngs=rngs)
         wide = 2 if g4.double_wide_mlp and g4.shares[layer] is not None else 1
         mlp = dict(dtype=dt, rngs=rngs, act=config.hidden_act)
-        self.mlp = GatedMLP(d, config.intermediate_size * wide, **mlp)
-        self.moe = Gemma4Experts(config, rngs=rngs) if g4.moe_block else None
+        # named as other families' dense MLPs and experts are (sharding rules, roofline)
+        self.dense_mlp = GatedMLP(d, config.intermediate_size * wide, **mlp)
+        self.mlp = Gemma4Experts(config, rngs=rngs) if g4.moe_block else None
         if g4.moe_block:
             self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = norm(), norm()
             self.pre_feedforward_layernorm_2 = norm()
@@ -139,9 +140,9 @@ class Gemma4DecoderLayer(nnx.Module):
             self.input_layernorm(x), positions, k_cache, v_cache, md
         )
         x = x + self.post_attention_layernorm(attn)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        if self.moe is not None:
-            routed = self.moe(self.pre_feedforward_layernorm_2(x), x)
+        h = self.dense_mlp(self.pre_feedforward_layernorm(x))
+        if self.mlp is not None:
+            routed = self.mlp(self.pre_feedforward_layernorm_2(x), x)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         x = x + self.post_feedforward_layernorm(h)
         if ple is not None:
@@ -240,13 +241,17 @@ def _gemma4_weight(config: ModelConfig, names: tuple[str, ...], kv_replicas: int
         return HFWeight((f"{prefix}.{layer}.layer_scalar",))
     if module == "self_attn" and names[3] == "qkv_proj":
         return _qkv_weight(config, int(names[1]), kv_replicas, f"{prefix}.{layer}.self_attn")
-    if module != "moe":
+    if module == "dense_mlp":  # HF's mlp
+        base = LlamaForCausalLM.hf_weight(config, ("layers", names[1], "mlp", *names[3:]))
+        return HFWeight(tuple(prefix + n.removeprefix("model") for n in base.names), base.build)
+    if module != "mlp":  # (the experts)
         return None
     name = names[3]
     if name == "gate":  # the router's projection [E, D] -> [D, E]
         return transposed(f"{layer}.router.proj")
-    if name in ("router_scale", "per_expert_scale"):
-        return HFWeight((f"{prefix}.{layer}.router.{name.removeprefix('router_')}",))
+    if name in ("router_gain", "expert_gain"):  # ("_scale" names a quantized kernel's scale)
+        hf = "scale" if name == "router_gain" else "per_expert_scale"
+        return HFWeight((f"{prefix}.{layer}.router.{hf}",))
     if name == "w13":  # [E, 2F, D], gate rows then up rows -> [E, D, 2F] interleaved
 
         def interleave(w: np.ndarray) -> np.ndarray:

@@ -185,3 +185,31 @@ def test_glm_5_preset_has_transformers_parameter_count():
         hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, **small))
     bias = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
     assert param_counts(four)[0] == sum(p.numel() for p in hf.parameters()) + bias
+
+
+@pytest.mark.parametrize(
+    ("preset", "billions", "layers"),
+    [("gemma-4-31b", 30.8, 60), ("gemma-4-26b-a4b", 25.2, 30), ("qwen3.5-35b-a3b", 34.7, 40)],
+)
+def test_2026_presets_have_transformers_parameter_count(preset, billions, layers):
+    """Gemma 4 31B and 26B-A4B (text) and Qwen3.5-35B-A3B: 6 of their layers (16 experts)
+    have the parameters transformers' own classes give them, but for Gemma 4's full layers'
+    key projection, stored once per cache head it fills (models/gemma4.py: the 31B's 4 heads
+    of 512 twice)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve_model_path(preset, "dummy")
+    c = read_model_config(path, "bfloat16")
+    assert c.num_layers == layers and round(param_counts(c)[0] / 1e9, 1) == billions
+    small = {"num_hidden_layers": 6} | ({"num_experts": 16} if c.num_experts else {})
+    six = read_model_config(path, "bfloat16", hf_overrides=small)
+    hf_config = AutoConfig.from_pretrained(path, **small, layer_types=c.hf_config.layer_types[:6])
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config)
+    scalars = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("layer_scalar"))
+    repeated = 0
+    if c.gemma4 is not None:  # one full layer in six: its key heads' second copies
+        heads, head_dim = c.layer_kv_shape(5)
+        repeated = heads * head_dim * c.hidden_size
+    assert param_counts(six)[0] == sum(p.numel() for p in hf.parameters()) + scalars + repeated
