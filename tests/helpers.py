@@ -82,9 +82,9 @@ def byte_level_tokenizer(special_tokens: list[str], eos_token: str):
 
 def make_tiny_hf(family: str, out_dir: Path, **overrides) -> Path:
     """Save a random-weight HF model of `family` (llama | mistral | qwen2 | qwen3 | phi3 |
-    gemma2 | gemma3 | gemma4 | mixtral | qwen3_moe | glm4_moe | deepseek_v3 | deepseek_v2 | gpt_oss |
-    llama4 | qwen3_next | qwen3_5 | qwen3_5_moe | minimax_m2 | deepseek_v32 | glm_moe_dsa) to
-    out_dir, fp32."""
+    gemma2 | gemma3 | gemma4 | mixtral | qwen3_moe | glm4_moe | deepseek_v3 | deepseek_v2 |
+    gpt_oss | llama4 | qwen3_next | qwen3_5 | qwen3_5_moe | minimax_m2 | deepseek_v32 |
+    glm_moe_dsa) to out_dir, fp32."""
     import transformers
 
     names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",

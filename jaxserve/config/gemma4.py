@@ -16,6 +16,8 @@ the Gemma 3 fields `ModelConfig.from_hf` reads.
   adds through a small gated projection.
 - `enable_moe_block`: every layer also has routed experts beside its dense MLP.
 - Each layer's output is times a learned scalar.
+- With images (`use_bidirectional_attention` "vision"), an image's tokens see each other both
+  ways in the sliding layers only (and within the window); the full layers stay causal.
 
 The KV cache holds one row width for every layer (config/kv_groups.py): a layer of KV heads
 H_l of width d_l views each cache head row [H_c, d] as [H_c d / d_l, d_l], its own heads
@@ -46,6 +48,7 @@ class Gemma4Layers:
     ple_vocab: int = 0
     double_wide_mlp: bool = False
     moe_block: bool = False
+    bidirectional_images: bool = False  # sliding layers: an image's tokens see all of it
 
 
 def gemma4_fields(hf_config: Any) -> dict[str, Any]:
@@ -91,6 +94,8 @@ def gemma4_fields(hf_config: Any) -> dict[str, Any]:
             ple_vocab=int(getattr(hf_config, "vocab_size_per_layer_input", 0) or 0),
             double_wide_mlp=bool(getattr(hf_config, "use_double_wide_mlp", False)),
             moe_block=moe,
+            bidirectional_images=getattr(hf_config, "use_bidirectional_attention", None)
+            == "vision",
         ),
     )
     if getattr(hf_config, "use_bidirectional_attention", None) == "all":

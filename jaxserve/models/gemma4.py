@@ -49,6 +49,7 @@ class Gemma4Attention(Attention):
         self.window = config.layer_window(layer)
         self.shared = g4.shares[layer] is not None
         self.k_eq_v = g4.k_eq_v and self.window is None
+        self.bidirectional = g4.bidirectional_images and self.window is not None
         self.head_dim = hd
         self.view_heads = config.num_kv_heads * kv_replicas * config.head_dim // hd
         self.group = hq // self.view_heads
@@ -77,6 +78,8 @@ class Gemma4Attention(Attention):
             v = rms_normalize(raw if self.k_eq_v else qkv[:, :, g + 1], self.eps).astype(x.dtype)
             k_view = write_kv(k_view, k, md.slot_mapping)
             v_view = write_kv(v_view, v, md.slot_mapping)
+        if not self.bidirectional:  # an image's tokens see one another in sliding layers only
+            md = md._replace(causal_ext=None)
         out = paged_attention(
             q,
             k_view,

@@ -20,6 +20,7 @@ from jaxserve.models.qwen3_next import Qwen3NextForCausalLM
 from jaxserve.models.seq_cls import Qwen3ForSequenceClassification
 from jaxserve.models.vlm import (
     Gemma3ForConditionalGeneration,
+    Gemma4ForConditionalGeneration,
     LlavaForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
     Qwen3_5ForConditionalGeneration,
@@ -59,6 +60,7 @@ _MODELS = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # CLIP + projector + Llama
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,  # M-RoPE, ViT
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # bidirectional images
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # images at their aspect
     "EagleLlamaForCausalLM": EagleLlamaForCausalLM,  # an EAGLE-1 draft head (spec decoding)
     "Eagle3LlamaForCausalLM": Eagle3LlamaForCausalLM,  # an EAGLE-3 draft head
     "DeepSeekMTPModel": DeepSeekMTP,  # DeepSeek-V3's multi-token-prediction layer (method mtp)

@@ -20,9 +20,11 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.models.gemma import GemmaForCausalLM
+from jaxserve.models.gemma4 import Gemma4ForCausalLM
 from jaxserve.models.llama import HFWeight, LlamaForCausalLM
 from jaxserve.models.qwen3_5 import Qwen3_5ForCausalLM
 from jaxserve.models.vision.clip import LlavaVisionEncoder
+from jaxserve.models.vision.gemma4_vision import SOFT_TOKENS, Gemma4VisionEncoder, vision_settings
 from jaxserve.models.vision.qwen2_5_vl import Qwen2_5_VLVisionEncoder, vision_config
 from jaxserve.models.vision.qwen3_5_vision import Qwen3_5VisionEncoder, Qwen3VLVisionEncoder
 from jaxserve.models.vision.siglip import Gemma3VisionEncoder
@@ -119,6 +121,66 @@ class Gemma3ForConditionalGeneration(_FixedSizeImages, GemmaForCausalLM):
     lm_prefix = LlavaForConditionalGeneration.lm_prefix
     head_name = LlavaForConditionalGeneration.head_name
     checkpoint_aliases = LlavaForConditionalGeneration.checkpoint_aliases
+
+
+class Gemma4ForConditionalGeneration(_VisionLanguageModel, Gemma4ForCausalLM):
+    """Gemma 4 with images: its vision tower (models/vision/gemma4_vision.py) at each image's
+    aspect ratio, one encoder shape per soft-token budget the processor takes (its
+    `max_soft_tokens`, 280 unless set: the padded patches of that many tokens); Gemma 4's
+    language model, where an image's tokens see each other both ways in the sliding layers
+    (it runs in one prefill chunk, as Gemma 3's)."""
+
+    vision_cls = Gemma4VisionEncoder
+    bidirectional_images = True
+    lm_prefix = "model.language_model."
+    language_weight = Gemma4ForCausalLM.hf_weight
+
+    def encode(self, pixel_values, pixel_position_ids):
+        """One image's padded patches f32[1, N, 3 p p] and positions i32[1, N, 2] ->
+        [N / k**2, D]."""
+        return self.vision(pixel_values, pixel_position_ids)
+
+    @staticmethod
+    def image_token_cap(preprocessor: dict) -> int | None:
+        """The processor's largest image: its max_soft_tokens."""
+        return int(preprocessor.get("max_soft_tokens") or 280)
+
+    @classmethod
+    def encoder_buckets(cls, mm_config: dict, max_tokens: int) -> dict:
+        """Every soft-token budget up to max_tokens (at least the smallest): its padded
+        patches."""
+        vc = vision_settings(mm_config)
+        unit, width = vc["pooling_kernel_size"] ** 2, 3 * vc["patch_size"] ** 2
+        out = {}
+        for tokens in [t for t in SOFT_TOKENS if t <= max_tokens] or SOFT_TOKENS[:1]:
+            n = tokens * unit
+            data = {
+                "pixel_values": np.zeros((1, n, width), np.float32),
+                "pixel_position_ids": np.full((1, n, 2), -1, np.int32),
+            }
+            out[tokens] = (tokens, data)
+        return out
+
+    @staticmethod
+    def encoder_bucket(mm_config: dict, data: dict, buckets: dict) -> int:
+        """The image's soft-token budget (ValueError when no shape was compiled for it)."""
+        unit = vision_settings(mm_config)["pooling_kernel_size"] ** 2
+        shape = np.shape(data["pixel_values"])
+        tokens = shape[1] // unit if len(shape) == 3 and shape[0] == 1 else None
+        if tokens not in buckets:
+            raise ValueError(
+                f"image pixel_values of shape {shape} fit no encoder shape (max_soft_tokens "
+                f"of {sorted(buckets)})"
+            )
+        return tokens
+
+    @classmethod
+    def encoder_inputs(cls, mm_config: dict, data: dict, buckets: dict) -> tuple:
+        name = cls.encoder_bucket(mm_config, data, buckets)
+        return name, {
+            "pixel_values": np.asarray(data["pixel_values"], np.float32),
+            "pixel_position_ids": np.asarray(data["image_position_ids"], np.int32),
+        }
 
 
 class Qwen2_5_VLForConditionalGeneration(_VisionLanguageModel):

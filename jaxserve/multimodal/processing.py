@@ -23,6 +23,7 @@ IMAGE_TOKEN_FIELDS = {
     "LlavaForConditionalGeneration": "image_token_index",
     "Qwen2_5_VLForConditionalGeneration": "image_token_id",
     "Gemma3ForConditionalGeneration": "image_token_index",
+    "Gemma4ForConditionalGeneration": "image_token_id",
     "Qwen3_5ForConditionalGeneration": "image_token_id",
     "Qwen3_5MoeForConditionalGeneration": "image_token_id",
     "Qwen3VLForConditionalGeneration": "image_token_id",
@@ -32,6 +33,9 @@ IMAGE_TOKEN_FIELDS = {
 # Gemma 3's `<start_of_image>` becomes "\n\n<start_of_image>" + its tokens +
 # "<end_of_image>\n\n" (HF's Gemma3Processor.full_image_sequence).
 MARKER_FIELDS = {"Gemma3ForConditionalGeneration": ("boi_token_index", "eoi_token_index")}
+# Where the image token once per image becomes <begin> + the image's tokens + <end> (HF's
+# Gemma4Processor.replace_image_token).
+WRAP_FIELDS = {"Gemma4ForConditionalGeneration": ("boi_token_id", "eoi_token_id")}
 
 
 def load_image_processor(model_dir: str | Path) -> Any:
@@ -89,6 +93,7 @@ class MultiModalProcessor:
             if tokenizer is not None:
                 self.marker_text, self.end_text = tokenizer.convert_ids_to_tokens([begin, end])
                 self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+        self.wrap = tuple(int(multimodal_config[f]) for f in WRAP_FIELDS.get(architecture, ()))
         self.model_dir = model_dir
 
     @functools.cached_property
@@ -128,11 +133,14 @@ class MultiModalProcessor:
             if self.end_id is not None:  # Gemma 3: <boi> tokens <eoi>
                 closed = mark + 1 < len(prompt_ids) and prompt_ids[mark + 1] == self.end_id
                 ids.extend(([] if closed else self.newlines) + [self.marker_id])
+            if self.wrap:  # Gemma 4: <boi> tokens <eoi>
+                ids.append(self.wrap[0])
             ident = content_hash(image, processor_kwargs or {})
             features.append(MultiModalFeature("image", ident, len(ids), n, data))
             ids.extend([self.image_token_id] * n)
             if not closed:  # ids without the text expansion: the whole sequence here
                 ids.extend([self.end_id, *self.newlines])
+            ids.extend(self.wrap[1:])
             prev = mark + 1
         ids.extend(prompt_ids[prev:])
         return ids, features
@@ -148,6 +156,8 @@ class MultiModalProcessor:
 
     def _num_tokens(self, data: dict[str, np.ndarray]) -> int:
         """The encoder output rows of one image: its placeholder tokens."""
+        if "num_soft_tokens_per_image" in data:  # Gemma 4: its patches over k**2
+            return int(np.asarray(data["num_soft_tokens_per_image"]).reshape(-1)[0])
         if "image_grid_thw" in data:  # Qwen2.5-VL: patches over merge**2
             merge = self.config.get("vision_config", {}).get("spatial_merge_size", 2)
             return int(np.prod(data["image_grid_thw"][0])) // merge**2

@@ -69,6 +69,7 @@ MULTIMODAL_MODELS = (
     "LlavaForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Gemma3ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",

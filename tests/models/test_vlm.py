@@ -15,8 +15,10 @@ from tests.helpers import core_of, engines_in_process, runner_of
 from tests.multimodal.tiny_vlm import (
     draw_image,
     gemma3_processor,
+    gemma4_processor,
     llava_hf_processor,
     make_tiny_gemma3,
+    make_tiny_gemma4,
     make_tiny_llava,
     make_tiny_qwen2_5_vl,
     make_tiny_qwen3_5,
@@ -27,12 +29,13 @@ from tests.multimodal.tiny_vlm import (
 
 # (qwen3_5[_moe], qwen3_vl[_moe]: tests/models/test_qwen3_5_vl.py runs some of these on them)
 MAKERS = {"llava": make_tiny_llava, "qwen": make_tiny_qwen2_5_vl, "gemma3": make_tiny_gemma3,
+          "gemma4": make_tiny_gemma4,
           "qwen3_5": make_tiny_qwen3_5,
           "qwen3_5_moe": lambda out: make_tiny_qwen3_5(out, moe=True),
           "qwen3_vl": make_tiny_qwen3_vl,
           "qwen3_vl_moe": lambda out: make_tiny_qwen3_vl(out, moe=True)}  # fmt: skip
 MARKS = {"llava": "<image>", "qwen": "<|vision_start|><|image_pad|><|vision_end|>",
-         "gemma3": "<start_of_image>",
+         "gemma3": "<start_of_image>", "gemma4": "<|image|>",
          "qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>",
          "qwen3_5_moe": "<|vision_start|><|image_pad|><|vision_end|>",
          "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
@@ -40,6 +43,7 @@ MARKS = {"llava": "<image>", "qwen": "<|vision_start|><|image_pad|><|vision_end|
 HF_CLASSES = {"llava": "LlavaForConditionalGeneration",
               "qwen": "Qwen2_5_VLForConditionalGeneration",
               "gemma3": "Gemma3ForConditionalGeneration",
+              "gemma4": "Gemma4ForConditionalGeneration",
               "qwen3_5": "Qwen3_5ForConditionalGeneration",
               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
               "qwen3_vl": "Qwen3VLForConditionalGeneration",
@@ -81,6 +85,15 @@ class Family:
             ids["token_type_ids"] = (ids["input_ids"] == self.hf.config.image_token_index).int()
             pixels = gemma3_processor(self.dir)(images=images, return_tensors="pt")
             return {**ids, "pixel_values": pixels["pixel_values"]}
+        if self.name == "gemma4":  # Gemma4Processor's expansion: <|image> n tokens <image|>
+            pixels = gemma4_processor(self.dir)(images=images, return_tensors="pt")
+            head, *rest = text.split("<|image|>")
+            counts = pixels.pop("num_soft_tokens_per_image")
+            soft = ["<|image>" + "<|image|>" * int(n) + "<image|>" for n in counts]
+            text = head + "".join(s + part for s, part in zip(soft, rest, strict=True))
+            ids = self.tokenizer(text, return_tensors="pt")
+            ids["mm_token_type_ids"] = (ids["input_ids"] == self.hf.config.image_token_id).int()
+            return {**ids, **pixels}
         processor = qwen_processor if self.name == "qwen" else qwen3_5_processor
         pixels = processor(self.dir)(images=images, return_tensors="pt")
         counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]

@@ -254,3 +254,56 @@ def qwen_processor(model_dir: Path, save: bool = False):
     if save:
         cls(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(model_dir)
     return cls.from_pretrained(model_dir)
+
+
+GEMMA4_IMAGE = ["<|image>", "<image|>", "<|image|>"]
+
+
+def make_tiny_gemma4(out: Path) -> Path:
+    """Gemma 4's layout: a 2-layer tower (patches of 4 px pooled 2 x 2, at most 70 tokens an
+    image at its own aspect ratio; clipped linears and standardised features with bounds
+    that bite), a 4-layer Gemma 4 language model (sliding window 8, shorter than an image,
+    wider full layers whose V is K, the last two sharing the first two's KV, per-layer
+    embeddings); `<|image|>` once per image in the prompt, wrapped in `<|image>` ..
+    `<image|>`."""
+    import transformers
+
+    tok = _tokenizer(out, GEMMA4_IMAGE, "<|image|>")
+    ids = [tok.convert_tokens_to_ids(s) for s in GEMMA4_IMAGE]
+    config = transformers.Gemma4Config(
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
+                       "patch_size": 4, "pooling_kernel_size": 2, "position_embedding_size": 64,
+                       "standardize": True, "use_clipped_linears": True},
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "global_head_dim": 32, "num_global_key_value_heads": 1,
+                     "attention_k_eq_v": True, "vocab_size": len(tok),
+                     "vocab_size_per_layer_input": len(tok), "hidden_size_per_layer_input": 8,
+                     "sliding_window": 8, "num_kv_shared_layers": 2,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2,
+                     "max_position_embeddings": 512, "use_bidirectional_attention": "vision"},
+        audio_config=None, boi_token_id=ids[0], eoi_token_id=ids[1], image_token_id=ids[2],
+    )  # fmt: skip
+    config.architectures = ["Gemma4ForConditionalGeneration"]
+    model = transformers.Gemma4ForConditionalGeneration(config).float()
+    _randomise(model)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            bound = {"input_min": -1.5, "input_max": 1.5, "output_min": -1.0, "output_max": 1.0}
+            if name.rsplit(".", 1)[-1] in bound:
+                b.fill_(bound[name.rsplit(".", 1)[-1]])
+            elif name.endswith(("std_scale", "layer_scalar")):
+                b.uniform_(0.5, 1.5)
+            elif name.endswith("std_bias"):
+                b.uniform_(-0.2, 0.2)
+    model.save_pretrained(out)
+    gemma4_processor(out, save=True)
+    return out
+
+
+def gemma4_processor(model_dir: Path, save: bool = False):
+    cls = pil_image_processor_class("Gemma4ImageProcessor")
+    if save:
+        cls(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70).save_pretrained(model_dir)
+    return cls.from_pretrained(model_dir)
