@@ -93,7 +93,7 @@ class KVBlockCopier(StepFeature):
         self.spec = spec
         self.connector: Any = None  # distributed/kv_transfer's (ModelRunner.set_kv_connector)
         self.buckets = copy_buckets(max_blocks_per_req)
-        n_layers = spec.config.num_layers
+        n_layers = spec.num_slots  # the cached layers (Gemma 4's KV-sharing ones hold none)
         self._gather = jax.jit(functools.partial(gather_blocks, num_layers=n_layers))
         self._scatter = jax.jit(
             functools.partial(scatter_blocks, num_layers=n_layers),

@@ -86,13 +86,14 @@ class KVCacheSpec:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """One block's K and V over all layers, as KV connectors move it: [L, bs, H, kd + vd]
-        (each token's K columns then its V columns; MLA: its latent and rotary key, V empty;
-        H: the cache's heads, MLA's latent once per tensor-parallel rank)."""
+        """One block's K and V over all cached layers, as KV connectors move it: [L, bs, H,
+        kd + vd] (L: the slots of the one group connectors keep, config/kv_groups.py; each
+        token's K columns then its V columns; MLA: its latent and rotary key, V empty; H: the
+        cache's heads, MLA's latent once per tensor-parallel rank)."""
         c = self.config
         if c.linear_attn is not None:
             raise ValueError(f"{c.architecture}: {compat.reason('KV connectors', 'hybrid models')}")
-        return (c.num_layers, self.block_size, self.num_cache_kv_heads, sum(c.cache_dims))
+        return (self.num_slots, self.block_size, self.num_cache_kv_heads, sum(c.cache_dims))
 
     def allocate(self, num_blocks: int) -> tuple[jax.Array, ...]:
         """K and V of num_blocks blocks, zeros, in the cache's sharding (an MLA model's V

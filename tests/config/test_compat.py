@@ -42,9 +42,14 @@ FEATURE_ARGS = {
     "KV connectors": {"kv_transfer_config": {"kv_connector": "ZmqConnector"}},
     "sleep mode": {"enable_sleep_mode": True},
     "hybrid models": {"model": "qwen3-next-80b"},
+    "shared-KV models": {"model": None},
 }
 # pairs no engine turns on together (no model has both; one speculative method per engine)
-NEVER_BOTH = {("images", "hybrid models"), ("draft model", "ngram speculation")}
+NEVER_BOTH = {
+    ("images", "hybrid models"),
+    ("draft model", "ngram speculation"),
+    ("hybrid models", "shared-KV models"),
+}
 SPECULATION = {"draft model", "ngram speculation"}
 
 
@@ -69,18 +74,40 @@ def seen(monkeypatch) -> list:
     return calls
 
 
-def _engine_args(a: str, b: str, llava: str) -> EngineArgs:
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory) -> dict[bool, str]:
+    """Gemma 4 config.jsons (the shared-KV models), text and with images (True), of the
+    Llama preset's vocabulary; no weights."""
+    path = tmp_path_factory.mktemp("gemma4")
+    text = {"model_type": "gemma4_text", "vocab_size": 128256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "max_position_embeddings": 256, "hidden_size_per_layer_input": 0}  # fmt: skip
+    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+              "text_config": text, "vision_config": {"hidden_size": 32}, "audio_config": None,
+              "image_token_id": 3, "boi_token_id": 4, "eoi_token_id": 5}  # fmt: skip
+    (path / "vl").mkdir()
+    (path / "vl" / "config.json").write_text(json.dumps(config))
+    text = {**text, "architectures": ["Gemma4ForCausalLM"]}
+    (path / "config.json").write_text(json.dumps(text))
+    return {False: str(path), True: str(path / "vl")}
+
+
+def _engine_args(a: str, b: str, llava: str, gemma4: dict | None = None) -> EngineArgs:
     kwargs = dict(ARGS)
     for name in (a, b):
         kwargs.update(FEATURE_ARGS[name])
-        if name == "images":
-            kwargs["model"] = llava
+    if "shared-KV models" in (a, b):
+        kwargs["model"] = gemma4["images" in (a, b)]
+    elif "images" in (a, b):
+        kwargs["model"] = llava
     return EngineArgs(**kwargs)
 
 
 def test_every_pair_has_one_entry_in_feature_order():
-    assert len(compat.NAMES) == len(set(compat.NAMES)) == 13
-    assert len({short for _, short, _ in compat.FEATURES}) == 13
+    assert len(compat.NAMES) == len(set(compat.NAMES)) == 14
+    assert len({short for _, short, _ in compat.FEATURES}) == 14
     listed = [(a, b) for a, b, _, _ in compat.TABLE]
     assert listed == PAIRS  # each pair once, in the grid's order: nothing missing or twice
     for a, b, status, text in compat.TABLE:
@@ -93,9 +120,9 @@ def test_every_pair_has_one_entry_in_feature_order():
 
 
 @pytest.mark.parametrize(("a", "b"), [p for p in PAIRS if compat.reason(*p)])
-def test_a_refused_pair_is_refused_with_the_tables_reason(a, b, llava, seen):
+def test_a_refused_pair_is_refused_with_the_tables_reason(a, b, llava, gemma4, seen):
     with pytest.raises(ValueError) as info:
-        _engine_args(a, b, llava).create_engine_config()
+        _engine_args(a, b, llava, gemma4).create_engine_config()
     assert {a, b} <= set(seen[-1])
     pattern = rf"{re.escape(a)} \(.+\) with {re.escape(b)} \(.+\): {re.escape(compat.reason(a, b))}"
     assert re.fullmatch(pattern, str(info.value)), str(info.value)
@@ -104,10 +131,10 @@ def test_a_refused_pair_is_refused_with_the_tables_reason(a, b, llava, seen):
 @pytest.mark.parametrize(
     ("a", "b"), [p for p in PAIRS if not compat.reason(*p) and p not in NEVER_BOTH]
 )
-def test_an_allowed_pair_builds_its_engine_config(a, b, llava, seen, monkeypatch):
+def test_an_allowed_pair_builds_its_engine_config(a, b, llava, gemma4, seen, monkeypatch):
     # the devices of several hosts are not here: the rest of the config is built
     monkeypatch.setattr(arg_utils, "check_local_devices", lambda *args: None)
-    config = _engine_args(a, b, llava).create_engine_config()
+    config = _engine_args(a, b, llava, gemma4).create_engine_config()
     assert {a, b} <= set(seen[-1])
     assert (config.speculative is not None) == bool({a, b} & SPECULATION)
 

@@ -138,3 +138,27 @@ def test_windowed_groups_serve_a_prefix_hit(family_dirs, family, monkeypatch):
     (warm,) = assert_generate_matches_hf(llm, family_dir, [prompt])
     assert (cold.num_cached_tokens, warm.num_cached_tokens) == (0, 32)
     kv.check_no_leaks()
+
+
+def test_gemma4_blocks_offload_and_come_back(family_dirs, monkeypatch):
+    """Gemma 4 (KV-sharing layers that hold no cache, full layers viewing the rows at their
+    own width) with the host offload tier: one group of its cached layers; a prompt's blocks
+    evicted from the device come back from the host as a prefix hit with HF's tokens."""
+    from jaxserve.sampling_params import SamplingParams
+
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir = family_dirs("gemma4")
+    llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=160,
+              dtype="float32", num_gpu_blocks_override=14, kv_offloading_size=0.01)  # fmt: skip
+    runner = llm.llm_engine.engine_core.engine_core.runner
+    assert runner.kv.block_shape[0] == 4  # 6 layers, the last 2 reading earlier layers' KV
+    rng = np.random.default_rng(1)
+    long_prompt, *others = (rng.integers(1, 256, n).tolist() for n in (100, 110, 110))
+    (first,) = assert_generate_matches_hf(llm, model_dir, [long_prompt])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in others], params, use_tqdm=False)  # evicts
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    (again,) = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
+    assert again.num_cached_tokens == 96
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert core_of(llm).scheduler.connector.totals().loaded_blocks == 6
