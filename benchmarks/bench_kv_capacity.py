@@ -25,7 +25,14 @@ def main() -> None:
     parser.add_argument(
         "--models",
         nargs="+",
-        default=["gemma-3-27b", "gpt-oss-120b", "llama-4-scout", "gemma-4-31b", "gemma-4-26b-a4b"],
+        default=[
+            "gemma-3-27b",
+            "gpt-oss-120b",
+            "llama-4-scout",
+            "gemma-4-31b",
+            "gemma-4-26b-a4b",
+            "gemma-4-e4b",
+        ],
     )
     parser.add_argument("--budget-gib", type=float, default=40.0)
     parser.add_argument("--seq-len", type=int, default=32768)

@@ -133,10 +133,12 @@ def _param_sizes(config: ModelConfig, in_bytes: bool = False) -> tuple[int, int,
     in_bytes: the bytes each occupies instead, packed formats as stored."""
     from flax import nnx, traverse_util
 
+    from jaxserve.distributed.sharding import kv_head_replicas
     from jaxserve.models.registry import get_model_class
 
     model_cls = get_model_class(config.architecture)
-    abstract = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+    replicas = kv_head_replicas(config, 1)  # (Gemma 4's narrower layers' repeated heads)
+    abstract = nnx.eval_shape(lambda: model_cls(config, kv_replicas=replicas, rngs=nnx.Rngs(0)))
     shapes = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
     total = matmul = experts = lookup = 0
     for path, s in shapes.items():

@@ -51,7 +51,14 @@ class Gemma4Attention(Attention):
         self.k_eq_v = g4.k_eq_v and self.window is None
         self.bidirectional = g4.bidirectional_images and self.window is not None
         self.head_dim = hd
-        self.view_heads = config.num_kv_heads * kv_replicas * config.head_dim // hd
+        row = config.num_kv_heads * kv_replicas * config.head_dim  # a token's cache row
+        self.view_heads = row // hd
+        if row % hd or self.view_heads % heads or hq % self.view_heads:
+            raise ValueError(
+                f"layer {layer}: {heads} KV heads of {hd} do not fill a cache row of "
+                f"{config.num_kv_heads * kv_replicas} heads of {config.head_dim} "
+                "(kv_replicas from distributed/sharding.py::kv_head_replicas)"
+            )
         self.group = hq // self.view_heads
         self.parts = self.group + (0 if self.shared else 1 if self.k_eq_v else 2)
         dt = config.dtype

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx, traverse_util
 
 from jaxserve.benchmarks.roofline import param_counts
+from jaxserve.distributed.sharding import kv_head_replicas
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.models.loader import load_model
 from jaxserve.sampling_params import SamplingParams
@@ -189,13 +190,19 @@ def test_glm_5_preset_has_transformers_parameter_count():
 
 @pytest.mark.parametrize(
     ("preset", "billions", "layers"),
-    [("gemma-4-31b", 30.8, 60), ("gemma-4-26b-a4b", 25.2, 30), ("qwen3.5-35b-a3b", 34.7, 40)],
+    [
+        ("gemma-4-31b", 30.8, 60),
+        ("gemma-4-26b-a4b", 25.2, 30),
+        ("gemma-4-e4b", 7.5, 42),
+        ("qwen3.5-35b-a3b", 34.7, 40),
+    ],
 )
 def test_2026_presets_have_transformers_parameter_count(preset, billions, layers):
-    """Gemma 4 31B and 26B-A4B (text) and Qwen3.5-35B-A3B: 6 of their layers (16 experts)
-    have the parameters transformers' own classes give them, but for Gemma 4's full layers'
-    key projection, stored once per cache head it fills (models/gemma4.py: the 31B's 4 heads
-    of 512 twice)."""
+    """Gemma 4 31B, 26B-A4B and E4B (text) and Qwen3.5-35B-A3B: 6 of their layers (16
+    experts; E4B: 12, the last 2 reading earlier layers' KV) have the parameters transformers' own
+    classes give them, but for the KV projections of Gemma 4's narrower layers, stored once
+    per cache head they fill (models/gemma4.py: the 31B's full layers' 4 heads of 512
+    twice, the E4B's sliding layers' 2 heads of 256 twice)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -203,13 +210,19 @@ def test_2026_presets_have_transformers_parameter_count(preset, billions, layers
     c = read_model_config(path, "bfloat16")
     assert c.num_layers == layers and round(param_counts(c)[0] / 1e9, 1) == billions
     small = {"num_hidden_layers": 6} | ({"num_experts": 16} if c.num_experts else {})
+    if c.gemma4 is not None and c.hf_config.num_kv_shared_layers:
+        small |= {"num_hidden_layers": 12, "num_kv_shared_layers": 2}  # a full layer to share
     six = read_model_config(path, "bfloat16", hf_overrides=small)
-    hf_config = AutoConfig.from_pretrained(path, **small, layer_types=c.hf_config.layer_types[:6])
+    types = c.hf_config.layer_types[: small["num_hidden_layers"]]
+    hf_config = AutoConfig.from_pretrained(path, **small, layer_types=types)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_config)
     scalars = sum(b.numel() for n, b in hf.named_buffers() if n.endswith("layer_scalar"))
     repeated = 0
-    if c.gemma4 is not None:  # one full layer in six: its key heads' second copies
-        heads, head_dim = c.layer_kv_shape(5)
-        repeated = heads * head_dim * c.hidden_size
+    if six.gemma4 is not None:  # each cached layer's K (and V) heads past their first copy
+        cache = six.num_kv_heads * kv_head_replicas(six, 1) * six.head_dim
+        for layer in six.kv_layers:
+            heads, head_dim = six.layer_kv_shape(layer)
+            projections = 1 if six.gemma4.k_eq_v and six.layer_window(layer) is None else 2
+            repeated += (cache - heads * head_dim) * c.hidden_size * projections
     assert param_counts(six)[0] == sum(p.numel() for p in hf.parameters()) + scalars + repeated
