@@ -12,7 +12,7 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.models.vision.qwen3_5_vision import Qwen3_5VisionEncoder
-from tests.helpers import engines_in_process, runner_of
+from tests.helpers import core_of, engines_in_process, runner_of
 from tests.models.test_vlm import ENGINE, Family
 from tests.models.test_vlm import test_greedy_tokens_and_logprobs_equal_hf as greedy_equals_hf
 from tests.multimodal.tiny_vlm import draw_image, qwen3_5_processor
@@ -69,3 +69,21 @@ def test_same_image_hits_the_prefix_cache(qwen3_5):
     assert image_start < full_blocks
     assert (again.num_cached_tokens, other.num_cached_tokens) == (full_blocks, before)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_tp_2_with_preemption_equals_hf(name, tmp_path_factory):
+    """Qwen3.5 (dense and MoE) with images at tp 2 (the linear attention's parameters and
+    states split by heads) and a KV pool too small for both prompts at once: requests are
+    preempted and recomputed (images encoded again, states rebuilt), with HF's greedy tokens
+    and prompt logprobs."""
+    fam = Family(name, tmp_path_factory)
+    with engines_in_process():
+        fam.llm = LLM(str(fam.dir), **{**ENGINE, "num_gpu_blocks_override": 6},
+                      tensor_parallel_size=2)  # fmt: skip
+        greedy_equals_hf(fam)
+        scheduler = core_of(fam.llm).scheduler
+        assert scheduler.total_preemptions > 0
+        scheduler.kv_cache_manager.check_no_leaks()
+        conv = runner_of(fam.llm).model.layers[0].linear_attn.conv1d
+        assert tuple(conv[...].sharding.spec) == (None, "tp")
