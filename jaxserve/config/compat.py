@@ -167,7 +167,7 @@ TABLE = [
     ("KV connectors", "hybrid models", REFUSED,
      "kv_transfer_config: a hybrid model's linear-attention state cannot be transferred"),
     ("KV connectors", "shared-KV models", ALLOWED,
-     "one group of the cached layers (the KV-sharing layers hold none)"),
+     "its KV-sharing layers hold no blocks: a position moves its cached layers' blocks"),
     ("sleep mode", "hybrid models", ALLOWED, ""),
     ("sleep mode", "shared-KV models", ALLOWED, ""),
     ("hybrid models", "shared-KV models", ALLOWED, "no model has both yet"),

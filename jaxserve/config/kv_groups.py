@@ -17,9 +17,10 @@ whatever group holds it, and the groups share the pool without a page size of th
 views the rows of its slot as its own heads, repeated to fill them (models/gemma4.py).
 
 One group of every layer (`KVCacheLayout.uniform`) is the layout of a model with one kind,
-and of any model when `--disable-hybrid-kv-cache-manager` is set or a feature works on whole
-blocks of every layer (KV connectors and offload, pipeline stages): then a windowed layer
-keeps the whole context, as before groups.
+and of any model when `--disable-hybrid-kv-cache-manager` is set or it runs in pipeline
+stages (each stage holds its own layers): then a windowed layer keeps the whole context, as
+before groups. KV connectors and offloading keep the groups: a block position moves with its
+block of every group (core/kv_cache_manager.py::connector_block_ids).
 """
 
 from __future__ import annotations

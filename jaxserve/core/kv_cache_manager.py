@@ -245,11 +245,12 @@ class KVCacheManager:
         """Each group's block ids of the request."""
         return tuple([b.block_id for b in g] for g in self.req_to_blocks[request_id])
 
-    def connector_block_ids(self, request_id: str) -> list[int]:
-        """The request's block ids for a KV connector, which runs with one group
-        (config/kv_groups.py)."""
-        (ids,) = self.get_block_ids(request_id)
-        return ids
+    def connector_block_ids(self, request_id: str) -> list:
+        """The request's blocks for a KV connector, per block position: its block id (one
+        group), or the tuple of every group's (the null block, 0, where a window gave one
+        back); the connector moves a position's blocks of every group together."""
+        ids = self.get_block_ids(request_id)
+        return ids[0] if len(ids) == 1 else list(zip(*ids, strict=True))
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """The counts since the last call; resets them."""

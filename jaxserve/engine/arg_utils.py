@@ -231,7 +231,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
-            kv_layout=kv_cache_layout(model_config, self._one_kv_group(kv_transfer)),
+            kv_layout=kv_cache_layout(model_config, self._one_kv_group()),
         )
         parallel = ParallelConfig(
             self.tensor_parallel_size,
@@ -281,13 +281,10 @@ class EngineArgs:
             ),
         )
 
-    def _one_kv_group(self, kv_transfer) -> str | None:
-        """Why the KV cache keeps one group of every layer (config/kv_groups.py), or None:
-        what works on whole blocks of every layer, as vLLM turns its hybrid manager off."""
+    def _one_kv_group(self) -> str | None:
+        """Why the KV cache keeps one group of every layer (config/kv_groups.py), or None."""
         if self.disable_hybrid_kv_cache_manager:
             return "--disable-hybrid-kv-cache-manager"
-        if kv_transfer is not None:
-            return "a KV connector moves blocks of every layer"
         if self.pipeline_parallel_size > 1:
             return "pipeline stages hold their own layers' blocks"
         return None

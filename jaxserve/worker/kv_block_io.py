@@ -32,29 +32,33 @@ from jaxserve.worker.step_types import StepBatch
 MAX_BLOCKS_PER_COPY = 32
 
 
-def _per_layer(cache: jax.Array, num_layers: int) -> jax.Array:
-    """[L * N, bs, H, d] -> [L, N, bs, H, d] (d may be 0: MLA's V)."""
-    return cache.reshape(num_layers, cache.shape[0] // num_layers, *cache.shape[1:])
+def _per_slot(cache: jax.Array, num_slots: int) -> jax.Array:
+    """[S * N, bs, H, d] -> [S, N, bs, H, d] (d may be 0: MLA's V)."""
+    return cache.reshape(num_slots, cache.shape[0] // num_slots, *cache.shape[1:])
 
 
-def gather_blocks(kv_caches, block_ids: jax.Array, *, num_layers: int):
-    """kv_caches: K [L * N, bs, H, kd], V [.., vd]; block_ids i32[n] -> [n, L, bs, H, kd + vd]."""
+def gather_blocks(kv_caches, block_ids: jax.Array, *, num_slots: int):
+    """kv_caches: K [S * N, bs, H, kd], V [.., vd]; block_ids i32[n, G] (each position's block
+    in each KV-cache group) -> [n, G * S, bs, H, kd + vd]."""
     out = []
     for cache in kv_caches:
-        per_layer = _per_layer(cache, num_layers)
-        out.append(per_layer[:, block_ids])  # [L, n, bs, H, d]
+        per_slot = _per_slot(cache, num_slots)
+        groups = [per_slot[:, block_ids[:, g]] for g in range(block_ids.shape[1])]
+        out.append(jnp.concatenate(groups, axis=0))  # [G * S, n, bs, H, d]
     return jnp.concatenate(out, axis=-1).swapaxes(0, 1)
 
 
-def scatter_blocks(kv_caches, block_ids: jax.Array, blocks: jax.Array, *, num_layers: int):
-    """Write blocks [n, L, bs, H, kd + vd] at block_ids i32[n]; returns the new (K, V)."""
+def scatter_blocks(kv_caches, block_ids: jax.Array, blocks: jax.Array, *, num_slots: int):
+    """Write blocks [n, G * S, bs, H, kd + vd] at block_ids i32[n, G]; returns the new (K, V)."""
     out, start = [], 0
     for cache in kv_caches:
-        part = blocks[..., start : start + cache.shape[-1]].swapaxes(0, 1)  # [L, n, bs, H, d]
+        part = blocks[..., start : start + cache.shape[-1]].swapaxes(0, 1)  # [G * S, n, ...]
         start += cache.shape[-1]
-        per_layer = _per_layer(cache, num_layers)
-        per_layer = per_layer.at[:, block_ids].set(part.astype(cache.dtype))
-        out.append(per_layer.reshape(cache.shape))
+        per_slot = _per_slot(cache, num_slots)
+        for g in range(block_ids.shape[1]):
+            rows = part[g * num_slots : (g + 1) * num_slots]
+            per_slot = per_slot.at[:, block_ids[:, g]].set(rows.astype(cache.dtype))
+        out.append(per_slot.reshape(cache.shape))
     return tuple(out)
 
 
@@ -68,14 +72,17 @@ def copy_buckets(max_blocks_per_req: int) -> list[int]:
     return buckets
 
 
-def chunks(block_ids: list[int], buckets: list[int]) -> list[tuple[np.ndarray, int, int]]:
-    """Split block_ids into copies: (ids padded to a bucket with 0, offset, real count)."""
+def chunks(
+    block_ids: list, buckets: list[int], num_groups: int = 1
+) -> list[tuple[np.ndarray, int, int]]:
+    """Split block_ids (per block position: its id, or a tuple of each KV-cache group's) into
+    copies: (ids i32[bucket, G] padded with 0, offset, real count)."""
     out = []
     for start in range(0, len(block_ids), buckets[-1]):
         part = block_ids[start : start + buckets[-1]]
         n = bucket(buckets, len(part))
-        ids = np.zeros(n, np.int32)
-        ids[: len(part)] = part
+        ids = np.zeros((n, num_groups), np.int32)
+        ids[: len(part)] = np.asarray(part, np.int32).reshape(len(part), num_groups)
         out.append((ids, start, len(part)))
     return out
 
@@ -93,10 +100,10 @@ class KVBlockCopier(StepFeature):
         self.spec = spec
         self.connector: Any = None  # distributed/kv_transfer's (ModelRunner.set_kv_connector)
         self.buckets = copy_buckets(max_blocks_per_req)
-        n_layers = spec.num_slots  # the cached layers (Gemma 4's KV-sharing ones hold none)
-        self._gather = jax.jit(functools.partial(gather_blocks, num_layers=n_layers))
+        self.num_groups = spec.num_groups
+        self._gather = jax.jit(functools.partial(gather_blocks, num_slots=spec.num_slots))
         self._scatter = jax.jit(
-            functools.partial(scatter_blocks, num_layers=n_layers),
+            functools.partial(scatter_blocks, num_slots=spec.num_slots),
             donate_argnums=(0,),
             out_shardings=(spec.sharding,) * 2,
         )
@@ -109,7 +116,7 @@ class KVBlockCopier(StepFeature):
         kv = inputs.kv
         out: dict[tuple, Callable[[], Any]] = {}
         for n in self.buckets:
-            ids = np.zeros(n, np.int32)
+            ids = np.zeros((n, self.num_groups), np.int32)
             blocks = jax.ShapeDtypeStruct(
                 (n, *self.spec.block_shape), self.spec.dtype, sharding=self.blocks_sharding
             )
@@ -144,11 +151,11 @@ class KVBlockCopier(StepFeature):
             hashes, chunks = value
             self.connector.save_blocks(hashes, np.concatenate([b[:n] for b, n in chunks]))
 
-    def scatter(self, executables, kv_caches, loads: list[tuple[int, np.ndarray]]):
-        """Scatter host blocks (block id, [L, bs, H, kd + vd]) into the cache (before the step's
-        forward reads them); returns the new (K, V)."""
+    def scatter(self, executables, kv_caches, loads: list[tuple[Any, np.ndarray]]):
+        """Scatter host blocks (block id or ids, [G * S, bs, H, kd + vd]) into the cache
+        (before the step's forward reads them); returns the new (K, V)."""
         block_ids = [b for b, _ in loads]
-        for ids, start, n in chunks(block_ids, self.buckets):
+        for ids, start, n in chunks(block_ids, self.buckets, self.num_groups):
             data = np.zeros((len(ids), *self.spec.block_shape), self.spec.dtype)
             data[:n] = np.stack([blk for _, blk in loads[start : start + n]])
             kv_caches = executables["kv_scatter", len(ids)](
@@ -156,10 +163,10 @@ class KVBlockCopier(StepFeature):
             )
         return kv_caches
 
-    def gather(self, executables, kv_caches, block_ids: list[int]) -> list[tuple[jax.Array, int]]:
+    def gather(self, executables, kv_caches, block_ids: list) -> list[tuple[jax.Array, int]]:
         """Start copying blocks out of the cache: (device array, real count) per chunk."""
         out = []
-        for ids, _, n in chunks(block_ids, self.buckets):
+        for ids, _, n in chunks(block_ids, self.buckets, self.num_groups):
             blocks = executables["kv_gather", len(ids)](kv_caches, ids)
             blocks.copy_to_host_async()
             out.append((blocks, n))

@@ -55,6 +55,7 @@ class KVCacheSpec:
         self.num_state_rows = num_state_rows
         # layers of K/V one block id covers: a group's slots, or every cached layer
         self.num_slots = layout.num_slots if layout else len(config.kv_layers)
+        self.num_groups = layout.num_groups if layout else 1
         self.sharding = kv_cache_sharding(mesh)
         if config.linear_attn is not None:  # (K, V, conv, rec)
             self.sharding = (self.sharding, self.sharding, *state_shardings(config, mesh))
@@ -86,14 +87,16 @@ class KVCacheSpec:
 
     @property
     def block_shape(self) -> tuple[int, ...]:
-        """One block's K and V over all cached layers, as KV connectors move it: [L, bs, H,
-        kd + vd] (L: the slots of the one group connectors keep, config/kv_groups.py; each
-        token's K columns then its V columns; MLA: its latent and rotary key, V empty; H: the
-        cache's heads, MLA's latent once per tensor-parallel rank)."""
+        """One block position's K and V over all cached layers, as KV connectors move it:
+        [G * S, bs, H, kd + vd] (each KV-cache group's S slots of layers at that position's
+        block of the group, config/kv_groups.py; each token's K columns then its V columns;
+        MLA: its latent and rotary key, V empty; H: the cache's heads, MLA's latent once per
+        tensor-parallel rank)."""
         c = self.config
         if c.linear_attn is not None:
             raise ValueError(f"{c.architecture}: {compat.reason('KV connectors', 'hybrid models')}")
-        return (self.num_slots, self.block_size, self.num_cache_kv_heads, sum(c.cache_dims))
+        layers = self.num_groups * self.num_slots
+        return (layers, self.block_size, self.num_cache_kv_heads, sum(c.cache_dims))
 
     def allocate(self, num_blocks: int) -> tuple[jax.Array, ...]:
         """K and V of num_blocks blocks, zeros, in the cache's sharding (an MLA model's V

@@ -1,5 +1,6 @@
 """The KV-cache layout an engine gets (config/kv_groups.py): groups for a model with windowed
-and full layers, one group where vLLM keeps one too."""
+and full layers (with a KV connector too: it moves a block position's blocks of every
+group), one group where asked or with pipeline stages."""
 
 import argparse
 
@@ -23,16 +24,13 @@ def test_windowed_and_full_layers_get_a_group_each():
     assert layout.position(1) == (0, 0) and layout.position(0) == (1, 0)
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        {"disable_hybrid_kv_cache_manager": True},
-        {"kv_offloading_size": 1},  # a KV connector moves whole blocks of every layer
-    ],
-)
-def test_one_group_where_blocks_must_hold_every_layer(kw):
-    layout = _layout(**kw)
+def test_one_group_where_asked():
+    layout = _layout(disable_hybrid_kv_cache_manager=True)
     assert layout.num_groups == 1 and layout.num_slots == 24
+
+
+def test_a_kv_connector_keeps_the_groups():
+    assert _layout(kv_offloading_size=1).num_groups == 2
 
 
 def test_the_vllm_flag_parses():

@@ -91,13 +91,15 @@ def test_gather_then_scatter_moves_whole_blocks():
     layers, n_blocks = 3, 5
     k = jnp.arange(layers * n_blocks * 2 * 1 * 2, dtype=jnp.float32).reshape(-1, 2, 1, 2)
     kv = (k, -k)
-    blocks = np.asarray(kv_block_io.gather_blocks(kv, jnp.array([3, 1]), num_layers=layers))
+    ids = jnp.array([[3], [1]])
+    blocks = np.asarray(kv_block_io.gather_blocks(kv, ids, num_slots=layers))
     assert blocks.shape == (2, layers, 2, 1, 4)  # [n, L, bs, H, K's 2 then V's 2]
     for i, b in enumerate([3, 1]):
         for layer in range(layers):
             np.testing.assert_array_equal(blocks[i, layer, ..., :2], k[layer * n_blocks + b])
             np.testing.assert_array_equal(blocks[i, layer, ..., 2:], -k[layer * n_blocks + b])
-    moved = kv_block_io.scatter_blocks(kv, jnp.array([4, 2]), jnp.asarray(blocks), num_layers=3)
+    to = jnp.array([[4], [2]])
+    moved = kv_block_io.scatter_blocks(kv, to, jnp.asarray(blocks), num_slots=3)
     for layer in range(layers):
         np.testing.assert_array_equal(moved[0][layer * n_blocks + 4], k[layer * n_blocks + 3])
         np.testing.assert_array_equal(moved[1][layer * n_blocks + 2], -k[layer * n_blocks + 1])
@@ -105,7 +107,31 @@ def test_gather_then_scatter_moves_whole_blocks():
     assert kv_block_io.copy_buckets(5) == [1, 2, 4, 8]
     assert kv_block_io.copy_buckets(1000)[-1] == kv_block_io.MAX_BLOCKS_PER_COPY
     (ids, start, n), *rest = kv_block_io.chunks([7, 8, 9], [1, 2, 4])
-    assert list(ids) == [7, 8, 9, 0] and (start, n) == (0, 3) and not rest
+    assert ids[:, 0].tolist() == [7, 8, 9, 0] and (start, n) == (0, 3) and not rest
+
+
+def test_a_block_position_moves_with_its_block_of_every_group():
+    """KV-cache groups (config/kv_groups.py): position i's blocks, one per group, gather into
+    [G * S] layers (group 0's S slots, then group 1's) and scatter back to other ids."""
+    import jax.numpy as jnp
+
+    slots, n_blocks = 2, 6
+    k = jnp.arange(slots * n_blocks * 3, dtype=jnp.float32).reshape(-1, 1, 1, 3)
+    ids = jnp.array([[1, 4], [2, 0]])  # position 0: group 0's block 1, group 1's block 4
+    blocks = np.asarray(kv_block_io.gather_blocks((k,), ids, num_slots=slots))
+    assert blocks.shape == (2, 2 * slots, 1, 1, 3)
+    for i in range(2):
+        for g in range(2):
+            for s in range(slots):
+                want = k[s * n_blocks + int(ids[i, g])]
+                np.testing.assert_array_equal(blocks[i, g * slots + s], want)
+    to = jnp.array([[3, 5]])
+    (moved,) = kv_block_io.scatter_blocks((k,), to, jnp.asarray(blocks[:1]), num_slots=slots)
+    for s in range(slots):
+        np.testing.assert_array_equal(moved[s * n_blocks + 3], k[s * n_blocks + 1])
+        np.testing.assert_array_equal(moved[s * n_blocks + 5], k[s * n_blocks + 4])
+    (ids, _, n), *_ = kv_block_io.chunks([(1, 4), (2, 0), (7, 7)], [1, 2, 4], num_groups=2)
+    assert ids.tolist() == [[1, 4], [2, 0], [7, 7], [0, 0]] and n == 3
 
 
 # ---------------------------------------------------------------------- the scheduler's view

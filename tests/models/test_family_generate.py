@@ -140,18 +140,22 @@ def test_windowed_groups_serve_a_prefix_hit(family_dirs, family, monkeypatch):
     kv.check_no_leaks()
 
 
-def test_gemma4_blocks_offload_and_come_back(family_dirs, monkeypatch):
-    """Gemma 4 (KV-sharing layers that hold no cache, full layers viewing the rows at their
-    own width) with the host offload tier: one group of its cached layers; a prompt's blocks
-    evicted from the device come back from the host as a prefix hit with HF's tokens."""
+@pytest.mark.parametrize("family", ["gemma2", "gemma4"])
+def test_grouped_blocks_offload_and_come_back(family_dirs, family, monkeypatch):
+    """With the host offload tier, a model's KV-cache groups stay (Gemma 2: a full and two
+    sliding groups of one layer; Gemma 4: a full and a sliding group of two, its KV-sharing
+    layers holding none): a block position moves with its block of every group, and a
+    prompt's blocks evicted from the device come back from the host as a prefix hit with
+    HF's tokens."""
     from jaxserve.sampling_params import SamplingParams
 
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
-    model_dir = family_dirs("gemma4")
+    model_dir = family_dirs(family)
     llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=160,
-              dtype="float32", num_gpu_blocks_override=14, kv_offloading_size=0.01)  # fmt: skip
-    runner = llm.llm_engine.engine_core.engine_core.runner
-    assert runner.kv.block_shape[0] == 4  # 6 layers, the last 2 reading earlier layers' KV
+              dtype="float32", num_gpu_blocks_override=40, kv_offloading_size=0.01)  # fmt: skip
+    core = core_of(llm)
+    groups = len(core.scheduler.kv_cache_manager.groups)
+    assert (groups, core.runner.kv.block_shape[0]) == {"gemma2": (3, 3), "gemma4": (2, 4)}[family]
     rng = np.random.default_rng(1)
     long_prompt, *others = (rng.integers(1, 256, n).tolist() for n in (100, 110, 110))
     (first,) = assert_generate_matches_hf(llm, model_dir, [long_prompt])
@@ -161,4 +165,5 @@ def test_gemma4_blocks_offload_and_come_back(family_dirs, monkeypatch):
     (again,) = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
     assert again.num_cached_tokens == 96
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert core_of(llm).scheduler.connector.totals().loaded_blocks == 6
+    assert core.scheduler.connector.totals().loaded_blocks == 6
+    core.scheduler.kv_cache_manager.check_no_leaks()

@@ -25,7 +25,9 @@ layers, not per layer as in vLLM: the compiled forward has no host hooks between
 Blocks are keyed by the prefix-cache hash of their tokens (core/kv_cache_utils.py), which any
 instance computes the same way from the same tokens; a layout fingerprint (model, KV dtype,
 block shape) keeps instances of different models apart. A block travels as one array of
-[2 (K, V), L, block_size, Hkv, head_dim] in the KV cache's dtype.
+[L, block_size, Hkv, K and V widths] in the KV cache's dtype (L: each KV-cache group's layers
+at that position, worker/kv_cache.py::block_shape); a position's block id is a tuple of each
+group's when the model has several (config/kv_groups.py).
 """
 
 from __future__ import annotations
@@ -214,7 +216,7 @@ class KVConnectorBase:
             block_ids = block_ids_of(req_id)
             for i in range(done, full):
                 block_hash = request.block_hashes[i]
-                if block_ids[i] != 0 and not self.contains(block_hash):  # 0: out of window
+                if not _given_back(block_ids[i]) and not self.contains(block_hash):
                     meta.saves.append((block_ids[i], block_hash))
             self._num_saved[req_id] = full
         return meta
@@ -257,3 +259,8 @@ class KVConnectorBase:
 
     def shutdown(self) -> None:
         pass
+
+
+def _given_back(block_id) -> bool:
+    """A position a window gave back (in any KV-cache group): the null block, 0, holds it."""
+    return block_id == 0 if isinstance(block_id, int) else 0 in block_id
