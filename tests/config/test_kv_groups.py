@@ -4,8 +4,6 @@ group), one group where asked or with pipeline stages."""
 
 import argparse
 
-import pytest
-
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.entrypoints.cli_args import add_engine_args, engine_args_from
 
