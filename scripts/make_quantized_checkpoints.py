@@ -22,9 +22,12 @@ formats' own tools, once: never run by the suite.
     /tmp/gqvenv/bin/python scripts/make_quantized_checkpoints.py gptqmodel /tmp/qbase \
         tests/data/quantized
 
-    # 4. a tiny Qwen3.5-MoE in W4A16 by compressed-tensors alone, in jaxserve's venv
+    # 4. a tiny Qwen3.5-MoE and a tiny Gemma 4 in W4A16 by compressed-tensors alone, in
+    #    jaxserve's venv
     .venv/bin/pip install --no-deps --target /tmp/ct compressed-tensors==0.20.1 loguru
     PYTHONPATH=/tmp/ct .venv/bin/python scripts/make_quantized_checkpoints.py qwen3_5 \
+        tests/data/quantized
+    PYTHONPATH=/tmp/ct .venv/bin/python scripts/make_quantized_checkpoints.py gemma4 \
         tests/data/quantized
 
 Each checkpoint directory also holds `reference_logits.npz`: transformers' float32 logits of
@@ -351,6 +354,32 @@ def qwen35(out: str) -> None:
     compressed-tensors importable (PYTHONPATH=DIR after `pip install --no-deps --target DIR
     compressed-tensors==0.20.1 loguru`); its reference is the layers as the same library
     decompresses them, run by transformers in float32."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.models.test_qwen3_5 import MOE, SHAPE
+
+    keep = ("mlp.gate.weight", "shared_expert_gate.weight", "in_proj_a.weight", "in_proj_b.weight")
+    _w4a16(out, QWEN35_NAME, "qwen3_5_moe", {**SHAPE, **MOE}, keep)
+
+
+# A tiny Gemma 4 (tests/models/test_gemma4_quantized.py's dense build: wider full layers whose
+# V is K, KV-sharing layers, per-layer inputs) in the same W4A16 (a scale per 16 inputs): the
+# attention's and MLPs' projections; the per-layer-input projections (8 wide here) and
+# lm_head in full precision.
+GEMMA4_NAME = "ct-gemma4-w4a16"
+
+
+def gemma4(out: str) -> None:
+    """GEMMA4_NAME, as `qwen35` makes its checkpoint."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.models.test_gemma4_quantized import DENSE
+
+    keep = ("per_layer_input_gate.weight", "per_layer_projection.weight")
+    _w4a16(out, GEMMA4_NAME, "gemma4", DENSE, keep)
+
+
+def _w4a16(out: str, name: str, family: str, shape: dict, keep: tuple[str, ...]) -> None:
+    """A tiny `family` model (tests/helpers.py::make_tiny_hf) in compressed-tensors' W4A16,
+    round to nearest: every 2-D decoder weight but norms and `keep`; with the references."""
     import shutil
 
     import numpy as np
@@ -363,32 +392,31 @@ def qwen35(out: str) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.helpers import make_tiny_hf, make_tiny_tokenizer
-    from tests.models.test_qwen3_5 import MOE, SHAPE
 
-    dst = Path(out) / QWEN35_NAME
+    dst = Path(out) / name
     vocab = make_tiny_tokenizer(dst)
-    make_tiny_hf("qwen3_5_moe", dst, vocab_size=vocab, **SHAPE, **MOE)
+    tables = ["vocab_size"] + [k for k in ("vocab_size_per_layer_input",) if k in shape]
+    make_tiny_hf(family, dst, **{**shape, **dict.fromkeys(tables, vocab)})  # the tokenizer's
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
                             group_size=QWEN35_GROUP)  # fmt: skip
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
     weights = load_file(dst / "model.safetensors")
-    keep = ("mlp.gate.weight", "shared_expert_gate.weight", "in_proj_a.weight", "in_proj_b.weight")
     stored, decoded, ignore = {}, {}, ["lm_head"]
-    for name, w in weights.items():
-        quantized = ".layers." in name and w.ndim == 2 and name.endswith("weight")
-        if not quantized or name.endswith(keep) or "norm" in name:
-            stored[name] = decoded[name] = w
-            if name.endswith(keep):
-                ignore.append(name.removesuffix(".weight"))
+    for tensor, w in weights.items():
+        quantized = ".layers." in tensor and w.ndim == 2 and tensor.endswith("weight")
+        if not quantized or tensor.endswith(keep) or "norm" in tensor:
+            stored[tensor] = decoded[tensor] = w
+            if tensor.endswith(keep):
+                ignore.append(tensor.removesuffix(".weight"))
             continue
         groups = w.float().reshape(w.shape[0], -1, QWEN35_GROUP)
         scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
         local = {"weight": w.float(), "weight_scale": scale, "weight_zero_point": zero}
         packed = compressor.compress(local, scheme)
-        prefix = name.removesuffix(".weight")
+        prefix = tensor.removesuffix(".weight")
         stored.update({f"{prefix}.{k}": v for k, v in packed.items()})
-        decoded[name] = compressor.decompress(packed, scheme)["weight"].float()
+        decoded[tensor] = compressor.decompress(packed, scheme)["weight"].float()
     save_file({k: v.contiguous() for k, v in stored.items()}, dst / "model.safetensors",
               metadata={"format": "pt"})  # fmt: skip
     config = json.loads((dst / "config.json").read_text())
@@ -400,7 +428,7 @@ def qwen35(out: str) -> None:
                                       "output_activations": None}},
     }  # fmt: skip
     (dst / "config.json").write_text(json.dumps(config, indent=1))
-    ref_dir = Path(out) / f"{QWEN35_NAME}-decompressed"
+    ref_dir = Path(out) / f"{name}-decompressed"
     shutil.copytree(dst, ref_dir, dirs_exist_ok=True)
     config.pop("quantization_config")
     (ref_dir / "config.json").write_text(json.dumps(config))
@@ -417,7 +445,7 @@ def qwen35(out: str) -> None:
     (dst / "reference_generate.json").write_text(json.dumps(
         {"prompts": GENERATE_PROMPTS, "tokens": [g[0] for g in generated],
          "logprobs": [g[1] for g in generated]}))  # fmt: skip
-    print(QWEN35_NAME, "->", dst)
+    print(name, "->", dst)
 
 
 # reference_generate.json: transformers' greedy tokens (and each one's logprob) of these
@@ -432,20 +460,22 @@ GENERATE_STEPS = 12
 
 
 def _greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
-    """HF generate's greedy tokens after prompt and each one's logprob."""
+    """transformers' greedy tokens after prompt and each one's logprob: its forward over the
+    whole sequence each step, past any EOS (as the engine's ignore_eos; HF generate's tokens
+    where it does not stop)."""
     import torch
 
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True)  # fmt: skip
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [
-        torch.log_softmax(s[0].float(), -1)[t].item()
-        for s, t in zip(out.logits, tokens, strict=True)
-    ]
+    ids, tokens, logprobs = list(prompt), [], []
+    for _ in range(steps):
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(torch.log_softmax(logits, -1)[token].item())
+        ids.append(token)
     return tokens, logprobs
 
 
 if __name__ == "__main__":
     commands = {"base": base, "base-moe": base_moe, "quantize": quantize, "gptqmodel": gptqmodel,
-                "qwen3_5": qwen35}  # fmt: skip
+                "qwen3_5": qwen35, "gemma4": gemma4}  # fmt: skip
     commands[sys.argv[1]](*sys.argv[2:])

@@ -299,8 +299,6 @@ class ModelConfig:
         if archs[0] in LLAMA4:
             config = dataclasses.replace(config, **llama4_fields(hf_config))
         if archs[0] in GEMMA4:
-            if prequantized:
-                raise ValueError(f"{archs[0]}: {prequantized} checkpoints are not supported")
             config = dataclasses.replace(config, **gemma4_fields(hf_config))
         return config
 

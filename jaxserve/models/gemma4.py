@@ -61,9 +61,9 @@ class Gemma4Attention(Attention):
             )
         self.group = hq // self.view_heads
         self.parts = self.group + (0 if self.shared else 1 if self.k_eq_v else 2)
-        dt = config.dtype
-        self.qkv_proj = Linear(d, self.view_heads * self.parts * hd, dtype=dt, rngs=rngs)
-        self.o_proj = Linear(hq * hd, d, dtype=dt, rngs=rngs)
+        dt, quant = config.dtype, config.linear_kwargs()
+        self.qkv_proj = Linear(d, self.view_heads * self.parts * hd, dtype=dt, rngs=rngs, **quant)
+        self.o_proj = Linear(hq * hd, d, dtype=dt, rngs=rngs, **quant)
         self.q_norm = Gemma4RMSNorm(hd, config.rms_norm_eps, dtype=dt)
         self.k_norm = None if self.shared else Gemma4RMSNorm(hd, config.rms_norm_eps, dtype=dt)
         self.eps = config.rms_norm_eps
@@ -129,7 +129,7 @@ class Gemma4DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = Gemma4Attention(config, layer, kv_replicas=kv_replicas, rngs=rngs)
         wide = 2 if g4.double_wide_mlp and g4.shares[layer] is not None else 1
-        mlp = dict(dtype=dt, rngs=rngs, act=config.hidden_act)
+        mlp = dict(dtype=dt, rngs=rngs, act=config.hidden_act, linear=config.linear_kwargs())
         # named as other families' dense MLPs and experts are (sharding rules, roofline)
         self.dense_mlp = GatedMLP(d, config.intermediate_size * wide, **mlp)
         self.mlp = Gemma4Experts(config, rngs=rngs) if g4.moe_block else None
