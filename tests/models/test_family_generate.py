@@ -11,7 +11,12 @@ import pytest
 from jaxserve.config.kv_groups import kv_cache_layout
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.transformers_utils.config import read_model_config
-from tests.helpers import assert_generate_matches_hf, core_of, make_tiny_hf
+from tests.helpers import (
+    assert_generate_matches_hf,
+    assert_offload_round_trip,
+    core_of,
+    make_tiny_hf,
+)
 from tests.models.test_llama_parity import FAMILIES as DENSE
 from tests.models.test_moe import FAMILIES as MOE
 
@@ -147,8 +152,6 @@ def test_grouped_blocks_offload_and_come_back(family_dirs, family, monkeypatch):
     layers holding none): a block position moves with its block of every group, and a
     prompt's blocks evicted from the device come back from the host as a prefix hit with
     HF's tokens."""
-    from jaxserve.sampling_params import SamplingParams
-
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     model_dir = family_dirs(family)
     llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=160,
@@ -156,14 +159,4 @@ def test_grouped_blocks_offload_and_come_back(family_dirs, family, monkeypatch):
     core = core_of(llm)
     groups = len(core.scheduler.kv_cache_manager.groups)
     assert (groups, core.runner.kv.block_shape[0]) == {"gemma2": (3, 3), "gemma4": (2, 4)}[family]
-    rng = np.random.default_rng(1)
-    long_prompt, *others = (rng.integers(1, 256, n).tolist() for n in (100, 110, 110))
-    (first,) = assert_generate_matches_hf(llm, model_dir, [long_prompt])
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in others], params, use_tqdm=False)  # evicts
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    (again,) = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
-    assert again.num_cached_tokens == 96
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert core.scheduler.connector.totals().loaded_blocks == 6
-    core.scheduler.kv_cache_manager.check_no_leaks()
+    assert_offload_round_trip(llm, model_dir)

@@ -7,7 +7,6 @@ made), against transformers over the layers as compressed-tensors decompresses t
 (recorded by scripts/make_quantized_checkpoints.py gemma4). The fused q / k (/ v) kernel
 keeps its blocks packed, the full layers' one KV head repeated with its scales."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +14,9 @@ import pytest
 
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.models.loader import load_model
-from jaxserve.sampling_params import SamplingParams
 from tests.helpers import assert_generate_matches_hf, core_of, hf_model, make_tiny_hf
 from tests.models.test_fp8_moe import assert_logits_match, fp8_block_checkpoint
-from tests.models.test_int4 import assert_matches_recorded
+from tests.models.test_int4 import assert_generates_as_recorded, assert_matches_recorded
 from tests.models.test_llama_parity import FAMILIES
 
 # the dense build (the 31B's layout: no experts), every other feature of the tiny Gemma 4
@@ -76,16 +74,6 @@ def test_int4_checkpoint_generates_as_recorded_with_preemption(tp, monkeypatch):
     and logprobs within 1e-2 of transformers' generate over the decompressed layers, at tp 1
     and 2; nothing leaked."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
-    ref = json.loads((INT4 / "reference_generate.json").read_text())
     llm = LLM(str(INT4), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
               dtype="float32", num_gpu_blocks_override=7, tensor_parallel_size=tp)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in ref["prompts"]], params, use_tqdm=False)
-    for out, tokens, logprobs in zip(outs, ref["tokens"], ref["logprobs"], strict=True):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        ours = [lp[t].logprob for lp, t in zip(got.logprobs, tokens, strict=True)]
-        np.testing.assert_allclose(ours, logprobs, atol=1e-2)
-    scheduler = core_of(llm).scheduler
-    assert scheduler.total_preemptions > 0
-    scheduler.kv_cache_manager.check_no_leaks()
+    assert_generates_as_recorded(llm, INT4)

@@ -53,6 +53,26 @@ def assert_matches_recorded(loaded, checkpoint: Path) -> list[np.ndarray]:
     return rows
 
 
+def assert_generates_as_recorded(llm, checkpoint: Path) -> None:
+    """The engine's greedy tokens of the checkpoint's recorded prompts (its
+    reference_generate.json) equal the recorded ones and their logprobs are within 1e-2;
+    the engine preempted requests on the way and leaked nothing."""
+    from jaxserve.sampling_params import SamplingParams
+    from tests.helpers import core_of
+
+    ref = json.loads((checkpoint / "reference_generate.json").read_text())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ref["prompts"]], params, use_tqdm=False)
+    for out, tokens, logprobs in zip(outs, ref["tokens"], ref["logprobs"], strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        ours = [lp[t].logprob for lp, t in zip(got.logprobs, tokens, strict=True)]
+        np.testing.assert_allclose(ours, logprobs, atol=1e-2)
+    scheduler = core_of(llm).scheduler
+    assert scheduler.total_preemptions > 0
+    scheduler.kv_cache_manager.check_no_leaks()
+
+
 def edited(checkpoint: Path, tmp_path: Path, edit) -> Path:
     """A copy of `checkpoint` whose quantization_config `edit(qc)` changes in place."""
     copy = tmp_path / f"edited-{checkpoint.name}"

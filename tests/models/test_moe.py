@@ -17,7 +17,7 @@ from jaxserve.models.loader import load_model
 from tests.helpers import (
     TINY,
     assert_generate_matches_hf,
-    core_of,
+    assert_offload_round_trip,
     hf_logits,
     hf_model,
     make_tiny_hf,
@@ -207,7 +207,6 @@ def test_mla_cache_is_one_latent_head_and_offloads(tmp_path, monkeypatch):
     head (V empty), replicated per tensor-parallel rank; its blocks offload to the host tier
     (kv_offloading_size) and come back after device eviction: a prefix hit with HF's tokens."""
     from jaxserve.engine.arg_utils import EngineArgs
-    from jaxserve.sampling_params import SamplingParams
 
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     model_dir = make_tiny_hf("deepseek_v3", tmp_path, **FAMILIES["deepseek_v3"])
@@ -216,17 +215,7 @@ def test_mla_cache_is_one_latent_head_and_offloads(tmp_path, monkeypatch):
     llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=160,
               dtype="float32", tensor_parallel_size=2, num_gpu_blocks_override=14,
               kv_offloading_size=0.01)  # fmt: skip
-    rng = np.random.default_rng(1)
-    long_prompt, *others = (rng.integers(1, 256, n).tolist() for n in (100, 110, 110))
-    (first,) = assert_generate_matches_hf(llm, model_dir, [long_prompt])
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in others], params, use_tqdm=False)  # evicts
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    (again,) = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
-    assert again.num_cached_tokens == 96  # every full block but the last prompt token's
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
-    connector = core_of(llm).scheduler.connector
-    assert connector.totals().loaded_blocks == 6
+    assert_offload_round_trip(llm, model_dir)
 
 
 @pytest.mark.parametrize(

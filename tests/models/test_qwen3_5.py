@@ -3,7 +3,6 @@ stored apart. Logits equal HF's (prefilled whole, in chunks, and decoded); throu
 (chunked prefill, preemption, tp 2) greedy tokens and logprobs equal HF generate's; the
 published ForConditionalGeneration checkpoints' language model loads from its own prefix."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,6 @@ import torch
 
 from jaxserve.entrypoints.llm import LLM
 from jaxserve.models.loader import load_model
-from jaxserve.sampling_params import SamplingParams
 from tests.helpers import (
     assert_generate_matches_hf,
     core_of,
@@ -21,7 +19,7 @@ from tests.helpers import (
     make_tiny_hf,
     runner_of,
 )
-from tests.models.test_int4 import assert_matches_recorded
+from tests.models.test_int4 import assert_generates_as_recorded, assert_matches_recorded
 from tests.models.test_llama_parity import run_mixed_schedule
 from tests.models.test_qwen3_next import assert_linear_layers_split
 
@@ -132,17 +130,6 @@ def test_int4_checkpoint_generates_as_recorded_with_preemption(tp, monkeypatch):
     decompresses them (recorded: reference_generate.json, by
     scripts/make_quantized_checkpoints.py qwen3_5), at tp 1 and 2; nothing leaked."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
-    ref = json.loads((INT4 / "reference_generate.json").read_text())
     llm = LLM(str(INT4), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
               dtype="float32", num_gpu_blocks_override=5, tensor_parallel_size=tp)  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    prompts = [{"prompt_token_ids": p} for p in ref["prompts"]]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for out, tokens, logprobs in zip(outs, ref["tokens"], ref["logprobs"], strict=True):
-        got = out.outputs[0]
-        assert got.token_ids == tokens
-        ours = [lp[t].logprob for lp, t in zip(got.logprobs, tokens, strict=True)]
-        np.testing.assert_allclose(ours, logprobs, atol=1e-2)
-    scheduler = core_of(llm).scheduler
-    assert scheduler.total_preemptions > 0
-    scheduler.kv_cache_manager.check_no_leaks()
+    assert_generates_as_recorded(llm, INT4)
