@@ -241,6 +241,18 @@ class KVCacheManager:
         for blocks in held:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def most_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request of num_tokens tokens (prefilled in chunks of at most
+        `chunk`) can hold: all of a full-attention group's; of a windowed group, the blocks
+        from what a chunk's first token reads to its last token (its span and the chunk, a
+        partial block at each end)."""
+        bs, every = self.block_size, -(-num_tokens // self.block_size)
+        step = min(chunk, num_tokens)
+        return sum(
+            every if g.kind == FULL else min(every, (g.span + step + 2 * bs - 3) // bs)
+            for g in self.groups
+        )
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Each group's block ids of the request."""
         return tuple([b.block_id for b in g] for g in self.req_to_blocks[request_id])

@@ -170,6 +170,7 @@ class EngineCore:
                 self.runner.add_lora(request.lora_request, self._live_loras)
             if request.mm_features:
                 self.runner.check_images(request.mm_features)
+            self._check_fits(request)
             engine_request = Request(
                 request.request_id,
                 request.prompt_token_ids,
@@ -189,6 +190,23 @@ class EngineCore:
             self.scheduler.pending_outputs.append(error)
             return
         self.scheduler.add_request(engine_request)
+
+    def _check_fits(self, request: EngineCoreRequest) -> None:
+        """ValueError for a request the whole KV pool cannot hold at its longest (its prompt,
+        max_tokens and drafts' lookahead; a pool set small with num_gpu_blocks_override):
+        admitted, it would preempt itself forever."""
+        kv, sched = self.scheduler.kv_cache_manager, self.config.scheduler
+        new = request.sampling_params.max_tokens or sched.max_model_len
+        tokens = min(len(request.prompt_token_ids) + new, sched.max_model_len)
+        tokens += self.scheduler.num_lookahead_tokens
+        need = kv.most_blocks(tokens, sched.max_num_batched_tokens)
+        pool = kv.block_pool.num_blocks - 1  # (the null block)
+        if need > pool:
+            raise ValueError(
+                f"the request needs up to {need} KV blocks of {kv.block_size} tokens "
+                f"({tokens} tokens), more than the KV cache's {pool}: lower max_tokens or give "
+                "the cache more blocks (gpu_memory_utilization, num_gpu_blocks_override)"
+            )
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Abort requests wherever they are (unknown ids are ignored); returns those aborted."""

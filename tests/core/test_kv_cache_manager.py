@@ -395,3 +395,27 @@ def test_no_window_keeps_every_block():
     req.append_output_token_ids(100)
     manager.allocate_slots(req, 1)
     assert manager.get_block_ids("a") == ([1, 2, 3],)
+
+
+@pytest.mark.parametrize(("kind", "span"), [(FULL, None), (SLIDING, 6), (SLIDING, 9)])
+def test_most_blocks_bounds_what_a_chunked_request_holds(kind, span):
+    """most_blocks (the engine's admission check): a 50-token request prefilled in chunks of
+    8 then decoded holds at most that many blocks of a group at any step, and that many or
+    one fewer at some step (the bound is tight)."""
+    manager = KVCacheManager(num_blocks=200, block_size=BS, groups=[KVCacheGroup(kind, span, (0,))])
+    req = _request("a", list(range(40)))
+    most = 0
+    for start in range(0, 40, 8):
+        req.num_computed_tokens = start
+        assert manager.allocate_slots(req, 8) is not None
+        most = max(most, 199 - manager.num_free_blocks)
+    req.num_computed_tokens = 40
+    for token in range(10):
+        req.append_output_token_ids(token)
+        assert manager.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        most = max(most, 199 - manager.num_free_blocks)
+    bound = manager.most_blocks(50, 8)
+    assert bound - 1 <= most <= bound
+    manager.free(req)
+    manager.check_no_leaks()
