@@ -195,10 +195,11 @@ def test_glm_5_preset_has_transformers_parameter_count():
         ("gemma-4-26b-a4b", 25.2, 30),
         ("gemma-4-e4b", 7.5, 42),
         ("qwen3.5-35b-a3b", 34.7, 40),
+        ("qwen3.5-27b", 26.9, 64),
     ],
 )
 def test_2026_presets_have_transformers_parameter_count(preset, billions, layers):
-    """Gemma 4 31B, 26B-A4B and E4B (text) and Qwen3.5-35B-A3B: 6 of their layers (16
+    """Gemma 4 31B, 26B-A4B and E4B (text) and Qwen3.5-35B-A3B and 27B: 6 of their layers (16
     experts; E4B: 12, the last 2 reading earlier layers' KV) have the parameters transformers' own
     classes give them, but for the KV projections of Gemma 4's narrower layers, stored once
     per cache head they fill (models/gemma4.py: the 31B's full layers' 4 heads of 512
