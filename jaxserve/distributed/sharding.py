@@ -96,6 +96,11 @@ VISION_RULES = {
     "attn/proj/kernel": P(TP_AXIS, None),
     "mlp/gate_up/kernel": P(None, TP_AXIS), "mlp/gate_up/bias": P(TP_AXIS),
     "mlp/down_proj/kernel": P(TP_AXIS, None),
+    # Gemma 4's (models/vision/gemma4_vision.py): its projections apart, each a ClippableLinear
+    "q_proj/linear/kernel": P(None, TP_AXIS), "k_proj/linear/kernel": P(None, TP_AXIS),
+    "v_proj/linear/kernel": P(None, TP_AXIS), "o_proj/linear/kernel": P(TP_AXIS, None),
+    "gate_proj/linear/kernel": P(None, TP_AXIS), "up_proj/linear/kernel": P(None, TP_AXIS),
+    "down_proj/linear/kernel": P(TP_AXIS, None),
 }  # fmt: skip
 
 

@@ -46,13 +46,17 @@ def test_greedy_tokens_and_logprobs_equal_hf(gemma4):
 
 
 def test_tp_2_with_preemption_equals_hf(gemma4):
-    """tp 2 (the full layers' one KV head repeated into each device's cache row) and a KV pool
+    """tp 2 (the full layers' one KV head repeated into each device's cache row, the vision
+    tower split by heads and MLP units) and a KV pool
     too small for both prompts at once: requests are preempted and recomputed, their images
     encoded again, with HF's tokens and logprobs."""
     with engines_in_process():
         engine = {**GEMMA4_ENGINE, "num_gpu_blocks_override": 24}
         tight = LLM(str(gemma4.dir), **engine, tensor_parallel_size=2)
         greedy_equals_hf(_with_llm(gemma4, tight))
+        tower = runner_of(tight).model.vision.layers[0]  # split by heads and MLP units
+        assert tuple(tower.q_proj.linear.kernel[...].sharding.spec) == (None, "tp")
+        assert tuple(tower.down_proj.linear.kernel[...].sharding.spec) == ("tp", None)
         assert core_of(tight).scheduler.total_preemptions > 0
         core_of(tight).scheduler.kv_cache_manager.check_no_leaks()
 
