@@ -101,6 +101,19 @@ def test_interpret_matches_oracle_fp32_head_dim_256(layout):
 
 
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
+def test_head_dim_512_interprets_to_the_oracle_and_lowers_for_cuda(layout):
+    """Gemma 4's full-attention layers (head_dim 512): fewer KV tokens a step still fit
+    shared memory; the fp32 result is the oracle's, and the bf16 step lowers for CUDA with
+    its kernels."""
+    case = _case(layout, 512, (8, 2), 16, seed=9)
+    _check_fp32(case, _kernel(case, layout=layout, interpret=True))
+    kernels = [
+        name for name, _ in _kernels_in(_lowered_for_cuda(case, decode_only=layout == "decode"))
+    ]
+    assert kernels == _KERNELS[layout]
+
+
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("heads", [(8, 2), (3, 1)])
 def test_interpret_matches_reference_bf16(layout, heads):
     case = _case(layout, 128, heads, 16, dtype=ml_dtypes.bfloat16, seed=5)
