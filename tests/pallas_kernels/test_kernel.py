@@ -300,6 +300,17 @@ def test_gpu_matches_oracle(layout, head_dim, heads, block_size):
     np.testing.assert_allclose(out, naive_attention(bf16, head_dim**-0.5), atol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
+def test_gpu_head_dim_512_matches_oracle(layout):
+    """Gemma 4's full layers' head_dim on the GPU: fp32 and bf16 against the oracle."""
+    case = _case(layout, 512, (8, 2), 16, seed=9)
+    _check_fp32(case, _kernel(case, layout=layout))
+    bf16 = _case(layout, 512, (8, 2), 16, dtype=ml_dtypes.bfloat16, seed=4)
+    out = _kernel(bf16, jnp.bfloat16, layout=layout)
+    np.testing.assert_allclose(out, naive_attention(bf16, 512**-0.5), atol=2e-2)
+
+
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize(
     ("window", "soft_cap", "tuning"),
