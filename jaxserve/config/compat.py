@@ -130,7 +130,7 @@ TABLE = [
     ("draft model", "sleep mode", REFUSED, _SLEEP),
     ("draft model", "hybrid models", REFUSED, _SD_HYBRID),
     ("draft model", "shared-KV models", ALLOWED,
-     "a draft model not tried yet; no EAGLE head is published for Gemma 4 (refused by method)"),
+     "a draft model (a Gemma 4 too); no EAGLE head is published for Gemma 4 (refused by method)"),
     ("ngram speculation", "LoRA", ALLOWED, ""),
     ("ngram speculation", "images", ALLOWED, ""),
     ("ngram speculation", "prompt embeddings", REFUSED, _EMBEDS),

@@ -160,3 +160,26 @@ def test_grouped_blocks_offload_and_come_back(family_dirs, family, monkeypatch):
     groups = len(core.scheduler.kv_cache_manager.groups)
     assert (groups, core.runner.kv.block_shape[0]) == {"gemma2": (3, 3), "gemma4": (2, 4)}[family]
     assert_offload_round_trip(llm, model_dir)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+        {"method": "draft_model", "num_speculative_tokens": 2},
+    ],
+)
+def test_gemma4_speculative_decoding_equals_hf(family_dirs, spec, monkeypatch):
+    """Gemma 4 verifying drafts (ngram's, a Gemma 4 draft model's: its own cache of its cached
+    layers only) gives HF generate's greedy tokens and logprobs."""
+    monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
+    model_dir = family_dirs("gemma4")
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": str(model_dir)}
+    llm = LLM(str(model_dir), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+              dtype="float32", speculative_config=spec)  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (9, 23, 14)]
+    prompts[0] *= 3  # a repeated prompt ngram finds drafts in
+    assert_generate_matches_hf(llm, model_dir, prompts)
+    core_of(llm).scheduler.kv_cache_manager.check_no_leaks()

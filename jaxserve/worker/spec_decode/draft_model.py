@@ -114,11 +114,12 @@ class DraftModelProposer(Proposer):
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.config
         kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
-        return 2 * c.num_layers * block_size * kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
+        layers = len(c.kv_layers)  # (Gemma 4's KV-sharing layers hold none)
+        return 2 * layers * block_size * kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         c = self.config
-        shape = (c.num_layers * num_blocks, block_size, self.num_cache_kv_heads, c.head_dim)
+        shape = (len(c.kv_layers) * num_blocks, block_size, self.num_cache_kv_heads, c.head_dim)
         zeros = jax.jit(lambda: jnp.zeros(shape, c.dtype), out_shardings=self._kv_sharding)
         self.kv_caches = (zeros(), zeros())
 
