@@ -19,9 +19,9 @@ the Gemma 3 fields `ModelConfig.from_hf` reads.
 - With images (`use_bidirectional_attention` "vision"), an image's tokens see each other both
   ways in the sliding layers only (and within the window); the full layers stay causal.
 
-The KV cache holds one row width for every layer (config/kv_groups.py): a layer of KV heads
-H_l of width d_l views each cache head row [H_c, d] as [H_c d / d_l, d_l], its own heads
-repeated to fill it (distributed/sharding.py::kv_head_replicas picks H_c).
+The KV cache holds one row width for every layer (config/kv_groups.py): a narrower layer packs
+its slot with others of its kind, or views the row as its own heads repeated to fill it
+(models/gemma4.py).
 """
 
 from __future__ import annotations

@@ -13,8 +13,10 @@ group is padded with unused slots). The cache is then S slots of the pool's P bl
 ([S * P, block_size, H, d]): block b of slot s is row s * P + b, and the group that holds
 block id b uses row s * P + b for its s-th layer. So one block id is one block of S layers
 whatever group holds it, and the groups share the pool without a page size of their own
-(jaxserve's block size stays one power of two for every group). A layer of another width
-views the rows of its slot as its own heads, repeated to fill them (models/gemma4.py).
+(jaxserve's block size stays one power of two for every group). A layer of a narrower width
+(1/k of a token's row: `layer_packs`) shares its slot with k - 1 others of its kind, each in
+its own 1/k of every block's bytes (KVCacheGroup.pack; S then counts slots); where it cannot
+(one group of every layer) it repeats its heads to fill the row (models/gemma4.py).
 
 One group of every layer (`KVCacheLayout.uniform`) is the layout of a model with one kind,
 and of any model when `--disable-hybrid-kv-cache-manager` is set or it runs in pipeline
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -47,6 +50,7 @@ class KVCacheGroup:
     kind: str
     span: int | None
     layers: tuple[int, ...]
+    pack: int = 1  # layers a slot holds (narrower ones: models/gemma4.py)
 
     def first_needed_token(self, next_position: int) -> int:
         """The earliest key position the token at next_position (and every later one) reads:
@@ -77,9 +81,16 @@ class KVCacheLayout:
 
     def position(self, layer: int) -> tuple[int, int]:
         """(group, slot) of cached layer `layer`."""
+        return self.place(layer)[:2]
+
+    def place(self, layer: int) -> tuple[int, int, int, int]:
+        """(group, slot, sub, pack) of cached layer `layer`: its group packs `pack` layers in
+        a slot, this one the sub-th (a block id b of the slot is then `pack` blocks of the
+        layer's width: view block pack * b + sub)."""
         for g, group in enumerate(self.groups):
             if layer in group.layers:
-                return g, group.layers.index(layer)
+                i = group.layers.index(layer)
+                return g, i // group.pack, i % group.pack, group.pack
         raise ValueError(f"layer {layer} is in no KV-cache group of {self}")
 
     @property
@@ -93,7 +104,9 @@ class KVCacheLayout:
             name = g.kind if g.span is None else f"{g.kind}-{g.span}"
             counts[name] = counts.get(name, 0) + 1
         parts = [f"{n} {name} group{'s' * (n > 1)}" for name, n in counts.items()]
-        return f"{' + '.join(parts)} of {self.num_slots} layers"
+        packed = [f"{g.kind} {g.pack} a slot" for g in self.groups if g.pack > 1]
+        packed = f" ({', '.join(dict.fromkeys(packed))})" if packed else ""
+        return f"{' + '.join(parts)} of {self.num_slots} slots{packed}"
 
 
 def layer_kind(window: int | None, chunk: int | None) -> tuple[str, int | None]:
@@ -105,33 +118,70 @@ def layer_kind(window: int | None, chunk: int | None) -> tuple[str, int | None]:
     return FULL, None
 
 
-def group_layers(kinds: Sequence[tuple[str, int | None]]) -> KVCacheLayout:
+def group_layers(
+    kinds: Sequence[tuple[str, int | None]], packs: Sequence[int] | None = None
+) -> KVCacheLayout:
     """The layout of cached layers whose (kind, span) are `kinds` (one per cached layer):
-    one group when they are all alike, else groups of S layers (the module's rule), full
-    attention's first."""
-    by_kind: dict[tuple[str, int | None], list[int]] = {}
-    for i, kind in enumerate(kinds):
-        by_kind.setdefault(kind, []).append(i)
-    if len(by_kind) <= 1:
-        kind, span = next(iter(by_kind), (FULL, None))
+    one group when they are all alike, else groups of S slots (the module's rule, counting
+    slots: packs[i] layers of layer i's kind share one), full attention's first."""
+    packs = packs or [1] * len(kinds)
+    by_kind: dict[tuple[str, int | None, int], list[int]] = {}
+    for i, (kind, span) in enumerate(kinds):
+        by_kind.setdefault((kind, span, packs[i]), []).append(i)
+    if len({k[:2] for k in by_kind}) <= 1:
+        kind, span = kinds[0] if kinds else (FULL, None)
         return KVCacheLayout.uniform(len(kinds), kind, span)
-    sizes = [len(layers) for layers in by_kind.values()]
+    sizes = [-(-len(layers) // pack) for (_, _, pack), layers in by_kind.items()]
     size = max(sizes) if max(sizes) < min(sizes) * 1.25 else min(sizes)
     # full attention first: a draft model or EAGLE head (every position) uses group 0's blocks
-    order = sorted(by_kind, key=lambda k: (k[0] != FULL, k[0], k[1] or 0))
+    order = sorted(by_kind, key=lambda k: (k[0] != FULL, k[0], k[1] or 0, k[2]))
     groups = tuple(
-        KVCacheGroup(kind, span, tuple(by_kind[(kind, span)][i : i + size]))
-        for kind, span in order
-        for i in range(0, len(by_kind[(kind, span)]), size)
+        KVCacheGroup(kind, span, tuple(by_kind[key][i : i + size * pack]), pack)
+        for key in order
+        for kind, span, pack in [key]
+        for i in range(0, len(by_kind[key]), size * pack)
     )
     return KVCacheLayout(groups, size)
 
 
-def kv_cache_layout(config: ModelConfig, one_group: str | None = None) -> KVCacheLayout:
-    """The layout of the model's cached layers (ModelConfig.kv_layers); one_group: why the
-    model must keep one group of every layer (logged), or None."""
+def cache_head_replicas(config: ModelConfig, tp: int) -> int:
+    """Copies of each KV head in the qkv projection and the KV cache: 1 when tp divides the
+    KV heads, tp // num_kv_heads when tp is a multiple of them. With layers of other widths
+    (Gemma 4's full layers: H_l heads of d_l, config.layer_kv_shape) the fewest copies R
+    such that each device's share of the cache's H_c = num_kv_heads * R heads of head_dim
+    is whole heads of every layer's d_l, and H_c head_dim / d_l is a multiple of its H_l
+    (distributed/sharding.py::kv_head_replicas)."""
+    h, d = config.num_kv_heads, config.head_dim
+    shapes = {config.layer_kv_shape(layer) for layer in config.kv_layers} or {(h, d)}
+    for replicas in range(1, 64 * tp + 1):
+        cache = h * replicas
+        if cache % tp == 0 and all(
+            cache // tp * d % dl == 0 and cache * d // dl % hl == 0 for hl, dl in shapes
+        ):
+            return replicas
+    raise ValueError(f"no KV cache row holds every layer's KV heads {sorted(shapes)} at tp {tp}")
+
+
+def layer_packs(config: ModelConfig, tp: int = 1) -> list[int]:
+    """Per cached layer, how many such layers one slot's rows hold: a layer whose heads
+    (H_l of d_l) fill only a 1/k of a token's row ([H_c, head_dim]) shares the slot with k - 1
+    others of its kind, each in its own 1/k of every block's bytes; k is the most that still
+    leaves whole heads on each of the tp devices (1 for one width)."""
+    view = config.num_kv_heads * cache_head_replicas(config, tp) * config.head_dim
+    packs = []
+    for layer in config.kv_layers:
+        heads, dim = config.layer_kv_shape(layer)
+        packs.append(math.gcd(view // dim // heads, view // dim // tp))
+    return packs
+
+
+def kv_cache_layout(
+    config: ModelConfig, one_group: str | None = None, tp: int = 1
+) -> KVCacheLayout:
+    """The layout of the model's cached layers (ModelConfig.kv_layers) at tensor-parallel
+    size tp; one_group: why the model must keep one group of every layer (logged), or None."""
     kinds = [layer_kind(config.layer_window(i), config.layer_chunk(i)) for i in config.kv_layers]
-    layout = group_layers(kinds)
+    layout = group_layers(kinds, layer_packs(config, tp))
     if layout.num_groups > 1 and one_group:
         logger.info(
             "KV cache: one group of every layer (%s): windowed layers keep it all", one_group

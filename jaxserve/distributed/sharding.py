@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import GROUPED_QUANT, ModelConfig
+from jaxserve.config.kv_groups import cache_head_replicas
 from jaxserve.distributed.mesh import TP_AXIS
 
 
@@ -67,21 +68,9 @@ def state_shardings(config: ModelConfig, mesh: Mesh) -> tuple[NamedSharding, Nam
 
 
 def kv_head_replicas(config: ModelConfig, tp: int) -> int:
-    """Copies of each KV head in the qkv projection and the KV cache: 1 when tp divides the
-    KV heads, tp // num_kv_heads when tp is a multiple of them. With layers of other widths
-    (Gemma 4's full layers: H_l heads of d_l, config.layer_kv_shape) the fewest copies R
-    such that each device's share of the cache's H_c = num_kv_heads * R heads of head_dim
-    is whole heads of every layer's d_l, and H_c head_dim / d_l is a multiple of its H_l
-    (that layer's heads are repeated to fill the row)."""
-    h, d = config.num_kv_heads, config.head_dim
-    shapes = {config.layer_kv_shape(layer) for layer in config.kv_layers} or {(h, d)}
-    for replicas in range(1, 64 * tp + 1):
-        cache = h * replicas
-        if cache % tp == 0 and all(
-            cache // tp * d % dl == 0 and cache * d // dl % hl == 0 for hl, dl in shapes
-        ):
-            return replicas
-    raise ValueError(f"no KV cache row holds every layer's KV heads {sorted(shapes)} at tp {tp}")
+    """Copies of each KV head in the qkv projection and the KV cache (the rule:
+    config/kv_groups.py::cache_head_replicas)."""
+    return cache_head_replicas(config, tp)
 
 
 # A vision tower's layers, Megatron-style as the language model's: attention by heads (its

@@ -231,7 +231,9 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             cache_dtype=self.kv_cache_dtype,
-            kv_layout=kv_cache_layout(model_config, self._one_kv_group()),
+            kv_layout=kv_cache_layout(
+                model_config, self._one_kv_group(), self.tensor_parallel_size
+            ),
         )
         parallel = ParallelConfig(
             self.tensor_parallel_size,

@@ -95,13 +95,18 @@ class AttentionMetadata(NamedTuple):
         """This metadata for the cache's index-th layer (of num_layers), in its group's
         slot s of the [num_slots * num_blocks, block_size, ...] cache: its blocks are rows
         s * num_blocks + block_id (padding slots stay < 0). Without a layout every layer is
-        its own slot of one group."""
+        its own slot of one group. A group packing k layers in a slot (KVCacheGroup.pack):
+        the layer views the cache as [k * rows, block_size, ...] (each row's bytes k rows of
+        its narrower width) and the sub-th of them uses view row k * row + sub."""
         layout = self.layout or KVCacheLayout.uniform(num_layers)
-        group, slot = layout.position(index)
+        group, slot, sub, pack = layout.place(index)
         md = self.group_view(group)
         offset = slot * (cache.shape[0] // layout.num_slots)
-        slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + offset * cache.shape[1], -1)
-        return md._replace(block_tables=md.block_tables + offset, slot_mapping=slots)
+        bs, s = cache.shape[1], md.slot_mapping
+        rows = (s // bs + offset) * pack + sub
+        slots = jnp.where(s >= 0, rows * bs + s % bs, -1)
+        tables = (md.block_tables + offset) * pack + sub
+        return md._replace(block_tables=tables, slot_mapping=slots)
 
 
 _LEAVES = ("slot_mapping", "block_tables", "kv_lens", "query_start_loc", "num_seqs", "causal_ext")

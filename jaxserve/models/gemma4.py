@@ -4,11 +4,18 @@ differences config/gemma4.py lists -- full layers of their own width (K and V sh
 cache, per-layer embeddings, routed experts beside the dense MLP, a learned scalar per layer.
 
 The paged cache holds every cached layer in rows of one width, [H_c, d] per token (H_c the
-cache heads, d the sliding layers' head_dim). A layer whose heads are d_l wide views its rows
-as [H_c d / d_l, d_l] (a reshape of the trailing axes, free and split over tp as the heads
-are) and repeats each of its H_l heads H_c d / (d_l H_l) times to fill them, as tensor
-parallelism repeats KV heads past their count: so Gemma 4 31B's full layers (4 heads of 512
-beside 16 of 256) hold each head twice. Every attention backend sees an ordinary cache.
+cache heads, d the sliding layers' head_dim; distributed/sharding.py::kv_head_replicas picks
+H_c so each device's share is whole heads of every width). A layer of H_l heads of d_l that
+fills 1/k of a row shares its slot with k - 1 others of its kind (config/kv_groups.py::
+layer_packs, when the KV-cache groups allow): it views the cache as [k * rows, block_size,
+H_c d / (k d_l), d_l], a reshape per device (inside a shard_map under tp: a global reshape
+of a head-split cache would mix heads into tokens), and uses view row k * row + its place
+(AttentionMetadata.at_layer). Gemma 4 31B's full layers (4 heads of 512 beside 16 of 256)
+pack two a slot. Where they cannot (one group of every layer; a device's share of a row
+holding one of its heads) the layer views the rows as [H_c d / d_l, d_l] and repeats its
+heads to fill them, as tensor parallelism repeats KV heads past their count. The qkv kernel
+always holds each head as often as the repeat needs; packing keeps one copy of the K / V it
+computes. Every attention backend sees an ordinary paged cache.
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import ModelConfig
+from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.attention import Attention, AttentionMetadata, paged_attention, write_kv
 from jaxserve.layers.fused_moe import FusedMoE, route
 from jaxserve.layers.linear import Linear
@@ -70,35 +79,57 @@ class Gemma4Attention(Attention):
         self.rope = config.layer_rope(layer)
         self.backend, self.mesh = "reference", None  # configure_attention sets these
 
-    def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
+    def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata, pack: int = 1):
         """x: [T, D] -> ([T, D], k_cache, v_cache): caches [rows, block_size, H_c, d], this
-        step's K/V written unless the layer shares an earlier layer's."""
+        step's K/V written unless the layer shares an earlier layer's. pack: the layer
+        shares its slot with pack - 1 others (md's tables address its view, AttentionMetadata.
+        at_layer): it keeps one of each pack copies of its heads."""
         t, hd, g = x.shape[0], self.head_dim, self.group
         qkv = self.qkv_proj(x).reshape(t, self.view_heads, self.parts, hd)
         inv_freq = rope_inv_freq(hd, self.rope)  # a trace-time constant
         q = apply_rotary(self.q_norm(qkv[:, :, :g].reshape(t, -1, hd)), positions, inv_freq)
-        view = (*k_cache.shape[:2], self.view_heads, hd)
-        k_view, v_view = k_cache.reshape(view), v_cache.reshape(view)
+        kv = ()
         if not self.shared:
             raw = qkv[:, :, g]  # [T, Hv, hd]
             k = apply_rotary(self.k_norm(raw), positions, inv_freq)
             v = rms_normalize(raw if self.k_eq_v else qkv[:, :, g + 1], self.eps).astype(x.dtype)
-            k_view = write_kv(k_view, k, md.slot_mapping)
-            v_view = write_kv(v_view, v, md.slot_mapping)
+            # [T, Hv / pack, hd]: the copies of a head are neighbours, a device's whole
+            kv = tuple(a.reshape(t, -1, pack, hd)[:, :, 0] for a in (k, v))
         if not self.bidirectional:  # an image's tokens see one another in sliding layers only
             md = md._replace(causal_ext=None)
-        out = paged_attention(
-            q,
-            k_view,
-            v_view,
-            md,
-            sm_scale=1.0,
-            sliding_window=self.window,
-            backend=self.backend,
-            mesh=self.mesh,
-        )
-        out = self.o_proj(out.reshape(t, -1))
-        return out, k_view.reshape(k_cache.shape), v_view.reshape(v_cache.shape)
+
+        def attend(q, kv, k_cache, v_cache, md, mesh=None):
+            """On one device's heads when split (the packed view is a per-device reshape)."""
+            heads = k_cache.shape[2] * k_cache.shape[3] // (pack * hd)
+            view = (k_cache.shape[0] * pack, k_cache.shape[1], heads, hd)
+            k_view, v_view = k_cache.reshape(view), v_cache.reshape(view)
+            if kv:
+                k_view = write_kv(k_view, kv[0], md.slot_mapping)
+                v_view = write_kv(v_view, kv[1], md.slot_mapping)
+            out = paged_attention(
+                q,
+                k_view,
+                v_view,
+                md,
+                sm_scale=1.0,
+                sliding_window=self.window,
+                backend=self.backend,
+                mesh=mesh,
+            )
+            return out, k_view.reshape(k_cache.shape), v_view.reshape(v_cache.shape)
+
+        if pack == 1 or self.mesh is None or self.mesh.shape[TP_AXIS] == 1:
+            out, k_cache, v_cache = attend(q, kv, k_cache, v_cache, md, self.mesh)
+        else:
+            heads, cache = P(None, TP_AXIS, None), P(None, None, TP_AXIS, None)
+            out, k_cache, v_cache = jax.shard_map(
+                attend,
+                mesh=self.mesh,
+                in_specs=(heads, heads, cache, cache, P()),
+                out_specs=(heads, cache, cache),
+                check_vma=False,
+            )(q, kv, k_cache, v_cache, md)
+        return self.o_proj(out.reshape(t, -1)), k_cache, v_cache
 
 
 class Gemma4Experts(FusedMoE):
@@ -143,11 +174,11 @@ class Gemma4DecoderLayer(nnx.Module):
         self.act = config.hidden_act
         self.layer_scalar = nnx.Param(jnp.ones((1,), dt))
 
-    def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata, ple=None):
+    def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata, ple=None, pack=1):
         """x: [T, D], ple: this layer's per-layer input [T, P] (or None) -> ([T, D], k_cache,
-        v_cache)."""
+        v_cache); pack: the layers its cache slot holds (Gemma4Attention)."""
         attn, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, md
+            self.input_layernorm(x), positions, k_cache, v_cache, md, pack
         )
         x = x + self.post_attention_layernorm(attn)
         h = self.dense_mlp(self.pre_feedforward_layernorm(x))
@@ -220,9 +251,9 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.layers):
             index = cached.index(i if shares[i] is None else shares[i])
             layer_md = md.at_layer(index, k_cache, len(cached))
-            h, k_cache, v_cache = layer(
-                h, positions, k_cache, v_cache, layer_md, None if ple is None else ple[:, i]
-            )
+            pack = md.layout.place(index)[3] if md.layout is not None else 1
+            layer_ple = None if ple is None else ple[:, i]
+            h, k_cache, v_cache = layer(h, positions, k_cache, v_cache, layer_md, layer_ple, pack)
         return (self.norm(h) if final_norm else h), (k_cache, v_cache)
 
     @classmethod

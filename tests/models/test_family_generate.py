@@ -148,17 +148,17 @@ def test_windowed_groups_serve_a_prefix_hit(family_dirs, family, monkeypatch):
 @pytest.mark.parametrize("family", ["gemma2", "gemma4"])
 def test_grouped_blocks_offload_and_come_back(family_dirs, family, monkeypatch):
     """With the host offload tier, a model's KV-cache groups stay (Gemma 2: a full and two
-    sliding groups of one layer; Gemma 4: a full and a sliding group of two, its KV-sharing
-    layers holding none): a block position moves with its block of every group, and a
-    prompt's blocks evicted from the device come back from the host as a prefix hit with
-    HF's tokens."""
+    sliding groups of one layer; Gemma 4: a full group of two layers packed in one slot and
+    two sliding ones, its KV-sharing layers holding none): a block position moves with its
+    block of every group, and a prompt's blocks evicted from the device come back from the
+    host as a prefix hit with HF's tokens."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     model_dir = family_dirs(family)
     llm = LLM(str(model_dir), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=160,
               dtype="float32", num_gpu_blocks_override=40, kv_offloading_size=0.01)  # fmt: skip
     core = core_of(llm)
     groups = len(core.scheduler.kv_cache_manager.groups)
-    assert (groups, core.runner.kv.block_shape[0]) == {"gemma2": (3, 3), "gemma4": (2, 4)}[family]
+    assert (groups, core.runner.kv.block_shape[0]) == {"gemma2": (3, 3), "gemma4": (3, 3)}[family]
     assert_offload_round_trip(llm, model_dir)
 
 

@@ -47,7 +47,7 @@ def test_fp8_block_checkpoint_generates_as_transformers_at_tp_2(tmp_path, monkey
     fp8 = make_tiny_hf("gemma4", tmp_path / "fp8", **DENSE)
     _, decoded = fp8_block_checkpoint(fp8, QUANTIZED)
     llm = LLM(str(fp8), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
-              dtype="float32", num_gpu_blocks_override=7, tensor_parallel_size=2)  # fmt: skip
+              dtype="float32", num_gpu_blocks_override=11, tensor_parallel_size=2)  # fmt: skip
     rng = np.random.default_rng(4)
     prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 30, 7)]
     assert_generate_matches_hf(llm, decoded, prompts, max_tokens=12)
@@ -75,5 +75,5 @@ def test_int4_checkpoint_generates_as_recorded_with_preemption(tp, monkeypatch):
     and 2; nothing leaked."""
     monkeypatch.setenv("JAXSERVE_ENABLE_MULTIPROCESSING", "0")
     llm = LLM(str(INT4), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
-              dtype="float32", num_gpu_blocks_override=7, tensor_parallel_size=tp)  # fmt: skip
+              dtype="float32", num_gpu_blocks_override=11, tensor_parallel_size=tp)  # fmt: skip
     assert_generates_as_recorded(llm, INT4)

@@ -67,17 +67,18 @@ FAMILIES = {  # fmt: skip
             },
         ),
     ),
-    # Gemma 4: full layers twice as wide with one KV head (V = K's projection), a
-    # proportional rotary, the last two layers reading earlier layers' KV (their MLPs twice
-    # as wide), per-layer embeddings, routed experts beside each MLP
+    # Gemma 4: full layers of 2 KV heads of 32 beside 8 of 16 (V = K's projection: two of
+    # them pack one cache slot), a proportional rotary, the last two layers reading earlier
+    # layers' KV (their MLPs twice as wide), per-layer embeddings, experts beside each MLP
     "gemma4": (
         "gemma4",
         dict(
             num_hidden_layers=6,
-            num_attention_heads=4,
+            num_attention_heads=8,
+            num_key_value_heads=8,
             head_dim=16,
             global_head_dim=32,
-            num_global_key_value_heads=1,
+            num_global_key_value_heads=2,
             attention_k_eq_v=True,
             sliding_window=6,
             layer_types=["sliding_attention", "full_attention"] * 3,
