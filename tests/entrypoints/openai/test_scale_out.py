@@ -33,6 +33,16 @@ PROMPTS = [f"Write a sentence about the number {i}." for i in range(64)]
 @pytest.fixture(scope="module")
 def scaled(tiny_model):
     s = Server(*tiny_model, "-dp", "2", "--api-server-count", "2", env=TINY_ENV)
+    # /health can answer before both engines' series are in /metrics (seen once in a full
+    # run: the first test's read of them failed); every test here reads them
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            [completed(s, engine) for engine in (0, 1)]
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, "the engines' metrics never appeared"
+            time.sleep(0.2)
     yield s
     s.stop()
 
