@@ -80,6 +80,9 @@ def gemma4_fields(hf_config: Any) -> dict[str, Any]:
             raise ValueError(
                 f"layer {i}: head_dim {d} is not a multiple of the sliding layers' {head_dim}"
             )
+    bidirectional = getattr(hf_config, "use_bidirectional_attention", None)
+    if bidirectional == "all":
+        raise ValueError("use_bidirectional_attention='all' (an encoder) is not supported")
     moe = bool(getattr(hf_config, "enable_moe_block", False))
     ple_dim = int(getattr(hf_config, "hidden_size_per_layer_input", 0) or 0)
     fields: dict[str, Any] = dict(
@@ -94,12 +97,9 @@ def gemma4_fields(hf_config: Any) -> dict[str, Any]:
             ple_vocab=int(getattr(hf_config, "vocab_size_per_layer_input", 0) or 0),
             double_wide_mlp=bool(getattr(hf_config, "use_double_wide_mlp", False)),
             moe_block=moe,
-            bidirectional_images=getattr(hf_config, "use_bidirectional_attention", None)
-            == "vision",
+            bidirectional_images=bidirectional == "vision",
         ),
     )
-    if getattr(hf_config, "use_bidirectional_attention", None) == "all":
-        raise ValueError("use_bidirectional_attention='all' (an encoder) is not supported")
     return fields | dict(
         num_experts=int(hf_config.num_experts) if moe else 0,
         num_experts_per_tok=int(hf_config.top_k_experts) if moe else 0,

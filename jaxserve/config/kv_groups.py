@@ -64,8 +64,8 @@ class KVCacheGroup:
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheLayout:
-    """The groups, each of num_slots layers at most; position(i) gives cached layer i's
-    (group, slot). Hashable: the attention metadata carries it as static data."""
+    """The groups, each of num_slots slots at most; place(i) gives cached layer i's
+    (group, slot, sub, pack). Hashable: the attention metadata carries it as static data."""
 
     groups: tuple[KVCacheGroup, ...]
     num_slots: int
@@ -78,10 +78,6 @@ class KVCacheLayout:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
-
-    def position(self, layer: int) -> tuple[int, int]:
-        """(group, slot) of cached layer `layer`."""
-        return self.place(layer)[:2]
 
     def place(self, layer: int) -> tuple[int, int, int, int]:
         """(group, slot, sub, pack) of cached layer `layer`: its group packs `pack` layers in

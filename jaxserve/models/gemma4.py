@@ -171,7 +171,6 @@ class Gemma4DecoderLayer(nnx.Module):
             self.per_layer_input_gate = Linear(d, g4.ple_dim, dtype=dt, rngs=rngs)
             self.per_layer_projection = Linear(g4.ple_dim, d, dtype=dt, rngs=rngs)
             self.post_per_layer_input_norm = norm()
-        self.act = config.hidden_act
         self.layer_scalar = nnx.Param(jnp.ones((1,), dt))
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata, ple=None, pack=1):
@@ -199,7 +198,6 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
     norm_cls = Gemma4RMSNorm
     embed_scale = True
     eagle_target = False  # (no EAGLE heads are published for it: untested)
-    prefix = "model"  # of the language model's HF tensors
 
     def __init__(self, config: ModelConfig, *, kv_replicas: int = 1, rngs: nnx.Rngs):
         super().__init__(config, kv_replicas=kv_replicas, rngs=rngs)
@@ -258,18 +256,16 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def hf_weight(cls, config: ModelConfig, path: tuple, kv_replicas: int = 1) -> HFWeight:
-        """Gemma 4's tensors (under `prefix`); the rest as Llama's."""
+        """Gemma 4's tensors; the rest as Llama's (models/vlm.py renames them under the
+        multimodal checkpoint's prefix)."""
         names = tuple(str(p) for p in path)
-        weight = _gemma4_weight(config, names, kv_replicas, cls.prefix)
-        if weight is not None:
-            return weight
-        base = LlamaForCausalLM.hf_weight(config, path, kv_replicas)
-        rename = lambda n: cls.prefix + n.removeprefix("model") if n.startswith("model.") else n  # noqa: E731
-        return HFWeight(tuple(rename(n) for n in base.names), base.build)
+        weight = _gemma4_weight(config, names, kv_replicas)
+        return weight or LlamaForCausalLM.hf_weight(config, path, kv_replicas)
 
 
-def _gemma4_weight(config: ModelConfig, names: tuple[str, ...], kv_replicas: int, prefix: str):
+def _gemma4_weight(config: ModelConfig, names: tuple[str, ...], kv_replicas: int):
     """The HFWeight of a Gemma 4 parameter Llama's layout does not name, else None."""
+    prefix = "model"
     transposed = lambda name: HFWeight((f"{prefix}.{name}.weight",), np.transpose)  # noqa: E731
     if names[0] == "per_layer_model_projection":
         return transposed(names[0])
@@ -283,8 +279,7 @@ def _gemma4_weight(config: ModelConfig, names: tuple[str, ...], kv_replicas: int
     if module == "self_attn" and names[3] == "qkv_proj":
         return _qkv_weight(config, int(names[1]), kv_replicas, f"{prefix}.{layer}.self_attn")
     if module == "dense_mlp":  # HF's mlp
-        base = LlamaForCausalLM.hf_weight(config, ("layers", names[1], "mlp", *names[3:]))
-        return HFWeight(tuple(prefix + n.removeprefix("model") for n in base.names), base.build)
+        return LlamaForCausalLM.hf_weight(config, ("layers", names[1], "mlp", *names[3:]))
     if module != "mlp":  # (the experts)
         return None
     name = names[3]

@@ -19,7 +19,7 @@ def test_windowed_and_full_layers_get_a_group_each():
         ("full", None, 12),
         ("sliding", 128, 12),
     ]
-    assert layout.position(1) == (0, 0) and layout.position(0) == (1, 0)
+    assert layout.place(1)[:2] == (0, 0) and layout.place(0)[:2] == (1, 0)
 
 
 def test_one_group_where_asked():

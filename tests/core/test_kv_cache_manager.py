@@ -379,7 +379,7 @@ def test_layout_groups_layers_of_each_kind_in_equal_groups():
     layout = group_layers((gemma3_27b * 11)[:62])
     assert layout.num_slots == 10 and [g.kind for g in layout.groups] == [FULL] + [SLIDING] * 6
     assert len(layout.groups[-1].layers) == 2  # 52 = 5 * 10 + 2
-    assert layout.position(5) == (0, 0) and layout.position(0) == (1, 0)
+    assert layout.place(5)[:2] == (0, 0) and layout.place(0)[:2] == (1, 0)
     gpt_oss = [(SLIDING, 128), (FULL, None)] * 18
     layout = group_layers(gpt_oss)
     assert layout.num_slots == 18 and layout.num_groups == 2

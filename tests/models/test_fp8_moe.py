@@ -68,6 +68,23 @@ def fp8_block_checkpoint(fp8: Path, quantized: tuple[str, ...]) -> tuple[dict, P
     return stored, decoded
 
 
+def assert_fp8_generates_as_hf(fp8: Path, decoded: Path, **engine) -> None:
+    """The fp8 checkpoint through the engine (2 rows, 16-token chunks, prefix caching on, a
+    pool small enough to preempt: `engine`'s num_gpu_blocks_override): greedy tokens and
+    logprobs of four prompts equal HF generate on the decoded weights, nothing leaked."""
+    from jaxserve.entrypoints.llm import LLM
+    from tests.helpers import assert_generate_matches_hf, core_of
+
+    llm = LLM(str(fp8), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=96,
+              dtype="float32", **engine)  # fmt: skip
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (5, 19, 30, 7)]
+    assert_generate_matches_hf(llm, decoded, prompts, max_tokens=12)
+    scheduler = core_of(llm).scheduler
+    assert scheduler.total_preemptions > 0
+    scheduler.kv_cache_manager.check_no_leaks()
+
+
 def assert_logits_match(loaded, ref, prompts: list[list[int]]) -> None:
     """The loaded model's logits over a mixed schedule are the reference's within 1e-3 of
     their scale, and its greedy tokens the reference's."""

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM
 from tests.helpers import core_of, engines_in_process, runner_of
 from tests.models.test_vlm import ENGINE, Family
 from tests.models.test_vlm import test_greedy_tokens_and_logprobs_equal_hf as greedy_equals_hf
+from tests.models.test_vlm import test_same_image_hits_the_prefix_cache as same_image_hits
 from tests.multimodal.tiny_vlm import draw_image, gemma4_processor
 
 # an image is up to 70 tokens and runs in one step: a two-image prompt (~170 tokens) in chunks
@@ -68,21 +69,4 @@ def _with_llm(fam: Family, llm: LLM) -> Family:
 
 
 def test_same_image_hits_the_prefix_cache(gemma4):
-    """The same text + image again hits every full block with the same tokens; another image
-    hits the blocks before it."""
-    params = SamplingParams(temperature=0, max_tokens=1)
-    text = "x" * 40 + gemma4.prompts[0]
-
-    def run(seed: int):
-        prompt = {"prompt": text, "multi_modal_data": {"image": draw_image(seed)}}
-        return gemma4.llm.generate(prompt, params, use_tqdm=False)[0]
-
-    first, again, other = run(7), run(7), run(8)
-    full_blocks = (len(first.prompt_token_ids) - 1) // 16 * 16
-    image_start = first.prompt_token_ids.index(gemma4.hf.config.image_token_id)
-    assert image_start < full_blocks
-    assert (again.num_cached_tokens, other.num_cached_tokens) == (
-        full_blocks,
-        image_start // 16 * 16,
-    )
-    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    same_image_hits(gemma4)
