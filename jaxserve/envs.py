@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_PP_LAYER_PARTITION: str | None = None
     JAXSERVE_PALLAS_KERNEL: str | None = None
     JAXSERVE_MOE_KERNEL: str | None = None
+    JAXSERVE_SPARSE_MLA_KERNEL: str | None = None
     JAXSERVE_METRICS_LEGACY_PREFIX: bool = False
     JAXSERVE_VLLM_PYTHON: str = ".venv-vllm/bin/python"
     JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
@@ -176,6 +177,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "tiles", "tokamax", "mosaic" or "xla": the MoE layers' grouped matmul where it can run,
     # instead of the platform's choice (pallas_kernels/grouped_matmul).
     "JAXSERVE_MOE_KERNEL": lambda: os.environ.get("JAXSERVE_MOE_KERNEL") or None,
+    # "mosaic" or "xla": DeepSeek Sparse Attention's attention over the chosen tokens on a
+    # Hopper GPU (layers/sparse_mla.py); "xla" (the jnp reference) until a GPU has run it.
+    "JAXSERVE_SPARSE_MLA_KERNEL": lambda: os.environ.get("JAXSERVE_SPARSE_MLA_KERNEL") or None,
     # "1": /metrics also exports every metric under the `jaxserve:` prefix (before vLLM's
     # `vllm:` names; jaxserve/metrics/prometheus.py).
     "JAXSERVE_METRICS_LEGACY_PREFIX": lambda: (

@@ -11,9 +11,10 @@ index key is kept in the layer's V cache, which MLA leaves empty (the K cache ho
 and rotary key), so it lives in the same blocks: cache_dims (r + rope, Di).
 
 The attention: when no sequence of the step has more than index_topk tokens, every token is
-selected and it is MLA's (models/deepseek.py, the kernels' path); otherwise `sparse_attention`,
-a jnp reference: each query's context gathered by its block table, its index scores, the
-top index_topk of its causal context kept, the absorbed MLA attention over those.
+selected and it is MLA's (models/deepseek.py, the kernels' path); otherwise each query's top
+index_topk context tokens by index score (layers/sparse_mla.py: `index_topk`) and the absorbed
+MLA attention over those alone (`sparse_mla_attention`: the jnp reference, or the Mosaic GPU
+kernel that reads only their latents).
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.layers.attention import AttentionMetadata, write_kv
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.rotary import apply_rotary, rope_attention_factor, rope_inv_freq
+from jaxserve.layers.sparse_mla import index_topk, sparse_mla_attention
 from jaxserve.models.deepseek import DeepseekV3ForCausalLM, MLAAttention, mla_attention
 from jaxserve.models.llama import DecoderLayer, HFWeight
 from jaxserve.models.weight_maps import GATE_UP_DOWN, compose, routed_experts, shared_experts
 
 INDEX_KEY_NORM_EPS = 1e-6  # HF's indexer k_norm (a LayerNorm with bias)
-SPARSE_TILE = 16  # query rows whose gathered contexts are live at once
 
 
 class Indexer(nnx.Module):
@@ -127,68 +128,31 @@ class DSAAttention(MLAAttention):
             entry = jnp.concatenate([latent[:, None], k_pe.astype(latent.dtype)], axis=-1)
             entry = jnp.broadcast_to(entry, (x.shape[0], self.num_kv_heads, m.latent_dim))
             k_cache = write_kv(k_cache, entry, md.slot_mapping)
-            out, chosen = sparse_attention(
+            if isinstance(select, tuple):
+                chosen = index_topk(*select, positions, v_cache, md, self.index_topk)
+            else:
+                chosen = select
+            out = sparse_mla_attention(
                 query,
-                select,
-                positions,
+                chosen,
                 k_cache,
-                v_cache,
                 md,
-                m.sm_scale,
-                self.index_topk,
-                keep_chosen=self.publish,
+                sm_scale=m.sm_scale,
+                latent_dim=m.kv_lora_rank,
+                backend=self.backend,
+                mesh=self.mesh,
             )
-            out = jnp.einsum("thr,hvr->thv", out[..., : m.kv_lora_rank], self.w_uv[...])
-            return self.o_proj(out.reshape(x.shape[0], -1)), k_cache, chosen
+            out = jnp.einsum("thr,hvr->thv", out, self.w_uv[...])
+            return (
+                self.o_proj(out.reshape(x.shape[0], -1)),
+                k_cache,
+                chosen if self.publish else None,
+            )
 
         out, k_cache, chosen = lax.cond(dense, mla, sparse, k_cache)
         if self.publish:
             SHARED_TOPK.set(chosen)
         return out, k_cache, v_cache
-
-
-def sparse_attention(
-    query, select, positions, k_cache, v_cache, md, sm_scale, topk, keep_chosen=False
-):
-    """The absorbed MLA attention of each query over its top-`topk` context tokens by index
-    score. query [T, H, r + rope]; select: the indexer's queries f32[T, Hi, Di] and weights
-    f32[T, Hi], or the tokens an earlier layer chose i32[T, k]; caches K [N, bs, R, r + rope]
-    (latents), V [N, bs, R, Di] (index keys). Returns (f32[T, H, r + rope], its first r
-    columns the attention; with keep_chosen the chosen context indices i32[T, min(topk,
-    context)], else None)."""
-    t = query.shape[0]
-    bs = k_cache.shape[1]
-    qsl, tables = md.query_start_loc, md.block_tables
-    seq = jnp.minimum(jnp.searchsorted(qsl[1:], jnp.arange(t), side="right"), tables.shape[0] - 1)
-    ctx = tables.shape[1] * bs
-    pad = -t % SPARSE_TILE
-
-    def tile(i):
-        rows = jnp.minimum(i * SPARSE_TILE + jnp.arange(SPARSE_TILE), t - 1)
-        blocks = tables[seq[rows]]  # [Q, B]
-        lat = k_cache[blocks, :, 0].reshape(SPARSE_TILE, ctx, -1).astype(jnp.float32)
-        at = jnp.arange(ctx)
-        valid = (at[None] <= positions[rows][:, None]) & (at[None] < md.kv_lens[seq[rows]][:, None])
-        if isinstance(select, tuple):
-            iq, iw = select
-            keys = v_cache[blocks, :, 0].reshape(SPARSE_TILE, ctx, -1).astype(jnp.float32)
-            score = jnp.einsum("qhd,qkd->qhk", iq[rows], keys)
-            score = jnp.einsum("qhk,qh->qk", jax.nn.relu(score), iw[rows])
-            score = jnp.where(valid, score, -jnp.inf)
-            chosen = lax.top_k(score, min(topk, ctx))[1]  # equal scores: the earlier token
-        else:
-            chosen = select[rows]
-        keep = jnp.zeros_like(valid).at[jnp.arange(SPARSE_TILE)[:, None], chosen].set(True)
-        keep = keep & valid
-        keep = keep.at[:, 0].set(keep[:, 0] | ~valid.any(-1))  # padding rows: no NaN
-        s = jnp.einsum("qhd,qkd->qhk", query[rows].astype(jnp.float32), lat) * sm_scale
-        p = jax.nn.softmax(jnp.where(keep[:, None], s, -jnp.inf), axis=-1)
-        return jnp.einsum("qhk,qkd->qhd", p, lat), chosen if keep_chosen else None
-
-    out, chosen = lax.map(tile, jnp.arange((t + pad) // SPARSE_TILE))
-    if keep_chosen:
-        chosen = chosen.reshape(t + pad, -1)[:t]
-    return out.reshape(t + pad, *query.shape[1:])[:t], chosen
 
 
 class DeepseekV32DecoderLayer(DecoderLayer):

@@ -61,7 +61,14 @@ def environment() -> dict[str, str]:
         # what picks a kernel as a step is traced: the forcing variables, and the kernel
         # library that is importable or not (an executable saved without tokamax is XLA's
         # ragged_dot, not to be loaded once tokamax is installed)
-        "kernels": f"{envs.JAXSERVE_PALLAS_KERNEL} {envs.JAXSERVE_MOE_KERNEL}",
+        "kernels": " ".join(
+            str(k)
+            for k in (
+                envs.JAXSERVE_PALLAS_KERNEL,
+                envs.JAXSERVE_MOE_KERNEL,
+                envs.JAXSERVE_SPARSE_MLA_KERNEL,
+            )
+        ),
         "tokamax": _version("tokamax"),
     }
 
