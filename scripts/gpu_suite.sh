@@ -20,6 +20,8 @@
 #   4    quant_linear      benchmarks/kernels/bench_quantized_linear.py: one 8B projection in each
 #                          packed format against bf16 (Linear, XLA forms, the Mosaic kernel);
 #                          quant_linear_subchannel: Linear under XLA's sub-channel fusion flag
+#   4    sparse_mla        benchmarks/kernels/bench_sparse_mla.py: DeepSeek-V3.2's sparse attention
+#                          (Mosaic kernel, XLA reference) against dense MLA (Triton) at 32k
 #   4    moe_*             scripts/bench_latency.py on MoE presets with dummy weights: bf16
 #                          gpt-oss-20b and qwen3-30b-a3b at batch 1, tokamax's grouped matmul
 #                          (JAXSERVE_MOE_KERNEL=tokamax, _tokamax) against the engine's default,
@@ -167,6 +169,7 @@ EOF
         -k "window_and_soft_cap")
     KERNEL_ARGS=(--smoke)
     MLA_ARGS=(--smoke --mla-latent 64)
+    SPARSE_ARGS=(--smoke) E_SPARSE=15 L_SPARSE=90
     KV_TRANSFER_ARGS=(--blocks 1 8 --repeats 1)
     MOE_ARGS=(--shapes qwen3-30b-a3b --formats bf16 --impls xla --tokens 1 --iters 2)
     MOE_LAT_ARGS=(--dtype float32 --input-len 4 --output-len 3 --max-model-len 32
@@ -202,6 +205,7 @@ else
     MLA_ARGS=(--mla-latent 512 --head-dim 576 --num-q-heads 16 --num-kv-heads 1
         --batch-sizes 1 16 64 --contexts 4096)
     KV_TRANSFER_ARGS=(--layout llama-3-8b)
+    SPARSE_ARGS=() E_SPARSE=60 L_SPARSE=150 # DeepSeek-V3.2 at 32k context (issue 72)
     read -r -a MOE_ARGS <<<"${GPU_SUITE_MOE_ARGS:-}" # e.g. "--formats bf16 --tokens 1,8"
     MOE_LAT_ARGS=(--dtype bfloat16 --input-len 32 --output-len 64 --max-model-len 256
         --max-num-seqs 32 --max-num-batched-tokens 256 --num-iters-warmup 1 --num-iters 3
@@ -311,6 +315,11 @@ step quant_linear_subchannel other "$E_QL" "$L_QL" env \
     XLA_FLAGS=--xla_gpu_experimental_enable_subchannel_dequantisation_fusion=true "$PYTHON" \
     benchmarks/kernels/bench_quantized_linear.py "${QL_ARGS[@]}" \
     --output-json "$WORK/quant_linear_subchannel.json"
+# DeepSeek Sparse Attention: the Mosaic kernel's bandwidth over the chosen tokens' rows against
+# dense MLA's over the whole 32k context (issue 72)
+step sparse_mla other "$E_SPARSE" "$L_SPARSE" env COPY_RATE_JSON="$WORK/copy_rate.json" \
+    "$PYTHON" benchmarks/kernels/bench_sparse_mla.py "${SPARSE_ARGS[@]}" \
+    --output-json "$WORK/sparse_mla.json"
 moe_pair() { # BATCH: each preset with tokamax's grouped matmul, then the default (XLA's)
     local b=$1 p k name
     for p in "${MOE_PRESETS[@]}"; do

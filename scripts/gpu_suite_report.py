@@ -346,8 +346,9 @@ def figures(step: dict, log: str, env: dict, copy_gbps: float | None, device: st
         return tune_figures(log)
     if name == "kv_transfer":
         return kv_transfer_figures(log)
-    if name == "moe_gmm":
-        lines = [line[6:] for line in log.splitlines() if line.startswith("# moe ")]
+    if name in ("moe_gmm", "sparse_mla"):  # their summary lines
+        tag = "# moe " if name == "moe_gmm" else "# sparse "
+        lines = [line[len(tag) :] for line in log.splitlines() if line.startswith(tag)]
         return "; ".join(lines) if lines else "no summary printed"
     if name == "hf_peer":
         return hf_figures(log)

@@ -19,28 +19,27 @@ A step is KEYS (64) listed tokens:
      wgmma operand's tiled, swizzled layout is not dense (an 8-row tile holds 8 tokens), so
      the rows cannot land in the operand's layout directly; Hopper's TMA has no gather.
      The slot of each token is a scalar read of the list in global memory.
-  2. Re-layout: the warpgroup loads the staging buffer 64 columns at a time in the wgmma
-     accumulator's layout and stores it into the swizzled [64, 576] operand buffer; then
-     the staging buffer is free and the next step's copies are issued, in flight while this
-     step computes.
+  2. Re-layout: the warpgroup loads the staging buffer 64 columns at a time, whole 128-byte
+     rows per load (Mosaic's smem-copy layout: no bank conflicts, where the wgmma layout's
+     loads of rows 1152 bytes apart would conflict 8 ways), and stores them into the
+     swizzled [64, 576] operand buffer; then the staging buffer is free and the next step's
+     copies are issued, in flight while this step computes.
   3. S = Q K^T over all 576 columns (one wgmma, float32 accumulator), the scale (log2 e
      folded in), the tokens past the list's length masked, online softmax (exp2) in
-     registers, P to shared memory in q's dtype, O += P V with V the half's 256 columns of
-     the same buffer (wgmma).
+     registers, O += P V with P in registers (q's dtype, the wgmma's A operand) and V the
+     half's 256 columns of the same buffer.
 The list's order is the caller's: valid slots first, -1 after them (`lax.top_k`'s order);
 only the count of valid slots is read (a -1 among them would read slot 0 and count it).
 
-Shared memory (bf16, 576 columns): q 72 KiB + staging 73 KiB + operand 72 KiB (P stays in
-registers: the PV wgmma's A operand), then, after the loop in a scope that reuses the same
-bytes, the output tile (float32 64 KiB when split) and its row statistics: 217 KiB of
-Hopper's 227.
+Shared memory (bf16, 576 columns): q, staging and operand 72 KiB each, then, after the
+loop in a scope that reuses the same bytes, the output tile (float32 64 KiB when split) and
+its row statistics: 216 KiB of Hopper's 227.
 
 Interpret mode (`interpret=True`, Mosaic GPU's interpreter on CPU) runs this kernel, except
 where the interpreter lacks a feature: its wgmma takes no transposed operand (K^T goes
 through a scratch buffer) and no A operand in registers (P goes through shared memory), it
-has no layout casts or layout-aware loads (plain jnp there), and no reshaped copy
-destination (the staging rows are dense, unpadded). This module raises
-ImportError on a jax without Mosaic GPU.
+has no layout casts or layout-aware loads (plain jnp there). This module raises ImportError
+on a jax without Mosaic GPU.
 """
 
 from __future__ import annotations
@@ -66,17 +65,16 @@ from pallas_kernels.paged_attention.mosaic import (
 ROWS = 64  # head rows of a tile: one warpgroup's wgmma M
 KEYS = 64  # listed tokens per step
 CHUNK = 64  # columns per TMA box row and per re-layout load (a 128-byte swizzle of bf16)
-PAD = 8  # staging row padding: rows 16 bytes apart in the banks, so loads do not conflict
 HALF = 256  # value columns one item accumulates (the wgmma N)
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30
 
 
 def smem_bytes(head_dim: int, itemsize: int, split: bool) -> int:
-    """Shared memory of one compiled program: the loop's buffers (q, the padded staging rows,
-    the operand) or the output's, whichever is more (they share the same bytes), plus the
+    """Shared memory of one compiled program: the loop's buffers (q, the staging rows, the
+    operand) or the output's, whichever is more (they share the same bytes), plus the
     two barriers."""
-    loop = (ROWS * head_dim + KEYS * (head_dim + PAD) + KEYS * head_dim) * itemsize
+    loop = (ROWS + 2 * KEYS) * head_dim * itemsize
     out = ROWS * HALF * (4 if split else itemsize) + 2 * ROWS * 4
     return max(loop, out) + 2 * 8
 
@@ -141,9 +139,7 @@ def _kernel(
 
         loop_scratch = [
             swizzled((ROWS, head_dim)),  # q
-            plgpu.SMEM(  # staging: the gathered rows (padded rows; see _staged_row)
-                (KEYS, chunks, CHUNK) if interpret else (KEYS, head_dim + PAD), dtype
-            ),
+            plgpu.SMEM((KEYS, chunks, CHUNK), dtype),  # staging: the gathered rows
             swizzled((KEYS, head_dim)),  # the operand: the rows re-laid
             swizzled((head_dim, KEYS)) if interpret else None,  # K^T (interpreter only)
             swizzled((ROWS, KEYS)) if interpret else None,  # P (interpreter only)
@@ -167,20 +163,13 @@ def _kernel(
         q_smem, stage, kv_smem, kt_smem, p_smem = scratch
         plgpu.copy_gmem_to_smem(q_ref.at[token, tile], q_smem, q_bar)
 
-        def staged_row(p):
-            """Token p's place in the staging buffer as a [chunks, 64] box. Compiled, the
-            rows are PAD wider than the head (16 bytes: 8 rows start in 8 different banks,
-            so the re-layout's loads do not conflict); the interpreter takes no reshaped
-            destination and gets dense [KEYS, chunks, 64] rows."""
-            if interpret:
-                return stage.at[p]
-            return stage.at[p, pl.ds(0, head_dim)].reshape(chunks, CHUNK)
+        copy_layout = plgpu.Layout.SMEM_GMEM_COPY((KEYS, CHUNK), dtype, 128)
 
         def issue(step):
             """TMA step `step`'s listed rows into the staging buffer."""
             for p in range(KEYS):
                 slot = jnp.maximum(slots_ref[first + step * KEYS + p], 0)
-                plgpu.copy_gmem_to_smem(cache_ref.at[slot, 0], staged_row(p), kv_bar)
+                plgpu.copy_gmem_to_smem(cache_ref.at[slot, 0], stage.at[p], kv_bar)
 
         pl.when(num_steps > 0)(functools.partial(issue, 0))
         plgpu.barrier_wait(q_bar)
@@ -193,8 +182,8 @@ def _kernel(
                 cols = pl.ds(c * CHUNK, CHUNK)
                 if interpret:
                     kv_smem[:, cols] = stage[:, c]
-                else:
-                    kv_smem[:, cols] = plgpu.load(stage.at[:, cols], (), layout=plgpu.Layout.WGMMA)
+                else:  # whole 128-byte rows a load: no bank conflicts on either side
+                    kv_smem[:, cols] = plgpu.load(stage.at[:, c], (), layout=copy_layout)
             plgpu.commit_smem()
 
             @pl.when(j + 1 < num_steps)  # the staging buffer is free: the next step's rows
