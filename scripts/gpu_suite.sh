@@ -319,7 +319,7 @@ step quant_linear_subchannel other "$E_QL" "$L_QL" env \
 # dense MLA's over the whole 32k context (issue 72)
 step sparse_mla other "$E_SPARSE" "$L_SPARSE" env COPY_RATE_JSON="$WORK/copy_rate.json" \
     "$PYTHON" benchmarks/kernels/bench_sparse_mla.py "${SPARSE_ARGS[@]}" \
-    --output-json "$WORK/sparse_mla.json"
+    --max-seconds @MAX_SECONDS@ --output-json "$WORK/sparse_mla.json"
 moe_pair() { # BATCH: each preset with tokamax's grouped matmul, then the default (XLA's)
     local b=$1 p k name
     for p in "${MOE_PRESETS[@]}"; do

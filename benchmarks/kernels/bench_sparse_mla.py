@@ -2,8 +2,8 @@
 over the chosen tokens' bytes against dense MLA's over the whole context, in the same run.
 
 DeepSeek-V3.2's widths: one cached head of 512 latent + 64 rotary values a token (bf16,
-1152 B), top-k 2048, 64-token pages; the query heads of one device (--heads: 128 at tp 1,
-16 at tp 8); decodes of --batches sequences at --context tokens each. Per case:
+1152 B), top-k 2048, 64-token pages; the query heads of one device (--heads: 16 at tp 8,
+128 at tp 1); decodes of --batches sequences at --context tokens each. Per case:
 
 - sparse_mosaic: pallas_kernels.sparse_mla.mosaic.sparse_mla, each query over 2048 distinct
   random tokens of its context; bytes = batch x top-k x 1152 (each listed row once; the
@@ -31,6 +31,7 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -117,7 +118,7 @@ def seconds_per_call(fn, args, copies: int, n: int, iters: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heads", default="128,16")
+    parser.add_argument("--heads", default="16,128")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--topk", type=int, default=2048)
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rotate-mb", type=float, default=256.0)
     parser.add_argument("--copy-gbps", type=float, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, interpreted kernels")
+    parser.add_argument("--max-seconds", type=float, default=1e9, help="start no case after")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -141,9 +143,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# {name}: unavailable ({why})")
     head = f"{'impl':<15}{'heads':>6}{'batch':>6}{'ctx':>7}{'us':>10}{'GB/s':>9}"
     print(f"{head}{'of copy':>9}{'of peak':>9}")
-    rows = []
+    rows, deadline = [], time.monotonic() + args.max_seconds
     for heads in map(int, args.heads.split(",")):
         for batch in map(int, args.batches.split(",")):
+            if time.monotonic() > deadline:
+                print(f"# out of time: heads {heads} batch {batch} not measured")
+                continue
             seq_bytes = args.context * HEAD * 2
             copies = max(1, min(16, -(-int(args.rotate_mb * 2**20) // (batch * seq_bytes))))
             q, cache, slots, tables = make_case(batch, args.context, args.topk, heads, copies)
