@@ -22,7 +22,7 @@ def token_slots(chosen: jax.Array, block_tables: jax.Array, seq: jax.Array, bloc
     for none), block_tables i32[S, B], seq i32[T] (each query's sequence) -> i32[T, K] slots
     (block id * block_size + offset; -1 where chosen is)."""
     idx = jnp.maximum(chosen, 0)
-    blocks = jnp.take_along_axis(block_tables[seq], idx // block_size, axis=1)
+    blocks = block_tables[seq[:, None], idx // block_size]  # (not a [T, B] copy of the tables)
     return jnp.where(chosen >= 0, blocks * block_size + idx % block_size, -1).astype(jnp.int32)
 
 
