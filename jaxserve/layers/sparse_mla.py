@@ -2,17 +2,18 @@
 (each query's best-scored context tokens) and MLA's attention over those tokens alone.
 
 `index_topk` scores a query's whole causal context by the index keys (kept in the MLA
-layer's V cache, which MLA leaves empty) and keeps the best `topk`; `sparse_mla_attention`
-turns those context indices into cache slots and attends to them: the Mosaic GPU kernel
-(pallas_kernels/sparse_mla/mosaic.py: it reads only the listed tokens' latents) where
-`$JAXSERVE_SPARSE_MLA_KERNEL=mosaic` asks for it and it can serve the call, else the jnp
-reference (a gather of the listed tokens, then dense math: its cost follows the top-k, not
-the context).
+layer's V cache, which MLA leaves empty) and keeps the best `topk` (XLA's top-k);
+`sparse_mla_attention` turns those context indices into cache slots and attends to them
+alone. Each half is a jnp reference (pallas_kernels/sparse_mla/reference.py; the attention's
+a gather of the listed rows, its cost following the top-k, not the context) or, where
+`$JAXSERVE_SPARSE_MLA_KERNEL=mosaic` asks and the call suits it, a Mosaic GPU kernel
+(indexer.py: the scores page by page; mosaic.py: reads only the listed tokens' rows).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 import jax
@@ -23,7 +24,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve import envs
 from jaxserve.distributed.mesh import TP_AXIS
-from pallas_kernels.sparse_mla.reference import sparse_mla_reference, token_slots
+from pallas_kernels.sparse_mla.reference import (
+    index_logits_reference,
+    sparse_mla_reference,
+    token_slots,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +50,17 @@ def index_topk(
     index_cache: jax.Array,
     md,
     topk: int,
+    *,
+    backend: str = "reference",
+    mesh: Mesh | None = None,
 ) -> jax.Array:
     """Each query's best-scored tokens of its causal context.
 
     iq f32[T, Hi, Di] index queries, iw f32[T, Hi] their weights, index_cache [N, bs, R, Di]
-    (the first of R read). A token s's score for query t is sum_h relu(iq_th . k_s) iw_th.
-    Returns i32[T, min(topk, context)]: context indices, best first (equal scores: the
-    earlier token), -1 after a query's last visible token.
+    (the first of R read). A token s's score for query t is sum_h relu(iq_th . k_s) iw_th
+    (`index_logits_reference`, or the Mosaic GPU kernel: `_index_scores`). Returns
+    i32[T, min(topk, context)]: context indices, best first (equal scores: the earlier
+    token), -1 after a query's last visible token.
     """
     t = iq.shape[0]
     bs, tables = index_cache.shape[1], md.block_tables
@@ -60,15 +69,14 @@ def index_topk(
     k = min(topk, ctx)
     pad = -t % SCORE_TILE
 
+    scores = _index_scores(backend, iq, index_cache, mesh)
+
     def tile(i):
         rows = jnp.minimum(i * SCORE_TILE + jnp.arange(SCORE_TILE), t - 1)
         blocks = tables[seq[rows]]  # [Q, B]
-        keys = index_cache[blocks, :, 0].reshape(SCORE_TILE, ctx, -1).astype(jnp.float32)
-        at = jnp.arange(ctx)
-        valid = (at[None] <= positions[rows][:, None]) & (at[None] < md.kv_lens[seq[rows]][:, None])
-        score = jnp.einsum("qhd,qkd->qhk", iq[rows], keys)
-        score = jnp.einsum("qhk,qh->qk", jax.nn.relu(score), iw[rows])
-        best, chosen = lax.top_k(jnp.where(valid, score, -jnp.inf), k)
+        score = scores(iq[rows], iw[rows], index_cache, blocks, positions[rows])
+        seen = jnp.arange(ctx)[None] < md.kv_lens[seq[rows]][:, None]  # (and <= position)
+        best, chosen = lax.top_k(jnp.where(seen, score, -jnp.inf), k)
         return jnp.where(best > -jnp.inf, chosen, -1).astype(jnp.int32)
 
     chosen = lax.map(tile, jnp.arange((t + pad) // SCORE_TILE))
@@ -108,8 +116,57 @@ def sparse_mla_attention(
     )(query, k_cache, slots)
 
 
-def mosaic_refusal(*, q_dtype, cache_dtype, head_dim: int, latent_dim: int, device) -> str | None:
-    """Why the Mosaic GPU sparse-MLA kernel cannot serve a call (None: it can)."""
+def _index_scores(backend: str, iq, cache, mesh):
+    """The indexer's scores (iq, iw, cache, tables [Q, B], positions [Q]) -> f32[Q, B * bs]:
+    the Mosaic GPU kernel when asked for and able (per device under tp: its replica of the
+    cache; every device scores every query), else the jnp reference."""
+    reason = mosaic_refusal(
+        q_dtype=cache.dtype,
+        cache_dtype=cache.dtype,
+        head_dim=iq.shape[-1],
+        device=_device(mesh),
+        block_size=cache.shape[1],
+        heads=iq.shape[1],
+    )
+    kernel = _mosaic(backend, "indexer", "index_logits", reason)
+    if kernel is None:
+        return index_logits_reference
+    if mesh is None or mesh.shape[TP_AXIS] == 1:
+        return kernel
+    whole = P()
+    return jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(whole, whole, P(None, None, TP_AXIS, None), whole, whole),
+        out_specs=whole,
+        check_vma=False,
+    )
+
+
+def _kernel(backend: str, query, cache, latent_dim: int, mesh):
+    """The Mosaic sparse-MLA kernel when asked for and able to serve the call, else None."""
+    reason = mosaic_refusal(
+        q_dtype=query.dtype,
+        cache_dtype=cache.dtype,
+        head_dim=query.shape[-1],
+        device=_device(mesh),
+        latent_dim=latent_dim,
+    )
+    return _mosaic(backend, "mosaic", "sparse_mla", reason)
+
+
+def mosaic_refusal(
+    *,
+    q_dtype,
+    cache_dtype,
+    head_dim: int,
+    device,
+    latent_dim: int | None = None,
+    block_size: int | None = None,
+    heads: int | None = None,
+) -> str | None:
+    """Why a Mosaic GPU kernel of DeepSeek Sparse Attention cannot serve a call (None: it
+    can): the sparse MLA's (latent_dim given) or the indexer's (block_size and heads)."""
     if device.platform != "gpu":
         return f"a {device.platform} device (it runs on NVIDIA GPUs)"
     capability = getattr(device, "compute_capability", None)
@@ -117,14 +174,24 @@ def mosaic_refusal(*, q_dtype, cache_dtype, head_dim: int, latent_dim: int, devi
         return f"compute capability {capability} (TMA and wgmma need sm_90)"
     if q_dtype not in (jnp.bfloat16, jnp.float16) or cache_dtype != q_dtype:
         return f"q {q_dtype} over a {cache_dtype} cache (it takes bf16/f16 for both)"
-    if latent_dim != 512 or head_dim % 64:
-        return f"latent_dim {latent_dim}, head {head_dim} (512, and a multiple of 64)"
+    if head_dim % 64:
+        return f"a head of {head_dim} (a multiple of 64)"
+    if latent_dim is not None and latent_dim != 512:
+        return f"latent_dim {latent_dim} (512)"
+    if heads is not None and heads > 64:
+        return f"{heads} index heads (at most 64)"
+    if block_size is not None and (block_size & (block_size - 1) or not 8 <= block_size <= 256):
+        return f"block size {block_size} (a power of two from 8 to 256)"
     return None
 
 
-def _kernel(backend: str, query, cache, latent_dim: int, mesh):
-    """The Mosaic kernel when asked for ($JAXSERVE_SPARSE_MLA_KERNEL=mosaic) and able to
-    serve the call, else None (the reference). Not yet the default: no GPU has run it."""
+def _device(mesh):
+    return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+
+
+def _mosaic(backend: str, module: str, name: str, reason: str | None):
+    """pallas_kernels.sparse_mla.<module>.<name> when $JAXSERVE_SPARSE_MLA_KERNEL=mosaic asks
+    for it (not yet the default: no GPU has run it) and nothing refuses it, else None."""
     wanted = envs.JAXSERVE_SPARSE_MLA_KERNEL or "xla"
     if wanted not in SPARSE_MLA_KERNELS:
         raise ValueError(
@@ -132,25 +199,17 @@ def _kernel(backend: str, query, cache, latent_dim: int, mesh):
         )
     if backend != "pallas" or wanted != "mosaic":
         return None
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    reason = mosaic_refusal(
-        q_dtype=query.dtype,
-        cache_dtype=cache.dtype,
-        head_dim=query.shape[-1],
-        latent_dim=latent_dim,
-        device=device,
-    )
     if reason is not None:
-        _log_once(f"the Mosaic GPU sparse-MLA kernel cannot serve {reason}: the reference does")
+        _log_once(f"the Mosaic GPU {name} kernel cannot serve {reason}: the reference does")
         return None
     try:
-        from pallas_kernels.sparse_mla.mosaic import sparse_mla
+        kernel = getattr(importlib.import_module(f"pallas_kernels.sparse_mla.{module}"), name)
     except ImportError as e:
         if not (e.name or "").startswith("jax"):
             raise
-        _log_once(f"the Mosaic GPU sparse-MLA kernel needs {e.name}: the reference serves")
+        _log_once(f"the Mosaic GPU {name} kernel needs {e.name}: the reference serves")
         return None
-    return sparse_mla
+    return kernel
 
 
 @functools.cache

@@ -129,7 +129,15 @@ class DSAAttention(MLAAttention):
             entry = jnp.broadcast_to(entry, (x.shape[0], self.num_kv_heads, m.latent_dim))
             k_cache = write_kv(k_cache, entry, md.slot_mapping)
             if isinstance(select, tuple):
-                chosen = index_topk(*select, positions, v_cache, md, self.index_topk)
+                chosen = index_topk(
+                    *select,
+                    positions,
+                    v_cache,
+                    md,
+                    self.index_topk,
+                    backend=self.backend,
+                    mesh=self.mesh,
+                )
             else:
                 chosen = select
             out = sparse_mla_attention(

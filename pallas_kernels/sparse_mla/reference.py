@@ -1,5 +1,6 @@
-"""Sparse MLA (DeepSeek Sparse Attention's attention half) as a pure-jnp op: each query
-attends to its own list of cached tokens, in MLA's absorbed form.
+"""DeepSeek Sparse Attention as pure-jnp ops: the lightning indexer's scores over each query's
+paged context (`index_logits_reference`), and sparse MLA: each query attends to its own list
+of cached tokens, in MLA's absorbed form (`sparse_mla_reference`).
 
 The cache holds one head per token, [latent; rotary key] (576 values for DeepSeek-V3.2: the
 kv_lora_rank r = 512 and 64 rotary dims). A query row is [q_latent; q_rope] in the same
@@ -71,3 +72,15 @@ def sparse_mla_reference(
 
     out = jax.lax.map(one, jnp.arange((t + pad) // tile))
     return out.reshape(t + pad, q.shape[1], latent_dim)[:t]
+
+
+def index_logits_reference(iq, iw, cache, tables, positions):
+    """iq f32[Q, Hi, Di], iw f32[Q, Hi], cache [N, bs, R, Di], tables i32[Q, B] (each
+    query's block table), positions i32[Q] -> f32[Q, B * bs]: the scores of the keys up to
+    each query's position, -inf past it."""
+    q, b = tables.shape
+    bs = cache.shape[1]
+    keys = cache[tables, :, 0].reshape(q, b * bs, -1).astype(jnp.float32)
+    score = jnp.einsum("qhd,qkd->qhk", iq, keys)
+    score = jnp.einsum("qhk,qh->qk", jax.nn.relu(score), iw)
+    return jnp.where(jnp.arange(b * bs)[None] <= positions[:, None], score, -jnp.inf)

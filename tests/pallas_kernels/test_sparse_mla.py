@@ -8,6 +8,9 @@
   GPU's interpreter on CPU against the reference (bf16 tolerance), its barriers checked by the
   interpreter's race detector; lowered for CUDA at the real shapes (`cuda_lowering`); on a
   Hopper GPU (`gpu`).
+- The indexer's Mosaic GPU kernel (`indexer.py`: the scores page by page) against the jnp
+  scores, interpreted (race-checked) and lowered at DeepSeek-V3.2's shapes; its top-k
+  through the layer equal to the reference's.
 - The layer's dispatch: the kernel under a tp mesh (shard_map over heads and the cache's
   replicas) equals the reference; it is refused, with the reason, where it cannot serve.
 """
@@ -22,10 +25,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
-from pallas_kernels.sparse_mla.reference import sparse_mla_reference
+from pallas_kernels.sparse_mla.reference import index_logits_reference, sparse_mla_reference
 from tests.pallas_kernels.paged_cases import make_case
 
 mosaic = pytest.importorskip("pallas_kernels.sparse_mla.mosaic", exc_type=ImportError)
+indexer = pytest.importorskip("pallas_kernels.sparse_mla.indexer", exc_type=ImportError)
 
 BF16 = ml_dtypes.bfloat16
 R, ROPE = 512, 64  # DeepSeek-V3.2's kv_lora_rank and rotary dims
@@ -175,6 +179,85 @@ def test_smem_estimate_fits_hopper():
         assert need == 3 * 64 * D * 2 + 16  # 216 KiB: q, staging, operand; 2 barriers
 
 
+# ---------------------------------------------------------------- the indexer's kernel
+
+
+def _index_case(heads=64, block_size=16, seed=0):
+    """3 queries over block tables of 11 pages (shuffled; 2.75 steps of 4 pages of 16), at
+    positions 0, mid-page and the last; queries rounded to bf16 (the kernel's wgmma input)
+    so the scores compare tightly."""
+    rng = np.random.default_rng(seed)
+    blocks, q = 40, 3
+    cache = rng.standard_normal((blocks, block_size, 2, 128)).astype(BF16)
+    tables = rng.permutation(blocks)[: q * 11].reshape(q, 11).astype(np.int32)
+    iq = (rng.standard_normal((q, heads, 128)) * 0.1).astype(BF16).astype(np.float32)
+    iw = rng.standard_normal((q, heads)).astype(np.float32)
+    positions = np.array([0, 5 * block_size + 3, 11 * block_size - 1], np.int32)
+    return tuple(map(jnp.asarray, (iq, iw, cache, tables, positions)))
+
+
+def _check_index(case, **kw):
+    got = np.asarray(indexer.index_logits(*case, **kw))
+    want = np.asarray(index_logits_reference(*case))
+    assert (np.isfinite(got) == np.isfinite(want)).all()  # -inf past each position
+    seen = np.isfinite(want)
+    np.testing.assert_allclose(got[seen], want[seen], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize(("heads", "block_size", "splits"), [(64, 16, 1), (64, 16, 2), (32, 64, 3)])
+def test_indexer_interpret_matches_reference(heads, block_size, splits):
+    """4 pages of 16 a step, or one of 64; DeepSeek-V3.2's 64 index heads, or 32 padded
+    with zero weights; each query's pages split over 1 to 3 programs (some empty)."""
+    case = _index_case(heads, block_size, seed=splits)
+    _check_index(case, num_splits=splits, num_sms=4, num_stages=2, interpret=True)
+
+
+def test_indexer_interpret_has_no_races():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    from pallas_kernels.paged_attention.mosaic import interpret_params
+
+    params = interpret_params(detect_races=True)
+    _check_index(_index_case(seed=7), num_splits=1, num_sms=2, num_stages=2, interpret=params)
+    assert gpu_callbacks.get_races().races_found is False
+
+
+@pytest.mark.cuda_lowering
+@pytest.mark.parametrize("block_size", [64, 16])
+def test_indexer_lowers_for_cuda_at_deepseek_shapes(block_size):
+    """16 queries (a score tile) over 128k-token block tables, 64 heads of 128."""
+    spec = jax.ShapeDtypeStruct
+    blocks = 131072 // block_size
+    args = (spec((16, 64, 128), jnp.float32), spec((16, 64), jnp.float32),
+            spec((4097, block_size, 1, 128), jnp.bfloat16), spec((16, blocks), jnp.int32),
+            spec((16,), jnp.int32))  # fmt: skip
+    f = functools.partial(indexer.index_logits, num_sms=132)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert [line.rsplit(" -> ", 1)[1] for line in calls] == ["tensor<16x131072xf32>"]
+
+
+def test_layer_index_topk_with_the_kernel_equals_the_reference(monkeypatch):
+    """index_topk through the (interpreted) kernel picks the reference's tokens."""
+    from jaxserve.layers import sparse_mla as layer
+
+    case = make_case([(1, 90), (3, 40)], num_q_heads=1, num_kv_heads=1, head_dim=128,
+                     block_size=16, dtype=BF16, pad_tokens=1, pad_seqs=1, seed=5)  # fmt: skip
+    md = _metadata(case)
+    rng = np.random.default_rng(1)
+    t = case.q.shape[0]
+    iq = jnp.asarray((rng.standard_normal((t, 64, 128)) * 0.1).astype(BF16), jnp.float32)
+    iw = jnp.asarray(rng.standard_normal((t, 64)), jnp.float32)
+    positions = jnp.asarray([89, 37, 38, 39, 0], jnp.int32)
+    cache = jnp.asarray(case.v_cache)
+    want = layer.index_topk(iq, iw, positions, cache, md, 8)
+    interpreted = functools.partial(indexer.index_logits, interpret=True, num_sms=4)
+    monkeypatch.setattr(layer, "_mosaic", lambda *a: interpreted)
+    got = layer.index_topk(iq, iw, positions, cache, md, 8, backend="pallas")
+    np.testing.assert_array_equal(np.asarray(got)[:4], np.asarray(want)[:4])
+    assert (np.asarray(want)[:4] >= 0).all()
+
+
 # ---------------------------------------------------------------- the layer's dispatch
 
 
@@ -225,6 +308,27 @@ def test_layer_runs_the_kernel_per_device_under_tp(monkeypatch):
     assert np.abs(np.asarray(want)).max() > 0.1
 
 
+def test_layer_scores_per_device_under_tp(monkeypatch):
+    """The indexer kernel under a tp-2 mesh gets every query and its device's replica of
+    the index-key cache (the reference stands in for it per device, as above)."""
+    from jaxserve.distributed.mesh import make_mesh
+    from jaxserve.layers import sparse_mla as layer
+
+    iq, iw, cache, tables, positions = _index_case(seed=2)
+    seen = []
+
+    def per_device(*args):
+        seen.append(tuple(a.shape for a in args))
+        return index_logits_reference(*args)
+
+    monkeypatch.setattr(layer, "_mosaic", lambda *a: per_device)
+    scores = layer._index_scores("pallas", iq, cache, make_mesh(2))
+    got = jax.jit(scores)(iq, iw, cache, tables, positions)
+    assert seen == [(iq.shape, iw.shape, (40, 16, 1, 128), tables.shape, positions.shape)]
+    want = index_logits_reference(iq, iw, cache, tables, positions)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_layer_refuses_the_kernel_where_it_cannot_serve(monkeypatch, caplog):
     from jaxserve.layers import sparse_mla as layer
 
@@ -257,3 +361,5 @@ def test_gpu_matches_reference(splits):
         pytest.skip(f"Mosaic GPU needs sm_90 or newer, this GPU is {device.device_kind}")
     q, cache, slots = _sparse_case([0, 1, 63, 64, 65, 2048, 700], heads=128, seed=5, width=2048)
     _check(q, cache, slots, num_splits=splits)
+    for block_size in (16, 64):
+        _check_index(_index_case(64, block_size, seed=6), num_splits=splits)
