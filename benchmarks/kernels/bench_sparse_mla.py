@@ -10,7 +10,11 @@ DeepSeek-V3.2's widths: one cached head of 512 latent + 64 rotary values a token
   second value half's read is not counted: it comes mostly from L2);
 - sparse_xla: the jnp reference (XLA's gather and dots) on the same lists and bytes;
 - dense_triton: the Triton MLA kernel (pallas_kernels.paged_attention.kernel, latent_dim 512)
-  over the whole context; bytes = batch x context x 1152.
+  over the whole context; bytes = batch x context x 1152;
+- indexer_mosaic / indexer_xla (once per batch: the indexer's 64 heads are not split): the
+  lightning indexer's scores over the whole context (pallas_kernels.sparse_mla.indexer, its
+  jnp reference), from an index-key cache of 128 values a token; bytes = batch x context x
+  256. The top-k after them is not timed.
 
 Each row: time per call, GB/s of those bytes, and the fraction of the device-to-device copy
 rate (--copy-gbps, or COPY_RATE_JSON from benchmarks/bench_copy_rate.py) and of the
@@ -42,10 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_paged_attention import peak_bandwidth  # noqa: E402
 
 from jaxserve.benchmarks.common import median_seconds  # noqa: E402
-from pallas_kernels.sparse_mla.reference import sparse_mla_reference  # noqa: E402
+from pallas_kernels.sparse_mla.reference import (  # noqa: E402
+    index_logits_reference,
+    sparse_mla_reference,
+)
 
 LATENT, ROPE, BLOCK = 512, 64, 64
 HEAD = LATENT + ROPE
+INDEX_HEADS, INDEX_DIM = 64, 128
 
 
 def make_case(batch, context, topk, heads, copies, seed=0):
@@ -60,24 +68,27 @@ def make_case(batch, context, topk, heads, copies, seed=0):
         for b in range(batch):
             idx = rng.choice(context, topk, replace=False)
             slots[c, b] = tables[c, b, idx // BLOCK] * BLOCK + idx % BLOCK
-    kq, kc = jax.random.split(jax.random.PRNGKey(seed))
+    kq, kc, ki = jax.random.split(jax.random.PRNGKey(seed), 3)
     q = jax.random.normal(kq, (batch, heads, HEAD), jnp.bfloat16)
-    cache = jax.random.normal(kc, (copies * batch * per_seq + 1, BLOCK, 1, HEAD), jnp.bfloat16)
-    return q, cache, jnp.asarray(slots), jnp.asarray(tables)
+    blocks = copies * batch * per_seq + 1
+    cache = jax.random.normal(kc, (blocks, BLOCK, 1, HEAD), jnp.bfloat16)
+    index_cache = jax.random.normal(ki, (blocks, BLOCK, 1, INDEX_DIM), jnp.bfloat16)
+    return q, (cache, index_cache), jnp.asarray(slots), jnp.asarray(tables)
 
 
 def implementations(smoke: bool) -> tuple[dict, dict]:
-    """{name: fn(q, cache, slots, tables, kv_lens) -> [B, H, 512]}, {name: why unavailable}."""
+    """{name: fn(q, (cache, index cache), slots, tables, kv_lens) -> [B, H, 512] (attention)
+    or f32[B, context] (indexer scores)}, {name: why unavailable}."""
     impls, missing = {}, {}
     scale = HEAD**-0.5
     impls["sparse_xla"] = lambda q, c, s, t, n: sparse_mla_reference(
-        q, c, s, sm_scale=scale, latent_dim=LATENT
+        q, c[0], s, sm_scale=scale, latent_dim=LATENT
     )
     try:
         from pallas_kernels.sparse_mla.mosaic import sparse_mla
 
         kernel = functools.partial(sparse_mla, sm_scale=scale, latent_dim=LATENT, interpret=smoke)
-        impls["sparse_mosaic"] = lambda q, c, s, t, n: kernel(q, c, s)
+        impls["sparse_mosaic"] = lambda q, c, s, t, n: kernel(q, c[0], s)
     except ImportError as e:
         missing["sparse_mosaic"] = str(e)
     try:
@@ -88,13 +99,33 @@ def implementations(smoke: bool) -> tuple[dict, dict]:
             qsl = jnp.arange(b + 1, dtype=jnp.int32)
             num = jnp.asarray([b], jnp.int32)
             return ragged_paged_attention(
-                q, c, c, n, t, qsl, num, sm_scale=scale, decode_only=True,
+                q, c[0], c[0], n, t, qsl, num, sm_scale=scale, decode_only=True,
                 latent_dim=LATENT, interpret=smoke,
             )[..., :LATENT]  # fmt: skip
 
         impls["dense_triton"] = dense
     except ImportError as e:
         missing["dense_triton"] = str(e)
+
+    def index_args(q, n):  # the indexer's queries and weights from q's first columns
+        iq = q[:, :1, :INDEX_DIM].astype(jnp.float32) * jnp.ones((1, INDEX_HEADS, 1))
+        return iq, jnp.ones((q.shape[0], INDEX_HEADS), jnp.float32) * 0.1, n - 1
+
+    def indexer_xla(q, c, s, t, n):
+        iq, iw, positions = index_args(q, n)
+        return index_logits_reference(iq, iw, c[1], t, positions)
+
+    impls["indexer_xla"] = indexer_xla
+    try:
+        from pallas_kernels.sparse_mla.indexer import index_logits
+
+        def indexer(q, c, s, t, n):
+            iq, iw, positions = index_args(q, n)
+            return index_logits(iq, iw, c[1], t, positions, interpret=smoke)
+
+        impls["indexer_mosaic"] = indexer
+    except ImportError as e:
+        missing["indexer_mosaic"] = str(e)
     return impls, missing
 
 
@@ -106,7 +137,10 @@ def seconds_per_call(fn, args, copies: int, n: int, iters: int) -> float:
         def run(q, cache, slots, tables, kv_lens):
             for i in range(length):
                 out = fn(q, cache, slots[i % copies], tables[i % copies], kv_lens)
-                q = jnp.concatenate([out.astype(q.dtype), q[..., LATENT:]], axis=-1)
+                if out.ndim == 2:  # indexer scores: q depends on them, unchanged
+                    q = q + (jnp.max(out[:, :1]) * 0).astype(q.dtype)
+                else:
+                    q = jnp.concatenate([out.astype(q.dtype), q[..., LATENT:]], axis=-1)
             return q
 
         return jax.jit(run)
@@ -144,18 +178,25 @@ def main(argv: list[str] | None = None) -> None:
     head = f"{'impl':<15}{'heads':>6}{'batch':>6}{'ctx':>7}{'us':>10}{'GB/s':>9}"
     print(f"{head}{'of copy':>9}{'of peak':>9}")
     rows, deadline = [], time.monotonic() + args.max_seconds
+    first_heads = int(args.heads.split(",")[0])
     for heads in map(int, args.heads.split(",")):
         for batch in map(int, args.batches.split(",")):
             if time.monotonic() > deadline:
                 print(f"# out of time: heads {heads} batch {batch} not measured")
                 continue
-            seq_bytes = args.context * HEAD * 2
+            seq_bytes = args.context * (HEAD + INDEX_DIM) * 2
             copies = max(1, min(16, -(-int(args.rotate_mb * 2**20) // (batch * seq_bytes))))
             q, cache, slots, tables = make_case(batch, args.context, args.topk, heads, copies)
             kv_lens = jnp.full((batch,), args.context, jnp.int32)
             for name, fn in impls.items():
-                dense = name.startswith("dense")
-                read = batch * (args.context if dense else args.topk) * HEAD * 2
+                if name.startswith("indexer") and heads != first_heads:
+                    continue  # its heads are the indexer's own
+                if name.startswith("indexer"):
+                    read = batch * args.context * INDEX_DIM * 2
+                elif name.startswith("dense"):
+                    read = batch * args.context * HEAD * 2
+                else:
+                    read = batch * args.topk * HEAD * 2
                 try:
                     s = seconds_per_call(
                         fn, (q, cache, slots, tables, kv_lens), copies, args.chain, args.iters
@@ -186,6 +227,11 @@ def main(argv: list[str] | None = None) -> None:
                     f"chosen rows, dense MLA {de['gbps']:.0f} GB/s of the context ({ratio:.2f}x); "
                     f"{faster:.1f}x faster"
                 )
+    for batch in map(int, args.batches.split(",")):
+        got = {r["impl"]: r for r in rows if r["batch"] == batch}
+        if "indexer_mosaic" in got and "indexer_xla" in got:
+            mo, xl = got["indexer_mosaic"]["gbps"], got["indexer_xla"]["gbps"]
+            print(f"# sparse indexer batch {batch}: mosaic {mo:.0f} GB/s, XLA {xl:.0f} GB/s")
     if args.output_json:
         meta = dict(device=device.device_kind, jax=jax.__version__, copy_gbps=args.copy_gbps)
         Path(args.output_json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

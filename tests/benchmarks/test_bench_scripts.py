@@ -365,14 +365,17 @@ def test_bench_host_step(tmp_path, capsys):
 
 def test_bench_sparse_mla(tmp_path, capsys):
     """DeepSeek Sparse Attention's benchmark in smoke mode (interpreted kernels): a row per
-    implementation with the bytes each reads (the chosen rows; dense MLA the whole context),
-    and the summary line the GPU suite reports."""
+    implementation with the bytes each reads (the chosen rows; dense MLA and the indexer the
+    whole context), and the summary lines the GPU suite reports."""
     pytest.importorskip("pallas_kernels.sparse_mla.mosaic", exc_type=ImportError)
     out = tmp_path / "sparse.json"
     script("benchmarks/kernels/bench_sparse_mla.py")(["--smoke", "--output-json", str(out)])
     rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"sparse_xla", "sparse_mosaic", "dense_triton"}
+    assert set(rows) == {"sparse_xla", "sparse_mosaic", "dense_triton", "indexer_xla",
+                         "indexer_mosaic"}  # fmt: skip
     assert rows["sparse_mosaic"]["bytes"] == rows["sparse_xla"]["bytes"] == 128 * 576 * 2
     assert rows["dense_triton"]["bytes"] == 256 * 576 * 2
+    assert rows["indexer_mosaic"]["bytes"] == 256 * 128 * 2
     assert all(r["us"] > 0 for r in rows.values())
-    assert "# sparse heads 16 batch 1: mosaic " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "# sparse heads 16 batch 1: mosaic " in out and "# sparse indexer batch 1: " in out
