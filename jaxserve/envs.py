@@ -177,8 +177,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "tiles", "tokamax", "mosaic" or "xla": the MoE layers' grouped matmul where it can run,
     # instead of the platform's choice (pallas_kernels/grouped_matmul).
     "JAXSERVE_MOE_KERNEL": lambda: os.environ.get("JAXSERVE_MOE_KERNEL") or None,
-    # "mosaic" or "xla": DeepSeek Sparse Attention's attention over the chosen tokens on a
-    # Hopper GPU (layers/sparse_mla.py); "xla" (the jnp reference) until a GPU has run it.
+    # "mosaic" or "xla": DeepSeek Sparse Attention's Mosaic GPU kernels (the indexer's scores,
+    # the attention over the chosen tokens) on a Hopper GPU (layers/sparse_mla.py); "xla"
+    # (the jnp references) until a GPU has run them.
     "JAXSERVE_SPARSE_MLA_KERNEL": lambda: os.environ.get("JAXSERVE_SPARSE_MLA_KERNEL") or None,
     # "1": /metrics also exports every metric under the `jaxserve:` prefix (before vLLM's
     # `vllm:` names; jaxserve/metrics/prometheus.py).
