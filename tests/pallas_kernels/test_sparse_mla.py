@@ -363,3 +363,35 @@ def test_gpu_matches_reference(splits):
     _check(q, cache, slots, num_splits=splits)
     for block_size in (16, 64):
         _check_index(_index_case(64, block_size, seed=6), num_splits=splits)
+
+
+@pytest.mark.cuda_lowering
+def test_layer_kernels_lower_for_cuda_in_the_layer(monkeypatch):
+    """With JAXSERVE_SPARSE_MLA_KERNEL=mosaic on a (pretended) Hopper device, index_topk (the
+    indexer kernel inside its lax.map over 16-query tiles, XLA's top-k after) and
+    sparse_mla_attention (block ids -> slots, the attention kernel) lower for CUDA at
+    DeepSeek-V3.2's widths: one Mosaic GPU custom call each."""
+    from jaxserve.layers import sparse_mla as layer
+    from jaxserve.layers.attention import AttentionMetadata
+
+    hopper = type("Dev", (), {"platform": "gpu", "compute_capability": "9.0"})()
+    monkeypatch.setattr(layer, "_device", lambda mesh: hopper)
+    monkeypatch.setenv("JAXSERVE_SPARSE_MLA_KERNEL", "mosaic")
+    spec, i32, bf16 = jax.ShapeDtypeStruct, jnp.int32, jnp.bfloat16
+    t, seqs, blocks = 32, 4, 512  # 32 tokens of 4 sequences, 32k-token tables of 64
+    md = AttentionMetadata(slot_mapping=spec((1, t), i32), block_tables=spec((seqs, blocks), i32),
+                           kv_lens=spec((seqs,), i32), query_start_loc=spec((seqs + 1,), i32),
+                           num_seqs=spec((1,), i32))  # fmt: skip
+
+    def step(iq, iw, positions, q, k_cache, v_cache, md):
+        chosen = layer.index_topk(iq, iw, positions, v_cache, md, 2048, backend="pallas")
+        return layer.sparse_mla_attention(q, chosen, k_cache, md, sm_scale=0.04, latent_dim=R,
+                                          backend="pallas")  # fmt: skip
+
+    args = (spec((t, 64, 128), jnp.float32), spec((t, 64), jnp.float32), spec((t,), i32),
+            spec((t, 16, D), bf16), spec((2049, 64, 1, D), bf16),
+            spec((2049, 64, 1, 128), bf16), md)  # fmt: skip
+    text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    assert len(calls) == 2, calls
+    assert "tensor<16x32768xf32>" in calls[0] or "tensor<16x32768xf32>" in calls[1]
