@@ -447,16 +447,20 @@ def peft_model(base_dir: Path, adapter_dir: Path):
     return PeftModel.from_pretrained(model, adapter_dir).eval()
 
 
-def assert_offload_round_trip(llm, model_dir) -> None:
+def assert_offload_round_trip(llm, model_dir, against_hf: bool = True) -> None:
     """An engine with the host offload tier (kv_offloading_size, a 14+-block pool): a 100-token
-    prompt with HF's tokens, two 110-token ones that evict its blocks from the device, then
-    the first again: its 6 full blocks come back from the host (96 cached tokens) and give
-    the same tokens."""
+    prompt with HF's tokens (against_hf; else the engine's own), two 110-token ones that
+    evict its blocks from the device, then the first again: its 6 full blocks come back from
+    the host (96 cached tokens) and give the same tokens."""
     from jaxserve.sampling_params import SamplingParams
 
     rng = np.random.default_rng(1)
     long_prompt, *others = (rng.integers(1, 256, n).tolist() for n in (100, 110, 110))
-    (first,) = assert_generate_matches_hf(llm, model_dir, [long_prompt])
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    if against_hf:
+        (first,) = assert_generate_matches_hf(llm, model_dir, [long_prompt])
+    else:
+        (first,) = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in others], params, use_tqdm=False)  # evicts
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -33,11 +33,16 @@ class Capacity:
 
 
 def block_bytes(config: ModelConfig, layout: KVCacheLayout, block_size: int, dtype) -> int:
-    """One block id's K and V (layout.num_slots layers of block_size tokens), tp 1 (the
-    cache's heads: Gemma 4's rows fit its widest layer, distributed/sharding.py)."""
+    """One block id's K and V (layout.num_slots layers of block_size tokens; V of fewer where
+    some layers keep none, ModelConfig.v_slots), tp 1 (the cache's heads: Gemma 4's rows fit
+    its widest layer, distributed/sharding.py)."""
     heads = config.num_kv_heads * kv_head_replicas(config, 1)
-    per_token = heads * sum(config.cache_dims) * jnp.dtype(dtype).itemsize
-    return layout.num_slots * block_size * per_token
+    k_dim, v_dim = config.cache_dims
+    v_slots = layout.num_slots
+    if config.v_slots is not None and layout.num_groups == 1:  # GLM-5's shared-indexer layers
+        v_slots = sum(v is not None for v in config.v_slots)
+    per_block = layout.num_slots * k_dim + v_slots * v_dim
+    return block_size * heads * per_block * jnp.dtype(dtype).itemsize
 
 
 def capacity(

@@ -359,6 +359,17 @@ class ModelConfig:
             linear |= {i for i, s in enumerate(self.gemma4.shares) if s is not None}
         return tuple(i for i in range(self.num_layers) if i not in linear)
 
+    @property
+    def v_slots(self) -> tuple[int | None, ...] | None:
+        """The V-cache slot of each cached layer (kv_layers' order) where some keep none:
+        GLM-5's shared-indexer layers hold no index keys (None), the full ones take slots
+        0, 1, ...; None where every layer has its own, the K cache's."""
+        flags = self.mla.index_shared if self.mla else ()
+        if not any(flags):
+            return None
+        full = [i for i in self.kv_layers if not (i < len(flags) and flags[i])]
+        return tuple(full.index(i) if i in full else None for i in self.kv_layers)
+
     def layer_kv_shape(self, layer: int) -> tuple[int, int]:
         """(KV heads, head_dim) of decoder layer `layer` (Gemma 4's full layers' differ)."""
         if self.gemma4 is not None:

@@ -8,7 +8,8 @@ first qk_rope_head_dim dims of both rotated half-split (MLA's are interleaved; t
 reference has no Hadamard transform and no fp8, nor has this); a token s's score for query t
 is sum_h relu(q_th . k_s / sqrt(Di)) * w_th, w = weights_proj(x) / sqrt(Hi). Each token's
 index key is kept in the layer's V cache, which MLA leaves empty (the K cache holds the latent
-and rotary key), so it lives in the same blocks: cache_dims (r + rope, Di).
+and rotary key), so it lives in the same blocks: cache_dims (r + rope, Di). GLM-5's
+shared-indexer layers keep none: V holds the full layers' slots only (`v_view`).
 
 The attention: when no sequence of the step has more than index_topk tokens, every token is
 selected and it is MLA's (models/deepseek.py, the kernels' path); otherwise each query's top
@@ -98,6 +99,18 @@ class DSAAttention(MLAAttention):
         )
         self.index_topk = config.mla.index_topk
         self.publish = any(flags) and layer < len(flags) and not shared  # for shared ones
+        self.v_slots, self.layer = config.v_slots, layer
+
+    def v_view(self, md: AttentionMetadata, k_cache, v_cache) -> AttentionMetadata:
+        """This layer's metadata for its V slot (its index keys): its K slot's, or where V
+        keeps the full-indexer layers' slots only (GLM-5: KVCacheSpec's v_slots; V then has
+        fewer rows than K) its own V slot's blocks."""
+        if v_cache.shape[0] == k_cache.shape[0]:
+            return md
+        n = k_cache.shape[0] // len(self.v_slots)  # blocks of one slot
+        shift = (self.v_slots[self.layer] - self.layer) * n
+        slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + shift * k_cache.shape[1], -1)
+        return md._replace(block_tables=md.block_tables + shift, slot_mapping=slots)
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
         m = self.mla
@@ -111,7 +124,8 @@ class DSAAttention(MLAAttention):
             factor = rope_attention_factor(self.rope)
             iq, iw, ik = self.indexer(x, q_resid, positions, inv_freq, factor)
             keys = jnp.broadcast_to(ik[:, None], (x.shape[0], self.num_kv_heads, ik.shape[-1]))
-            v_cache = write_kv(v_cache, keys.astype(v_cache.dtype), md.slot_mapping)
+            v_md = self.v_view(md, k_cache, v_cache)
+            v_cache = write_kv(v_cache, keys.astype(v_cache.dtype), v_md.slot_mapping)
             select = (iq, iw)
         dense = jnp.max(md.kv_lens) <= self.index_topk
         # [T, k] int32 for the shared layers after this one; only a layer that hands it on
@@ -133,7 +147,7 @@ class DSAAttention(MLAAttention):
                     *select,
                     positions,
                     v_cache,
-                    md,
+                    v_md,
                     self.index_topk,
                     backend=self.backend,
                     mesh=self.mesh,

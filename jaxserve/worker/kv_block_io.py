@@ -37,29 +37,50 @@ def _per_slot(cache: jax.Array, num_slots: int) -> jax.Array:
     return cache.reshape(num_slots, cache.shape[0] // num_slots, *cache.shape[1:])
 
 
-def gather_blocks(kv_caches, block_ids: jax.Array, *, num_slots: int):
-    """kv_caches: K [S * N, bs, H, kd], V [.., vd]; block_ids i32[n, G] (each position's block
-    in each KV-cache group) -> [n, G * S, bs, H, kd + vd]."""
+def gather_blocks(kv_caches, block_ids: jax.Array, *, num_slots: int, v_slots=None):
+    """kv_caches: K [S * N, bs, H, kd], V [.., vd] (or [S_v * N, ..] with v_slots: each K
+    slot's V slot or None, whose V travels as zeros); block_ids i32[n, G] (each position's
+    block in each KV-cache group) -> [n, G * S, bs, H, kd + vd]."""
     out = []
-    for cache in kv_caches:
-        per_slot = _per_slot(cache, num_slots)
-        groups = [per_slot[:, block_ids[:, g]] for g in range(block_ids.shape[1])]
+    for i, cache in enumerate(kv_caches):
+        slots = v_slots if i == 1 else None
+        per_slot = _per_slot(cache, num_slots if slots is None else _count(slots))
+        groups = [_expand(per_slot[:, block_ids[:, g]], slots) for g in range(block_ids.shape[1])]
         out.append(jnp.concatenate(groups, axis=0))  # [G * S, n, bs, H, d]
     return jnp.concatenate(out, axis=-1).swapaxes(0, 1)
 
 
-def scatter_blocks(kv_caches, block_ids: jax.Array, blocks: jax.Array, *, num_slots: int):
-    """Write blocks [n, G * S, bs, H, kd + vd] at block_ids i32[n, G]; returns the new (K, V)."""
+def scatter_blocks(
+    kv_caches, block_ids: jax.Array, blocks: jax.Array, *, num_slots: int, v_slots=None
+):
+    """Write blocks [n, G * S, bs, H, kd + vd] at block_ids i32[n, G] (the V of a slot that
+    keeps none is dropped); returns the new (K, V)."""
     out, start = [], 0
-    for cache in kv_caches:
+    for i, cache in enumerate(kv_caches):
+        slots = v_slots if i == 1 else None
         part = blocks[..., start : start + cache.shape[-1]].swapaxes(0, 1)  # [G * S, n, ...]
         start += cache.shape[-1]
-        per_slot = _per_slot(cache, num_slots)
+        per_slot = _per_slot(cache, num_slots if slots is None else _count(slots))
         for g in range(block_ids.shape[1]):
             rows = part[g * num_slots : (g + 1) * num_slots]
+            if slots is not None:
+                rows = rows[jnp.asarray([k for k, v in enumerate(slots) if v is not None])]
             per_slot = per_slot.at[:, block_ids[:, g]].set(rows.astype(cache.dtype))
         out.append(per_slot.reshape(cache.shape))
     return tuple(out)
+
+
+def _count(v_slots) -> int:
+    return sum(v is not None for v in v_slots)
+
+
+def _expand(rows: jax.Array, v_slots) -> jax.Array:
+    """[S_v, n, ...] -> [S, n, ...]: each slot's V rows, zeros for a slot that keeps none."""
+    if v_slots is None:
+        return rows
+    zero = jnp.zeros((1, *rows.shape[1:]), rows.dtype)
+    padded = jnp.concatenate([rows, zero])
+    return padded[jnp.asarray([len(rows) if v is None else v for v in v_slots])]
 
 
 def copy_buckets(max_blocks_per_req: int) -> list[int]:
@@ -101,9 +122,10 @@ class KVBlockCopier(StepFeature):
         self.connector: Any = None  # distributed/kv_transfer's (ModelRunner.set_kv_connector)
         self.buckets = copy_buckets(max_blocks_per_req)
         self.num_groups = spec.num_groups
-        self._gather = jax.jit(functools.partial(gather_blocks, num_slots=spec.num_slots))
+        slots = dict(num_slots=spec.num_slots, v_slots=spec.v_slots)
+        self._gather = jax.jit(functools.partial(gather_blocks, **slots))
         self._scatter = jax.jit(
-            functools.partial(scatter_blocks, num_slots=spec.num_slots),
+            functools.partial(scatter_blocks, **slots),
             donate_argnums=(0,),
             out_shardings=(spec.sharding,) * 2,
         )

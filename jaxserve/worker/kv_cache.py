@@ -42,11 +42,14 @@ class KVCacheSpec:
         num_cache_kv_heads: int,
         num_state_rows: int = 0,
         layout: KVCacheLayout | None = None,
+        v_slots: tuple[int | None, ...] | None = None,
     ):
         """num_cache_kv_heads: the KV heads the cache holds (each replicated when tp > Hkv);
         num_state_rows: the input-batch rows (a hybrid model's state slots); layout: the
         KV-cache groups when there are several (CacheConfig.grouped_layout; None: one group
-        of every cached layer)."""
+        of every cached layer); v_slots: each cached layer's V slot, None for a layer that
+        keeps no V (ModelConfig.v_slots: GLM-5's shared-indexer layers), so V holds fewer
+        slots than K (one group only; None: V has K's slots)."""
         self.config = config
         self.mesh = mesh
         self.block_size = block_size
@@ -56,6 +59,14 @@ class KVCacheSpec:
         # layers of K/V one block id covers: a group's slots, or every cached layer
         self.num_slots = layout.num_slots if layout else len(config.kv_layers)
         self.num_groups = layout.num_groups if layout else 1
+        if v_slots is not None and (layout is not None or len(v_slots) != self.num_slots):
+            raise ValueError(f"v_slots {v_slots} need one group of {self.num_slots} slots")
+        self.v_slots = v_slots
+        self.num_v_slots = (
+            self.num_slots
+            if v_slots is None
+            else 1 + max((v for v in v_slots if v is not None), default=-1)
+        )
         self.sharding = kv_cache_sharding(mesh)
         if config.linear_attn is not None:  # (K, V, conv, rec)
             self.sharding = (self.sharding, self.sharding, *state_shardings(config, mesh))
@@ -65,7 +76,9 @@ class KVCacheSpec:
         c = self.config
         kv_heads = self.num_cache_kv_heads // self.mesh.shape["tp"]
         itemsize = jnp.dtype(self.dtype).itemsize
-        return self.num_slots * self.block_size * kv_heads * sum(c.cache_dims) * itemsize
+        k_dim, v_dim = c.cache_dims
+        per_token = self.num_slots * k_dim + self.num_v_slots * v_dim
+        return self.block_size * kv_heads * per_token * itemsize
 
     def state_shapes(self) -> tuple:
         """A hybrid model's per-row states, (conv per linear layer, rec per linear layer);
@@ -90,8 +103,8 @@ class KVCacheSpec:
         """One block position's K and V over all cached layers, as KV connectors move it:
         [G * S, bs, H, kd + vd] (each KV-cache group's S slots of layers at that position's
         block of the group, config/kv_groups.py; each token's K columns then its V columns;
-        MLA: its latent and rotary key, V empty; H: the cache's heads, MLA's latent once per
-        tensor-parallel rank)."""
+        MLA: its latent and rotary key, V empty or DSA's index key, zeros for a layer that
+        keeps no V; H: the cache's heads, MLA's latent once per tensor-parallel rank)."""
         c = self.config
         if c.linear_attn is not None:
             raise ValueError(f"{c.architecture}: {compat.reason('KV connectors', 'hybrid models')}")
@@ -102,11 +115,12 @@ class KVCacheSpec:
         """K and V of num_blocks blocks, zeros, in the cache's sharding (an MLA model's V
         holds nothing: its attention reads the values from K), and a hybrid model's states."""
         c = self.config
-        rows = (self.num_slots * num_blocks, self.block_size, self.num_cache_kv_heads)
+        rest = (self.block_size, self.num_cache_kv_heads)
         kv_sharding = kv_cache_sharding(self.mesh)
 
-        def zeros(dim):
-            return jax.jit(lambda: jnp.zeros((*rows, dim), self.dtype), out_shardings=kv_sharding)()
+        def zeros(dim, slots=self.num_slots):
+            shape = (slots * num_blocks, *rest, dim)
+            return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_sharding)()
 
         def state(s, sharding):
             return jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sharding)()
@@ -139,7 +153,7 @@ class KVCacheSpec:
                 self.bytes_per_block(),
                 self.block_size,
             )
-        return (zeros(k_dim), zeros(v_dim), *states)
+        return (zeros(k_dim), zeros(v_dim, self.num_v_slots), *states)
 
 
 def determine_num_blocks(

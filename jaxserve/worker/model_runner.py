@@ -124,6 +124,7 @@ class ModelRunner(StepCompiler):
             loaded.model.num_cache_kv_heads,
             self.max_num_seqs + cc.state_cache_slots,  # a hybrid model's state rows, kept ones
             layout,
+            self.config.v_slots if layout is None else None,  # (GLM-5: fewer V slots)
         )
         self.head = self.stages.place_head(loaded.model.logits_head)  # [V, D] tied or [D, V]
         rep = self._replicated = NamedSharding(self.mesh, P())
