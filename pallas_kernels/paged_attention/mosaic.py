@@ -100,6 +100,15 @@ def _default_num_sms() -> int:
     return mosaic_tiling.HOPPER_NUM_SMS
 
 
+def swizzled_smem(shape: tuple[int, ...], dtype) -> Any:
+    """A shared-memory buffer laid out as a wgmma operand: tiles of 8 rows, swizzled by the
+    widest swizzle (up to 128 bytes) its rows' bytes allow."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
 class _Ops:
     """The few operations whose form differs between compiled and interpreted kernels."""
 
@@ -524,24 +533,18 @@ def ragged_paged_attention(
         )
     keys = plan.pages_per_step * block_size
 
-    def swizzled(shape, dtype):
-        swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
-        elems = swizzle // jnp.dtype(dtype).itemsize
-        transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
-        return plgpu.SMEM(shape, dtype, transforms=transforms)
-
     stages = plan.num_stages
     scratch = [
-        swizzled((TILE_ROWS, head_dim), q.dtype),  # q
-        swizzled((stages, keys, head_dim), q.dtype),  # k
-        swizzled((stages, keys, head_dim), q.dtype),  # v
-        swizzled((TILE_ROWS, keys), q.dtype),  # p
+        swizzled_smem((TILE_ROWS, head_dim), q.dtype),  # q
+        swizzled_smem((stages, keys, head_dim), q.dtype),  # k
+        swizzled_smem((stages, keys, head_dim), q.dtype),  # v
+        swizzled_smem((TILE_ROWS, keys), q.dtype),  # p
         plgpu.SMEM((TILE_ROWS, head_dim), q.dtype if splits == 1 else f32),  # o
         plgpu.SMEM((TILE_ROWS,), jnp.int32),  # row positions
         plgpu.SMEM((TILE_ROWS,), f32),  # sinks
         plgpu.SMEM((TILE_ROWS,), f32),  # m
         plgpu.SMEM((TILE_ROWS,), f32),  # l
-        swizzled((head_dim, keys), q.dtype) if interpret else None,  # K^T (interpreter only)
+        swizzled_smem((head_dim, keys), q.dtype) if interpret else None,  # K^T (interpreter only)
         plgpu.Barrier(num_arrivals=3 if in_kernel_sinks else 2),
         plgpu.Barrier(num_arrivals=plan.pages_per_step, num_barriers=stages),
         plgpu.Barrier(num_arrivals=plan.pages_per_step, num_barriers=stages),

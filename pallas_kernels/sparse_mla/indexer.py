@@ -32,7 +32,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu  # ImportError without Mosaic GPU
 
 from pallas_kernels.paged_attention import mosaic_tiling
-from pallas_kernels.paged_attention.mosaic import _default_num_sms, _interpret_arg, _Ops
+from pallas_kernels.paged_attention.mosaic import (
+    _default_num_sms,
+    _interpret_arg,
+    _Ops,
+    swizzled_smem,
+)
 from pallas_kernels.sparse_mla.reference import index_logits_reference  # noqa: F401 (its oracle)
 
 ROWS = 64  # index heads of a tile: one warpgroup's wgmma M
@@ -161,11 +166,7 @@ def index_logits(
     w = jnp.pad(iw.astype(jnp.float32), ((0, 0), (0, ROWS - heads)))
     pages = jnp.minimum(positions.astype(jnp.int32) // block_size + 1, max_blocks)
 
-    def swizzled(shape):
-        swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
-        elems = swizzle // itemsize
-        transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
-        return plgpu.SMEM(shape, cache.dtype, transforms=transforms)
+    swizzled = functools.partial(swizzled_smem, dtype=cache.dtype)
 
     scratch = [
         swizzled((ROWS, dim)),  # q

@@ -60,6 +60,7 @@ from pallas_kernels.paged_attention.mosaic import (
     _interpret_arg,
     _merge_splits,
     _Ops,
+    swizzled_smem,
 )
 
 ROWS = 64  # head rows of a tile: one warpgroup's wgmma M
@@ -121,10 +122,7 @@ def _kernel(
     list_len = num_splits * steps_per_split * KEYS
     pid = lax.axis_index("program")
 
-    def swizzled(shape):
-        elems = 128 // jnp.dtype(dtype).itemsize
-        transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128))
-        return plgpu.SMEM(shape, dtype, transforms=transforms)
+    swizzled = functools.partial(swizzled_smem, dtype=dtype)
 
     def work_item(i, carry):
         w = pid + i * num_programs
