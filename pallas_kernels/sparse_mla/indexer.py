@@ -38,7 +38,6 @@ from pallas_kernels.paged_attention.mosaic import (
     _Ops,
     swizzled_smem,
 )
-from pallas_kernels.sparse_mla.reference import index_logits_reference  # noqa: F401 (its oracle)
 
 ROWS = 64  # index heads of a tile: one warpgroup's wgmma M
 
@@ -159,9 +158,9 @@ def index_logits(
         num_tiles=num_q, num_kv_heads=1, max_steps=max_steps, num_sms=sms
     )
     itemsize = jnp.dtype(cache.dtype).itemsize
-    stages = num_stages or max(
-        1, min(mosaic_tiling.MAX_STAGES, (160 * 1024) // (keys * dim * itemsize))
-    )
+    # as many steps in flight as fit beside q, the scores and Mosaic's reduction scratch
+    budget = mosaic_tiling.HOPPER_SMEM_BYTES - ROWS * dim * itemsize - 8 * 1024
+    stages = num_stages or max(1, min(mosaic_tiling.MAX_STAGES, budget // (keys * dim * itemsize)))
     q = jnp.pad(iq, ((0, 0), (0, ROWS - heads), (0, 0))).astype(cache.dtype)
     w = jnp.pad(iw.astype(jnp.float32), ((0, 0), (0, ROWS - heads)))
     pages = jnp.minimum(positions.astype(jnp.int32) // block_size + 1, max_blocks)

@@ -80,14 +80,6 @@ def smem_bytes(head_dim: int, itemsize: int, split: bool) -> int:
     return max(loop, out) + 2 * 8
 
 
-def plan_splits(*, num_items: int, max_steps: int, num_sms: int) -> int:
-    """Programs each item's list is split across (merged after in XLA): two items per SM,
-    never more than the list's steps."""
-    return mosaic_tiling.plan_kv_splits(
-        num_tiles=num_items, num_kv_heads=1, max_steps=max_steps, num_sms=num_sms
-    )
-
-
 def _kernel(
     slots_ref,
     counts_ref,
@@ -277,7 +269,9 @@ def sparse_mla(
     head_tiles = pl.cdiv(num_heads, ROWS)
     items = num_tokens * head_tiles * 2
     sms = _default_num_sms() if num_sms is None else num_sms
-    splits = num_splits or plan_splits(num_items=items, max_steps=list_steps, num_sms=sms)
+    splits = num_splits or mosaic_tiling.plan_kv_splits(  # two items per SM
+        num_tiles=items, num_kv_heads=1, max_steps=list_steps, num_sms=sms
+    )
     steps_per_split = pl.cdiv(list_steps, splits)
     list_len = splits * steps_per_split * KEYS
     itemsize = jnp.dtype(q.dtype).itemsize
