@@ -60,9 +60,10 @@ def test_dry_run_of_the_new_steps_reports_each(tmp_path):
                         rows["hf_peer"])  # fmt: skip
     assert re.match(r"step [0-9.]+ ms traced: attention [0-9.]+ ms \(\d+%\), matmul ",
                     rows["profile_b2"])  # fmt: skip
-    # HF beside jaxserve, at each batch HF ran (no latency step ran: no jaxserve figure)
-    assert re.search(r"^\| 1 \| - \| [0-9.]+ \| - \|$", report, re.M)
-    assert re.search(r"^\| 2 \| - \| [0-9.]+ \| - \|$", report, re.M)
+    # HF beside jaxserve, at each batch HF ran (no latency step ran: no jaxserve figure); a
+    # step this short on a loaded 2-core CPU can come out below zero (a difference of medians)
+    assert re.search(r"^\| 1 \| - \| -?[0-9.]+ \| - \|$", report, re.M)
+    assert re.search(r"^\| 2 \| - \| -?[0-9.]+ \| - \|$", report, re.M)
     assert "**Must-show**: no jaxserve step at batch 2 (latency_b2 did not run)" in report
     trace = report[report.index("## Decode-step profile (profile_b2") :]
     assert re.search(r"^\| attention \| [0-9.]+ \| \d+% \| [1-9]\d* \|$", trace, re.M)
