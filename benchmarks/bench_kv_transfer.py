@@ -82,14 +82,14 @@ def bench_device_copies(layout: BlockLayout, counts: list[int], repeats: int) ->
     num_blocks = max(512, 2 * max(counts))
     shape = (layers * num_blocks, bs, heads, width // 2)
     kv = (jnp.zeros(shape, layout.dtype), jnp.ones(shape, layout.dtype))
-    gather = jax.jit(lambda kv, ids: kv_block_io.gather_blocks(kv, ids, num_layers=layers))
+    gather = jax.jit(lambda kv, ids: kv_block_io.gather_blocks(kv, ids, num_slots=layers))
     scatter = jax.jit(
-        lambda kv, ids, b: kv_block_io.scatter_blocks(kv, ids, b, num_layers=layers),
+        lambda kv, ids, b: kv_block_io.scatter_blocks(kv, ids, b, num_slots=layers),
         donate_argnums=(0,),
     )
     rows = []
     for n in counts:
-        ids = jnp.arange(1, n + 1, dtype=jnp.int32)
+        ids = jnp.arange(1, n + 1, dtype=jnp.int32)[:, None]  # [n, G]: one KV-cache group
         seconds = timed(lambda ids=ids: np.asarray(gather(kv, ids)), repeats)
         rows.append(_row("save: device -> host (gather + copy)", n, layout, seconds))
         host = np.asarray(gather(kv, ids))
@@ -110,13 +110,13 @@ def _row(what: str, n: int, layout: BlockLayout, seconds: float) -> dict:
             "ms": round(seconds * 1e3, 3), "GB/s": round(nbytes / seconds / 1e9, 2)}  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layout", choices=list(LAYOUTS), default="smollm2")
     parser.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output-json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     shape, dtype = LAYOUTS[args.layout]
     layout = BlockLayout(shape, np.dtype(dtype), "bench")
     rows = bench_zmq(layout, args.blocks, args.repeats)

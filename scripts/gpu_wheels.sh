@@ -8,10 +8,11 @@
 #
 # The GPU machine (Python 3.12, jax 0.11.2 + CUDA 13) has numpy, pyyaml, requests, tqdm, anyio,
 # typing-extensions, click, h11, httpx, jinja2, prometheus-client, tokenizers, transformers,
-# flax and orbax. It lacks the six below; their Requires-Dist (METADATA) are all among those:
+# flax and orbax. It lacks the seven below; their Requires-Dist (METADATA) are all among those:
 #   pyzmq      (cffi on PyPy only)           msgspec     (none)
 #   starlette  anyio, typing-extensions      uvicorn     click, h11
 #   gguf       numpy, pyyaml, requests, tqdm llguidance  (none)
+#   pillow     (none; image inputs: the OpenAI server imports it, and the image tests)
 # openai and jsonschema (tests only) are not carried: their test modules skip without them.
 # For the GPU grouped-matmul measurements (benchmarks/kernels/bench_moe_gmm.py): tokamax, a
 # Pallas kernel library that needs jax >= 0.11 (the GPU machine's, not yet the CPU pin), with
@@ -20,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(pyzmq msgspec starlette uvicorn gguf llguidance
+PACKAGES=(pyzmq msgspec starlette uvicorn gguf llguidance pillow
     tokamax qwix einshape jaxtyping wadler_lindig pydantic pydantic_core annotated-types
     typing-inspection typing_extensions immutabledict opt_einsum absl-py xprof fire termcolor)
 # NAME==VERSION for a package constraints.txt does not pin

@@ -86,9 +86,10 @@ def cpu_devices():
     return jax.devices("cpu")
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under --dist loadfile, the longest files first (tests/schedule.py)."""
+    """Under --dist loadfile, the longest files first (tests/schedule.py). Optional: the GPU
+    machine's pytest has no xdist (gpu_suite.sh's pytest steps run there)."""
     if config.getvalue("dist") == "loadfile":
         from tests.schedule import LongestFileFirst
 

@@ -379,3 +379,21 @@ def test_bench_sparse_mla(tmp_path, capsys):
     assert all(r["us"] > 0 for r in rows.values())
     out = capsys.readouterr().out
     assert "# sparse heads 16 batch 1: mosaic " in out and "# sparse indexer batch 1: " in out
+
+
+def test_bench_kv_transfer(tmp_path, capsys):
+    """The KV transfer benchmark end to end at one and two blocks: the connector's fetch and
+    the device <-> host copies through the engine's own block gather / scatter (the GPU suite's
+    kv_transfer step; it broke once when those took KV-cache groups)."""
+    out = tmp_path / "kv.json"
+    script("benchmarks/bench_kv_transfer.py")(
+        ["--blocks", "1", "2", "--repeats", "1", "--output-json", str(out)]
+    )
+    rows = json.loads(out.read_text())["rows"]
+    paths = ["zmq fetch", "save: device -> host", "load: host -> device"]
+    for n in (1, 2):
+        found = [r for r in rows if r["blocks"] == n]
+        assert sorted(p for p in paths for r in found if r["path"].startswith(p)) == sorted(paths)
+        assert all(r["MiB"] == round(n * 30 * 16 * 3 * 128 * 4 / 2**20, 2) for r in found)
+        assert all(r["ms"] > 0 and r["GB/s"] >= 0 for r in found)  # (GB/s: 2 decimals)
+    assert "| save: device -> host (gather + copy) | 2 |" in capsys.readouterr().out
