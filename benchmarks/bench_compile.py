@@ -37,8 +37,9 @@ SMOLLM2_WIDTH = dict(
 def compile_seconds(num_layers: int, tokens: int, seqs: int = 16, num_blocks: int = 256) -> float:
     config = ModelConfig.from_hf(LlamaConfig(num_hidden_layers=num_layers, **SMOLLM2_WIDTH))
     graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0))))
+    # the engine's layout (worker/kv_cache.py): every layer's blocks in one leading axis
     cache = jax.ShapeDtypeStruct(
-        (num_layers, num_blocks, 16, config.num_kv_heads, config.head_dim), config.dtype
+        (num_layers * num_blocks, 16, config.num_kv_heads, config.head_dim), config.dtype
     )
     i32 = jnp.int32
     md = AttentionMetadata(
@@ -60,12 +61,12 @@ def compile_seconds(num_layers: int, tokens: int, seqs: int = 16, num_blocks: in
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 30])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)  # measure real compiles
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({platform.processor()})")
     print("| layers | scan: compile s | unrolled: compile s | unrolled / scan |")

@@ -34,7 +34,7 @@ def step_outputs(n: int, logprobs: int) -> EngineCoreOutputs:
     for i in range(n):
         lp = None
         if logprobs:
-            lp = ([-0.5] * (logprobs + 1), list(range(logprobs + 1)), 1)
+            lp = [([-0.5] * (logprobs + 1), list(range(logprobs + 1)), 1)]  # one new token
         outs.append(EngineCoreOutput(f"req-{i}", [1000 + i], logprobs=lp, num_cached_tokens=16))
     stats = SchedulerStats(num_running_reqs=n, kv_cache_usage=0.5)
     return EngineCoreOutputs(outs, stats, timestamp=time.time())
@@ -133,11 +133,11 @@ def timeit(fn, iters: int) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--iters", type=int, default=2000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     ctx = zmq.Context()
     with tempfile.TemporaryDirectory(prefix="jaxserve-bench-") as run_dir:
         for logprobs in (0, 5):

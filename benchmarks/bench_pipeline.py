@@ -13,6 +13,12 @@ import argparse
 import os
 import time
 
+# the engine checks that pp stages have devices before it builds its (simulated) runner: give
+# this process 4 host devices (read when jax starts, so before jaxserve imports it)
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+
 from jaxserve.engine.arg_utils import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
@@ -52,12 +58,12 @@ def run(pp: int, depth: int | None, args) -> dict:
     }  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step", default="20,0.05", help="BASE_MS,PER_TOKEN_MS (whole model)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ["JAXSERVE_SIMULATED_STEP"] = args.step
     rows = [run(1, None, args)]
     for pp in (2, 4):

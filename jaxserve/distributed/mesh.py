@@ -77,20 +77,26 @@ def devices_per_process(tensor_parallel_size: int, num_processes: int) -> list[i
     return [share + (p < extra) for p in range(num_processes)]
 
 
-def check_local_devices(tensor_parallel_size: int, nnodes: int = 1) -> None:
+def check_local_devices(
+    tensor_parallel_size: int, nnodes: int = 1, pipeline_parallel_size: int = 1
+) -> None:
     """ValueError unless this process can take its part of a model spread over
-    tensor_parallel_size devices on nnodes hosts: nnodes processes joined the JAX cluster, and
-    this one has its `devices_per_process` share of local devices. Called where the engine
-    config is resolved (EngineArgs.create_engine_config), before any mesh is made."""
+    tensor_parallel_size x pipeline_parallel_size devices on nnodes hosts: nnodes processes
+    joined the JAX cluster, and this one has its `devices_per_process` share of local
+    devices. Called where the engine config is resolved (EngineArgs.create_engine_config),
+    before any mesh is made."""
     if jax.process_count() != nnodes:
         raise ValueError(
             f"nnodes={nnodes} but {jax.process_count()} processes joined the JAX cluster"
         )
     available = jax.local_device_count()
-    needed = devices_per_process(tensor_parallel_size, nnodes)[jax.process_index()]
+    total = tensor_parallel_size * pipeline_parallel_size
+    needed = devices_per_process(total, nnodes)[jax.process_index()]
     if needed > available:
+        pp = pipeline_parallel_size
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size}"
+            + (f" x pipeline_parallel_size={pp}" if pp > 1 else "")
             + (f" over nnodes={nnodes}" if nnodes > 1 else "")
             + f" needs {needed} devices here; there are {available} local "
             f"{jax.default_backend()} devices"

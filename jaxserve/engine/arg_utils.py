@@ -246,7 +246,7 @@ class EngineArgs:
             pp_layer_partition(model_config.num_layers, pp)
             validate_pipeline_layout(parallel.tensor_parallel_size, pp, parallel.nnodes)
         check_local_devices(
-            parallel.tensor_parallel_size * parallel.pipeline_parallel_size, parallel.nnodes
+            parallel.tensor_parallel_size, parallel.nnodes, parallel.pipeline_parallel_size
         )
         return EngineConfig(
             model_path=str(path),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import runpy
 import shutil
@@ -397,3 +398,24 @@ def test_bench_kv_transfer(tmp_path, capsys):
         assert all(r["MiB"] == round(n * 30 * 16 * 3 * 128 * 4 / 2**20, 2) for r in found)
         assert all(r["ms"] > 0 and r["GB/s"] >= 0 for r in found)  # (GB/s: 2 decimals)
     assert "| save: device -> host (gather + copy) | 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("path", "argv", "line"),
+    [
+        ("benchmarks/bench_compile.py", ["--layers", "1", "--tokens", "16", "--repeats", "1"],
+         rf"^\| 1 \| {NUM} \| {NUM} \| {NUM}x \|$"),
+        ("benchmarks/bench_ipc.py", ["--num-requests", "4", "--iters", "10"],
+         rf"^step outputs, 4 requests, logprobs=5: \d+ B; encode {NUM} us"),
+        ("benchmarks/bench_pipeline.py", ["--step", "1,0.01", "--requests", "2", "--tokens", "3"],
+         r"^\| 4 \| 1 \| 1\.00 \| \d+ \| \d+% \|$"),
+    ],
+)  # fmt: skip
+def test_quick_benchmarks_run_on_todays_interfaces(path, argv, line, capsys, monkeypatch):
+    """The benchmarks nothing else runs that take seconds: each against the engine's current
+    interfaces (the KV cache's layout, the output messages' per-token logprobs, the device
+    check of pipeline stages each broke one once, unnoticed)."""
+    for name in ("XLA_FLAGS", "JAXSERVE_SIMULATED_STEP"):  # what bench_pipeline sets
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    script(path)(argv)
+    assert re.search(line, capsys.readouterr().out, re.M)

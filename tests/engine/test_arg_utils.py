@@ -63,6 +63,10 @@ def test_default_model_by_name_or_none():
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be positive, got 0"),
         ({"num_gpu_blocks_override": 1}, "num_gpu_blocks_override must be at least 2, got 1"),
         ({"tensor_parallel_size": 64}, "tensor_parallel_size=64 needs 64 devices here; there"),
+        (
+            {"tensor_parallel_size": 32, "pipeline_parallel_size": 2},
+            "tensor_parallel_size=32 x pipeline_parallel_size=2 needs 64 devices here",
+        ),
         ({"data_parallel_size": 0}, "data_parallel_size must be at least 1, got 0"),
         ({"nnodes": 2, "node_rank": 2}, "node_rank=2 is not a rank of nnodes=2"),
         ({"nnodes": 2, "data_parallel_size": 2}, "data parallelism over several hosts is not"),
