@@ -27,6 +27,9 @@
 #                          (JAXSERVE_MOE_KERNEL=tokamax, _tokamax) against the engine's default,
 #                          XLA's ragged_dot, in the same run; gpt-oss-20b with MXFP4
 #                          experts (-q mxfp4) at batch 1; the bf16 pairs at batch 32
+#   4    q8b_*             scripts/bench_latency.py, the 8B model with packed dummy weights
+#                          (-q int4: W4A16 group 128; -q fp8_block: W8A16 128x128) at batch 1
+#                          and 32, against latency_b1 / _b32 (bf16) in the same run
 #   4    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
 #   5    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
 #   6    kernel_bench      benchmarks/kernels/bench_paged_attention.py --kernels triton,mosaic
@@ -148,7 +151,7 @@ if [ $DRY_RUN = 1 ]; then
     mkdir -p "$WORK/tiny-llama"
     cat >"$WORK/tiny-llama/config.json" <<'EOF'
 {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
- "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+ "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
  "rms_norm_eps": 1e-05, "bos_token_id": 1, "eos_token_id": 2}
 EOF
@@ -181,7 +184,7 @@ EOF
     COMPILE_S=0
     E_ENV=5 E_COPY=5 E_PYTEST=10 E_LOWERING=15 E_MODEL=20 E_HF=10 E_KERNEL=30 E_PROFILE=15
     E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120 E_MOE=20 L_MOE=120 E_MOE_LAT=60 L_MOE_LAT=150
-    QL_ARGS=(--tokens 1 --iters 2) E_QL=30 L_QL=120
+    QL_ARGS=(--tokens 1 --iters 2) E_QL=30 L_QL=120 E_Q8B=20 L_Q8B=120
     L_ENV=60 L_COPY=60 L_PYTEST=90 L_LOWERING=90 L_MODEL=120 L_HF=90 L_KERNEL=120
     L_PROFILE=90 L_TUNE=90 L_KV=90 L_MLA=60
 else
@@ -218,6 +221,8 @@ else
     E_ENV=10 E_COPY=15 E_PYTEST=130 E_LOWERING=120 E_MODEL=45 E_HF=120 E_KERNEL=120
     E_PROFILE=60 E_TUNE=45 E_KV=15 E_MLA=25 E_STEADY=80 L_STEADY=200 E_MOE=150 L_MOE=240 E_MOE_LAT=90 L_MOE_LAT=180
     QL_ARGS=(--tokens 1,8,32,256 --iters 30) E_QL=60 L_QL=150
+    # a packed format's first run compiles its own executables (~100 s, as bf16's first)
+    E_Q8B=150 L_Q8B=260
     L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
     L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90
 fi
@@ -337,6 +342,15 @@ step moe_gpt_oss_20b_mxfp4_b1 other "$E_MOE_LAT" "$L_MOE_LAT" "$PYTHON" scripts/
     --model "${MOE_PRESETS[0]}" --load-format dummy -q mxfp4 --batch-size 1 "${MOE_LAT_ARGS[@]}" \
     --output-json "$WORK/moe_gpt_oss_20b_mxfp4_b1.json"
 for moe_b in "${MOE_BATCHES[@]:1}"; do moe_pair "$moe_b"; done
+# the dense model with packed dummy weights (issue 67): each format's decode step at batch 1
+# and LAT_TOP, against latency_b1 / latency_b$LAT_TOP (bf16, the same engine arguments)
+for q_b in 1 "$LAT_TOP"; do
+    for q_fmt in int4 fp8_block; do
+        step "q8b_${q_fmt}_b$q_b" other "$E_Q8B" "$L_Q8B" "$PYTHON" scripts/bench_latency.py \
+            -q "$q_fmt" --batch-size "$q_b" "${LATENCY_ITERS[@]}" "${ENGINE_ARGS[@]}" \
+            "${BENCH_ARGS[@]}" --output-json "$WORK/q8b_${q_fmt}_b$q_b.json"
+    done
+done
 step pytest_gpu other "$E_PYTEST" "$L_PYTEST" "${PYTEST[@]}" "${PYTEST_GPU_ARGS[@]}"
 lat 1
 step kernel_bench other "$E_KERNEL" "$L_KERNEL" "$PYTHON" \

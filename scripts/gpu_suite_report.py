@@ -354,7 +354,7 @@ def figures(step: dict, log: str, env: dict, copy_gbps: float | None, device: st
         return hf_figures(log)
     if name.startswith("profile"):
         return profile_figures(log)
-    if name.startswith(("latency", "moe_")):
+    if name.startswith(("latency", "moe_", "q8b_")):
         return latency_figures(log, copy_gbps)
     if name.startswith("throughput"):
         return throughput_figures(log, copy_gbps)
@@ -516,6 +516,32 @@ def hf_section(logs: dict[str, str]) -> list[str]:
     return lines + ["", f"**Must-show**: {verdict}"]
 
 
+# issue 67's must-show: the packed model's decode step over bf16's, at (format, batch)
+PACKED_TARGETS = {("int4", 1): 2.0, ("int4", 32): 1.3, ("fp8_block", 1): 1.5}
+
+
+def packed_section(logs: dict[str, str]) -> list[str]:
+    """Each q8b_<format>_b<B> step's decode step beside latency_b<B>'s (bf16, same run)."""
+    rows = []
+    for name in sorted(logs):
+        m = re.fullmatch(r"q8b_(\w+)_b(\d+)", name)
+        if not m or not (packed := decode_step(logs[name])):
+            continue
+        fmt, b = m[1], int(m[2])
+        bf16 = decode_step(logs.get(f"latency_b{b}", ""))
+        ratio = bf16[0] / packed[0] if bf16 and packed[0] > 0 else None
+        target = PACKED_TARGETS.get((fmt, b))
+        verdict = "-" if not (ratio and target) else (
+            f">= {target}x? " + ("yes" if ratio >= target else "**NO**"))  # fmt: skip
+        rows.append(_table_row([fmt, b, f"{packed[0]:.2f}", f"{bf16[0]:.2f}" if bf16 else "-",
+                                f"{ratio:.2f}x" if ratio else "-", verdict]))  # fmt: skip
+    if not rows:
+        return []
+    return ["", "## Packed weights: decode step against bf16 (same model and run)", "",
+            "| format | batch | packed ms | bf16 ms | speed-up | must-show |",
+            "|---|---|---|---|---|---|", *rows]  # fmt: skip
+
+
 def kernel_section(title: str, log: str, copy_gbps: float | None) -> list[str]:
     header, rows = kernel_rows(log)
     if not rows and not header:
@@ -629,6 +655,7 @@ def build_report(work: Path) -> tuple[str, str]:
                  figures(s, logs[s["name"]], env, copy_gbps, device)]  # fmt: skip
         lines.append(_table_row(cells))
     lines += hf_section(logs)
+    lines += packed_section(logs)
     for s in steps:
         if s["name"].startswith("profile") and (trace := trace_rows(logs[s["name"]]))[0]:
             lines += ["", f"## Decode-step profile ({s['name']}, jax.profiler trace)", "",

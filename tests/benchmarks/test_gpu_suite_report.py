@@ -292,3 +292,28 @@ def test_the_kernel_bench_records_an_unavailable_kernel_and_goes_on(tmp_path, mo
 def test_datasheet_bandwidth_by_device_name(device):
     want = {"NVIDIA H100 80GB HBM3": 3350, "NVIDIA H200": 4800, "NVIDIA H100 PCIe": 2000}
     assert report.datasheet_gbps(device) == want[device]
+
+
+def test_packed_formats_beside_bf16_with_issue_67s_targets(tmp_path):
+    """q8b_<format>_b<B> steps (the 8B model with packed dummy weights): each decode step
+    beside latency_b<B>'s bf16 step of the same run, the speed-up against its must-show; a
+    failed step (no decode line) gives no row."""
+    work = make_work(tmp_path)
+    extra = [("q8b_int4_b1", "ok"), ("q8b_fp8_block_b32", "ok"), ("q8b_int4_b32", "failed")]
+    with (work / "steps.tsv").open("a") as f:
+        f.writelines(f"{n}\t{s}\t0\t150\t260\tcmd {n}\n" for n, s in extra)
+    with (work / "plan.tsv").open("a") as f:
+        f.writelines(f"{n}\t{11 + i}\tother\t150\t260\tcmd\n" for i, (n, _) in enumerate(extra))
+    (work / "q8b_int4_b1.log").write_text(_latency_log(2.50, 400.0, 1.40))
+    (work / "q8b_fp8_block_b32.log").write_text(_latency_log(5.00, 6400.0, 2.60))
+    (work / "q8b_int4_b32.log").write_text("Traceback ...\nValueError: no\n")
+    _, text = report.build_report(work)
+    lines = text.splitlines()
+    table = lines.index("| format | batch | packed ms | bf16 ms | speed-up | must-show |")
+    assert lines[table + 2 :][:2] == [
+        "| fp8_block | 32 | 5.00 | 6.50 | 1.30x | - |",
+        "| int4 | 1 | 2.50 | 6.00 | 2.40x | >= 2.0x? yes |",
+    ]
+    assert not lines[table + 4].startswith("| int4 | 32")
+    row = next(line for line in lines if line.startswith("| q8b_int4_b1 |"))
+    assert "decode step 2.50 ms" in row
