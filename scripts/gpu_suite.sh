@@ -46,11 +46,14 @@
 #                          jax.profiler trace of 10 decode steps, time by op class
 #   12   throughput_1024   1024 prompts at 256 sequences (steady continuous batching)
 #   13   latency_b8        as latency_b1
-#   14   tune_kernel       benchmarks/kernels/tune_paged_attention.py (tile, split and mixed
+#   14   attn_agreement    benchmarks/bench_attention_agreement.py: the engine with each attention
+#                          kernel (Triton, Mosaic) against the reference attention, logprobs
+#                          and throughput at batch 1 and 256, a process each
+#   15   tune_kernel       benchmarks/kernels/tune_paged_attention.py (tile, split and mixed
 #                          sweeps; elastic: stops 30 s before its limit)
-#   15   kv_transfer       benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
-#   16   kernel_bench_mla  the kernel benchmark for DeepSeek-V3's latent attention (Triton only)
-#   17   throughput_64     64 prompts
+#   16   kv_transfer       benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
+#   17   kernel_bench_mla  the kernel benchmark for DeepSeek-V3's latent attention (Triton only)
+#   18   throughput_64     64 prompts
 # (--dry-run runs the same steps at tiny sizes: latency_b1/b2, throughput_2 (wave) and _8
 # (steady, 2 sequences), profile_b2, HF peer at batch 2 and 1.)
 #
@@ -185,6 +188,7 @@ EOF
     E_ENV=5 E_COPY=5 E_PYTEST=10 E_LOWERING=15 E_MODEL=20 E_HF=10 E_KERNEL=30 E_PROFILE=15
     E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120 E_MOE=20 L_MOE=120 E_MOE_LAT=60 L_MOE_LAT=150
     QL_ARGS=(--tokens 1 --iters 2) E_QL=30 L_QL=120 E_Q8B=20 L_Q8B=120
+    AGREE_ARGS=(--batch-sizes 1 2 --input-len 4 --output-len 3) E_AGREE=25 L_AGREE=120
     L_ENV=60 L_COPY=60 L_PYTEST=90 L_LOWERING=90 L_MODEL=120 L_HF=90 L_KERNEL=120
     L_PROFILE=90 L_TUNE=90 L_KV=90 L_MLA=60
 else
@@ -223,6 +227,8 @@ else
     QL_ARGS=(--tokens 1,8,32,256 --iters 30) E_QL=60 L_QL=150
     # a packed format's first run compiles its own executables (~100 s, as bf16's first)
     E_Q8B=150 L_Q8B=260
+    # three engines (reference, Triton, Mosaic), each compiling what it does not share
+    AGREE_ARGS=(--batch-sizes 1 256 --input-len 32 --output-len 128) E_AGREE=330 L_AGREE=480
     L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
     L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90
 fi
@@ -366,6 +372,11 @@ step "profile_b$PROFILE_B" model "$E_PROFILE" "$L_PROFILE" "$PYTHON" benchmarks/
     --trace-dir "$WORK/trace_b$PROFILE_B"
 tp "$TP_STEADY" "$E_STEADY" "$L_STEADY"
 [ -n "$LAT_MID" ] && lat "$LAT_MID"
+# the engine with each attention kernel against the reference attention: logprobs and
+# throughput at batch 1 and the wave's size, one process per kernel (issue 68)
+step attn_agreement other "$E_AGREE" "$L_AGREE" "$PYTHON" benchmarks/bench_attention_agreement.py \
+    "${ENGINE_ARGS[@]}" "${AGREE_ARGS[@]}" --kernels triton,mosaic \
+    --output-json "$WORK/attn_agreement.json"
 step tune_kernel other "$E_TUNE" "$L_TUNE" "$PYTHON" benchmarks/kernels/tune_paged_attention.py \
     "${TUNE_ARGS[@]}" --max-seconds @MAX_SECONDS@ --output-json "$WORK/tune_kernel.json"
 step kv_transfer other "$E_KV" "$L_KV" "$PYTHON" benchmarks/bench_kv_transfer.py \

@@ -346,8 +346,7 @@ def figures(step: dict, log: str, env: dict, copy_gbps: float | None, device: st
         return tune_figures(log)
     if name == "kv_transfer":
         return kv_transfer_figures(log)
-    if name in ("moe_gmm", "sparse_mla"):  # their summary lines
-        tag = "# moe " if name == "moe_gmm" else "# sparse "
+    if tag := SUMMARY_TAGS.get(name):  # their summary lines
         lines = [line[len(tag) :] for line in log.splitlines() if line.startswith(tag)]
         return "; ".join(lines) if lines else "no summary printed"
     if name == "hf_peer":
@@ -515,6 +514,9 @@ def hf_section(logs: dict[str, str]) -> list[str]:
             verdict = f"jaxserve is {ratio:.2f}x HF at batch {must}: >= 2x? {ok}"
     return lines + ["", f"**Must-show**: {verdict}"]
 
+
+# the steps whose key figures are their lines starting with these tags
+SUMMARY_TAGS = {"moe_gmm": "# moe ", "sparse_mla": "# sparse ", "attn_agreement": "# agreement "}
 
 # issue 67's must-show: the packed model's decode step over bf16's, at (format, batch)
 PACKED_TARGETS = {("int4", 1): 2.0, ("int4", 32): 1.3, ("fp8_block", 1): 1.5}

@@ -419,3 +419,35 @@ def test_quick_benchmarks_run_on_todays_interfaces(path, argv, line, capsys, mon
         monkeypatch.setenv(name, os.environ.get(name, ""))
     script(path)(argv)
     assert re.search(line, capsys.readouterr().out, re.M)
+
+
+def test_attention_agreement_compares_up_to_the_first_differing_token():
+    """A flipped tie still compares its (top) logprob; after it the contexts differ, so the
+    request's later steps are left out."""
+    compare = runpy.run_path(str(ROOT / "benchmarks/bench_attention_agreement.py"))["compare"]
+    ref = dict(seconds=2.0, prompt=[[-1.0, -2.0]], tokens=[[5, 6, 7, 8]],
+               decode=[[-0.5, -0.7, -0.9, -1.1]])  # fmt: skip
+    got = dict(seconds=1.0, prompt=[[-1.0, -2.5]], tokens=[[5, 9, 1, 1]],
+               decode=[[-0.5, -0.71, -9.0, -9.0]])  # fmt: skip
+    row = compare(ref, got, batch=1, output_len=4)
+    assert row["prompt_max_abs"] == pytest.approx(0.5)
+    assert row["decode_max_abs"] == pytest.approx(0.01)  # steps 0 and 1, not 2 and 3
+    assert (row["decode_steps"], row["tokens_equal"]) == (2, 0.5)
+    assert (row["tok_s"], row["reference_tok_s"]) == (4.0, 2.0)
+
+
+def test_bench_attention_agreement_runs_the_engine_per_kernel(dummy_dir, tmp_path, capsys,
+                                                              inproc):  # fmt: skip
+    """The reference attention and the Triton kernel (interpreted here), each in its own
+    engine process on the same dummy weights: their logprobs agree."""
+    out = tmp_path / "agree.json"
+    script("benchmarks/bench_attention_agreement.py")(
+        ["--model", str(dummy_dir), "--load-format", "dummy", "--dtype", "float32",
+         "--max-model-len", "32", "--max-num-seqs", "2", "--max-num-batched-tokens", "8",
+         "--batch-sizes", "1", "--input-len", "4", "--output-len", "2", "--kernels", "triton",
+         "--output-json", str(out)]
+    )  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["kernel"], row["batch"], row["decode_steps"]) == ("triton", 1, 2)
+    assert row["prompt_max_abs"] < 1e-4 and row["decode_max_abs"] < 1e-4
+    assert "# agreement triton batch 1: prompt max |dlogprob| " in capsys.readouterr().out
