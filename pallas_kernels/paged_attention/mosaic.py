@@ -9,19 +9,21 @@ major. A *tile* is TILE_ROWS (64, one warpgroup's wgmma M) consecutive rows of o
 for one KV head: a decode (one token) is one tile, its G heads padded to 64 rows; a prefill
 chunk of n tokens is ceil(n * G / 64) tiles. A small XLA prologue assigns tiles to sequences
 from `query_start_loc`, gives each tile row its query position (-1: padding) and each tile
-the key range its rows can see, and gathers the rows into q_tiles [tiles, Hkv, 64, D] (every
+the key range its rows can see, and gathers the rows into q_tiles [tiles, Hkv, R, D] (every
 TMA box of q then starts at a whole tile: jax 0.11's Mosaic GPU refuses a dynamic row offset
-into a tiled shared-memory buffer that it cannot prove a multiple of the tiling). Decodes and
-prefill chunks go through the same kernel: `decode_only` only bounds the tiles statically
-(one tile group per sequence).
+into a tiled shared-memory buffer that it cannot prove a multiple of the tiling). R is 64;
+with `decode_only`, which bounds the tiles statically (one per sequence), a tile's rows past
+its group are padding and only the group travels, R = G rounded up to 8 (in and out).
+Decodes and prefill chunks go through the same kernel.
 
 Grid. A work item is (tile, KV head, KV split); a persistent grid of `num_programs`
 programs (one per SM) loops over the items pid, pid + grid, ... (a static round-robin; no
 dynamic scheduling). Items of tiles past the batch exit at once.
 
 What one work item does:
-  1. TMA the tile's 64 query rows of its KV head, the rows' positions (and sink logits)
-     into shared memory.
+  1. TMA the tile's R query rows of its KV head (into the first R of the 64-row buffer; the
+     rest, never written in a decode tile, are padding rows whose scores are all masked),
+     the rows' positions (and sink logits) into shared memory.
   2. Stream the keys the tile can see (causal up to its last row, from the first row's
      sliding window on; with several splits, the split's share of the steps) in steps of
      `pages_per_step` whole pages. Each page is one TMA per operand: the [block_size, D]
@@ -33,9 +35,9 @@ What one work item does:
   3. Per step: S = Q K^T (wgmma, f32 accumulator), scale (log2 e folded in), soft cap,
      causal / window mask from the rows' positions, online softmax (exp2) in registers; P
      goes to shared memory in q's dtype and O += P V (wgmma).
-  4. Unsplit: normalise (sinks join the denominator here) and TMA the [64, D] tile to its
-     own output slot [tiles, Hkv, 64, D] in q's dtype. Split: TMA the float32 partial
-     (unnormalised O, max, sum) to [splits, tiles, Hkv, 64(, D)]; XLA merges the splits
+  4. Unsplit: normalise (sinks join the denominator here) and TMA the tile's first R rows
+     to its own output slot [tiles, Hkv, R, D] in q's dtype. Split: TMA the float32 partial
+     (unnormalised O, max, sum) to [splits, tiles, Hkv, R(, D)]; XLA merges the splits
      (flash-decoding) and adds the sinks.
   Tiles write whole slots of their own, so no two programs write the same rows; XLA then
   gathers each (token, head)'s row back into [T, Hq, D] (padding rows zero).
@@ -180,11 +182,11 @@ def _kernel(
 
     GMEM refs: tile_seq_ref i32[tiles] (-1: no sequence); tile_keys_ref i32[2 * tiles]: the
     first key any row of the tile may see and the keys its last row sees; tables_ref
-    i32[S * max_blocks]; q_ref [tiles, Hkv, 64, D]; k_ref, v_ref [num_blocks, block_size,
+    i32[S * max_blocks]; q_ref [tiles, Hkv, R, D]; k_ref, v_ref [num_blocks, block_size,
     Hkv, D]; pos_ref i32[tiles, 64]; then sink_ref f32[tiles, Hkv, 64] (when
-    `sinks`, unsplit only), the outputs (unsplit: o_ref [tiles, Hkv, 64, D] in q's dtype;
-    split: o_ref f32[splits, tiles, Hkv, 64, D], m_ref and l_ref f32[splits, tiles, Hkv,
-    64]) and the scratch buffers (shared memory and barriers)."""
+    `sinks`, unsplit only), the outputs (unsplit: o_ref [tiles, Hkv, R, D] in q's dtype;
+    split: o_ref f32[splits, tiles, Hkv, R, D], m_ref and l_ref f32[splits, tiles, Hkv,
+    R]) and the scratch buffers (shared memory and barriers)."""
     rest = list(rest)
     sink_ref = rest.pop(0) if sinks else None
     if num_splits == 1:
@@ -226,8 +228,13 @@ def _kernel(
 
         return carry
 
+    q_rows = q_ref.shape[2]  # 64, or a decode tile's group rounded up to 8 rows
+
+    def first_rows(ref):  # the tile's rows that travel (the rest of a decode tile is padding)
+        return ref if q_rows == TILE_ROWS else ref.at[pl.ds(0, q_rows)]
+
     def _attend_tile(tile, head, split, seq):
-        plgpu.copy_gmem_to_smem(q_ref.at[tile, head], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[tile, head], first_rows(q_smem), q_bar)
         plgpu.copy_gmem_to_smem(pos_ref.at[tile], pos_smem, q_bar)
         if sinks:
             plgpu.copy_gmem_to_smem(sink_ref.at[tile, head], sink_smem, q_bar)
@@ -308,15 +315,15 @@ def _kernel(
             l = jnp.maximum(l, 1e-30)
             o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_smem.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tile, head])
+            plgpu.copy_smem_to_gmem(first_rows(o_smem), o_ref.at[tile, head])
         else:
             o_smem[...] = acc
             m_smem[...] = m
             l_smem[...] = l
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, tile, head])
-            plgpu.copy_smem_to_gmem(m_smem, m_ref.at[split, tile, head])
-            plgpu.copy_smem_to_gmem(l_smem, l_ref.at[split, tile, head])
+            plgpu.copy_smem_to_gmem(first_rows(o_smem), o_ref.at[split, tile, head])
+            plgpu.copy_smem_to_gmem(first_rows(m_smem), m_ref.at[split, tile, head])
+            plgpu.copy_smem_to_gmem(first_rows(l_smem), l_ref.at[split, tile, head])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem is reused by the next item
 
     lax.fori_loop(0, pl.cdiv(num_work - pid, num_programs), work_item, None)
@@ -500,11 +507,14 @@ def ragged_paged_attention(
         decode_only=decode_only,
     )
 
-    # Each tile's query rows per KV head, [tiles, Hkv, 64, D], gathered in XLA so every TMA
-    # box of q starts at a whole tile.
+    # Each tile's query rows per KV head, [tiles, Hkv, R, D], gathered in XLA so every TMA
+    # box of q starts at a whole tile. R = 64, but a decode tile's rows past its group are
+    # padding: there only the group, rounded up to whole 8-row tiles of shared memory,
+    # travels (in and out: 1/8 of the bytes for a group of 4).
+    rows = TILE_ROWS if not decode_only else min(TILE_ROWS, -(-group // 8) * 8)
     heads = jnp.arange(num_kv_heads)[None, :, None]
     q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    q_tiles = q_groups[tiles.row_token[:, None, :], heads, tiles.row_head[:, None, :]]
+    q_tiles = q_groups[tiles.row_token[:, None, :rows], heads, tiles.row_head[:, None, :rows]]
     sink_log2 = None
     if sinks is not None:
         sink_log2 = sinks.astype(jnp.float32).reshape(num_kv_heads, group) * _LOG2E
@@ -523,9 +533,9 @@ def ragged_paged_attention(
 
     f32 = jnp.float32
     if splits == 1:
-        out_type = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, TILE_ROWS, head_dim), q.dtype)
+        out_type = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype)
     else:
-        part = (splits, num_tiles, num_kv_heads, TILE_ROWS)
+        part = (splits, num_tiles, num_kv_heads, rows)
         out_type = (
             jax.ShapeDtypeStruct((*part, head_dim), f32),
             jax.ShapeDtypeStruct(part, f32),

@@ -175,10 +175,14 @@ def _check(case, layout, *, window=None, soft_cap=None, sinks=None, interpret=Tr
     return out
 
 
-def test_interpret_decode_matches_oracle():
-    """Decode-only, one tile per sequence (GQA 4 padded to 64 rows), 2 stages over up to 5
-    steps, two persistent programs looping over 16 work items."""
-    _check(_case("decode", seed=1), "decode", num_kv_splits=1, num_stages=2, num_sms=2)
+@pytest.mark.parametrize("heads", [(8, 2), (12, 1), (2, 2)])
+def test_interpret_decode_matches_oracle(heads):
+    """Decode-only, one tile per sequence, 2 stages over up to 5 steps, two persistent
+    programs looping over the work items. Only the group's rows travel, rounded up to 8
+    (GQA 4 and MHA: 8 of the tile's 64 rows; GQA 12: 16), the rest of the tile padding."""
+    case = _case("decode", heads, seed=1)
+    _check(case, "decode", num_kv_splits=1, num_stages=2, num_sms=2)
+    _check(case, "decode", num_kv_splits=2, num_stages=1, num_sms=3)
 
 
 @pytest.mark.parametrize(("heads", "head_dim", "block_size"), [((8, 2), 64, 16), ((3, 1), 128, 32)])
@@ -209,15 +213,17 @@ def test_interpret_sinks_match_oracle(splits):
     _check(_case("mixed", seed=5), "mixed", window=37, sinks=sinks, num_kv_splits=splits)
 
 
-def test_interpret_pipeline_has_no_races():
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
+def test_interpret_pipeline_has_no_races(layout):
     """The interpreter's race detector (TMA copies against the reads of the buffers they
     fill) finds none in a pipelined, persistent, split run: 2 stages over 3-step contexts,
-    128 keys a step, 3 programs over 48 work items."""
+    128 keys a step, 3 programs over the work items (decode: the group's 8 rows copied into
+    the tile's first rows, and out of them)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     params = interpret_params(detect_races=True)
-    case = _case("mixed", seed=6)
-    _check(case, "mixed", interpret=params, num_kv_splits=2, num_stages=2,
+    case = _case(layout, seed=6)
+    _check(case, layout, interpret=params, num_kv_splits=2, num_stages=2,
            kv_tokens_per_step=128, num_sms=3)  # fmt: skip
     assert gpu_callbacks.get_races().races_found is False
 
@@ -268,13 +274,14 @@ def _mosaic_results(args, **kw) -> list[str]:
 @pytest.mark.parametrize(
     ("num_seqs", "max_blocks", "results"),
     [
-        (1, 512, "(tensor<33x1x8x64x128xf32>, tensor<33x1x8x64xf32>, tensor<33x1x8x64xf32>)"),
-        (64, 128, "tensor<64x8x64x128xbf16>"),  # 512 items fill the SMs: no split
+        (1, 512, "(tensor<33x1x8x8x128xf32>, tensor<33x1x8x8xf32>, tensor<33x1x8x8xf32>)"),
+        (64, 128, "tensor<64x8x8x128xbf16>"),  # 512 items fill the SMs: no split
     ],
 )
 def test_decode_lowers_for_cuda_at_llama_shapes(num_seqs, max_blocks, results):
     """Batch 1 at 8192 tokens of context splits 33 ways (two items per SM, float32
-    partials); batch 64 is not split and writes bf16 rows."""
+    partials); batch 64 is not split and writes bf16 rows. A decode tile's 4 heads travel
+    as 8 rows (whole 8-row tiles of shared memory), not the wgmma tile's 64."""
     args = _llama_args(num_seqs, max_blocks, num_seqs)
     assert _mosaic_results(args, decode_only=True, num_sms=132) == [results]
 
