@@ -8,12 +8,12 @@ not by the kernel benchmark alone).
         --kernels triton,mosaic [engine flags] [--output-json F]
 
 Each kernel runs in its own process (`--attention-backend pallas` with $JAXSERVE_PALLAS_KERNEL
-set; the reference first), greedy, every batch size in turn: one untimed generate, then one
-timed. Dummy weights give near-tied logits, so tokens may part ways: compared are the prompt
-tokens' logprobs (prefill, teacher-forced) and the chosen tokens' logprobs up to and including
-the first step where the kernel's token differs from the reference's (decode; each such step's
-logprob is its top logprob, so a tie that flips the token still compares equal). Prints, per
-kernel and batch size,
+set, or `cpu`: the C++ kernel of XLA:CPU; the reference first), greedy, every batch size in
+turn: one untimed generate, then one timed. Dummy weights give near-tied logits, so tokens
+may part ways: compared are the prompt tokens' logprobs (prefill, teacher-forced) and the
+chosen tokens' logprobs up to and including the first step where the kernel's token differs
+from the reference's (decode; each such step's logprob is its top logprob, so a tie that
+flips the token still compares equal). Prints, per kernel and batch size,
 
     # agreement KERNEL batch B: prompt max |dlogprob| X, decode max |dlogprob| Y over N steps
       (tokens equal at Z% of steps), T tok/s (reference R tok/s)
@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace, engine_argv: list[str], kernel: str, out: s
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.sampling_params import SamplingParams
 
-    backend = "reference" if kernel == "reference" else "pallas"
+    backend = kernel if kernel in ("reference", "cpu") else "pallas"
     parser = add_engine_args(argparse.ArgumentParser())
     parser.add_argument("--model", default=None)
     engine = engine_args_from(parser.parse_args([*engine_argv, "--attention-backend", backend]))
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         for kernel in kernels:
             out = os.path.join(tmp, f"{kernel}.json")
             env = dict(os.environ)
-            if kernel != "reference":
+            if kernel not in ("reference", "cpu"):
                 env["JAXSERVE_PALLAS_KERNEL"] = kernel
             command = [
                 sys.executable,
