@@ -23,6 +23,7 @@ import pytest
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.paged_attention.kernel import ragged_paged_attention
 from pallas_kernels.paged_attention.tiling import HOPPER_SMEM_BYTES, plan_tiles
+from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.paged_cases import make_case, naive_attention
 
 # (q_len, kv_len): decodes at kv 1, at an exact block multiple and not, a long one (several
@@ -61,7 +62,7 @@ def _kernel(case, dtype=None, *, layout="mixed", **kw):
 def _lowered_for_cuda(case, dtype=jnp.bfloat16, **kw) -> str:
     args = [jnp.asarray(a, dtype) if i < 3 else a for i, a in enumerate(case.args())]
     f = functools.partial(ragged_paged_attention, sm_scale=case.q.shape[-1] ** -0.5, **kw)
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(f, *args)
 
 
 def _kernels_in(text: str) -> list[tuple[str, int]]:
@@ -404,7 +405,7 @@ def test_fp8_cache_lowers_to_triton_for_cuda():
     args[0] = args[0].astype(jnp.bfloat16)
     for decode_only in (True, False):
         f = functools.partial(ragged_paged_attention, sm_scale=0.125, decode_only=decode_only)
-        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(f, *args)
         assert [n for n, _ in _kernels_in(text)] == _KERNELS["decode" if decode_only else "mixed"]
 
 

@@ -5,13 +5,13 @@ at DeepSeek-V3's widths (latent 512 + rotary 64, 16 or 128 query heads a rank)."
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.paged_attention.kernel import ragged_paged_attention
+from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.paged_cases import make_case, naive_attention
 from tests.pallas_kernels.test_kernel import LAYOUTS, _kernels_in
 
@@ -94,7 +94,7 @@ def test_mla_lowers_to_triton_for_cuda_at_deepseek_v3_widths(heads, dtype, split
             ragged_paged_attention, sm_scale=0.1, latent_dim=512, decode_only=decode_only,
             num_kv_splits=splits, mixed_kv_splits=splits,
         )  # fmt: skip
-        text = jax.jit(f).trace(q, k, k, *rest).lower(lowering_platforms=("cuda",)).as_text()
+        text = lower_for_cuda(f, q, k, k, *rest)
         names = [n for n, _ in _kernels_in(text)]
         want = ["ragged_paged_attention_decode"]
         assert names == (want if decode_only else [*want, "ragged_paged_attention_mixed"])
