@@ -126,11 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         worker(args, engine_argv, kernel, out)
         return {}
     kernels = ["reference", *args.kernels.split(",")]
-    forwarded = [
-        a
-        for a in (argv if argv is not None else sys.argv[1:])
-        if a != "--output-json" and a != args.output_json
-    ]
+    forwarded = argv if argv is not None else sys.argv[1:]  # (a worker writes no --output-json)
     results, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for kernel in kernels:
