@@ -15,6 +15,7 @@ import pytest
 
 from pallas_kernels import grouped_matmul as gmm
 from pallas_kernels.grouped_matmul.packed import Packed
+from tests.pallas_kernels.cuda import lower_for_cuda
 
 mosaic = pytest.importorskip("pallas_kernels.grouped_matmul.mosaic")
 
@@ -111,7 +112,7 @@ def test_lowers_for_cuda_at_qwen3_shapes(mode):
     spec = jax.ShapeDtypeStruct
     f = functools.partial(mosaic.grouped_matmul_mosaic, num_programs=132)
     args = (spec((64, 2048), jnp.bfloat16), _qwen3_weights(mode), spec((128,), jnp.int32))
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(f, *args)
     assert sum("custom_call @mosaic_gpu" in line for line in text.splitlines()) == 1
 
 
@@ -124,7 +125,7 @@ def test_lowers_for_cuda_at_gpt_oss_shapes():
     w = Packed(spec((32, 1440, 5760), jnp.uint8), spec((32, 90, 5760), jnp.uint8), None, 32)
     f = functools.partial(mosaic.grouped_matmul_mosaic, num_programs=132)
     args = (spec((4, 2880), jnp.bfloat16), w, spec((32,), jnp.int32))
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(f, *args)
     assert sum("custom_call @mosaic_gpu" in line for line in text.splitlines()) == 1
 
 

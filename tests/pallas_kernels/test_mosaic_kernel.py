@@ -28,6 +28,7 @@ import pytest
 from pallas_kernels.paged_attention import mosaic_tiling as mt
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.paged_attention.mosaic import interpret_params, ragged_paged_attention
+from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.paged_cases import make_case, naive_attention
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,7 +266,7 @@ def _llama_args(num_seqs: int, max_blocks: int, num_tokens: int):
 def _mosaic_results(args, **kw) -> list[str]:
     """Lower for CUDA; the result types of each Mosaic GPU custom call of the step."""
     f = functools.partial(ragged_paged_attention, sm_scale=128**-0.5, **kw)
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(f, *args)
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     return [line.rsplit(" -> ", 1)[1] for line in calls]
 

@@ -26,6 +26,7 @@ import pytest
 
 from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.sparse_mla.reference import index_logits_reference, sparse_mla_reference
+from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.paged_cases import make_case
 
 mosaic = pytest.importorskip("pallas_kernels.sparse_mla.mosaic", exc_type=ImportError)
@@ -143,7 +144,7 @@ def test_refuses_what_it_does_not_take():
 
 def _mosaic_results(f, *args) -> list[str]:
     """Lower f(*args) for CUDA: the result types of its Mosaic GPU custom calls, in order."""
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda(f, *args)
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     return [line.rsplit(" -> ", 1)[1] for line in calls]
 
