@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu  # ImportError without Mosaic GPU
 
 from pallas_kernels.grouped_matmul.packed import Packed
-from pallas_kernels.paged_attention.mosaic import _default_num_sms, _interpret_arg
+from pallas_kernels.paged_attention.mosaic import _default_num_sms, persistent_kernel
 
 ROWS = 64  # rows of a block: the wgmma M of one warpgroup
 SWIZZLE = 128  # bytes
@@ -313,13 +313,12 @@ def grouped_matmul_mosaic(
         offsets=offsets,
         interpret=bool(interpret),
     )
-    out = plgpu.kernel(
+    out = persistent_kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m_pad, n), jnp.bfloat16),
-        grid=(num_programs,),
-        grid_names=("program",),
-        scratch_types=scratch,
-        interpret=_interpret_arg(interpret),
+        num_programs=num_programs,
+        scratch=scratch,
+        interpret=interpret,
     )(*args)
     total = jnp.sum(group_sizes)
     return jnp.where(jnp.arange(m)[:, None] < total, out[:m], jnp.zeros((), out.dtype))

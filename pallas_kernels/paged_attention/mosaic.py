@@ -95,6 +95,32 @@ def _interpret_arg(interpret: Any) -> Any:
     return interpret
 
 
+def persistent_kernel(
+    body,
+    *,
+    out_type,
+    num_programs: int,
+    scratch,
+    interpret: Any,
+    name: str | None = None,
+    **compiler_params: Any,
+):
+    """`body` as a Mosaic GPU kernel on a persistent grid of num_programs programs (axis
+    "program": each loops over its share of the work items), exact math (no approximate
+    exp), interpreted where `interpret` says (True, or interpret parameters); the kernels of
+    this package and of sparse_mla / grouped_matmul launch this way."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(num_programs,),
+        grid_names=("program",),
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(approx_math=False, **compiler_params),
+        interpret=_interpret_arg(interpret),
+        kernel_name=name,
+    )
+
+
 def _default_num_sms() -> int:
     device = jax.devices()[0]
     if device.platform == "gpu":
@@ -574,15 +600,13 @@ def ragged_paged_attention(
         sinks=in_kernel_sinks,
         interpret=interpret is not False,
     )
-    result = plgpu.kernel(
+    result = persistent_kernel(
         kernel,
         out_type=out_type,
-        grid=(plan.num_programs,),
-        grid_names=("program",),
-        scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=_interpret_arg(interpret),
-        kernel_name="ragged_paged_attention_mosaic",
+        num_programs=plan.num_programs,
+        scratch=scratch,
+        interpret=interpret,
+        name="ragged_paged_attention_mosaic",
     )(*inputs)
 
     tile_idx, row_idx = tiles.out_tile[:, None, :], tiles.out_row[:, None, :]  # [T, 1, G]

@@ -34,8 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # ImportError without M
 from pallas_kernels.paged_attention import mosaic_tiling
 from pallas_kernels.paged_attention.mosaic import (
     _default_num_sms,
-    _interpret_arg,
     _Ops,
+    persistent_kernel,
     swizzled_smem,
 )
 
@@ -102,14 +102,16 @@ def _kernel(
             plgpu.barrier_wait(k_bars.at[slot])
             s = jnp.maximum(ops.scores(q_smem, k_smem.at[slot], kt_smem), 0.0)
             logits = (s * lax.broadcast_in_dim(weights, s.shape, [0])).sum(axis=0)  # [keys]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's row is out
+            o_smem[...] = logits
+            # The fence orders this step's reads of the slot (and the row's write) before the
+            # TMA that refills it: the async proxy's writes are not ordered by program order.
+            plgpu.commit_smem()
 
             @pl.when(j + num_stages < num_steps)  # the slot is free: refill it
             def _():
                 issue(j + num_stages, slot)
 
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last step's row is out
-            o_smem[...] = logits
-            plgpu.commit_smem()
             first_key = (first_step + j) * keys
             plgpu.copy_smem_to_gmem(o_smem, out_ref.at[query, pl.ds(first_key, keys)])
             return carry
@@ -188,15 +190,14 @@ def index_logits(
         num_work=num_work,
         interpret=interpret is not False,
     )
-    out = plgpu.kernel(
+    out = persistent_kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_q, max_steps * keys), jnp.float32),  # whole steps
-        grid=(programs,),
-        grid_names=("program",),
-        scratch_types=scratch,
-        compiler_params=plgpu.CompilerParams(approx_math=False, reduction_scratch_bytes=4096),
-        interpret=_interpret_arg(interpret),
-        kernel_name="dsa_index_logits_mosaic",
+        num_programs=programs,
+        scratch=scratch,
+        interpret=interpret,
+        name="dsa_index_logits_mosaic",
+        reduction_scratch_bytes=4096,
     )(pages, tables.astype(jnp.int32).reshape(-1), q, w, cache)
     ctx = max_blocks * block_size
     visible = jnp.arange(ctx)[None] <= positions[:, None]

@@ -57,9 +57,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # ImportError without M
 from pallas_kernels.paged_attention import mosaic_tiling
 from pallas_kernels.paged_attention.mosaic import (
     _default_num_sms,
-    _interpret_arg,
     _merge_splits,
     _Ops,
+    persistent_kernel,
     swizzled_smem,
 )
 
@@ -309,15 +309,13 @@ def sparse_mla(
         sm_scale=sm_scale,
         interpret=interpret is not False,
     )
-    result = plgpu.kernel(
+    result = persistent_kernel(
         kernel,
         out_type=out_type,
-        grid=(programs,),
-        grid_names=("program",),
-        scratch_types=[plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=KEYS)],
-        compiler_params=plgpu.CompilerParams(approx_math=False),
-        interpret=_interpret_arg(interpret),
-        kernel_name="sparse_mla_mosaic",
+        num_programs=programs,
+        scratch=[plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=KEYS)],
+        interpret=interpret,
+        name="sparse_mla_mosaic",
     )(padded.reshape(-1), counts, q_tiles, rows)
 
     out = result.astype(f32) if splits == 1 else _merge_splits(*result)  # [T, tiles, 2, 64, 256]
