@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # the types (and defaults) the attributes have, for type chec
     JAXSERVE_TEST_FAIL_AFTER_STEPS: int = -1
     JAXSERVE_TEST_STEP_DELAY_S: float = 0.0
     JAXSERVE_MINIMAL_COMPILE: bool = False
+    JAXSERVE_FUSED_SAMPLING: str = "auto"
     JAXSERVE_TEST_REQUIRE_ALL: bool = False
 
 
@@ -200,6 +201,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # is padded up to them. A start several times faster, slower steps. The test suite's
     # engines run so (tests/conftest.py), but for the tests of compilation.
     "JAXSERVE_MINIMAL_COMPILE": lambda: os.environ.get("JAXSERVE_MINIMAL_COMPILE", "0") == "1",
+    # A decode step's forward and sampling as one executable (worker/fused_sampling.py):
+    # "auto" with the Pallas attention backend (GPU), "1" always, "0" never.
+    "JAXSERVE_FUSED_SAMPLING": lambda: os.environ.get("JAXSERVE_FUSED_SAMPLING") or "auto",
     # Tests: the skips a broken install would cause (no C++ compiler, `openai` missing) fail
     # instead (tests/require.py); CI (.ci/run) sets it.
     "JAXSERVE_TEST_REQUIRE_ALL": lambda: (

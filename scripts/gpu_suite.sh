@@ -31,6 +31,8 @@
 #                          (-q int4: W4A16 group 128; -q fp8_block: W8A16 128x128) at batch 1
 #                          and 32, against latency_b1 / _b32 (bf16) in the same run
 #   4    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
+#   4    layer_kernels     benchmarks/count_kernels.py: the kernels one decoder layer of the 8B
+#                          decode forward at 256 tokens launches (optimized HLO, by class)
 #   5    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
 #   6    kernel_bench      benchmarks/kernels/bench_paged_attention.py --kernels triton,mosaic
 #                          (the end-to-end case, b=256 ctx 33-160, first; fractions of peak;
@@ -189,6 +191,8 @@ EOF
     E_TUNE=20 E_KV=5 E_MLA=15 E_STEADY=20 L_STEADY=120 E_MOE=20 L_MOE=120 E_MOE_LAT=60 L_MOE_LAT=150
     QL_ARGS=(--tokens 1 --iters 2) E_QL=30 L_QL=120 E_Q8B=20 L_Q8B=120
     AGREE_ARGS=(--batch-sizes 1 2 --input-len 4 --output-len 3) E_AGREE=25 L_AGREE=120
+    LK_ARGS=(--model "$WORK/tiny-llama" --dtype float32 --tokens 2 --max-model-len 32 --cpu-ok)
+    E_LK=15 L_LK=60
     L_ENV=60 L_COPY=60 L_PYTEST=90 L_LOWERING=90 L_MODEL=120 L_HF=90 L_KERNEL=120
     L_PROFILE=90 L_TUNE=90 L_KV=90 L_MLA=60
 else
@@ -229,6 +233,7 @@ else
     E_Q8B=150 L_Q8B=260
     # three engines (reference, Triton, Mosaic), each compiling what it does not share
     AGREE_ARGS=(--batch-sizes 1 256 --input-len 32 --output-len 128) E_AGREE=330 L_AGREE=480
+    LK_ARGS=(--tokens 256) E_LK=60 L_LK=150 # two compiles of a 2- and 3-layer forward
     L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
     L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90
 fi
@@ -358,6 +363,8 @@ for q_b in 1 "$LAT_TOP"; do
     done
 done
 step pytest_gpu other "$E_PYTEST" "$L_PYTEST" "${PYTEST[@]}" "${PYTEST_GPU_ARGS[@]}"
+step layer_kernels other "$E_LK" "$L_LK" "$PYTHON" benchmarks/count_kernels.py "${LK_ARGS[@]}" \
+    --output-json "$WORK/layer_kernels.json"
 lat 1
 step kernel_bench other "$E_KERNEL" "$L_KERNEL" "$PYTHON" \
     benchmarks/kernels/bench_paged_attention.py "${KERNEL_ARGS[@]}" --kernels triton,mosaic \

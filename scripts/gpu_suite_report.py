@@ -516,7 +516,12 @@ def hf_section(logs: dict[str, str]) -> list[str]:
 
 
 # the steps whose key figures are their lines starting with these tags
-SUMMARY_TAGS = {"moe_gmm": "# moe ", "sparse_mla": "# sparse ", "attn_agreement": "# agreement "}
+SUMMARY_TAGS = {
+    "moe_gmm": "# moe ",
+    "sparse_mla": "# sparse ",
+    "attn_agreement": "# agreement ",
+    "layer_kernels": "# per layer ",
+}
 
 # issue 67's must-show: the packed model's decode step over bf16's, at (format, batch)
 PACKED_TARGETS = {("int4", 1): 2.0, ("int4", 32): 1.3, ("fp8_block", 1): 1.5}

@@ -72,6 +72,10 @@ class AttentionMetadata(NamedTuple):
                      after its own (a bidirectional image's tokens, Gemma 3; 0 for text).
     layout:          (static) the KV-cache groups when there are several, else None: one
                      group of every layer, layer l at rows l * num_blocks + block.
+    base_tables:     a layer's view (at_layer) keeps its group's tables as they came, and
+    table_map:       (static) (scale, shift) with block_tables = base_tables * scale + shift:
+                     a kernel that maps the ids itself reads base_tables (XLA then drops the
+                     per-layer add), None elsewhere.
     """
 
     slot_mapping: jax.Array
@@ -82,6 +86,8 @@ class AttentionMetadata(NamedTuple):
     decode_only: bool = False
     causal_ext: jax.Array | None = None
     layout: KVCacheLayout | None = None
+    base_tables: jax.Array | None = None
+    table_map: tuple[int, int] | None = None
 
     def group_view(self, group: int) -> AttentionMetadata:
         """This metadata for one KV-cache group: its block tables [S, max_blocks] and slots
@@ -106,20 +112,41 @@ class AttentionMetadata(NamedTuple):
         rows = (s // bs + offset) * pack + sub
         slots = jnp.where(s >= 0, rows * bs + s % bs, -1)
         tables = (md.block_tables + offset) * pack + sub
-        return md._replace(block_tables=tables, slot_mapping=slots)
+        return md._replace(
+            block_tables=tables,
+            slot_mapping=slots,
+            base_tables=md.block_tables,
+            table_map=(pack, offset * pack + sub),
+        )
 
 
-_LEAVES = ("slot_mapping", "block_tables", "kv_lens", "query_start_loc", "num_seqs", "causal_ext")
+_LEAVES = (
+    "slot_mapping",
+    "block_tables",
+    "kv_lens",
+    "query_start_loc",
+    "num_seqs",
+    "causal_ext",
+    "base_tables",
+)
 jax.tree_util.register_pytree_with_keys(
     AttentionMetadata,
     lambda md: (
         [(jax.tree_util.GetAttrKey(k), getattr(md, k)) for k in _LEAVES],
-        (md.decode_only, md.layout),
+        (md.decode_only, md.layout, md.table_map),
     ),
     lambda static, arrays: AttentionMetadata(
-        *arrays[:5], decode_only=static[0], causal_ext=arrays[5], layout=static[1]
+        *arrays[:5],
+        decode_only=static[0],
+        causal_ext=arrays[5],
+        layout=static[1],
+        base_tables=arrays[6],
+        table_map=static[2],
     ),
-    flatten_func=lambda md: ((*md[:5], md.causal_ext), (md.decode_only, md.layout)),
+    flatten_func=lambda md: (
+        (*md[:5], md.causal_ext, md.base_tables),
+        (md.decode_only, md.layout, md.table_map),
+    ),
 )
 
 
@@ -197,8 +224,12 @@ def paged_attention(
         kernel = functools.partial(ragged_paged_attention_cpu, **scores, decode_only=md.decode_only)
     else:
         device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+        pallas = _pallas_kernel(device, q, k_cache, attention_chunk, latent_dim)
+        if pallas is mosaic_kernel() and md.base_tables is not None:
+            # the kernel maps the layer's block ids itself: no XLA add on the tables per layer
+            args = (*args[:4], md.base_tables, *args[5:], jnp.array(md.table_map, jnp.int32))
         kernel = functools.partial(
-            _pallas_kernel(device, q, k_cache, attention_chunk, latent_dim),
+            pallas,
             **scores,
             decode_only=md.decode_only,
             interpret=device.platform != "gpu",
@@ -207,13 +238,8 @@ def paged_attention(
     if mesh is None or mesh.shape[TP_AXIS] == 1:
         return kernel(*args)
     heads, cache = P(None, TP_AXIS, None), P(None, None, TP_AXIS, None)
-    return jax.shard_map(
-        kernel,
-        mesh=mesh,
-        in_specs=(heads, cache, cache, P(), P(), P(), P(), P(TP_AXIS)),
-        out_specs=heads,
-        check_vma=False,
-    )(*args)
+    specs = (heads, cache, cache, P(), P(), P(), P(), P(TP_AXIS), P())[: len(args)]
+    return jax.shard_map(kernel, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args)
 
 
 def _pallas_kernel(device, q, cache, attention_chunk, latent_dim):

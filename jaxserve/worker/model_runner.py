@@ -36,7 +36,7 @@ from jaxserve.layers.attention import configure_attention
 from jaxserve.layers.fused_moe import configure_moe
 from jaxserve.layers.sampler import pick_variant
 from jaxserve.models.loader import LoadedModel
-from jaxserve.worker import step_functions
+from jaxserve.worker import fused_sampling, step_functions
 from jaxserve.worker.batch_builder import BatchBuilder, prompt_logprobs_of
 from jaxserve.worker.buckets import BucketTable
 from jaxserve.worker.device_state import DeviceState
@@ -140,6 +140,15 @@ class ModelRunner(StepCompiler):
         self.step_count = 0
         self.executables = executables if executables is not None else ExecutableRegistry()
         self.minimal_compile = envs.JAXSERVE_MINIMAL_COMPILE
+        self.fused = None  # a decode step's forward and sampling as one executable
+        if self.samples and fused_sampling.enabled(
+            engine_config.attention_backend,
+            one_stage=isinstance(self.stages, OneStage),
+            drafts=bool(k or self.proposer.aux_layers),
+            minimal=self.minimal_compile,
+        ):
+            shapes = fused_sampling.decode_shapes(self.buckets, self.forward_variants())
+            self.fused = fused_sampling.FusedSampling(shapes)
         self.proposer.set_executables(self.executables)
         head_def = step_functions.HeadDef(
             self.config.tie_word_embeddings, self.config.final_logit_softcapping
@@ -248,18 +257,28 @@ class ModelRunner(StepCompiler):
             forward = feature.forward_inputs(forward, batch, ib)
             self.kv_caches = feature.load(so, self.kv_caches, executables)
         batch = batch._replace(forward=forward)
-        last_hidden, hidden, *aux = self.stages.forward(self, batch)
+        waits = bool(so.structured_output_req_ids) or ib.sampling.has_bad_words[batch.rows].any()
+        fused = self.fused and self.fused.pick(batch, waits, executables)
+        if fused:  # forward and sampling in one executable
+            args = (self.params, self.kv_caches, self.step_state, batch.forward, self.head)
+            outs = executables[fused](*args, self.penalty_state, batch.sample)
+            hidden, self.kv_caches, out, self.penalty_state, self.step_state, settled = outs
+            last_hidden, aux = None, []
+        else:
+            last_hidden, hidden, *aux = self.stages.forward(self, batch)
         values = {}
         for feature in features:  # e.g. pooled states, KV blocks to save
             value = feature.after_forward(so, batch, hidden, self.kv_caches, executables)
             if value is not None:
                 values[feature.name] = value
+        self.step_count += 1
+        pending = PendingStep(batch, None, last_hidden, hidden, values)
+        if fused:
+            return self._sampled(pending, out, settled)
         # The proposer follows the forward (EAGLE-3: from the features the forward returned).
         aux, aux_rows = aux if self.model_def.aux_layers else (hidden, last_hidden)
         self.proposer.mirror(batch, aux, aux_rows, self.step_state)
-        self.step_count += 1
-        pending = PendingStep(batch, None, last_hidden, hidden, values)
-        if so.structured_output_req_ids or ib.sampling.has_bad_words[batch.rows].any():
+        if waits:
             return pending  # sampled once every earlier token is known (grammars, bad words)
         return self.dispatch_sample(pending, None)
 
@@ -289,6 +308,12 @@ class ModelRunner(StepCompiler):
         out, self.penalty_state, self.step_state, settled = self.executables["sample", s, variant](
             self.head, pending.last_hidden, self.penalty_state, self.step_state, sample_inputs
         )
+        return self._sampled(pending, out, settled)
+
+    def _sampled(self, pending: PendingStep, out, settled) -> PendingStep:
+        """A step whose sampling is dispatched: its proposals, and its results on their way
+        to the host."""
+        batch, ib, needed = pending.batch, self.input_batch, pending.batch.needed
         # A device proposer drafts now, before the next step may read its drafts.
         self.step_state, drafts = self.proposer.propose(self.step_state, batch, settled, ib)
         fetch = {"ids": out.token_ids, "accepted": settled.accepted, "features": pending.features}

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxserve import cache_keys
 from jaxserve.layers.sampler import COMPILED_VARIANTS, FULL_VARIANT
-from jaxserve.worker import executable_cache
+from jaxserve.worker import executable_cache, fused_sampling
 from jaxserve.worker.stages import shapes
 from jaxserve.worker.step_feature import LoweringInputs
 from jaxserve.worker.step_state import Settled
@@ -63,7 +63,7 @@ class StepCompiler:
             return drafting or t == top or (t < top and t.bit_length() % 2 == 1)
         if name[0] == "sample":
             return name[2] in (COMPILED_VARIANTS[0], FULL_VARIANT)
-        return True
+        return name[0] != fused_sampling.NAME  # a step runs without its fused executable
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for compile_all's background shapes; whether all are ready."""
@@ -97,6 +97,7 @@ class StepCompiler:
             draft_model=repr(getattr(proposer, "config", None)),
             mesh=repr(self.mesh),
             **({"compile_set": "minimal"} if self.minimal_compile else {}),
+            **({"fused_sampling": repr(self.fused.shapes)} if self.fused else {}),
             **{k: v for feature in self.features for k, v in feature.cache_key().items()},
             **self.stages.cache_key(),
         )
@@ -130,6 +131,20 @@ class StepCompiler:
                     inputs,
                     variant=variant,
                 )
+        for name in self.fused.names() if self.fused else ():
+            _, t, decode_only, variant = name
+            s = self.fused.shapes[t, decode_only]
+            out[name] = functools.partial(
+                jits["forward_sample"].lower,
+                self.params,
+                kv,
+                last,
+                padding[t, decode_only],
+                self.head,
+                penalty,
+                self.builder.padding_sample(s, self.input_batch.sampling),
+                variant=variant,
+            )
         q = jax.ShapeDtypeStruct((self.buckets.seqs[-1],), np.int32, sharding=rep)
         out.update(
             self.proposer.lowerings(

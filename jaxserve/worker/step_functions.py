@@ -1,6 +1,7 @@
 """The pure functions a step runs on the devices, each jitted and compiled per bucket at
-start-up (worker/executables.py): the forward, the sampling (LM head + sampler), prompt
-logprobs, and filling one row's penalty state (a feature's own are in its module:
+start-up (worker/executables.py): the forward, the sampling (LM head + sampler), the two as
+one program (a decode step's, worker/fused_sampling.py), prompt logprobs, and filling one
+row's penalty state (a feature's own are in its module:
 worker/step_feature.py). Nothing here touches the host.
 
 Shapes: T tokens (the token bucket), R sampling rows the forward returns (max_sample_rows),
@@ -106,6 +107,43 @@ def sample_rows(
     return sampled, (prompt_mask, output_counts), step_state, settled
 
 
+def forward_sample(
+    model_def: ModelDef,
+    block_size: int,
+    head_def: HeadDef,
+    base_key,
+    num_logprobs: int,
+    params,
+    kv_caches,
+    step_state,
+    inputs: ForwardInputs,
+    head,
+    penalty_state,
+    sample_inputs: SampleInputs,
+    *,
+    variant: SamplerVariant,
+):
+    """`forward` and `sample_rows` as one program (a decode step with no grammar bitmask: one
+    executable, no device idle between them). Returns (hidden [T, D], kv_caches, then
+    sample_rows' four outputs); the sampler reads the forward's step state, as the two
+    programs in turn would."""
+    last_hidden, hidden, kv_caches = forward(
+        model_def, block_size, params, kv_caches, step_state, inputs
+    )
+    sampled = sample_rows(
+        head_def,
+        base_key,
+        num_logprobs,
+        head,
+        last_hidden,
+        penalty_state,
+        step_state,
+        sample_inputs,
+        variant=variant,
+    )
+    return hidden, kv_caches, *sampled
+
+
 def prompt_logprobs(head_def: HeadDef, num_logprobs: int, head, hidden, targets):
     """Logprob (and top-K) of the next prompt token at every position: hidden [T, D],
     targets i32[T] (-1: none) -> ([T, K+1] logprobs, [T, K+1] token ids, [T] ranks).
@@ -165,6 +203,14 @@ def jit_steps(
             static_argnames=("variant",),
             donate_argnums=(2, 3),
             out_shardings=rep,
+        ),
+        "forward_sample": jax.jit(
+            functools.partial(
+                forward_sample, model_def, block_size, head_def, base_key, num_logprobs
+            ),
+            static_argnames=("variant",),
+            donate_argnums=(1, 2, 5),  # the KV cache, the step state, the penalty state
+            out_shardings=(rep, kv_sharding, rep, rep, rep, rep),
         ),
         "prompt_logprobs": jax.jit(
             functools.partial(prompt_logprobs, head_def, num_logprobs), out_shardings=rep

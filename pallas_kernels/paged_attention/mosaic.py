@@ -159,6 +159,11 @@ class _Ops:
             return lax.broadcasted_iota(jnp.int32, shape, 1)
         return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
 
+    def row_ids(self, shape):  # i32 iota along axis 0 in the accumulator's layout
+        if self.interpret:
+            return lax.broadcasted_iota(jnp.int32, shape, 0)
+        return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+
     def scores(self, q_smem, k_smem, kt_smem):
         """Q K^T: [64, D] x [keys, D] -> f32 [64, keys]."""
 
@@ -186,6 +191,7 @@ class _Ops:
 def _kernel(
     tile_seq_ref,
     tile_keys_ref,
+    map_ref,
     tables_ref,
     q_ref,
     k_ref,
@@ -203,16 +209,24 @@ def _kernel(
     soft_cap: float | None,
     sinks: bool,
     interpret: bool,
+    direct: bool = False,
+    group: int = 0,
 ):
     """One program of the persistent grid (see the module docstring).
 
     GMEM refs: tile_seq_ref i32[tiles] (-1: no sequence); tile_keys_ref i32[2 * tiles]: the
-    first key any row of the tile may see and the keys its last row sees; tables_ref
-    i32[S * max_blocks]; q_ref [tiles, Hkv, R, D]; k_ref, v_ref [num_blocks, block_size,
+    first key any row of the tile may see and the keys its last row sees; map_ref i32[2]
+    (scale, shift: a table entry b is block b * scale + shift); tables_ref i32[S *
+    max_blocks]; q_ref [tiles, Hkv, R, D]; k_ref, v_ref [num_blocks, block_size,
     Hkv, D]; pos_ref i32[tiles, 64]; then sink_ref f32[tiles, Hkv, 64] (when
     `sinks`, unsplit only), the outputs (unsplit: o_ref [tiles, Hkv, R, D] in q's dtype;
     split: o_ref f32[splits, tiles, Hkv, R, D], m_ref and l_ref f32[splits, tiles, Hkv,
-    R]) and the scratch buffers (shared memory and barriers)."""
+    R]) and the scratch buffers (shared memory and barriers).
+
+    `direct` (decode only, unsplit, no sinks): q_ref and o_ref are the caller's [T * Hq, D]
+    rows, pos_ref i32[tiles] is each tile's first row there (its token's, -1: none), and a
+    tile whose sequence is -1 but has a token writes zeros to its rows (see
+    `_direct_tiles`)."""
     rest = list(rest)
     sink_ref = rest.pop(0) if sinks else None
     if num_splits == 1:
@@ -252,16 +266,33 @@ def _kernel(
         def _():
             _attend_tile(tile, head, split, seq)
 
+        if direct:  # a padding token's rows are zeros
+
+            @pl.when((seq < 0) & (pos_ref[tile] >= 0))
+            def _():
+                o_smem[...] = jnp.zeros(o_smem.shape, o_smem.dtype)
+                plgpu.commit_smem()
+                rows = pl.ds(pos_ref[tile] + head * group, group)
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[rows])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
         return carry
 
-    q_rows = q_ref.shape[2]  # 64, or a decode tile's group rounded up to 8 rows
+    # 64, or a decode tile's group rounded up to 8 rows (direct: from the 8-row boundary)
+    q_rows = direct_rows(group) if direct else q_ref.shape[2]
 
     def first_rows(ref):  # the tile's rows that travel (the rest of a decode tile is padding)
         return ref if q_rows == TILE_ROWS else ref.at[pl.ds(0, q_rows)]
 
     def _attend_tile(tile, head, split, seq):
-        plgpu.copy_gmem_to_smem(q_ref.at[tile, head], first_rows(q_smem), q_bar)
-        plgpu.copy_gmem_to_smem(pos_ref.at[tile], pos_smem, q_bar)
+        if direct:  # q_rows of q from the 8-row boundary at or before the group's first
+            row0 = pos_ref[tile] + head * group
+            start = pl.multiple_of(jnp.minimum(row0 // 8 * 8, q_ref.shape[0] - q_rows), 8)
+            shift = row0 - start  # the group's first row in the tile
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, q_rows)], first_rows(q_smem), q_bar)
+        else:
+            plgpu.copy_gmem_to_smem(q_ref.at[tile, head], first_rows(q_smem), q_bar)
+            plgpu.copy_gmem_to_smem(pos_ref.at[tile], pos_smem, q_bar)
         if sinks:
             plgpu.copy_gmem_to_smem(sink_ref.at[tile, head], sink_smem, q_bar)
 
@@ -279,7 +310,8 @@ def _kernel(
             """TMA step `step`'s pages of K and V into buffer `slot`."""
             for p in range(pages_per_step):
                 column = jnp.minimum(first_page + step * pages_per_step + p, max_blocks - 1)
-                block = jnp.clip(tables_ref[seq * max_blocks + column], 0, num_blocks - 1)
+                entry = tables_ref[seq * max_blocks + column] * map_ref[0] + map_ref[1]
+                block = jnp.clip(entry, 0, num_blocks - 1)
                 rows = pl.ds(p * block_size, block_size)
                 plgpu.copy_gmem_to_smem(
                     k_ref.at[block, :, head], k_smem.at[slot, rows], k_bars.at[slot]
@@ -292,8 +324,13 @@ def _kernel(
             pl.when(s < num_steps)(functools.partial(issue, s, s))
 
         plgpu.barrier_wait(q_bar)
-        pos = ops.load_rows(pos_smem)  # i32[64]: each row's position, -1 for padding
-        pos2 = lax.broadcast_in_dim(pos, (TILE_ROWS, keys), [0])
+        if direct:  # the group's rows see up to their token's position, the others nothing
+            row = ops.row_ids((TILE_ROWS, keys))
+            mine = (row >= shift) & (row < shift + group)
+            pos2 = jnp.where(mine, tile_keys_ref[2 * tile + 1] - 1, -1)
+        else:
+            pos = ops.load_rows(pos_smem)  # i32[64]: each row's position, -1 for padding
+            pos2 = lax.broadcast_in_dim(pos, (TILE_ROWS, keys), [0])
 
         def step(j, carry):
             m, l, acc = carry
@@ -341,7 +378,12 @@ def _kernel(
             l = jnp.maximum(l, 1e-30)
             o_smem[...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(o_smem.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(first_rows(o_smem), o_ref.at[tile, head])
+            if direct:  # the group's rows alone, to their rows of the output
+                plgpu.copy_smem_to_gmem(
+                    o_smem.at[pl.ds(shift, group)], o_ref.at[pl.ds(row0, group)]
+                )
+            else:
+                plgpu.copy_smem_to_gmem(first_rows(o_smem), o_ref.at[tile, head])
         else:
             o_smem[...] = acc
             m_smem[...] = m
@@ -440,6 +482,7 @@ def ragged_paged_attention(
     query_start_loc: jax.Array,
     num_seqs: jax.Array,
     sinks: jax.Array | None = None,
+    block_map: jax.Array | None = None,
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -465,6 +508,9 @@ def ragged_paged_attention(
       query_start_loc: i32[S+1] row offsets of each sequence's queries in q.
       num_seqs: i32[1] number of real sequences; later entries are padding.
       sinks: [Hq] or None: a logit per query head in each row's softmax denominator.
+      block_map: i32[2] (scale, shift) or None: the cache's block of table entry b is
+        b * scale + shift (a layer's share of a cache of several layers, read without an
+        XLA pass over the tables; None: b).
       sm_scale: softmax scale, usually head_dim ** -0.5.
       sliding_window: each query sees only the latest this many keys (its own included);
         pages before a tile's window are not read.
@@ -522,6 +568,37 @@ def ragged_paged_attention(
         num_tokens=num_tokens, group=group, max_seqs=max_seqs, decode_only=decode_only
     )
     splits = plan.num_kv_splits
+    rows = TILE_ROWS if not decode_only else min(TILE_ROWS, -(-group // 8) * 8)
+    if block_map is None:
+        block_map = jnp.array([1, 0], jnp.int32)
+    block_map = block_map.astype(jnp.int32)
+    tables = block_tables.astype(jnp.int32).reshape(-1)
+    # A decode batch of one split reads its query rows from q and writes its output rows in
+    # place: no XLA gather on either side (the group's rows, `rows` of them from its first,
+    # fewer only at q's end, where the tile's first rows are before the group's).
+    direct = decode_only and splits == 1 and sinks is None
+    direct = direct and direct_fits(num_tokens * num_q_heads, group)
+    if direct:
+        num_tiles = max(num_tiles, num_tokens)  # every token's rows written, padding zeros
+        seq, keys, first_row = _direct_tiles(
+            query_start_loc.astype(jnp.int32),
+            num_seqs.astype(jnp.int32),
+            kv_lens.astype(jnp.int32),
+            num_tokens=num_tokens,
+            num_q_heads=num_q_heads,
+            num_tiles=num_tiles,
+            window=sliding_window,
+        )
+        q_rows = q.reshape(num_tokens * num_q_heads, head_dim)
+        inputs = [seq, keys, block_map, tables, q_rows, k_cache, v_cache, first_row]
+        out_type = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
+        result = _launch(
+            inputs, out_type, plan, q, head_dim, num_tiles * num_kv_heads, interpret,
+            max_blocks=max_blocks, num_splits=1, sm_scale=sm_scale, window=sliding_window,
+            soft_cap=soft_cap, sinks=False, direct=True, group=group,
+        )  # fmt: skip
+        return result.reshape(num_tokens, num_q_heads, head_dim)
+
     tiles = _prologue(
         query_start_loc.astype(jnp.int32),
         num_seqs.astype(jnp.int32),
@@ -532,12 +609,10 @@ def ragged_paged_attention(
         window=sliding_window,
         decode_only=decode_only,
     )
-
     # Each tile's query rows per KV head, [tiles, Hkv, R, D], gathered in XLA so every TMA
     # box of q starts at a whole tile. R = 64, but a decode tile's rows past its group are
     # padding: there only the group, rounded up to whole 8-row tiles of shared memory,
     # travels (in and out: 1/8 of the bytes for a group of 4).
-    rows = TILE_ROWS if not decode_only else min(TILE_ROWS, -(-group // 8) * 8)
     heads = jnp.arange(num_kv_heads)[None, :, None]
     q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     q_tiles = q_groups[tiles.row_token[:, None, :rows], heads, tiles.row_head[:, None, :rows]]
@@ -547,7 +622,8 @@ def ragged_paged_attention(
     inputs = [
         tiles.seq,
         tiles.keys.reshape(-1),
-        block_tables.astype(jnp.int32).reshape(-1),
+        block_map,
+        tables,
         q_tiles,
         k_cache,
         v_cache,
@@ -567,9 +643,29 @@ def ragged_paged_attention(
             jax.ShapeDtypeStruct(part, f32),
             jax.ShapeDtypeStruct(part, f32),
         )
-    keys = plan.pages_per_step * block_size
+    result = _launch(
+        inputs, out_type, plan, q, head_dim, num_tiles * num_kv_heads * splits, interpret,
+        max_blocks=max_blocks, num_splits=splits, sm_scale=sm_scale, window=sliding_window,
+        soft_cap=soft_cap, sinks=in_kernel_sinks,
+    )  # fmt: skip
 
-    stages = plan.num_stages
+    tile_idx, row_idx = tiles.out_tile[:, None, :], tiles.out_row[:, None, :]  # [T, 1, G]
+    if splits == 1:
+        out = result[tile_idx, heads, row_idx]  # [T, Hkv, G, D]
+    else:
+        o, m, l = (x[:, tile_idx, heads, row_idx] for x in result)  # [K, T, Hkv, G(, D)]
+        out = _merge_splits(o, m, l, None if sink_log2 is None else sink_log2[None])
+    out = jnp.where(tiles.token_real[:, None, None, None], out, 0).astype(q.dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _launch(inputs, out_type, plan, q, head_dim, num_work, interpret, **static) -> Any:
+    """The kernel over `inputs` (its shared memory and barriers from `plan`); static: the
+    rest of _kernel's keyword arguments."""
+    f32, splits, stages = jnp.float32, static["num_splits"], plan.num_stages
+    block_size = inputs[5].shape[1]
+    keys = plan.pages_per_step * block_size
+    q_arrivals = 1 if static.get("direct") else 3 if static["sinks"] else 2
     scratch = [
         swizzled_smem((TILE_ROWS, head_dim), q.dtype),  # q
         swizzled_smem((stages, keys, head_dim), q.dtype),  # k
@@ -581,26 +677,20 @@ def ragged_paged_attention(
         plgpu.SMEM((TILE_ROWS,), f32),  # m
         plgpu.SMEM((TILE_ROWS,), f32),  # l
         swizzled_smem((head_dim, keys), q.dtype) if interpret else None,  # K^T (interpreter only)
-        plgpu.Barrier(num_arrivals=3 if in_kernel_sinks else 2),
+        plgpu.Barrier(num_arrivals=q_arrivals),
         plgpu.Barrier(num_arrivals=plan.pages_per_step, num_barriers=stages),
         plgpu.Barrier(num_arrivals=plan.pages_per_step, num_barriers=stages),
     ]
-    num_work = num_tiles * num_kv_heads * splits
     kernel = functools.partial(
         _kernel,
-        max_blocks=max_blocks,
         pages_per_step=plan.pages_per_step,
         num_stages=stages,
-        num_splits=splits,
         num_programs=plan.num_programs,
         num_work=num_work,
-        sm_scale=sm_scale,
-        window=sliding_window,
-        soft_cap=soft_cap,
-        sinks=in_kernel_sinks,
         interpret=interpret is not False,
+        **static,
     )
-    result = persistent_kernel(
+    return persistent_kernel(
         kernel,
         out_type=out_type,
         num_programs=plan.num_programs,
@@ -609,14 +699,42 @@ def ragged_paged_attention(
         name="ragged_paged_attention_mosaic",
     )(*inputs)
 
-    tile_idx, row_idx = tiles.out_tile[:, None, :], tiles.out_row[:, None, :]  # [T, 1, G]
-    if splits == 1:
-        out = result[tile_idx, heads, row_idx]  # [T, Hkv, G, D]
-    else:
-        o, m, l = (x[:, tile_idx, heads, row_idx] for x in result)  # [K, T, Hkv, G(, D)]
-        out = _merge_splits(o, m, l, None if sink_log2 is None else sink_log2[None])
-    out = jnp.where(tiles.token_real[:, None, None, None], out, 0).astype(q.dtype)
-    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+def direct_rows(group: int) -> int:
+    """The q rows a direct decode tile copies: whole 8-row tiles of shared memory from the
+    8-row boundary at or before its group's first row (Mosaic GPU copies a tiled buffer
+    from tile-aligned rows), enough for the group wherever it starts."""
+    return -(-(group + 8 - math.gcd(group, 8)) // 8) * 8
+
+
+def direct_fits(q_rows: int, group: int) -> bool:
+    """Whether a decode of q_rows = T * Hq rows of q, GQA groups of `group`, can take the
+    direct path (whole 8-row tiles of q, at most one wgmma tile of them)."""
+    return q_rows % 8 == 0 and direct_rows(group) <= min(TILE_ROWS, q_rows)
+
+
+def _direct_tiles(
+    query_start_loc, num_seqs, kv_lens, *, num_tokens, num_q_heads, num_tiles, window
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decode batch's tiles for the direct path, tile i for sequence i: (seq i32[tiles]:
+    i when the sequence is real and has one token, else -1; keys i32[2 * tiles]: the first
+    key its row may see and its keys; first_row i32[tiles]: its token's first row of q's
+    [T * Hq] rows, or for a tile of no sequence the padding token i's, else -1 (its rows are
+    written zeros)."""
+    max_seqs = query_start_loc.shape[0] - 1
+    ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    s = jnp.minimum(ids, max_seqs - 1)
+    q_len = query_start_loc[s + 1] - query_start_loc[s]
+    attend = (ids < num_seqs[0]) & (ids < max_seqs) & (q_len == 1)
+    # Padding tokens: those after the last sequence's (tokens of a sequence of several,
+    # which decode_only excludes, are left alone: its rows may be another tile's)
+    padding = (ids >= num_seqs[0]) & (ids >= query_start_loc[num_seqs[0]]) & (ids < num_tokens)
+    token = jnp.where(attend, query_start_loc[s], ids)
+    first_row = jnp.where(attend | padding, token * num_q_heads, -1)
+    kv_len = jnp.where(attend, kv_lens[s], 0)
+    first = jnp.zeros_like(kv_len) if window is None else jnp.maximum(kv_len - window, 0)
+    keys = jnp.stack([first, kv_len], axis=1).reshape(-1)
+    return jnp.where(attend, ids, -1), keys, first_row
 
 
 def _merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, sink=None) -> jax.Array:

@@ -25,8 +25,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pallas_kernels.paged_attention import mosaic, ragged_paged_attention_reference
 from pallas_kernels.paged_attention import mosaic_tiling as mt
-from pallas_kernels.paged_attention import ragged_paged_attention_reference
 from pallas_kernels.paged_attention.mosaic import interpret_params, ragged_paged_attention
 from tests.pallas_kernels.cuda import lower_for_cuda
 from tests.pallas_kernels.paged_cases import make_case, naive_attention
@@ -186,6 +186,25 @@ def test_interpret_decode_matches_oracle(heads):
     _check(case, "decode", num_kv_splits=2, num_stages=1, num_sms=3)
 
 
+@pytest.mark.parametrize("layout", ["decode", "mixed"])
+def test_interpret_block_map_reads_a_layers_share_of_the_cache(layout):
+    """block_map (scale, shift): table entry b is cache block b * scale + shift, as a layer
+    of a several-layer cache (shift) packed two to a row (scale) reads it; every other block
+    holds garbage that would show."""
+    case = _case(layout, seed=6)
+    n = case.k_cache.shape[0]
+    scale = case.q.shape[-1] ** -0.5
+    kw = dict(sm_scale=scale, decode_only=layout == "decode", interpret=True)
+    q, k, v, *rest = _args(case)
+    want = ragged_paged_attention(q, k, v, *rest, **kw)
+    rows = 2 * np.arange(n) + n + 1
+    k_big, v_big = (jnp.full((3 * n + 1, *x.shape[1:]), 60.0, x.dtype).at[rows].set(x)
+                    for x in (k, v))  # fmt: skip
+    block_map = jnp.array([2, n + 1], jnp.int32)
+    got = ragged_paged_attention(q, k_big, v_big, *rest, None, block_map, **kw)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize(("heads", "head_dim", "block_size"), [((8, 2), 64, 16), ((3, 1), 128, 32)])
 def test_interpret_mixed_matches_oracle(heads, head_dim, block_size):
     """Prefill chunks and decodes in one batch: GQA 4, and GQA 3 whose 64-row tiles end
@@ -227,6 +246,40 @@ def test_interpret_pipeline_has_no_races(layout):
     _check(case, layout, interpret=params, num_kv_splits=2, num_stages=2,
            kv_tokens_per_step=128, num_sms=3)  # fmt: skip
     assert gpu_callbacks.get_races().races_found is False
+
+
+def test_direct_path_takes_whole_8_row_tiles_of_q():
+    assert [mosaic.direct_rows(g) for g in (1, 2, 4, 8, 12, 3, 6, 16, 60, 63)] == [
+        8, 8, 8, 8, 16, 16, 16, 16, 64, 72,
+    ]  # fmt: skip
+    assert mosaic.direct_fits(6 * 8, 4) and mosaic.direct_fits(256 * 32, 4)
+    assert not mosaic.direct_fits(6 * 2, 1)  # 12 rows: not whole tiles
+    assert not mosaic.direct_fits(8, 12)  # 16 rows needed, 8 there
+    assert not mosaic.direct_fits(4096, 63)  # over one wgmma tile
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (8, 8), (12, 1)])
+def test_interpret_direct_decode_reads_and_writes_q_in_place(heads):
+    """An unsplit decode reads each group's rows from q and writes its output rows in place
+    (no XLA gather on either side). With no padding token, the last token's last group ends
+    q: its tile's rows start before the group's (GQA 4: 8 rows from 4 before; GQA 12: 16
+    from 4 before; MHA: 8 from 7 before), and only the group's rows are written. Race-checked
+    (3 programs, two-stage pipeline)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    hq, hkv = heads
+    assert mosaic.direct_fits(len(DECODE) * hq, hq // hkv)
+    case = make_case(DECODE, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, block_size=16,
+                     dtype=BF16, seed=7)  # fmt: skip
+    scale = 64**-0.5
+    out = ragged_paged_attention(
+        *_args(case), sm_scale=scale, decode_only=True, num_kv_splits=1, num_stages=2,
+        num_sms=3, interpret=interpret_params(detect_races=True),
+    )  # fmt: skip
+    assert gpu_callbacks.get_races().races_found is False
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), naive_attention(case, scale, None, None, None), atol=2e-2
+    )
 
 
 def test_refuses_what_it_does_not_implement():
@@ -276,13 +329,15 @@ def _mosaic_results(args, **kw) -> list[str]:
     ("num_seqs", "max_blocks", "results"),
     [
         (1, 512, "(tensor<33x1x8x8x128xf32>, tensor<33x1x8x8xf32>, tensor<33x1x8x8xf32>)"),
-        (64, 128, "tensor<64x8x8x128xbf16>"),  # 512 items fill the SMs: no split
+        # 512 items fill the SMs: no split, each group's 4 rows written in q's [T * 32] rows
+        (64, 128, "tensor<2048x128xbf16>"),
     ],
 )
 def test_decode_lowers_for_cuda_at_llama_shapes(num_seqs, max_blocks, results):
     """Batch 1 at 8192 tokens of context splits 33 ways (two items per SM, float32
     partials); batch 64 is not split and writes bf16 rows. A decode tile's 4 heads travel
-    as 8 rows (whole 8-row tiles of shared memory), not the wgmma tile's 64."""
+    as 8 rows (whole 8-row tiles of shared memory), not the wgmma tile's 64; unsplit, they
+    are read from q and written to the output in place (the direct path: no XLA gathers)."""
     args = _llama_args(num_seqs, max_blocks, num_seqs)
     assert _mosaic_results(args, decode_only=True, num_sms=132) == [results]
 
