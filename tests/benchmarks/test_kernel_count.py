@@ -8,8 +8,10 @@ import collections
 
 import pytest
 
+from jaxserve.benchmarks import kernel_count
 from jaxserve.benchmarks.kernel_count import count, count_per_layer, entry_kernels
 from jaxserve.engine.arg_utils import EngineArgs
+from tests.helpers import make_tiny_hf
 
 # An optimized GPU module's entry, cut down: one of each kind of instruction.
 HLO = """HloModule jit_forward, entry_computation_layout={...}
@@ -63,3 +65,21 @@ def test_8b_decode_layer_launches_few_kernels():
 
 
 MAX_ELEMENTWISE = 8
+
+
+def test_count_per_layer_runs_on_todays_runner(tmp_path, monkeypatch):
+    """The forward built and compiled as the runner builds it (here for XLA:CPU: no CUDA
+    target: XLA:CPU's dots are library fusions, counted as elementwise), a layer told
+    apart."""
+    monkeypatch.setattr(kernel_count, "cuda_devices", lambda: ([], "no CUDA here"))
+    with pytest.raises(RuntimeError, match="no CUDA here"):
+        count_per_layer(EngineArgs(model="x"), layers=3, tokens=4, decode_only=False)
+    model = make_tiny_hf("llama", tmp_path, hidden_size=64, intermediate_size=128)
+    args = EngineArgs(
+        model=str(model), load_format="dummy", dtype="float32", max_model_len=32,
+        max_num_seqs=4, max_num_batched_tokens=16, attention_backend="reference",
+    )  # fmt: skip
+    result = count_per_layer(args, layers=3, tokens=4, decode_only=False, cpu_ok=True)
+    assert result.how.startswith("cpu: no CUDA target")
+    added = sum(result.per_layer.values())
+    assert 0 < added < sum(result.total.values())
