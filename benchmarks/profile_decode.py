@@ -10,7 +10,11 @@ ids are prefilled and then decoded; once every request is decoding:
   --attention-backend; the reference for pallas) on that step's metadata, times the layers;
 - sampler: the compiled sampling executable of that step (LM head, the step's sampler
   variant, penalty and last-token bookkeeping), replayed the same way;
-- host: engine - forward - sampler (scheduling, batch building, dispatch, fetch, update);
+- fused (where the decode step runs its forward and sampling as one executable,
+  worker/fused_sampling.py): that executable, replayed the same way; forward and sampler
+  are then the two executables of the same shapes (the step's forward feeding the sampler);
+- host: engine - forward - sampler, or engine - fused (scheduling, batch building,
+  dispatch, fetch, update);
 - grammar (with --constrained, part of host): building the step's structured-output token
   bitmask, replayed on the last step's requests. --constrained gives every request a regex
   that never completes in practice (letters, then the unlikely "ZQXJ!"), so decode goes on.
@@ -46,6 +50,8 @@ import numpy as np
 
 from jaxserve.benchmarks.common import median_seconds
 from jaxserve.entrypoints.cli_args import add_engine_args, engine_args_from
+from jaxserve.layers.sampler import pick_variant
+from jaxserve.worker import fused_sampling
 from jaxserve.worker.executables import ExecutableRegistry
 
 
@@ -151,7 +157,27 @@ def profile_batch(core, batch: int, args, rng) -> dict:
     engine_ms = 1e3 * float(np.median(walls))
     if args.trace_dir and batch == args.batch_sizes[-1]:
         trace_steps(core, batch, args)
-    (forward_key, (weights, _, _, inputs)) = registry.captured["forward"]
+    captured = registry.captured
+    fused_ms = 0.0
+    if fused_sampling.NAME in captured:  # the step ran forward and sampling as one program
+        fused_key, fused_args = captured[fused_sampling.NAME]
+        weights, _, _, inputs, head, _, sample_inputs = fused_args
+        forward_key = ("forward", *fused_key[1:3])
+        s = sample_inputs.rows.shape[0]  # the cheapest sampler of the same passes
+        variant = pick_variant(fused_key[3], ready=lambda v: ("sample", s, v) in registry)
+        sample_key = ("sample", s, variant)
+        fused = registry[fused_key]
+
+        def run_fused():
+            out = fused(weights, runner.kv_caches, runner.step_state, inputs, head,
+                        runner.penalty_state, sample_inputs)  # fmt: skip
+            _, runner.kv_caches, sampled, runner.penalty_state, runner.step_state, _ = out
+            return sampled
+
+        fused_ms = median_ms(run_fused, iters=args.iters)
+    else:
+        forward_key, (weights, _, _, inputs) = captured["forward"]
+        sample_key, (head, _, _, _, sample_inputs) = captured["sample"]
     forward = registry[forward_key]
 
     def run_forward(fn=forward, x=inputs):
@@ -170,7 +196,7 @@ def profile_batch(core, batch: int, args, rng) -> dict:
             times[fn].append(time.perf_counter() - start)
         forward_ms, general_ms = (1e3 * float(np.median(times[f])) for f in (forward, general))
     attention_ms = runner.config.num_layers * attention_op_ms(runner, inputs, args.iters)
-    sample_key, (head, last_hidden, _, _, sample_inputs) = registry.captured["sample"]
+    last_hidden = run_forward()[0]
     sampler = registry[sample_key]
 
     def run_sampler():
@@ -191,8 +217,8 @@ def profile_batch(core, batch: int, args, rng) -> dict:
         core.step()
     return dict(
         batch=batch, tokens_bucket=forward_key[1], seqs_bucket=sample_key[1],
-        engine_ms=engine_ms, host_ms=engine_ms - forward_ms - sampler_ms,
-        forward_ms=forward_ms, attention_ms=attention_ms, sampler_ms=sampler_ms,
+        engine_ms=engine_ms, host_ms=engine_ms - (fused_ms or forward_ms + sampler_ms),
+        forward_ms=forward_ms, fused_ms=fused_ms, attention_ms=attention_ms, sampler_ms=sampler_ms,
         sampler_variant=sample_key[2], grammar_ms=grammar_ms, general_forward_ms=general_ms,
     )  # fmt: skip
 
@@ -237,6 +263,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rng = np.random.default_rng(args.seed)
     rows = [profile_batch(core, b, args, rng) for b in args.batch_sizes]
     cols = ["batch", "engine_ms", "host_ms", "forward_ms", "attention_ms", "sampler_ms"]
+    cols += ["fused_ms"] if any(r["fused_ms"] for r in rows) else []
     cols += ["grammar_ms"] if args.constrained else []
     cols += ["general_forward_ms"] if args.decode_only_forwards else []
     print("| " + " | ".join(cols) + " |")

@@ -452,3 +452,16 @@ def test_bench_attention_agreement_runs_the_engine_per_kernel(dummy_dir, tmp_pat
     assert (row["kernel"], row["batch"], row["decode_steps"]) == ("cpu", 1, 2)
     assert row["prompt_max_abs"] < 1e-4 and row["decode_max_abs"] < 1e-4
     assert "# agreement cpu batch 1: prompt max |dlogprob| " in capsys.readouterr().out
+
+
+def test_profile_decode_replays_a_fused_step(dummy_dir, capsys, monkeypatch):
+    """Where decode steps run forward and sampling as one executable (the GPU's default),
+    the profile replays it and the two executables of the same shapes beside it."""
+    monkeypatch.setenv("JAXSERVE_FUSED_SAMPLING", "1")
+    rows = script("benchmarks/profile_decode.py")(
+        ["--model", str(dummy_dir), "--load-format", "dummy", "--dtype", "float32",
+         "--batch-sizes", "2", "--input-len", "4", "--iters", "2", "--max-model-len", "32",
+         "--max-num-batched-tokens", "8"]
+    )  # fmt: skip
+    assert rows[0]["fused_ms"] > 0 and rows[0]["forward_ms"] > 0 and rows[0]["sampler_ms"] > 0
+    assert "| fused_ms |" in capsys.readouterr().out
