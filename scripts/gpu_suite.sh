@@ -33,6 +33,9 @@
 #   4    pytest_gpu        python -m pytest -m gpu (the kernels' numerics on this GPU)
 #   4    layer_kernels     benchmarks/count_kernels.py: the kernels one decoder layer of the 8B
 #                          decode forward at 256 tokens launches (optimized HLO, by class)
+#   4    gemm_backends     benchmarks/kernels/bench_gemm_backends.py: the 8B model's four GEMM
+#                          shapes at T = 1, 32, 256 under XLA's Triton GEMMs, cuBLAS alone and
+#                          no autotuning, a process each
 #   5    latency_b1        scripts/bench_latency.py --repeats 3 (the decode step: median of 3)
 #   6    kernel_bench      benchmarks/kernels/bench_paged_attention.py --kernels triton,mosaic
 #                          (the end-to-end case, b=256 ctx 33-160, first; fractions of peak;
@@ -56,6 +59,8 @@
 #   16   kv_transfer       benchmarks/bench_kv_transfer.py (KV connector copies, GB/s)
 #   17   kernel_bench_mla  the kernel benchmark for DeepSeek-V3's latent attention (Triton only)
 #   18   throughput_64     64 prompts
+#   19   throughput_256_unfused   throughput_256 with JAXSERVE_FUSED_SAMPLING=0: the decode
+#                          step's forward and sampling as two executables (fused's A/B)
 # (--dry-run runs the same steps at tiny sizes: latency_b1/b2, throughput_2 (wave) and _8
 # (steady, 2 sequences), profile_b2, HF peer at batch 2 and 1.)
 #
@@ -193,6 +198,7 @@ EOF
     AGREE_ARGS=(--batch-sizes 1 2 --input-len 4 --output-len 3) E_AGREE=25 L_AGREE=120
     LK_ARGS=(--model "$WORK/tiny-llama" --dtype float32 --tokens 2 --max-model-len 32 --cpu-ok)
     E_LK=15 L_LK=60
+    GEMM_ARGS=(--smoke --settings default,cublas) E_GEMM=15 L_GEMM=60
     L_ENV=60 L_COPY=60 L_PYTEST=90 L_LOWERING=90 L_MODEL=120 L_HF=90 L_KERNEL=120
     L_PROFILE=90 L_TUNE=90 L_KV=90 L_MLA=60
 else
@@ -233,7 +239,8 @@ else
     E_Q8B=150 L_Q8B=260
     # three engines (reference, Triton, Mosaic), each compiling what it does not share
     AGREE_ARGS=(--batch-sizes 1 256 --input-len 32 --output-len 128) E_AGREE=330 L_AGREE=480
-    LK_ARGS=(--tokens 256) E_LK=60 L_LK=150 # two compiles of a 2- and 3-layer forward
+    LK_ARGS=(--tokens 256) E_LK=60 L_LK=150 # two compiles of a 3- and 4-layer forward
+    GEMM_ARGS=(--tokens 1,32,256) E_GEMM=60 L_GEMM=150 # three processes, 12 shapes each
     L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
     L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90
 fi
@@ -365,6 +372,8 @@ done
 step pytest_gpu other "$E_PYTEST" "$L_PYTEST" "${PYTEST[@]}" "${PYTEST_GPU_ARGS[@]}"
 step layer_kernels other "$E_LK" "$L_LK" "$PYTHON" benchmarks/count_kernels.py "${LK_ARGS[@]}" \
     --output-json "$WORK/layer_kernels.json"
+step gemm_backends other "$E_GEMM" "$L_GEMM" "$PYTHON" benchmarks/kernels/bench_gemm_backends.py \
+    "${GEMM_ARGS[@]}" --output-json "$WORK/gemm_backends.json"
 lat 1
 step kernel_bench other "$E_KERNEL" "$L_KERNEL" "$PYTHON" \
     benchmarks/kernels/bench_paged_attention.py "${KERNEL_ARGS[@]}" --kernels triton,mosaic \
@@ -391,6 +400,10 @@ step kv_transfer other "$E_KV" "$L_KV" "$PYTHON" benchmarks/bench_kv_transfer.py
 step kernel_bench_mla other "$E_MLA" "$L_MLA" "$PYTHON" benchmarks/kernels/bench_paged_attention.py \
     "${MLA_ARGS[@]}" --kernels triton --output-json "$WORK/kernel_bench_mla.json"
 [ -n "$TP_SMALL" ] && tp "$TP_SMALL"
+# the wave with the decode step's forward and sampling as two executables (fused's A/B)
+step "throughput_${TP_WAVE}_unfused" model "$E_MODEL" "$L_MODEL" env JAXSERVE_FUSED_SAMPLING=0 \
+    "$PYTHON" benchmarks/bench_throughput.py --num-prompts "$TP_WAVE" --quiet "${TP_REPEATS[@]}" \
+    "${ENGINE_ARGS[@]}" "${BENCH_ARGS[@]}" --output-json "$WORK/throughput_${TP_WAVE}_unfused.json"
 
 # The ranking: the step names in priority order (the order above is also the ranking's,
 # except where --rank moves steps up); wheels, when it runs, comes before all.

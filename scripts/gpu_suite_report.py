@@ -521,6 +521,7 @@ SUMMARY_TAGS = {
     "sparse_mla": "# sparse ",
     "attn_agreement": "# agreement ",
     "layer_kernels": "# per layer ",
+    "gemm_backends": "# gemm ",
 }
 
 # issue 67's must-show: the packed model's decode step over bf16's, at (format, batch)
