@@ -409,6 +409,9 @@ def test_bench_kv_transfer(tmp_path, capsys):
          rf"^step outputs, 4 requests, logprobs=5: \d+ B; encode {NUM} us"),
         ("benchmarks/bench_pipeline.py", ["--step", "1,0.01", "--requests", "2", "--tokens", "3"],
          r"^\| 4 \| 1 \| 1\.00 \| \d+ \| \d+% \|$"),
+        ("benchmarks/kernels/bench_gemm_backends.py",
+         ["--smoke", "--tokens", "2", "--settings", "default,cublas"],
+         rf"^# gemm down T=2: default {NUM} ms; default 1\.00x, cublas {NUM}x$"),
     ],
 )  # fmt: skip
 def test_quick_benchmarks_run_on_todays_interfaces(path, argv, line, capsys, monkeypatch):
