@@ -342,14 +342,19 @@ class Attention(nnx.Module):
         v_cache: jax.Array,
         md: AttentionMetadata,
         lora: LoRABatch | None = None,
+        row_scale: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x: [T, D], positions: [T] (or M-RoPE's [3, T]), caches [num_blocks, block_size,
-        Hkv, hd]; lora: the tokens' adapter slots (layers/lora.py) for qkv_proj and o_proj.
+        Hkv, hd]; lora: the tokens' adapter slots (layers/lora.py) for qkv_proj and o_proj;
+        row_scale: f32[T] or None, x's rows times it (RMSNorm.split), applied to qkv_proj's
+        output where that is linear in x (no bias, no output gate).
 
         Returns (out [T, D], k_cache, v_cache) with this step's K/V written.
         """
         t, hd, g = x.shape[0], self.head_dim, self.group
-        qkv = self.qkv_proj(x, lora).reshape(t, self.num_kv_heads, g + 2, hd)  # [T, Hkv, G + 2, hd]
+        x, row_scale = _scale_input(x, row_scale, self.qkv_proj.bias, self.gate_proj)
+        qkv = _scale_rows(self.qkv_proj(x, lora), row_scale)
+        qkv = qkv.reshape(t, self.num_kv_heads, g + 2, hd)  # [T, Hkv, G + 2, hd]
         inv_freq = rope_inv_freq(self.rotary_dim, self.rope)  # a trace-time constant
         q, k = qkv[:, :, :g].reshape(t, -1, hd), qkv[:, :, g]  # [T, Hq, hd], [T, Hkv, hd]
         if self.qk_norm:
@@ -397,3 +402,16 @@ class Attention(nnx.Module):
         if self.gate_proj is not None:
             out = out * jax.nn.sigmoid(self.gate_proj(x))
         return self.o_proj(out, lora), k_cache, v_cache
+
+
+def _scale_input(x: jax.Array, row_scale, *nonlinear) -> tuple[jax.Array, jax.Array | None]:
+    """(x, row_scale) as a projection takes them: x's rows scaled now where `nonlinear` has
+    anything (a bias, a gate: the output would not scale with the input)."""
+    if row_scale is None or all(n is None for n in nonlinear):
+        return x, row_scale
+    return (x * row_scale[:, None]).astype(x.dtype), None
+
+
+def _scale_rows(y: jax.Array, row_scale: jax.Array | None) -> jax.Array:
+    """y [T, N] with each row times row_scale f32[T] (None: y)."""
+    return y if row_scale is None else (y * row_scale[:, None]).astype(y.dtype)

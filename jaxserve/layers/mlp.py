@@ -30,9 +30,15 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs, **linear)
         self.act = act
 
-    def __call__(self, x: jax.Array, lora: LoRABatch | None = None) -> jax.Array:
-        """x: [T, D] -> [T, D]; lora: the tokens' adapter slots (layers/lora.py)."""
-        gate_up = self.gate_up_proj(x, lora).reshape(x.shape[0], -1, 2)  # [T, F, 2]
+    def __call__(
+        self, x: jax.Array, lora: LoRABatch | None = None, row_scale: jax.Array | None = None
+    ) -> jax.Array:
+        """x: [T, D] -> [T, D]; lora: the tokens' adapter slots (layers/lora.py); row_scale:
+        f32[T] or None, x's rows times it (RMSNorm.split), applied to gate_up_proj's output."""
+        gate_up = self.gate_up_proj(x, lora)
+        if row_scale is not None:
+            gate_up = (gate_up * row_scale[:, None]).astype(gate_up.dtype)
+        gate_up = gate_up.reshape(x.shape[0], -1, 2)  # [T, F, 2]
         gate = gate_up[..., 0]
         if self.act == "gelu_pytorch_tanh":
             gate = jax.nn.gelu(gate, approximate=True)

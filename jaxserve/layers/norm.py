@@ -26,6 +26,14 @@ class RMSNorm(nnx.Module):
         """x: [..., dim] -> [..., dim] in x's dtype."""
         return self.weight[...] * self.normalized(x).astype(x.dtype)
 
+    def split(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The norm as (weight * x in x's dtype, f32[...] 1 / rms(x)): their product is the
+        norm, and a linear map without bias may take the first and scale its output rows by
+        the second (the scaling then joins whatever reads the output, no pass of its own)."""
+        x32 = x.astype(jnp.float32)
+        scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + self.eps)
+        return self.weight[...] * x, scale
+
 
 class HeadsRMSNorm(nnx.Module):
     """RMSNorm over a whole projection laid out as heads: x [..., H, hd] normalised over its

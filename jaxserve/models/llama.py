@@ -60,12 +60,28 @@ class DecoderLayer(nnx.Module):
     ):
         """x: [T, D] -> ([T, D], k_cache, v_cache); lora: the tokens' adapter slots."""
         adapters = {} if lora is None else {"lora": lora}  # MLA, MoE: no adapters (refused)
+        attn_in, attn_kw = self._normed(self.input_layernorm, self.self_attn, x)
         attn_out, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), positions, k_cache, v_cache, md, **adapters
+            attn_in, positions, k_cache, v_cache, md, **adapters, **attn_kw
         )
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x), **adapters)
+        mlp_in, mlp_kw = self._normed(self.post_attention_layernorm, self.mlp, x)
+        x = x + self.mlp(mlp_in, **adapters, **mlp_kw)
         return x, k_cache, v_cache
+
+    @staticmethod
+    def _normed(norm, layer, x) -> tuple[jax.Array, dict]:
+        """norm(x) as `layer` takes it: an RMSNorm's weight * x and its 1 / rms row scale,
+        which Attention and GatedMLP apply to their first projection's output (no pass of
+        its own: it joins the kernels that read that output); else norm(x). Not where the
+        projection quantizes its input (W8A8: the normalized activations are what a
+        checkpoint's scales were calibrated on)."""
+        first = getattr(layer, "qkv_proj", None) or getattr(layer, "gate_up_proj", None)
+        folds = type(norm) is RMSNorm and type(layer) in (Attention, GatedMLP)
+        if folds and first.input_quant is None:
+            h, scale = norm.split(x)
+            return h, {"row_scale": scale}
+        return norm(x), {}
 
 
 class LlamaForCausalLM(nnx.Module):

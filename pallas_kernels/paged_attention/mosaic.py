@@ -574,16 +574,25 @@ def ragged_paged_attention(
     block_map = block_map.astype(jnp.int32)
     tables = block_tables.astype(jnp.int32).reshape(-1)
     # A decode batch of one split reads its query rows from q and writes its output rows in
-    # place: no XLA gather on either side (the group's rows, `rows` of them from its first,
-    # fewer only at q's end, where the tile's first rows are before the group's).
-    direct = decode_only and splits == 1 and sinks is None
-    direct = direct and direct_fits(num_tokens * num_q_heads, group)
-    if direct:
+    # place: no XLA gather on either side (whole 8-row tiles of q from the boundary at or
+    # before the group's first row: `direct_rows`).
+    lens = (
+        query_start_loc.astype(jnp.int32),
+        num_seqs.astype(jnp.int32),
+        kv_lens.astype(jnp.int32),
+    )
+    static = dict(
+        max_blocks=max_blocks, sm_scale=sm_scale, window=sliding_window, soft_cap=soft_cap
+    )
+    if (
+        decode_only
+        and splits == 1
+        and sinks is None
+        and direct_fits(num_tokens * num_q_heads, group)
+    ):
         num_tiles = max(num_tiles, num_tokens)  # every token's rows written, padding zeros
         seq, keys, first_row = _direct_tiles(
-            query_start_loc.astype(jnp.int32),
-            num_seqs.astype(jnp.int32),
-            kv_lens.astype(jnp.int32),
+            *lens,
             num_tokens=num_tokens,
             num_q_heads=num_q_heads,
             num_tiles=num_tiles,
@@ -592,17 +601,13 @@ def ragged_paged_attention(
         q_rows = q.reshape(num_tokens * num_q_heads, head_dim)
         inputs = [seq, keys, block_map, tables, q_rows, k_cache, v_cache, first_row]
         out_type = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
-        result = _launch(
-            inputs, out_type, plan, q, head_dim, num_tiles * num_kv_heads, interpret,
-            max_blocks=max_blocks, num_splits=1, sm_scale=sm_scale, window=sliding_window,
-            soft_cap=soft_cap, sinks=False, direct=True, group=group,
-        )  # fmt: skip
+        work = num_tiles * num_kv_heads
+        direct = dict(num_splits=1, sinks=False, direct=True, group=group)
+        result = _launch(inputs, out_type, plan, q, work, interpret, **static, **direct)
         return result.reshape(num_tokens, num_q_heads, head_dim)
 
     tiles = _prologue(
-        query_start_loc.astype(jnp.int32),
-        num_seqs.astype(jnp.int32),
-        kv_lens.astype(jnp.int32),
+        *lens,
         num_tokens=num_tokens,
         group=group,
         num_tiles=num_tiles,
@@ -643,11 +648,18 @@ def ragged_paged_attention(
             jax.ShapeDtypeStruct(part, f32),
             jax.ShapeDtypeStruct(part, f32),
         )
+    work = num_tiles * num_kv_heads * splits
     result = _launch(
-        inputs, out_type, plan, q, head_dim, num_tiles * num_kv_heads * splits, interpret,
-        max_blocks=max_blocks, num_splits=splits, sm_scale=sm_scale, window=sliding_window,
-        soft_cap=soft_cap, sinks=in_kernel_sinks,
-    )  # fmt: skip
+        inputs,
+        out_type,
+        plan,
+        q,
+        work,
+        interpret,
+        **static,
+        num_splits=splits,
+        sinks=in_kernel_sinks,
+    )
 
     tile_idx, row_idx = tiles.out_tile[:, None, :], tiles.out_row[:, None, :]  # [T, 1, G]
     if splits == 1:
@@ -659,11 +671,11 @@ def ragged_paged_attention(
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
-def _launch(inputs, out_type, plan, q, head_dim, num_work, interpret, **static) -> Any:
+def _launch(inputs, out_type, plan, q, num_work, interpret, **static) -> Any:
     """The kernel over `inputs` (its shared memory and barriers from `plan`); static: the
     rest of _kernel's keyword arguments."""
     f32, splits, stages = jnp.float32, static["num_splits"], plan.num_stages
-    block_size = inputs[5].shape[1]
+    head_dim, block_size = q.shape[-1], inputs[5].shape[1]
     keys = plan.pages_per_step * block_size
     q_arrivals = 1 if static.get("direct") else 3 if static["sinks"] else 2
     scratch = [

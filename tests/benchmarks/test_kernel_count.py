@@ -52,7 +52,8 @@ def test_entry_kernels_are_the_launches_by_class():
 def test_8b_decode_layer_launches_few_kernels():
     """Issue 68: the 8B decode forward at 256 tokens, one decoder layer's kernels: the four
     GEMMs, the attention, and at most MAX_ELEMENTWISE others (compiled for an H100 with no
-    device on 2026-12-06: 10 before the Mosaic kernel's direct decode path, 8 after;
+    device on 2026-12-06: 10 before, 8 with the Mosaic kernel's direct decode path, 7 with
+    the RMSNorm folded into the next projection's output rows;
     benchmarks/results/layer-kernels-h100-deviceless-2026-12-06.md)."""
     args = EngineArgs(
         model="llama-3-8b", load_format="dummy", dtype="bfloat16", max_model_len=512,
@@ -64,7 +65,7 @@ def test_8b_decode_layer_launches_few_kernels():
     assert result.per_layer["elementwise"] <= MAX_ELEMENTWISE, result.line()
 
 
-MAX_ELEMENTWISE = 8
+MAX_ELEMENTWISE = 7
 
 
 def test_count_per_layer_runs_on_todays_runner(tmp_path, monkeypatch):
