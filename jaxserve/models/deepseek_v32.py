@@ -110,7 +110,10 @@ class DSAAttention(MLAAttention):
         n = k_cache.shape[0] // len(self.v_slots)  # blocks of one slot
         shift = (self.v_slots[self.layer] - self.layer) * n
         slots = jnp.where(md.slot_mapping >= 0, md.slot_mapping + shift * k_cache.shape[1], -1)
-        return md._replace(block_tables=md.block_tables + shift, slot_mapping=slots)
+        table_map = md.table_map and (md.table_map[0], md.table_map[1] + shift)
+        return md._replace(
+            block_tables=md.block_tables + shift, slot_mapping=slots, table_map=table_map
+        )
 
     def __call__(self, x, positions, k_cache, v_cache, md: AttentionMetadata):
         m = self.mla

@@ -157,3 +157,24 @@ def test_fp8_cache_takes_a_quarter_of_the_bytes_and_serves(tiny_dir, monkeypatch
         steps = out.prompt_logprobs[1:] + out.outputs[0].logprobs
         got = [lp[t].logprob for lp, t in zip(steps, ids[1:], strict=True)]
         np.testing.assert_allclose(got, want[np.arange(len(ids) - 1), ids[1:]], atol=FP8_KV_ATOL)
+
+
+@pytest.mark.parametrize("pack", [1, 2])
+def test_a_layers_view_keeps_its_groups_tables_and_their_map(pack):
+    """AttentionMetadata.at_layer: block_tables == base_tables * scale + shift (table_map),
+    what a kernel that maps the ids itself (Mosaic's block_map) reads instead."""
+    from jaxserve.config.kv_groups import FULL, KVCacheGroup, KVCacheLayout
+    from jaxserve.layers.attention import AttentionMetadata
+
+    layout = KVCacheLayout((KVCacheGroup(FULL, None, (0, 1, 2, 3), pack),), 4 // pack)
+    tables = jnp.array([[[0, 3, 5], [1, 2, -1]]], jnp.int32)  # [G=1, S=2, 3]
+    md = AttentionMetadata(
+        jnp.array([[4, -1]]), tables, jnp.array([5, 2]), jnp.array([0, 1, 2]),
+        jnp.array([2]), layout=layout,
+    )  # fmt: skip
+    cache = jnp.zeros((4 // pack * 8, 4, 1, 2))  # 8 blocks a slot
+    for layer in range(4):
+        view = md.at_layer(layer, cache, 4)
+        scale, shift = view.table_map
+        np.testing.assert_array_equal(view.block_tables, view.base_tables * scale + shift)
+        assert (scale, shift) == (pack, layer // pack * 8 * pack + layer % pack)
