@@ -17,7 +17,7 @@ from jaxserve.config.kv_groups import KVCacheLayout
 from jaxserve.distributed.mesh import TP_AXIS
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.lora import LoRABatch
-from jaxserve.layers.norm import HeadsRMSNorm, RMSNorm, rms_normalize
+from jaxserve.layers.norm import HeadsRMSNorm, RMSNorm, rms_normalize, scale_rows
 from jaxserve.layers.rotary import (
     apply_mrope,
     apply_rotary,
@@ -353,7 +353,7 @@ class Attention(nnx.Module):
         """
         t, hd, g = x.shape[0], self.head_dim, self.group
         x, row_scale = _scale_input(x, row_scale, self.qkv_proj.bias, self.gate_proj)
-        qkv = _scale_rows(self.qkv_proj(x, lora), row_scale)
+        qkv = scale_rows(self.qkv_proj(x, lora), row_scale)
         qkv = qkv.reshape(t, self.num_kv_heads, g + 2, hd)  # [T, Hkv, G + 2, hd]
         inv_freq = rope_inv_freq(self.rotary_dim, self.rope)  # a trace-time constant
         q, k = qkv[:, :, :g].reshape(t, -1, hd), qkv[:, :, g]  # [T, Hq, hd], [T, Hkv, hd]
@@ -409,9 +409,4 @@ def _scale_input(x: jax.Array, row_scale, *nonlinear) -> tuple[jax.Array, jax.Ar
     anything (a bias, a gate: the output would not scale with the input)."""
     if row_scale is None or all(n is None for n in nonlinear):
         return x, row_scale
-    return (x * row_scale[:, None]).astype(x.dtype), None
-
-
-def _scale_rows(y: jax.Array, row_scale: jax.Array | None) -> jax.Array:
-    """y [T, N] with each row times row_scale f32[T] (None: y)."""
-    return y if row_scale is None else (y * row_scale[:, None]).astype(y.dtype)
+    return scale_rows(x, row_scale), None

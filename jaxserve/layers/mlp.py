@@ -6,6 +6,7 @@ from flax import nnx
 
 from jaxserve.layers.linear import Linear
 from jaxserve.layers.lora import LoRABatch
+from jaxserve.layers.norm import scale_rows
 
 
 class GatedMLP(nnx.Module):
@@ -35,9 +36,7 @@ class GatedMLP(nnx.Module):
     ) -> jax.Array:
         """x: [T, D] -> [T, D]; lora: the tokens' adapter slots (layers/lora.py); row_scale:
         f32[T] or None, x's rows times it (RMSNorm.split), applied to gate_up_proj's output."""
-        gate_up = self.gate_up_proj(x, lora)
-        if row_scale is not None:
-            gate_up = (gate_up * row_scale[:, None]).astype(gate_up.dtype)
+        gate_up = scale_rows(self.gate_up_proj(x, lora), row_scale)
         gate_up = gate_up.reshape(x.shape[0], -1, 2)  # [T, F, 2]
         gate = gate_up[..., 0]
         if self.act == "gelu_pytorch_tanh":

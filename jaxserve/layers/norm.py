@@ -35,6 +35,12 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x, scale
 
 
+def scale_rows(y: jax.Array, row_scale: jax.Array | None) -> jax.Array:
+    """y [T, N] with each row times row_scale f32[T] (RMSNorm.split's), in y's dtype (None:
+    y)."""
+    return y if row_scale is None else (y * row_scale[:, None]).astype(y.dtype)
+
+
 class HeadsRMSNorm(nnx.Module):
     """RMSNorm over a whole projection laid out as heads: x [..., H, hd] normalised over its
     last two axes together, times weight [H, hd] (MiniMax-M2's q / k norms). Under tensor

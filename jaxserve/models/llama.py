@@ -76,12 +76,13 @@ class DecoderLayer(nnx.Module):
         its own: it joins the kernels that read that output); else norm(x). Not where the
         projection quantizes its input (W8A8: the normalized activations are what a
         checkpoint's scales were calibrated on)."""
-        first = getattr(layer, "qkv_proj", None) or getattr(layer, "gate_up_proj", None)
-        folds = type(norm) is RMSNorm and type(layer) in (Attention, GatedMLP)
-        if folds and first.input_quant is None:
-            h, scale = norm.split(x)
-            return h, {"row_scale": scale}
-        return norm(x), {}
+        if type(norm) is not RMSNorm or type(layer) not in (Attention, GatedMLP):
+            return norm(x), {}
+        first = layer.qkv_proj if type(layer) is Attention else layer.gate_up_proj
+        if first.input_quant is not None:
+            return norm(x), {}
+        h, scale = norm.split(x)
+        return h, {"row_scale": scale}
 
 
 class LlamaForCausalLM(nnx.Module):

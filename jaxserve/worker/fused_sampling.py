@@ -17,7 +17,7 @@ where the gap between executables is device idle time), not on CPU, where one mo
 per bucket costs start-up time for no measured gain. Never with speculative decoding (the
 proposer reads the forward's outputs between the two) or pipeline stages. The fused
 executables compile after the shapes that serve any step (in the background with a
-background start-up); they are never compiled with JAXSERVE_MINIMAL_COMPILE unless it is "1".
+background start-up); with JAXSERVE_MINIMAL_COMPILE only when JAXSERVE_FUSED_SAMPLING is "1".
 """
 
 from __future__ import annotations

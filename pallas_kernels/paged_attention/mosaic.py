@@ -40,7 +40,11 @@ What one work item does:
      (unnormalised O, max, sum) to [splits, tiles, Hkv, R(, D)]; XLA merges the splits
      (flash-decoding) and adds the sinks.
   Tiles write whole slots of their own, so no two programs write the same rows; XLA then
-  gathers each (token, head)'s row back into [T, Hq, D] (padding rows zero).
+  gathers each (token, head)'s row back into [T, Hq, D] (padding rows zero). An unsplit
+  decode without sinks skips both gathers (the direct path, `direct_rows`): each item copies
+  its group's rows straight from q's [T * Hq] rows (from the 8-row boundary at or before
+  them) and stores its output rows straight into the result; padding tokens' tiles store
+  zeros.
 
 Why these choices: a tile's rows come from one sequence, so its pages are shared by all its
 rows (GQA heads share each page load); TMA boxes must be rectangular with static shapes,
