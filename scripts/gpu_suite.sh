@@ -241,7 +241,7 @@ else
     E_Q8B=150 L_Q8B=260
     # three engines (reference, Triton, Mosaic), each compiling what it does not share
     AGREE_ARGS=(--batch-sizes 1 256 --input-len 32 --output-len 128) E_AGREE=330 L_AGREE=480
-    LK_ARGS=(--tokens 256) E_LK=60 L_LK=150 # two compiles of a 3- and 4-layer forward
+    LK_ARGS=(--tokens 256 --list) E_LK=60 L_LK=150 # two compiles of a 3- and 4-layer forward
     GEMM_ARGS=(--tokens 1,32,256) E_GEMM=60 L_GEMM=150 # three processes, 12 shapes each
     L_ENV=90 L_COPY=60 L_PYTEST=240 L_LOWERING=200 L_MODEL=150 L_HF=240 L_KERNEL=240
     L_PROFILE=180 L_TUNE=150 L_KV=90 L_MLA=90

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import re
 
 import jax
@@ -71,7 +72,8 @@ def cuda_devices() -> tuple[list, str]:
 
 
 def entry_kernels(hlo_text: str) -> list[tuple[str, str]]:
-    """(class, instruction) of each kernel the optimized HLO's entry computation launches."""
+    """(class, "%name type") of each kernel the optimized HLO's entry computation launches
+    (the type without layouts: a split-K GEMM's shows its f32 partial sums, [k, M, N])."""
     entry = hlo_text[hlo_text.index("\nENTRY") :]
     entry = entry[: entry.index("\n}")]
     out = []
@@ -79,7 +81,9 @@ def entry_kernels(hlo_text: str) -> list[tuple[str, str]]:
         opcode = _opcode(line)
         if opcode is None or opcode in _NO_KERNEL:
             continue
-        out.append((_classify(opcode, line), line.strip().split(" = ")[0]))
+        name, _, rest = line.strip().partition(" = ")
+        shape = re.sub(r"\{[^}]*\}", "", rest[: rest.index(f"{opcode}(")]).strip()
+        out.append((_classify(opcode, line), f"{name} {shape}"))
     return out
 
 
@@ -212,6 +216,7 @@ def count_per_layer(
         )
         text = forward_hlo(args, devices, tokens, decode_only)
         if dump_dir:
+            os.makedirs(dump_dir, exist_ok=True)
             with open(f"{dump_dir}/forward_L{n}.txt", "w") as f:
                 f.write(text)
         kernels = entry_kernels(text)
