@@ -26,7 +26,8 @@
 #                          gpt-oss-20b and qwen3-30b-a3b at batch 1, tokamax's grouped matmul
 #                          (JAXSERVE_MOE_KERNEL=tokamax, _tokamax) against the engine's default,
 #                          XLA's ragged_dot, in the same run; gpt-oss-20b with MXFP4
-#                          experts (-q mxfp4) at batch 1; the bf16 pairs at batch 32
+#                          experts (-q mxfp4) at batch 1, XLA's and jaxserve's Mosaic kernel
+#                          (JAXSERVE_MOE_KERNEL=mosaic, _mosaic); the bf16 pairs at batch 32
 #   4    q8b_*             scripts/bench_latency.py, the 8B model with packed dummy weights
 #                          (-q int4: W4A16 group 128; -q fp8_block: W8A16 128x128) at batch 1
 #                          and 32, against latency_b1 / _b32 (bf16) in the same run
@@ -361,6 +362,11 @@ moe_pair "${MOE_BATCHES[0]}"
 step moe_gpt_oss_20b_mxfp4_b1 other "$E_MOE_LAT" "$L_MOE_LAT" "$PYTHON" scripts/bench_latency.py \
     --model "${MOE_PRESETS[0]}" --load-format dummy -q mxfp4 --batch-size 1 "${MOE_LAT_ARGS[@]}" \
     --output-json "$WORK/moe_gpt_oss_20b_mxfp4_b1.json"
+# the same with jaxserve's own Mosaic kernel (the experts decoded inside the matmul, the routed
+# ones read only): issue 66's must-show (>= 0.6 of the step's memory bound)
+step moe_gpt_oss_20b_mxfp4_b1_mosaic other "$E_MOE_LAT" "$L_MOE_LAT" env JAXSERVE_MOE_KERNEL=mosaic \
+    "$PYTHON" scripts/bench_latency.py --model "${MOE_PRESETS[0]}" --load-format dummy -q mxfp4 \
+    --batch-size 1 "${MOE_LAT_ARGS[@]}" --output-json "$WORK/moe_gpt_oss_20b_mxfp4_b1_mosaic.json"
 for moe_b in "${MOE_BATCHES[@]:1}"; do moe_pair "$moe_b"; done
 # the dense model with packed dummy weights (issue 67): each format's decode step at batch 1
 # and LAT_TOP, against latency_b1 / latency_b$LAT_TOP (bf16, the same engine arguments)

@@ -83,8 +83,22 @@ def entry_kernels(hlo_text: str) -> list[tuple[str, str]]:
             continue
         name, _, rest = line.strip().partition(" = ")
         shape = re.sub(r"\{[^}]*\}", "", rest[: rest.index(f"{opcode}(")]).strip()
-        out.append((_classify(opcode, line), f"{name} {shape}"))
+        cls = _classify(opcode, line)
+        if opcode == "fusion" and "kind=kCustom" in line and cls == "elementwise":
+            # a custom call XLA wrapped with its operands' address arithmetic (a
+            # dynamic_slice_fusion around a Pallas kernel): the call's class
+            called = re.search(r"calls=(%[\w.-]+)", line)
+            body = _computation(hlo_text, called.group(1)) if called else ""
+            calls = [ln for ln in body.splitlines() if _opcode(ln) == "custom-call"]
+            cls = _classify("custom-call", calls[-1]) if calls else cls
+        out.append((cls, f"{name} {shape}"))
     return out
+
+
+def _computation(hlo_text: str, name: str) -> str:
+    """The body of computation `name` (e.g. "%fused_add") in the HLO text, or ""."""
+    start = hlo_text.find(f"\n{name} (")
+    return "" if start < 0 else hlo_text[start : hlo_text.find("\n}", start)]
 
 
 def count(hlo_text: str) -> collections.Counter:
@@ -181,12 +195,13 @@ def forward_hlo(engine_args, devices: list, tokens: int, decode_only: bool) -> s
     inputs = jax.tree.map(
         lambda x: on_mesh(np.asarray(x), P()), runner._padding(tokens, decode_only)
     )
-    lowered = forward.lower(
-        jax.tree.map(on_mesh, params),
-        jax.tree.map(on_mesh, runner.kv_caches),
-        on_mesh(runner.step_state),
-        inputs,
-    )
+    with jax.default_device(devices[0]):  # what the kernels' choices read (the MoE's)
+        lowered = forward.lower(
+            jax.tree.map(on_mesh, params),
+            jax.tree.map(on_mesh, runner.kv_caches),
+            on_mesh(runner.step_state),
+            inputs,
+        )
     return lowered.compile().as_text()
 
 

@@ -98,6 +98,14 @@ def route_softmax_groups(
     return ids.astype(jnp.int32), weights * routing.routed_scaling_factor
 
 
+def _bincount(x: jax.Array, length: int) -> jax.Array:
+    """jnp.bincount(x, length=length); for few rows a one-hot sum, which joins the fusions
+    around it (bincount is a zeroed buffer and a scatter: two kernels of their own)."""
+    if x.shape[0] * length > 1 << 16:
+        return jnp.bincount(x, length=length)
+    return jnp.sum(x[:, None] == jnp.arange(length), axis=0, dtype=jnp.int32)
+
+
 def expert_mlp(
     x: jax.Array,
     ids: jax.Array,
@@ -122,7 +130,7 @@ def expert_mlp(
     order = jnp.argsort(flat, stable=True)  # rows sorted by expert
     local = flat[order] - first_expert
     is_local = (local >= 0) & (local < num_local)
-    group_sizes = jnp.bincount(jnp.where(is_local, local, num_local), length=num_local + 1)
+    group_sizes = _bincount(jnp.where(is_local, local, num_local), num_local + 1)
     # Rows of earlier (other devices') experts come first: rotate them past the local ones,
     # whose groups ragged_dot then reads from row 0; rows past the groups come back zero.
     start = jnp.sum(local < 0)

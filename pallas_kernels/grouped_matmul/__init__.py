@@ -5,8 +5,8 @@ times its expert's weights, `jax.lax.ragged_dot`'s contract (its reference here)
 
 rows sum(group_sizes[:g]) .. + group_sizes[g] - 1 times w[g]; rows past the groups are zero.
 w may be kept packed (`packed.Packed`: fp8 with block scales, int4, MXFP4): the CPU tile loop
-decodes one tile's expert at a time; elsewhere the stack is decoded whole before the matmul
-(no packed GPU kernel yet: pallas_kernels/README.md).
+decodes one tile's expert at a time, the Mosaic GPU kernel inside the matmul; the others
+decode the stack whole before it.
 
 Implementations, one chosen per call as it is traced (`choose`):
   - "tiles" (CPU): `cpu.tiled`, a loop over tiles of rows, each tile one dot with its group's
@@ -78,6 +78,12 @@ def _mosaic():
     return mosaic
 
 
+def _target() -> jax.Device:
+    """The device a trace compiles for: the default device where one is set (a deviceless
+    GPU target among them: benchmarks/count_kernels.py), else the default backend's first."""
+    return jax.config.jax_default_device or jax.devices()[0]
+
+
 def _sm90_or_later(device: jax.Device) -> bool:
     try:
         return float(getattr(device, "compute_capability", "0")) >= 9.0
@@ -88,18 +94,18 @@ def _sm90_or_later(device: jax.Device) -> bool:
 def choose(x: jax.Array, w: jax.Array | Packed) -> str:
     """The implementation for these operands on the default backend (see the module doc)."""
     forced = envs.JAXSERVE_MOE_KERNEL
-    backend = jax.default_backend()
-    if backend == "cpu":
+    device = _target()
+    if device.platform == "cpu":
         return "xla" if forced == "xla" else "tiles"
     dtype = x.dtype if isinstance(w, Packed) else w.dtype  # packed: decoded into x's dtype
-    mosaic = _mosaic() if backend == "gpu" and forced == "mosaic" else None
-    if mosaic is not None and _sm90_or_later(jax.devices()[0]) and mosaic.fits(x, w):
+    mosaic = _mosaic() if device.platform == "gpu" and forced == "mosaic" else None
+    if mosaic is not None and _sm90_or_later(device) and mosaic.fits(x, w):
         return "mosaic"
-    if backend != "gpu" or forced != "tokamax" or x.dtype != dtype:
+    if device.platform != "gpu" or forced != "tokamax" or x.dtype != dtype:
         return "xla"
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         return "xla"
-    if not _sm90_or_later(jax.devices()[0]) or _tokamax_ragged_dot() is None:
+    if not _sm90_or_later(device) or _tokamax_ragged_dot() is None:
         return "xla"
     return "tokamax"
 

@@ -66,7 +66,10 @@ def tile_table(group_sizes: jax.Array, num_rows: int) -> tuple[jax.Array, int]:
     count = jnp.where(group_sizes > 0, (ends - 1) // ROWS - first + 1, 0)
     tile_end = jnp.cumsum(count)
     ids = jnp.arange(max_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, ids, side="right"), g - 1).astype(jnp.int32)
+    # compare_all: a [max_tiles, G] comparison in one fusion (the default binary search is a
+    # while loop, kernels of its own each iteration)
+    group = jnp.searchsorted(tile_end, ids, side="right", method="compare_all")
+    group = jnp.minimum(group, g - 1).astype(jnp.int32)
     block = first[group] + ids - (tile_end[group] - count[group])
     lo = jnp.maximum(starts[group], block * ROWS)
     hi = jnp.minimum(ends[group], (block + 1) * ROWS)

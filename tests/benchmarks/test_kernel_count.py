@@ -20,6 +20,12 @@ HLO = """HloModule jit_forward, entry_computation_layout={...}
   ROOT %add = bf16[8]{0} add(%p0, %p1)
 }
 
+%dynamic-slice-fusion (p0: s32[2,8], p1: bf16[8,8]) -> bf16[8,8] {
+  %p0 = s32[2,8]{1,0} parameter(0)
+  %slice = s32[1,8]{1,0} slice(%p0), slice={[1:2], [0:8]}
+  ROOT %mpmd_map.8 = bf16[8,8]{1,0} custom-call(%slice, %p1), custom_call_target="mosaic_gpu_v2"
+}
+
 ENTRY %main.41 (a: bf16[8,8], b: bf16[8]) -> (bf16[8], s32[]) {
   %a = bf16[8,8]{1,0} parameter(0)
   %b = bf16[8]{0} parameter(1)
@@ -29,6 +35,7 @@ ENTRY %main.41 (a: bf16[8,8], b: bf16[8]) -> (bf16[8], s32[]) {
   %cublas = (bf16[8,8]{1,0}, s8[0]{0}) custom-call(%a, %a), custom_call_target="__cublas$gemm"
   %mpmd_map.2 = bf16[8,8]{1,0} custom-call(%a), custom_call_target="mosaic_gpu_v2"
   %triton = bf16[8,8]{1,0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"
+  %dynamic_slice_fusion = bf16[8,8]{1,0} fusion(%i, %a), kind=kCustom, calls=%dynamic-slice-fusion
   %loop_add_fusion = bf16[8]{0} fusion(%b, %b), kind=kLoop, calls=%fused_add
   %tuple.1 = (s32[], bf16[8]{0}) tuple(%constant_1, %b)
   %while.3 = (s32[], bf16[8]{0}) while(%tuple.1), condition=%cond, body=%body
@@ -42,10 +49,17 @@ ENTRY %main.41 (a: bf16[8,8], b: bf16[8]) -> (bf16[8], s32[]) {
 def test_entry_kernels_are_the_launches_by_class():
     kernels = entry_kernels(HLO)
     assert [name for _, name in kernels] == [
-        "%gemm_fusion_dot", "%cublas", "%mpmd_map.2", "%triton", "%loop_add_fusion",
-        "%while.3", "%copy.1",
-    ]  # fmt: skip
-    assert count(HLO) == collections.Counter(gemm=2, pallas=2, elementwise=2, control=1)
+        "%gemm_fusion_dot f32[2,8,8]",
+        "%cublas (bf16[8,8], s8[0])",
+        "%mpmd_map.2 bf16[8,8]",
+        "%triton bf16[8,8]",
+        "%dynamic_slice_fusion bf16[8,8]",
+        "%loop_add_fusion bf16[8]",
+        "%while.3 (s32[], bf16[8])",
+        "%copy.1 bf16[8]",
+    ]  # each with its type, layouts left out (a split-K GEMM's f32 partials show)
+    # the Pallas call XLA wrapped in a dynamic_slice_fusion (its operand's slice) is one
+    assert count(HLO) == collections.Counter(gemm=2, pallas=3, elementwise=2, control=1)
 
 
 @pytest.mark.gpu

@@ -156,6 +156,23 @@ def test_expert_mlp_skips_rows_of_other_devices_experts():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
 
+def test_expert_mlp_is_the_same_for_many_rows_as_for_few():
+    """Group sizes are counted by comparisons for few rows and by jnp.bincount for many: a
+    batch of 12,000 tokens (the latter) equals its 100-token slices (the former) row by row."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(12_000, 8)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 4, size=(12_000, 2)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(12_000, 2)), jnp.float32)
+    w13 = jnp.asarray(rng.normal(size=(2, 8, 6)), jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
+    mlp = jax.jit(expert_mlp, static_argnames="first_expert")
+    whole = mlp(x, ids, weights, w13, w2, first_expert=1)
+    for start in (0, 5_000, 11_900):
+        part = slice(start, start + 100)
+        got = mlp(x[part], ids[part], weights[part], w13, w2, first_expert=1)
+        np.testing.assert_allclose(np.asarray(whole[part]), np.asarray(got), atol=1e-5)
+
+
 # Experts split by F (tensor parallel) on gpt-oss (expert biases, the clamped SwiGLU; sinks
 # split with the query heads) and Llama 4 (chunked and global attention split by heads, a
 # shared expert split as a dense MLP); experts split whole (expert parallel) on gpt-oss and
