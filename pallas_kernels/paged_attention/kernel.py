@@ -49,6 +49,7 @@ from pallas_kernels.paged_attention.tiling import (
     assign_tiles,
     decode_rows,
     decode_seqs,
+    merge_splits,
     plan_attention,
 )
 
@@ -333,20 +334,6 @@ def _mixed_kernel(
             plgpu.store(l_ref.at[rows_here], l, mask=row_ok)
 
 
-def _merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, sink=None) -> jax.Array:
-    """Partial softmaxes of the same rows over disjoint key ranges -> their attention:
-    o f32[K, ..., D] unnormalised outputs, m and l f32[K, ...] their maxima (log2 units)
-    and sums -> f32[..., D]; sink (f32[...], log2 units; broadcast) joins the denominator."""
-    m_all = jnp.max(m, axis=0)
-    if sink is not None:
-        m_all = jnp.maximum(m_all, sink)
-    w = jnp.exp2(m - m_all[None])
-    denom = jnp.sum(w * l, axis=0)
-    if sink is not None:
-        denom = denom + jnp.exp2(sink - m_all)
-    return jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]
-
-
 def _partial_outputs(part: tuple[int, ...], index, head_dim: int):
     """out_specs and out_shape of a split kernel's float32 partials: the unnormalised output
     part + [D] and its softmax max and sum, part; index(*program_ids) gives each program's
@@ -515,7 +502,7 @@ def _decode(
         name="ragged_paged_attention_decode",
     )(*args)
 
-    out = result if num_splits == 1 else _merge_splits(*result, sink_rows)  # [S, Hv, rows, Dv]
+    out = result if num_splits == 1 else merge_splits(*result, sink_rows)  # [S, Hv, rows, Dv]
     out = out[:, :, :group].astype(q.dtype)
     # Each sequence's row goes back to its token; sequences that read nothing go nowhere.
     return out, jnp.where(kv_lens > 0, query_start_loc[:max_seqs], num_tokens)
@@ -629,7 +616,7 @@ def _mixed(
     if sinks is not None:
         merge_sink = jnp.tile(sink_rows[:, :group], (1, num_tokens + -(-q_block // group)))
         merge_sink = merge_sink[:, :padded]
-    out = result if num_splits == 1 else _merge_splits(*result, merge_sink).astype(q.dtype)
+    out = result if num_splits == 1 else merge_splits(*result, merge_sink).astype(q.dtype)
 
     out = out[:, :num_rows].reshape(num_heads, num_tokens, group, out_dim)
     return out.transpose(1, 0, 2, 3)

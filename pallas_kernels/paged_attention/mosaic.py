@@ -77,6 +77,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # ImportError without M
 
 from pallas_kernels.paged_attention import mosaic_tiling
 from pallas_kernels.paged_attention.mosaic_tiling import HOPPER_SMEM_BYTES, TILE_ROWS
+from pallas_kernels.paged_attention.tiling import merge_splits
 
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite "minus infinity": rows without keys stay finite and give 0
@@ -665,12 +666,13 @@ def ragged_paged_attention(
         sinks=in_kernel_sinks,
     )
 
+    if splits > 1:  # merged where the kernel wrote them (no gathers of the partial results)
+        sink_rows = None
+        if sink_log2 is not None:  # each tile row's, [tiles, Hkv, R]
+            sink_rows = sink_log2[:, tiles.row_head[:, :rows]].transpose(1, 0, 2)
+        result = merge_splits(*result, sink_rows)  # [tiles, Hkv, R, D]
     tile_idx, row_idx = tiles.out_tile[:, None, :], tiles.out_row[:, None, :]  # [T, 1, G]
-    if splits == 1:
-        out = result[tile_idx, heads, row_idx]  # [T, Hkv, G, D]
-    else:
-        o, m, l = (x[:, tile_idx, heads, row_idx] for x in result)  # [K, T, Hkv, G(, D)]
-        out = _merge_splits(o, m, l, None if sink_log2 is None else sink_log2[None])
+    out = result[tile_idx, heads, row_idx]  # [T, Hkv, G, D]
     out = jnp.where(tiles.token_real[:, None, None, None], out, 0).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
@@ -751,17 +753,3 @@ def _direct_tiles(
     first = jnp.zeros_like(kv_len) if window is None else jnp.maximum(kv_len - window, 0)
     keys = jnp.stack([first, kv_len], axis=1).reshape(-1)
     return jnp.where(attend, ids, -1), keys, first_row
-
-
-def _merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, sink=None) -> jax.Array:
-    """Partial softmaxes of the same rows over disjoint key ranges: o f32[K, ..., D]
-    unnormalised outputs, m and l f32[K, ...] their maxima (log2 units) and sums -> f32[...,
-    D]; sink (f32, broadcast to [...], log2 units) joins the denominator."""
-    m_all = jnp.max(m, axis=0)
-    if sink is not None:
-        m_all = jnp.maximum(m_all, sink)
-    w = jnp.exp2(m - m_all[None])
-    denom = jnp.sum(w * l, axis=0)
-    if sink is not None:
-        denom = denom + jnp.exp2(sink - m_all)
-    return jnp.sum(w[..., None] * o, axis=0) / jnp.maximum(denom, 1e-30)[..., None]

@@ -295,3 +295,23 @@ def assign_tiles(
     tile_seq_c = jnp.minimum(tile_seq, max_seqs - 1)
     tile_row = (tile_ids - (ends[tile_seq_c] - tiles[tile_seq_c])) * q_block
     return jnp.where(tile_ids < ends[-1], tile_seq, -1), tile_row
+
+
+def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, sink=None) -> jax.Array:
+    """Partial softmaxes of the same rows over disjoint key ranges -> their attention:
+    o f32[K, ..., D] unnormalised outputs, m and l f32[K, ...] their maxima (log2 units)
+    and sums -> f32[..., D]; sink (f32, broadcast to [...], log2 units) joins the
+    denominator. The K splits (a static count) are unrolled into elementwise terms, so the
+    merge, with the gathers that feed it, is one loop fusion (reductions over the split axis
+    were a kernel each: three or four launches a layer for a split decode)."""
+    splits = range(m.shape[0])
+    m_all = functools.reduce(jnp.maximum, [m[k] for k in splits])
+    if sink is not None:
+        m_all = jnp.maximum(m_all, sink)
+    w = [jnp.exp2(m[k] - m_all) for k in splits]
+    denom = functools.reduce(jnp.add, [w[k] * l[k] for k in splits])
+    if sink is not None:
+        denom = denom + jnp.exp2(sink - m_all)
+    num = functools.reduce(jnp.add, [w[k][..., None] * o[k] for k in splits])
+    return num / jnp.maximum(denom, 1e-30)[..., None]
+

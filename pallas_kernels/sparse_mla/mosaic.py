@@ -57,11 +57,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu  # ImportError without M
 from pallas_kernels.paged_attention import mosaic_tiling
 from pallas_kernels.paged_attention.mosaic import (
     _default_num_sms,
-    _merge_splits,
     _Ops,
     persistent_kernel,
     swizzled_smem,
 )
+from pallas_kernels.paged_attention.tiling import merge_splits
 
 ROWS = 64  # head rows of a tile: one warpgroup's wgmma M
 KEYS = 64  # listed tokens per step
@@ -318,6 +318,6 @@ def sparse_mla(
         name="sparse_mla_mosaic",
     )(padded.reshape(-1), counts, q_tiles, rows)
 
-    out = result.astype(f32) if splits == 1 else _merge_splits(*result)  # [T, tiles, 2, 64, 256]
+    out = result.astype(f32) if splits == 1 else merge_splits(*result)  # [T, tiles, 2, 64, 256]
     out = out.transpose(0, 1, 3, 2, 4).reshape(num_tokens, head_tiles * ROWS, 2 * HALF)
     return out[:, :num_heads]
