@@ -41,10 +41,10 @@ What one work item does:
      (flash-decoding) and adds the sinks.
   Tiles write whole slots of their own, so no two programs write the same rows; XLA then
   gathers each (token, head)'s row back into [T, Hq, D] (padding rows zero). An unsplit
-  decode without sinks skips both gathers (the direct path, `direct_rows`): each item copies
-  its group's rows straight from q's [T * Hq] rows (from the 8-row boundary at or before
-  them) and stores its output rows straight into the result; padding tokens' tiles store
-  zeros.
+  decode skips both gathers (the direct path, `direct_rows`): each item copies its group's
+  rows straight from q's [T * Hq] rows (from the 8-row boundary at or before them) and stores
+  its output rows straight into the result; padding tokens' tiles store zeros. Sinks there
+  (Hq a multiple of 8) come from the sinks wrapped around, [Hq + 64], at the first row's head.
 
 Why these choices: a tile's rows come from one sequence, so its pages are shared by all its
 rows (GQA heads share each page load); TMA boxes must be rectangular with static shapes,
@@ -224,11 +224,12 @@ def _kernel(
     (scale, shift: a table entry b is block b * scale + shift); tables_ref i32[S *
     max_blocks]; q_ref [tiles, Hkv, R, D]; k_ref, v_ref [num_blocks, block_size,
     Hkv, D]; pos_ref i32[tiles, 64]; then sink_ref f32[tiles, Hkv, 64] (when
-    `sinks`, unsplit only), the outputs (unsplit: o_ref [tiles, Hkv, R, D] in q's dtype;
+    `sinks`, unsplit only; direct: f32[Hq + 64], the sinks in log2 units wrapped around),
+    the outputs (unsplit: o_ref [tiles, Hkv, R, D] in q's dtype;
     split: o_ref f32[splits, tiles, Hkv, R, D], m_ref and l_ref f32[splits, tiles, Hkv,
     R]) and the scratch buffers (shared memory and barriers).
 
-    `direct` (decode only, unsplit, no sinks): q_ref and o_ref are the caller's [T * Hq, D]
+    `direct` (decode only, unsplit): q_ref and o_ref are the caller's [T * Hq, D]
     rows, pos_ref i32[tiles] is each tile's first row there (its token's, -1: none), and a
     tile whose sequence is -1 but has a token writes zeros to its rows (see
     `_direct_tiles`)."""
@@ -298,7 +299,10 @@ def _kernel(
         else:
             plgpu.copy_gmem_to_smem(q_ref.at[tile, head], first_rows(q_smem), q_bar)
             plgpu.copy_gmem_to_smem(pos_ref.at[tile], pos_smem, q_bar)
-        if sinks:
+        if sinks and direct:  # the rows' query heads: from start's, modulo Hq (8-aligned)
+            first_head = pl.multiple_of(lax.rem(start, sink_ref.shape[0] - TILE_ROWS), 8)
+            plgpu.copy_gmem_to_smem(sink_ref.at[pl.ds(first_head, TILE_ROWS)], sink_smem, q_bar)
+        elif sinks:
             plgpu.copy_gmem_to_smem(sink_ref.at[tile, head], sink_smem, q_bar)
 
         # The keys the tile sees: from its first row's window to its last row's position.
@@ -592,7 +596,7 @@ def ragged_paged_attention(
     if (
         decode_only
         and splits == 1
-        and sinks is None
+        and (sinks is None or num_q_heads % 8 == 0)
         and direct_fits(num_tokens * num_q_heads, group)
     ):
         num_tiles = max(num_tiles, num_tokens)  # every token's rows written, padding zeros
@@ -605,9 +609,12 @@ def ragged_paged_attention(
         )
         q_rows = q.reshape(num_tokens * num_q_heads, head_dim)
         inputs = [seq, keys, block_map, tables, q_rows, k_cache, v_cache, first_row]
+        if sinks is not None:  # a tile's rows from q row `start` take sinks[start % Hq + r]
+            wrapped = jnp.arange(num_q_heads + TILE_ROWS) % num_q_heads
+            inputs.append(sinks.astype(jnp.float32)[wrapped] * _LOG2E)
         out_type = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
         work = num_tiles * num_kv_heads
-        direct = dict(num_splits=1, sinks=False, direct=True, group=group)
+        direct = dict(num_splits=1, sinks=sinks is not None, direct=True, group=group)
         result = _launch(inputs, out_type, plan, q, work, interpret, **static, **direct)
         return result.reshape(num_tokens, num_q_heads, head_dim)
 
@@ -683,7 +690,7 @@ def _launch(inputs, out_type, plan, q, num_work, interpret, **static) -> Any:
     f32, splits, stages = jnp.float32, static["num_splits"], plan.num_stages
     head_dim, block_size = q.shape[-1], inputs[5].shape[1]
     keys = plan.pages_per_step * block_size
-    q_arrivals = 1 if static.get("direct") else 3 if static["sinks"] else 2
+    q_arrivals = (1 if static.get("direct") else 2) + static["sinks"]
     scratch = [
         swizzled_smem((TILE_ROWS, head_dim), q.dtype),  # q
         swizzled_smem((stages, keys, head_dim), q.dtype),  # k

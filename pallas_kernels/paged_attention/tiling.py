@@ -314,4 +314,3 @@ def merge_splits(o: jax.Array, m: jax.Array, l: jax.Array, sink=None) -> jax.Arr
         denom = denom + jnp.exp2(sink - m_all)
     num = functools.reduce(jnp.add, [w[k][..., None] * o[k] for k in splits])
     return num / jnp.maximum(denom, 1e-30)[..., None]
-

@@ -282,6 +282,30 @@ def test_interpret_direct_decode_reads_and_writes_q_in_place(heads):
     )
 
 
+@pytest.mark.parametrize("heads", [(8, 2), (16, 2), (24, 2)])
+def test_interpret_direct_decode_with_sinks(heads):
+    """gpt-oss's sinks (and window) on the direct path: each tile's rows take the sinks of
+    their query heads from the wrapped table at its first row's head (GQA 4 and 8 from an
+    aligned row; GQA 12: 16 rows from 4 before the group, the last token's last group
+    clamped to q's end). Race-checked."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    hq, hkv = heads
+    assert mosaic.direct_fits(len(DECODE) * hq, hq // hkv)
+    case = make_case(DECODE, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, block_size=16,
+                     dtype=BF16, seed=8)  # fmt: skip
+    sinks = np.linspace(-2.0, 6.0, hq).astype(np.float32)
+    scale = 64**-0.5
+    out = ragged_paged_attention(
+        *_args(case), jnp.asarray(sinks), sm_scale=scale, sliding_window=37, decode_only=True,
+        num_kv_splits=1, num_stages=2, num_sms=3, interpret=interpret_params(detect_races=True),
+    )  # fmt: skip
+    assert gpu_callbacks.get_races().races_found is False
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), naive_attention(case, scale, 37, None, sinks), atol=2e-2
+    )
+
+
 def test_refuses_what_it_does_not_implement():
     """float32 (tf32 on wgmma), fp8 caches, attention chunks and MLA name the Triton
     kernel; shapes it cannot tile raise ValueError."""
@@ -340,6 +364,10 @@ def test_decode_lowers_for_cuda_at_llama_shapes(num_seqs, max_blocks, results):
     are read from q and written to the output in place (the direct path: no XLA gathers)."""
     args = _llama_args(num_seqs, max_blocks, num_seqs)
     assert _mosaic_results(args, decode_only=True, num_sms=132) == [results]
+    # gpt-oss's sinks and window on the same path (the sinks from a wrapped table)
+    sinks = jnp.zeros((32,), jnp.float32)
+    kw = dict(decode_only=True, num_sms=132, sliding_window=128)
+    assert _mosaic_results((*args[:7], sinks), **kw) == [results]
 
 
 @pytest.mark.cuda_lowering
