@@ -39,25 +39,12 @@ from pallas_kernels.grouped_matmul.packed import Packed
 
 def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """Router logits [T, E] -> (expert ids i32[T, k], weights f32[T, k]): the top-k of the
-    float32 softmax over all experts, renormalised to sum to 1 when asked (HF's routing).
-    Renormalised, that is the softmax over the k largest logits (gpt-oss's order of work):
-    no softmax over every expert (a kernel of its own a layer)."""
-    logits = logits.astype(jnp.float32)
+    float32 softmax over all experts, renormalised to sum to 1 when asked (HF's routing)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
     if renormalize:
-        top, ids = jax.lax.top_k(logits, top_k)
-        return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
     return ids.astype(jnp.int32), weights
-
-
-def _logits(gate: Linear, x: jax.Array) -> jax.Array:
-    """A router's logits, float32 [T, E]: x @ kernel accumulated into float32 (+ bias) for
-    an unquantized router (its product a reduction fused with x's use; in x's dtype, XLA
-    writes the [D, E] products first at one token), else the Linear's output."""
-    if any(a is not None for a in (gate.scale, gate.perm, gate.input_quant, gate.lora)):
-        return gate(x).astype(jnp.float32)
-    logits = jnp.dot(x, gate.kernel[...], preferred_element_type=jnp.float32)
-    return logits if gate.bias is None else logits + gate.bias[...].astype(jnp.float32)
 
 
 def route_noaux_tc(
@@ -229,7 +216,7 @@ class FusedMoE(nnx.Module):
             top, ids = jax.lax.top_k(self.gate(x).astype(jnp.float32), self.top_k)
             return ids.astype(jnp.int32), jax.nn.sigmoid(top)
         if self.routing.scoring == "softmax":
-            return route(_logits(self.gate, x), self.top_k, self.renormalize)
+            return route(self.gate(x), self.top_k, self.renormalize)
         # DeepSeek's routers score in float32 whatever the model dtype (as HF computes them)
         logits = x.astype(jnp.float32) @ self.gate.kernel[...].astype(jnp.float32)
         if self.routing.scoring == "softmax_group":
