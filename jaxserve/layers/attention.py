@@ -154,17 +154,24 @@ def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, scale: float = 
     """Scatter new: [T, Hkv, D] into cache: [num_blocks, block_size, Hkv, D] at slots: [T].
 
     An fp8 cache stores new / scale, saturated at the format's largest value (a plain cast
-    would make NaN of anything past it). Negative slots (padding) are dropped. With the cache
-    donated this updates it in place. The scatter indexes the 4-D cache by (block, offset): on
-    a reshaped view XLA:CPU turns a one-token write into a dynamic-update-slice of the view,
+    would make NaN of anything past it). Negative slots (padding) write row 0 of the cache,
+    a null block (core/block_pool.py: never handed out, only ever read masked), so a
+    one-token write is one dynamic-update-slice. With the cache donated
+    this updates it in place. The scatter indexes the 4-D cache by (block, offset): on a
+    reshaped view XLA:CPU turns a one-token write into a dynamic-update-slice of the view,
     which it runs on a copy of the whole cache.
     """
-    num_blocks, block_size = cache.shape[:2]
-    blocks = jnp.where(slots >= 0, slots // block_size, num_blocks)  # out of range: dropped
+    block_size = cache.shape[1]
     if is_fp8(cache.dtype):
         top = float(jnp.finfo(cache.dtype).max)
         new = jnp.clip(new.astype(jnp.float32) / scale, -top, top)
-    return cache.at[blocks, slots % block_size].set(new.astype(cache.dtype), mode="drop")
+    slots = jnp.maximum(slots, 0)  # padding: the null block's first row
+    new = new.astype(cache.dtype)
+    if slots.shape[0] == 1:  # one token: a dynamic-update-slice (a scatter skips out-of-range
+        # rows, which XLA keeps as a bounds check, a read of the old row and a select)
+        start = (slots[0] // block_size, slots[0] % block_size, 0, 0)
+        return jax.lax.dynamic_update_slice(cache, new[None], start)
+    return cache.at[slots // block_size, slots % block_size].set(new, mode="promise_in_bounds")
 
 
 def is_fp8(dtype) -> bool:
