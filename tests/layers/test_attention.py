@@ -24,13 +24,28 @@ from tests.helpers import hf_logits, hf_model, make_tiny_hf, runner_of
 def test_fp8_write_divides_by_the_scale_and_saturates():
     cache = jnp.zeros((2, 4, 1, 2), jnp.float8_e4m3fn)
     new = jnp.array([[[1.0, -2000.0]], [[900.0, 3.0]]])  # [T=2, Hkv=1, D=2]
-    slots = jnp.array([1, -1])  # the second is padding: dropped
+    slots = jnp.array([5, -1])  # the second is padding: the null block's (block 0's) row 0
     out = np.asarray(write_kv(cache, new, slots, scale=1.0), np.float32)
-    np.testing.assert_array_equal(out[0, 1, 0], [1.0, -448.0])  # saturated, not NaN
-    assert not out[1].any() and not out[0, 0].any()
+    np.testing.assert_array_equal(out[1, 1, 0], [1.0, -448.0])  # saturated, not NaN
+    np.testing.assert_array_equal(out[0, 0, 0], [448.0, 3.0])
+    assert not out[0, 1:].any() and not out[1, [0, 2, 3]].any()  # nothing else written
     out = np.asarray(write_kv(cache, new, jnp.array([5, 6]), scale=8.0), np.float32)
     np.testing.assert_array_equal(out[1, 1, 0], [0.125, -256.0])  # -250: e4m3's nearest
     np.testing.assert_array_equal(out[1, 2, 0], [112.0, 0.375])  # 900 / 8 = 112.5 -> 112
+
+
+def test_one_token_write_lands_at_its_slot_and_padding_in_the_null_block():
+    """A one-token write (a dynamic-update-slice) as the scatter would place it."""
+    cache = jnp.zeros((3, 4, 2, 2), jnp.float32)
+    new = jnp.arange(4.0).reshape(1, 2, 2) + 1
+    out = np.asarray(write_kv(cache, new, jnp.array([6])))
+    np.testing.assert_array_equal(out[1, 2], np.asarray(new[0]))
+    out[1, 2] = 0
+    assert not out.any()
+    out = np.asarray(write_kv(cache, new, jnp.array([-1])))
+    np.testing.assert_array_equal(out[0, 0], np.asarray(new[0]))
+    out[0, 0] = 0
+    assert not out.any()
 
 
 @pytest.fixture(scope="module")

@@ -122,9 +122,10 @@ def reference_drafts(target, mtp, tokens: list[int], k: int) -> list[int]:
 
 def run_head(loaded, target, embeds, hidden, chunks):
     """The jaxserve head over one sequence fed in `chunks` (token counts) through a paged
-    cache of 4-token blocks -> (normed output [n, D], logits [n, V])."""
+    cache of 4-token blocks, blocks 1-8 (block 0 is the null block padding writes land in, as
+    the engine's block pool keeps it) -> (normed output [n, D], logits [n, V])."""
     c, n = loaded.config, embeds.shape[0]
-    kv = tuple(jnp.zeros((8, 4, loaded.model.num_cache_kv_heads, dim)) for dim in c.cache_dims)
+    kv = tuple(jnp.zeros((9, 4, loaded.model.num_cache_kv_heads, dim)) for dim in c.cache_dims)
     graphdef, state = nnx.split(loaded.model)
 
     @jax.jit
@@ -133,12 +134,14 @@ def run_head(loaded, target, embeds, hidden, chunks):
         return out, kv
 
     outs, start = [], 0
-    for size in chunks:  # each padded to n rows (one compile), the padding written nowhere
+    for (
+        size
+    ) in chunks:  # each padded to n rows (one compile), the padding written to the null block
         pos = np.minimum(np.arange(start, start + n, dtype=np.int32), n - 1)
-        slots = np.where(np.arange(n) < size, pos, -1).astype(np.int32)
+        slots = np.where(np.arange(n) < size, pos + 4, -1).astype(np.int32)
         md = AttentionMetadata(
             slots,
-            np.arange(8, dtype=np.int32)[None],
+            np.arange(1, 9, dtype=np.int32)[None],
             np.array([start + size]),
             np.array([0, size], np.int32),
             np.array([1], np.int32),
