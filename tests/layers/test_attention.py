@@ -38,11 +38,11 @@ def test_one_token_write_lands_at_its_slot_and_padding_in_the_null_block():
     """A one-token write (a dynamic-update-slice) as the scatter would place it."""
     cache = jnp.zeros((3, 4, 2, 2), jnp.float32)
     new = jnp.arange(4.0).reshape(1, 2, 2) + 1
-    out = np.asarray(write_kv(cache, new, jnp.array([6])))
+    out = np.array(write_kv(cache, new, jnp.array([6])))
     np.testing.assert_array_equal(out[1, 2], np.asarray(new[0]))
     out[1, 2] = 0
     assert not out.any()
-    out = np.asarray(write_kv(cache, new, jnp.array([-1])))
+    out = np.array(write_kv(cache, new, jnp.array([-1])))
     np.testing.assert_array_equal(out[0, 0], np.asarray(new[0]))
     out[0, 0] = 0
     assert not out.any()
