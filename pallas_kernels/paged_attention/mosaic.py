@@ -45,6 +45,8 @@ What one work item does:
   rows straight from q's [T * Hq] rows (from the 8-row boundary at or before them) and stores
   its output rows straight into the result; padding tokens' tiles store zeros. Sinks there
   (Hq a multiple of 8) come from the sinks wrapped around, [Hq + 64], at the first row's head.
+  A split decode reads q the same way; its partials are merged where the kernel wrote them
+  and each group's rows gathered from its tile (`_direct`).
 
 Why these choices: a tile's rows come from one sequence, so its pages are shared by all its
 rows (GQA heads share each page load); TMA boxes must be rectangular with static shapes,
@@ -229,9 +231,9 @@ def _kernel(
     split: o_ref f32[splits, tiles, Hkv, R, D], m_ref and l_ref f32[splits, tiles, Hkv,
     R]) and the scratch buffers (shared memory and barriers).
 
-    `direct` (decode only, unsplit): q_ref and o_ref are the caller's [T * Hq, D]
+    `direct` (decode only): q_ref (and, unsplit, o_ref) are the caller's [T * Hq, D]
     rows, pos_ref i32[tiles] is each tile's first row there (its token's, -1: none), and a
-    tile whose sequence is -1 but has a token writes zeros to its rows (see
+    tile whose sequence is -1 but has a token writes zeros to its rows (unsplit; see
     `_direct_tiles`)."""
     rest = list(rest)
     sink_ref = rest.pop(0) if sinks else None
@@ -272,7 +274,7 @@ def _kernel(
         def _():
             _attend_tile(tile, head, split, seq)
 
-        if direct:  # a padding token's rows are zeros
+        if direct and num_splits == 1:  # a padding token's rows are zeros
 
             @pl.when((seq < 0) & (pos_ref[tile] >= 0))
             def _():
@@ -595,28 +597,19 @@ def ragged_paged_attention(
     )
     if (
         decode_only
-        and splits == 1
         and (sinks is None or num_q_heads % 8 == 0)
         and direct_fits(num_tokens * num_q_heads, group)
     ):
         num_tiles = max(num_tiles, num_tokens)  # every token's rows written, padding zeros
-        seq, keys, first_row = _direct_tiles(
+        direct = _direct_tiles(
             *lens,
             num_tokens=num_tokens,
             num_q_heads=num_q_heads,
             num_tiles=num_tiles,
             window=sliding_window,
         )
-        q_rows = q.reshape(num_tokens * num_q_heads, head_dim)
-        inputs = [seq, keys, block_map, tables, q_rows, k_cache, v_cache, first_row]
-        if sinks is not None:  # a tile's rows from q row `start` take sinks[start % Hq + r]
-            wrapped = jnp.arange(num_q_heads + TILE_ROWS) % num_q_heads
-            inputs.append(sinks.astype(jnp.float32)[wrapped] * _LOG2E)
-        out_type = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
-        work = num_tiles * num_kv_heads
-        direct = dict(num_splits=1, sinks=sinks is not None, direct=True, group=group)
-        result = _launch(inputs, out_type, plan, q, work, interpret, **static, **direct)
-        return result.reshape(num_tokens, num_q_heads, head_dim)
+        return _direct(q, k_cache, v_cache, block_map, tables, sinks, direct, plan, interpret,
+                       group=group, static=static)  # fmt: skip
 
     tiles = _prologue(
         *lens,
@@ -681,6 +674,60 @@ def ragged_paged_attention(
     tile_idx, row_idx = tiles.out_tile[:, None, :], tiles.out_row[:, None, :]  # [T, 1, G]
     out = result[tile_idx, heads, row_idx]  # [T, Hkv, G, D]
     out = jnp.where(tiles.token_real[:, None, None, None], out, 0).astype(q.dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def _direct(
+    q, k_cache, v_cache, block_map, tables, sinks, direct, plan, interpret, *, group, static
+) -> jax.Array:
+    """A decode batch on the direct path (`direct`: _direct_tiles' arrays): each item reads
+    its group's rows of q's [T * Hq] rows in place. Unsplit, it writes its output rows in
+    place too; split, its float32 partials [splits, tiles, Hkv, R(, D)] (R = direct_rows: from
+    the 8-row boundary at or before the group), merged where they are and then gathered."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, splits = k_cache.shape[2], plan.num_kv_splits
+    seq, keys, first_row = direct
+    q_rows = q.reshape(num_tokens * num_q_heads, head_dim)
+    inputs = [seq, keys, block_map, tables, q_rows, k_cache, v_cache, first_row]
+    wrapped = None
+    if sinks is not None:  # a tile's rows from q row `start` take sinks[start % Hq + r]
+        wrapped = (
+            sinks.astype(jnp.float32)[jnp.arange(num_q_heads + TILE_ROWS) % num_q_heads] * _LOG2E
+        )
+    if sinks is not None and splits == 1:
+        inputs.append(wrapped)
+    num_tiles, rows = seq.shape[0], direct_rows(group)
+    kw = dict(num_splits=splits, sinks=sinks is not None and splits == 1, direct=True, group=group)
+    work = num_tiles * num_kv_heads * splits
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
+        result = _launch(inputs, out_type, plan, q, work, interpret, **static, **kw)
+        return result.reshape(num_tokens, num_q_heads, head_dim)
+    part = (splits, num_tiles, num_kv_heads, rows)
+    f32 = jnp.float32
+    out_type = (
+        jax.ShapeDtypeStruct((*part, head_dim), f32),
+        jax.ShapeDtypeStruct(part, f32),
+        jax.ShapeDtypeStruct(part, f32),
+    )
+    result = _launch(inputs, out_type, plan, q, work, interpret, **static, **kw)
+    # where each (tile, KV head)'s rows started in q (as the kernel placed them)
+    row0 = first_row[:, None] + jnp.arange(num_kv_heads)[None, :] * group  # [tiles, Hkv]
+    start = jnp.minimum(row0 // 8 * 8, num_tokens * num_q_heads - rows)
+    sink_rows = None
+    if wrapped is not None:  # [tiles, Hkv, R]
+        sink_rows = wrapped[(start % num_q_heads)[..., None] + jnp.arange(rows)]
+    merged = merge_splits(*result, sink_rows)  # [tiles, Hkv, R, D]
+    # each real token's tile (its sequence's), and its group's rows in it
+    tile = jnp.full((num_tokens,), -1, jnp.int32)
+    tile = tile.at[jnp.where(seq >= 0, first_row // num_q_heads, num_tokens)].set(
+        jnp.arange(num_tiles, dtype=jnp.int32), mode="drop"
+    )
+    t = jnp.maximum(tile, 0)[:, None, None]
+    h = jnp.arange(num_kv_heads)[None, :, None]
+    shift = (row0 - start)[t, h]  # [T, Hkv, 1]
+    out = merged[t, h, shift + jnp.arange(group)]  # [T, Hkv, G, D]
+    out = jnp.where((tile >= 0)[:, None, None, None], out, 0).astype(q.dtype)
     return out.reshape(num_tokens, num_q_heads, head_dim)
 
 

@@ -258,13 +258,15 @@ def test_direct_path_takes_whole_8_row_tiles_of_q():
     assert not mosaic.direct_fits(4096, 63)  # over one wgmma tile
 
 
+@pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("heads", [(8, 2), (8, 8), (12, 1)])
-def test_interpret_direct_decode_reads_and_writes_q_in_place(heads):
-    """An unsplit decode reads each group's rows from q and writes its output rows in place
-    (no XLA gather on either side). With no padding token, the last token's last group ends
-    q: its tile's rows start before the group's (GQA 4: 8 rows from 4 before; GQA 12: 16
-    from 4 before; MHA: 8 from 7 before), and only the group's rows are written. Race-checked
-    (3 programs, two-stage pipeline)."""
+def test_interpret_direct_decode_reads_and_writes_q_in_place(heads, splits):
+    """A decode reads each group's rows from q in place (no XLA gather of q); unsplit it
+    writes its output rows in place too, split 2 ways its partials go to XLA's merge. With
+    no padding token, the last token's last group ends q: its tile's rows start before the
+    group's (GQA 4: 8 rows from 4 before; GQA 12: 16 from 4 before; MHA: 8 from 7 before),
+    and only the group's rows are written (taken). Race-checked (3 programs, two-stage
+    pipeline)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     hq, hkv = heads
@@ -273,7 +275,7 @@ def test_interpret_direct_decode_reads_and_writes_q_in_place(heads):
                      dtype=BF16, seed=7)  # fmt: skip
     scale = 64**-0.5
     out = ragged_paged_attention(
-        *_args(case), sm_scale=scale, decode_only=True, num_kv_splits=1, num_stages=2,
+        *_args(case), sm_scale=scale, decode_only=True, num_kv_splits=splits, num_stages=2,
         num_sms=3, interpret=interpret_params(detect_races=True),
     )  # fmt: skip
     assert gpu_callbacks.get_races().races_found is False
@@ -282,12 +284,14 @@ def test_interpret_direct_decode_reads_and_writes_q_in_place(heads):
     )
 
 
+@pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("heads", [(8, 2), (16, 2), (24, 2)])
-def test_interpret_direct_decode_with_sinks(heads):
+def test_interpret_direct_decode_with_sinks(heads, splits):
     """gpt-oss's sinks (and window) on the direct path: each tile's rows take the sinks of
     their query heads from the wrapped table at its first row's head (GQA 4 and 8 from an
     aligned row; GQA 12: 16 rows from 4 before the group, the last token's last group
-    clamped to q's end). Race-checked."""
+    clamped to q's end); split 3 ways, the partials merged with the sinks in XLA where the
+    kernel wrote them and each group's rows gathered from its tile. Race-checked."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     hq, hkv = heads
@@ -298,7 +302,8 @@ def test_interpret_direct_decode_with_sinks(heads):
     scale = 64**-0.5
     out = ragged_paged_attention(
         *_args(case), jnp.asarray(sinks), sm_scale=scale, sliding_window=37, decode_only=True,
-        num_kv_splits=1, num_stages=2, num_sms=3, interpret=interpret_params(detect_races=True),
+        num_kv_splits=splits, num_stages=2, num_sms=3,
+        interpret=interpret_params(detect_races=True),
     )  # fmt: skip
     assert gpu_callbacks.get_races().races_found is False
     np.testing.assert_allclose(
