@@ -59,7 +59,8 @@ class AttentionMetadata(NamedTuple):
 
     slot_mapping:    [G, T] cache slot (block_id * block_size + offset) each new token's K/V is
                      written to in each KV-cache group (config/kv_groups.py); negative for
-                     padding tokens (nothing is written). [T] for a cache of one group.
+                     padding tokens (written to row 0, a null block: `write_kv`). [T] for
+                     a cache of one group.
     block_tables:    [G, S, max_blocks] block ids of each sequence in each group ([S,
                      max_blocks] for one group).
     kv_lens:         [S] tokens cached per sequence after this step's tokens are written.
