@@ -608,8 +608,8 @@ def ragged_paged_attention(
             num_tiles=num_tiles,
             window=sliding_window,
         )
-        return _direct(q, k_cache, v_cache, block_map, tables, sinks, direct, plan, interpret,
-                       group=group, static=static)  # fmt: skip
+        args = (q, k_cache, v_cache, block_map, tables, sinks, direct, plan, interpret)
+        return _direct(*args, group=group, static=static)
 
     tiles = _prologue(
         *lens,
