@@ -15,6 +15,7 @@ first line; exits 1 if any case failed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -91,16 +92,24 @@ def attention_cases() -> dict[str, tuple[Callable, tuple]]:
             blocks, bs, max_blocks = 4096, 16, 256
             cache = S((blocks, bs, hkv, d), BF16)
             args = (
-                S((tokens, hq, d), BF16), cache, cache, S((seqs,), I32),
-                S((seqs, max_blocks), I32), S((seqs + 1,), I32), S((1,), I32),
+                S((tokens, hq, d), BF16),
+                cache,
+                cache,
+                S((seqs,), I32),
+                S((seqs, max_blocks), I32),
+                S((seqs + 1,), I32),
+                S((1,), I32),
                 S((hq,), BF16) if sinks else None,
-            )  # fmt: skip
+            )
             for name, fn in (("mosaic", mosaic), ("triton", triton)):
                 kw = dict(sm_scale=d**-0.5, sliding_window=window, decode_only=decode)
-                cases[f"attention {name} {model} {step}"] = (_bind(fn, **kw), args)
+                cases[f"attention {name} {model} {step}"] = (functools.partial(fn, **kw), args)
         blocks_args = (*args[:8], S((2,), I32))  # the Mosaic kernel's block_map
         kw = dict(sm_scale=d**-0.5, sliding_window=window, decode_only=True)
-        cases[f"attention mosaic {model} block_map"] = (_bind(mosaic, **kw), blocks_args)
+        cases[f"attention mosaic {model} block_map"] = (
+            functools.partial(mosaic, **kw),
+            blocks_args,
+        )
     return cases
 
 
@@ -114,17 +123,19 @@ def sparse_mla_cases() -> dict[str, tuple[Callable, tuple]]:
     cases = {}
     for tokens in (1, 32):
         args = (S((tokens, 16, 576), BF16), S((2048, 64, 1, 576), BF16), S((tokens, 2048), I32))
-        cases[f"sparse_mla T={tokens}"] = (_bind(sparse_mla, sm_scale=0.1, latent_dim=512), args)
+        cases[f"sparse_mla T={tokens}"] = (
+            functools.partial(sparse_mla, sm_scale=0.1, latent_dim=512),
+            args,
+        )
         index_args = (
-            S((tokens, 64, 128), BF16), S((tokens, 64), jnp.float32),
-            S((2048, 64, 1, 128), BF16), S((tokens, 512), I32), S((tokens,), I32),
-        )  # fmt: skip
+            S((tokens, 64, 128), BF16),
+            S((tokens, 64), jnp.float32),
+            S((2048, 64, 1, 128), BF16),
+            S((tokens, 512), I32),
+            S((tokens,), I32),
+        )
         cases[f"sparse_mla indexer T={tokens}"] = (index_logits, index_args)
     return cases
-
-
-def _bind(fn: Callable, **kw) -> Callable:
-    return lambda *a: fn(*a, **kw)
 
 
 GROUPS = {"moe": moe_cases, "attention": attention_cases, "sparse_mla": sparse_mla_cases}

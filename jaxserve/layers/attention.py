@@ -157,10 +157,10 @@ def write_kv(cache: jax.Array, new: jax.Array, slots: jax.Array, scale: float = 
     An fp8 cache stores new / scale, saturated at the format's largest value (a plain cast
     would make NaN of anything past it). Negative slots (padding) write row 0 of the cache,
     a null block (core/block_pool.py: never handed out, only ever read masked), so a
-    one-token write is one dynamic-update-slice. With the cache donated
-    this updates it in place. The scatter indexes the 4-D cache by (block, offset): on a
-    reshaped view XLA:CPU turns a one-token write into a dynamic-update-slice of the view,
-    which it runs on a copy of the whole cache.
+    one-token write is one dynamic-update-slice. With the cache donated this updates it in
+    place. The scatter indexes the 4-D cache by (block, offset): on a reshaped view XLA:CPU
+    turns a one-token write into a dynamic-update-slice of the view, which it runs on a copy
+    of the whole cache.
     """
     block_size = cache.shape[1]
     if is_fp8(cache.dtype):

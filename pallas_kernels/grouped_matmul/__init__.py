@@ -81,7 +81,10 @@ def _mosaic():
 def _target() -> jax.Device:
     """The device a trace compiles for: the default device where one is set (a deviceless
     GPU target among them: benchmarks/count_kernels.py), else the default backend's first."""
-    return jax.config.jax_default_device or jax.devices()[0]
+    device = jax.config.jax_default_device
+    if isinstance(device, str):  # a platform name (JAX_DEFAULT_DEVICE=cpu)
+        return jax.devices(device)[0]
+    return device or jax.devices()[0]
 
 
 def _sm90_or_later(device: jax.Device) -> bool:

@@ -295,7 +295,7 @@ def _kernel(
     def _attend_tile(tile, head, split, seq):
         if direct:  # q_rows of q from the 8-row boundary at or before the group's first
             row0 = pos_ref[tile] + head * group
-            start = pl.multiple_of(jnp.minimum(row0 // 8 * 8, q_ref.shape[0] - q_rows), 8)
+            start = pl.multiple_of(direct_start(row0, q_ref.shape[0], q_rows), 8)
             shift = row0 - start  # the group's first row in the tile
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, q_rows)], first_rows(q_smem), q_bar)
         else:
@@ -626,9 +626,10 @@ def ragged_paged_attention(
     heads = jnp.arange(num_kv_heads)[None, :, None]
     q_groups = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     q_tiles = q_groups[tiles.row_token[:, None, :rows], heads, tiles.row_head[:, None, :rows]]
-    sink_log2 = None
+    tile_sinks = None  # each tile row's sink logit (log2 units), [tiles, Hkv, 64]
     if sinks is not None:
         sink_log2 = sinks.astype(jnp.float32).reshape(num_kv_heads, group) * _LOG2E
+        tile_sinks = sink_log2[:, tiles.row_head].transpose(1, 0, 2)
     inputs = [
         tiles.seq,
         tiles.keys.reshape(-1),
@@ -640,8 +641,8 @@ def ragged_paged_attention(
         tiles.row_pos,
     ]
     in_kernel_sinks = sinks is not None and splits == 1
-    if in_kernel_sinks:  # each tile row's sink logit, [tiles, Hkv, 64]
-        inputs.append(sink_log2[:, tiles.row_head].transpose(1, 0, 2))
+    if in_kernel_sinks:
+        inputs.append(tile_sinks)
 
     f32 = jnp.float32
     if splits == 1:
@@ -667,9 +668,7 @@ def ragged_paged_attention(
     )
 
     if splits > 1:  # merged where the kernel wrote them (no gathers of the partial results)
-        sink_rows = None
-        if sink_log2 is not None:  # each tile row's, [tiles, Hkv, R]
-            sink_rows = sink_log2[:, tiles.row_head[:, :rows]].transpose(1, 0, 2)
+        sink_rows = None if tile_sinks is None else tile_sinks[..., :rows]
         result = merge_splits(*result, sink_rows)  # [tiles, Hkv, R, D]
     tile_idx, row_idx = tiles.out_tile[:, None, :], tiles.out_row[:, None, :]  # [T, 1, G]
     out = result[tile_idx, heads, row_idx]  # [T, Hkv, G, D]
@@ -713,7 +712,7 @@ def _direct(
     result = _launch(inputs, out_type, plan, q, work, interpret, **static, **kw)
     # where each (tile, KV head)'s rows started in q (as the kernel placed them)
     row0 = first_row[:, None] + jnp.arange(num_kv_heads)[None, :] * group  # [tiles, Hkv]
-    start = jnp.minimum(row0 // 8 * 8, num_tokens * num_q_heads - rows)
+    start = direct_start(row0, num_tokens * num_q_heads, rows)
     sink_rows = None
     if wrapped is not None:  # [tiles, Hkv, R]
         sink_rows = wrapped[(start % num_q_heads)[..., None] + jnp.arange(rows)]
@@ -777,6 +776,13 @@ def direct_rows(group: int) -> int:
     8-row boundary at or before its group's first row (Mosaic GPU copies a tiled buffer
     from tile-aligned rows), enough for the group wherever it starts."""
     return -(-(group + 8 - math.gcd(group, 8)) // 8) * 8
+
+
+def direct_start(row0, total_rows: int, rows: int):
+    """The first of the `rows` q rows a direct tile copies for a group starting at q row
+    row0 (of total_rows): the 8-row boundary at or before it, or, at q's end, the last
+    `rows` rows (the kernel's copy and the split merge's gather agree on it)."""
+    return jnp.minimum(row0 // 8 * 8, total_rows - rows)
 
 
 def direct_fits(q_rows: int, group: int) -> bool:
